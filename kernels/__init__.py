@@ -1,0 +1,1 @@
+"""Triton kernels, packaged as `rollplex.kernels`. Imported lazily: nothing here loads triton at import."""
