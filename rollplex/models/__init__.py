@@ -1,0 +1,1 @@
+"""Qwen2.5-VL for rollplex: configuration (pure Python) and the torch model (imported from its own modules)."""

@@ -1,0 +1,42 @@
+"""What a model call reads: prompts (token ids + preprocessed visual patches) and sampled responses.
+
+These types are the contract between `rollplex.data` (which builds them) and `rollplex.models` /
+`rollplex.executors` (which consume them). They hold torch tensors but no model logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Visual:
+    """One video or image, already patchified the way the Qwen2.5-VL processor does it.
+
+    pixel_values: [grid_t * grid_h * grid_w, in_channels * temporal_patch_size * patch_size**2], float32,
+    rows ordered as transformers' Qwen2-VL processor orders them (merge-window major).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    is_video: bool
+    second_per_grid_t: float = 1.0
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: token ids with the vision pad tokens in place, and its visuals in order of appearance."""
+
+    input_ids: torch.Tensor  # [L] int64
+    visuals: tuple[Visual, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
