@@ -1,0 +1,33 @@
+"""Errors a user can cause. The CLI turns each into one line and an exit code; nothing else is caught."""
+
+from __future__ import annotations
+
+
+class SpecError(ValueError):
+    """The spec is invalid (bad YAML, unknown key, wrong value, impossible graph). Exit code 2.
+
+    `where` is the key path (`parallel.train_tp`), `line` the YAML line when known, `fix` how to repair it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, where: str, problem: str, fix: str = "", *, line: int | None = None, file: str = ""):
+        self.where, self.problem, self.fix, self.line, self.file = where, problem, fix, line, file
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        place = self.file or "spec"
+        if self.line is not None:
+            place += f":{self.line}"
+        key = f" {self.where}:" if self.where else ""
+        fix = f"; {self.fix}" if self.fix else ""
+        return f"{place}:{key} {self.problem}{fix}"
+
+    def located(self, file: str, line: int | None) -> SpecError:
+        return SpecError(self.where, self.problem, self.fix, line=self.line if line is None else line, file=file)
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The compiled plan exceeds HBM or host memory. Exit code 1. The message names phase, peak and remedies."""
+
+    exit_code = 1

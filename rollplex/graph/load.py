@@ -1,0 +1,146 @@
+"""Reading a spec file: YAML -> validated `Spec` + the model's config, every failure a one-line `SpecError`.
+
+Line numbers come from YAML's composed node tree, walked along the failing key path.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rollplex.errors import SpecError
+from rollplex.graph.spec import Spec
+from rollplex.models.config import ModelConfig, load_model_config
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    spec: Spec
+    model: ModelConfig
+    path: Path
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError("", f"cannot read spec: {e.strerror}", file=str(path)) from None
+    return parse_spec(text, file=str(path), base=path.parent)
+
+
+def parse_spec(text: str, file: str = "spec", base: Path | None = None) -> LoadedSpec:
+    data, root = _parse_yaml(text, file)
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as e:
+        raise _first_error(e, root, file) from None
+    try:
+        model = load_model_config(spec.model, base)
+        check_model_fits_parallel(spec, model)
+    except SpecError as e:
+        raise e.located(file, _line(root, e.where.split("."))) from None
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        raise SpecError("model", str(e).strip("'"), line=_line(root, ["model"]), file=file) from None
+    return LoadedSpec(spec, model, Path(file))
+
+
+def _parse_yaml(text: str, file: str) -> tuple[object, yaml.Node | None]:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError("", f"YAML syntax error: {problem}", "fix the YAML at that line", line=line, file=file) from None
+    if not isinstance(data, dict):
+        raise SpecError("", "the spec must be a YAML mapping of sections (model, cluster, ...)", file=file)
+    return data, root
+
+
+def check_model_fits_parallel(spec: Spec, model: ModelConfig) -> None:
+    """TP degrees must split attention heads evenly and KV heads evenly (or replicate them whole)."""
+    t = model.text
+    for key in ("train_tp", "rollout_tp"):
+        tp = getattr(spec.parallel, key)
+        ok_kv = t.num_key_value_heads % tp == 0 or tp % t.num_key_value_heads == 0
+        if t.num_attention_heads % tp or not ok_kv:
+            good = [d for d in range(1, t.num_attention_heads + 1) if _tp_ok(d, t)]
+            raise SpecError(
+                f"parallel.{key}",
+                f"{tp} does not divide the {t.num_attention_heads} attention heads / "
+                f"{t.num_key_value_heads} KV heads of {model.name}",
+                f"use one of {', '.join(map(str, good))}",
+            )
+
+
+def _tp_ok(tp: int, t) -> bool:
+    kv = t.num_key_value_heads
+    return t.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def _first_error(e: ValidationError, root: yaml.Node | None, file: str) -> SpecError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    msg = err["msg"].removeprefix("Value error, ")
+    first_word = msg.split(" ", 1)[0]
+    if err["type"] == "value_error" and _is_key(first_word):
+        loc = loc + first_word.split(".")
+    where = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        return SpecError(where, "unknown key", _suggest(e, loc), line=_line(root, loc), file=file)
+    if err["type"] == "missing":
+        return SpecError(where, "required key is missing", f"add `{loc[-1]}:`", line=_line(root, loc[:-1]), file=file)
+    got = f" (got {err['input']!r})" if err["type"] != "value_error" and not isinstance(err["input"], dict) else ""
+    return SpecError(where, msg + got, line=_line(root, loc), file=file)
+
+
+def _is_key(word: str) -> bool:
+    return bool(word) and all(part.isidentifier() and part.islower() for part in word.split("."))
+
+
+def _suggest(e: ValidationError, loc: list[str]) -> str:
+    model: type[BaseModel] | None = Spec
+    for part in loc[:-1]:
+        if model is None or part.isdigit():
+            continue
+        model = _field_model(model, part)
+    if model is None:
+        return "remove it"
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(loc[-1], names, n=1)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    return f"{hint}allowed here: {', '.join(names)}"
+
+
+def _field_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *getattr(field.annotation, "__args__", ())):
+        for inner in (candidate, *getattr(candidate, "__args__", ())):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def _line(root: yaml.Node | None, loc: list[str]) -> int | None:
+    """1-based line of the deepest node reachable along `loc` (a key path)."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == part), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line

@@ -1,0 +1,175 @@
+"""Compiler passes, each a pure function Graph -> Graph. `pipeline.run_passes` owns their order.
+
+build -> split_at_response -> assign_phases -> assign_executors -> order_steps -> (memory) lower_residency
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import networkx as nx
+
+from rollplex.errors import SpecError
+from rollplex.graph.ir import (
+    DATASET,
+    Executor,
+    Lifetime,
+    NodeKind,
+    Op,
+    Part,
+    Phase,
+    Role,
+    Schedule,
+    Step,
+    TensorClass,
+    TensorInfo,
+    make_graph,
+    ops,
+    steps,
+    tensors,
+)
+
+
+def response_dependent(g: nx.DiGraph) -> set[str]:
+    """Tensors whose value depends on a sampled response: decode outputs and everything computed from them."""
+    dep: set[str] = set()
+    for o in ops(g):
+        if o.kind is NodeKind.DECODE or any(t in dep for t in o.inputs):
+            dep.update(o.outputs)
+    return dep
+
+
+def split_at_response(g: nx.DiGraph) -> nx.DiGraph:
+    """Requires: a built graph (DAG, every input produced).
+    Ensures: every forward that read both prompt-side and response-dependent tensors is replaced by
+    `<id>.prefix` (prompt-side inputs -> `<id>.boundary`) and `<id>.suffix` (boundary + responses -> outputs);
+    a backward of the same role that reads the suffix's outputs also reads the boundary (it stays attached);
+    tensors are marked response-dependent.
+    """
+    dep = response_dependent(g)
+    boundaries: dict[str, tuple[Role | None, str]] = {}  # suffix output -> (role, boundary tensor)
+    new_ops: list[Op] = []
+    for o in ops(g):
+        prompt_side = tuple(t for t in o.inputs if t not in dep)
+        response_side = tuple(t for t in o.inputs if t in dep)
+        if o.kind is NodeKind.FORWARD and prompt_side and response_side:
+            b = f"{o.id}.boundary"
+            new_ops.append(replace(o, id=f"{o.id}.prefix", inputs=prompt_side, outputs=(b,), part=Part.PREFIX))
+            new_ops.append(replace(o, id=f"{o.id}.suffix", inputs=(b, *response_side), part=Part.SUFFIX))
+            boundaries.update({t: (o.role, b) for t in o.outputs})
+        else:
+            new_ops.append(o)
+    new_ops = [_attach(o, boundaries) for o in new_ops]
+    infos = {n: replace(i, response_dependent=n in dep) for n, i in tensors(g).items()}
+    infos.update({b: TensorInfo(b, TensorClass.BOUNDARY) for _, b in boundaries.values()})
+    return make_graph(new_ops, infos)
+
+
+def _attach(o: Op, boundaries: dict[str, tuple[Role | None, str]]) -> Op:
+    if o.kind is not NodeKind.BACKWARD:
+        return o
+    extra = tuple(dict.fromkeys(b for t in o.inputs if t in boundaries for r, b in [boundaries[t]] if r == o.role))
+    return replace(o, inputs=(*o.inputs, *extra)) if extra else o
+
+
+def assign_phases(g: nx.DiGraph) -> nx.DiGraph:
+    """Requires: split_at_response.
+    Ensures: decode and prompt-side forwards in Phase 1, updates in Phase 3, the rest in Phase 2; no op
+    runs in an earlier phase than a producer of its inputs; no Phase-1 op reads a response.
+    """
+    info = tensors(g)
+    phase_of: dict[str, Phase] = {}
+    out = g.copy()
+    for o in ops(g):
+        reads_response = any(info[t].response_dependent for t in o.inputs)
+        base = _base_phase(o, reads_response)
+        after = max((phase_of[p] for p in g.predecessors(o.id)), default=Phase.ROLLOUT)
+        if o.kind is NodeKind.DECODE and (reads_response or after > Phase.ROLLOUT):
+            late = [t for t in o.inputs if info[t].response_dependent] or [t for t in o.inputs if t != DATASET]
+            raise SpecError(
+                f"graph.nodes.{o.index}.inputs",
+                f"decode node '{o.id}' runs in Phase 1 but would read '{late[0]}', which is only ready "
+                "after a response is sampled",
+                "a decode may only read prompt-side tensors",
+            )
+        phase_of[o.id] = max(base, after)
+        out.nodes[o.id]["op"] = replace(o, phase=phase_of[o.id])
+    return out
+
+
+def _base_phase(o: Op, reads_response: bool) -> Phase:
+    if o.kind is NodeKind.UPDATE:
+        return Phase.UPDATE
+    if o.kind in (NodeKind.DECODE, NodeKind.FORWARD) and not reads_response:
+        return Phase.ROLLOUT
+    return Phase.TRAIN
+
+
+def assign_executors(g: nx.DiGraph) -> nx.DiGraph:
+    """Requires: assign_phases. Ensures: every op has an executor."""
+    out = g.copy()
+    for o in ops(g):
+        out.nodes[o.id]["op"] = replace(o, executor=_executor(o))
+    return out
+
+
+def _executor(o: Op) -> Executor:
+    if o.kind is NodeKind.UPDATE:
+        return Executor.OPTIMIZER
+    if o.kind is NodeKind.REWARD:
+        return Executor.HOST
+    if o.role is Role.ROLLOUT:
+        return Executor.ROLLOUT
+    if o.role is Role.REFERENCE:
+        return Executor.SCORER
+    return Executor.TRAINER
+
+
+_ROLE_RANK = {Role.ROLLOUT: "0", Role.REFERENCE: "1", None: "2", Role.CRITIC: "3", Role.ACTOR: "4"}
+_KIND_RANK = {NodeKind.DECODE: "0", NodeKind.FORWARD: "1", NodeKind.REWARD: "2", NodeKind.BACKWARD: "3"}
+
+
+def _order_key(g: nx.DiGraph):
+    """Within a phase: the reference first (its weights leave HBM early), then rewards, critic, actor."""
+
+    def key(n: str) -> str:
+        o = g.nodes[n]["op"]
+        return f"{int(o.phase)}{_ROLE_RANK[o.role]}{_KIND_RANK.get(o.kind, '4')}{n}"
+
+    return key
+
+
+def order_steps(g: nx.DiGraph, schedule: Schedule) -> nx.DiGraph:
+    """Requires: assign_executors. Ensures: `steps` (ordered) and `lifetimes` of every tensor.
+
+    rollplex: each Phase-1 op other than decode shares a step with the decodes (they overlap);
+    serial: decodes first, then each Phase-1 op alone. Phases 2 and 3: one op per step.
+    """
+    order = [g.nodes[n]["op"] for n in nx.lexicographical_topological_sort(g, key=_order_key(g))]
+    groups: list[tuple[Phase, tuple[str, ...]]] = []
+    for phase in Phase:
+        in_phase = [o for o in order if o.phase is phase]
+        decodes = tuple(o.id for o in in_phase if o.kind is NodeKind.DECODE)
+        others = [(o.id,) for o in in_phase if o.kind is not NodeKind.DECODE]
+        if schedule is Schedule.ROLLPLEX and decodes and others:
+            groups += [(phase, decodes + x) for x in others]
+        else:
+            groups += [(phase, x) for x in ([decodes] if decodes else []) + others]
+    out = g.copy()
+    out.graph["steps"] = tuple(Step(i, p, x) for i, (p, x) in enumerate(groups))
+    out.graph["lifetimes"] = _lifetimes(out)
+    return out
+
+
+def _lifetimes(g: nx.DiGraph) -> dict[str, Lifetime]:
+    last_step: dict[str, int] = {}
+    for s in steps(g):
+        for n in s.ops:
+            last_step[n] = s.index
+    result = {}
+    for name in tensors(g):
+        prod = [last_step[o.id] for o in ops(g) if name in o.outputs]
+        cons = [last_step[o.id] for o in ops(g) if name in o.inputs]
+        first = prod[0] if prod else 0
+        result[name] = Lifetime(first, max(cons, default=first))
+    return result

@@ -1,0 +1,47 @@
+"""`run_passes`: the one owner of pass order. Names the pass that failed and the passes that ran before it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import networkx as nx
+
+from rollplex.graph.build import build, graph_spec_of
+from rollplex.graph.ir import Schedule
+from rollplex.graph.passes import assign_executors, assign_phases, order_steps, split_at_response
+from rollplex.graph.spec import Spec
+from rollplex.graph.verify import VerifyError, verify
+
+Pass = Callable[[nx.DiGraph], nx.DiGraph]
+
+
+def graph_passes(schedule: Schedule) -> list[tuple[str, Pass]]:
+    return [
+        ("split_at_response", split_at_response),
+        ("assign_phases", assign_phases),
+        ("assign_executors", assign_executors),
+        ("order_steps", partial(order_steps, schedule=schedule)),
+    ]
+
+
+def run_passes(g: nx.DiGraph, passes: list[tuple[str, Pass]], *, check: bool = False) -> nx.DiGraph:
+    done: list[str] = []
+    for name, fn in passes:
+        g = fn(g)
+        if check:
+            try:
+                verify(g)
+            except VerifyError as e:
+                raise VerifyError(f"after pass '{name}' (ran before it: {', '.join(done) or 'none'}): {e}") from None
+        done.append(name)
+    return g
+
+
+def compile_graph(spec: Spec, *, schedule: Schedule | None = None, check: bool = False) -> nx.DiGraph:
+    """The spec's graph (or standard GRPO), split, phased, placed and ordered for `schedule`."""
+    schedule = schedule or Schedule(spec.schedule)
+    g = build(graph_spec_of(spec))
+    if check:
+        verify(g)
+    return run_passes(g, graph_passes(schedule), check=check)

@@ -1,0 +1,79 @@
+"""The compiled plan: the phased graph, the per-GPU residency plan, the naive footprint and weight sharing.
+
+`compile_plan` is the whole compiler from a loaded spec; `check_fits` turns an infeasible plan into the
+one error a user sees (phase, peak, capacity, largest objects, what would make it fit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from rollplex.errors import PlanDoesNotFit
+from rollplex.graph.ir import Schedule
+from rollplex.graph.load import LoadedSpec
+from rollplex.graph.pipeline import compile_graph
+from rollplex.memory.naive import NaiveRow, naive_rows
+from rollplex.memory.objects import GIB, Context, MemObject, make_context, memory_objects
+from rollplex.memory.residency import ResidencyPlan, lower_residency
+from rollplex.memory.sharing import SharingReport
+
+
+@dataclass(frozen=True)
+class Plan:
+    loaded: LoadedSpec
+    schedule: Schedule
+    graph: nx.DiGraph
+    context: Context
+    residency: ResidencyPlan
+    naive: tuple[NaiveRow, ...]
+
+    @property
+    def sharing(self) -> SharingReport:
+        return self.context.sharing
+
+
+def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check: bool = False) -> Plan:
+    schedule = schedule or Schedule(loaded.spec.schedule)
+    g = compile_graph(loaded.spec, schedule=schedule, check=check)
+    c = make_context(g, loaded.spec, loaded.model)
+    residency = lower_residency(c, memory_objects(c))
+    return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)))
+
+
+_REMEDIES = {
+    "activations (one microbatch)": "set memory.recompute: full",
+    "KV cache": "lower memory.rollout_kv_gib",
+    "FP32 gradients": "raise parallel.train_tp",
+    "weights (BF16)": "raise parallel.train_tp",
+    "boundary KV": "lower workload.prompts_per_step or add GPUs (more data-parallel ranks)",
+    "Case-3 buffer": "raise parallel.rollout_tp",
+    "runtime reserve": "lower memory.runtime_reserve_gib",
+    "streamed chunks": "set memory.optimizer_chunk_mib lower",
+    "prefix, one layer in flight": "lower workload.prompt_tokens",
+}
+
+
+def check_fits(plan: Plan) -> None:
+    r = plan.residency
+    if not r.fits_hbm:
+        phase = max(r.phases, key=lambda p: p.peak_bytes)
+        top = sorted(r.in_hbm(phase.peak_step), key=lambda o: -o.bytes)[:3]
+        largest = ", ".join(f"{_name(o)} {o.bytes / GIB:.1f}" for o in top)
+        fixes = "; ".join(dict.fromkeys(_REMEDIES[o.component] for o in top if o.component in _REMEDIES))
+        raise PlanDoesNotFit(
+            f"plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "
+            f"{r.capacity_bytes / GIB:.1f} GiB per GPU; largest: {largest} GiB; to fit: {fixes or 'add GPUs'}"
+        )
+    if not r.host.fits:
+        h = r.host
+        raise PlanDoesNotFit(
+            f"plan does not fit in host memory: needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
+            f"(pool {h.pinned_bytes_per_node / GIB:.1f}, host {h.capacity_bytes_per_node / GIB:.1f}); to fit: "
+            "set memory.prefix_activations: recompute, raise memory.host_pool_gib, or raise parallel.train_tp"
+        )
+
+
+def _name(o: MemObject) -> str:
+    return f"{o.role} {'vision ' if o.vision else ''}{o.component}"

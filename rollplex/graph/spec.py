@@ -1,0 +1,183 @@
+"""The YAML spec, validated with pydantic. This is the only place pydantic is used.
+
+Sections: model, cluster, parallel, workload, algorithm, memory, schedule, graph (optional), run.
+Checks that need the model's shapes (TP divides the heads) live in `graph.load`, after the model is read.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+NodeKindName = Literal["decode", "forward", "backward", "update", "reward"]
+RoleName = Literal["rollout", "reference", "actor", "critic"]
+TensorClassName = Literal["permanent", "regenerable", "boundary", "phase-local"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ClusterSpec(_Strict):
+    nodes: PositiveInt = Field(1, description="Number of nodes.")
+    gpus_per_node: PositiveInt = Field(1, description="GPUs per node.")
+    hbm_gib: PositiveFloat = Field(description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
+    host_gib: PositiveFloat = Field(description="Host memory per node that may be pinned, GiB.")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class ParallelSpec(_Strict):
+    train_tp: PositiveInt = Field(1, description="Tensor-parallel degree of the trainer (actor, reference, critic).")
+    rollout_tp: PositiveInt = Field(1, description="Tensor-parallel degree of rollout; must divide train_tp.")
+    distributed_optimizer: bool = Field(
+        False, description="Shard FP32 master weights and Adam moments over training data-parallel ranks."
+    )
+
+    @model_validator(mode="after")
+    def _ratio(self) -> ParallelSpec:
+        if self.train_tp % self.rollout_tp:
+            raise ValueError(
+                f"train_tp {self.train_tp} is not a multiple of rollout_tp {self.rollout_tp}; "
+                f"set rollout_tp to a divisor of {self.train_tp}"
+            )
+        return self
+
+
+class VideoSpec(_Strict):
+    frames: PositiveInt = Field(description="Frames sampled per video.")
+    height: PositiveInt = Field(description="Frame height in pixels after resizing (a multiple of 28).")
+    width: PositiveInt = Field(description="Frame width in pixels after resizing (a multiple of 28).")
+
+
+class WorkloadSpec(_Strict):
+    prompts_per_step: PositiveInt = Field(description="Prompts per training step, over the whole cluster.")
+    group_size: PositiveInt = Field(description="Responses sampled per prompt (GRPO's N).")
+    prompt_tokens: PositiveInt = Field(description="Prompt token budget per prompt, visual tokens included.")
+    response_tokens: PositiveInt = Field(description="Response token budget (max new tokens).")
+    video: VideoSpec | None = Field(None, description="Video frames and resolution; sets the visual tokens.")
+    visual_tokens: PositiveInt | None = Field(None, description="Visual tokens per prompt, instead of `video`.")
+    dataset: str = Field("synthetic:clevrer", description="`synthetic:<preset>` or a Video-R1 JSON/JSONL path.")
+
+    @model_validator(mode="after")
+    def _visual(self) -> WorkloadSpec:
+        if self.video is not None and self.visual_tokens is not None:
+            raise ValueError("give either `video` or `visual_tokens`, not both")
+        if self.num_visual_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"{self.num_visual_tokens} visual tokens exceed prompt_tokens {self.prompt_tokens}; "
+                "raise prompt_tokens or lower the video resolution"
+            )
+        return self
+
+    @property
+    def num_visual_tokens(self) -> int:
+        if self.video is not None:
+            v = self.video
+            return -(-v.frames // 2) * (v.height // 28) * (v.width // 28)
+        return self.visual_tokens or 0
+
+
+class RewardSpec(_Strict):
+    name: str = Field(description="A registered reward (`format`, `accuracy`, ...) or `module:function`.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+
+
+class AlgorithmSpec(_Strict):
+    name: Literal["grpo"] = Field("grpo", description="The RL algorithm.")
+    kl_coef: float = Field(0.04, ge=0, description="KL-to-reference coefficient; 0 drops the reference model.")
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon.")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="How token losses are averaged.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    lr: PositiveFloat = Field(1e-6, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: PositiveFloat = Field(1e-8, description="AdamW epsilon.")
+    max_grad_norm: PositiveFloat | None = Field(1.0, description="Global gradient-norm clip; null disables it.")
+    temperature: float = Field(1.0, ge=0, description="Rollout sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling threshold.")
+    rewards: tuple[RewardSpec, ...] = Field(
+        (RewardSpec(name="format"), RewardSpec(name="accuracy")), description="Rewards summed per response."
+    )
+
+
+class MemorySpec(_Strict):
+    rollout_kv_gib: PositiveFloat | None = Field(
+        None, description="Rollout KV-cache budget per GPU, GiB; null sizes it to the workload."
+    )
+    recompute: Literal["none", "full"] = Field("none", description="Activation recompute for the training microbatch.")
+    prefix_activations: Literal["offload", "recompute"] = Field(
+        "offload", description="Actor-prefix saved tensors: offload to the pinned host pool, or keep layer inputs."
+    )
+    optimizer_chunk_mib: PositiveInt | None = Field(
+        None, description="FP32 optimizer-state bytes per streamed chunk, MiB; null picks the largest that fits."
+    )
+    host_pool_gib: PositiveFloat | None = Field(
+        None, description="Pinned host pool per node, GiB; null sizes it from the plan."
+    )
+    runtime_reserve_gib: float = Field(3.0, ge=0, description="Per-GPU reserve for CUDA context and workspaces.")
+    weight_sharing: bool = Field(True, description="Share actor weights between training and rollout.")
+
+
+class NodeSpec(_Strict):
+    id: str = Field(description="Unique node id.")
+    kind: NodeKindName = Field(description="decode, forward, backward, update or reward.")
+    role: RoleName | None = Field(None, description="Whose model runs it; reward nodes have none.")
+    inputs: tuple[str, ...] = Field((), description="Tensors read.")
+    outputs: tuple[str, ...] = Field((), description="Tensors written.")
+
+    @model_validator(mode="after")
+    def _role(self) -> NodeSpec:
+        if self.kind == "reward" and self.role is not None:
+            raise ValueError(f"node '{self.id}': a reward node has no role; remove `role`")
+        if self.kind != "reward" and self.role is None:
+            raise ValueError(f"node '{self.id}': a {self.kind} node needs a role (rollout/reference/actor/critic)")
+        if self.kind == "decode" and self.role != "rollout":
+            raise ValueError(f"node '{self.id}': a decode node runs on the rollout role; set role: rollout")
+        return self
+
+
+class TensorSpec(_Strict):
+    name: str = Field(description="Tensor name, as used in node inputs and outputs.")
+    cls: TensorClassName = Field(alias="class", description="permanent, regenerable, boundary or phase-local.")
+
+
+class GraphSpec(_Strict):
+    nodes: tuple[NodeSpec, ...] = Field(description="The iteration's nodes, in any order.")
+    tensors: tuple[TensorSpec, ...] = Field((), description="Tensor classes; undeclared tensors are phase-local.")
+
+
+class RunSpec(_Strict):
+    steps: PositiveInt = Field(10, description="Training steps.")
+    seed: int = Field(0, description="Seed of sampling, data order and initial weights.")
+    checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
+    init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
+
+
+class Spec(_Strict):
+    model: str = Field(description="A shipped config name, an HF config.json, or a checkpoint directory.")
+    cluster: ClusterSpec
+    parallel: ParallelSpec = ParallelSpec()
+    workload: WorkloadSpec
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    memory: MemorySpec = MemorySpec()
+    schedule: Literal["serial", "rollplex"] = Field("rollplex", description="How the compiled graph runs.")
+    graph: GraphSpec | None = Field(None, description="A custom iteration graph; default: standard GRPO.")
+    run: RunSpec = RunSpec()
+
+    @model_validator(mode="after")
+    def _layout(self) -> Spec:
+        n, tp = self.cluster.num_gpus, self.parallel.train_tp
+        if n % tp:
+            raise ValueError(f"train_tp {tp} does not divide the cluster's {n} GPUs; use a divisor of {n}")
+        dp = n // tp
+        if self.workload.prompts_per_step % dp:
+            raise ValueError(
+                f"workload.prompts_per_step {self.workload.prompts_per_step} is not a multiple of the {dp} "
+                "training data-parallel ranks; use a multiple of it"
+            )
+        return self

@@ -1,0 +1,37 @@
+"""The everything-resident footprint: what naive overlap would hold on one GPU at once (the paper's Table 1).
+
+Every role keeps its weights, gradients, FP32 master weights, Adam moments, one training microbatch of
+activations (no recompute) and its boundary KV; rollout keeps its own weight copy and its KV cache.
+The vision encoder is reported apart, as the paper's table counts the language model only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rollplex.graph.ir import TensorClass
+from rollplex.memory.objects import Context, MemObject, memory_objects
+
+
+@dataclass(frozen=True, slots=True)
+class NaiveRow:
+    role: str
+    component: str
+    bytes: int
+    vision: bool
+
+
+def naive_rows(c: Context) -> list[NaiveRow]:
+    spec = c.spec.model_copy(
+        update={"memory": c.spec.memory.model_copy(update={"weight_sharing": False, "recompute": "none"})}
+    )
+    objects = memory_objects(replace(c, spec=spec))
+    return [NaiveRow(o.role, o.component, o.bytes, o.vision) for o in objects if _counted(o)]
+
+
+def _counted(o: MemObject) -> bool:
+    """Model state, activations, boundaries, rollout state and the reserve; not the small data tensors,
+    the offloaded prefix state or the in-flight layer, which the paper's table does not list either."""
+    if o.role == "data" or o.component in ("prefix saved tensors", "prefix, one layer in flight"):
+        return False
+    return o.component != "boundary log-probs" and (o.cls is not TensorClass.PHASE_LOCAL or o.bytes > 0)

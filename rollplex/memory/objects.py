@@ -1,0 +1,234 @@
+"""The byte model: every object one GPU holds during an iteration, its bytes, class and HBM window.
+
+`memory_objects` reads the compiled graph (roles, split parts, steps, lifetimes) and prices each object
+from the model's shapes. An object is in HBM exactly in its `live` steps; elsewhere it is `outside`
+(host, dropped, or absent). `lower_residency` turns this list into the per-phase plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import networkx as nx
+
+from rollplex.graph.ir import DATASET, NodeKind, Part, Role, TensorClass, lifetimes, ops, steps, tensors
+from rollplex.graph.spec import Spec
+from rollplex.memory import shapes as S
+from rollplex.memory.sharing import SharingReport, sharing_report
+from rollplex.memory.workload import PerGpu, per_gpu
+from rollplex.models.config import ModelConfig
+
+GIB = 2**30
+
+
+class Residency(Enum):
+    HBM = "hbm"
+    HOST = "host"  # pinned host pool: paged-out frozen weights, FP32 state, offloaded saved tensors
+    DROPPED = "dropped"  # regenerable, rebuilt when needed
+    ABSENT = "-"  # not produced yet or released
+
+
+@dataclass(frozen=True, slots=True)
+class MemObject:
+    role: str
+    component: str
+    cls: TensorClass
+    bytes: int
+    live: frozenset[int]  # steps in which the bytes are in HBM
+    outside: Residency  # where they are in the other steps
+    vision: bool = False
+    host_bytes: int = 0  # bytes it occupies in the pinned host pool (per GPU)
+
+    def residency(self, step: int) -> Residency:
+        return Residency.HBM if step in self.live else self.outside
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    g: nx.DiGraph
+    spec: Spec
+    model: ModelConfig
+    gpu: PerGpu
+    sharing: SharingReport
+
+
+def make_context(g: nx.DiGraph, spec: Spec, model: ModelConfig) -> Context:
+    p = spec.parallel
+    return Context(g, spec, model, per_gpu(spec, model), sharing_report(model.text, p.train_tp, p.rollout_tp))
+
+
+def role_steps(c: Context, role: Role, *, kinds: tuple[NodeKind, ...] = (), part: Part | None = None) -> set[int]:
+    """Steps running an op of `role` (optionally only of these kinds / this part)."""
+    chosen = {
+        o.id
+        for o in ops(c.g)
+        if o.role is role and (not kinds or o.kind in kinds) and (part is None or o.part is part)
+    }
+    return {s.index for s in steps(c.g) if chosen & set(s.ops)}
+
+
+def span(indices: set[int]) -> frozenset[int]:
+    return frozenset(range(min(indices), max(indices) + 1)) if indices else frozenset()
+
+
+def memory_objects(c: Context) -> list[MemObject]:
+    objects = [MemObject("runtime", "runtime reserve", TensorClass.PHASE_LOCAL, _reserve(c), _all(c), Residency.ABSENT)]
+    trained = {o.role for o in ops(c.g) if o.kind is NodeKind.UPDATE}
+    for role in sorted({o.role for o in ops(c.g) if o.role not in (None, Role.ROLLOUT)}, key=lambda r: r.value):
+        objects += list(_model_state(c, role, role in trained))
+        objects += list(_boundary(c, role))
+    objects += list(_rollout(c))
+    objects += list(_data(c))
+    return objects
+
+
+def _all(c: Context) -> frozenset[int]:
+    return frozenset(s.index for s in steps(c.g))
+
+
+def _reserve(c: Context) -> int:
+    return int(c.spec.memory.runtime_reserve_gib * GIB)
+
+
+def _weights_window(c: Context, role: Role, trained: bool) -> frozenset[int]:
+    """Frozen weights are paged in only where their role runs; a trained snapshot stays from first use
+    on (rollout reads it through sharing) and is regenerated in place by the update."""
+    used = role_steps(c, role)
+    if not trained:
+        return frozenset(used)
+    if role is Role.ACTOR:
+        used |= role_steps(c, Role.ROLLOUT)
+    return span(used | role_steps(c, role, kinds=(NodeKind.UPDATE,)))
+
+
+def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
+    t, tp = c.model.text, c.gpu.train_tp
+    vision = S.vision_params(c.model.vision)
+    live = _weights_window(c, role, trained)
+    outside = Residency.DROPPED if trained else Residency.HOST
+    llm_bytes = c.sharing.train_shard_bytes_per_gpu
+    if role is Role.ACTOR and _shares(c):
+        llm_bytes = c.sharing.shared_bytes_per_gpu
+    host = 0 if trained else llm_bytes
+    yield MemObject(role.value, "weights (BF16)", TensorClass.REGENERABLE, llm_bytes, live, outside, host_bytes=host)
+    vhost = 0 if trained else vision * S.BF16
+    yield MemObject(role.value, "weights (BF16)", TensorClass.REGENERABLE, vision * S.BF16, live, outside, True, vhost)
+    backward = role_steps(c, role, kinds=(NodeKind.BACKWARD,))
+    if not backward:
+        return
+    update = role_steps(c, role, kinds=(NodeKind.UPDATE,))
+    llm = S.llm_params_per_rank(t, tp)
+    for n, is_vision in ((llm, False), (vision, True)):
+        grads_live = span(backward | update)
+        yield MemObject(role.value, "FP32 gradients", TensorClass.PHASE_LOCAL, n * S.FP32, grads_live, Residency.ABSENT, is_vision)
+    yield from _activations(c, role, backward)
+    if update:
+        yield from _optimizer_state(c, role, llm, vision)
+
+
+def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[MemObject]:
+    shard = c.gpu.train_dp if c.spec.parallel.distributed_optimizer else 1
+    for n, is_vision in ((llm, False), (vision, True)):
+        for comp, per_param in (("FP32 master weights", S.FP32), ("Adam moments (FP32)", 2 * S.FP32)):
+            b = -(-n // shard) * per_param
+            yield MemObject(role.value, comp, TensorClass.PERMANENT, b, frozenset(), Residency.HOST, is_vision, b)
+
+
+def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
+    t, tp, v = c.model.text, c.gpu.train_tp, c.model.vision
+    suffix = role_steps(c, role, kinds=(NodeKind.FORWARD,), part=Part.SUFFIX)
+    split = bool(suffix)
+    tokens = c.gpu.microbatch_tokens if split else c.gpu.group_size * (c.gpu.prompt_tokens + c.gpu.response_tokens)
+    layer = S.layer_activation_bytes_per_token(t, tp)
+    out = S.output_activation_bytes_per_token(t, tp)
+    if c.spec.memory.recompute == "full":
+        per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + out + layer
+    else:
+        per_token = t.num_hidden_layers * layer + out
+    live = span(suffix | backward) if split else span(role_steps(c, role, kinds=(NodeKind.FORWARD,)) | backward)
+    yield MemObject(role.value, "activations (one microbatch)", TensorClass.PHASE_LOCAL, tokens * per_token, live, Residency.ABSENT)
+    if split:
+        yield from _prefix_saved(c, role, backward)
+
+
+def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
+    """Saved tensors of the attached prefix: offloaded (or reduced to layer inputs) as they are produced;
+    one layer of one prompt is in HBM while the prefix runs and again while backward rematerializes it."""
+    t, v, tp, g = c.model.text, c.model.vision, c.gpu.train_tp, c.gpu
+    P, patches = g.prompt_tokens, g.patches_per_prompt
+    full_llm, full_vis = S.layer_activation_bytes_per_token(t, tp), S.vision_activation_bytes_per_patch(v, tp)
+    if c.spec.memory.prefix_activations == "offload":
+        llm, vis = P * t.num_hidden_layers * full_llm, patches * v.depth * full_vis
+    else:
+        llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp)
+        vis = patches * v.depth * v.hidden_size * S.BF16 // tp
+    prefix = role_steps(c, role, part=Part.PREFIX)
+    for b, is_vision in ((llm, False), (vis, True)):
+        host = b * g.prompts_per_rank
+        yield MemObject(role.value, "prefix saved tensors", TensorClass.PHASE_LOCAL, host, frozenset(), Residency.HOST, is_vision, host)
+    one_layer = P * full_llm + patches * full_vis
+    yield MemObject(role.value, "prefix, one layer in flight", TensorClass.PHASE_LOCAL, one_layer, frozenset(prefix | backward), Residency.ABSENT)
+
+
+def _boundary(c: Context, role: Role) -> Iterator[MemObject]:
+    t, g = c.model.text, c.gpu
+    for name, info in tensors(c.g).items():
+        prod = next((o for o in ops(c.g) if name in o.outputs), None)
+        if info.cls is not TensorClass.BOUNDARY or prod is None or prod.role is not role:
+            continue
+        life = lifetimes(c.g)[name]
+        live = frozenset(range(life.first, life.last + 1))
+        kv = g.prompts_per_rank * g.prompt_tokens * S.kv_bytes_per_token(t, g.train_tp)
+        yield MemObject(role.value, "boundary KV", TensorClass.BOUNDARY, kv, live, Residency.ABSENT)
+        lp = g.prompts_per_rank * (t.vocab_size // g.train_tp) * S.FP32
+        yield MemObject(role.value, "boundary log-probs", TensorClass.BOUNDARY, lp, live, Residency.ABSENT)
+
+
+def _shares(c: Context) -> bool:
+    return c.spec.memory.weight_sharing and bool(role_steps(c, Role.ROLLOUT))
+
+
+def _rollout(c: Context) -> Iterator[MemObject]:
+    decode = frozenset(role_steps(c, Role.ROLLOUT))
+    if not decode:
+        return
+    t, g = c.model.text, c.gpu
+    yield MemObject("rollout", "KV cache", TensorClass.PHASE_LOCAL, rollout_kv_bytes(c), decode, Residency.ABSENT)
+    update = role_steps(c, Role.ACTOR, kinds=(NodeKind.UPDATE,))
+    if _shares(c):
+        buf = c.sharing.case3_buffer_bytes_per_gpu
+        yield MemObject("rollout", "Case-3 buffer", TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED)
+        return
+    llm = S.llm_params_per_rank(t, g.rollout_tp) * S.BF16
+    vision = S.vision_params(c.model.vision) * S.BF16
+    yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, llm, decode, Residency.DROPPED)
+    yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, vision, decode, Residency.DROPPED, True)
+
+
+def rollout_kv_bytes(c: Context) -> int:
+    """The spec's budget, or what the replica's sequences need with each prompt's KV stored once."""
+    if c.spec.memory.rollout_kv_gib is not None:
+        return int(c.spec.memory.rollout_kv_gib * GIB)
+    g = c.gpu
+    tokens = g.prompts_per_replica * (g.prompt_tokens + g.group_size * g.response_tokens)
+    return tokens * S.kv_bytes_per_token(c.model.text, g.rollout_tp)
+
+
+def _data(c: Context) -> Iterator[MemObject]:
+    """Tensors the graph passes between nodes; the dataset's prompts wait in host memory."""
+    g, life = c.gpu, lifetimes(c.g)
+    for name, info in tensors(c.g).items():
+        prod = next((o for o in ops(c.g) if name in o.outputs), None)
+        if info.cls is TensorClass.BOUNDARY or (prod and prod.kind in (NodeKind.BACKWARD, NodeKind.UPDATE)):
+            continue
+        if name == DATASET:
+            v = c.model.vision
+            pixels = g.patches_per_prompt * v.in_channels * v.temporal_patch_size * v.patch_size**2 * S.FP32
+            b = g.prompts_per_rank * (pixels + g.prompt_tokens * 8)
+            yield MemObject("data", name, info.cls, b, frozenset(), Residency.HOST, host_bytes=b)
+            continue
+        per_seq = S.FP32 if prod.kind is NodeKind.REWARD else g.response_tokens * S.FP32
+        live = frozenset(range(life[name].first, life[name].last + 1))
+        yield MemObject("data", name, info.cls, g.sequences_per_rank * per_seq, live, Residency.ABSENT)

@@ -1,0 +1,122 @@
+"""`lower_residency`: memory objects -> per-step HBM bytes, per-phase peaks, optimizer chunking, host pool.
+
+Like a tinygrad-style planner: each object is open over its live steps; the peak of a phase is the largest
+sum of open objects over the phase's steps. The streamed optimizer is sized last, into what the update
+step leaves free: `pipeline_depth` chunks of FP32 state (load j+1, update j, offload j-1) at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollplex.graph.ir import NodeKind, Phase, TensorClass, steps
+from rollplex.memory.objects import GIB, Context, MemObject, Residency
+
+PIPELINE_DEPTH = 3
+MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
+CHUNK_ALIGN = 2 * 2**20  # VMM page granularity
+
+
+@dataclass(frozen=True, slots=True)
+class PhasePeak:
+    phase: Phase
+    steps: tuple[int, ...]
+    peak_bytes: int
+    peak_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerPlan:
+    state_bytes: int  # FP32 master + moments this GPU updates
+    chunk_bytes: int
+    num_chunks: int
+    pipeline_depth: int
+
+    @property
+    def workspace_bytes(self) -> int:
+        return min(self.pipeline_depth, self.num_chunks) * self.chunk_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HostPlan:
+    needed_bytes_per_node: int
+    pinned_bytes_per_node: int  # the pool allocated at start: the spec's size, or what is needed
+    capacity_bytes_per_node: int
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes_per_node <= self.pinned_bytes_per_node <= self.capacity_bytes_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyPlan:
+    objects: tuple[MemObject, ...]
+    step_bytes: tuple[int, ...]  # HBM in use in each step
+    phases: tuple[PhasePeak, ...]
+    optimizer: OptimizerPlan | None
+    host: HostPlan
+    capacity_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.step_bytes, default=0)
+
+    @property
+    def fits_hbm(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_hbm and self.host.fits
+
+    def in_hbm(self, step: int) -> list[MemObject]:
+        return [o for o in self.objects if o.residency(step) is Residency.HBM]
+
+
+def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
+    """Requires: objects from `memory_objects` on a graph with steps.
+    Ensures: every step's HBM sum; the phase peaks; an optimizer workspace object in each update step."""
+    capacity = int(c.spec.cluster.hbm_gib * GIB)
+    optimizer = None
+    update = _update_steps(c)
+    if update:
+        optimizer = plan_optimizer(c, objects, update, capacity)
+        live = frozenset(update)
+        objects = [*objects, MemObject("optimizer", "streamed chunks", TensorClass.PHASE_LOCAL, optimizer.workspace_bytes, live, Residency.ABSENT)]
+    step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
+    return ResidencyPlan(tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity)
+
+
+def _update_steps(c: Context) -> set[int]:
+    ids = {n for n in c.g.nodes if c.g.nodes[n]["op"].kind is NodeKind.UPDATE}
+    return {s.index for s in steps(c.g) if ids & set(s.ops)}
+
+
+def plan_optimizer(c: Context, objects: list[MemObject], update: set[int], capacity: int) -> OptimizerPlan:
+    state = sum(o.bytes for o in objects if o.cls is TensorClass.PERMANENT)
+    used = max(sum(o.bytes for o in objects if s in o.live) for s in update)
+    if c.spec.memory.optimizer_chunk_mib is not None:
+        chunk = c.spec.memory.optimizer_chunk_mib * 2**20
+    else:
+        free = max(capacity - used, 0) // PIPELINE_DEPTH
+        chunk = max(CHUNK_ALIGN, min(MAX_AUTO_CHUNK, free) // CHUNK_ALIGN * CHUNK_ALIGN)
+    chunk = min(chunk, max(state, 1))
+    return OptimizerPlan(state, chunk, -(-state // chunk), PIPELINE_DEPTH)
+
+
+def plan_host(c: Context, objects: list[MemObject]) -> HostPlan:
+    per_gpu = sum(o.host_bytes for o in objects)
+    needed = per_gpu * c.spec.cluster.gpus_per_node
+    pool = c.spec.memory.host_pool_gib
+    pinned = int(pool * GIB) if pool is not None else needed
+    return HostPlan(needed, pinned, int(c.spec.cluster.host_gib * GIB))
+
+
+def _phase_peaks(c: Context, step_bytes: tuple[int, ...]) -> tuple[PhasePeak, ...]:
+    peaks = []
+    for phase in Phase:
+        idx = tuple(s.index for s in steps(c.g) if s.phase is phase)
+        if idx:
+            top = max(idx, key=lambda i: step_bytes[i])
+            peaks.append(PhasePeak(phase, idx, step_bytes[top], top))
+    return tuple(peaks)

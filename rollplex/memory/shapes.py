@@ -1,0 +1,123 @@
+"""Model shapes in bytes: parameter families, parameters per TP rank, KV and activation bytes per token.
+
+Pure arithmetic over a `ModelConfig`; no torch. Conventions: BF16 weights and activations (2 bytes),
+flash attention (no score matrix saved), sequence parallelism whenever TP > 1 (every saved activation
+is divided by the TP degree), the vision encoder replicated on every GPU of a role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
+
+BF16, FP32 = 2, 4
+
+
+class Sharding(Enum):
+    REPLICATED = "replicated"
+    COLUMN = "column"  # output features (dim 0) split over ranks
+    ROW = "row"  # input features (dim 1) split over ranks
+
+
+@dataclass(frozen=True, slots=True)
+class ParamFamily:
+    """One kind of LLM parameter, e.g. every layer's fused QKV weight."""
+
+    name: str
+    shape: tuple[int, ...]
+    count: int  # how many tensors of this family (layers)
+    sharding: Sharding
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def params(self) -> int:
+        return self.numel * self.count
+
+
+def kv_heads_per_rank(t: TextConfig, tp: int) -> int:
+    """KV heads a TP rank holds; when TP exceeds the KV heads, each rank holds one replicated head."""
+    return max(1, t.num_key_value_heads // tp)
+
+
+def llm_families(t: TextConfig) -> list[ParamFamily]:
+    h, i, d, L = t.hidden_size, t.intermediate_size, t.head_dim, t.num_hidden_layers
+    qkv_rows = (t.num_attention_heads + 2 * t.num_key_value_heads) * d
+    families = [
+        ParamFamily("embed_tokens", (t.vocab_size, h), 1, Sharding.COLUMN),
+        ParamFamily("qkv.weight", (qkv_rows, h), L, Sharding.COLUMN),
+        ParamFamily("qkv.bias", (qkv_rows,), L, Sharding.COLUMN),
+        ParamFamily("o_proj", (h, t.num_attention_heads * d), L, Sharding.ROW),
+        ParamFamily("gate_up", (2 * i, h), L, Sharding.COLUMN),
+        ParamFamily("down_proj", (h, i), L, Sharding.ROW),
+        ParamFamily("norms", (h,), 2 * L + 1, Sharding.REPLICATED),
+    ]
+    if not t.tie_word_embeddings:
+        families.append(ParamFamily("lm_head", (t.vocab_size, h), 1, Sharding.COLUMN))
+    return families
+
+
+def family_params_per_rank(f: ParamFamily, t: TextConfig, tp: int) -> int:
+    """Parameters of the family one TP rank holds (all `count` tensors)."""
+    if f.sharding is Sharding.REPLICATED:
+        return f.params
+    if f.name.startswith("qkv"):
+        rows = (t.num_attention_heads // tp + 2 * kv_heads_per_rank(t, tp)) * t.head_dim
+        return rows * (f.shape[1] if len(f.shape) > 1 else 1) * f.count
+    return f.params // tp
+
+
+def llm_params(t: TextConfig) -> int:
+    return sum(f.params for f in llm_families(t))
+
+
+def llm_params_per_rank(t: TextConfig, tp: int) -> int:
+    return sum(family_params_per_rank(f, t, tp) for f in llm_families(t))
+
+
+def vision_params(v: VisionConfig) -> int:
+    hv, iv = v.hidden_size, v.intermediate_size
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * hv
+    block = 2 * hv + (3 * hv * hv + 3 * hv) + (hv * hv + hv) + (3 * hv * iv + 2 * iv + hv)
+    merged = hv * v.merge_unit
+    merger = hv + (merged * merged + merged) + (merged * v.out_hidden_size + v.out_hidden_size)
+    return patch + v.depth * block + merger
+
+
+def kv_bytes_per_token(t: TextConfig, tp: int) -> int:
+    """K and V of every layer for one token on one TP rank, BF16."""
+    return 2 * t.num_hidden_layers * kv_heads_per_rank(t, tp) * t.head_dim * BF16
+
+
+def layer_activation_bytes_per_token(t: TextConfig, tp: int) -> int:
+    """Saved tensors of one decoder layer per token: two norm inputs, QKV and MLP inputs, q/k/v and the
+    attention output (flash attention), the gate/up output and the down-projection input."""
+    d = t.head_dim
+    elems = 4 * t.hidden_size + t.num_attention_heads * d * 2 + 3 * t.intermediate_size
+    return (elems * BF16) // tp + 2 * kv_heads_per_rank(t, tp) * d * BF16
+
+
+def output_activation_bytes_per_token(t: TextConfig, tp: int) -> int:
+    """Final norm input and the vocab-parallel logits kept for the log-prob / entropy backward."""
+    return (t.hidden_size + t.vocab_size) * BF16 // tp
+
+
+def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:
+    elems = 4 * v.hidden_size + 4 * v.hidden_size + 3 * v.intermediate_size
+    return elems * BF16 // tp
+
+
+def layer_input_bytes_per_token(t: TextConfig, tp: int) -> int:
+    """What full recompute keeps per layer: the layer's input."""
+    return t.hidden_size * BF16 // tp
+
+
+def model_summary(m: ModelConfig) -> dict[str, int]:
+    return {"llm_params": llm_params(m.text), "vision_params": vision_params(m.vision)}
