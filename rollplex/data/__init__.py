@@ -1,0 +1,12 @@
+"""Video-QA workloads for rollplex: what a GRPO iteration reads and how its responses are scored.
+
+Modules, one job each (import them directly; this package imports nothing, so it stays cheap):
+    types       `Example`, `AnswerKind`: one prompt with its verifiable answer
+    tokenizer   `Tokenizer` protocol, `CharTokenizer` (tiny models), `HFTokenizer` (real checkpoints)
+    chat        the Qwen chat prompt with the vision pad tokens in place -> `rollplex.models.inputs.Prompt`
+    video       Qwen2.5-VL pixel preprocessing (smart resize, CLIP normalisation, patches) -> `Visual`
+    synthetic   seeded synthetic video QA: moving shapes rendered with numpy, verifiable questions
+    presets     workload shapes after the paper's four datasets, response-length distributions
+    video_r1    Video-R1-style JSON / JSONL with real video files decoded by PyAV
+    rewards     reward registry: format, tags, accuracy, and weighted sums
+"""

@@ -1,0 +1,37 @@
+"""The unit of training data: one prompt, its verifiable answer, and how to check it.
+
+This module is only the type; `synthetic` and `video_r1` build examples and `rewards` scores against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rollplex.models.inputs import Prompt
+
+
+class AnswerKind(StrEnum):
+    """How a response's `<answer>` is compared with the reference answer."""
+
+    CHOICE = "choice"  # an option letter: "B"
+    NUMBER = "number"  # a number, equal within a tolerance
+    EXACT = "exact"  # a string, equal after normalisation (case, punctuation, articles, spaces)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with its reference answer. `meta` holds provenance (source, index, question kind...)."""
+
+    prompt: Prompt
+    answer: str
+    answer_kind: AnswerKind
+    meta: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "answer_kind", AnswerKind(self.answer_kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in AnswerKind)
+            raise ValueError(f"answer_kind {self.answer_kind!r} is not one of: {kinds}") from None
