@@ -1,0 +1,352 @@
+"""Chunked AdamW: FP32 master weights and Adam moments live in a host pool and stream through the device.
+
+What it is: the Phase-3 update. Parameters (BF16 or FP32 model tensors) are cut into byte-balanced chunks;
+each chunk's FP32 state (master + exp_avg + exp_avg_sq, 12 bytes per element) is loaded into a device slot,
+updated, written back to the host, and its new values are written into a destination the caller chooses
+(by default the parameters themselves; in rollplex, the snapshot rollout reads). On CUDA three streams
+overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams.
+
+Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
+form), op for op on each element. The global grad norm and the clipping coefficient are complete before any
+chunk commits. Gradients are read, never modified. What it is not: a `torch.optim.Optimizer` (one group,
+no closures, no AMSGrad); its state dict has torch's layout plus each parameter's FP32 "master".
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
+
+STATE_BYTES_PER_ELEMENT = 12  # FP32 master + exp_avg + exp_avg_sq
+NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
+SCRATCH_BYTES = 1 << 20  # allowance for reduction scratch and scalars beside the workspace
+Writer = Callable[[int, int, torch.Tensor], None]  # (param index, first flat element, new FP32 values)
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"betas {self.betas} must lie in [0, 1)")
+        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
+            raise ValueError(f"lr {self.lr}, eps {self.eps} and weight_decay {self.weight_decay} must be >= 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm {self.max_grad_norm} must be positive, or None to not clip")
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Elements [start, stop) of flattened parameter `param_index`, at `offset` in its chunk."""
+
+    param_index: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    segments: tuple[Segment, ...]
+    numel: int
+
+
+def plan_chunks(numels: Sequence[int], chunk_bytes: int) -> tuple[Chunk, ...]:
+    """Cut the parameters, flattened and laid end to end, into the fewest chunks whose FP32 state fits in
+    `chunk_bytes`, equal to within one element; a parameter across a boundary is split between chunks."""
+    capacity = chunk_bytes // STATE_BYTES_PER_ELEMENT
+    if capacity < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes} is below one element's state ({STATE_BYTES_PER_ELEMENT} bytes)")
+    total = sum(numels)
+    num_chunks = max(1, -(-total // capacity))
+    starts = [0, *accumulate(numels)]
+    chunks = []
+    for k in range(num_chunks):
+        lo, hi = k * total // num_chunks, (k + 1) * total // num_chunks
+        segments, i = [], bisect_right(starts, lo) - 1
+        while i < len(numels) and starts[i] < hi:
+            first, last = max(lo, starts[i]), min(hi, starts[i + 1])
+            if first < last:
+                segments.append(Segment(i, first - starts[i], last - starts[i], first - lo))
+            i += 1
+        chunks.append(Chunk(tuple(segments), hi - lo))
+    return tuple(chunks)
+
+
+def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
+    """A writer that copies (and casts) new values into contiguous `tensors`, one per parameter."""
+    flats = [t.detach().view(-1) for t in tensors]
+
+    def write(index: int, start: int, values: torch.Tensor) -> None:
+        flats[index][start : start + values.numel()].copy_(values)
+
+    return write
+
+
+def adamw_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    denom: torch.Tensor,
+    config: AdamWConfig,
+    step: int,
+) -> None:
+    """One AdamW update in place, op for op torch's single-tensor AdamW; `denom` is scratch of grad's size."""
+    beta1, beta2 = config.betas
+    if config.weight_decay != 0:
+        master.mul_(1 - config.lr * config.weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = config.lr / (1 - beta1 ** float(step))
+    torch.sqrt(exp_avg_sq, out=denom)
+    denom.div_((1 - beta2 ** float(step)) ** 0.5).add_(config.eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _after(stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Event, ...]:
+    """An event at the tail of `stream`, to order later work after it (nothing on CPU)."""
+    return () if stream is None else (stream.record_event(),)
+
+
+class ChunkedAdamW:
+    """AdamW whose FP32 state lives in a host pool and visits the device one chunk at a time.
+
+    A chunk's FP32 state, each step:
+
+        HOST (pool block) --load--> STAGED (device slot j % 3) --adam--> UPDATED --offload--> HOST
+                                                                    \\--write--> destination (BF16 or FP32)
+
+    One step:
+
+        start:  load 0                           (load stream)
+                grad-norm pass over all chunks   (adam stream: global norm, clip coefficient)
+        loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
+        end:    the caller's stream waits for all three; the workspace goes back to the allocator
+
+    Peak extra device bytes of a step: `peak_device_bytes` = NUM_SLOTS x the chunk state + an FP32 gradient
+    buffer and a scratch buffer of one chunk + one norm per segment + SCRATCH_BYTES.
+    Change hyperparameters (the learning rate, say) with `opt.config = replace(opt.config, lr=...)`.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        chunk_bytes: int = 256 << 20,
+        *,
+        pool: HostPool | None = None,
+        write: Writer | None = None,
+    ) -> None:
+        self.params = list(params)
+        if sum(p.numel() for p in self.params) == 0:
+            raise ValueError(f"ChunkedAdamW got {len(self.params)} parameters and no elements to update")
+        self.config = AdamWConfig(lr, tuple(betas), eps, weight_decay, max_grad_norm)
+        self.device = self.params[0].device
+        self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes)
+        self.capacity = max(chunk.numel for chunk in self.chunks)
+        self.pool = pool or HostPool(self._pool_bytes(), pin=self.device.type == "cuda")
+        self._write = write or copy_into(self.params)
+        self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
+        self.blocks = tuple(
+            self.pool.allocate(STATE_BYTES_PER_ELEMENT * c.numel, f"adamw chunk {j}") for j, c in enumerate(self.chunks)
+        )
+        cuda = self.device.type == "cuda"
+        self._streams = tuple(torch.cuda.Stream(self.device) if cuda else None for _ in range(3))
+        self._done: torch.cuda.Event | None = None
+        self.num_steps = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self._init_state()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 4 * (self.capacity * (3 * NUM_SLOTS + 2) + self.num_segments)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.workspace_bytes + SCRATCH_BYTES
+
+    @property
+    def num_bytes_moved(self) -> int:
+        """Host<->device bytes of one step: every chunk's state loaded and offloaded once."""
+        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """One AdamW step over every chunk; returns the global grad norm (0-d FP32 on the device)."""
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
+        self.num_steps += 1
+        slots, grad, scratch, norms = self._carve_workspace()
+        load, adam, offload = self._streams
+        for stream in (load, adam, offload):
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+        loaded, offloaded = [()] * NUM_SLOTS, [()] * NUM_SLOTS
+        loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
+        with _on(adam):
+            coef = self._grad_norm_pass(grad, norms)
+        for j in range(len(self.chunks)):
+            if j + 1 < len(self.chunks):
+                k = (j + 1) % NUM_SLOTS
+                loaded[k] = self._copy(load, j + 1, slots[k], into_host=False, after=offloaded[k])
+            with _on(adam):
+                for event in loaded[j % NUM_SLOTS]:
+                    adam.wait_event(event)
+                self._adam(j, slots[j % NUM_SLOTS], grad, scratch, coef)
+            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=_after(adam))
+        self._join()
+        return self.last_grad_norm
+
+    def _carve_workspace(self) -> tuple[torch.Tensor, ...]:
+        """slots [NUM_SLOTS, 3 * capacity], FP32 grad [capacity], scratch [capacity], norms [num_segments]."""
+        c = self.capacity
+        workspace = torch.empty(self.workspace_bytes // 4, dtype=torch.float32, device=self.device)
+        slots = workspace[: NUM_SLOTS * 3 * c].view(NUM_SLOTS, 3 * c)
+        grad, scratch = workspace[NUM_SLOTS * 3 * c : (NUM_SLOTS * 3 + 2) * c].view(2, c)
+        return slots, grad, scratch, workspace[(NUM_SLOTS * 3 + 2) * c :]
+
+    def _grad_norm_pass(self, grad: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
+        """Per segment the L2 norm of its FP32 gradient, then the global norm (as `clip_grad_norm_`)."""
+        k = 0
+        for chunk in self.chunks:
+            self._gather_grads(chunk, grad)
+            for s in chunk.segments:
+                torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], out=norms[k])
+                k += 1
+        self.last_grad_norm = torch.linalg.vector_norm(norms)
+        if self.config.max_grad_norm is None:
+            return None
+        return torch.clamp(self.config.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
+
+    def _gather_grads(self, chunk: Chunk, grad: torch.Tensor) -> None:
+        for s in chunk.segments:
+            grad[s.offset : s.offset + s.numel].copy_(self.params[s.param_index].grad.reshape(-1)[s.start : s.stop])
+
+    def _adam(
+        self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, coef: torch.Tensor | None
+    ) -> None:
+        chunk, c = self.chunks[j], self.config
+        master, exp_avg, exp_avg_sq = slot[: 3 * chunk.numel].view(3, chunk.numel)
+        g, denom = grad[: chunk.numel], scratch[: chunk.numel]
+        self._gather_grads(chunk, g)
+        if coef is not None:
+            g.mul_(coef)
+        adamw_(master, exp_avg, exp_avg_sq, g, denom, c, self.num_steps)
+        for s in chunk.segments:
+            self._write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
+
+    def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
+        """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""
+        host = self.pool.view(self.blocks[j], torch.float32, (3 * self.chunks[j].numel,))
+        device = slot[: host.numel()]
+        event = copy_on(stream, *((host, device) if into_host else (device, host)), after=after)
+        return () if event is None else (event,)
+
+    def _host(self, j: int) -> torch.Tensor:
+        """Chunk j's FP32 state in the pool: rows master, exp_avg, exp_avg_sq."""
+        return self.pool.view(self.blocks[j], torch.float32, (3, self.chunks[j].numel))
+
+    def _join(self) -> None:
+        if self._streams[1] is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        for stream in self._streams:
+            current.wait_stream(stream)
+        self._done = current.record_event()
+
+    def _pool_bytes(self) -> int:
+        return sum(-(-STATE_BYTES_PER_ELEMENT * c.numel // ALIGNMENT) * ALIGNMENT for c in self.chunks)
+
+    def _sync(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        masters = [p.detach() for p in self.params]
+        self._fill_state(masters, None, None)
+
+    def _fill_state(self, masters, exp_avgs, exp_avg_sqs) -> None:
+        for j, chunk in enumerate(self.chunks):
+            host = self._host(j)
+            for s in chunk.segments:
+                for row, source in enumerate((masters, exp_avgs, exp_avg_sqs)):
+                    part = host[row, s.offset : s.offset + s.numel]
+                    if source is None:
+                        part.zero_()
+                    else:
+                        part.copy_(source[s.param_index].reshape(-1)[s.start : s.stop])
+
+    def _gather_state(self, row: int) -> list[torch.Tensor]:
+        out = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
+        for j, chunk in enumerate(self.chunks):
+            host = self._host(j)
+            for s in chunk.segments:
+                out[s.param_index].view(-1)[s.start : s.stop].copy_(host[row, s.offset : s.offset + s.numel])
+        return out
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's layout (per-parameter step, exp_avg, exp_avg_sq) plus each FP32 master;
+        independent of the chunking, so a run may resume with another `chunk_bytes`."""
+        self._sync()
+        rows = [self._gather_state(row) for row in range(3)]
+        step = torch.tensor(float(self.num_steps))
+        state = {
+            i: {"step": step.clone(), "exp_avg": rows[1][i], "exp_avg_sq": rows[2][i], "master": rows[0][i]}
+            for i in range(len(self.params))
+        }
+        c = self.config
+        group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
+        group |= {"max_grad_norm": c.max_grad_norm, "params": list(range(len(self.params)))}
+        return {"state": state, "param_groups": [group]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict()` (or a torch AdamW one: masters then come from the parameters)."""
+        (group,) = state_dict["param_groups"]
+        state = state_dict["state"]
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"state dict holds {len(group['params'])} parameters, this optimizer {len(self.params)}")
+        self._sync()
+        entries = [state[key] for key in group["params"]]
+        masters = [e.get("master", p.detach()) for e, p in zip(entries, self.params, strict=True)]
+        self._fill_state(masters, [e["exp_avg"] for e in entries], [e["exp_avg_sq"] for e in entries])
+        self.num_steps = int(entries[0]["step"])
+        keys = ("lr", "betas", "eps", "weight_decay")
+        self.config = AdamWConfig(
+            *(tuple(group[k]) if k == "betas" else group[k] for k in keys),
+            group.get("max_grad_norm", self.config.max_grad_norm),
+        )
