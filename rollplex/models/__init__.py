@@ -1,1 +1,1 @@
-"""Qwen2.5-VL for rollplex: configuration (pure Python) and the torch model (imported from its own modules)."""
+"""Qwen2.5-VL for rollplex: configuration (pure Python) and the torch model (import it from its modules)."""

@@ -1,0 +1,112 @@
+"""Attention cores of the language decoder, and the exact merge of attention computed over two sets of keys.
+
+A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
+- `CausalAttention`: self-attention over right-padded whole sequences (full forward, prompt prefill). It can
+  record each layer's K and V: the boundary KV of a prefix.
+- `SharedPrefixAttention`: the response tokens of N samples per prompt attend to their prompt's boundary KV
+  (one copy, shared by the group, never expanded N times) and to their own response KV (causal). The two parts
+  are computed apart and merged exactly through their log-sum-exp (the cascade / merge-state trick), so the
+  result equals attention over prompt ++ response and autograd sums the group's gradients into the one
+  boundary KV.
+Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from rollplex.models.boundary import Boundary
+    from rollplex.models.cache import ResponseCache
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D] of the new tokens -> output [B, heads, T, D]."""
+        ...
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention that also returns each query's log-sum-exp of scores.
+
+    q [..., Q, D], k/v [..., K, D] and mask [..., Q, K] (True = may attend) broadcast over leading dims.
+    Returns out [..., Q, D] in v's dtype and lse [..., Q] float32. Every query must see at least one key.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [..., Q, K]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return probs.to(v.dtype) @ v, lse
+
+
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Attention over keys A ∪ B from the attention over A and over B: out [..., Q, D], lse [..., Q]."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse)[..., None]
+    weight_b = torch.exp(lse_b - lse)[..., None]
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
+
+
+class CausalAttention:
+    """Causal self-attention of right-padded sequences: a real token never sees the padding after it.
+
+    With `record`, keeps each layer's (post-rotary) K and V [B, kv_heads, L, D] in `keys` / `values`.
+    """
+
+    def __init__(self, *, record: bool = False) -> None:
+        self.record = record
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.record:
+            self.keys.append(k)
+            self.values.append(v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class SharedPrefixAttention:
+    """Attention of response tokens, P prompts x N samples (batch row p * N + n), over a shared boundary.
+
+    Without a cache, the new tokens are whole responses (or their first T tokens) and attend causally to each
+    other. With a `ResponseCache`, they continue the responses after the cache's tokens, which they also see.
+    """
+
+    def __init__(self, boundary: Boundary, num_samples: int, cache: ResponseCache | None = None) -> None:
+        self.boundary = boundary
+        self.num_samples = num_samples
+        self.cache = cache
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.cache is not None:
+            k, v = self.cache.write(layer, k, v)
+        out_prompt, lse_prompt = self._attend_prompt(layer, q)
+        out_own, lse_own = self._attend_own(q, k, v)
+        return merge_attention(out_prompt, lse_prompt, out_own, lse_own)
+
+    def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
+        """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""
+        keys, values = self.boundary.keys[layer], self.boundary.values[layer]
+        num_prompts, num_groups = keys.shape[:2]
+        _, num_heads, num_tokens, head_dim = q.shape
+        shape = (num_prompts, self.num_samples, num_groups, num_heads // num_groups, num_tokens, head_dim)
+        grouped = q.view(shape).permute(0, 2, 3, 1, 4, 5).flatten(3, 4)  # [P, G, heads/G, N*T, D]
+        mask = self.boundary.key_mask()[:, None, None, None, :]  # [P, 1, 1, 1, S]
+        out, lse = attend(grouped, keys[:, :, None], values[:, :, None], mask)
+        out = out.unflatten(3, (self.num_samples, num_tokens)).permute(0, 3, 1, 2, 4, 5)  # [P, N, G, heads/G, T, D]
+        lse = lse.unflatten(3, (self.num_samples, num_tokens)).permute(0, 3, 1, 2, 4)  # [P, N, G, heads/G, T]
+        return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+    def _attend_own(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Each sequence's queries [B, heads, T, D] against its own response KV [B, G, K >= T, D], causally."""
+        batch, num_heads, num_tokens, head_dim = q.shape
+        num_groups, num_keys = k.shape[1], k.shape[2]
+        grouped = q.view(batch, num_groups, num_heads // num_groups, num_tokens, head_dim)
+        query_at = torch.arange(num_keys - num_tokens, num_keys, device=q.device)
+        mask = torch.arange(num_keys, device=q.device) <= query_at[:, None]  # [T, K]
+        out, lse = attend(grouped, k[:, :, None], v[:, :, None], mask)
+        return out.reshape(q.shape), lse.reshape(q.shape[:-1])

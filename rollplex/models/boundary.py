@@ -1,0 +1,47 @@
+"""The boundary: the state of P prompts at their first response position, all a suffix needs from the prefix.
+
+Made by `Qwen2_5_VL.prefix`, read by `Qwen2_5_VL.suffix` and by rollout decode. Attached (actor) boundaries
+keep the autograd graph back to the vision encoder; detached (reference, rollout) ones hold plain tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Per prompt p of P, right-padded to S = the longest prompt:
+
+    keys, values: one [P, kv_heads, S, head_dim] tensor per decoder layer; keys are post-rotary.
+    first_logprobs: [P, vocab] float32, log_softmax of the logits at the prompt's last position: the
+        distribution of response token 0.
+    next_positions: [P] int64, the rotary position of response token 0 on all three mrope axes (token j: +j).
+    prompt_lens: [P] int64; positions >= prompt_lens[p] of keys/values are padding.
+    """
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    first_logprobs: Tensor
+    next_positions: Tensor
+    prompt_lens: Tensor
+
+    @property
+    def num_prompts(self) -> int:
+        return self.first_logprobs.shape[0]
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = (*self.keys, *self.values, self.first_logprobs, self.next_positions, self.prompt_lens)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def key_mask(self) -> Tensor:
+        """[P, S] bool: True where a key is a real prompt token."""
+        return torch.arange(self.max_prompt_len, device=self.prompt_lens.device) < self.prompt_lens[:, None]

@@ -1,0 +1,65 @@
+"""The language decoder of Qwen2.5-VL (Qwen2): token embedding, pre-norm layers of grouped-query attention
+with QKV bias and a SwiGLU MLP, final RMSNorm. Parameter names follow HF (`layers.{i}.self_attn.q_proj`, ...).
+
+How the new tokens attend (to each other, to a shared prompt, to a cache) is the caller's `Attention`; the
+decoder only projects, rotates and mixes. Not here: the LM head and the vision embeddings (`model.py`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from rollplex.models.attention import Attention
+from rollplex.models.config import TextConfig
+from rollplex.models.layers import GatedMLP, RMSNorm
+from rollplex.models.rotary import apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, text: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_dim = text.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(text.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(text.hidden_size, kv_width, bias=True)
+        self.v_proj = nn.Linear(text.hidden_size, kv_width, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, text.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
+        """x [B, T, hidden], cos/sin [B, 1, T, D] -> [B, T, hidden]."""
+        batch, num_tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = attention(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, text: TextConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn = SelfAttention(text)
+        self.mlp = GatedMLP(text.hidden_size, text.intermediate_size, bias=False)
+        self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, text: TextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(text, index) for index in range(text.num_hidden_layers))
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+        """Input embeddings x [B, T, hidden] -> final normed hidden states [B, T, hidden]."""
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)

@@ -1,0 +1,136 @@
+"""`Qwen2_5_VL`: the vision-language model, callable whole or split at the first response position.
+
+- `forward(sequences)`: logits of whole sequences (prompt, or prompt ++ response): the unsplit path.
+- `prefix(prompts, attached=...)`: vision encoder + prompt prefill, once per prompt -> `Boundary`.
+- `suffix(boundary, responses, response_lens)`: per-token log-probs and entropy of N responses per prompt,
+  each attending to its prompt's shared boundary KV (never copied N times).
+- `response_logits(boundary, tokens, cache)`: the forward under `suffix` and rollout decode.
+
+Parameter names are transformers 5.x's `Qwen2_5_VLForConditionalGeneration` names (`model.visual.*`,
+`model.language_model.*`, `lm_head.weight`). Not here: loading weights (`checkpoint.py`), sampling
+(`generate.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from rollplex.models.attention import Attention, CausalAttention, SharedPrefixAttention
+from rollplex.models.batching import PackedSequences, pack_sequences
+from rollplex.models.boundary import Boundary
+from rollplex.models.cache import ResponseCache
+from rollplex.models.config import ModelConfig
+from rollplex.models.decoder import TextDecoder
+from rollplex.models.inputs import Prompt
+from rollplex.models.rotary import text_rotary
+from rollplex.models.scores import SuffixOut, score_responses
+from rollplex.models.vision import VisionEncoder
+
+
+class Backbone(nn.Module):
+    """The two towers under HF's names: `model.visual` and `model.language_model`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.visual = VisionEncoder(config.vision)
+        self.language_model = TextDecoder(config.text)
+
+
+class Qwen2_5_VL(nn.Module):
+    """Random weights (seed with `torch.manual_seed`) until a checkpoint is loaded; `device="meta"` allocates
+    nothing."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device(device) if device is not None else nullcontext():
+            self.model = Backbone(config)
+            self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.tie_weights()
+        self.to(dtype)
+
+    def tie_weights(self) -> None:
+        """Shares the LM head with the token embedding when the config ties them (Qwen2.5-VL-3B)."""
+        if self.config.text.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, sequences: Sequence[Prompt]) -> Tensor:
+        """Logits [B, L, V] of right-padded whole sequences; rows past a sequence's length are meaningless."""
+        hidden, _ = self._run_sequences(sequences, CausalAttention())
+        return self.lm_head(hidden)
+
+    def prefix(self, prompts: Sequence[Prompt], *, attached: bool) -> Boundary:
+        """Runs each prompt once: vision encoder and prefill.
+
+        `attached=False` (reference) runs under no_grad; `attached=True` (actor) keeps the graph, so a loss on
+        suffix log-probs reaches the prompt's decoder layers, the merger and the vision encoder.
+        """
+        with torch.enable_grad() if attached else torch.no_grad():
+            attention = CausalAttention(record=True)
+            hidden, packed = self._run_sequences(prompts, attention)
+            lens = packed.lens.to(self.device)
+            last = hidden[torch.arange(len(prompts), device=self.device), lens - 1]  # [P, hidden]
+            first_logprobs = torch.log_softmax(self.lm_head(last).float(), dim=-1)  # [P, V]
+        return Boundary(
+            keys=tuple(attention.keys),
+            values=tuple(attention.values),
+            first_logprobs=first_logprobs,
+            next_positions=packed.next_positions.to(self.device),
+            prompt_lens=lens,
+        )
+
+    def suffix(self, boundary: Boundary, responses: Tensor, response_lens: Tensor) -> SuffixOut:
+        """Scores responses [P, N, R] int64 of lengths [P, N]; padding may hold any valid token id."""
+        if responses.ndim != 3 or responses.shape[0] != boundary.num_prompts or responses.shape[2] == 0:
+            expected = f"[num_prompts={boundary.num_prompts}, N, R >= 1]"
+            raise ValueError(f"responses must be {expected}, got {tuple(responses.shape)}")
+        logits = self.response_logits(boundary, responses[:, :, :-1])  # [P, N, R-1, V]
+        return score_responses(boundary.first_logprobs, logits, responses, response_lens)
+
+    def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
+        """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt.
+
+        Without a cache the tokens are the responses' first T tokens; with one they follow its `length`
+        tokens, and the cache takes their K and V.
+        """
+        num_prompts, num_samples, num_tokens = tokens.shape
+        start = 0 if cache is None else cache.length
+        offsets = torch.arange(start, start + num_tokens, device=self.device)
+        positions = boundary.next_positions[:, None, None] + offsets  # [P, 1, T]
+        positions = positions.expand(3, num_prompts, num_samples, num_tokens).flatten(1, 2)  # [3, P*N, T]
+        x = self.model.language_model.embed_tokens(tokens.flatten(0, 1))  # [P*N, T, hidden]
+        cos, sin = text_rotary(positions, self.config.text)
+        attention = SharedPrefixAttention(boundary, num_samples, cache)
+        hidden = self.model.language_model(x, cos, sin, attention)
+        if cache is not None:
+            cache.advance(num_tokens)
+        return self.lm_head(hidden).unflatten(0, (num_prompts, num_samples))
+
+    def _run_sequences(self, sequences: Sequence[Prompt], attention: Attention) -> tuple[Tensor, PackedSequences]:
+        """Final hidden states [B, L, hidden] of right-padded sequences, and the packed batch."""
+        packed = pack_sequences(sequences, self.config)
+        x = self._embed(packed)
+        cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
+        return self.model.language_model(x, cos, sin, attention), packed
+
+    def _embed(self, packed: PackedSequences) -> Tensor:
+        """Token embeddings [B, L, hidden], image/video tokens replaced by the vision encoder's outputs."""
+        x = self.model.language_model.embed_tokens(packed.input_ids.to(self.device))
+        if not packed.visuals:
+            return x
+        features = self.model.visual(packed.visuals).to(x.dtype)  # [num_visual_tokens, hidden]
+        slots = packed.visual_slots(self.config.tokens).to(self.device)
+        return x.masked_scatter(slots[..., None], features)

@@ -1,0 +1,54 @@
+"""Rotary embeddings: the decoder's multimodal rotary (mrope) and the vision encoder's 2D rotary.
+
+Turns position ids into cos/sin tables and rotates queries and keys with them. Which position each token gets
+is decided elsewhere (`positions.py` for the decoder, `vision_layout.py` for patches). Tables are computed in
+float32 from the config on every call and never stored as buffers, so a model built on the meta device has
+nothing to fill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollplex.models.config import TextConfig
+
+VISION_ROPE_THETA = 10_000.0
+
+
+def inverse_frequencies(dim: int, theta: float, device: torch.device) -> Tensor:
+    """[dim // 2] float32: theta ** (-2i / dim)."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates x [..., D] by cos/sin (broadcastable to x) in float32; returns x's dtype."""
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def text_rotary(positions: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
+    """positions [3, B, T] (temporal, height, width) -> cos, sin [B, 1, T, head_dim], broadcast over heads.
+
+    The head dimension's frequency slots are split by `mrope_section`: the first section rotates by the
+    temporal position, the second by the height position, the third by the width position.
+    """
+    inv_freq = inverse_frequencies(text.head_dim, text.rope_theta, positions.device)  # [D/2]
+    freqs = positions[..., None].float() * inv_freq  # [3, B, T, D/2]
+    sections = freqs.split(list(text.mrope_section), dim=-1)
+    freqs = torch.cat([section[axis] for axis, section in enumerate(sections)], dim=-1)  # [B, T, D/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    return angles.cos(), angles.sin()
+
+
+def vision_rotary(rows: Tensor, cols: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Patch rows, cols [S] -> cos, sin [S, 1, head_dim]: half the slots rotate by row, half by column."""
+    inv_freq = inverse_frequencies(head_dim // 2, VISION_ROPE_THETA, rows.device)  # [D/4]
+    freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [S, D/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [S, 1, D]
+    return angles.cos(), angles.sin()
