@@ -21,7 +21,13 @@ def standard_grpo(kl_coef: float) -> GraphSpec:
     nodes = [
         NodeSpec(id="rollout", kind="decode", role="rollout", inputs=(DATASET,), outputs=("responses",)),
         NodeSpec(id="reward", kind="reward", inputs=(DATASET, "responses"), outputs=("rewards",)),
-        NodeSpec(id="actor_score", kind="forward", role="actor", inputs=(DATASET, "responses"), outputs=("logprobs",)),
+        NodeSpec(
+            id="actor_score",
+            kind="forward",
+            role="actor",
+            inputs=(DATASET, "responses"),
+            outputs=("logprobs",),
+        ),
         NodeSpec(
             id="actor_backward",
             kind="backward",
@@ -33,7 +39,11 @@ def standard_grpo(kl_coef: float) -> GraphSpec:
     ]
     if with_ref:
         ref = NodeSpec(
-            id="ref_score", kind="forward", role="reference", inputs=(DATASET, "responses"), outputs=("ref_logprobs",)
+            id="ref_score",
+            kind="forward",
+            role="reference",
+            inputs=(DATASET, "responses"),
+            outputs=("ref_logprobs",),
         )
         nodes.insert(2, ref)
     return GraphSpec(nodes=tuple(nodes), tensors=())

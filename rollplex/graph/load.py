@@ -57,7 +57,9 @@ def _parse_yaml(text: str, file: str) -> tuple[object, yaml.Node | None]:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else None
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError("", f"YAML syntax error: {problem}", "fix the YAML at that line", line=line, file=file) from None
+        raise SpecError(
+            "", f"YAML syntax error: {problem}", "fix the YAML at that line", line=line, file=file
+        ) from None
     if not isinstance(data, dict):
         raise SpecError("", "the spec must be a YAML mapping of sections (model, cluster, ...)", file=file)
     return data, root

@@ -110,10 +110,12 @@ class MemorySpec(_Strict):
     )
     recompute: Literal["none", "full"] = Field("none", description="Activation recompute for the training microbatch.")
     prefix_activations: Literal["offload", "recompute"] = Field(
-        "offload", description="Actor-prefix saved tensors: offload to the pinned host pool, or keep layer inputs."
+        "offload",
+        description="Actor-prefix saved tensors: offload to the pinned host pool, or keep layer inputs.",
     )
     optimizer_chunk_mib: PositiveInt | None = Field(
-        None, description="FP32 optimizer-state bytes per streamed chunk, MiB; null picks the largest that fits."
+        None,
+        description="FP32 optimizer-state bytes per streamed chunk, MiB; null picks the largest that fits.",
     )
     host_pool_gib: PositiveFloat | None = Field(
         None, description="Pinned host pool per node, GiB; null sizes it from the plan."

@@ -75,6 +75,9 @@ def _check_lifetimes(g: nx.DiGraph) -> None:
         consumers = [o.phase for o in ops(g) if name in o.inputs]
         producer = [o.phase for o in ops(g) if name in o.outputs]
         if producer:
-            _check(by_index[life.first].phase is producer[0], f"'{name}' lifetime starts outside its producer's phase")
+            _check(
+                by_index[life.first].phase is producer[0],
+                f"'{name}' lifetime starts outside its producer's phase",
+            )
         if consumers:
             _check(by_index[life.last].phase is max(consumers), f"'{name}' lifetime ends outside its last phase")

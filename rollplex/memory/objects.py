@@ -40,9 +40,18 @@ class MemObject:
     outside: Residency  # where they are in the other steps
     vision: bool = False
     host_bytes: int = 0  # bytes it occupies in the pinned host pool (per GPU)
+    window: frozenset[int] = frozenset()  # steps it exists in, when that is not every step
+
+    @property
+    def movable(self) -> bool:
+        """Waits in the host pool between uses, and could stay in HBM over its whole window instead."""
+        host = self.outside is Residency.HOST and self.cls is not TensorClass.PERMANENT
+        return host and bool(self.window) and self.live != self.window
 
     def residency(self, step: int) -> Residency:
-        return Residency.HBM if step in self.live else self.outside
+        if step in self.live:
+            return Residency.HBM
+        return Residency.ABSENT if self.window and step not in self.window else self.outside
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +71,7 @@ def make_context(g: nx.DiGraph, spec: Spec, model: ModelConfig) -> Context:
 def role_steps(c: Context, role: Role, *, kinds: tuple[NodeKind, ...] = (), part: Part | None = None) -> set[int]:
     """Steps running an op of `role` (optionally only of these kinds / this part)."""
     chosen = {
-        o.id
-        for o in ops(c.g)
-        if o.role is role and (not kinds or o.kind in kinds) and (part is None or o.part is part)
+        o.id for o in ops(c.g) if o.role is role and (not kinds or o.kind in kinds) and (part is None or o.part is part)
     }
     return {s.index for s in steps(c.g) if chosen & set(s.ops)}
 
@@ -112,9 +119,22 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     if role is Role.ACTOR and _shares(c):
         llm_bytes = c.sharing.shared_bytes_per_gpu
     host = 0 if trained else llm_bytes
-    yield MemObject(role.value, "weights (BF16)", TensorClass.REGENERABLE, llm_bytes, live, outside, host_bytes=host)
+    window = _all(c)  # weights outlive the iteration
+    yield MemObject(
+        role.value, "weights (BF16)", TensorClass.REGENERABLE, llm_bytes, live, outside, False, host, window
+    )
     vhost = 0 if trained else vision * S.BF16
-    yield MemObject(role.value, "weights (BF16)", TensorClass.REGENERABLE, vision * S.BF16, live, outside, True, vhost)
+    yield MemObject(
+        role.value,
+        "weights (BF16)",
+        TensorClass.REGENERABLE,
+        vision * S.BF16,
+        live,
+        outside,
+        True,
+        vhost,
+        window,
+    )
     backward = role_steps(c, role, kinds=(NodeKind.BACKWARD,))
     if not backward:
         return
@@ -122,7 +142,15 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     llm = S.llm_params_per_rank(t, tp)
     for n, is_vision in ((llm, False), (vision, True)):
         grads_live = span(backward | update)
-        yield MemObject(role.value, "FP32 gradients", TensorClass.PHASE_LOCAL, n * S.FP32, grads_live, Residency.ABSENT, is_vision)
+        yield MemObject(
+            role.value,
+            "FP32 gradients",
+            TensorClass.PHASE_LOCAL,
+            n * S.FP32,
+            grads_live,
+            Residency.ABSENT,
+            is_vision,
+        )
     yield from _activations(c, role, backward)
     if update:
         yield from _optimizer_state(c, role, llm, vision)
@@ -137,7 +165,7 @@ def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[
 
 
 def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
-    t, tp, v = c.model.text, c.gpu.train_tp, c.model.vision
+    t, tp = c.model.text, c.gpu.train_tp
     suffix = role_steps(c, role, kinds=(NodeKind.FORWARD,), part=Part.SUFFIX)
     split = bool(suffix)
     tokens = c.gpu.microbatch_tokens if split else c.gpu.group_size * (c.gpu.prompt_tokens + c.gpu.response_tokens)
@@ -148,7 +176,14 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     else:
         per_token = t.num_hidden_layers * layer + out
     live = span(suffix | backward) if split else span(role_steps(c, role, kinds=(NodeKind.FORWARD,)) | backward)
-    yield MemObject(role.value, "activations (one microbatch)", TensorClass.PHASE_LOCAL, tokens * per_token, live, Residency.ABSENT)
+    yield MemObject(
+        role.value,
+        "activations (one microbatch)",
+        TensorClass.PHASE_LOCAL,
+        tokens * per_token,
+        live,
+        Residency.ABSENT,
+    )
     if split:
         yield from _prefix_saved(c, role, backward)
 
@@ -165,11 +200,29 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp)
         vis = patches * v.depth * v.hidden_size * S.BF16 // tp
     prefix = role_steps(c, role, part=Part.PREFIX)
+    window = span(prefix | backward)
     for b, is_vision in ((llm, False), (vis, True)):
         host = b * g.prompts_per_rank
-        yield MemObject(role.value, "prefix saved tensors", TensorClass.PHASE_LOCAL, host, frozenset(), Residency.HOST, is_vision, host)
+        yield MemObject(
+            role.value,
+            "prefix saved tensors",
+            TensorClass.PHASE_LOCAL,
+            host,
+            frozenset(),
+            Residency.HOST,
+            is_vision,
+            host,
+            window,
+        )
     one_layer = P * full_llm + patches * full_vis
-    yield MemObject(role.value, "prefix, one layer in flight", TensorClass.PHASE_LOCAL, one_layer, frozenset(prefix | backward), Residency.ABSENT)
+    yield MemObject(
+        role.value,
+        "prefix, one layer in flight",
+        TensorClass.PHASE_LOCAL,
+        one_layer,
+        frozenset(prefix | backward),
+        Residency.ABSENT,
+    )
 
 
 def _boundary(c: Context, role: Role) -> Iterator[MemObject]:

@@ -7,13 +7,14 @@ step leaves free: `pipeline_depth` chunks of FP32 state (load j+1, update j, off
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Phase, TensorClass, steps
 from rollplex.memory.objects import GIB, Context, MemObject, Residency
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
+MIN_AUTO_CHUNK = 256 * 2**20
 CHUNK_ALIGN = 2 * 2**20  # VMM page granularity
 
 
@@ -79,12 +80,45 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     capacity = int(c.spec.cluster.hbm_gib * GIB)
     optimizer = None
     update = _update_steps(c)
+    host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
+    objects = keep_in_hbm_when_room(objects, capacity, update, host_room)
     if update:
         optimizer = plan_optimizer(c, objects, update, capacity)
         live = frozenset(update)
-        objects = [*objects, MemObject("optimizer", "streamed chunks", TensorClass.PHASE_LOCAL, optimizer.workspace_bytes, live, Residency.ABSENT)]
+        objects = [
+            *objects,
+            MemObject(
+                "optimizer",
+                "streamed chunks",
+                TensorClass.PHASE_LOCAL,
+                optimizer.workspace_bytes,
+                live,
+                Residency.ABSENT,
+            ),
+        ]
     step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
-    return ResidencyPlan(tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity)
+    return ResidencyPlan(
+        tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity
+    )
+
+
+def keep_in_hbm_when_room(objects: list[MemObject], capacity: int, update: set[int], host_room: int) -> list[MemObject]:
+    """The host pool takes what HBM need not hold. Only when the pool would exceed `host_room` (bytes per
+    GPU) do frozen weights and prefix saved tensors stay in HBM over their window instead: largest first,
+    each only if every step still fits (update steps keeping room for the smallest optimizer pipeline)."""
+    objects = list(objects)
+    room = {s: capacity - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
+    for i in sorted((i for i, o in enumerate(objects) if o.movable), key=lambda i: -objects[i].bytes):
+        if sum(o.host_bytes for o in objects) <= host_room:
+            break
+        trial = [*objects[:i], replace(objects[i], live=objects[i].window, host_bytes=0), *objects[i + 1 :]]
+        if all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
+            objects = trial
+    return objects
+
+
+def _all_steps(objects: list[MemObject]) -> set[int]:
+    return {s for o in objects for s in o.live | o.window}
 
 
 def _update_steps(c: Context) -> set[int]:

@@ -92,10 +92,8 @@ def _layouts(f: ParamFamily, t: TextConfig):
     """(training layout, rollout layout) as functions (tp, rank) -> segments, for column-parallel families."""
     if f.name.startswith("qkv"):
         return (lambda tp, r: qkv_megatron(t, tp, r)), (lambda tp, r: qkv_vllm(t, tp, r))
-    if f.name == "gate_up":
-        rows = {"gate": t.intermediate_size, "up": t.intermediate_size}
-    else:
-        rows = {"rows": f.shape[0]}
+    gate_up = {"gate": t.intermediate_size, "up": t.intermediate_size}
+    rows = gate_up if f.name == "gate_up" else {"rows": f.shape[0]}
     layout = lambda tp, r: per_rank_components(rows, tp, r)  # noqa: E731
     return layout, layout
 

@@ -1,0 +1,69 @@
+"""`rollplex compile|run|bench`: argument parsing and exit codes only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rollplex.errors import PlanDoesNotFit, SpecError
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.load import load_spec
+    from rollplex.graph.plan import check_fits, compile_plan
+    from rollplex.report.jsonout import plan_to_json
+
+    plan = compile_plan(load_spec(args.spec), Schedule(args.schedule) if args.schedule else None)
+    if args.plot:
+        from rollplex.report.plot import plot_memory
+
+        plot_memory(plan, args.plot)
+    if args.dry_run:
+        if args.format == "json":
+            print(json.dumps(plan_to_json(plan), indent=1))
+        else:
+            from rollplex.report.tables import report
+
+            print(report(plan, naive=args.naive))
+        check_fits(plan)
+        return 0
+    check_fits(plan)
+    Path(args.output).write_text(json.dumps(plan_to_json(plan), indent=1))
+    print(
+        f"wrote {args.output}: peak {plan.residency.peak_bytes / 2**30:.1f} GiB per GPU, schedule {plan.schedule.value}"
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollplex", description="Cross-phase GRPO for video VLMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compile", help="compile a spec into a phase schedule and per-GPU memory plan")
+    c.add_argument("spec", help="the YAML spec")
+    c.add_argument("--dry-run", action="store_true", help="print the plan instead of writing it")
+    c.add_argument("--naive", action="store_true", help="also show the everything-resident footprint")
+    c.add_argument("--plot", metavar="FILE.png", help="plot HBM by role over the phases")
+    c.add_argument("--format", choices=["text", "json"], default="text", help="dry-run output format")
+    c.add_argument("--schedule", choices=["serial", "rollplex"], help="override the spec's schedule")
+    c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    c.set_defaults(func=_compile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, PlanDoesNotFit) as e:
+        print(f"rollplex: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("rollplex: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

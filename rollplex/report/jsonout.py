@@ -1,0 +1,112 @@
+"""The plan as JSON (`rollplex compile --format json`, and the file `rollplex run` executes)."""
+
+from __future__ import annotations
+
+from rollplex.graph.ir import ops, steps
+from rollplex.graph.plan import Plan
+from rollplex.memory.objects import GIB, MemObject, Residency
+
+
+def _gib(b: int) -> float:
+    return round(b / GIB, 3)
+
+
+def plan_to_json(plan: Plan) -> dict:
+    r, sh, spec = plan.residency, plan.sharing, plan.loaded.spec
+    naive_llm = [x for x in plan.naive if not x.vision]
+    return {
+        "spec": spec.model_dump(mode="json", by_alias=True),
+        "model": plan.loaded.model.name,
+        "schedule": plan.schedule.value,
+        "per_gpu": {k: getattr(plan.context.gpu, k) for k in plan.context.gpu.__slots__},
+        "graph": _graph(plan),
+        "naive": {
+            "total_gib": _gib(sum(x.bytes for x in naive_llm)),
+            "vision_gib": _gib(sum(x.bytes for x in plan.naive if x.vision)),
+            "rows": [
+                {"role": x.role, "component": x.component, "gib": _gib(x.bytes), "vision": x.vision} for x in plan.naive
+            ],
+        },
+        "plan": {
+            "phases": [
+                {
+                    "name": p.phase.title,
+                    "phase": int(p.phase),
+                    "peak_gib": _gib(p.peak_bytes),
+                    "steps": list(p.steps),
+                    "objects": [_object(o, p.steps) for o in r.objects if _present(o, p.steps)],
+                }
+                for p in r.phases
+            ],
+            "step_gib": [_gib(b) for b in r.step_bytes],
+            "peak_gib": _gib(r.peak_bytes),
+        },
+        "capacity_gib": _gib(r.capacity_bytes),
+        "fits": r.fits,
+        "sharing": {
+            "train_tp": sh.train_tp,
+            "rollout_tp": sh.rollout_tp,
+            "case_params": {str(c): sh.case_params[c] for c in (1, 2, 3)},
+            "case_percent": {str(c): round(sh.percent(c), 2) for c in (1, 2, 3)},
+            "case3_buffer_gib": _gib(sh.case3_buffer_bytes_per_gpu),
+            "tensors": [
+                {
+                    "family": e.family.name,
+                    "count": e.family.count,
+                    "params": e.family.params,
+                    "case": int(e.case),
+                    "reason": e.reason,
+                }
+                for e in sh.entries
+            ],
+        },
+        "optimizer": {
+            "chunk_bytes": r.optimizer.chunk_bytes if r.optimizer else 0,
+            "num_chunks": r.optimizer.num_chunks if r.optimizer else 0,
+            "state_gib": _gib(r.optimizer.state_bytes) if r.optimizer else 0.0,
+        },
+        "host": {
+            "pinned_gib": _gib(r.host.pinned_bytes_per_node),
+            "needed_gib": _gib(r.host.needed_bytes_per_node),
+            "capacity_gib": _gib(r.host.capacity_bytes_per_node),
+        },
+    }
+
+
+def _graph(plan: Plan) -> dict:
+    g = plan.graph
+    return {
+        "ops": [
+            {
+                "id": o.id,
+                "kind": o.kind.value,
+                "role": o.role.value if o.role else None,
+                "part": o.part.value,
+                "phase": int(o.phase),
+                "executor": o.executor.value,
+                "inputs": list(o.inputs),
+                "outputs": list(o.outputs),
+            }
+            for o in ops(g)
+        ],
+        "steps": [{"index": s.index, "phase": int(s.phase), "ops": list(s.ops)} for s in steps(g)],
+    }
+
+
+def _present(o: MemObject, idx: tuple[int, ...]) -> bool:
+    return any(o.residency(i) is not Residency.ABSENT for i in idx)
+
+
+def _object(o: MemObject, idx: tuple[int, ...]) -> dict:
+    states = [o.residency(i) for i in idx]
+    where = (
+        Residency.HBM if Residency.HBM in states else next((r for r in states if r is not Residency.ABSENT), states[0])
+    )
+    return {
+        "role": o.role,
+        "component": o.component,
+        "class": o.cls.value,
+        "vision": o.vision,
+        "gib": _gib(o.bytes),
+        "residency": where.value,
+    }

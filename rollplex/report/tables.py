@@ -1,0 +1,140 @@
+"""The dry-run report: readable text tables of a compiled plan."""
+
+from __future__ import annotations
+
+from rollplex.graph.ir import op, steps
+from rollplex.graph.plan import Plan
+from rollplex.memory.objects import GIB, MemObject, Residency
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def gib(b: int) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def header(plan: Plan) -> str:
+    s, g = plan.loaded.spec, plan.context.gpu
+    return (
+        f"{plan.loaded.model.name}: {s.cluster.nodes} x {s.cluster.gpus_per_node} GPUs of {s.cluster.hbm_gib:g} GiB, "
+        f"train TP {g.train_tp} (DP {g.train_dp}), rollout TP {g.rollout_tp} ({g.num_rollout_replicas} replicas), "
+        f"schedule {plan.schedule.value}\n"
+        f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
+        f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens"
+    )
+
+
+def graph_table(plan: Plan) -> str:
+    rows = []
+    for s in steps(plan.graph):
+        for i, n in enumerate(s.ops):
+            o = op(plan.graph, n)
+            phase = (
+                s.phase.title if i == 0 and (s.index == 0 or steps(plan.graph)[s.index - 1].phase != s.phase) else ""
+            )
+            role = o.role.value if o.role else "-"
+            rows.append([phase, str(s.index) if i == 0 else "", n, o.kind.value, role, o.executor.value])
+    return "Graph by phase and executor\n" + table(["phase", "step", "op", "kind", "role", "executor"], rows)
+
+
+def memory_table(plan: Plan) -> str:
+    r = plan.residency
+    rows = []
+    for vision in (False, True):
+        for o in (o for o in r.objects if o.vision is vision):
+            cells = [_cell(o, p.peak_step, p.steps) for p in r.phases]
+            if any(c != "-" for c in cells):
+                rows.append([o.role, ("vision " if vision else "") + o.component, o.cls.value, *cells])
+    rows.append(["", "peak", "", *[gib(p.peak_bytes) for p in r.phases]])
+    heads = ["role", "object", "class", *[f"P{int(p.phase)} GiB" for p in r.phases]]
+    note = "HBM GiB at each phase's peak step; host = pinned pool, dropped = rebuilt when needed"
+    return f"Memory per GPU by phase and role ({note})\n" + table(heads, rows, right={3, 4, 5})
+
+
+def _cell(o: MemObject, peak_step: int, idx: tuple[int, ...]) -> str:
+    if peak_step in o.live:
+        return gib(o.bytes)
+    if any(i in o.live for i in idx):
+        return f"({gib(o.bytes)})"  # in HBM in another step of the phase
+    where = o.residency(peak_step)
+    if where is Residency.HOST and o.host_bytes:
+        return f"host {gib(o.host_bytes)}"
+    return where.value
+
+
+def peak_table(plan: Plan) -> str:
+    r = plan.residency
+    rows = [
+        [
+            p.phase.title,
+            gib(p.peak_bytes),
+            gib(r.capacity_bytes),
+            gib(r.capacity_bytes - p.peak_bytes),
+            "yes" if p.peak_bytes <= r.capacity_bytes else "NO",
+        ]
+        for p in r.phases
+    ]
+    h = r.host
+    lines = [
+        "Peak vs capacity per GPU",
+        table(["phase", "peak GiB", "capacity", "headroom", "fits"], rows, right={1, 2, 3}),
+        f"pinned host pool per node: {gib(h.pinned_bytes_per_node)} GiB of {gib(h.capacity_bytes_per_node)} GiB"
+        + ("" if h.fits else "  (DOES NOT FIT)"),
+    ]
+    if r.optimizer:
+        o = r.optimizer
+        lines.append(
+            f"optimizer: {gib(o.state_bytes)} GiB FP32 state streamed in {o.num_chunks} chunks of "
+            f"{o.chunk_bytes / 2**20:.0f} MiB, {o.pipeline_depth} in flight ({gib(o.workspace_bytes)} GiB)"
+        )
+    return "\n".join(lines)
+
+
+def sharing_table(plan: Plan) -> str:
+    sh = plan.sharing
+    rows = [
+        [e.family.name, str(e.family.count), f"{e.family.params / 1e9:.3f}", str(int(e.case)), e.reason]
+        for e in sh.entries
+    ]
+    summary = ", ".join(f"Case {c}: {sh.case_params[c] / 1e9:.2f} B ({sh.percent(c):.1f} %)" for c in (1, 2, 3))
+    return (
+        f"Actor weight sharing, train TP {sh.train_tp} -> rollout TP {sh.rollout_tp} (LLM parameters)\n"
+        + table(["tensor", "count", "params (B)", "case", "why"], rows, right={1, 2})
+        + f"\n{summary}; Case-3 buffer {gib(sh.case3_buffer_bytes_per_gpu)} GiB per GPU"
+    )
+
+
+def naive_table(plan: Plan) -> str:
+    rows = [[x.role, ("vision " if x.vision else "") + x.component, gib(x.bytes)] for x in plan.naive]
+    llm = sum(x.bytes for x in plan.naive if not x.vision)
+    vision = sum(x.bytes for x in plan.naive if x.vision)
+    cap = plan.residency.capacity_bytes
+    verdict = "fits" if llm + vision <= cap else "does NOT fit"
+    return (
+        "Naive colocation: everything resident at once, per GPU\n"
+        + table(["role", "component", "GiB"], rows, right={2})
+        + f"\ntotal {gib(llm)} GiB (language model and runtime) + {gib(vision)} GiB vision encoder = "
+        f"{gib(llm + vision)} GiB vs {gib(cap)} GiB: {verdict}"
+    )
+
+
+def report(plan: Plan, *, naive: bool) -> str:
+    parts = [header(plan), graph_table(plan), memory_table(plan), peak_table(plan), sharing_table(plan)]
+    if naive:
+        parts.append(naive_table(plan))
+    verdict = "FITS" if plan.residency.fits else "DOES NOT FIT"
+    parts.append(
+        f"plan {verdict}: peak {gib(plan.residency.peak_bytes)} GiB of {gib(plan.residency.capacity_bytes)} GiB"
+    )
+    return "\n\n".join(parts)
