@@ -22,6 +22,11 @@ class LoadedSpec:
     spec: Spec
     model: ModelConfig
     path: Path
+    yaml_root: yaml.Node | None = None
+
+    def locate(self, e: SpecError) -> SpecError:
+        """The same error with this spec's file name and the YAML line of its key path."""
+        return e.located(str(self.path), _line(self.yaml_root, e.where.split(".")))
 
 
 def load_spec(path: str | Path) -> LoadedSpec:
@@ -46,7 +51,7 @@ def parse_spec(text: str, file: str = "spec", base: Path | None = None) -> Loade
         raise e.located(file, _line(root, e.where.split("."))) from None
     except (FileNotFoundError, KeyError, ValueError) as e:
         raise SpecError("model", str(e).strip("'"), line=_line(root, ["model"]), file=file) from None
-    return LoadedSpec(spec, model, Path(file))
+    return LoadedSpec(spec, model, Path(file), root)
 
 
 def _parse_yaml(text: str, file: str) -> tuple[object, yaml.Node | None]:

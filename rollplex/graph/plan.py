@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from rollplex.errors import PlanDoesNotFit
+from rollplex.errors import PlanDoesNotFit, SpecError
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
@@ -36,7 +36,10 @@ class Plan:
 
 def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check: bool = False) -> Plan:
     schedule = schedule or Schedule(loaded.spec.schedule)
-    g = compile_graph(loaded.spec, schedule=schedule, check=check)
+    try:
+        g = compile_graph(loaded.spec, schedule=schedule, check=check)
+    except SpecError as e:
+        raise loaded.locate(e) from None
     c = make_context(g, loaded.spec, loaded.model)
     residency = lower_residency(c, memory_objects(c))
     return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)))
@@ -63,17 +66,18 @@ def check_fits(plan: Plan) -> None:
         largest = ", ".join(f"{_name(o)} {o.bytes / GIB:.1f}" for o in top)
         fixes = "; ".join(dict.fromkeys(_REMEDIES[o.component] for o in top if o.component in _REMEDIES))
         raise PlanDoesNotFit(
-            f"plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "
+            f"{plan.loaded.path}: plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "
             f"{r.capacity_bytes / GIB:.1f} GiB per GPU; largest: {largest} GiB; to fit: {fixes or 'add GPUs'}"
         )
     if not r.host.fits:
         h = r.host
         raise PlanDoesNotFit(
-            f"plan does not fit in host memory: needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
+            f"{plan.loaded.path}: plan does not fit in host memory: needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
             f"(pool {h.pinned_bytes_per_node / GIB:.1f}, host {h.capacity_bytes_per_node / GIB:.1f}); to fit: "
             "set memory.prefix_activations: recompute, raise memory.host_pool_gib, or raise parallel.train_tp"
         )
 
 
 def _name(o: MemObject) -> str:
-    return f"{o.role} {'vision ' if o.vision else ''}{o.component}"
+    role = "" if o.component.startswith(o.role) else f"{o.role} "
+    return f"{role}{'vision ' if o.vision else ''}{o.component}"

@@ -1,0 +1,99 @@
+"""Every mistake a user can make in a spec ends in one line naming the key (and line), exit code 2."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rollplex.cli import main
+
+BASE = """\
+model: tiny
+cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}
+parallel: {train_tp: 1, rollout_tp: 1}
+workload: {prompts_per_step: 2, group_size: 4, prompt_tokens: 96, response_tokens: 16, visual_tokens: 8}
+"""
+
+GRAPH_HEAD = BASE + "graph:\n  nodes:\n"
+DECODE = "    - {id: rollout, kind: decode, role: rollout, inputs: [prompts], outputs: [responses]}\n"
+
+
+def run_compile(tmp_path, text, capsys, *extra):
+    path = tmp_path / "spec.yaml"
+    path.write_text(textwrap.dedent(text))
+    code = main(["compile", str(path), "--dry-run", *extra])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+CASES = {
+    "yaml syntax": (BASE + "memory: {recompute: full\n", ["YAML syntax error", "spec.yaml:"]),
+    "unknown key": (BASE.replace("train_tp: 1", "train_tpp: 1"), ["parallel.train_tpp", "unknown key", "train_tp", ":3:"]),
+    "wrong type": (BASE.replace("group_size: 4", "group_size: many"), ["workload.group_size", "many", ":4:"]),
+    "wrong value": (BASE + "schedule: fast\n", ["schedule", "'serial' or 'rollplex'", ":5:"]),
+    "missing section": (BASE.replace("cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}\n", ""), ["cluster", "missing"]),
+    "unknown model": (BASE.replace("model: tiny", "model: qwen9"), ["model", "qwen9", "qwen2_5_vl_7b", ":1:"]),
+    "input nobody produces": (
+        GRAPH_HEAD + DECODE + "    - {id: score, kind: forward, role: actor, inputs: [prompts, answers], outputs: [lp]}\n",
+        ["graph.nodes.1.inputs", "'answers'", "no node produces", ":8:"],
+    ),
+    "cycle": (
+        GRAPH_HEAD + DECODE
+        + "    - {id: a, kind: forward, role: actor, inputs: [responses, y], outputs: [x]}\n"
+        + "    - {id: b, kind: forward, role: actor, inputs: [x], outputs: [y]}\n",
+        ["cycle", "a -> b -> a"],
+    ),
+    "phase-1 node reads a response": (
+        GRAPH_HEAD + DECODE
+        + "    - {id: again, kind: decode, role: rollout, inputs: [prompts, responses], outputs: [more]}\n",
+        ["graph.nodes.1.inputs", "decode node 'again'", "'responses'", "Phase 1", ":8:"],
+    ),
+    "tp does not divide heads": (
+        BASE.replace("model: tiny", "model: qwen2_5_vl_7b").replace("gpus_per_node: 1", "gpus_per_node: 8")
+        .replace("train_tp: 1", "train_tp: 8").replace("prompts_per_step: 2", "prompts_per_step: 8"),
+        ["parallel.train_tp", "28 attention heads", "use one of", ":3:"],
+    ),
+    "train tp not a multiple of rollout tp": (
+        BASE.replace("gpus_per_node: 1", "gpus_per_node: 4").replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")
+        .replace("prompts_per_step: 2", "prompts_per_step: 4"),
+        ["parallel.train_tp", "not a multiple of rollout_tp 4", ":3:"],
+    ),
+    "reward with a role": (
+        GRAPH_HEAD + DECODE + "    - {id: r, kind: reward, role: actor, inputs: [responses], outputs: [rw]}\n",
+        ["graph.nodes.1", "reward node has no role"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_spec_gives_one_line_naming_the_key_and_exit_2(tmp_path, capsys, name):
+    text, expected = CASES[name]
+    code, err = run_compile(tmp_path, text, capsys)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+def test_a_missing_spec_file_is_a_one_line_error(tmp_path, capsys):
+    code = main(["compile", str(tmp_path / "nope.yaml"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot read spec" in err
+
+
+def test_a_plan_that_cannot_fit_exits_1_naming_phase_peak_capacity_and_remedies(tmp_path, capsys):
+    text = BASE.replace("model: tiny", "model: qwen2_5_vl_7b").replace("hbm_gib: 16", "hbm_gib: 60")
+    text = text.replace("host_gib: 8", "host_gib: 400").replace("response_tokens: 16", "response_tokens: 4096")
+    code, err = run_compile(tmp_path, text, capsys)
+    assert code == 1
+    assert "Phase 2" in err and "> 60.0 GiB" in err and "activations" in err and "memory.recompute: full" in err
+
+
+def test_the_console_script_prints_no_traceback(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(BASE + "bogus: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "rollplex.cli", "compile", str(path), "--dry-run"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "bogus: unknown key" in proc.stderr
