@@ -1,0 +1,139 @@
+"""The per-GPU plan: the paper's Table 1 from its spec, feasibility on one H200, and plan properties."""
+
+from pathlib import Path
+
+import pytest
+
+from rollplex.graph.ir import Phase, Schedule, steps
+from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.memory.objects import GIB, Residency
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+GB = 1e9
+
+# Paper Table 1 (Qwen2.5-VL-32B, train TP 8, rollout TP 4), GiB per GPU
+TABLE_1 = {
+    ("actor", "weights (BF16)"): 7.6,
+    ("actor", "FP32 gradients"): 15.1,
+    ("actor", "FP32 master weights"): 15.1,
+    ("actor", "Adam moments (FP32)"): 30.3,
+    ("actor", "activations (one microbatch)"): 28.3,
+    ("reference", "weights (BF16)"): 7.6,
+    ("rollout", "weights (BF16)"): 15.1,
+    ("rollout", "KV cache"): 29.0,
+}
+
+
+@pytest.fixture(scope="module")
+def paper_plan():
+    return compile_plan(load_spec(SPECS / "qwen2_5_vl_32b_h800.yaml"), check=True)
+
+
+def llm_rows(plan):
+    return {(r.role, r.component): r.bytes / GIB for r in plan.naive if not r.vision}
+
+
+def test_naive_footprint_reproduces_each_row_of_the_papers_table_1(paper_plan):
+    rows = llm_rows(paper_plan)
+    for key, paper in TABLE_1.items():
+        assert rows[key] == pytest.approx(paper, rel=0.05), key
+    preserved = rows[("actor", "boundary KV")] + rows[("reference", "boundary KV")]
+    assert preserved == pytest.approx(16.0, rel=0.05)
+    assert 2 <= rows[("runtime", "runtime reserve")] <= 4
+
+
+def test_naive_total_is_within_3_percent_of_165_gib_and_cannot_fit(paper_plan):
+    total = sum(llm_rows(paper_plan).values())
+    assert total == pytest.approx(165, rel=0.03)
+    assert total > 80 * GB / GIB
+
+
+def test_the_rollplex_plan_of_the_paper_setup_peaks_below_80_gb_in_every_phase(paper_plan):
+    assert [p.phase for p in paper_plan.residency.phases] == list(Phase)
+    for p in paper_plan.residency.phases:
+        assert p.peak_bytes < 80 * GB, p.phase
+    assert paper_plan.residency.fits
+
+
+def test_7b_on_one_h200_does_not_fit_naively_but_the_plan_does():
+    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"), check=True)
+    naive = sum(r.bytes for r in plan.naive)
+    assert naive > plan.residency.capacity_bytes
+    assert plan.residency.fits
+
+
+def test_every_shipped_spec_compiles_and_its_peaks_are_sums_of_live_objects():
+    for path in sorted(SPECS.glob("*.yaml")):
+        for schedule in Schedule.SERIAL, Schedule.ROLLPLEX:
+            plan = compile_plan(load_spec(path), schedule, check=True)
+            r = plan.residency
+            for s in steps(plan.graph):
+                assert r.step_bytes[s.index] == sum(o.bytes for o in r.in_hbm(s.index))
+            assert r.peak_bytes == max(p.peak_bytes for p in r.phases)
+
+
+def test_the_optimizer_streams_all_fp32_state_through_what_the_update_leaves_free(paper_plan):
+    r = paper_plan.residency
+    opt = r.optimizer
+    assert opt.num_chunks * opt.chunk_bytes >= opt.state_bytes > (opt.num_chunks - 1) * opt.chunk_bytes
+    update = next(p for p in r.phases if p.phase is Phase.UPDATE)
+    assert update.peak_bytes <= r.capacity_bytes
+    resident_rest = update.peak_bytes - opt.workspace_bytes
+    assert resident_rest + opt.state_bytes > r.capacity_bytes  # unchunked, the update could not fit
+
+
+def tiny(extra: str = "", schedule: str = "rollplex"):
+    text = f"""
+model: qwen2_5_vl_7b
+cluster: {{hbm_gib: 139, host_gib: 1000}}
+workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}}
+memory: {{recompute: full, prefix_activations: recompute{extra}}}
+schedule: {schedule}
+"""
+    return compile_plan(parse_spec(text), check=True)
+
+
+def objects(plan, role, component):
+    return [o for o in plan.residency.objects if o.role == role and o.component == component and not o.vision]
+
+
+def test_rollout_kv_lives_only_while_decoding_and_boundaries_bridge_phase_1_to_2():
+    plan = tiny()
+    decode = {s.index for s in steps(plan.graph) if "rollout" in s.ops}
+    (kv,) = objects(plan, "rollout", "KV cache")
+    assert kv.live == decode
+    for role in ("actor", "reference"):
+        (b,) = objects(plan, role, "boundary KV")
+        phases = {steps(plan.graph)[i].phase for i in b.live}
+        assert phases == {Phase.ROLLOUT, Phase.TRAIN}
+
+
+def test_serial_frees_rollout_kv_before_the_prefixes_run():
+    plan = tiny(schedule="serial")
+    (kv,) = objects(plan, "rollout", "KV cache")
+    (ref,) = objects(plan, "reference", "boundary KV")
+    assert not kv.live & ref.live
+
+
+def test_without_weight_sharing_rollout_holds_its_own_copy_and_no_case3_buffer():
+    shared, separate = tiny(), tiny(", weight_sharing: false")
+    assert objects(shared, "rollout", "Case-3 buffer") and not objects(shared, "rollout", "weights (BF16)")
+    assert objects(separate, "rollout", "weights (BF16)") and not objects(separate, "rollout", "Case-3 buffer")
+    assert separate.residency.phases[0].peak_bytes > shared.residency.phases[0].peak_bytes
+
+
+def test_recompute_shrinks_the_training_microbatch():
+    full = compile_plan(parse_spec(open(SPECS / "qwen2_5_vl_7b_h200.yaml").read().replace("recompute: full", "recompute: none")))
+    re = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    (a,), (b,) = objects(full, "actor", "activations (one microbatch)"), objects(re, "actor", "activations (one microbatch)")
+    assert b.bytes < a.bytes / 4
+
+
+def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
+    roomy, short = tiny(), tiny(", host_pool_gib: 100")
+    assert roomy.residency.host.needed_bytes_per_node > 100 * GIB
+    assert short.residency.host.needed_bytes_per_node <= 100 * GIB and short.residency.fits
+    (ref_roomy,), (ref_short,) = objects(roomy, "reference", "weights (BF16)"), objects(short, "reference", "weights (BF16)")
+    update = max(s.index for s in steps(roomy.graph))
+    assert ref_roomy.residency(update) is Residency.HOST and ref_short.residency(update) is Residency.HBM

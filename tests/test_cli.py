@@ -1,0 +1,60 @@
+"""`rollplex compile`: the dry-run tables, JSON keys, plot and plan file; fast enough to be interactive."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollplex.cli import main
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+PAPER = str(SPECS / "qwen2_5_vl_32b_h800.yaml")
+
+
+def test_dry_run_prints_graph_memory_peak_and_sharing_tables(capsys):
+    assert main(["compile", PAPER, "--dry-run", "--naive"]) == 0
+    out = capsys.readouterr().out
+    for heading in ("Graph by phase and executor", "Memory per GPU by phase and role", "Peak vs capacity",
+                    "Actor weight sharing", "Naive colocation", "plan FITS"):
+        assert heading in out
+    assert "Case 1: 19.68 B (60.1 %)" in out
+
+
+def test_json_has_the_documented_keys(capsys):
+    assert main(["compile", PAPER, "--dry-run", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert isinstance(d["naive"]["total_gib"], float)
+    assert {"role", "component", "gib"} <= set(d["naive"]["rows"][0])
+    assert {"name", "peak_gib", "objects"} <= set(d["plan"]["phases"][0])
+    assert d["plan"]["peak_gib"] == max(p["peak_gib"] for p in d["plan"]["phases"])
+    assert d["fits"] is True and d["capacity_gib"] == 79.6
+    assert set(d["sharing"]["case_params"]) == {"1", "2", "3"} and set(d["sharing"]["case_percent"]) == {"1", "2", "3"}
+    assert d["sharing"]["case3_buffer_gib"] > 0
+    assert d["optimizer"]["chunk_bytes"] > 0 and d["optimizer"]["num_chunks"] > 0
+    assert d["host"]["pinned_gib"] > 0
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "memory.png"
+    assert main(["compile", PAPER, "--dry-run", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_dry_run_the_plan_is_written_for_run(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["compile", str(SPECS / "tiny_cpu.yaml"), "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["schedule"] == "rollplex" and plan["graph"]["steps"]
+
+
+def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():
+    code = (
+        "import sys, runpy; sys.argv = ['rollplex', 'compile', %r, '--dry-run'];"
+        "import rollplex.cli as c; rc = c.main(sys.argv[1:]); assert 'torch' not in sys.modules; sys.exit(rc)"
+    ) % PAPER
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 1.5, f"{elapsed:.2f} s"
