@@ -17,8 +17,9 @@ Prompt fraction at the median: clevrer ~0.80, perception_test ~0.92, star ~0.90,
 (medians of 400 sampled layouts; prompt = text + 2 + visual tokens).
 Response lengths are log-normal (median, sigma) clipped to [min, max]: a long tail, as in rollout.
 `Preset.tiny()` keeps a preset's shape at CPU-test scale (2-4 frames of 56-84 px, responses / 16).
-Text-token counts are in the tokens of whatever tokenizer builds the prompt. This module only describes
-workloads; `synthetic` renders them.
+Text-token counts are in the tokens of whatever tokenizer builds the prompt, and a floor: a question is
+never cut, so a question longer than its budget (likely with `CharTokenizer`) makes a longer prompt.
+This module only describes workloads; `synthetic` renders them.
 """
 
 from __future__ import annotations

@@ -131,9 +131,7 @@ def parse_number(text: str) -> float | None:
 
 def _numbers_equal(given: str, reference: str) -> bool:
     a, b = parse_number(given), parse_number(reference)
-    return (
-        a is not None and b is not None and math.isclose(a, b, rel_tol=NUMBER_REL_TOL, abs_tol=NUMBER_ABS_TOL)
-    )
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=NUMBER_REL_TOL, abs_tol=NUMBER_ABS_TOL)
 
 
 def normalize_text(text: str) -> str:

@@ -90,6 +90,8 @@ def trajectories(scene: Scene, num_frames: int, height: int, width: int) -> tupl
         v = np.array(thing.velocity)
         for t in range(num_frames):
             positions[t, i] = p
+            if t + 1 == num_frames:
+                break  # count only the bounces between the first and the last frame
             p = p + v
             hit_low, hit_high = p < low, p > high
             p = np.where(hit_low, 2 * low - p, np.where(hit_high, 2 * high - p, p))

@@ -54,9 +54,7 @@ class Question:
     options: tuple[str, ...] = ()
 
 
-def ask(
-    kind: QuestionKind, scene: Scene, bounces: np.ndarray, rng: np.random.Generator, num_options: int
-) -> Question:
+def ask(kind: QuestionKind, scene: Scene, bounces: np.ndarray, rng: np.random.Generator, num_options: int) -> Question:
     """One question about `scene` with its answer (`bounces` from `trajectories` on the rendered size)."""
     fastest = max(scene.things, key=lambda thing: thing.speed)
     if kind is QuestionKind.FASTEST_COLOUR:
@@ -85,9 +83,7 @@ def _fastest_colour(scene: Scene, answer: str, rng: np.random.Generator, num_opt
     lines = [f"{letter}. {colour}" for letter, colour in zip(letters, options, strict=True)]
     text = "Which colour is the object that moves fastest?\nOptions:\n" + "\n".join(lines)
     text += "\nGive only the option letter."
-    return Question(
-        QuestionKind.FASTEST_COLOUR, text, letters[options.index(answer)], AnswerKind.CHOICE, tuple(lines)
-    )
+    return Question(QuestionKind.FASTEST_COLOUR, text, letters[options.index(answer)], AnswerKind.CHOICE, tuple(lines))
 
 
 def fill_question(
@@ -150,9 +146,7 @@ class SyntheticVideoQA:
         frames = render(scene, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
         question = ask(QuestionKind(rng.choice(list(QuestionKind))), scene, bounces, rng, preset.num_options)
-        text = fill_question(
-            self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.text_tokens, rng, self.system
-        )
+        text = fill_question(self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.text_tokens, rng, self.system)
         visual = preprocess_video(frames, preset.vision, fps=preset.fps, size=(height, width))
         prompt = build_prompt(self.tokenizer, text, [visual], self.system, preset.vision.merge_size)
         meta = {

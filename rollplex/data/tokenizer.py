@@ -146,13 +146,13 @@ class HFTokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, source: str = "<memory>") -> None:
         self._tok = tokenizer
         self._special = SpecialIds(
-            pad=self._id(PAD, source, fallback=IM_END),
             eos=self._id(IM_END, source),
             im_start=self._id(IM_START, source),
             vision_start=self._id(VISION_START, source),
             vision_end=self._id(VISION_END, source),
             image=self._id(IMAGE_PAD, source),
             video=self._id(VIDEO_PAD, source),
+            pad=self._id(PAD, source, fallback=IM_END),
         )
 
     @classmethod

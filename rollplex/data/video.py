@@ -42,9 +42,7 @@ class VisionSpec:
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(
-                f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}"
-            )
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
 
     @classmethod
     def for_images(cls) -> VisionSpec:
@@ -63,9 +61,7 @@ class VisionSpec:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Nearest (height, width) that are multiples of `factor` with min_pixels <= h*w <= max_pixels."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"aspect ratio of {height}x{width} exceeds {MAX_ASPECT_RATIO}: crop the frames first"
-        )
+        raise ValueError(f"aspect ratio of {height}x{width} exceeds {MAX_ASPECT_RATIO}: crop the frames first")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -79,9 +75,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def output_size(
-    height: int, width: int, spec: VisionSpec, size: tuple[int, int] | None = None
-) -> tuple[int, int]:
+def output_size(height: int, width: int, spec: VisionSpec, size: tuple[int, int] | None = None) -> tuple[int, int]:
     """Frame size after resizing: `size` if given (a workload's fixed resolution), else smart_resize."""
     if size is None:
         return smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
@@ -127,9 +121,7 @@ def patchify(x: np.ndarray, spec: VisionSpec) -> tuple[np.ndarray, tuple[int, in
 
 def _check_frames(frames: np.ndarray) -> None:
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
-        raise ValueError(
-            f"expected RGB frames [T>0, H, W, 3] uint8, got {frames.dtype} {tuple(frames.shape)}"
-        )
+        raise ValueError(f"expected RGB frames [T>0, H, W, 3] uint8, got {frames.dtype} {tuple(frames.shape)}")
 
 
 def preprocess_video(

@@ -72,9 +72,7 @@ def read_rows(path: Path) -> Iterator[tuple[int, object]]:
         return
     rows = _json(text, str(path))
     if not isinstance(rows, list):
-        raise ValueError(
-            f"{path}: expected a JSON list of rows (or a .jsonl file), got {type(rows).__name__}"
-        )
+        raise ValueError(f"{path}: expected a JSON list of rows (or a .jsonl file), got {type(rows).__name__}")
     yield from enumerate(rows, start=1)
 
 
