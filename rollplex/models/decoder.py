@@ -34,7 +34,7 @@ class SelfAttention(nn.Module):
         k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = attention(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):

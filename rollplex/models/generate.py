@@ -1,0 +1,71 @@
+"""Rollout: N sampled responses per prompt, decoded with a KV cache over a shared prompt boundary.
+
+Each prompt is prefilled once (`Qwen2_5_VL.prefix`, detached); its N samples decode together, batched over all
+prompts, each attending to the one prompt KV and to its own response cache (`SharedPrefixAttention`). Runs
+on whatever device the model is on; the generator must live there too. Not here: sampling rules
+(`sampling.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rollplex.models.cache import ResponseCache
+from rollplex.models.inputs import Prompt
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class Rollout:
+    responses: Tensor  # [P, N, R] int64, 0 after each response's end; R = the longest response
+    response_lens: Tensor  # [P, N] int64, stop token included
+    logprobs: Tensor  # [P, N, R] float32: the model's log-prob of each token (temperature 1, no top-p), 0 after end
+
+
+@torch.no_grad()
+def generate(
+    model: Qwen2_5_VL,
+    prompts: Sequence[Prompt],
+    *,
+    num_samples: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Rollout:
+    """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples {num_samples} must be at least 1")
+    boundary = model.prefix(prompts, attached=False)
+    num_prompts, batch = boundary.num_prompts, boundary.num_prompts * num_samples
+    dtype = boundary.keys[0].dtype
+    cache = ResponseCache(model.config.text, batch, params.max_tokens, dtype=dtype, device=model.device)
+    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=model.device)
+    dist = boundary.first_logprobs.repeat_interleave(num_samples, dim=0)  # [P*N, V]
+    tokens, logprobs = [], []
+    lens = torch.zeros(batch, dtype=torch.long, device=model.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=model.device)
+    for step in range(params.max_tokens):
+        token = sample(dist, params, generator)  # [P*N]
+        tokens.append(token)
+        logprobs.append(dist.gather(-1, token[:, None])[:, 0])
+        lens += ~done
+        done |= torch.isin(token, stop_ids)
+        if bool(done.all()) or step + 1 == params.max_tokens:
+            break
+        logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)
+        dist = torch.log_softmax(logits.float(), dim=-1).view(batch, -1)
+    return _rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)
+
+
+def _rollout(tokens: Tensor, logprobs: Tensor, lens: Tensor, num_prompts: int) -> Rollout:
+    """From per-step tokens and log-probs [P*N, R] of every sample, zeroed past each response's end."""
+    is_real = torch.arange(tokens.shape[1], device=tokens.device) < lens[:, None]
+    return Rollout(
+        responses=tokens.where(is_real, 0).unflatten(0, (num_prompts, -1)),
+        response_lens=lens.unflatten(0, (num_prompts, -1)),
+        logprobs=logprobs.where(is_real, 0.0).unflatten(0, (num_prompts, -1)),
+    )

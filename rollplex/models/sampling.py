@@ -1,0 +1,52 @@
+"""Token sampling for rollout: temperature and top-p (nucleus) over a batch of next-token distributions.
+
+Not here: the decode loop (`generate.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_p keeps the smallest set of most likely tokens holding that much mass.
+
+    A response ends at its first stop token (which it keeps as its last token) or after max_tokens tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} is negative: use 0 for greedy, or a positive value")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p} is outside (0, 1]: use 1 to sample from the whole vocabulary")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens {self.max_tokens} must be at least 1")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """probs [B, V] -> the same with every token outside the top-p nucleus set to 0 (not renormalised)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the most likely token always has 0 before it
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def sample(logprobs: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+    """One token id [B] from each next-token distribution logprobs [B, V] (float32)."""
+    if params.temperature == 0:
+        return logprobs.argmax(dim=-1)
+    probs = torch.softmax(logprobs / params.temperature, dim=-1)
+    if params.top_p < 1:
+        probs = top_p_filter(probs, params.top_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

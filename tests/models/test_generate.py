@@ -1,0 +1,78 @@
+"""Rollout decode over a shared prompt boundary agrees with the full forward and with suffix scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models.generate import generate
+from rollplex.models.inputs import Prompt
+from rollplex.models.sampling import SamplingParams
+
+NUM_SAMPLES = 3
+
+
+@pytest.fixture
+def prompts(inputs) -> list[Prompt]:
+    return [
+        inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3),
+        inputs.prompt(4, inputs.image((4, 6)), 9),
+        inputs.prompt(6),
+    ]
+
+
+def rollout(model, prompts, params: SamplingParams, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=generator)
+
+
+def test_the_same_seed_gives_the_same_rollout_and_another_seed_another(model, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    first, again, other = (
+        rollout(model, prompts, params),
+        rollout(model, prompts, params),
+        rollout(model, prompts, params, 1),
+    )
+    assert torch.equal(first.responses, again.responses) and torch.equal(first.logprobs, again.logprobs)
+    assert not torch.equal(first.responses, other.responses)
+
+
+def test_responses_end_at_their_first_stop_token_or_at_max_tokens(model, prompts):
+    stop = (10, 11, 12, 13, 14, 15, 16, 17)
+    out = rollout(model, prompts, SamplingParams(temperature=1.5, max_tokens=8, stop_token_ids=stop))
+    assert out.responses.shape[-1] == int(out.response_lens.max()) <= 8
+    for response, length in zip(out.responses.flatten(0, 1), out.response_lens.flatten(), strict=True):
+        is_stop = torch.isin(response[:length], torch.tensor(stop))
+        assert not is_stop[:-1].any()
+        assert is_stop[-1] or length == 8
+        assert (response[length:] == 0).all()
+
+
+def test_greedy_decoding_follows_the_argmax_of_the_full_forward(model, prompts):
+    out = rollout(model, prompts, SamplingParams(temperature=0.0, max_tokens=5))
+    for p, prompt in enumerate(prompts):
+        for n in range(NUM_SAMPLES):
+            response = out.responses[p, n, : out.response_lens[p, n]]
+            logits = model([Prompt(torch.cat([prompt.input_ids, response]), prompt.visuals)])[0]
+            greedy = logits[prompt.num_tokens - 1 : -1].argmax(-1)
+            assert torch.equal(greedy, response)
+
+
+def test_sampling_logprobs_equal_suffix_logprobs(model, prompts):
+    out = rollout(model, prompts, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=6))
+    scored = model.suffix(model.prefix(prompts, attached=False), out.responses, out.response_lens)
+    assert (out.logprobs - scored.logprobs).abs().max() <= 1e-5 * scored.logprobs.abs().max()
+
+
+def test_a_vanishing_top_p_samples_the_greedy_token(model, prompts):
+    greedy = rollout(model, prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    nucleus = rollout(model, prompts, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=4))
+    assert torch.equal(greedy.responses, nucleus.responses)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_tokens": 0}, {"stop_token_ids": [2]}]
+)
+def test_invalid_sampling_params_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)

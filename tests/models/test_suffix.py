@@ -1,0 +1,102 @@
+"""prefix + suffix equals the unsplit forward over prompt ++ response, in values and in every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models.inputs import Prompt
+from rollplex.models.model import Qwen2_5_VL
+
+NUM_SAMPLES = 3
+MAX_RESPONSE = 5
+
+
+@pytest.fixture
+def prompts(inputs) -> list[Prompt]:
+    return [
+        inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3),
+        inputs.prompt(4, inputs.image((4, 6)), 9),
+        inputs.prompt(6),
+    ]
+
+
+@pytest.fixture
+def responses(config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responses [P, N, R] of lengths 1..R (padding holds token 0), and the lengths [P, N]."""
+    generator = torch.Generator().manual_seed(7)
+    shape = (3, NUM_SAMPLES, MAX_RESPONSE)
+    tokens = torch.randint(8, config.text.vocab_size, shape, generator=generator)
+    lens = torch.tensor([[5, 1, 3], [2, 5, 4], [3, 3, 1]])
+    return tokens.where(torch.arange(MAX_RESPONSE) < lens[..., None], 0), lens
+
+
+def unsplit_logprobs(model: Qwen2_5_VL, prompts: list[Prompt], responses, lens) -> tuple[torch.Tensor, ...]:
+    """Log-probs and entropy [P, N, R] from whole prompt ++ response sequences: the prompt runs once per sample."""
+    sequences = [
+        Prompt(torch.cat([prompt.input_ids, responses[p, n, : lens[p, n]]]), prompt.visuals)
+        for p, prompt in enumerate(prompts)
+        for n in range(responses.shape[1])
+    ]
+    logits = model(sequences)
+    logprobs = torch.zeros(responses.shape)
+    entropy = torch.zeros(responses.shape)
+    for row, sequence in enumerate(sequences):
+        p, n = divmod(row, responses.shape[1])
+        start = prompts[p].num_tokens - 1
+        dist = torch.log_softmax(logits[row, start : sequence.num_tokens - 1].float(), dim=-1)  # [len, V]
+        logprobs[p, n, : lens[p, n]] = dist.gather(-1, responses[p, n, : lens[p, n], None])[:, 0]
+        entropy[p, n, : lens[p, n]] = -(dist.exp() * dist).sum(-1)
+    return logprobs, entropy
+
+
+def assert_close(ours: torch.Tensor, reference: torch.Tensor, rel: float = 1e-5) -> None:
+    assert (ours - reference).norm() <= rel * reference.norm()
+
+
+def test_suffix_logprobs_and_entropy_equal_the_unsplit_forward(model, prompts, responses):
+    tokens, lens = responses
+    out = model.suffix(model.prefix(prompts, attached=False), tokens, lens)
+    with torch.no_grad():
+        logprobs, entropy = unsplit_logprobs(model, prompts, tokens, lens)
+    assert_close(out.logprobs, logprobs)
+    assert_close(out.entropy, entropy)
+    assert (out.logprobs[tokens == 0] == 0).all() and (out.entropy[tokens == 0] == 0).all()
+
+
+def test_detached_boundary_holds_no_graph(model, prompts):
+    boundary = model.prefix(prompts, attached=False)
+    assert not any(t.requires_grad for t in (*boundary.keys, *boundary.values, boundary.first_logprobs))
+
+
+def test_boundary_holds_one_prompt_kv_per_prompt_not_per_sample(model, prompts, config):
+    boundary = model.prefix(prompts, attached=False)
+    longest = max(prompt.num_tokens for prompt in prompts)
+    kv_shape = (len(prompts), config.text.num_key_value_heads, longest, config.text.head_dim)
+    assert all(k.shape == kv_shape for k in boundary.keys + boundary.values)
+    assert boundary.first_logprobs.shape == (len(prompts), config.text.vocab_size)
+    assert boundary.prompt_lens.tolist() == [prompt.num_tokens for prompt in prompts]
+
+
+def test_attached_prefix_gives_every_parameter_the_unsplit_gradient(model, prompts, responses):
+    tokens, lens = responses
+    weights = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(3))
+
+    model.zero_grad()
+    out = model.suffix(model.prefix(prompts, attached=True), tokens, lens)
+    ((out.logprobs + 0.1 * out.entropy) * weights).sum().backward()
+    split = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model.zero_grad()
+    logprobs, entropy = unsplit_logprobs(model, prompts, tokens, lens)
+    ((logprobs + 0.1 * entropy) * weights).sum().backward()
+    for name, p in model.named_parameters():
+        assert split[name].norm() > 0, name
+        assert_close(split[name], p.grad)
+
+
+def test_suffix_of_one_token_responses_reads_only_the_boundary(model, prompts):
+    boundary = model.prefix(prompts, attached=False)
+    tokens = torch.arange(8, 8 + len(prompts) * 2).view(len(prompts), 2, 1)
+    out = model.suffix(boundary, tokens, torch.ones(len(prompts), 2, dtype=torch.long))
+    assert torch.equal(out.logprobs[..., 0], boundary.first_logprobs.gather(-1, tokens[..., 0]))
