@@ -1,0 +1,95 @@
+"""GRPO's arithmetic: group-normalised advantages and the per-token loss (clipped ratio, k3 KL, entropy).
+
+Pure tensor math on log-probabilities; no model. Shapes: one prompt group is [N, R] (N responses of up to
+R tokens); `mask` marks real response tokens. The loss of a microbatch is returned already divided by the
+normaliser of the whole step (`LossScale`), so summing microbatch losses (or their gradients) gives exactly
+the loss of the full batch, however it is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_EPS = 1e-6
+
+
+def group_advantages(rewards: Tensor) -> Tensor:
+    """rewards [P, N] -> (r - mean over the group) / (unbiased std over the group + eps), [P, N]."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    return (rewards - mean) / (std + ADVANTAGE_EPS)
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """The k3 estimator of KL(pi || ref) per token: exp(ref - lp) - (ref - lp) - 1 (non-negative)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+@dataclass(frozen=True, slots=True)
+class GrpoConfig:
+    clip_ratio: float
+    kl_coef: float
+    entropy_coef: float
+    loss_agg: Literal["token_mean", "seq_mean"]
+
+
+@dataclass(frozen=True, slots=True)
+class LossScale:
+    """The whole step's normaliser: its number of response tokens (token_mean) or sequences (seq_mean)."""
+
+    num_tokens: int
+    num_sequences: int
+
+
+def loss_scale(mask: Tensor) -> LossScale:
+    """mask [P, N, R] of the whole step."""
+    return LossScale(int(mask.sum()), int(mask.shape[0] * mask.shape[1]))
+
+
+@dataclass(frozen=True)
+class GroupLoss:
+    loss: Tensor  # scalar, this microbatch's share of the step's loss
+    kl: Tensor  # scalar sums over real tokens (detached), for metrics
+    entropy: Tensor
+    clipped: Tensor
+
+
+def grpo_loss(
+    cfg: GrpoConfig,
+    scale: LossScale,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    entropy: Tensor,
+    mask: Tensor,
+) -> GroupLoss:
+    """logprobs, old_logprobs, ref_logprobs, entropy, mask: [..., R]; advantages: [...] per sequence."""
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(-1)
+    clipped_ratio = ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    kl = k3_kl(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
+    if cfg.kl_coef > 0:
+        per_token = per_token + cfg.kl_coef * kl
+    if cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
+    return GroupLoss(
+        loss=_aggregate(cfg, scale, per_token, mask),
+        kl=(kl * mask).sum().detach(),
+        entropy=(entropy * mask).sum().detach(),
+        clipped=((ratio != clipped_ratio).to(mask.dtype) * mask).sum().detach(),
+    )
+
+
+def _aggregate(cfg: GrpoConfig, scale: LossScale, per_token: Tensor, mask: Tensor) -> Tensor:
+    if cfg.loss_agg == "token_mean":
+        return (per_token * mask).sum() / scale.num_tokens
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    return ((per_token * mask).sum(dim=-1) / lengths).sum() / scale.num_sequences
