@@ -73,13 +73,15 @@ def _attach(o: Op, boundaries: dict[str, tuple[Role | None, str]]) -> Op:
 
 
 def assign_phases(g: nx.DiGraph) -> nx.DiGraph:
-    """Requires: split_at_response.
+    """Requires: split_at_response (or, for the unsplit oracle, a built graph).
     Ensures: decode and prompt-side forwards in Phase 1, updates in Phase 3, the rest in Phase 2; no op
     runs in an earlier phase than a producer of its inputs; no Phase-1 op reads a response.
     """
-    info = tensors(g)
+    dep = response_dependent(g)
+    info = {n: replace(i, response_dependent=n in dep) for n, i in tensors(g).items()}
     phase_of: dict[str, Phase] = {}
     out = g.copy()
+    out.graph["tensors"] = info
     for o in ops(g):
         reads_response = any(info[t].response_dependent for t in o.inputs)
         base = _base_phase(o, reads_response)

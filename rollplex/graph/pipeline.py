@@ -17,8 +17,10 @@ Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
 
 def graph_passes(schedule: Schedule) -> list[tuple[str, Pass]]:
+    """`unsplit` (the textbook oracle) skips the split: every score runs over prompt ++ response."""
+    split = [] if schedule is Schedule.UNSPLIT else [("split_at_response", split_at_response)]
     return [
-        ("split_at_response", split_at_response),
+        *split,
         ("assign_phases", assign_phases),
         ("assign_executors", assign_executors),
         ("order_steps", partial(order_steps, schedule=schedule)),
