@@ -1,0 +1,189 @@
+import pytest
+import torch
+from torch import nn
+
+from rollplex.memory.host_pool import HostPool
+from rollplex.memory.offload import SavedTensorOffload, recompute
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def mlp(seed=0, width=64, depth=4):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width)) for _ in range(depth))
+    )
+
+
+def block(seed=0):
+    torch.manual_seed(seed)
+    return nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+
+
+def grads_of(model, inputs, context=None):
+    model.zero_grad(set_to_none=True)
+    x = inputs.clone().requires_grad_(True)
+    if context is None:
+        loss = model(x).square().mean()
+    else:
+        with context:
+            loss = model(x).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def saved_bytes(model, inputs, keep=()):
+    """The oracle: bytes of every distinct saved tensor not in `keep` (counted by a plain hook)."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in kept:
+            saved[id(t)] = (t, t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs.clone().requires_grad_(True)).square().mean()
+    return sum(num_bytes for _, num_bytes in saved.values())
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("make", [mlp, block])
+def test_gradients_with_saved_tensors_offloaded_equal_those_without(make):
+    model = make()
+    inputs = torch.randn(4, 8, 32) if make is block else torch.randn(16, 64)
+    with HostPool(8 << 20) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters(), min_bytes=0)
+        assert_bitwise(grads_of(model, inputs, offload), grads_of(model, inputs))
+        assert offload.stats().num_bytes == saved_bytes(model, inputs, keep=model.parameters())
+        assert offload.stats().num_tensors > 0
+
+
+class SaveThrice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, c):
+        ctx.save_for_backward(a, b, c)
+        return a * b * c
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, c = ctx.saved_tensors
+        return grad * b * c, grad * a * c, grad * a * b
+
+
+def test_a_tensor_saved_three_times_is_offloaded_once():
+    x = torch.randn(64, 64, requires_grad=True)
+    with HostPool(1 << 20) as pool:
+        with SavedTensorOffload(pool) as offload:
+            y = x.exp()
+            loss = SaveThrice.apply(y, y, y).sum()
+        assert offload.stats().num_tensors == 1  # exp saves its result y, SaveThrice saves y thrice
+        assert offload.stats().num_bytes == 64 * 64 * 4
+        assert len(pool.live_blocks) == 1
+        loss.backward()
+    assert torch.allclose(x.grad, 3 * x.exp() ** 3)
+
+
+def test_the_pool_is_empty_again_once_backward_has_consumed_the_saved_tensors():
+    model, inputs = mlp(), torch.randn(16, 64)
+    with HostPool(8 << 20) as pool:
+        grads_of(model, inputs, SavedTensorOffload(pool, keep=model.parameters()))
+        assert pool.num_free_bytes == pool.capacity
+        assert pool.live_blocks == ()
+
+
+def test_a_graph_dropped_without_backward_also_frees_its_blocks():
+    model = mlp()
+    with HostPool(8 << 20) as pool:
+        with SavedTensorOffload(pool):
+            loss = model(torch.randn(16, 64)).sum()
+        assert pool.live_blocks
+        del loss
+        assert pool.live_blocks == ()
+
+
+def test_parameters_small_tensors_and_overflow_stay_put_and_are_counted_as_kept():
+    model, inputs = mlp(), torch.randn(16, 64)
+    with HostPool(3 * 4096) as pool:  # room for three 16 x 64 fp32 activations
+        offload = SavedTensorOffload(pool, keep=model.parameters(), min_bytes=4096)
+        assert_bitwise(grads_of(model, inputs, offload), grads_of(model, inputs))
+    stats = offload.stats()
+    assert stats.num_tensors == 3
+    assert stats.num_bytes == 3 * 4096
+    assert stats.num_bytes + stats.num_bytes_kept == saved_bytes(model, inputs)
+
+
+def test_recomputed_modules_give_the_same_gradients_and_save_less():
+    model, inputs = mlp(depth=6), torch.randn(16, 64)
+    layers = list(model)
+    with recompute(layers) as num_wrapped:
+        assert num_wrapped == 6
+        saved_with = saved_bytes(model, inputs, keep=model.parameters())
+    assert saved_with < saved_bytes(model, inputs, keep=model.parameters())
+    assert_bitwise(grads_of(model, inputs, recompute(layers)), grads_of(model, inputs))
+
+
+def test_recompute_keeps_dropout_masks_so_gradients_still_match():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.3), nn.Linear(32, 32))
+    inputs = torch.randn(8, 32)
+    torch.manual_seed(1)
+    expected = grads_of(model, inputs)
+    torch.manual_seed(1)
+    assert_bitwise(grads_of(model, inputs, recompute([model])), expected)
+
+
+def test_every_module_gets_its_own_forward_back_after_recompute():
+    model = block()
+    forward = model.forward
+    with pytest.raises(RuntimeError, match="boom"), recompute([model]):
+        assert model.forward != forward
+        raise RuntimeError("boom")
+    assert model.forward == forward and "forward" not in model.__dict__
+
+
+def test_recompute_inside_offload_still_gives_the_same_gradients():
+    model, inputs = block(), torch.randn(2, 8, 32)
+
+    class Both:
+        def __enter__(self):
+            self.offload = SavedTensorOffload(pool, keep=model.parameters(), min_bytes=0).__enter__()
+            self.recompute = recompute([model.linear1, model.linear2, model.norm1])
+            self.recompute.__enter__()
+
+        def __exit__(self, *exc):
+            self.recompute.__exit__(*exc)
+            self.offload.__exit__(*exc)
+
+    with HostPool(8 << 20) as pool:
+        assert_bitwise(grads_of(model, inputs, Both()), grads_of(model, inputs))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_offload_lowers_the_forward_peak_and_keeps_gradients_bitwise():
+    model = mlp(width=2048, depth=8).cuda()
+    inputs = torch.randn(4096, 2048, device="cuda")
+
+    def forward_peak(context):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = grads_of(model, inputs, context)
+        torch.cuda.synchronize()
+        return grads, torch.cuda.max_memory_allocated() - base
+
+    with HostPool(2 << 30, pin=True) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters())
+        plain, plain_peak = forward_peak(None)
+        offloaded, offload_peak = forward_peak(offload)
+        assert_bitwise(offloaded, plain)
+        assert pool.live_blocks == ()
+    stats = offload.stats()
+    print(f"\noffload: {stats.num_bytes / 2**20:.0f} MiB in {stats.num_tensors} tensors; ")
+    print(f"  peak {plain_peak / 2**20:.0f} MiB without, {offload_peak / 2**20:.0f} MiB with")
+    assert offload_peak < plain_peak - stats.num_bytes // 2
