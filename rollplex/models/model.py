@@ -41,8 +41,11 @@ class Backbone(nn.Module):
 
 
 class Qwen2_5_VL(nn.Module):
-    """Random weights (seed with `torch.manual_seed`) until a checkpoint is loaded; `device="meta"` allocates
-    nothing."""
+    """Qwen2.5-VL with random weights (seeded by `torch.manual_seed`) until a checkpoint is loaded.
+
+    `device="meta"` allocates nothing (see `checkpoint.load_pretrained`). Parameters hold `dtype`; norms,
+    rotary, softmax and log-probs compute in float32.
+    """
 
     def __init__(
         self,

@@ -8,7 +8,10 @@ response token after a prompt, continue at the largest position so far + 1.
 That last rule is Qwen's original one, which the released checkpoints were trained with. transformers 5.x
 resumes text after a visual at start + max(rows, columns) instead, ignoring the temporal axis; the two agree
 unless a video's temporal span exceeds its spatial span. Ours keeps a full forward over prompt ++ response
-consistent with the boundary's next position. Not here: the cos/sin tables (`rotary.py`).
+consistent with the boundary's next position. Some transformers 5.x releases (5.17 among them) also truncate
+second_per_grid_t to an integer; ours keeps the fraction, as Qwen's code and transformers 5.24 do.
+
+Not here: the cos/sin tables (`rotary.py`).
 """
 
 from __future__ import annotations
