@@ -5,8 +5,10 @@ Modules, one job each (import them directly; this package imports nothing, so it
     tokenizer   `Tokenizer` protocol, `CharTokenizer` (tiny models), `HFTokenizer` (real checkpoints)
     chat        the Qwen chat prompt with the vision pad tokens in place -> `rollplex.models.inputs.Prompt`
     video       Qwen2.5-VL pixel preprocessing (smart resize, CLIP normalisation, patches) -> `Visual`
-    synthetic   seeded synthetic video QA: moving shapes rendered with numpy, verifiable questions
+    scene       moving coloured shapes: simulation (straight lines, bounces) and numpy rendering
+    synthetic   seeded synthetic video QA over those scenes, with verifiable answers
     presets     workload shapes after the paper's four datasets, response-length distributions
-    video_r1    Video-R1-style JSON / JSONL with real video files decoded by PyAV
+    decode      video files -> sampled RGB frames (PyAV), Qwen's frame sampling
+    video_r1    Video-R1-style JSON / JSONL rows over real video (or image) files -> examples
     rewards     reward registry: format, tags, accuracy, and weighted sums
 """

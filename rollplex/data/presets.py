@@ -46,9 +46,9 @@ class LengthDistribution:
         if not 0 < self.low <= self.median <= self.high or self.sigma < 0:
             raise ValueError(f"need 0 < low <= median <= high and sigma >= 0, got {self}")
 
-    def sample(self, num: int, seed: int) -> np.ndarray:
-        """[num] int64 lengths, a pure function of `seed`."""
-        z = np.random.default_rng(seed).standard_normal(num)
+    def sample(self, num_samples: int, seed: int) -> np.ndarray:
+        """[num_samples] int64 lengths, a pure function of `seed`."""
+        z = np.random.default_rng(seed).standard_normal(num_samples)
         return np.clip(np.round(self.median * np.exp(self.sigma * z)), self.low, self.high).astype(np.int64)
 
 
@@ -59,7 +59,7 @@ class Layout:
     num_frames: int
     height: int
     width: int
-    text_tokens: int
+    num_text_tokens: int
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Preset:
         height = int(rng.integers(self.height[0], self.height[1] + 1))
         width = round(height * float(rng.choice(self.aspects)))
         text = int(rng.integers(self.text_tokens[0], self.text_tokens[1] + 1))
-        return Layout(num_frames=num_frames, height=height, width=width, text_tokens=text)
+        return Layout(num_frames=num_frames, height=height, width=width, num_text_tokens=text)
 
     def frame_size(self, layout: Layout) -> tuple[int, int]:
         """Frame size after Qwen's smart resize."""
@@ -107,7 +107,7 @@ class Preset:
 
     def prompt_tokens(self, layout: Layout) -> int:
         """Prompt length the layout asks for: text, vision start/end, and one pad per visual token."""
-        return layout.text_tokens + 2 + self.num_video_tokens(layout)
+        return layout.num_text_tokens + 2 + self.num_video_tokens(layout)
 
     def tiny(self) -> Preset:
         """The same workload at CPU-test scale: 2-4 frames of <= 84x84 px, responses / 16, same texts."""
@@ -122,9 +122,9 @@ class Preset:
         )
 
 
-def sample_response_lengths(preset: Preset, num: int, seed: int) -> np.ndarray:
-    """[num] response lengths drawn from the preset's distribution (to force lengths in benchmarks)."""
-    return preset.response.sample(num, seed)
+def sample_response_lengths(preset: Preset, num_samples: int, seed: int) -> np.ndarray:
+    """[num_samples] response lengths drawn from the preset's distribution (to force lengths in benchmarks)."""
+    return preset.response.sample(num_samples, seed)
 
 
 def _video(max_tokens: int) -> VisionSpec:

@@ -146,7 +146,9 @@ class SyntheticVideoQA:
         frames = render(scene, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
         question = ask(QuestionKind(rng.choice(list(QuestionKind))), scene, bounces, rng, preset.num_options)
-        text = fill_question(self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.text_tokens, rng, self.system)
+        text = fill_question(
+            self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.num_text_tokens, rng, self.system
+        )
         visual = preprocess_video(frames, preset.vision, fps=preset.fps, size=(height, width))
         prompt = build_prompt(self.tokenizer, text, [visual], self.system, preset.vision.merge_size)
         meta = {

@@ -59,7 +59,7 @@ def test_layouts_are_deterministic_and_within_the_preset_ranges(name):
         assert layout == preset.layout(3, i)
         assert preset.frames[0] <= layout.num_frames <= preset.frames[1] and layout.num_frames % 2 == 0
         assert preset.height[0] <= layout.height <= preset.height[1]
-        assert preset.text_tokens[0] <= layout.text_tokens <= preset.text_tokens[1]
+        assert preset.text_tokens[0] <= layout.num_text_tokens <= preset.text_tokens[1]
         h, w = preset.frame_size(layout)
         assert h * w <= preset.vision.max_pixels and h % 28 == 0 and w % 28 == 0
 

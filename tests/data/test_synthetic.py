@@ -86,7 +86,7 @@ def test_filler_brings_the_text_to_the_layouts_token_count_and_no_further_than_a
     for i in range(len(ds)):
         e = ds[i]
         question = tok.decode(e.prompt.input_ids.tolist()).split("<|vision_end|>")[1].split("<|im_end|>")[0]
-        target = preset.layout(0, i).text_tokens
+        target = preset.layout(0, i).num_text_tokens
         assert 0 <= num_text_tokens(tok, question) - target <= len(max(question.split(), key=len)) + 1
 
 
