@@ -206,9 +206,7 @@ class HostPool:
         """The block's bytes as a contiguous tensor of `dtype` and `shape` (a view: no copy)."""
         num_bytes = prod(shape) * dtype.itemsize
         if num_bytes > block.num_bytes:
-            raise ValueError(
-                f"{shape} {dtype} needs {num_bytes} bytes; block {block.name!r} has {block.num_bytes}"
-            )
+            raise ValueError(f"{shape} {dtype} needs {num_bytes} bytes; block {block.name!r} has {block.num_bytes}")
         return self.buffer[block.offset : block.offset + num_bytes].view(dtype).view(shape)
 
     def allocate_like(self, tensor: torch.Tensor, name: str) -> tuple[Block, torch.Tensor]:

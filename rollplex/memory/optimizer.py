@@ -26,7 +26,7 @@ from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
 
 STATE_BYTES_PER_ELEMENT = 12  # FP32 master + exp_avg + exp_avg_sq
 NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
-SCRATCH_BYTES = 1 << 20  # allowance for reduction scratch and scalars beside the workspace
+SCRATCH_BYTES = 4 << 20  # allowance beside the workspace: allocator rounding, reduction scratch, scalars
 Writer = Callable[[int, int, torch.Tensor], None]  # (param index, first flat element, new FP32 values)
 
 
@@ -180,7 +180,7 @@ class ChunkedAdamW:
         self._done: torch.cuda.Event | None = None
         self.num_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
-        self._init_state()
+        self._fill_state([p.detach() for p in self.params], None, None)
 
     @property
     def workspace_bytes(self) -> int:
@@ -270,7 +270,7 @@ class ChunkedAdamW:
 
     def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
         """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""
-        host = self.pool.view(self.blocks[j], torch.float32, (3 * self.chunks[j].numel,))
+        host = self._host(j).view(-1)
         device = slot[: host.numel()]
         event = copy_on(stream, *((host, device) if into_host else (device, host)), after=after)
         return () if event is None else (event,)
@@ -293,11 +293,6 @@ class ChunkedAdamW:
     def _sync(self) -> None:
         if self._done is not None:
             self._done.synchronize()
-
-    @torch.no_grad()
-    def _init_state(self) -> None:
-        masters = [p.detach() for p in self.params]
-        self._fill_state(masters, None, None)
 
     def _fill_state(self, masters, exp_avgs, exp_avg_sqs) -> None:
         for j, chunk in enumerate(self.chunks):

@@ -10,10 +10,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def assert_tiles_capacity(placement: FirstFit) -> None:
-    spans = [
-        (b.offset, -(-b.num_bytes // placement.alignment) * placement.alignment)
-        for b in placement.live_blocks
-    ]
+    spans = [(b.offset, -(-b.num_bytes // placement.alignment) * placement.alignment) for b in placement.live_blocks]
     spans += list(placement.free_ranges)
     spans.sort()
     position = 0
