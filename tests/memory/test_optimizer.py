@@ -217,7 +217,25 @@ def test_on_the_gpu_a_bf16_model_steps_like_torch_adamw_on_an_fp32_copy_within_t
 
 @pytest.mark.gpu
 @needs_cuda
-def test_on_the_gpu_the_streamed_step_moves_state_near_pcie_bandwidth():
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_on_the_gpu_the_three_stream_pipeline_over_many_chunks_equals_torch_adamw(max_grad_norm):
+    ours = make_params(GPU_SHAPES[1:6], device="cuda")
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = ChunkedAdamW(ours, lr=1e-2, max_grad_norm=max_grad_norm, chunk_bytes=12 * 300_001)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    assert len(opt.chunks) > 50
+    for step in range(4):
+        set_grads(ours, seed=step)
+        twin_grads(ours, theirs)
+        opt.step()
+        torch_step(theirs, ref, max_grad_norm)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_the_streamed_step_reports_bytes_moved_per_second():
     params = make_params(GPU_SHAPES * 4, device="cuda", dtype=torch.bfloat16)
     opt = ChunkedAdamW(params, chunk_bytes=256 << 20)
     set_grads(params, seed=0, scale=0.01)
