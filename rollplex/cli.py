@@ -38,6 +38,32 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.load import load_spec
+
+    loaded = load_spec(args.spec)
+    spec = loaded.spec
+    from rollplex.executors.loop import RunOptions, train
+
+    opts = RunOptions(
+        steps=args.steps or spec.run.steps,
+        schedule=Schedule(args.schedule or spec.schedule),
+        out_dir=Path(args.out or f"runs/{Path(args.spec).stem}"),
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every or spec.run.checkpoint_every,
+        progress=not args.quiet,
+    )
+    if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
+        raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
+    records = train(loaded, opts)
+    if records:
+        last = records[-1]
+        summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
+        print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollplex", description="Cross-phase GRPO for video VLMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", choices=["serial", "rollplex"], help="override the spec's schedule")
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)
+    r = sub.add_parser("run", help="train: GRPO steps executing the compiled plan")
+    r.add_argument("spec", help="the YAML spec")
+    r.add_argument("--steps", type=int, help="steps to run in all (default: run.steps)")
+    r.add_argument("--schedule", choices=["unsplit", "serial", "rollplex"], help="default: the spec's schedule")
+    r.add_argument("--out", help="run directory: metrics.jsonl, tb/, checkpoints/ (default runs/<spec name>)")
+    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    r.add_argument("--checkpoint-every", type=int, help="save every K steps (default: run.checkpoint_every)")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.set_defaults(func=_run)
     return p
 
 

@@ -137,7 +137,8 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self._token_of[int(i)] for i in ids)
+        """Ids the model's vocabulary has beyond this tokenizer's (padding rows) decode to nothing."""
+        return "".join(self._token_of.get(int(i), "") for i in ids)
 
 
 class HFTokenizer:

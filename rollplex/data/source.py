@@ -1,0 +1,43 @@
+"""The spec's `workload.dataset` -> a dataset of `Example`s indexed by data position.
+
+`synthetic:<preset>` (clevrer, perception_test, star, llava_video), `synthetic:<preset>@tiny` for its
+CPU-scale version, or a path to a Video-R1-style JSON / JSONL file (relative to the spec).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from rollplex.data.presets import get_preset
+from rollplex.data.synthetic import SyntheticVideoQA
+from rollplex.data.tokenizer import Tokenizer
+from rollplex.data.types import Example
+from rollplex.data.video_r1 import VideoR1Dataset
+
+SYNTHETIC_SIZE = 1 << 20  # examples are made on demand from (seed, index)
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Example: ...
+
+
+def open_dataset(name: str, tokenizer: Tokenizer, seed: int, base: Path | None = None) -> Dataset:
+    if name.startswith("synthetic:"):
+        preset_name, _, scale = name.removeprefix("synthetic:").partition("@")
+        if scale not in ("", "tiny"):
+            raise ValueError(f"dataset '{name}': unknown scale '@{scale}'; use '@tiny' or nothing")
+        preset = get_preset(preset_name)
+        return SyntheticVideoQA(preset.tiny() if scale else preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE)
+    path = Path(name).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    if not path.is_file():
+        raise ValueError(f"dataset '{name}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file")
+    return VideoR1Dataset(path, tokenizer)
+
+
+def batch_at(dataset: Dataset, position: int, size: int) -> list[Example]:
+    """`size` examples from data position `position`, wrapping around the dataset."""
+    return [dataset[(position + i) % len(dataset)] for i in range(size)]

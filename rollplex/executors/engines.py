@@ -1,0 +1,99 @@
+"""The engines one process runs: actor (trained; rollout reads its weights), frozen reference, optimizer,
+sampling, tokenizer and reward. Built from a spec by `build_engines`; the runtime only uses them.
+
+On the CPU, rollout decodes with the actor module itself, so training and rollout share every weight.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollplex.data.rewards import RewardFn, get_reward, load_reward
+from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rollplex.executors.grpo import GrpoConfig
+from rollplex.graph.load import LoadedSpec
+from rollplex.memory.optimizer import ChunkedAdamW
+from rollplex.models.checkpoint import load_checkpoint
+from rollplex.models.config import resolve_config_path
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.sampling import SamplingParams
+
+OPTIMIZER_CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class Engines:
+    actor: Qwen2_5_VL
+    reference: Qwen2_5_VL | None
+    optimizer: ChunkedAdamW
+    sampling: SamplingParams
+    generator: torch.Generator
+    tokenizer: Tokenizer
+    reward: RewardFn
+    grpo: GrpoConfig
+    group_size: int
+
+
+def build_engines(loaded: LoadedSpec, device: str = "cpu") -> Engines:
+    spec, config = loaded.spec, loaded.model
+    dtype = getattr(torch, spec.run.dtype)
+    torch.manual_seed(spec.run.seed)
+    actor = Qwen2_5_VL(config, dtype=dtype, device=device)
+    if spec.run.init == "checkpoint":
+        load_checkpoint(actor, _checkpoint_dir(loaded))
+    reference = None
+    if spec.algorithm.kl_coef > 0:
+        reference = copy.deepcopy(actor).requires_grad_(False)
+    a = spec.algorithm
+    optimizer = ChunkedAdamW(
+        [p for p in actor.parameters() if p.requires_grad],
+        lr=a.lr,
+        betas=a.betas,
+        eps=a.eps,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm,
+        chunk_bytes=OPTIMIZER_CHUNK_BYTES,
+    )
+    tokenizer = make_tokenizer(loaded)
+    sampling = SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        max_tokens=spec.workload.response_tokens,
+        stop_token_ids=(config.tokens.eos,),
+    )
+    return Engines(
+        actor=actor,
+        reference=reference,
+        optimizer=optimizer,
+        sampling=sampling,
+        generator=torch.Generator(device).manual_seed(spec.run.seed),
+        tokenizer=tokenizer,
+        reward=make_reward(loaded),
+        grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
+        group_size=spec.workload.group_size,
+    )
+
+
+def _checkpoint_dir(loaded: LoadedSpec) -> Path:
+    return resolve_config_path(loaded.spec.model, loaded.path.parent).parent
+
+
+def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:
+    """The checkpoint's own tokenizer when it has one; otherwise the character tokenizer on the model's ids."""
+    directory = _checkpoint_dir(loaded)
+    if (directory / "tokenizer.json").is_file():
+        return HFTokenizer.from_dir(directory)
+    t = loaded.model.tokens
+    return CharTokenizer.for_model(t.eos, t.vision_start, t.vision_end, t.image, t.video)
+
+
+def make_reward(loaded: LoadedSpec) -> RewardFn:
+    """The spec's rewards, summed with their weights; a `module:function` name is imported."""
+    terms = [
+        (r.weight, load_reward(r.name) if ":" in r.name else get_reward(r.name)) for r in loaded.spec.algorithm.rewards
+    ]
+    return lambda text, example: sum(w * fn(text, example) for w, fn in terms)

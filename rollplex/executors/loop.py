@@ -1,0 +1,164 @@
+"""`rollplex run`: the training loop. Compiles the spec's graph for the chosen schedule, then per step
+takes a batch at the data position, runs the iteration, logs metrics, and checkpoints.
+
+Stopping: Ctrl-C or an error before a step's update loses that step only (the last completed step is
+saved on the way out); Ctrl-C during the update waits until the step is complete; weights of half an
+update are never saved.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollplex.data.source import batch_at, open_dataset
+from rollplex.errors import SpecError
+from rollplex.executors import checkpointing
+from rollplex.executors.engines import Engines, build_engines
+from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
+from rollplex.executors.runtime import StepRecord, run_iteration
+from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
+from rollplex.graph.load import LoadedSpec
+from rollplex.graph.pipeline import compile_graph
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int
+    schedule: Schedule
+    out_dir: Path
+    resume: bool = False
+    checkpoint_every: int | None = None
+    progress: bool = True
+    tensorboard: bool = True
+
+
+class InterruptGate:
+    """Holds SIGINT back from `hold()` to `release()`, then raises it if one came."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.previous = None
+
+    def hold(self) -> None:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._note)
+        except ValueError:  # not the main thread: signals are not ours to hold
+            self.previous = None
+
+    def _note(self, signum, frame) -> None:
+        self.pending = True
+
+    def release(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    g = compile_graph(loaded.spec, schedule=opts.schedule)
+    engines = build_engines(loaded)
+    try:
+        dataset = open_dataset(
+            loaded.spec.workload.dataset, engines.tokenizer, loaded.spec.run.seed, loaded.path.parent
+        )
+    except ValueError as e:
+        raise loaded.locate(SpecError("workload.dataset", str(e))) from None
+    start, position = 0, 0
+    if opts.resume and (found := checkpointing.latest(opts.out_dir)) is not None:
+        resumed = checkpointing.load(found, engines)
+        start, position = resumed.step, resumed.data_position
+    log = MetricsLog(opts.out_dir, resume_step=start if opts.resume else None, tensorboard=opts.tensorboard)
+    size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
+    records: list[dict] = []
+    saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
+    updating = False
+    try:
+        for step in _progress(range(start + 1, opts.steps + 1), opts.progress, start, opts.steps):
+            examples = batch_at(dataset, position, size)
+            _check_budget(loaded, examples)
+
+            def before(o: Op) -> None:
+                nonlocal updating
+                if o.kind is NodeKind.UPDATE and not updating:
+                    gate.hold()
+                    updating = True
+
+            begin = time.perf_counter()
+            with _phase_bars(g, step, opts.progress) as after:
+                record = run_iteration(g, engines, examples, before_op=before, after_op=after)
+            position += size
+            records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
+            log.write(records[-1])
+            saved, updating = checkpointing.Snapshot.of(step, position, engines), False
+            if opts.checkpoint_every and step % opts.checkpoint_every == 0:
+                checkpointing.save(opts.out_dir, saved, engines)
+            gate.release()
+    finally:
+        log.close()
+        if (
+            not updating
+            and saved.step > start
+            and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
+        ):
+            checkpointing.save(opts.out_dir, saved, engines)
+    return records
+
+
+def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule, seconds: float) -> dict:
+    rewards, lens = record.rewards, record.response_lens.float()
+    return {
+        "step": step,
+        "schedule": schedule.value,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        **{k: record.stats.get(k, 0.0) for k in ("loss", "kl", "entropy", "clip_frac", "grad_norm")},
+        "response_len_mean": float(lens.mean()),
+        "param_digest": param_digest(engines.actor),
+        "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
+        "peak_mem_bytes": peak_mem_bytes(engines.actor.device),
+    }
+
+
+def _check_budget(loaded: LoadedSpec, examples) -> None:
+    budget = loaded.spec.workload.prompt_tokens
+    longest = max(e.prompt.num_tokens for e in examples)
+    if longest > budget:
+        e = SpecError("workload.prompt_tokens", f"a prompt has {longest} tokens, over the budget {budget}", f"raise it")
+        raise loaded.locate(e)
+
+
+def _progress(it, enabled: bool, start: int, total: int):
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, desc="steps", initial=start, total=total, unit="step", dynamic_ncols=True)
+
+
+class _phase_bars:
+    """One progress bar per phase of the step, advanced op by op (a no-op without progress)."""
+
+    def __init__(self, g, step: int, enabled: bool) -> None:
+        self.bars = {}
+        if enabled:
+            from tqdm import tqdm
+
+            for p in Phase:
+                n = len({x for s in steps(g) if s.phase is p for x in s.ops})
+                self.bars[p] = tqdm(
+                    total=n, desc=f"  step {step} {p.title}", leave=False, unit="op", dynamic_ncols=True
+                )
+
+    def __enter__(self):
+        return lambda o: self.bars[o.phase].update(1) if self.bars else None
+
+    def __exit__(self, *exc) -> None:
+        for b in self.bars.values():
+            b.close()

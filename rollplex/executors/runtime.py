@@ -1,0 +1,201 @@
+"""The runtime: executes one iteration by walking a compiled graph's steps, op by op.
+
+Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store
+and writes its outputs there. The actor's suffix and its backward run fused, one prompt group per
+microbatch, inside the backward handler (the suffix op only marks where its outputs will come from).
+On the CPU, `rollplex` runs its Phase-1 ops in order: decode once, then each prefix beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+
+from rollplex.executors.engines import Engines
+from rollplex.executors.grpo import group_advantages, grpo_loss, loss_scale
+from rollplex.executors.scoring import LeafBoundary, score_all, score_group_split, score_group_unsplit
+from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
+from rollplex.models.boundary import Boundary
+from rollplex.models.generate import Rollout, generate
+from rollplex.models.scores import SuffixOut
+
+Store = dict[str, object]
+TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
+
+
+@dataclass
+class StepRecord:
+    """What one iteration produced, for metrics."""
+
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
+    stats: dict[str, float] = field(default_factory=dict)
+    rewards: torch.Tensor | None = None
+    response_lens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _ActorScores:
+    """Stands for the actor's scores until the fused suffix + backward computes them."""
+
+    op: Op
+
+
+Handler = Callable[[Engines, Op, Store, list], None]
+
+
+def run_iteration(
+    g: nx.DiGraph,
+    engines: Engines,
+    examples: Sequence,
+    *,
+    before_op: Callable[[Op], None] | None = None,
+    after_op: Callable[[Op], None] | None = None,
+) -> StepRecord:
+    store: Store = {"prompts": [e.prompt for e in examples], "examples": list(examples)}
+    record = StepRecord()
+    done: set[str] = set()
+    for s in steps(g):
+        for name in s.ops:
+            if name in done:
+                continue  # decode spans every Phase-1 step of `rollplex`
+            o = op(g, name)
+            if before_op is not None:
+                before_op(o)
+            start = time.perf_counter()
+            _handler(o)(engines, o, store, record)
+            record.times[_timer(o)] += time.perf_counter() - start
+            done.add(name)
+            if after_op is not None:
+                after_op(o)
+    return record
+
+
+def _timer(o: Op) -> str:
+    if o.kind is NodeKind.DECODE:
+        return "rollout"
+    if o.kind is NodeKind.REWARD:
+        return "reward"
+    if o.kind is NodeKind.UPDATE:
+        return "update"
+    who = "ref" if o.role is Role.REFERENCE else "actor"
+    if o.part is Part.PREFIX:
+        return f"{who}_prefix"
+    return "ref_suffix" if who == "ref" else "actor_suffix_backward"
+
+
+def _handler(o: Op) -> Handler:
+    key = (o.kind, o.role, o.part)
+    if key not in HANDLERS:
+        raise NotImplementedError(f"op '{o.id}' ({o.kind.value}, {o.role}, {o.part.value}) has no CPU runtime yet")
+    return HANDLERS[key]
+
+
+def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    rollout = generate(e.actor, store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
+    store[o.outputs[0]] = rollout
+    record.response_lens = rollout.response_lens
+
+
+def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    rollout = _input(store, o, Rollout)
+    rewards = torch.zeros(rollout.response_lens.shape)
+    for p, example in enumerate(store["examples"]):
+        for n in range(rollout.responses.shape[1]):
+            ids = rollout.responses[p, n, : int(rollout.response_lens[p, n])].tolist()
+            rewards[p, n] = e.reward(e.tokenizer.decode(ids), example)
+    store[o.outputs[0]] = rewards
+    record.rewards = rewards
+
+
+def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    store[o.outputs[0]] = e.reference.prefix(store["prompts"], attached=False)
+
+
+def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    boundary = _input(store, o, Boundary)
+    with torch.no_grad():
+        store[o.outputs[0]] = score_all(e.reference, store["prompts"], boundary, _input(store, o, Rollout))
+
+
+def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    with torch.no_grad():
+        store[o.outputs[0]] = score_all(e.reference, store["prompts"], None, _input(store, o, Rollout))
+
+
+def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    store[o.outputs[0]] = LeafBoundary.of(e.actor.prefix(store["prompts"], attached=True))
+
+
+def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    store[o.outputs[0]] = _ActorScores(o)
+
+
+def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    """Per prompt group: suffix (or unsplit) forward, GRPO loss, backward; then the prefix backward once."""
+    scores = _input(store, o, _ActorScores)
+    split = scores.op.part is Part.SUFFIX
+    leaf = _input(store, scores.op, LeafBoundary) if split else None
+    rollout = _input(store, scores.op, Rollout)
+    ref = _input(store, o, SuffixOut, required=False)
+    rewards = _input(store, o, torch.Tensor)
+    advantages = group_advantages(rewards)
+    mask = torch.arange(rollout.responses.shape[2]) < rollout.response_lens[..., None]
+    scale = loss_scale(mask)
+    totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
+    for p, prompt in enumerate(store["prompts"]):
+        if split:
+            out = score_group_split(e.actor, leaf.leaf, p, rollout)
+        else:
+            out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
+        ref_lp = ref.logprobs[p : p + 1] if ref is not None else None
+        g = grpo_loss(
+            e.grpo,
+            scale,
+            out.logprobs,
+            out.logprobs.detach(),
+            ref_lp,
+            advantages[p : p + 1],
+            out.entropy,
+            mask[p : p + 1],
+        )
+        g.loss.backward()
+        for k in totals:
+            totals[k] += float(getattr(g, k))
+    if split:
+        leaf.backward_through_prefix()
+    n = max(scale.num_tokens, 1)
+    record.stats.update(
+        loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
+    )
+    store[o.outputs[0]] = "grads"
+
+
+def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    record.stats["grad_norm"] = float(e.optimizer.step())
+    e.optimizer.zero_grad()
+
+
+def _input(store: Store, o: Op, kind: type, *, required: bool = True):
+    """The op's input of this type (the rollout, a boundary, the rewards, reference scores...)."""
+    found = [store[t] for t in o.inputs if isinstance(store.get(t), kind)]
+    if not found and required:
+        raise ValueError(f"op '{o.id}' reads no {kind.__name__}; its inputs are {list(o.inputs)}")
+    return found[0] if found else None
+
+
+HANDLERS: dict[tuple, Handler] = {
+    (NodeKind.DECODE, Role.ROLLOUT, Part.WHOLE): _decode,
+    (NodeKind.REWARD, None, Part.WHOLE): _reward,
+    (NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX): _ref_prefix,
+    (NodeKind.FORWARD, Role.REFERENCE, Part.SUFFIX): _ref_suffix,
+    (NodeKind.FORWARD, Role.REFERENCE, Part.WHOLE): _ref_whole,
+    (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix,
+    (NodeKind.FORWARD, Role.ACTOR, Part.SUFFIX): _actor_scores,
+    (NodeKind.FORWARD, Role.ACTOR, Part.WHOLE): _actor_scores,
+    (NodeKind.BACKWARD, Role.ACTOR, Part.WHOLE): _actor_backward,
+    (NodeKind.UPDATE, Role.ACTOR, Part.WHOLE): _update,
+}

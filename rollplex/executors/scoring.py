@@ -1,0 +1,102 @@
+"""Scoring sampled responses: split (prefix once per prompt, suffix per group) or unsplit (the oracle).
+
+The unsplit path is textbook GRPO: every response is scored over its full sequence prompt ++ response, so
+each prompt is recomputed once per response. The split path slices a `Boundary` per prompt group and, for
+the attached actor boundary, swaps in a leaf copy so each group's backward stops at the boundary; the
+accumulated boundary gradient then flows through the prefix graph once (`backward_through_prefix`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from rollplex.models.boundary import Boundary
+from rollplex.models.generate import Rollout
+from rollplex.models.inputs import Prompt
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.scores import SuffixOut, entropy
+
+
+def group(b: Boundary, p: int) -> Boundary:
+    """The boundary of prompt p alone (views, no copy)."""
+    return Boundary(
+        keys=tuple(k[p : p + 1] for k in b.keys),
+        values=tuple(v[p : p + 1] for v in b.values),
+        first_logprobs=b.first_logprobs[p : p + 1],
+        next_positions=b.next_positions[p : p + 1],
+        prompt_lens=b.prompt_lens[p : p + 1],
+    )
+
+
+@dataclass(frozen=True)
+class LeafBoundary:
+    """An attached boundary and a detached copy whose tensors are autograd leaves."""
+
+    attached: Boundary
+    leaf: Boundary
+
+    @staticmethod
+    def of(b: Boundary) -> LeafBoundary:
+        detach = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+        leaf = replace(
+            b,
+            keys=tuple(detach(k) for k in b.keys),
+            values=tuple(detach(v) for v in b.values),
+            first_logprobs=detach(b.first_logprobs),
+        )
+        return LeafBoundary(b, leaf)
+
+    def backward_through_prefix(self) -> None:
+        """Sends the gradients gathered on the leaf copy into the prefix: decoder layers, merger, vision."""
+        pairs = [
+            (a, leaf.grad)
+            for a, leaf in zip(
+                (*self.attached.keys, *self.attached.values, self.attached.first_logprobs),
+                (*self.leaf.keys, *self.leaf.values, self.leaf.first_logprobs),
+                strict=True,
+            )
+            if leaf.grad is not None and a.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
+
+
+def score_group_split(model: Qwen2_5_VL, boundary: Boundary, p: int, rollout: Rollout) -> SuffixOut:
+    """Log-probs and entropy [1, N, R] of prompt p's N responses, from its boundary."""
+    return model.suffix(group(boundary, p), rollout.responses[p : p + 1], rollout.response_lens[p : p + 1])
+
+
+def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> SuffixOut:
+    """The oracle: each of the N responses [N, R] scored over prompt ++ response, the prompt recomputed."""
+    num, width = responses.shape
+    seqs = [
+        Prompt(torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]), prompt.visuals)
+        for n in range(num)
+    ]
+    logits = model(seqs)  # [N, L, V]
+    start = prompt.num_tokens - 1
+    idx = torch.arange(width, device=logits.device)
+    rows = (start + idx).clamp(max=logits.shape[1] - 1)
+    logp = torch.log_softmax(logits[:, rows].float(), dim=-1)  # [N, R, V]
+    tokens = responses.to(logits.device)
+    mask = idx < lens.to(logits.device)[:, None]
+    token_lp = logp.gather(-1, tokens[..., None])[..., 0]
+    return SuffixOut(
+        logprobs=token_lp.where(mask, 0.0)[None],
+        entropy=entropy(logp).where(mask, 0.0)[None],
+    )
+
+
+def score_all(model: Qwen2_5_VL, prompts: Sequence[Prompt], boundary: Boundary | None, rollout: Rollout) -> SuffixOut:
+    """Every group's scores [P, N, R] (reference scoring): from the boundary, or unsplit without one."""
+    outs = []
+    for p, prompt in enumerate(prompts):
+        if boundary is not None:
+            outs.append(score_group_split(model, boundary, p, rollout))
+        else:
+            outs.append(score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p]))
+    return SuffixOut(torch.cat([o.logprobs for o in outs]), torch.cat([o.entropy for o in outs]))
