@@ -119,12 +119,14 @@ class FirstFit:
 def _pin(buffer: torch.Tensor) -> None:
     # cudaHostRegister rather than `pin_memory=True`: torch's caching host allocator rounds every pinned
     # request up to a power of two, which would pin 128 GiB for a 70 GiB pool.
-    error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    portable = 1  # cudaHostRegisterPortable: pinned for every device of the process
+    error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), portable)
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed with CUDA error {int(error)}")
 
 
 def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.synchronize()  # no copy may still be queued on pages about to become pageable
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
