@@ -90,7 +90,7 @@ class SavedTensorOffload:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2]() is not None:
-            return seen[2]()  # saved twice (q, k, v of one input; checkpoint inputs): one copy, one identity
+            return seen[2]()  # saved again (q, k, v of one input): one copy
         num_bytes = tensor.numel() * tensor.element_size()
         if not self._offloadable(tensor, num_bytes):
             self._counts[2] += 1
