@@ -154,7 +154,8 @@ class VmmArena:
 
     def close(self) -> None:
         """Unmap every region, release every handle, free the range. Idempotent."""
-        self._finalizer()
+        with torch.cuda.device(self.device):
+            self._finalizer()
         self._regions.clear()
         self._states.clear()
 
