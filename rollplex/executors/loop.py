@@ -130,7 +130,7 @@ def _check_budget(loaded: LoadedSpec, examples) -> None:
     budget = loaded.spec.workload.prompt_tokens
     longest = max(e.prompt.num_tokens for e in examples)
     if longest > budget:
-        e = SpecError("workload.prompt_tokens", f"a prompt has {longest} tokens, over the budget {budget}", f"raise it")
+        e = SpecError("workload.prompt_tokens", f"a prompt has {longest} tokens, over the budget {budget}", "raise it")
         raise loaded.locate(e)
 
 

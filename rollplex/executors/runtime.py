@@ -164,7 +164,7 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
         )
         g.loss.backward()
         for k in totals:
-            totals[k] += float(getattr(g, k))
+            totals[k] += float(getattr(g, k).detach())
     if split:
         leaf.backward_through_prefix()
     n = max(scale.num_tokens, 1)

@@ -73,10 +73,8 @@ def score_group_split(model: Qwen2_5_VL, boundary: Boundary, p: int, rollout: Ro
 def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> SuffixOut:
     """The oracle: each of the N responses [N, R] scored over prompt ++ response, the prompt recomputed."""
     num, width = responses.shape
-    seqs = [
-        Prompt(torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]), prompt.visuals)
-        for n in range(num)
-    ]
+    ids = [torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)]
+    seqs = [Prompt(x, prompt.visuals, response_start=prompt.num_tokens) for x in ids]
     logits = model(seqs)  # [N, L, V]
     start = prompt.num_tokens - 1
     idx = torch.arange(width, device=logits.device)

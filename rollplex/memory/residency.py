@@ -16,6 +16,8 @@ PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
 MIN_AUTO_CHUNK = 256 * 2**20
 CHUNK_ALIGN = 2 * 2**20  # VMM page granularity
+STATE_BYTES_PER_ELEMENT = 12  # FP32 master + two Adam moments
+SCRATCH_BYTES = 8 * 2**20  # the optimizer's 4 MiB scratch + one FP32 norm per chunk segment
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,9 @@ class OptimizerPlan:
 
     @property
     def workspace_bytes(self) -> int:
-        return min(self.pipeline_depth, self.num_chunks) * self.chunk_bytes
+        """The chunks in flight, plus one chunk's FP32 gradient and scratch (what ChunkedAdamW carves)."""
+        elements = self.chunk_bytes // STATE_BYTES_PER_ELEMENT
+        return min(self.pipeline_depth, self.num_chunks) * self.chunk_bytes + 8 * elements + SCRATCH_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,7 @@ def plan_optimizer(c: Context, objects: list[MemObject], update: set[int], capac
     if c.spec.memory.optimizer_chunk_mib is not None:
         chunk = c.spec.memory.optimizer_chunk_mib * 2**20
     else:
-        free = max(capacity - used, 0) // PIPELINE_DEPTH
+        free = max(capacity - used - SCRATCH_BYTES, 0) * STATE_BYTES_PER_ELEMENT // (PIPELINE_DEPTH * 12 + 8)
         chunk = max(CHUNK_ALIGN, min(MAX_AUTO_CHUNK, free) // CHUNK_ALIGN * CHUNK_ALIGN)
     chunk = min(chunk, max(state, 1))
     return OptimizerPlan(state, chunk, -(-state // chunk), PIPELINE_DEPTH)

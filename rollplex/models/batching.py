@@ -25,12 +25,13 @@ class PackedSequences:
     positions: Tensor  # [3, B, L] int64 mrope position ids, 0 at padding
     next_positions: Tensor  # [B] int64, the position that would follow each sequence
     visuals: tuple[Visual, ...]  # all visuals, by sequence then by appearance
+    text_from: Tensor  # [B] int64: where each sequence's response (all text) starts; its length if none
 
     def visual_slots(self, tokens: TokenIds) -> Tensor:
-        """[B, L] bool: the real image/video tokens, whose embeddings the vision encoder provides."""
+        """[B, L] bool: the prompts' image/video tokens, whose embeddings the vision encoder provides."""
         ids = self.input_ids
-        is_real = torch.arange(ids.shape[1]) < self.lens[:, None]
-        return is_real & ((ids == tokens.image) | (ids == tokens.video))
+        in_prompt = torch.arange(ids.shape[1]) < self.text_from[:, None]
+        return in_prompt & ((ids == tokens.image) | (ids == tokens.video))
 
 
 def pack_sequences(sequences: Sequence[Prompt], config: ModelConfig) -> PackedSequences:
@@ -45,8 +46,9 @@ def pack_sequences(sequences: Sequence[Prompt], config: ModelConfig) -> PackedSe
     for row, sequence in enumerate(sequences):
         ids = sequence.input_ids.cpu()
         input_ids[row, : ids.numel()] = ids
-        sequence_pos, next_position = sequence_positions(ids, sequence.visuals, config)
+        sequence_pos, next_position = sequence_positions(ids, sequence.visuals, config, sequence.response_start)
         positions[:, row, : ids.numel()] = sequence_pos
         next_positions.append(next_position)
     visuals = tuple(visual for sequence in sequences for visual in sequence.visuals)
-    return PackedSequences(input_ids, lens, positions, torch.tensor(next_positions), visuals)
+    text_from = torch.tensor([s.num_tokens if s.response_start is None else s.response_start for s in sequences])
+    return PackedSequences(input_ids, lens, positions, torch.tensor(next_positions), visuals, text_from)

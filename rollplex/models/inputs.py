@@ -36,6 +36,7 @@ class Prompt:
 
     input_ids: torch.Tensor  # [L] int64
     visuals: tuple[Visual, ...] = ()
+    response_start: int | None = None  # prompt ++ response: from here on every token is text, whatever its id
 
     @property
     def num_tokens(self) -> int:

@@ -40,10 +40,13 @@ def visual_positions(visual: Visual, start: int, vision: VisionConfig) -> Tensor
     return torch.stack(grid).reshape(3, -1) + start
 
 
-def sequence_positions(input_ids: Tensor, visuals: Sequence[Visual], config: ModelConfig) -> tuple[Tensor, int]:
-    """Position ids [3, L] of one sequence, and the position of the token that would follow it."""
-    tokens = config.tokens
-    is_visual = (input_ids == tokens.image) | (input_ids == tokens.video)
+def sequence_positions(
+    input_ids: Tensor, visuals: Sequence[Visual], config: ModelConfig, text_from: int | None = None
+) -> tuple[Tensor, int]:
+    """Position ids [3, L] of one sequence, and the position of the token that would follow it.
+
+    Tokens from `text_from` on (a sampled response) are text even if their ids are image/video ids."""
+    is_visual = visual_token_mask(input_ids, config, text_from)
     runs, counts = torch.unique_consecutive(is_visual.cpu(), return_counts=True)
     pending = iter(visuals)
     parts: list[Tensor] = []
@@ -58,6 +61,15 @@ def sequence_positions(input_ids: Tensor, visuals: Sequence[Visual], config: Mod
     if next(pending, None) is not None:
         raise ValueError(f"prompt has {len(visuals)} visuals but fewer runs of image/video tokens to hold them")
     return torch.cat(parts, dim=1), next_position
+
+
+def visual_token_mask(input_ids: Tensor, config: ModelConfig, text_from: int | None = None) -> Tensor:
+    """[..., L] bool: image/video tokens before `text_from`."""
+    tokens = config.tokens
+    is_visual = (input_ids == tokens.image) | (input_ids == tokens.video)
+    if text_from is not None:
+        is_visual = is_visual & (torch.arange(input_ids.shape[-1], device=input_ids.device) < text_from)
+    return is_visual
 
 
 def _visual_run(count: int, pending: Iterator[Visual], start: int, vision: VisionConfig) -> Tensor:

@@ -137,3 +137,16 @@ def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead
     (ref_roomy,), (ref_short,) = objects(roomy, "reference", "weights (BF16)"), objects(short, "reference", "weights (BF16)")
     update = max(s.index for s in steps(roomy.graph))
     assert ref_roomy.residency(update) is Residency.HOST and ref_short.residency(update) is Residency.HBM
+
+
+def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
+    torch = pytest.importorskip("torch")
+    from rollplex.memory.optimizer import ChunkedAdamW
+    from rollplex.memory.residency import OptimizerPlan
+
+    params = [torch.zeros(n, requires_grad=True) for n in (1000, 30_000, 7, 123_456)]
+    total = sum(p.numel() for p in params) * 12
+    for chunk in (12 * 1000, 12 * 40_000, total):
+        opt = ChunkedAdamW(params, chunk_bytes=chunk)
+        planned = OptimizerPlan(total, chunk, -(-total // chunk), 3)
+        assert opt.peak_device_bytes <= planned.workspace_bytes

@@ -1,0 +1,174 @@
+"""`rollplex run` on the tiny model: the schedules learn the same thing, resume is exact, stops are safe."""
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex.data.rewards import REWARDS
+from rollplex.executors.engines import build_engines
+from rollplex.executors.loop import RunOptions, train
+from rollplex.executors.runtime import run_iteration
+from rollplex.data.source import batch_at, open_dataset
+from rollplex.graph.ir import Schedule
+from rollplex.graph.load import parse_spec
+from rollplex.graph.pipeline import compile_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def char_share(text: str, example) -> float:
+    """A reward that differs between random responses, so advantages (and gradients) are not zero."""
+    return sum(c in "aeiou0123456789" for c in text) / max(len(text), 1)
+
+
+REWARDS.setdefault("test_char_share", char_share)
+
+SPEC = """
+model: tiny
+cluster: {{hbm_gib: 16, host_gib: 8}}
+workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
+            dataset: "synthetic:clevrer@tiny"}}
+algorithm: {{kl_coef: {kl}, lr: 1.0e-2, rewards: [{{name: test_char_share}}]}}
+run: {{seed: 3, dtype: float32}}
+"""
+
+
+def loaded(kl: float = 0.1):
+    return parse_spec(SPEC.format(kl=kl))
+
+
+def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, **kw) -> list[dict]:
+    opts = RunOptions(steps, Schedule(schedule), tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
+    return train(loaded(), opts)
+
+
+def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path):
+    a, b = run(tmp_path, "serial", 3), run(tmp_path, "rollplex", 3)
+    assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert len({r["param_digest"] for r in a}) == 3  # the weights do move
+
+
+def test_unsplit_textbook_grpo_gives_the_same_losses(tmp_path):
+    split, unsplit = run(tmp_path, "rollplex"), run(tmp_path, "unsplit")
+    for s, u in zip(split, unsplit, strict=True):
+        assert s["reward_mean"] == u["reward_mean"]
+        assert s["loss"] == pytest.approx(u["loss"], rel=1e-5)
+        assert s["loss"] != 0.0
+
+
+class GradRecorder:
+    """Stands in for the optimizer: keeps the gradients instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, {}
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return torch.tensor(0.0)
+
+    def zero_grad(self):
+        pass
+
+
+def gradients(schedule: Schedule) -> dict[str, torch.Tensor]:
+    spec = loaded()
+    engines = build_engines(spec)
+    with torch.no_grad():  # a reference that differs from the actor, so the KL term has a gradient too
+        for p in engines.reference.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    engines.optimizer = GradRecorder(engines.actor)
+    dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
+    run_iteration(compile_graph(spec.spec, schedule=schedule), engines, batch_at(dataset, 0, 2))
+    return engines.optimizer.grads
+
+
+def test_split_with_prefix_sharing_gives_every_parameter_the_unsplit_gradient():
+    split, unsplit = gradients(Schedule.ROLLPLEX), gradients(Schedule.UNSPLIT)
+    assert split.keys() == unsplit.keys()
+    assert any(n.startswith("model.visual.") for n in split)
+    for name, g in unsplit.items():
+        assert g.norm() > 0, name
+        assert (split[name] - g).norm() <= 1e-5 * g.norm(), name
+
+
+def test_resume_continues_with_the_digests_of_an_uninterrupted_run(tmp_path):
+    whole = run(tmp_path, "rollplex", 4, name="whole")
+    first = run(tmp_path, "rollplex", 2, name="split")
+    rest = run(tmp_path, "rollplex", 4, name="split", resume=True)
+    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
+    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
+    whole = run(tmp_path, "rollplex", 4, name="whole")
+    calls = {"n": 0}
+
+    def interrupting(text, example):
+        calls["n"] += 1
+        if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
+            raise KeyboardInterrupt
+        return char_share(text, example)
+
+    REWARDS["test_char_share"] = interrupting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, "rollplex", 4, name="stopped")
+    finally:
+        REWARDS["test_char_share"] = char_share
+    names = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir())
+    assert names == ["step-000002"]
+    rest = run(tmp_path, "rollplex", 4, name="stopped", resume=True)
+    assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
+
+
+def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
+    engines = build_engines(loaded(kl=0.0))
+    assert engines.reference is None
+    records = train(loaded(kl=0.0), RunOptions(1, Schedule.ROLLPLEX, tmp_path, progress=False, tensorboard=False))
+    assert records[0]["time_s"]["ref_prefix"] == 0.0 and records[0]["kl"] == 0.0
+
+
+METRIC_KEYS = {"step", "schedule", "reward_mean", "reward_std", "loss", "kl", "entropy", "grad_norm",
+               "response_len_mean", "param_digest", "time_s", "peak_mem_bytes"}
+PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
+
+
+def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorboard(tmp_path):
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/tiny_cpu.yaml"), "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.perf_counter() - start < 60
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert METRIC_KEYS <= set(records[0]) and PHASE_TIMES <= set(records[0]["time_s"])
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors").is_file()
+
+
+def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/tiny_cpu.yaml"), "--resume", "--out", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_reward_rises_from_random_weights_on_a_small_synthetic_task(tmp_path):
+    text = (ROOT / "specs/learning_check_tiny.yaml").read_text()
+    spec = parse_spec(text)
+    records = train(spec, RunOptions(25, Schedule.ROLLPLEX, tmp_path, progress=False, tensorboard=False))
+    early = sum(r["reward_mean"] for r in records[:5]) / 5
+    late = sum(r["reward_mean"] for r in records[-5:]) / 5
+    assert late > early + 0.15, (early, late)
