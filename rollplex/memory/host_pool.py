@@ -180,6 +180,8 @@ class HostPool:
 
     @property
     def live_blocks(self) -> tuple[Block, ...]:
+        """Blocks not yet free: deferred frees whose event has completed are reaped first."""
+        self._reap()
         return self._placement.live_blocks
 
     @property
