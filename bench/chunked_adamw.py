@@ -49,7 +49,6 @@ def bandwidth(nbytes: int) -> dict[str, float]:
             host2.copy_(dev2, non_blocking=True)
 
     bi = timed(both)
-    del host, host2, dev, dev2
     return {"h2d_gbps": nbytes / h2d / 1e9, "d2h_gbps": nbytes / d2h / 1e9, "bidir_gbps": 2 * nbytes / bi / 1e9}
 
 
@@ -99,10 +98,13 @@ def main() -> None:
             r.grad = g.float()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
         ref_opt.step()
-    bf16_ok = all(((s - r.detach()).abs() <= ulp_bf16(r.detach())).all().item() for s, r in zip(snapshot, ref, strict=True))
+    bf16_ok = all(
+        ((s - r.detach()).abs() <= ulp_bf16(r.detach())).all().item() for s, r in zip(snapshot, ref, strict=True)
+    )
     masters = opt.state_dict()["state"]
     master_err = max(
-        ((masters[i]["master"].cuda() - r.detach()).abs().max() / r.detach().abs().max()).item() for i, r in enumerate(ref)
+        ((masters[i]["master"].cuda() - r.detach()).abs().max() / r.detach().abs().max()).item()
+        for i, r in enumerate(ref)
     )
     moved = opt.num_bytes_moved
     result = {

@@ -8,13 +8,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-records = [json.loads(line) for line in open(sys.argv[1])]
+with open(sys.argv[1]) as f:
+    records = [json.loads(line) for line in f]
 steps = [r["step"] for r in records]
 mean = [r["reward_mean"] for r in records]
 std = [r["reward_std"] for r in records]
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(steps, mean, label="reward_mean")
-ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+ax.fill_between(
+    steps,
+    [m - s for m, s in zip(mean, std, strict=True)],
+    [m + s for m, s in zip(mean, std, strict=True)],
+    alpha=0.2,
+    label="± std",
+)
 ax.set_xlabel("step")
 ax.set_ylabel("reward")
 ax.set_title("tiny Qwen2.5-VL, GRPO from random weights (CPU)")

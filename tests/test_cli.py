@@ -15,8 +15,14 @@ PAPER = str(SPECS / "qwen2_5_vl_32b_h800.yaml")
 def test_dry_run_prints_graph_memory_peak_and_sharing_tables(capsys):
     assert main(["compile", PAPER, "--dry-run", "--naive"]) == 0
     out = capsys.readouterr().out
-    for heading in ("Graph by phase and executor", "Memory per GPU by phase and role", "Peak vs capacity",
-                    "Actor weight sharing", "Naive colocation", "plan FITS"):
+    for heading in (
+        "Graph by phase and executor",
+        "Memory per GPU by phase and role",
+        "Peak vs capacity",
+        "Actor weight sharing",
+        "Naive colocation",
+        "plan FITS",
+    ):
         assert heading in out
     assert "Case 1: 19.68 B (60.1 %)" in out
 
@@ -50,9 +56,9 @@ def test_without_dry_run_the_plan_is_written_for_run(tmp_path, capsys):
 
 def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():
     code = (
-        "import sys, runpy; sys.argv = ['rollplex', 'compile', %r, '--dry-run'];"
+        f"import sys; sys.argv = ['rollplex', 'compile', {PAPER!r}, '--dry-run'];"
         "import rollplex.cli as c; rc = c.main(sys.argv[1:]); assert 'torch' not in sys.modules; sys.exit(rc)"
-    ) % PAPER
+    )
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     elapsed = time.perf_counter() - start

@@ -72,7 +72,8 @@ def check_fits(plan: Plan) -> None:
     if not r.host.fits:
         h = r.host
         raise PlanDoesNotFit(
-            f"{plan.loaded.path}: plan does not fit in host memory: needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
+            f"{plan.loaded.path}: plan does not fit in host memory: "
+            f"needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
             f"(pool {h.pinned_bytes_per_node / GIB:.1f}, host {h.capacity_bytes_per_node / GIB:.1f}); to fit: "
             "set memory.prefix_activations: recompute, raise memory.host_pool_gib, or raise parallel.train_tp"
         )

@@ -140,7 +140,9 @@ def config_from_hf(d: dict, name: str) -> ModelConfig:
         image=d.get("image_token_id", 151655),
         video=d.get("video_token_id", 151656),
     )
-    return ModelConfig(name=name, text=text, vision=_vision_from_hf(d["vision_config"], text.hidden_size), tokens=tokens)
+    return ModelConfig(
+        name=name, text=text, vision=_vision_from_hf(d["vision_config"], text.hidden_size), tokens=tokens
+    )
 
 
 def _first(value: int | list[int]) -> int:

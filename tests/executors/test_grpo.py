@@ -66,7 +66,15 @@ def test_on_policy_the_gradient_is_the_advantage_weighted_score():
     lp = torch.log(torch.tensor([[[0.5, 0.25]]], dtype=torch.float64)).requires_grad_()
     mask = torch.ones(1, 1, 2, dtype=torch.bool)
     cfg = GrpoConfig(clip_ratio=0.2, kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean")
-    out = grpo_loss(cfg, loss_scale(mask), lp, lp.detach(), None, torch.tensor([[2.0]], dtype=torch.float64),
-                    torch.zeros(1, 1, 2, dtype=torch.float64), mask)
+    out = grpo_loss(
+        cfg,
+        loss_scale(mask),
+        lp,
+        lp.detach(),
+        None,
+        torch.tensor([[2.0]], dtype=torch.float64),
+        torch.zeros(1, 1, 2, dtype=torch.float64),
+        mask,
+    )
     out.loss.backward()
     assert torch.allclose(lp.grad, torch.full((1, 1, 2), -1.0, dtype=torch.float64))  # -A / num_tokens

@@ -29,33 +29,46 @@ def run_compile(tmp_path, text, capsys, *extra):
 
 CASES = {
     "yaml syntax": (BASE + "memory: {recompute: full\n", ["YAML syntax error", "spec.yaml:"]),
-    "unknown key": (BASE.replace("train_tp: 1", "train_tpp: 1"), ["parallel.train_tpp", "unknown key", "train_tp", ":3:"]),
+    "unknown key": (
+        BASE.replace("train_tp: 1", "train_tpp: 1"),
+        ["parallel.train_tpp", "unknown key", "train_tp", ":3:"],
+    ),
     "wrong type": (BASE.replace("group_size: 4", "group_size: many"), ["workload.group_size", "many", ":4:"]),
     "wrong value": (BASE + "schedule: fast\n", ["schedule", "'serial' or 'rollplex'", ":5:"]),
-    "missing section": (BASE.replace("cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}\n", ""), ["cluster", "missing"]),
+    "missing section": (
+        BASE.replace("cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}\n", ""),
+        ["cluster", "missing"],
+    ),
     "unknown model": (BASE.replace("model: tiny", "model: qwen9"), ["model", "qwen9", "qwen2_5_vl_7b", ":1:"]),
     "input nobody produces": (
-        GRAPH_HEAD + DECODE + "    - {id: score, kind: forward, role: actor, inputs: [prompts, answers], outputs: [lp]}\n",
+        GRAPH_HEAD
+        + DECODE
+        + "    - {id: score, kind: forward, role: actor, inputs: [prompts, answers], outputs: [lp]}\n",
         ["graph.nodes.1.inputs", "'answers'", "no node produces", ":8:"],
     ),
     "cycle": (
-        GRAPH_HEAD + DECODE
+        GRAPH_HEAD
+        + DECODE
         + "    - {id: a, kind: forward, role: actor, inputs: [responses, y], outputs: [x]}\n"
         + "    - {id: b, kind: forward, role: actor, inputs: [x], outputs: [y]}\n",
         ["cycle", "a -> b -> a"],
     ),
     "phase-1 node reads a response": (
-        GRAPH_HEAD + DECODE
+        GRAPH_HEAD
+        + DECODE
         + "    - {id: again, kind: decode, role: rollout, inputs: [prompts, responses], outputs: [more]}\n",
         ["graph.nodes.1.inputs", "decode node 'again'", "'responses'", "Phase 1", ":8:"],
     ),
     "tp does not divide heads": (
-        BASE.replace("model: tiny", "model: qwen2_5_vl_7b").replace("gpus_per_node: 1", "gpus_per_node: 8")
-        .replace("train_tp: 1", "train_tp: 8").replace("prompts_per_step: 2", "prompts_per_step: 8"),
+        BASE.replace("model: tiny", "model: qwen2_5_vl_7b")
+        .replace("gpus_per_node: 1", "gpus_per_node: 8")
+        .replace("train_tp: 1", "train_tp: 8")
+        .replace("prompts_per_step: 2", "prompts_per_step: 8"),
         ["parallel.train_tp", "28 attention heads", "use one of", ":3:"],
     ),
     "train tp not a multiple of rollout tp": (
-        BASE.replace("gpus_per_node: 1", "gpus_per_node: 4").replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")
+        BASE.replace("gpus_per_node: 1", "gpus_per_node: 4")
+        .replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")
         .replace("prompts_per_step: 2", "prompts_per_step: 4"),
         ["parallel.train_tp", "not a multiple of rollout_tp 4", ":3:"],
     ),
@@ -93,7 +106,9 @@ def test_a_plan_that_cannot_fit_exits_1_naming_phase_peak_capacity_and_remedies(
 def test_the_console_script_prints_no_traceback(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(BASE + "bogus: 1\n")
-    proc = subprocess.run([sys.executable, "-m", "rollplex.cli", "compile", str(path), "--dry-run"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex.cli", "compile", str(path), "--dry-run"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "bogus: unknown key" in proc.stderr

@@ -72,23 +72,31 @@ def test_rollplex_runs_each_prefix_beside_decode_and_serial_after_it():
 
 def test_executors_follow_roles_and_kinds():
     g = compiled(standard_grpo(0.04))
-    expected = {"rollout": Executor.ROLLOUT, "ref_score.prefix": Executor.SCORER, "actor_backward": Executor.TRAINER,
-                "actor_update": Executor.OPTIMIZER, "reward": Executor.HOST, "actor_score.prefix": Executor.TRAINER}
+    expected = {
+        "rollout": Executor.ROLLOUT,
+        "ref_score.prefix": Executor.SCORER,
+        "actor_backward": Executor.TRAINER,
+        "actor_update": Executor.OPTIMIZER,
+        "reward": Executor.HOST,
+        "actor_score.prefix": Executor.TRAINER,
+    }
     assert {n: op(g, n).executor for n in expected} == expected
 
 
 def ppo_with_critic() -> GraphSpec:
     n = NodeSpec
-    return GraphSpec(nodes=(
-        n(id="rollout", kind="decode", role="rollout", inputs=("prompts",), outputs=("responses",)),
-        n(id="reward", kind="reward", inputs=("prompts", "responses"), outputs=("rewards",)),
-        n(id="values", kind="forward", role="critic", inputs=("prompts", "responses"), outputs=("v",)),
-        n(id="lp", kind="forward", role="actor", inputs=("prompts", "responses"), outputs=("logp",)),
-        n(id="cb", kind="backward", role="critic", inputs=("v", "rewards"), outputs=("cg",)),
-        n(id="ab", kind="backward", role="actor", inputs=("logp", "v", "rewards"), outputs=("ag",)),
-        n(id="cu", kind="update", role="critic", inputs=("cg",)),
-        n(id="au", kind="update", role="actor", inputs=("ag",)),
-    ))
+    return GraphSpec(
+        nodes=(
+            n(id="rollout", kind="decode", role="rollout", inputs=("prompts",), outputs=("responses",)),
+            n(id="reward", kind="reward", inputs=("prompts", "responses"), outputs=("rewards",)),
+            n(id="values", kind="forward", role="critic", inputs=("prompts", "responses"), outputs=("v",)),
+            n(id="lp", kind="forward", role="actor", inputs=("prompts", "responses"), outputs=("logp",)),
+            n(id="cb", kind="backward", role="critic", inputs=("v", "rewards"), outputs=("cg",)),
+            n(id="ab", kind="backward", role="actor", inputs=("logp", "v", "rewards"), outputs=("ag",)),
+            n(id="cu", kind="update", role="critic", inputs=("cg",)),
+            n(id="au", kind="update", role="actor", inputs=("ag",)),
+        )
+    )
 
 
 def test_ppo_with_a_critic_compiles_and_each_backward_keeps_only_its_own_boundary():
@@ -136,7 +144,9 @@ def test_the_verifier_rejects_a_phase_1_op_that_reads_a_response():
     g = assign_phases(split_at_response(build(standard_grpo(0.04))))
     broken = g.copy()
     suffix = op(g, "actor_score.suffix")
-    broken.nodes[suffix.id]["op"] = type(suffix)(**{**{f: getattr(suffix, f) for f in suffix.__slots__}, "phase": Phase.ROLLOUT})
+    broken.nodes[suffix.id]["op"] = type(suffix)(
+        **{**{f: getattr(suffix, f) for f in suffix.__slots__}, "phase": Phase.ROLLOUT}
+    )
     with pytest.raises(VerifyError, match="reads response-dependent"):
         verify(broken)
 
@@ -148,5 +158,5 @@ def test_run_passes_names_the_pass_that_broke_an_invariant_and_the_ones_before()
         return out
 
     passes = [*graph_passes(Schedule.ROLLPLEX), ("drop_steps_of_update", drop_steps_of_update)]
-    with pytest.raises(VerifyError, match="after pass 'drop_steps_of_update' .*order_steps.*ops without a step"):
+    with pytest.raises(VerifyError, match=r"after pass 'drop_steps_of_update' .*order_steps.*ops without a step"):
         run_passes(build(standard_grpo(0.04)), passes, check=True)

@@ -124,9 +124,13 @@ def test_without_weight_sharing_rollout_holds_its_own_copy_and_no_case3_buffer()
 
 
 def test_recompute_shrinks_the_training_microbatch():
-    full = compile_plan(parse_spec(open(SPECS / "qwen2_5_vl_7b_h200.yaml").read().replace("recompute: full", "recompute: none")))
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text().replace("recompute: full", "recompute: none")
+    full = compile_plan(parse_spec(text))
     re = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
-    (a,), (b,) = objects(full, "actor", "activations (one microbatch)"), objects(re, "actor", "activations (one microbatch)")
+    (a,), (b,) = (
+        objects(full, "actor", "activations (one microbatch)"),
+        objects(re, "actor", "activations (one microbatch)"),
+    )
     assert b.bytes < a.bytes / 4
 
 
@@ -134,7 +138,10 @@ def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead
     roomy, short = tiny(), tiny(", host_pool_gib: 100")
     assert roomy.residency.host.needed_bytes_per_node > 100 * GIB
     assert short.residency.host.needed_bytes_per_node <= 100 * GIB and short.residency.fits
-    (ref_roomy,), (ref_short,) = objects(roomy, "reference", "weights (BF16)"), objects(short, "reference", "weights (BF16)")
+    (ref_roomy,), (ref_short,) = (
+        objects(roomy, "reference", "weights (BF16)"),
+        objects(short, "reference", "weights (BF16)"),
+    )
     update = max(s.index for s in steps(roomy.graph))
     assert ref_roomy.residency(update) is Residency.HOST and ref_short.residency(update) is Residency.HBM
 

@@ -7,8 +7,12 @@ import pytest
 from rollplex.memory.shapes import kv_bytes_per_token, layer_activation_bytes_per_token, llm_params, vision_params
 from rollplex.models.config import CONFIG_DIR, load_model_config, shipped_model_names
 
-PUBLIC_LLM_PARAMS = {"qwen2_5_vl_3b": 3_085_938_688, "qwen2_5_vl_7b": 7_615_616_512,
-                     "qwen2_5_vl_32b": 32_763_876_352, "qwen2_5_vl_72b": 72_706_203_648}
+PUBLIC_LLM_PARAMS = {
+    "qwen2_5_vl_3b": 3_085_938_688,
+    "qwen2_5_vl_7b": 7_615_616_512,
+    "qwen2_5_vl_32b": 32_763_876_352,
+    "qwen2_5_vl_72b": 72_706_203_648,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_LLM_PARAMS))

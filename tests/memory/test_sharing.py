@@ -17,9 +17,19 @@ from rollplex.memory.sharing import (
 )
 from rollplex.models.config import TextConfig, load_model_config
 
-TEXT = TextConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1e6,
-                  mrope_section=(2, 3, 3), tie_word_embeddings=False, max_position_embeddings=64)
+TEXT = TextConfig(
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    mrope_section=(2, 3, 3),
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+)
 PAIRS = [(t, r) for t in (1, 2, 4, 8) for r in (1, 2, 4, 8) if t % r == 0]
 
 
