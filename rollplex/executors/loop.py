@@ -91,7 +91,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
                     updating = True
 
             begin = time.perf_counter()
-            with _phase_bars(g, step, opts.progress) as after:
+            with PhaseBars(g, step, opts.progress) as after:
                 record = run_iteration(g, engines, examples, before_op=before, after_op=after)
             position += size
             records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
@@ -142,7 +142,7 @@ def _progress(it, enabled: bool, start: int, total: int):
     return tqdm(it, desc="steps", initial=start, total=total, unit="step", dynamic_ncols=True)
 
 
-class _phase_bars:
+class PhaseBars:
     """One progress bar per phase of the step, advanced op by op (a no-op without progress)."""
 
     def __init__(self, g, step: int, enabled: bool) -> None:

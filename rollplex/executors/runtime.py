@@ -38,6 +38,13 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class Gradients:
+    """The backward's output: gradients now sit in the actor's `.grad`s, ready for the update."""
+
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class _ActorScores:
     """Stands for the actor's scores until the fused suffix + backward computes them."""
 
@@ -171,7 +178,7 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
     record.stats.update(
         loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
     )
-    store[o.outputs[0]] = "grads"
+    store[o.outputs[0]] = Gradients(scale.num_tokens)
 
 
 def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
