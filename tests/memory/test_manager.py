@@ -8,7 +8,8 @@ import torch
 from rollplex.graph.ir import Phase, Step, TensorClass, steps
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
-from rollplex.memory.manager import CpuBackend, MappingInUse, Move, ResidencyManager, object_name, vmm_backend
+from rollplex.memory.backends import CpuBackend, vmm_backend
+from rollplex.memory.manager import MappingInUse, Move, ResidencyManager, object_name
 from rollplex.memory.objects import MemObject, Residency
 from rollplex.memory.residency import HostPlan, ResidencyPlan
 
