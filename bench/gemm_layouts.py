@@ -1,0 +1,147 @@
+"""The layout GEMMs against torch on the materialised layout, for Qwen2.5-VL shapes, on one GPU.
+
+    python bench/gemm_layouts.py --out bench/results/gemm_layouts_h200.json [--sweep]
+
+Per model (3B, 7B), rollout TP (1, 2), projection (o_proj and down_proj stored [I, O]: `matmul_transposed`;
+fused qkv stored in Megatron order: `qkv_grouped_from_megatron`) and M rows (decode 1-64, prefill 4096):
+the kernel's time and torch's on the weight rearranged the way torch wants it (x @ W^T on [O, I]; addmm with
+the grouped qkv weight and bias), both by triton.testing.do_bench, after checking that the outputs agree.
+`speed` is torch time / kernel time; the targets are 0.9 for decode and 0.8 for prefill. `--sweep` also times a
+few other tile configs per shape and records the fastest. Needs a CUDA GPU: the CPU interpreter times nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+ROWS = (1, 8, 32, 64, 4096)
+DECODE_TARGET, PREFILL_TARGET = 0.9, 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    model: str
+    tp: int
+    op: str  # o_proj | down_proj | qkv
+    in_features: int
+    out_features: int
+    heads: tuple[int, int, int] | None = None  # (num_heads, num_kv_heads, head_dim) local to the rank, for qkv
+
+
+def shapes(model: str, tp: int) -> list[Shape]:
+    from rollplex.models.config import load_model_config
+
+    t = load_model_config(f"qwen2_5_vl_{model}").text
+    nh, kv, d = t.num_attention_heads // tp, max(1, t.num_key_value_heads // tp), t.head_dim
+    return [
+        Shape(model, tp, "o_proj", nh * d, t.hidden_size),
+        Shape(model, tp, "down_proj", t.intermediate_size // tp, t.hidden_size),
+        Shape(model, tp, "qkv", t.hidden_size, (nh + 2 * kv) * d, (nh, kv, d)),
+    ]
+
+
+def candidates(num_rows: int):
+    """Tile configs the sweep tries besides the picked one."""
+    from rollplex.kernels.tiles import PREFILL, Tiles, pick_tiles
+
+    if num_rows > 64:
+        return [replace(PREFILL, block_n=128, num_warps=w, num_stages=4) for w in (4, 8)] + [
+            Tiles(128, 128, 128, 8, 8, 3), Tiles(64, 256, 64, 8, 4, 4), Tiles(256, 128, 64, 8, 8, 3),
+        ]  # fmt: skip
+    base = pick_tiles(num_rows, 1 << 20)
+    return [replace(base, block_n=n, block_k=k, num_stages=s) for n in (32, 64, 128) for k in (64, 128, 256)
+            for s in (3, 4, 5) if (base.block_m + n) * k * 2 * s <= 200 * 1024]  # fmt: skip
+
+
+def operands(shape: Shape, num_rows: int) -> tuple[Callable, Callable]:
+    """(kernel(tiles), torch()) closures over random bf16 operands in the stored and the materialised layout."""
+    from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
+    from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows
+    from rollplex.kernels.transposed_gemm import matmul_transposed
+
+    def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, device="cuda") * scale).to(torch.bfloat16)
+
+    x = rand(num_rows, shape.in_features)
+    if shape.heads is None:
+        w = rand(shape.out_features, shape.in_features, scale=shape.in_features**-0.5)  # [O, I]
+        s = w.T.contiguous()  # as stored: [I, O]
+        return (lambda tiles=None: matmul_transposed(x, s, tiles)), (lambda: torch.matmul(x, w.T))
+    nh, kv, d = shape.heads
+    n = num_stored_rows(nh, kv, d)
+    w, b = rand(n, shape.in_features, scale=shape.in_features**-0.5), rand(n)  # as stored: Megatron order
+    rows = grouped_rows(nh, kv, d).cuda()
+    w_grouped, b_grouped = w[rows].contiguous(), b[rows].contiguous()  # as vLLM would hold them
+    kernel = lambda tiles=None: qkv_grouped_from_megatron(x, w, b, nh, kv, d, tiles=tiles)  # noqa: E731
+    return kernel, (lambda: torch.addmm(b_grouped, x, w_grouped.T))
+
+
+def time_us(fn: Callable) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100) * 1e3
+
+
+def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
+    from rollplex.kernels.tiles import pick_tiles
+
+    kernel, baseline = operands(shape, num_rows)
+    torch.testing.assert_close(kernel().float(), baseline().float(), atol=3e-2, rtol=2e-2)
+    picked = pick_tiles(num_rows, shape.out_features)
+    kernel_us, torch_us = time_us(kernel), time_us(baseline)
+    target = DECODE_TARGET if num_rows <= 64 else PREFILL_TARGET
+    row = {**asdict(shape), "rows": num_rows, "kernel_us": kernel_us, "torch_us": torch_us,
+           "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked)}  # fmt: skip
+    if sweep:
+        timed = [(time_us(lambda t=t: kernel(t)), t) for t in candidates(num_rows)]
+        best_us, best = min(timed, key=lambda p: p[0])
+        row |= {"best_us": best_us, "best_speed": torch_us / best_us, "best_tiles": asdict(best)}
+    row["meets_target"] = max(row["speed"], row.get("best_speed", 0.0)) >= target
+    return row
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'model':>5} {'tp':>2} {'op':>9} {'M':>5} {'K':>6} {'N':>6} {'kernel us':>10} {'torch us':>9} "
+          f"{'speed':>6} {'best':>6} {'target':>6}")  # fmt: skip
+    for r in results:
+        best = f"{r['best_speed']:6.2f}" if "best_speed" in r else f"{'-':>6}"
+        print(f"{r['model']:>5} {r['tp']:>2} {r['op']:>9} {r['rows']:>5} {r['in_features']:>6} "
+              f"{r['out_features']:>6} {r['kernel_us']:10.1f} {r['torch_us']:9.1f} {r['speed']:6.2f} {best} "
+              f"{r['target']:6.2f}{'' if r['meets_target'] else '  MISS'}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--models", nargs="+", default=["3b", "7b"], choices=["3b", "7b", "32b", "72b"])
+    p.add_argument("--tp", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gemm_layouts: needs a CUDA GPU (timing under the CPU interpreter means nothing)")
+    torch.manual_seed(0)
+    results = [measure(s, m, args.sweep) for model in args.models for tp in args.tp for s in shapes(model, tp)
+               for m in args.rows]  # fmt: skip
+    print_table(results)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {args.out}: {sum(r['meets_target'] for r in results)}/{len(results)} shapes meet the target")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    main()

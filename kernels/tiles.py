@@ -1,0 +1,76 @@
+"""Tile configurations of the layout GEMMs, one per regime, and the grouped tile order they share.
+
+Decode (M <= 64 rows) is bound by reading W once: a short M tile, tiles narrow enough in N to occupy the SMs,
+a long K tile and a deep pipeline. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with
+grouped ordering so that neighbouring programs reuse W tiles from L2. The numbers are starting points, not a
+tuning result: `bench/gemm_layouts.py --sweep` times the alternatives on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DECODE_MAX_M = 64
+NUM_SMS_H200 = 132
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for b in (self.block_m, self.block_n, self.block_k):
+            assert b >= 16 and b & (b - 1) == 0, f"tile sides must be powers of two >= 16 (tl.dot), got {self}"
+
+
+PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def pick_tiles(num_rows: int, num_cols: int) -> Tiles:
+    """The tile for an [num_rows, K] x [K, num_cols] product: decode for short M, prefill otherwise."""
+    if num_rows > DECODE_MAX_M:
+        return PREFILL
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    block_n = 64 if triton.cdiv(num_cols, 64) >= NUM_SMS_H200 else 32
+    return Tiles(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=5 if block_m < 64 else 4)
+
+
+@triton.jit
+def tile_position(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program: GROUP_M row tiles sweep the column tiles together (L2 reuse of W)."""
+    pid = tl.program_id(0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M  # not tl.cdiv: see `zero_tile`
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tl.zeros without tl.zeros: the kernels use only builtins of triton.language, never its @jit helpers
+    (tl.zeros, tl.cdiv), which stay compiled-mode functions when triton was imported before TRITON_INTERPRET."""
+    return tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+
+
+def num_programs(num_rows: int, num_cols: int, tiles: Tiles) -> int:
+    return triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.block_n)
+
+
+def check_dtypes(*tensors: torch.Tensor) -> None:
+    """bf16 is the production dtype; fp32 is accepted because the CPU interpreter's tl.dot mishandles bf16."""
+    dtype = tensors[0].dtype
+    assert dtype in (torch.bfloat16, torch.float32), f"expected bf16 (or fp32 for the interpreter), got {dtype}"
+    assert all(t.dtype == dtype for t in tensors), f"mixed dtypes: {[t.dtype for t in tensors]}"

@@ -1,0 +1,62 @@
+"""y = x W^T for a row-parallel weight stored transposed (DESIGN.md section 5, Case 2).
+
+W is logically [O, I] (o_proj, down_proj); the trainer stores it as S = W^T = [I, O] contiguous, so that each
+training shard of the I axis is a contiguous slab and a rollout shard is q slabs back to back. This kernel reads
+S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. It does not shard,
+bind or all-reduce; the caller passes the slab its rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from rollplex.kernels.tiles import Tiles, check_dtypes, num_programs, pick_tiles, tile_position, zero_tile
+
+
+@triton.jit
+def transposed_gemm_kernel(
+    x_ptr,  # [M, K] row-major
+    s_ptr,  # [K, N] row-major: W^T
+    y_ptr,  # [M, N] row-major
+    M,
+    N,
+    K: tl.constexpr,  # constexpr: the trip count is known, and triton 3.6's interpreter cannot range() a runtime int
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    s_tile = s_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_K, BLOCK_N]
+    acc = zero_tile(BLOCK_M, BLOCK_N)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
+        b = tl.load(s_tile, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        x_tile += BLOCK_K
+        s_tile += BLOCK_K * N
+    y_tile = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def matmul_transposed(x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype."""
+    assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
+    assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
+    assert x.is_contiguous() and s.is_contiguous(), "x and s must be contiguous (s is the stored [I, O] slab)"
+    assert x.device == s.device, f"x on {x.device}, s on {s.device}"
+    check_dtypes(x, s)
+    (m, k), n = x.shape, s.shape[1]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    t = tiles or pick_tiles(m, n)
+    transposed_gemm_kernel[(num_programs(m, n, t),)](
+        x, s, y, m, n, k, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages
+    )
+    return y

@@ -1,0 +1,28 @@
+"""Without a GPU, both kernels still compile for sm_90 with the picked tiles, software-pipelined (cp.async),
+within Hopper's shared memory, and on wgmma tensor cores once the M tile reaches 64."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(results) == 6
+    for r in results:
+        assert r["cp_async"] and r["shared_bytes"] <= HOPPER_SHARED_BYTES, r
+        assert r["wgmma"] == (r["block_m"] >= 64), r

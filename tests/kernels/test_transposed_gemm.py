@@ -1,0 +1,73 @@
+"""`matmul_transposed` reads a row-parallel weight stored as W^T and equals x @ W^T on the materialised W."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernels_testkit import DEVICE, DTYPE, assert_matches, needs_cuda, random
+
+pytest.importorskip("triton")
+from rollplex.kernels.tiles import Tiles
+from rollplex.kernels.transposed_gemm import matmul_transposed
+
+SMALL = Tiles(block_m=16, block_n=32, block_k=32)  # several tiles on each axis at test sizes
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.matmul on the materialised [O, I] weight, fp32 accumulation."""
+    return torch.matmul(x.float(), w.float().T).to(x.dtype)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 37])
+@pytest.mark.parametrize("tiles", [SMALL, None], ids=["small-tiles", "picked-tiles"])
+def test_the_transposed_store_gives_x_times_w_transposed(num_rows, tiles):
+    w = random(72, 80, seed=1, scale=80**-0.5)  # logical [O, I]
+    x = random(num_rows, 80, seed=2)
+    y = matmul_transposed(x, w.T.contiguous(), tiles)
+    assert_matches(y, reference(x, w))
+
+
+def test_a_rollout_slab_of_two_training_slabs_is_read_in_place():
+    slabs = [random(48, 64, seed=s, scale=96**-0.5) for s in (3, 4)]  # two training shards of I, each [I/2, O]
+    stored = torch.cat(slabs)  # the bound rollout slab [I, O]: the slabs back to back
+    x = random(20, 96, seed=5)
+    assert_matches(matmul_transposed(x, stored, SMALL), reference(x, stored.T))
+
+
+def test_no_rows_gives_an_empty_output():
+    assert matmul_transposed(random(0, 32, seed=0), random(32, 48, seed=1)).shape == (0, 48)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "s_shape", "why"),
+    [((4, 32), (48, 32), "pass W\\^T"), ((4, 32, 1), (32, 48), "expected x")],
+)
+def test_the_launcher_rejects_shapes_that_are_not_x_and_w_transposed(x_shape, s_shape, why):
+    with pytest.raises(AssertionError, match=why):
+        matmul_transposed(random(*x_shape, seed=0), random(*s_shape, seed=1))
+
+
+def test_the_launcher_rejects_a_transposed_view_instead_of_the_stored_slab():
+    w = random(48, 32, seed=1)  # [O, I] as vLLM stores it
+    with pytest.raises(AssertionError, match="contiguous"):
+        matmul_transposed(random(4, 32, seed=0), w.T)
+
+
+def test_the_launcher_rejects_fp16_and_mixed_dtypes():
+    x, s = random(4, 32, seed=0), random(32, 48, seed=1)
+    with pytest.raises(AssertionError, match="expected bf16"):
+        matmul_transposed(x.half(), s.half())
+    other = torch.float32 if torch.bfloat16 == DTYPE else torch.bfloat16
+    with pytest.raises(AssertionError, match="mixed dtypes"):
+        matmul_transposed(x, s.to(other))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 8, 64, 4096])
+@pytest.mark.parametrize(("out_features", "in_features"), [(2048, 2048), (2048, 5504), (3584, 18944)])
+def test_qwen_sized_row_parallel_weights_match_torch_in_bf16(num_rows, out_features, in_features):
+    w = random(out_features, in_features, seed=1, scale=in_features**-0.5)
+    x = random(num_rows, in_features, seed=2)
+    assert DEVICE.type == "cuda"
+    assert_matches(matmul_transposed(x, w.T.contiguous()), reference(x, w))
