@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rollplex.kernels.tiles import Tiles, check_dtypes, num_programs, pick_tiles, tile_position, zero_tile
 
 

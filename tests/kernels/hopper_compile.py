@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from rollplex.kernels.qkv_gemm import qkv_gemm_kernel
 from rollplex.kernels.tiles import Tiles, pick_tiles
 from rollplex.kernels.transposed_gemm import transposed_gemm_kernel
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
 KERNELS = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows, permutation, rows_of
 
+from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows, permutation, rows_of
 from rollplex.memory.sharing import qkv_megatron, qkv_vllm
 from rollplex.models.config import TextConfig
 
