@@ -94,7 +94,7 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
 
     kernel, baseline = operands(shape, num_rows)
     torch.testing.assert_close(kernel().float(), baseline().float(), atol=3e-2, rtol=2e-2)
-    picked = pick_tiles(num_rows, shape.out_features)
+    picked = pick_tiles(num_rows, shape.out_features, shape.in_features)
     kernel_us, torch_us = time_us(kernel), time_us(baseline)
     target = DECODE_TARGET if num_rows <= 64 else PREFILL_TARGET
     row = {**asdict(shape), "rows": num_rows, "kernel_us": kernel_us, "torch_us": torch_us,

@@ -97,7 +97,7 @@ def qkv_grouped_from_megatron(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    t = tiles or pick_tiles(m, n)
+    t = tiles or pick_tiles(m, n, x.shape[1])
     qkv_gemm_kernel[(num_programs(m, n, t),)](
         x, w, w if bias is None else bias, y, m, x.shape[1], num_heads, num_kv_heads, head_dim, kv_replicas,
         bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,

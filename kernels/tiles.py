@@ -2,8 +2,8 @@
 
 Decode (M <= 64 rows) is bound by reading W once: a short M tile, tiles narrow enough in N to occupy the SMs,
 a long K tile and a deep pipeline. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with
-grouped ordering so that neighbouring programs reuse W tiles from L2. The numbers are starting points, not a
-tuning result: `bench/gemm_layouts.py --sweep` times the alternatives on the GPU.
+grouped ordering so that neighbouring programs reuse W tiles from L2. Decode tiles follow an H200 sweep
+(`bench/gemm_layouts.py --sweep`); the prefill tile is the usual starting point.
 """
 
 from __future__ import annotations
@@ -35,13 +35,21 @@ class Tiles:
 PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
-def pick_tiles(num_rows: int, num_cols: int) -> Tiles:
-    """The tile for an [num_rows, K] x [K, num_cols] product: decode for short M, prefill otherwise."""
+def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0) -> Tiles:
+    """The tile for an [num_rows, num_inner] x [num_inner, num_cols] product: decode for short M, prefill
+    otherwise. Decode tiles of M <= 32 rows take K in 256-deep steps, and narrow N tiles when K is long next
+    to N (down_proj), which the H200 sweep of Qwen2.5-VL-7B shapes found fastest
+    (bench/results/gemm_sweep_7b_tp1.json)."""
     if num_rows > DECODE_MAX_M:
         return PREFILL
     block_m = max(16, triton.next_power_of_2(num_rows))
+    if block_m <= 32:
+        narrow = num_inner >= 4 * num_cols
+        return Tiles(
+            block_m=block_m, block_n=32 if narrow else 64, block_k=256, num_warps=4, num_stages=5 if narrow else 4
+        )
     block_n = 64 if triton.cdiv(num_cols, 64) >= NUM_SMS_H200 else 32
-    return Tiles(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=5 if block_m < 64 else 4)
+    return Tiles(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=4)
 
 
 @triton.jit

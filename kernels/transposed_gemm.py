@@ -56,7 +56,7 @@ def matmul_transposed(x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    t = tiles or pick_tiles(m, n)
+    t = tiles or pick_tiles(m, n, x.shape[1])
     transposed_gemm_kernel[(num_programs(m, n, t),)](
         x, s, y, m, n, k, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages
     )

@@ -21,8 +21,13 @@ def test_decode_rows_get_the_shortest_m_tile_that_holds_them(num_rows):
     assert tiles.block_m >= num_rows and (tiles.block_m == 16 or tiles.block_m < 2 * num_rows)
 
 
-def test_decode_tiles_narrow_until_the_column_tiles_can_fill_an_h200():
-    assert pick_tiles(1, 2048).block_n == 32 and pick_tiles(1, 32768).block_n == 64
+def test_short_decode_tiles_go_deep_in_k_and_narrow_in_n_when_k_is_long():
+    assert pick_tiles(1, 3584, 3584).block_k == 256 and pick_tiles(1, 3584, 3584).block_n == 64
+    assert pick_tiles(8, 3584, 18944).block_n == 32  # down_proj: long K, few columns
+
+
+def test_wider_decode_tiles_narrow_until_the_column_tiles_can_fill_an_h200():
+    assert pick_tiles(64, 2048).block_n == 32 and pick_tiles(64, 32768).block_n == 64
 
 
 def test_prefill_rows_get_the_prefill_tile():
