@@ -152,23 +152,15 @@ METRIC_KEYS = {
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`rollplex run specs/tiny_cpu.yaml ARGS` in a fresh interpreter."""
+    command = [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/tiny_cpu.yaml"), *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
 def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorboard(tmp_path):
     start = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollplex.cli",
-            "run",
-            str(ROOT / "specs/tiny_cpu.yaml"),
-            "--steps",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli("--steps", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.perf_counter() - start < 60
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -179,20 +171,7 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
 
 
 def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollplex.cli",
-            "run",
-            str(ROOT / "specs/tiny_cpu.yaml"),
-            "--resume",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli("--resume", "--out", str(tmp_path))
     assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -7,6 +7,7 @@ import torch
 from models_testkit import TinyInputs
 
 from rollplex.models.config import ModelConfig, load_model_config
+from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 
 
@@ -24,3 +25,13 @@ def inputs(config: ModelConfig) -> TinyInputs:
 def model(config: ModelConfig) -> Qwen2_5_VL:
     torch.manual_seed(0)
     return Qwen2_5_VL(config)
+
+
+@pytest.fixture
+def prompts(inputs: TinyInputs) -> list[Prompt]:
+    """A video prompt, an image prompt and a text prompt, of different lengths."""
+    return [
+        inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3),
+        inputs.prompt(4, inputs.image((4, 6)), 9),
+        inputs.prompt(6),
+    ]

@@ -12,15 +12,6 @@ from rollplex.models.sampling import SamplingParams
 NUM_SAMPLES = 3
 
 
-@pytest.fixture
-def prompts(inputs) -> list[Prompt]:
-    return [
-        inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3),
-        inputs.prompt(4, inputs.image((4, 6)), 9),
-        inputs.prompt(6),
-    ]
-
-
 def rollout(model, prompts, params: SamplingParams, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     return generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=generator)

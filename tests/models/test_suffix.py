@@ -13,15 +13,6 @@ MAX_RESPONSE = 5
 
 
 @pytest.fixture
-def prompts(inputs) -> list[Prompt]:
-    return [
-        inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3),
-        inputs.prompt(4, inputs.image((4, 6)), 9),
-        inputs.prompt(6),
-    ]
-
-
-@pytest.fixture
 def responses(config) -> tuple[torch.Tensor, torch.Tensor]:
     """Responses [P, N, R] of lengths 1..R (padding holds token 0), and the lengths [P, N]."""
     generator = torch.Generator().manual_seed(7)
