@@ -1,0 +1,144 @@
+"""The small fused kernels of a decode step, one launch each where eager torch takes five to ten:
+
+- `add_rms_norm`: residual += delta, then RMSNorm of the new residual (HF's rounding: normalise in fp32,
+  round to the model dtype, multiply by the weight in that dtype).
+- `rotary_to_cache`: rotates q and k of one new token per row by its text position, writes k and v into the
+  row's slot of the response cache at the current step, and q into a [rows, H, D] buffer.
+- `silu_mul`: silu(gate) * up, rounded after each op as eager torch does.
+
+Positions and the step come from device tensors, so a captured CUDA graph replays them step after step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    delta_ptr,  # [rows, N] or unused
+    residual_ptr,  # [rows, N], updated in place
+    weight_ptr,  # [N]
+    out_ptr,  # [rows, N]
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptr + row * N + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> torch.Tensor:
+    """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype."""
+    rows, n = residual.shape
+    assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
+    assert delta is None or (delta.shape == residual.shape and delta.is_contiguous())
+    assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
+    add_rms_norm_kernel[(rows,)](
+        residual if delta is None else delta, residual, weight, out, eps,
+        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def rotary_to_cache_kernel(
+    q_ptr,  # [rows, H * D]
+    k_ptr,  # [rows, G * D]
+    v_ptr,  # [rows, G * D]
+    cos_ptr,  # [positions, D] fp32
+    sin_ptr,  # [positions, D] fp32
+    slots_ptr,  # [rows] int64
+    next_positions_ptr,  # [P + 1] int64: position of response token 0 per prompt (one spare for padding rows)
+    step_ptr,  # [1] int64
+    q_out_ptr,  # [rows, H, D]
+    k_cache_ptr,  # [SLOTS, G, R, D]
+    v_cache_ptr,  # [SLOTS, G, R, D]
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    NUM_SAMPLES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    step = tl.load(step_ptr)
+    position = tl.load(next_positions_ptr + slot // NUM_SAMPLES) + step
+    half = tl.arange(0, D // 2)
+    cos = tl.load(cos_ptr + position * D + half)  # both halves of the table are equal
+    sin = tl.load(sin_ptr + position * D + half)
+    if head < H:
+        src = q_ptr + (row * H + head) * D
+        dst = q_out_ptr + (row * H + head) * D
+    else:
+        g = head - H
+        src = k_ptr + (row * G + g) * D
+        dst = k_cache_ptr + ((slot * G + g) * R + step) * D
+        v = tl.load(v_ptr + (row * G + g) * D + tl.arange(0, D))
+        tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + tl.arange(0, D), v)
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + D // 2 + half).to(tl.float32)
+    tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
+    tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
+
+
+def rotary_to_cache(
+    q: torch.Tensor,  # [rows, H * D]
+    k: torch.Tensor,  # [rows, G * D]
+    v: torch.Tensor,  # [rows, G * D]
+    cos: torch.Tensor,  # [positions, D] fp32
+    sin: torch.Tensor,
+    slots: torch.Tensor,  # [rows] int64
+    next_positions: torch.Tensor,  # [P + 1] int64
+    step: torch.Tensor,  # [1] int64
+    q_out: torch.Tensor,  # [rows, H, D]
+    k_cache: torch.Tensor,  # [SLOTS, G, R, D]
+    v_cache: torch.Tensor,
+    num_samples: int,
+) -> torch.Tensor:
+    rows, num_heads, head_dim = q_out.shape
+    _, num_groups, max_tokens, _ = k_cache.shape
+    assert q.shape == (rows, num_heads * head_dim) and k.shape == v.shape == (rows, num_groups * head_dim)
+    assert all(t.is_contiguous() for t in (q, k, v, q_out, k_cache, v_cache, cos, sin))
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
+    rotary_to_cache_kernel[(rows, num_heads + num_groups)](
+        q, k, v, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
+        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(gate_ptr + row * N + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * N + cols, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """out [rows, N] = silu(gate) * up; all contiguous, one dtype."""
+    rows, n = gate.shape
+    assert up.shape == out.shape == gate.shape and gate.is_contiguous() and up.is_contiguous() and out.is_contiguous()
+    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, N=n, BLOCK=block)
+    return out
