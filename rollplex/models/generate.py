@@ -58,11 +58,11 @@ def generate(
             break
         logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)
         dist = torch.log_softmax(logits.float(), dim=-1).view(batch, -1)
-    return _rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)
+    return collect_rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)
 
 
-def _rollout(tokens: Tensor, logprobs: Tensor, lens: Tensor, num_prompts: int) -> Rollout:
-    """From per-step tokens and log-probs [P*N, R] of every sample, zeroed past each response's end."""
+def collect_rollout(tokens: Tensor, logprobs: Tensor, lens: Tensor, num_prompts: int) -> Rollout:
+    """From tokens and log-probs [P*N, R] of every sample (R = the longest response), zeroed past each end."""
     is_real = torch.arange(tokens.shape[1], device=tokens.device) < lens[:, None]
     return Rollout(
         responses=tokens.where(is_real, 0).unflatten(0, (num_prompts, -1)),

@@ -1,0 +1,180 @@
+"""`RolloutEngine`: the rollout of `rollplex.models.generate`, fast on a GPU.
+
+Each prompt is prefilled once (`Qwen2_5_VL.prefix`); its N samples then decode together with CUDA-graph
+steps (`graphs.py`). The host never waits for the step it just launched: after launching step k it reads the
+finished flags of step k - 1 (copied to pinned memory behind it), so launches run one step ahead of the GPU.
+When the live sequences fit a smaller captured batch, the batch is compacted (`batch.py`); until then, a
+finished sequence keeps decoding and its extra tokens are dropped. All of this depends only on the sampled
+tokens, so a seed gives one rollout. Sampling (temperature, top-p) runs on the device, between replays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rollplex.models.boundary import Boundary
+from rollplex.models.generate import Rollout, collect_rollout
+from rollplex.models.inputs import Prompt
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.sampling import SamplingParams, sample
+from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
+from rollplex.rollout.graphs import StepGraphs
+from rollplex.rollout.step import DecodeShape, DecodeStep
+
+PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in these steps, so similar batches reuse the graphs
+POSITION_QUANTUM = 1024
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    prefill_s: float
+    decode_s: float
+    num_steps: int  # decode steps launched
+    row_steps: int  # sum over steps of the batch rows computed (padding and finished rows included)
+    batch_sizes: tuple[int, ...]  # the batch size of each step
+
+
+class RolloutEngine:
+    """Rollout for one model; keeps its decode buffers and graphs while later rollouts fit their shape."""
+
+    def __init__(self, model: Qwen2_5_VL) -> None:
+        self.model = model
+        self.graphs: StepGraphs | None = None
+        self.stats: RolloutStats | None = None
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Prompt], *, num_samples: int, params: SamplingParams, generator: torch.Generator
+    ) -> Rollout:
+        """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`)."""
+        start = time.perf_counter()
+        boundary = self.model.prefix(prompts, attached=False)
+        _sync(self.model.device)
+        prefill_s = time.perf_counter() - start
+        rollout, stats = self.decode(boundary, num_samples=num_samples, params=params, generator=generator)
+        self.stats = RolloutStats(prefill_s, *stats)
+        return rollout
+
+    @torch.no_grad()
+    def decode(
+        self, boundary: Boundary, *, num_samples: int, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[Rollout, tuple]:
+        """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes)."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples {num_samples} must be at least 1")
+        start = time.perf_counter()
+        graphs = self._graphs_for(boundary, num_samples, params.max_tokens)
+        step = graphs.step
+        step.load(boundary)
+        run = _Run(step, boundary.num_prompts, num_samples, params, generator)
+        run.record(torch.arange(run.num_sequences, device=step.slots.device), 0, boundary.first_logprobs
+                   .repeat_interleave(num_samples, dim=0))  # fmt: skip
+        live = torch.arange(run.num_sequences)
+        rows, sizes = run.place(live, graphs.sizes), []
+        for k in range(params.max_tokens - 1):
+            run.record(step.slots[:rows], k + 1, torch.log_softmax(graphs.run(rows).float(), dim=-1))
+            sizes.append(rows)
+            live = run.live_after_previous_step()
+            if live.numel() == 0:
+                break
+            if bucket_for(live.numel(), graphs.sizes) < rows:
+                rows = run.place(live, graphs.sizes)
+        rollout = run.collect()
+        _sync(self.model.device)
+        return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes))
+
+    def _graphs_for(self, boundary: Boundary, num_samples: int, max_tokens: int) -> StepGraphs:
+        if self.graphs is not None and self.graphs.step.shape.fits(boundary, num_samples, max_tokens):
+            return self.graphs
+        self.graphs = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = DecodeShape(
+            num_prompts=boundary.num_prompts,
+            num_samples=num_samples,
+            max_prompt_len=_round_up(boundary.max_prompt_len, PROMPT_LEN_QUANTUM),
+            max_tokens=max_tokens,
+            max_position=_round_up(int(boundary.next_positions.max()) + max_tokens + 1, POSITION_QUANTUM),
+        )
+        self.graphs = StepGraphs(DecodeStep(self.model, shape), bucket_sizes(shape.num_slots - 1))
+        return self.graphs
+
+
+class _Run:
+    """The per-rollout state of `RolloutEngine.decode`: sampled tokens, finished flags and their host copies."""
+
+    def __init__(
+        self, step: DecodeStep, num_prompts: int, num_samples: int, params: SamplingParams, generator: torch.Generator
+    ) -> None:
+        device = step.slots.device
+        self.step, self.params, self.generator = step, params, generator
+        self.num_prompts, self.num_samples = num_prompts, num_samples
+        self.num_sequences = num_prompts * num_samples
+        slots = self.num_sequences + 1
+        self.tokens = torch.zeros(slots, params.max_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(slots, params.max_tokens, dtype=torch.float32, device=device)
+        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        self.num_columns = 0
+        self.flags: deque[tuple[Tensor, torch.cuda.Event | None]] = deque()
+
+    def record(self, slots: Tensor, column: int, dist: Tensor) -> None:
+        """Samples token `column` of the sequences in `slots` from dist [rows, V] and queues the done flags."""
+        token = sample(dist, self.params, self.generator)
+        self.tokens[slots, column] = token
+        self.logprobs[slots, column] = dist.gather(-1, token[:, None])[:, 0]
+        self.step.last_token[slots] = token
+        self.done[slots] |= torch.isin(token, self.stop_ids)
+        self.num_columns = column + 1
+        self._push_flags()
+
+    def place(self, live: Tensor, sizes: tuple[int, ...]) -> int:
+        """Lays the live sequences out in the smallest captured batch that holds them; returns its size."""
+        rows = bucket_for(live.numel(), sizes)
+        batch = layout(live, rows, self.num_prompts, self.num_samples)
+        self.step.slots[:rows].copy_(batch.slots)
+        self.step.row_start.copy_(batch.row_start)
+        self.step.row_count.copy_(batch.row_count)
+        return rows
+
+    def live_after_previous_step(self) -> Tensor:
+        """Slots not finished as of the step before the one just launched (the host lags one step)."""
+        assert len(self.flags) == 2, "one step in flight, one step to read"
+        flags, event = self.flags.popleft()
+        if event is not None:
+            event.synchronize()
+        return (~flags[: self.num_sequences]).nonzero()[:, 0]
+
+    def collect(self) -> Rollout:
+        tokens = self.tokens[: self.num_sequences, : self.num_columns]
+        is_stop = torch.isin(tokens, self.stop_ids)
+        first_stop = is_stop.int().argmax(dim=1) + 1
+        lens = torch.where(is_stop.any(dim=1), first_stop, self.num_columns)
+        longest = int(lens.max())
+        logprobs = self.logprobs[: self.num_sequences, :longest]
+        return collect_rollout(tokens[:, :longest], logprobs, lens, self.num_prompts)
+
+    def _push_flags(self) -> None:
+        if self.done.is_cuda:
+            flags = torch.empty(self.done.shape, dtype=torch.bool, pin_memory=True)
+            flags.copy_(self.done, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            flags, event = self.done.clone(), None
+        self.flags.append((flags, event))
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

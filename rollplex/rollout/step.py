@@ -1,0 +1,130 @@
+"""One decode step of the language model, written against static buffers so that a CUDA graph can replay it.
+
+`DecodeStep.forward(rows)` feeds each of the first `rows` batch rows its slot's last sampled token, runs the
+decoder with the fused kernels (`rollplex.kernels.decode_ops`) and the cascade attention over the shared
+prompt KV and the response cache (`rollplex.kernels.decode_attention`), advances the step counter and leaves
+the logits in `self.logits[:rows]`. It reads the actor's parameters in place (no copy) and allocates only the
+step's activations. Everything that changes between steps lives in device tensors: `slots`, `row_start`,
+`row_count`, `step`, `last_token`. Not here: sampling and retiring sequences (`engine.py`), capture (`graphs.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
+from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
+from rollplex.models.boundary import Boundary
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.rotary import text_rotary
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    """The capacities one set of buffers (and captured graphs) serves; a rollout that fits reuses them."""
+
+    num_prompts: int
+    num_samples: int
+    max_prompt_len: int  # S: prompt KV capacity per prompt
+    max_tokens: int  # R: response tokens per sequence
+    max_position: int  # rotary table length: > every prompt's next position + R
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences, plus the spare slot that padding rows write to."""
+        return self.num_prompts * self.num_samples + 1
+
+    def fits(self, boundary: Boundary, num_samples: int, max_tokens: int) -> bool:
+        return (
+            (boundary.num_prompts, num_samples, max_tokens) == (self.num_prompts, self.num_samples, self.max_tokens)
+            and boundary.max_prompt_len <= self.max_prompt_len
+            and int(boundary.next_positions.max()) + max_tokens <= self.max_position
+        )
+
+
+class DecodeStep:
+    """Static decode state of one `DecodeShape` for one model: caches, prompt KV, rotary tables, row maps."""
+
+    def __init__(self, model: Qwen2_5_VL, shape: DecodeShape) -> None:
+        text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
+        self.model, self.shape = model, shape
+        groups, d = text.num_key_value_heads, text.head_dim
+        layers = range(text.num_hidden_layers)
+        cache = (shape.num_slots, groups, shape.max_tokens, d)
+        self.k_cache = [torch.zeros(cache, dtype=dtype, device=device) for _ in layers]
+        self.v_cache = [torch.zeros(cache, dtype=dtype, device=device) for _ in layers]
+        prompt = (shape.num_prompts, groups, shape.max_prompt_len, d)
+        self.prompt_k = [torch.zeros(prompt, dtype=dtype, device=device) for _ in layers]
+        self.prompt_v = [torch.zeros(prompt, dtype=dtype, device=device) for _ in layers]
+        positions = torch.arange(shape.max_position, device=device).expand(3, 1, -1)
+        cos, sin = text_rotary(positions, text)  # [1, 1, positions, D]
+        self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        long = dict(dtype=torch.long, device=device)
+        self.prompt_lens = torch.zeros(shape.num_prompts, **long)
+        self.next_positions = torch.zeros(shape.num_prompts + 1, **long)  # the spare prompt of padding rows: 0
+        self.row_start = torch.zeros(shape.num_prompts, **long)
+        self.row_count = torch.zeros(shape.num_prompts, **long)
+        self.slots = torch.arange(shape.num_slots - 1, **long)
+        self.step = torch.zeros(1, **long)
+        self.last_token = torch.zeros(shape.num_slots, **long)
+        self.logits = torch.empty(shape.num_slots - 1, text.vocab_size, dtype=dtype, device=device)
+        self.attention = DecodeAttention(
+            DecodeAttentionShape(
+                shape.num_prompts, shape.num_samples, text.num_attention_heads, groups, d,
+                shape.max_prompt_len, shape.max_tokens,
+            ),
+            device,
+        )  # fmt: skip
+
+    def load(self, boundary: Boundary) -> None:
+        """Takes a new rollout's prompts: copies their KV and lengths in, rewinds the step counter."""
+        assert self.shape.fits(boundary, self.shape.num_samples, self.shape.max_tokens), "boundary exceeds the shape"
+        length = boundary.max_prompt_len
+        for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
+            dst_k[:, :, :length].copy_(k)
+            dst_v[:, :, :length].copy_(v)
+        self.prompt_lens.copy_(boundary.prompt_lens)
+        self.next_positions[:-1].copy_(boundary.next_positions)
+        self.step.zero_()
+
+    def forward(self, rows: int) -> Tensor:
+        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token."""
+        lm = self.model.model.language_model
+        text = self.model.config.text
+        eps = text.rms_norm_eps
+        slots = self.slots[:rows]
+        residual = F.embedding(self.last_token[slots], lm.embed_tokens.weight)  # [rows, hidden]
+        normed = torch.empty_like(residual)
+        q_rot = torch.empty(rows, text.num_attention_heads, text.head_dim, dtype=residual.dtype, device=slots.device)
+        attended = torch.empty_like(q_rot)
+        delta = None
+        for i, layer in enumerate(lm.layers):
+            add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed)
+            attn = layer.self_attn
+            q = F.linear(normed, attn.q_proj.weight, attn.q_proj.bias)
+            k = F.linear(normed, attn.k_proj.weight, attn.k_proj.bias)
+            v = F.linear(normed, attn.v_proj.weight, attn.v_proj.bias)
+            self._rotary(q, k, v, slots, q_rot, i)
+            self.attention(
+                q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
+                self.k_cache[i], self.v_cache[i], slots, self.step, attended,
+            )  # fmt: skip
+            out = F.linear(attended.view(rows, -1), attn.o_proj.weight)
+            add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed)
+            mlp = layer.mlp
+            gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
+            delta = F.linear(silu_mul(gate, up, torch.empty_like(gate)), mlp.down_proj.weight)
+        add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
+        logits = torch.matmul(normed, self.model.lm_head.weight.t(), out=self.logits[:rows])
+        self.step += 1
+        return logits
+
+    def _rotary(self, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, q_rot: Tensor, layer: int) -> None:
+        rotary_to_cache(
+            q, k, v, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
+            self.k_cache[layer], self.v_cache[layer], self.shape.num_samples,
+        )  # fmt: skip

@@ -1,0 +1,32 @@
+"""Batch sizes and layouts of the shrinking decode batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
+
+
+def test_bucket_sizes_start_at_one_and_end_at_the_full_batch():
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(6) == (1, 2, 4, 6)
+    assert bucket_sizes(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert bucket_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
+
+
+def test_the_bucket_is_the_smallest_size_that_holds_the_live_rows():
+    sizes = bucket_sizes(64)
+    assert [bucket_for(n, sizes) for n in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 48, 64]
+    with pytest.raises(ValueError, match="exceed"):
+        bucket_for(65, sizes)
+
+
+def test_layout_sorts_live_slots_pads_with_the_spare_slot_and_groups_rows_by_prompt():
+    num_prompts, num_samples = 3, 4
+    out = layout(torch.tensor([9, 1, 2, 11, 10]), 8, num_prompts, num_samples)
+    assert out.slots.tolist() == [1, 2, 9, 10, 11, 12, 12, 12]
+    assert out.row_count.tolist() == [2, 0, 3]
+    for p in range(num_prompts):
+        rows = out.slots[out.row_start[p] : out.row_start[p] + out.row_count[p]]
+        assert (rows // num_samples == p).all()

@@ -1,0 +1,71 @@
+"""The graph-captured rollout engine against the plain-torch rollout and the model's own scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models.config import load_model_config
+from rollplex.models.generate import generate
+from rollplex.models.inputs import Prompt
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.sampling import SamplingParams
+from rollplex.rollout.engine import RolloutEngine
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NUM_SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen2_5_VL:
+    torch.manual_seed(0)
+    return Qwen2_5_VL(load_model_config("tiny"), device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[Prompt]:
+    g = torch.Generator().manual_seed(5)
+    return [Prompt(torch.randint(10, 100, (n,), generator=g)) for n in (7, 3, 12)]
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
+def engine_rollout(model, prompts, params, seed=0):
+    engine = RolloutEngine(model)
+    return engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(seed)), engine
+
+
+def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    out, _ = engine_rollout(model, prompts, params)
+    expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
+    assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model, prompts):
+    stop = tuple(range(20, 110))  # most tokens stop: lengths spread over 1..max_tokens, the batch compacts
+    params = SamplingParams(temperature=1.5, max_tokens=10, stop_token_ids=stop)
+    out, engine = engine_rollout(model, prompts, params)
+    assert len(set(out.response_lens.flatten().tolist())) > 2
+    assert engine.stats.batch_sizes[0] == len(prompts) * NUM_SAMPLES
+    assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)
+    assert engine.stats.batch_sizes[-1] < engine.stats.batch_sizes[0]
+    scores = model.suffix(model.prefix(prompts, attached=False), out.responses, out.response_lens)
+    torch.testing.assert_close(out.logprobs, scores.logprobs, atol=1e-4, rtol=1e-4)
+    for response, length in zip(out.responses.flatten(0, 1), out.response_lens.flatten(), strict=True):
+        assert (response[length:] == 0).all() and (length == 10 or response[length - 1] in stop)
+        assert not torch.isin(response[: length - 1], torch.tensor(stop, device=DEVICE)).any()
+
+
+def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5)
+    engine = RolloutEngine(model)
+    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 0, 1)]
+    graphs = engine.graphs
+    assert torch.equal(runs[0].responses, runs[1].responses) and torch.equal(runs[0].logprobs, runs[1].logprobs)
+    assert not torch.equal(runs[0].responses, runs[2].responses)
+    engine.generate(prompts[:3], num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
+    assert engine.graphs is graphs
