@@ -51,14 +51,14 @@ def _attend_chunk(
         live = keys < length
         k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [M, BLOCK]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, BLOCK]; ieee: no tf32 for fp32 tests
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
         k_ptrs += BLOCK * stride_k
         v_ptrs += BLOCK * stride_v
