@@ -139,7 +139,7 @@ def main() -> None:
     }
     for name in args.models:
         torch.manual_seed(0)
-        model = Qwen2_5_VL(load_model_config(name), dtype=torch.bfloat16, device="cuda").eval()
+        model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{name}"), dtype=torch.bfloat16, device="cuda").eval()
         for batch in args.batches:
             row = {"model": name, **engine_run(model, batch, args.prompt_tokens, args.tokens, bandwidth)}
             print(json.dumps(row), flush=True)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollplex.kernels.tiles import NUM_SMS_H200
+
 
 @triton.jit
 def _attend_chunk(
@@ -168,30 +170,53 @@ def combine_kernel(
     out_ptr,  # [rows, H, D] in the model's dtype
     max_rows,
     H: tl.constexpr,
+    HPG: tl.constexpr,
     D: tl.constexpr,
+    HEADS: tl.constexpr,  # power of two >= HPG
     PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
-    SPLITS: tl.constexpr,  # power of two >= both split counts
 ):
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    g = tl.program_id(1)
+    r = tl.arange(0, HEADS)
+    head = g * HPG + r
+    valid = r < HPG
     d = tl.arange(0, D)
-    at = (s * max_rows + row).to(tl.int64) * H + head
-    lse_p = tl.load(prompt_lse_ptr + at, mask=s < PROMPT_SPLITS, other=float("-inf"))
-    lse_o = tl.load(own_lse_ptr + at, mask=s < OWN_SPLITS, other=float("-inf"))
-    m = tl.maximum(tl.max(lse_p, axis=0), tl.max(lse_o, axis=0))  # finite: a row always sees its own token
-    w_p = tl.exp(lse_p - m)
-    w_o = tl.exp(lse_o - m)
-    out_p = tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=(s < PROMPT_SPLITS)[:, None], other=0.0)
-    out_o = tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=(s < OWN_SPLITS)[:, None], other=0.0)
-    total = tl.sum(w_p, axis=0) + tl.sum(w_o, axis=0)
-    out = (tl.sum(w_p[:, None] * out_p, axis=0) + tl.sum(w_o[:, None] * out_o, axis=0)) / total
-    tl.store(out_ptr + (row * H + head).to(tl.int64) * D + d, out.to(out_ptr.dtype.element_ty))
+    m = tl.full((HEADS,), float("-inf"), dtype=tl.float32)
+    for s in range(PROMPT_SPLITS):
+        at = (s * max_rows + row).to(tl.int64) * H + head
+        m = tl.maximum(m, tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")))
+    for s in range(OWN_SPLITS):
+        at = (s * max_rows + row).to(tl.int64) * H + head
+        m = tl.maximum(m, tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")))
+    m = tl.where(valid, m, 0.0)  # finite on valid heads: a row always sees its own token
+    total = tl.full((HEADS,), 0.0, dtype=tl.float32)
+    acc = tl.full((HEADS, D), 0.0, dtype=tl.float32)
+    for s in range(PROMPT_SPLITS):
+        at = (s * max_rows + row).to(tl.int64) * H + head
+        w = tl.exp(tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        total += w
+    for s in range(OWN_SPLITS):
+        at = (s * max_rows + row).to(tl.int64) * H + head
+        w = tl.exp(tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        total += w
+    out = acc / tl.where(valid, total, 1.0)[:, None]
+    dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
+
+
+def _chunk(num_sequences: int, num_keys: int, min_programs: int = 2 * NUM_SMS_H200) -> int:
+    """Keys per program: the longest chunk (fewest partials to merge) that still gives min_programs programs."""
+    for chunk in (256, 128):
+        if num_sequences * triton.cdiv(num_keys, chunk) >= min_programs:
+            return chunk
+    return 64
 
 
 def _rows(num_samples: int, heads_per_group: int) -> int:
@@ -210,12 +235,18 @@ class DecodeAttentionShape:
     head_dim: int
     max_prompt_len: int  # S: the prompt KV's padded length
     max_tokens: int  # R: the response cache's length
-    chunk: int = 256
+    prompt_chunk: int = 0  # keys per program; 0: the largest of 256, 128, 64 that still fills the GPU
+    own_chunk: int = 0
     block: int = 64
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} heads over {self.num_kv_heads} kv heads"
-        assert self.chunk % self.block == 0 and self.block >= 16, f"chunk {self.chunk}, block {self.block}"
+        if not self.prompt_chunk:
+            object.__setattr__(self, "prompt_chunk", _chunk(self.num_prompts * self.num_kv_heads, self.max_prompt_len))
+        if not self.own_chunk:
+            object.__setattr__(self, "own_chunk", _chunk(self.max_rows * self.num_kv_heads, self.max_tokens))
+        for chunk in (self.prompt_chunk, self.own_chunk):
+            assert chunk % self.block == 0 and self.block >= 16, f"chunk {chunk}, block {self.block}"
         assert self.head_dim & (self.head_dim - 1) == 0, f"head_dim {self.head_dim} must be a power of two"
 
     @property
@@ -224,11 +255,11 @@ class DecodeAttentionShape:
 
     @property
     def prompt_splits(self) -> int:
-        return triton.cdiv(self.max_prompt_len, self.chunk)
+        return triton.cdiv(self.max_prompt_len, self.prompt_chunk)
 
     @property
     def own_splits(self) -> int:
-        return triton.cdiv(self.max_tokens, self.chunk)
+        return triton.cdiv(self.max_tokens, self.own_chunk)
 
 
 class DecodeAttention:
@@ -269,15 +300,14 @@ class DecodeAttention:
         prompt_partial_kernel[(sh.num_prompts, g, sh.prompt_splits)](
             q, prompt_k, prompt_v, prompt_lens, row_start, row_count, self.prompt_out, self.prompt_lse,
             *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
-            H=h, HPG=hpg, D=d, ROWS=_rows(sh.num_samples, hpg), HEADS=_pow2(hpg), CHUNK=sh.chunk, BLOCK=sh.block,
+            H=h, HPG=hpg, D=d, ROWS=_rows(sh.num_samples, hpg), HEADS=_pow2(hpg), CHUNK=sh.prompt_chunk, BLOCK=sh.block,
         )  # fmt: skip
         own_partial_kernel[(rows, g, sh.own_splits)](
             q, own_k, own_v, slots, step, self.own_out, self.own_lse, sh.max_rows, scale,
-            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, HEADS=_pow2(hpg, 16), CHUNK=sh.chunk, BLOCK=sh.block,
+            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, HEADS=_pow2(hpg, 16), CHUNK=sh.own_chunk, BLOCK=sh.block,
         )  # fmt: skip
-        combine_kernel[(rows, h)](
+        combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
-            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            SPLITS=_pow2(max(sh.prompt_splits, sh.own_splits)),
+            H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
         )  # fmt: skip
         return out

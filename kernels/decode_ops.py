@@ -2,9 +2,9 @@
 
 - `add_rms_norm`: residual += delta, then RMSNorm of the new residual (HF's rounding: normalise in fp32,
   round to the model dtype, multiply by the weight in that dtype).
-- `rotary_to_cache`: rotates q and k of one new token per row by its text position, writes k and v into the
-  row's slot of the response cache at the current step, and q into a [rows, H, D] buffer.
-- `silu_mul`: silu(gate) * up, rounded after each op as eager torch does.
+- `rotary_to_cache`: from one packed [q k v] projection per row, rotates q and k of the new token by its text
+  position, writes k and v into the row's slot of the response cache at the current step, q into [rows, H, D].
+- `silu_mul`: silu(gate) * up from one packed [gate up] projection, rounded after each op as eager torch does.
 
 Positions and the step come from device tensors, so a captured CUDA graph replays them step after step.
 """
@@ -58,9 +58,7 @@ def add_rms_norm(
 
 @triton.jit
 def rotary_to_cache_kernel(
-    q_ptr,  # [rows, H * D]
-    k_ptr,  # [rows, G * D]
-    v_ptr,  # [rows, G * D]
+    qkv_ptr,  # [rows, (H + 2G) * D]: q, k, v of each row side by side (one packed projection)
     cos_ptr,  # [positions, D] fp32
     sin_ptr,  # [positions, D] fp32
     slots_ptr,  # [rows] int64
@@ -76,21 +74,20 @@ def rotary_to_cache_kernel(
     NUM_SAMPLES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1)  # q heads, then kv heads
     slot = tl.load(slots_ptr + row)
     step = tl.load(step_ptr)
     position = tl.load(next_positions_ptr + slot // NUM_SAMPLES) + step
     half = tl.arange(0, D // 2)
     cos = tl.load(cos_ptr + position * D + half)  # both halves of the table are equal
     sin = tl.load(sin_ptr + position * D + half)
+    src = qkv_ptr + (row * (H + 2 * G) + head) * D
     if head < H:
-        src = q_ptr + (row * H + head) * D
         dst = q_out_ptr + (row * H + head) * D
     else:
         g = head - H
-        src = k_ptr + (row * G + g) * D
         dst = k_cache_ptr + ((slot * G + g) * R + step) * D
-        v = tl.load(v_ptr + (row * G + g) * D + tl.arange(0, D))
+        v = tl.load(src + G * D + tl.arange(0, D))
         tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + tl.arange(0, D), v)
     x1 = tl.load(src + half).to(tl.float32)
     x2 = tl.load(src + D // 2 + half).to(tl.float32)
@@ -99,9 +96,7 @@ def rotary_to_cache_kernel(
 
 
 def rotary_to_cache(
-    q: torch.Tensor,  # [rows, H * D]
-    k: torch.Tensor,  # [rows, G * D]
-    v: torch.Tensor,  # [rows, G * D]
+    qkv: torch.Tensor,  # [rows, (H + 2G) * D]
     cos: torch.Tensor,  # [positions, D] fp32
     sin: torch.Tensor,
     slots: torch.Tensor,  # [rows] int64
@@ -114,31 +109,31 @@ def rotary_to_cache(
 ) -> torch.Tensor:
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
-    assert q.shape == (rows, num_heads * head_dim) and k.shape == v.shape == (rows, num_groups * head_dim)
-    assert all(t.is_contiguous() for t in (q, k, v, q_out, k_cache, v_cache, cos, sin))
+    assert qkv.shape == (rows, (num_heads + 2 * num_groups) * head_dim), f"qkv {tuple(qkv.shape)}"
+    assert all(t.is_contiguous() for t in (qkv, q_out, k_cache, v_cache, cos, sin))
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
-        q, k, v, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
+        qkv, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
         H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples,
     )  # fmt: skip
     return q_out
 
 
 @triton.jit
-def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(gate_up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    gate = tl.load(gate_ptr + row * N + cols, mask=mask, other=0.0)
-    up = tl.load(up_ptr + row * N + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_up_ptr + row * 2 * N + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
     g32 = gate.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
     tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """out [rows, N] = silu(gate) * up; all contiguous, one dtype."""
-    rows, n = gate.shape
-    assert up.shape == out.shape == gate.shape and gate.is_contiguous() and up.is_contiguous() and out.is_contiguous()
-    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, N=n, BLOCK=block)
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """out [rows, N] = silu(gate) * up, where gate_up [rows, 2N] holds gate then up (one packed projection)."""
+    rows, n = out.shape
+    assert gate_up.shape == (rows, 2 * n) and gate_up.is_contiguous() and out.is_contiguous()
+    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
     return out

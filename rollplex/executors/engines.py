@@ -48,6 +48,7 @@ def build_engines(loaded: LoadedSpec, device: str = "cpu") -> Engines:
     reference = None
     if spec.algorithm.kl_coef > 0:
         reference = copy.deepcopy(actor).requires_grad_(False)
+        reference.pack_projections()  # a deepcopy clones parameters one by one
     a = spec.algorithm
     optimizer = ChunkedAdamW(
         [p for p in actor.parameters() if p.requires_grad],

@@ -114,6 +114,7 @@ def load_pretrained(
     """A model built from the directory's `config.json` and weights, without a random initialisation first."""
     model = Qwen2_5_VL(load_model_config(str(directory)), dtype=dtype, device="meta")
     model.to_empty(device=device)
+    model.pack_projections()
     model.tie_weights()
     load_checkpoint(model, directory)
     return model

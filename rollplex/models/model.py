@@ -26,6 +26,7 @@ from rollplex.models.cache import ResponseCache
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import TextDecoder
 from rollplex.models.inputs import Prompt
+from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_responses
 from rollplex.models.vision import VisionEncoder
@@ -60,11 +61,20 @@ class Qwen2_5_VL(nn.Module):
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype)
+        self.pack_projections()
 
     def tie_weights(self) -> None:
         """Shares the LM head with the token embedding when the config ties them (Qwen2.5-VL-3B)."""
         if self.config.text.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def pack_projections(self) -> None:
+        """Stores each decoder layer's q/k/v weights and biases, and gate/up weights, back to back (`packing.py`)."""
+        for layer in self.model.language_model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            pack([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+            pack([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+            pack([mlp.gate_proj, mlp.up_proj], "weight")
 
     @property
     def device(self) -> torch.device:

@@ -20,6 +20,7 @@ from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionSh
 from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
 from rollplex.models.boundary import Boundary
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.packing import packed_view
 from rollplex.models.rotary import text_rotary
 
 
@@ -52,6 +53,12 @@ class DecodeStep:
     def __init__(self, model: Qwen2_5_VL, shape: DecodeShape) -> None:
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
         self.model, self.shape = model, shape
+        self.qkv, self.gate_up = [], []  # views of the packed parameters: updates show through, nothing copied
+        for layer in model.model.language_model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.qkv.append((_packed(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                             _packed(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)))  # fmt: skip
+            self.gate_up.append(_packed(m.gate_proj.weight, m.up_proj.weight))
         groups, d = text.num_key_value_heads, text.head_dim
         layers = range(text.num_hidden_layers)
         cache = (shape.num_slots, groups, shape.max_tokens, d)
@@ -104,27 +111,28 @@ class DecodeStep:
         delta = None
         for i, layer in enumerate(lm.layers):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed)
-            attn = layer.self_attn
-            q = F.linear(normed, attn.q_proj.weight, attn.q_proj.bias)
-            k = F.linear(normed, attn.k_proj.weight, attn.k_proj.bias)
-            v = F.linear(normed, attn.v_proj.weight, attn.v_proj.bias)
-            self._rotary(q, k, v, slots, q_rot, i)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(normed, *self.qkv[i])  # [rows, (H + 2G) D]
+            rotary_to_cache(
+                qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
+                self.k_cache[i], self.v_cache[i], self.shape.num_samples,
+            )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
                 self.k_cache[i], self.v_cache[i], slots, self.step, attended,
             )  # fmt: skip
             out = F.linear(attended.view(rows, -1), attn.o_proj.weight)
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed)
-            mlp = layer.mlp
-            gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
-            delta = F.linear(silu_mul(gate, up, torch.empty_like(gate)), mlp.down_proj.weight)
+            gate_up = F.linear(normed, self.gate_up[i])  # [rows, 2 I]
+            delta = F.linear(silu_mul(gate_up, gate_up.new_empty(rows, gate_up.shape[1] // 2)), mlp.down_proj.weight)
         add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
         logits = torch.matmul(normed, self.model.lm_head.weight.t(), out=self.logits[:rows])
         self.step += 1
         return logits
 
-    def _rotary(self, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, q_rot: Tensor, layer: int) -> None:
-        rotary_to_cache(
-            q, k, v, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
-            self.k_cache[layer], self.v_cache[layer], self.shape.num_samples,
-        )  # fmt: skip
+
+def _packed(*tensors: Tensor) -> Tensor:
+    view = packed_view(*tensors)
+    if view is None:
+        raise ValueError("the model's projections are not packed: call model.pack_projections() after moving it")
+    return view

@@ -35,7 +35,7 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
 def test_cascade_attention_equals_attention_over_the_concatenated_keys(heads, kv_heads, num_samples, live_slots):
     num_prompts, head_dim, max_prompt_len, max_tokens, step = 3, 16, 80, 40, 37
     shape = DecodeAttentionShape(
-        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, chunk=32, block=16
+        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, 32, 16, block=16
     )
     slots = torch.arange(num_prompts * num_samples) if live_slots is None else torch.tensor(live_slots)
     rows = len(slots)

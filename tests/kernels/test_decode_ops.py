@@ -26,7 +26,8 @@ def test_add_rms_norm_equals_residual_add_then_the_models_rmsnorm():
 
 def test_silu_mul_equals_eager_silu_times_up():
     gate, up = random(3, 300, seed=1), random(3, 300, seed=2)
-    assert_matches(silu_mul(gate, up, torch.empty_like(gate), block=128), F.silu(gate) * up)
+    out = silu_mul(torch.cat([gate, up], dim=1), torch.empty_like(gate), block=128)
+    assert_matches(out, F.silu(gate) * up)
 
 
 def test_rotary_to_cache_rotates_q_and_k_by_the_text_position_and_writes_the_rows_slot():
@@ -41,8 +42,8 @@ def test_rotary_to_cache_rotates_q_and_k_by_the_text_position_and_writes_the_row
     k_cache = torch.zeros(7, groups, max_tokens, d, dtype=DTYPE, device=DEVICE)
     v_cache, q_out = torch.zeros_like(k_cache), torch.empty(rows, heads, d, dtype=DTYPE, device=DEVICE)
     rotary_to_cache(
-        q, k, v, cos, sin, slots.to(DEVICE), next_positions.to(DEVICE), torch.tensor([step], device=DEVICE), q_out,
-        k_cache, v_cache, num_samples,
+        torch.cat([q, k, v], dim=1), cos, sin, slots.to(DEVICE), next_positions.to(DEVICE),
+        torch.tensor([step], device=DEVICE), q_out, k_cache, v_cache, num_samples,
     )  # fmt: skip
     at = (next_positions[slots // num_samples] + step).to(DEVICE)  # [rows]
     c, s = cos[at][:, None], sin[at][:, None]  # [rows, 1, D]
