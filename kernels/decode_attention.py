@@ -1,13 +1,13 @@
 """Decode attention over a shared prompt (cascade attention): one query token per sequence, N sequences per
 prompt, each attending to its prompt's KV (shared by the group, read once for all N) and to its own response KV.
 
-Three kernels, all split over keys so that a handful of prompts still fill the GPU (flash-decoding):
+Two launches, split over keys so that a handful of prompts still fill the GPU (flash-decoding):
 
-- `prompt_partial_kernel`, grid (P, kv_heads, prompt splits): the queries of every live sequence of prompt p
-  in kv-head group g (N x heads-per-group rows, one tensor-core tile) against one chunk of the prompt's keys.
-- `own_partial_kernel`, grid (rows, kv_heads, own splits): one sequence's heads of group g against one chunk
-  of its own response cache.
-- `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
+- `partial_kernel`, one program per chunk of keys, of two kinds: (prompt p, kv-head group g, prompt chunk):
+  the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile) against
+  the chunk of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its
+  own response cache.
+- `combine_kernel`, grid (rows, kv heads): merges every chunk's partial output through its log-sum-exp.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
@@ -71,7 +71,10 @@ def _attend_chunk(
 
 
 @triton.jit
-def prompt_partial_kernel(
+def _prompt_partial(
+    p,
+    g,
+    split,
     q_ptr,  # [rows, H, D] rotated queries, contiguous
     k_ptr,  # [P, G, S, D] prompt keys (post-rotary), last dim contiguous
     v_ptr,  # [P, G, S, D]
@@ -96,9 +99,7 @@ def prompt_partial_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
+    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK)."""
     count = tl.load(row_count_ptr + p)
     start = tl.load(row_start_ptr + p)
     length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
@@ -121,7 +122,10 @@ def prompt_partial_kernel(
 
 
 @triton.jit
-def own_partial_kernel(
+def _own_partial(
+    row,
+    g,
+    split,
     q_ptr,  # [rows, H, D] rotated queries, contiguous
     k_ptr,  # [SLOTS, G, R, D] response key cache, contiguous
     v_ptr,  # [SLOTS, G, R, D]
@@ -140,9 +144,7 @@ def own_partial_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
+    """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK)."""
     slot = tl.load(slots_ptr + row)
     length = tl.load(step_ptr) + 1
     r = tl.arange(0, HEADS)
@@ -159,6 +161,64 @@ def own_partial_kernel(
     at = (split * max_rows + row).to(tl.int64) * H + head
     tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
     tl.store(lse_ptr + at, lse, mask=valid)
+
+
+@triton.jit
+def partial_kernel(
+    q_ptr,  # [rows, H, D] rotated queries, contiguous
+    prompt_k_ptr,  # [P, G, S, D], last dim contiguous
+    prompt_v_ptr,
+    prompt_lens_ptr,  # [P] int64
+    row_start_ptr,  # [P] int64
+    row_count_ptr,  # [P] int64
+    own_k_ptr,  # [SLOTS, G, R, D] contiguous
+    own_v_ptr,
+    slots_ptr,  # [rows] int64
+    step_ptr,  # [1] int64
+    prompt_out_ptr,  # [PROMPT_SPLITS, MAX_ROWS, H, D] fp32
+    prompt_lse_ptr,
+    own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
+    own_lse_ptr,
+    stride_kp,
+    stride_kg,
+    stride_ks,
+    stride_vp,
+    stride_vg,
+    stride_vs,
+    max_rows,
+    scale,
+    P: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    HPG: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    ROWS: tl.constexpr,
+    PROMPT_HEADS: tl.constexpr,
+    OWN_HEADS: tl.constexpr,
+    PROMPT_CHUNK: tl.constexpr,
+    PROMPT_SPLITS: tl.constexpr,
+    OWN_CHUNK: tl.constexpr,
+    OWN_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
+    (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
+    pid = tl.program_id(0)
+    if pid < P * G * PROMPT_SPLITS:
+        _prompt_partial(
+            pid // (G * PROMPT_SPLITS), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
+            q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
+            prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
+            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
+        )  # fmt: skip
+    else:
+        own = pid - P * G * PROMPT_SPLITS
+        _own_partial(
+            own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
+            q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
+            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -183,21 +243,21 @@ def combine_kernel(
     valid = r < HPG
     d = tl.arange(0, D)
     m = tl.full((HEADS,), float("-inf"), dtype=tl.float32)
-    for s in range(PROMPT_SPLITS):
+    for s in tl.static_range(PROMPT_SPLITS):  # unrolled: the loads of all splits are in flight at once
         at = (s * max_rows + row).to(tl.int64) * H + head
         m = tl.maximum(m, tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")))
-    for s in range(OWN_SPLITS):
+    for s in tl.static_range(OWN_SPLITS):
         at = (s * max_rows + row).to(tl.int64) * H + head
         m = tl.maximum(m, tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")))
     m = tl.where(valid, m, 0.0)  # finite on valid heads: a row always sees its own token
     total = tl.full((HEADS,), 0.0, dtype=tl.float32)
     acc = tl.full((HEADS, D), 0.0, dtype=tl.float32)
-    for s in range(PROMPT_SPLITS):
+    for s in tl.static_range(PROMPT_SPLITS):
         at = (s * max_rows + row).to(tl.int64) * H + head
         w = tl.exp(tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")) - m)
         acc += w[:, None] * tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         total += w
-    for s in range(OWN_SPLITS):
+    for s in tl.static_range(OWN_SPLITS):
         at = (s * max_rows + row).to(tl.int64) * H + head
         w = tl.exp(tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")) - m)
         acc += w[:, None] * tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
@@ -297,14 +357,14 @@ class DecodeAttention:
         assert own_k.shape[1:] == (g, sh.max_tokens, d) and own_k.is_contiguous() and own_v.is_contiguous()
         assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
         scale = d**-0.5
-        prompt_partial_kernel[(sh.num_prompts, g, sh.prompt_splits)](
-            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, self.prompt_out, self.prompt_lse,
+        num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
+        partial_kernel[(num_programs,)](
+            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
+            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
             *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
-            H=h, HPG=hpg, D=d, ROWS=_rows(sh.num_samples, hpg), HEADS=_pow2(hpg), CHUNK=sh.prompt_chunk, BLOCK=sh.block,
-        )  # fmt: skip
-        own_partial_kernel[(rows, g, sh.own_splits)](
-            q, own_k, own_v, slots, step, self.own_out, self.own_lse, sh.max_rows, scale,
-            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, HEADS=_pow2(hpg, 16), CHUNK=sh.own_chunk, BLOCK=sh.block,
+            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
+            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
+            PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
