@@ -5,7 +5,8 @@ steps (`graphs.py`). The host never waits for the step it just launched: after l
 finished flags of step k - 1 (copied to pinned memory behind it), so launches run one step ahead of the GPU.
 When the live sequences fit a smaller captured batch, the batch is compacted (`batch.py`); until then, a
 finished sequence keeps decoding and its extra tokens are dropped. All of this depends only on the sampled
-tokens, so a seed gives one rollout. Sampling (temperature, top-p) runs on the device, between replays.
+tokens, so a seed gives one rollout. Sampling runs on the device: inside the graph (temperature, greedy), or
+between replays with torch when top-p < 1.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams, sample
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
-from rollplex.rollout.step import DecodeShape, DecodeStep
+from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling
 
 PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in these steps, so similar batches reuse the graphs
 POSITION_QUANTUM = 1024
@@ -69,16 +70,17 @@ class RolloutEngine:
         if num_samples < 1:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
         start = time.perf_counter()
-        graphs = self._graphs_for(boundary, num_samples, params.max_tokens)
+        graphs = self._graphs_for(boundary, num_samples, params)
         step = graphs.step
-        step.load(boundary)
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        step.load(boundary, params, seed)
         run = _Run(step, boundary.num_prompts, num_samples, params, generator)
-        run.record(torch.arange(run.num_sequences, device=step.slots.device), 0, boundary.first_logprobs
-                   .repeat_interleave(num_samples, dim=0))  # fmt: skip
+        run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
         for k in range(params.max_tokens - 1):
-            run.record(step.slots[:rows], k + 1, torch.log_softmax(graphs.run(rows).float(), dim=-1))
+            logits = graphs.run(rows)
+            run.next_token(rows, k + 1, logits)
             sizes.append(rows)
             live = run.live_after_previous_step()
             if live.numel() == 0:
@@ -89,8 +91,8 @@ class RolloutEngine:
         _sync(self.model.device)
         return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes))
 
-    def _graphs_for(self, boundary: Boundary, num_samples: int, max_tokens: int) -> StepGraphs:
-        if self.graphs is not None and self.graphs.step.shape.fits(boundary, num_samples, max_tokens):
+    def _graphs_for(self, boundary: Boundary, num_samples: int, params: SamplingParams) -> StepGraphs:
+        if self.graphs is not None and self.graphs.step.shape.fits(boundary, num_samples, params):
             return self.graphs
         self.graphs = None
         if self.model.device.type == "cuda":
@@ -99,40 +101,50 @@ class RolloutEngine:
             num_prompts=boundary.num_prompts,
             num_samples=num_samples,
             max_prompt_len=_round_up(boundary.max_prompt_len, PROMPT_LEN_QUANTUM),
-            max_tokens=max_tokens,
-            max_position=_round_up(int(boundary.next_positions.max()) + max_tokens + 1, POSITION_QUANTUM),
+            max_tokens=params.max_tokens,
+            max_position=_round_up(int(boundary.next_positions.max()) + params.max_tokens + 1, POSITION_QUANTUM),
+            fused_sampling=can_fuse_sampling(params),
         )
         self.graphs = StepGraphs(DecodeStep(self.model, shape), bucket_sizes(shape.num_slots - 1))
         return self.graphs
 
 
 class _Run:
-    """The per-rollout state of `RolloutEngine.decode`: sampled tokens, finished flags and their host copies."""
+    """The per-rollout state of `RolloutEngine.decode` beside the step's buffers: finished flags on the host."""
 
     def __init__(
         self, step: DecodeStep, num_prompts: int, num_samples: int, params: SamplingParams, generator: torch.Generator
     ) -> None:
-        device = step.slots.device
         self.step, self.params, self.generator = step, params, generator
         self.num_prompts, self.num_samples = num_prompts, num_samples
         self.num_sequences = num_prompts * num_samples
-        slots = self.num_sequences + 1
-        self.tokens = torch.zeros(slots, params.max_tokens, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(slots, params.max_tokens, dtype=torch.float32, device=device)
-        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=step.slots.device)
         self.num_columns = 0
         self.flags: deque[tuple[Tensor, torch.cuda.Event | None]] = deque()
 
-    def record(self, slots: Tensor, column: int, dist: Tensor) -> None:
-        """Samples token `column` of the sequences in `slots` from dist [rows, V] and queues the done flags."""
+    def first_token(self, dist: Tensor) -> None:
+        """Token 0 of every sequence, from its prompt's next-token distribution dist [P * N, V]."""
+        slots = torch.arange(self.num_sequences, device=dist.device)
+        if self.step.shape.fused_sampling:
+            self.step.sample(dist, slots, torch.zeros(1, dtype=torch.long, device=dist.device))
+        else:
+            self._record(slots, 0, dist)
+        self._columns_done(1)
+
+    def next_token(self, rows: int, column: int, logits: Tensor) -> None:
+        """After a step's replay: token `column` was sampled in-graph, or is sampled here (top-p)."""
+        if not self.step.shape.fused_sampling:
+            self._record(self.step.slots[:rows], column, torch.log_softmax(logits.float(), dim=-1))
+        self._columns_done(column + 1)
+
+    def _record(self, slots: Tensor, column: int, dist: Tensor) -> None:
+        """Samples token `column` of the sequences in `slots` from dist [rows, V] with torch (any top-p)."""
+        s = self.step
         token = sample(dist, self.params, self.generator)
-        self.tokens[slots, column] = token
-        self.logprobs[slots, column] = dist.gather(-1, token[:, None])[:, 0]
-        self.step.last_token[slots] = token
-        self.done[slots] |= torch.isin(token, self.stop_ids)
-        self.num_columns = column + 1
-        self._push_flags()
+        s.tokens[slots, column] = token
+        s.logprobs[slots, column] = dist.gather(-1, token[:, None])[:, 0]
+        s.last_token[slots] = token
+        s.done[slots] |= torch.isin(token, self.stop_ids).to(torch.int8)
 
     def place(self, live: Tensor, sizes: tuple[int, ...]) -> int:
         """Lays the live sequences out in the smallest captured batch that holds them; returns its size."""
@@ -149,25 +161,28 @@ class _Run:
         flags, event = self.flags.popleft()
         if event is not None:
             event.synchronize()
-        return (~flags[: self.num_sequences]).nonzero()[:, 0]
+        return (flags[: self.num_sequences] == 0).nonzero()[:, 0]
 
     def collect(self) -> Rollout:
-        tokens = self.tokens[: self.num_sequences, : self.num_columns]
+        tokens = self.step.tokens[: self.num_sequences, : self.num_columns]
         is_stop = torch.isin(tokens, self.stop_ids)
         first_stop = is_stop.int().argmax(dim=1) + 1
         lens = torch.where(is_stop.any(dim=1), first_stop, self.num_columns)
         longest = int(lens.max())
-        logprobs = self.logprobs[: self.num_sequences, :longest]
+        logprobs = self.step.logprobs[: self.num_sequences, :longest]
         return collect_rollout(tokens[:, :longest], logprobs, lens, self.num_prompts)
 
-    def _push_flags(self) -> None:
-        if self.done.is_cuda:
-            flags = torch.empty(self.done.shape, dtype=torch.bool, pin_memory=True)
-            flags.copy_(self.done, non_blocking=True)
+    def _columns_done(self, num_columns: int) -> None:
+        """Notes the columns written and queues a host copy of the done flags behind them."""
+        self.num_columns = num_columns
+        done = self.step.done
+        if done.is_cuda:
+            flags = torch.empty(done.shape, dtype=done.dtype, pin_memory=True)
+            flags.copy_(done, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            flags, event = self.done.clone(), None
+            flags, event = done.clone(), None
         self.flags.append((flags, event))
 
 

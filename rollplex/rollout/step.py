@@ -2,10 +2,12 @@
 
 `DecodeStep.forward(rows)` feeds each of the first `rows` batch rows its slot's last sampled token, runs the
 decoder with the fused kernels (`rollplex.kernels.decode_ops`) and the cascade attention over the shared
-prompt KV and the response cache (`rollplex.kernels.decode_attention`), advances the step counter and leaves
-the logits in `self.logits[:rows]`. It reads the actor's parameters in place (no copy) and allocates only the
-step's activations. Everything that changes between steps lives in device tensors: `slots`, `row_start`,
-`row_count`, `step`, `last_token`. Not here: sampling and retiring sequences (`engine.py`), capture (`graphs.py`).
+prompt KV and the response cache (`rollplex.kernels.decode_attention`), advances the step counter, leaves
+the logits in `self.logits[:rows]` and, with fused sampling, samples the next token into `tokens`,
+`logprobs`, `last_token` and `done` (`rollplex.kernels.sampling`). It reads the actor's parameters in place
+(no copy) and allocates only the step's activations. Everything that changes between steps lives in device
+tensors: `slots`, `row_start`, `row_count`, `step`, `last_token`. Not here: retiring sequences and top-p
+sampling (`engine.py`), capture (`graphs.py`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from torch import Tensor
 
 from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
 from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
+from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 from rollplex.models.boundary import Boundary
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.packing import packed_view
 from rollplex.models.rotary import text_rotary
+from rollplex.models.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,18 +37,25 @@ class DecodeShape:
     max_prompt_len: int  # S: prompt KV capacity per prompt
     max_tokens: int  # R: response tokens per sequence
     max_position: int  # rotary table length: > every prompt's next position + R
+    fused_sampling: bool  # the step samples in-graph (`rollplex.kernels.sampling`); else the caller samples
 
     @property
     def num_slots(self) -> int:
         """Sequences, plus the spare slot that padding rows write to."""
         return self.num_prompts * self.num_samples + 1
 
-    def fits(self, boundary: Boundary, num_samples: int, max_tokens: int) -> bool:
+    def fits(self, boundary: Boundary, num_samples: int, params: SamplingParams) -> bool:
         return (
-            (boundary.num_prompts, num_samples, max_tokens) == (self.num_prompts, self.num_samples, self.max_tokens)
+            (boundary.num_prompts, num_samples) == (self.num_prompts, self.num_samples)
+            and (params.max_tokens, can_fuse_sampling(params)) == (self.max_tokens, self.fused_sampling)
             and boundary.max_prompt_len <= self.max_prompt_len
-            and int(boundary.next_positions.max()) + max_tokens <= self.max_position
+            and int(boundary.next_positions.max()) + params.max_tokens <= self.max_position
         )
+
+
+def can_fuse_sampling(params: SamplingParams) -> bool:
+    """The fused sampler does temperature (and greedy) but not top-p, and at most MAX_STOP_IDS stop tokens."""
+    return params.top_p == 1.0 and len(params.stop_token_ids) <= MAX_STOP_IDS
 
 
 class DecodeStep:
@@ -78,6 +89,12 @@ class DecodeStep:
         self.slots = torch.arange(shape.num_slots - 1, **long)
         self.step = torch.zeros(1, **long)
         self.last_token = torch.zeros(shape.num_slots, **long)
+        self.tokens = torch.zeros(shape.num_slots, shape.max_tokens, **long)  # [slot, column]
+        self.logprobs = torch.zeros(shape.num_slots, shape.max_tokens, dtype=torch.float32, device=device)
+        self.done = torch.zeros(shape.num_slots, dtype=torch.int8, device=device)
+        self.seed = torch.zeros(1, **long)
+        self.temperature = torch.zeros(1, dtype=torch.float32, device=device)
+        self.stop_ids = torch.full((MAX_STOP_IDS,), -1, **long)
         self.logits = torch.empty(shape.num_slots - 1, text.vocab_size, dtype=dtype, device=device)
         self.attention = DecodeAttention(
             DecodeAttentionShape(
@@ -87,9 +104,9 @@ class DecodeStep:
             device,
         )  # fmt: skip
 
-    def load(self, boundary: Boundary) -> None:
-        """Takes a new rollout's prompts: copies their KV and lengths in, rewinds the step counter."""
-        assert self.shape.fits(boundary, self.shape.num_samples, self.shape.max_tokens), "boundary exceeds the shape"
+    def load(self, boundary: Boundary, params: SamplingParams, seed: int) -> None:
+        """Takes a new rollout: copies the prompts' KV and lengths in, clears the outputs, rewinds the step."""
+        assert self.shape.fits(boundary, self.shape.num_samples, params), "the rollout exceeds the decode shape"
         length = boundary.max_prompt_len
         for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
             dst_k[:, :, :length].copy_(k)
@@ -97,6 +114,20 @@ class DecodeStep:
         self.prompt_lens.copy_(boundary.prompt_lens)
         self.next_positions[:-1].copy_(boundary.next_positions)
         self.step.zero_()
+        for t in (self.tokens, self.logprobs, self.done):
+            t.zero_()
+        self.seed.fill_(seed)
+        self.temperature.fill_(params.temperature)
+        if self.shape.fused_sampling:
+            self.stop_ids.fill_(-1)
+            self.stop_ids[: len(params.stop_token_ids)] = torch.tensor(params.stop_token_ids)
+
+    def sample(self, logits: Tensor, slots: Tensor, column: Tensor) -> None:
+        """Fused sampling of token `column` for the sequences in `slots` from logits [rows, V]."""
+        fused_sample(
+            logits, slots, column, self.seed, self.temperature, self.stop_ids, self.tokens, self.logprobs,
+            self.last_token, self.done,
+        )  # fmt: skip
 
     def forward(self, rows: int) -> Tensor:
         """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token."""
@@ -128,6 +159,8 @@ class DecodeStep:
         add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
         logits = torch.matmul(normed, self.model.lm_head.weight.t(), out=self.logits[:rows])
         self.step += 1
+        if self.shape.fused_sampling:
+            self.sample(logits, slots, self.step)  # the token after token `step - 1` is token `step`
         return logits
 
 

@@ -45,10 +45,18 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model, prompts):
-    stop = tuple(range(20, 110))  # most tokens stop: lengths spread over 1..max_tokens, the batch compacts
-    params = SamplingParams(temperature=1.5, max_tokens=10, stop_token_ids=stop)
+@pytest.mark.parametrize(
+    ("top_p", "stop", "fused"),
+    [
+        (1.0, tuple(range(20, 36)), True),  # sampled in the graph
+        (0.95, tuple(range(20, 110)), False),  # top-p: sampled by torch between replays
+    ],
+)
+def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model, prompts, top_p, stop, fused):
+    # many stop tokens: lengths spread over 1..max_tokens and the batch compacts
+    params = SamplingParams(temperature=1.5, top_p=top_p, max_tokens=10, stop_token_ids=stop)
     out, engine = engine_rollout(model, prompts, params)
+    assert engine.graphs.step.shape.fused_sampling == fused
     assert len(set(out.response_lens.flatten().tolist())) > 2
     assert engine.stats.batch_sizes[0] == len(prompts) * NUM_SAMPLES
     assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)

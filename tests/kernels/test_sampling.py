@@ -1,0 +1,50 @@
+"""The fused sampler: greedy is the argmax, draws follow softmax(logits / T), log-probs are at temperature 1,
+and each token lands at its slot and column with the slot's stop flag."""
+
+from __future__ import annotations
+
+import torch
+from kernels_testkit import DEVICE
+
+from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
+
+
+def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots=None, max_tokens=3):
+    num_slots = num_slots or len(slots)
+    tokens = torch.zeros(num_slots, max_tokens, dtype=torch.long, device=DEVICE)
+    logprobs = torch.zeros(num_slots, max_tokens, device=DEVICE)
+    last, done = (
+        torch.zeros(num_slots, dtype=torch.long, device=DEVICE),
+        torch.zeros(num_slots, dtype=torch.int8, device=DEVICE),
+    )
+    stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long)
+    stop_ids[: len(stop)] = torch.tensor(stop, dtype=torch.long)
+    scalar = lambda v, dtype: torch.tensor([v], dtype=dtype, device=DEVICE)  # noqa: E731
+    fused_sample(
+        logits.to(DEVICE), torch.as_tensor(slots, device=DEVICE), scalar(column, torch.long), scalar(seed, torch.long),
+        scalar(temperature, torch.float32), stop_ids.to(DEVICE), tokens, logprobs, last, done, block=64,
+    )  # fmt: skip
+    return tokens.cpu(), logprobs.cpu(), last.cpu(), done.cpu()
+
+
+def test_greedy_takes_the_argmax_and_records_its_temperature_one_logprob_at_slot_and_column():
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(0)) * 3
+    slots = [4, 1, 2]
+    tokens, logprobs, last, done = draw(
+        logits, slots, column=2, temperature=0.0, num_slots=6, stop=(int(logits[1].argmax()),)
+    )
+    expected = logits.argmax(-1)
+    assert tokens[slots, 2].tolist() == expected.tolist() and last[slots].tolist() == expected.tolist()
+    torch.testing.assert_close(logprobs[slots, 2], logits.log_softmax(-1).gather(-1, expected[:, None])[:, 0])
+    assert done.tolist() == [0, 1, 0, 0, 0, 0]
+    assert not tokens[:, :2].any() and not tokens[[0, 3, 5]].any()
+
+
+def test_draws_follow_softmax_of_logits_over_temperature_and_a_seed_repeats_them():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5] + [-30.0] * 70]).expand(4000, -1).contiguous()
+    tokens, *_ = draw(logits, list(range(4000)), temperature=2.0, seed=7)
+    freq = torch.bincount(tokens[:, 0], minlength=75)[:5].float() / 4000
+    torch.testing.assert_close(freq, (logits[0, :5] / 2.0).softmax(-1), atol=0.025, rtol=0)
+    again, *_ = draw(logits, list(range(4000)), temperature=2.0, seed=7)
+    other, *_ = draw(logits, list(range(4000)), temperature=2.0, seed=8)
+    assert torch.equal(tokens, again) and not torch.equal(tokens, other)
