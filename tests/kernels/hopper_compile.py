@@ -1,12 +1,14 @@
-"""Compiles both kernels for sm_90 (H100/H200) on a machine without a GPU and prints what the cubin uses.
+"""Compiles the kernels for sm_90 (H100/H200) on a machine without a GPU and prints what the cubin uses.
 
 Run as a script (the test runs it in a subprocess without TRITON_INTERPRET, which would replace the kernels by
-interpreted functions). Prints one JSON line per (kernel, regime).
+interpreted functions). Prints one JSON line per (GEMM kernel, regime); with `decode`, one per decode kernel
+at Qwen2.5-VL-7B shapes instead.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -42,7 +44,53 @@ def compile_for_hopper(name: str, tiles: Tiles) -> dict:
             "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx}  # fmt: skip
 
 
+def decode_kernels() -> dict:
+    """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128)."""
+    from rollplex.kernels import decode_attention as da
+    from rollplex.kernels import decode_ops as ops
+    from rollplex.kernels import sampling as sa
+
+    ptrs = lambda *names, t="*bf16": {n: t for n in names}  # noqa: E731
+    heads = {"H": 28, "HPG": 7, "D": 128}
+    return {
+        "partial": (da.partial_kernel, {**ptrs("q_ptr", "prompt_k_ptr", "prompt_v_ptr", "own_k_ptr", "own_v_ptr"),
+            **ptrs("prompt_lens_ptr", "row_start_ptr", "row_count_ptr", "slots_ptr", "step_ptr", t="*i64"),
+            **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
+            **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", t="i32"),
+            "scale": "fp32"}, {**heads, "P": 8, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64}),
+        "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
+            t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {**heads, "HEADS": 8, "PROMPT_SPLITS": 24,
+            "OWN_SPLITS": 8}),
+        "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
+            "eps": "fp32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True}),
+        "rotary_to_cache": (ops.rotary_to_cache_kernel, {**ptrs("qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"),
+            **ptrs("cos_ptr", "sin_ptr", t="*fp32"), **ptrs("slots_ptr", "next_positions_ptr", "step_ptr", t="*i64")},
+            {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8}),
+        "silu_mul": (ops.silu_mul_kernel, ptrs("gate_up_ptr", "out_ptr"), {"N": 18944, "BLOCK": 1024}),
+        "sample_partial": (sa.sample_partial_kernel, {"logits_ptr": "*bf16", "temperature_ptr": "*fp32",
+            "partial_ptr": "*fp32", "index_ptr": "*i32", **ptrs("slots_ptr", "column_ptr", "seed_ptr", t="*i64"),
+            "num_slots": "i32"}, {"V": 152064, "SPLITS": 38, "BLOCK": 4096}),
+        "sample_finish": (sa.sample_finish_kernel, {"partial_ptr": "*fp32", "index_ptr": "*i32", "done_ptr": "*i8",
+            "logprobs_ptr": "*fp32", **ptrs("slots_ptr", "column_ptr", "stop_ptr", "tokens_ptr", "last_token_ptr",
+            t="*i64")}, {"R": 2048, "SPLITS": 38, "SPLITS_POW2": 64, "MAX_STOP": 16}),
+    }  # fmt: skip
+
+
+def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> dict:
+    names = list(fn.arg_names)
+    ordered = {n: signature[n] for n in names if n in signature}
+    missing = [n for n in names if n not in signature and n not in constexprs]
+    assert not missing, f"{name}: no type for {missing}"
+    kernel = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER)
+    return {"kernel": name, "shared_bytes": kernel.metadata.shared}
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["decode"]:
+        for name, (fn, signature, constexprs) in decode_kernels().items():
+            print(json.dumps(compile_decode_kernel(name, fn, signature, constexprs)))
+        sys.exit()
     for name in KERNELS:
         for num_rows in (1, 64, 4096):
             print(json.dumps(compile_for_hopper(name, pick_tiles(num_rows, 2048))))

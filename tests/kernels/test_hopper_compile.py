@@ -26,3 +26,15 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
     for r in results:
         assert r["cp_async"] and r["shared_bytes"] <= HOPPER_SHARED_BYTES, r
         assert r["wgmma"] == (r["block_m"] >= 64), r
+
+
+def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    out = subprocess.run([sys.executable, str(script), "decode"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["kernel"] for r in results] == [
+        "partial", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial", "sample_finish",
+    ]  # fmt: skip
+    assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
