@@ -56,6 +56,12 @@ def _run(args: argparse.Namespace) -> int:
     )
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
+    from rollplex.executors.engines import resolve_device
+
+    try:
+        resolve_device(spec.run.device)
+    except ValueError as e:
+        raise loaded.locate(SpecError("run.device", str(e))) from None
     records = train(loaded, opts)
     if records:
         last = records[-1]

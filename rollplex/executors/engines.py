@@ -1,13 +1,17 @@
 """The engines one process runs: actor (trained; rollout reads its weights), frozen reference, optimizer,
 sampling, tokenizer and reward. Built from a spec by `build_engines`; the runtime only uses them.
 
-On the CPU, rollout decodes with the actor module itself, so training and rollout share every weight.
+Rollout always reads the actor's own parameters, so training and rollout share every weight: on the CPU
+through the plain decode loop (`rollplex.models.generate`), on a GPU through the graph-captured engine
+(`rollplex.rollout`), which reads the packed projections in place.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,8 +23,11 @@ from rollplex.graph.load import LoadedSpec
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
+from rollplex.models.generate import Rollout, generate
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
+
+RolloutFn = Callable[..., Rollout]  # (prompts, *, num_samples, params, generator) -> Rollout
 
 OPTIMIZER_CHUNK_BYTES = 64 << 20
 
@@ -28,6 +35,7 @@ OPTIMIZER_CHUNK_BYTES = 64 << 20
 @dataclass
 class Engines:
     actor: Qwen2_5_VL
+    rollout: RolloutFn  # samples with the actor's weights
     reference: Qwen2_5_VL | None
     optimizer: ChunkedAdamW
     sampling: SamplingParams
@@ -38,8 +46,27 @@ class Engines:
     group_size: int
 
 
-def build_engines(loaded: LoadedSpec, device: str = "cpu") -> Engines:
+def resolve_device(setting: str) -> torch.device:
+    """`run.device`: auto is the GPU when torch sees one; cuda without one is a one-line error."""
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device is cuda but torch sees no GPU: use auto or cpu")
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def make_rollout(actor: Qwen2_5_VL) -> RolloutFn:
+    if actor.device.type == "cuda":
+        from rollplex.rollout.engine import RolloutEngine
+
+        return RolloutEngine(actor).generate
+    return partial(generate, actor)
+
+
+def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) -> Engines:
+    """The engines of a spec, on `device` (default: the spec's `run.device`)."""
     spec, config = loaded.spec, loaded.model
+    device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     dtype = getattr(torch, spec.run.dtype)
     torch.manual_seed(spec.run.seed)
     actor = Qwen2_5_VL(config, dtype=dtype, device=device)
@@ -68,6 +95,7 @@ def build_engines(loaded: LoadedSpec, device: str = "cpu") -> Engines:
     )
     return Engines(
         actor=actor,
+        rollout=make_rollout(actor),
         reference=reference,
         optimizer=optimizer,
         sampling=sampling,

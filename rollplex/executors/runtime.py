@@ -3,7 +3,7 @@
 Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store
 and writes its outputs there. The actor's suffix and its backward run fused, one prompt group per
 microbatch, inside the backward handler (the suffix op only marks where its outputs will come from).
-On the CPU, `rollplex` runs its Phase-1 ops in order: decode once, then each prefix beside it.
+`rollplex` runs its Phase-1 ops in order for now: decode once, then each prefix beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollplex.executors.grpo import group_advantages, grpo_loss, loss_scale
 from rollplex.executors.scoring import LeafBoundary, score_all, score_group_split, score_group_unsplit
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
-from rollplex.models.generate import Rollout, generate
+from rollplex.models.generate import Rollout
 from rollplex.models.scores import SuffixOut
 
 Store = dict[str, object]
@@ -102,7 +102,7 @@ def _handler(o: Op) -> Handler:
 
 
 def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    rollout = generate(e.actor, store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
+    rollout = e.rollout(store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
 
@@ -110,10 +110,12 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     rollout = _input(store, o, Rollout)
     rewards = torch.zeros(rollout.response_lens.shape)
+    responses, lens = rollout.responses.cpu(), rollout.response_lens.cpu()
     for p, example in enumerate(store["examples"]):
-        for n in range(rollout.responses.shape[1]):
-            ids = rollout.responses[p, n, : int(rollout.response_lens[p, n])].tolist()
+        for n in range(responses.shape[1]):
+            ids = responses[p, n, : int(lens[p, n])].tolist()
             rewards[p, n] = e.reward(e.tokenizer.decode(ids), example)
+    rewards = rewards.to(rollout.responses.device)
     store[o.outputs[0]] = rewards
     record.rewards = rewards
 
@@ -150,7 +152,7 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
     ref = _input(store, o, SuffixOut, required=False)
     rewards = _input(store, o, torch.Tensor)
     advantages = group_advantages(rewards)
-    mask = torch.arange(rollout.responses.shape[2]) < rollout.response_lens[..., None]
+    mask = torch.arange(rollout.responses.shape[2], device=rollout.responses.device) < rollout.response_lens[..., None]
     scale = loss_scale(mask)
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
     for p, prompt in enumerate(store["prompts"]):

@@ -158,6 +158,9 @@ class RunSpec(_Strict):
     checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
     init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where `rollplex run` trains: auto is the GPU when there is one, else the CPU."
+    )
 
 
 class Spec(_Strict):

@@ -175,6 +175,21 @@ def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
     assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_run_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    text = (ROOT / "specs/tiny_cpu.yaml").read_text()
+    assert "dtype: float32}" in text
+    spec.write_text(text.replace("dtype: float32}", "dtype: float32, device: cuda}"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex.cli", "run", str(spec), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "run.device" in proc.stderr and "no GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_reward_rises_from_random_weights_on_a_small_synthetic_task(tmp_path):
     text = (ROOT / "specs/learning_check_tiny.yaml").read_text()
