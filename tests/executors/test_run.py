@@ -34,17 +34,18 @@ cluster: {{hbm_gib: 16, host_gib: 8}}
 workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
             dataset: "synthetic:clevrer@tiny"}}
 algorithm: {{kl_coef: {kl}, lr: 1.0e-2, rewards: [{{name: test_char_share}}]}}
-run: {{seed: 3, dtype: float32}}
+run: {{seed: 3, dtype: float32, device: {device}}}
 """
 
 
-def loaded(kl: float = 0.1):
-    return parse_spec(SPEC.format(kl=kl))
+def loaded(kl: float = 0.1, device: str = "cpu"):
+    """The tests' spec; on the CPU unless asked, so that a GPU machine runs the same checks."""
+    return parse_spec(SPEC.format(kl=kl, device=device))
 
 
-def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, **kw) -> list[dict]:
+def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, device: str = "cpu", **kw):
     opts = RunOptions(steps, Schedule(schedule), tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
-    return train(loaded(), opts)
+    return train(loaded(device=device), opts)
 
 
 def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path):
@@ -52,6 +53,15 @@ def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path)
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert len({r["param_digest"] for r in a}) == 3  # the weights do move
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_rollout(tmp_path):
+    a, b = run(tmp_path, "serial", 3, device="cuda"), run(tmp_path, "rollplex", 3, device="cuda")
+    assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
+    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+    assert len({r["param_digest"] for r in a}) == 3
 
 
 def test_unsplit_textbook_grpo_gives_the_same_losses(tmp_path):
