@@ -5,7 +5,8 @@ log-sum-exp terms (temperature 1: the log-prob that GRPO's ratio needs) and, in 
 Gumbel key logits_v / T + G_v, G_v = -log(-log U_v). The argmax of the keys samples softmax(logits / T)
 exactly (temperature 0: the argmax of the logits). U comes from Philox keyed by (seed, column, slot), so a
 seed gives one rollout whatever the batch layout. A second kernel merges each row's blocks, writes the token
-and its log-prob at [slot, column] and the slot's last token, and marks the slot done on a stop token.
+and its log-prob at [slot, column] and the slot's last token, and marks the slot done on a stop token or
+at its length budget.
 No top-p: the caller samples top-p < 1 with torch (`rollplex.models.sampling`). Every input is a device
 tensor, so a CUDA graph can replay it.
 """
@@ -72,6 +73,7 @@ def sample_finish_kernel(
     logprobs_ptr,  # [SLOTS, R] fp32
     last_token_ptr,  # [SLOTS] int64
     done_ptr,  # [SLOTS] int8
+    max_lens_ptr,  # [SLOTS] int64: a sequence also ends after this many tokens
     R: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
@@ -91,9 +93,10 @@ def sample_finish_kernel(
     logit = tl.sum(tl.where(pick, tl.load(part + 3, mask=live, other=0.0), 0.0), axis=0)
     token = tl.sum(tl.where(pick, tl.load(index_ptr + row * SPLITS + i, mask=live, other=0), 0), axis=0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
-    at_slot = slot * R + tl.load(column_ptr)
+    column = tl.load(column_ptr)
+    at_slot = slot * R + column
     stops = tl.load(stop_ptr + tl.arange(0, MAX_STOP))
-    is_stop = tl.sum((stops == token).to(tl.int32), axis=0) > 0
+    is_stop = (tl.sum((stops == token).to(tl.int32), axis=0) > 0) | (column + 1 >= tl.load(max_lens_ptr + slot))
     tl.store(tokens_ptr + at_slot, token)
     tl.store(logprobs_ptr + at_slot, logit - (m + tl.log(s)))
     tl.store(last_token_ptr + slot, token)
@@ -112,13 +115,14 @@ def fused_sample(
     logprobs: torch.Tensor,  # [SLOTS, R] fp32
     last_token: torch.Tensor,  # [SLOTS] int64
     done: torch.Tensor,  # [SLOTS] int8
+    max_lens: torch.Tensor,  # [SLOTS] int64
     block: int = 4096,
 ) -> None:
     rows, vocab = logits.shape
     num_slots, max_tokens = tokens.shape
     assert logits.is_contiguous() and slots.shape == (rows,), f"logits {tuple(logits.shape)}, slots {slots.shape}"
     assert stop_ids.shape == (MAX_STOP_IDS,) and done.dtype == torch.int8 and tokens.dtype == torch.long
-    assert logprobs.shape == tokens.shape and last_token.shape == done.shape == (num_slots,)
+    assert logprobs.shape == tokens.shape and last_token.shape == done.shape == max_lens.shape == (num_slots,)
     block = min(block, triton.next_power_of_2(vocab))
     splits = triton.cdiv(vocab, block)
     partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=logits.device)
@@ -127,6 +131,6 @@ def fused_sample(
         logits, slots, column, seed, temperature, partial, index, num_slots, V=vocab, SPLITS=splits, BLOCK=block
     )
     sample_finish_kernel[(rows,)](
-        partial, index, slots, column, stop_ids, tokens, logprobs, last_token, done,
+        partial, index, slots, column, stop_ids, tokens, logprobs, last_token, done, max_lens,
         R=max_tokens, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), MAX_STOP=MAX_STOP_IDS,
     )  # fmt: skip

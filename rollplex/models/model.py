@@ -13,7 +13,7 @@ Parameter names are transformers 5.x's `Qwen2_5_VLForConditionalGeneration` name
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -91,9 +91,34 @@ class Qwen2_5_VL(nn.Module):
         `attached=False` (reference) runs under no_grad; `attached=True` (actor) keeps the graph, so a loss on
         suffix log-probs reaches the prompt's decoder layers, the merger and the vision encoder.
         """
-        with torch.enable_grad() if attached else torch.no_grad():
-            attention = CausalAttention(record=True)
-            hidden, packed = self._run_sequences(prompts, attention)
+        chunks = self.prefix_chunks(prompts, attached=attached, layers_per_chunk=self.config.text.num_hidden_layers)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def prefix_chunks(
+        self, prompts: Sequence[Prompt], *, attached: bool, layers_per_chunk: int = 1
+    ) -> Generator[None, None, Boundary]:
+        """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
+        with other work (rollout decode): the embedding and vision encoder, then `layers_per_chunk` decoder
+        layers at a time, then the boundary, which it returns. The grad mode is entered and left inside each
+        chunk, never held across a pause. The same work as `prefix`, in the same order."""
+        mode = torch.enable_grad if attached else torch.no_grad
+        attention = CausalAttention(record=True)
+        with mode():
+            packed = pack_sequences(prompts, self.config)
+            x = self._embed(packed)
+            cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
+        layers = self.model.language_model.layers
+        for start in range(0, len(layers), layers_per_chunk):
+            yield
+            with mode():
+                for layer in layers[start : start + layers_per_chunk]:
+                    x = layer(x, cos, sin, attention)
+        with mode():
+            hidden = self.model.language_model.norm(x)
             lens = packed.lens.to(self.device)
             last = hidden[torch.arange(len(prompts), device=self.device), lens - 1]  # [P, hidden]
             first_logprobs = torch.log_softmax(self.lm_head(last).float(), dim=-1)  # [P, V]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,20 +51,40 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Prompt], *, num_samples: int, params: SamplingParams, generator: torch.Generator
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        num_samples: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        max_lens: Tensor | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> Rollout:
-        """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`)."""
+        """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`).
+
+        max_lens [P, N]: per-sequence length budgets (benchmarks replay a workload's length distribution with
+        them). beside: called after each decode step is launched, to enqueue other work (`beside.py`).
+        """
         start = time.perf_counter()
         boundary = self.model.prefix(prompts, attached=False)
         _sync(self.model.device)
         prefill_s = time.perf_counter() - start
-        rollout, stats = self.decode(boundary, num_samples=num_samples, params=params, generator=generator)
+        rollout, stats = self.decode(
+            boundary, num_samples=num_samples, params=params, generator=generator, max_lens=max_lens, beside=beside
+        )
         self.stats = RolloutStats(prefill_s, *stats)
         return rollout
 
     @torch.no_grad()
     def decode(
-        self, boundary: Boundary, *, num_samples: int, params: SamplingParams, generator: torch.Generator
+        self,
+        boundary: Boundary,
+        *,
+        num_samples: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        max_lens: Tensor | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, tuple]:
         """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes)."""
         if num_samples < 1:
@@ -73,7 +93,7 @@ class RolloutEngine:
         graphs = self._graphs_for(boundary, num_samples, params)
         step = graphs.step
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
-        step.load(boundary, params, seed)
+        step.load(boundary, params, seed, max_lens)
         run = _Run(step, boundary.num_prompts, num_samples, params, generator)
         run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
         live = torch.arange(run.num_sequences)
@@ -82,6 +102,8 @@ class RolloutEngine:
             logits = graphs.run(rows)
             run.next_token(rows, k + 1, logits)
             sizes.append(rows)
+            if beside is not None:
+                beside()
             live = run.live_after_previous_step()
             if live.numel() == 0:
                 break
@@ -144,7 +166,8 @@ class _Run:
         s.tokens[slots, column] = token
         s.logprobs[slots, column] = dist.gather(-1, token[:, None])[:, 0]
         s.last_token[slots] = token
-        s.done[slots] |= torch.isin(token, self.stop_ids).to(torch.int8)
+        ends = torch.isin(token, self.stop_ids) | (column + 1 >= s.max_lens[slots])
+        s.done[slots] |= ends.to(torch.int8)
 
     def place(self, live: Tensor, sizes: tuple[int, ...]) -> int:
         """Lays the live sequences out in the smallest captured batch that holds them; returns its size."""
@@ -166,8 +189,8 @@ class _Run:
     def collect(self) -> Rollout:
         tokens = self.step.tokens[: self.num_sequences, : self.num_columns]
         is_stop = torch.isin(tokens, self.stop_ids)
-        first_stop = is_stop.int().argmax(dim=1) + 1
-        lens = torch.where(is_stop.any(dim=1), first_stop, self.num_columns)
+        first_stop = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1) + 1, self.num_columns)
+        lens = torch.minimum(first_stop, self.step.max_lens[: self.num_sequences])
         longest = int(lens.max())
         logprobs = self.step.logprobs[: self.num_sequences, :longest]
         return collect_rollout(tokens[:, :longest], logprobs, lens, self.num_prompts)

@@ -92,6 +92,7 @@ class DecodeStep:
         self.tokens = torch.zeros(shape.num_slots, shape.max_tokens, **long)  # [slot, column]
         self.logprobs = torch.zeros(shape.num_slots, shape.max_tokens, dtype=torch.float32, device=device)
         self.done = torch.zeros(shape.num_slots, dtype=torch.int8, device=device)
+        self.max_lens = torch.full((shape.num_slots,), shape.max_tokens, **long)  # per-sequence length budgets
         self.seed = torch.zeros(1, **long)
         self.temperature = torch.zeros(1, dtype=torch.float32, device=device)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, **long)
@@ -104,8 +105,10 @@ class DecodeStep:
             device,
         )  # fmt: skip
 
-    def load(self, boundary: Boundary, params: SamplingParams, seed: int) -> None:
-        """Takes a new rollout: copies the prompts' KV and lengths in, clears the outputs, rewinds the step."""
+    def load(self, boundary: Boundary, params: SamplingParams, seed: int, max_lens: Tensor | None = None) -> None:
+        """Takes a new rollout: copies the prompts' KV and lengths in, clears the outputs, rewinds the step.
+
+        max_lens [P, N]: optional per-sequence length budgets (each at most params.max_tokens)."""
         assert self.shape.fits(boundary, self.shape.num_samples, params), "the rollout exceeds the decode shape"
         length = boundary.max_prompt_len
         for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
@@ -116,6 +119,9 @@ class DecodeStep:
         self.step.zero_()
         for t in (self.tokens, self.logprobs, self.done):
             t.zero_()
+        self.max_lens.fill_(self.shape.max_tokens)
+        if max_lens is not None:
+            self.max_lens[:-1].copy_(max_lens.flatten().clamp(1, self.shape.max_tokens))
         self.seed.fill_(seed)
         self.temperature.fill_(params.temperature)
         if self.shape.fused_sampling:
@@ -126,7 +132,7 @@ class DecodeStep:
         """Fused sampling of token `column` for the sequences in `slots` from logits [rows, V]."""
         fused_sample(
             logits, slots, column, self.seed, self.temperature, self.stop_ids, self.tokens, self.logprobs,
-            self.last_token, self.done,
+            self.last_token, self.done, self.max_lens,
         )  # fmt: skip
 
     def forward(self, rows: int) -> Tensor:

@@ -73,7 +73,7 @@ def decode_kernels() -> dict:
             "num_slots": "i32"}, {"V": 152064, "SPLITS": 38, "BLOCK": 4096}),
         "sample_finish": (sa.sample_finish_kernel, {"partial_ptr": "*fp32", "index_ptr": "*i32", "done_ptr": "*i8",
             "logprobs_ptr": "*fp32", **ptrs("slots_ptr", "column_ptr", "stop_ptr", "tokens_ptr", "last_token_ptr",
-            t="*i64")}, {"R": 2048, "SPLITS": 38, "SPLITS_POW2": 64, "MAX_STOP": 16}),
+            "max_lens_ptr", t="*i64")}, {"R": 2048, "SPLITS": 38, "SPLITS_POW2": 64, "MAX_STOP": 16}),
     }  # fmt: skip
 
 

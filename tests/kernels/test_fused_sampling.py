@@ -9,7 +9,7 @@ from kernels_testkit import DEVICE
 from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 
 
-def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots=None, max_tokens=3):
+def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots=None, max_tokens=3, max_lens=None):
     num_slots = num_slots or len(slots)
     tokens = torch.zeros(num_slots, max_tokens, dtype=torch.long, device=DEVICE)
     logprobs = torch.zeros(num_slots, max_tokens, device=DEVICE)
@@ -19,10 +19,12 @@ def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots
     )
     stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long)
     stop_ids[: len(stop)] = torch.tensor(stop, dtype=torch.long)
+    max_lens = torch.full((num_slots,), max_tokens) if max_lens is None else torch.tensor(max_lens)
     scalar = lambda v, dtype: torch.tensor([v], dtype=dtype, device=DEVICE)  # noqa: E731
     fused_sample(
         logits.to(DEVICE), torch.as_tensor(slots, device=DEVICE), scalar(column, torch.long), scalar(seed, torch.long),
-        scalar(temperature, torch.float32), stop_ids.to(DEVICE), tokens, logprobs, last, done, block=64,
+        scalar(temperature, torch.float32), stop_ids.to(DEVICE), tokens, logprobs, last, done,
+        max_lens.to(DEVICE), block=64,
     )  # fmt: skip
     return tokens.cpu(), logprobs.cpu(), last.cpu(), done.cpu()
 
@@ -31,7 +33,7 @@ def test_greedy_takes_the_argmax_and_records_its_temperature_one_logprob_at_slot
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(0)) * 3
     slots = [4, 1, 2]
     tokens, logprobs, last, done = draw(
-        logits, slots, column=2, temperature=0.0, num_slots=6, stop=(int(logits[1].argmax()),)
+        logits, slots, column=2, temperature=0.0, num_slots=6, max_tokens=4, stop=(int(logits[1].argmax()),)
     )
     expected = logits.argmax(-1)
     assert tokens[slots, 2].tolist() == expected.tolist() and last[slots].tolist() == expected.tolist()
@@ -48,3 +50,9 @@ def test_draws_follow_softmax_of_logits_over_temperature_and_a_seed_repeats_them
     again, *_ = draw(logits, list(range(4000)), temperature=2.0, seed=7)
     other, *_ = draw(logits, list(range(4000)), temperature=2.0, seed=8)
     assert torch.equal(tokens, again) and not torch.equal(tokens, other)
+
+
+def test_a_sequence_is_done_once_it_reaches_its_length_budget():
+    logits = torch.zeros(3, 50)
+    *_, done = draw(logits, [0, 1, 2], column=1, max_lens=[2, 3, 1])  # token 1 is the 2nd token
+    assert done.tolist() == [1, 0, 1]

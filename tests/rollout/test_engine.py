@@ -10,6 +10,7 @@ from rollplex.models.generate import generate
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
+from rollplex.rollout.beside import Beside
 from rollplex.rollout.engine import RolloutEngine
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,3 +78,29 @@ def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompt
     assert not torch.equal(runs[0].responses, runs[2].responses)
     engine.generate(prompts[:3], num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert engine.graphs is graphs
+
+
+def test_length_budgets_end_sequences_at_their_budget(model, prompts):
+    budgets = torch.tensor([[1, 4, 6], [2, 2, 2], [6, 5, 3]], device=DEVICE)
+    engine = RolloutEngine(model)
+    out = engine.generate(
+        prompts, num_samples=NUM_SAMPLES, params=SamplingParams(max_tokens=6), generator=seeded(0), max_lens=budgets
+    )
+    assert torch.equal(out.response_lens, budgets)
+    assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)
+
+
+def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundaries(model, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    alone = RolloutEngine(model).generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4))
+    jobs = [model.prefix_chunks(prompts[:2], attached=False), model.prefix_chunks(prompts, attached=True)]
+    beside = Beside(jobs)
+    together = RolloutEngine(model).generate(
+        prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4), beside=beside
+    )
+    ref, actor = beside.finish()
+    assert beside.num_chunks > 0
+    assert torch.equal(alone.responses, together.responses) and torch.equal(alone.logprobs, together.logprobs)
+    assert torch.equal(ref.keys[0], model.prefix(prompts[:2], attached=False).keys[0])
+    assert actor.keys[-1].requires_grad
+    assert torch.equal(actor.first_logprobs, model.prefix(prompts, attached=True).first_logprobs)

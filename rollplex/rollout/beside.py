@@ -1,0 +1,64 @@
+"""Prefix work beside rollout decode: chunked jobs (`Qwen2_5_VL.prefix_chunks`) advanced between decode steps.
+
+`Beside` is the `beside` callable of `RolloutEngine.generate`: after each decode step is launched, it enqueues
+the next chunk of the first unfinished job on its own stream (a plain stream, or one of a green context's
+SM partition), but only when the chunk it enqueued before has finished on the GPU: at most one chunk is
+ever in flight, so prefix work fills the GPU beside decode and never queues up in front of it (a free-running
+prefill stream starves decode, DESIGN.md section 6). `finish` runs what is left and makes the caller's stream
+wait for it. Without CUDA (tests), chunks run in line.
+
+Lifecycle of a job:
+
+    QUEUED --first chunk--> RUNNING (paused between chunks) --last chunk--> DONE (its result kept)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import nullcontext
+
+import torch
+
+
+class Beside:
+    def __init__(self, jobs: Sequence[Generator], stream: torch.cuda.Stream | None = None) -> None:
+        self.jobs = list(jobs)
+        self.results: list[object] = [None] * len(self.jobs)
+        self.stream = stream
+        self.next_job = 0
+        self.in_flight: torch.cuda.Event | None = None
+        self.num_chunks = 0
+        self.num_skipped = 0  # calls that found the previous chunk still running
+
+    @property
+    def done(self) -> bool:
+        return self.next_job == len(self.jobs)
+
+    def __call__(self) -> None:
+        """Enqueues one chunk if the previous one has finished (the hook between decode steps)."""
+        if self.done:
+            return
+        if self.in_flight is not None and not self.in_flight.query():
+            self.num_skipped += 1
+            return
+        self._advance()
+
+    def finish(self) -> list[object]:
+        """Runs every remaining chunk; the current stream then waits for them. Returns each job's result."""
+        while not self.done:
+            self._advance()
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+        return self.results
+
+    def _advance(self) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            try:
+                next(self.jobs[self.next_job])
+            except StopIteration as finished:
+                self.results[self.next_job] = finished.value
+                self.next_job += 1
+            if self.stream is not None:
+                self.in_flight = torch.cuda.Event()
+                self.in_flight.record(self.stream)
+        self.num_chunks += 1

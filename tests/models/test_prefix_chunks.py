@@ -1,0 +1,36 @@
+"""`prefix_chunks`: the prefix in pauses, for interleaving with decode; the same boundary as `prefix`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def drain(chunks, outer_grad: bool):
+    pauses = 0
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value, pauses
+        pauses += 1
+        assert torch.is_grad_enabled() == outer_grad  # nothing leaks out of a chunk
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_chunks_give_the_boundary_of_prefix_and_pause_once_per_group_of_layers(model, prompts, attached):
+    whole = model.prefix(prompts, attached=attached)
+    num_layers = model.config.text.num_hidden_layers
+    with torch.no_grad():  # the caller's mode (rollout decode) differs from the chunks' own
+        chunked, pauses = drain(model.prefix_chunks(prompts, attached=attached, layers_per_chunk=1), False)
+    assert pauses == num_layers
+    for a, b in zip(whole.keys + whole.values, chunked.keys + chunked.values, strict=True):
+        assert torch.equal(a, b) and a.requires_grad == b.requires_grad == attached
+    assert torch.equal(whole.first_logprobs, chunked.first_logprobs)
+    assert torch.equal(whole.next_positions, chunked.next_positions)
+
+
+def test_an_attached_chunked_prefix_carries_gradients_to_the_vision_encoder(model, prompts):
+    boundary, _ = drain(model.prefix_chunks(prompts, attached=True, layers_per_chunk=1), True)
+    (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
+    assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
