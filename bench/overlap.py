@@ -39,7 +39,8 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def policy_stream(policy: str) -> torch.cuda.Stream | None:
+def policy_stream(policy: str, keep: list) -> torch.cuda.Stream | None:
+    """The prefix stream of a policy; `keep` holds a green context for as long as its stream is used."""
     if policy == "inline":
         return None
     if policy == "streams":
@@ -47,7 +48,8 @@ def policy_stream(policy: str) -> torch.cuda.Stream | None:
     if policy.startswith("green:"):
         from torch.cuda.green_contexts import GreenContext
 
-        return GreenContext.create(num_sms=int(policy.split(":")[1]), device_id=0).Stream()
+        keep.append(GreenContext.create(num_sms=int(policy.split(":")[1]), device_id=0))
+        return keep[-1].Stream()
     raise ValueError(f"unknown policy {policy!r}: inline, streams or green:<SMs>")
 
 
@@ -107,9 +109,10 @@ def main() -> None:
         "ideal_speedup": round((t_d + t_p) / max(t_d, t_p), 4),
         "policies": [],
     }
+    contexts: list = []
     for policy in args.policies:
         jobs = [m.prefix_chunks([p], attached=False) for m in (reference, actor) for p in prompts]
-        beside = Beside(jobs, policy_stream(policy))
+        beside = Beside(jobs, policy_stream(policy, contexts))
 
         def together(beside=beside):
             out = rollout(beside)
