@@ -44,6 +44,9 @@ class Engines:
     reward: RewardFn
     grpo: GrpoConfig
     group_size: int
+    layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
+    prefix_stream: torch.cuda.Stream | None = None  # where `rollplex` runs prefix work beside decode; None: inline
+    green_context: object | None = None  # keeps a green partition alive while its stream is used
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -93,6 +96,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         max_tokens=spec.workload.response_tokens,
         stop_token_ids=(config.tokens.eos,),
     )
+    prefix_stream, green_context = make_prefix_stream(loaded, device)
     return Engines(
         actor=actor,
         rollout=make_rollout(actor),
@@ -104,7 +108,23 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         reward=make_reward(loaded),
         grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
         group_size=spec.workload.group_size,
+        layers_per_chunk=spec.sharing.layers_per_chunk,
+        prefix_stream=prefix_stream,
+        green_context=green_context,
     )
+
+
+def make_prefix_stream(loaded: LoadedSpec, device: torch.device) -> tuple[torch.cuda.Stream | None, object | None]:
+    """The stream of `sharing.policy` (and the green context that owns it), or None to run inline."""
+    sharing = loaded.spec.sharing
+    if device.type != "cuda" or sharing.policy == "inline":
+        return None, None
+    if sharing.policy == "streams":
+        return torch.cuda.Stream(device), None
+    from torch.cuda.green_contexts import GreenContext
+
+    context = GreenContext.create(num_sms=sharing.prefix_sms, device_id=device.index or 0)
+    return context.Stream(), context
 
 
 def _checkpoint_dir(loaded: LoadedSpec) -> Path:

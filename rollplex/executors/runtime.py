@@ -3,13 +3,14 @@
 Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store
 and writes its outputs there. The actor's suffix and its backward run fused, one prompt group per
 microbatch, inside the backward handler (the suffix op only marks where its outputs will come from).
-`rollplex` runs its Phase-1 ops in order for now: decode once, then each prefix beside it.
+Under `rollplex`, the prefixes that share Phase-1 steps with decode run beside it: chunk by chunk between
+decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk in flight at most.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -22,6 +23,7 @@ from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
 from rollplex.models.scores import SuffixOut
+from rollplex.rollout.beside import Beside
 
 Store = dict[str, object]
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
@@ -68,17 +70,28 @@ def run_iteration(
     for s in steps(g):
         for name in s.ops:
             if name in done:
-                continue  # decode spans every Phase-1 step of `rollplex`
+                continue  # ran beside decode
             o = op(g, name)
-            if before_op is not None:
-                before_op(o)
+            beside = [op(g, n) for n in beside_decode(g, name)] if o.kind is NodeKind.DECODE else []
+            for each in (o, *beside):
+                if before_op is not None:
+                    before_op(each)
             start = time.perf_counter()
-            _handler(o)(engines, o, store, record)
+            if beside:
+                _decode_with_prefixes(engines, o, beside, store, record)
+            else:
+                _handler(o)(engines, o, store, record)
             record.times[_timer(o)] += time.perf_counter() - start
-            done.add(name)
-            if after_op is not None:
-                after_op(o)
+            for each in (o, *beside):
+                done.add(each.id)
+                if after_op is not None:
+                    after_op(each)
     return record
+
+
+def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
+    """The ops that share a step with decode (the Phase-1 prefixes of `rollplex`): they run beside it."""
+    return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]
 
 
 def _timer(o: Op) -> str:
@@ -105,6 +118,20 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     rollout = e.rollout(store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
+
+
+def _decode_with_prefixes(e: Engines, o: Op, prefixes: Sequence[Op], store: Store, record: StepRecord) -> None:
+    """Rollout with the prefix ops advanced chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
+    beside = Beside([PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes], e.prefix_stream)
+    rollout = e.rollout(
+        store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside
+    )
+    chunks_during_decode = beside.num_chunks
+    for p, result in zip(prefixes, beside.finish(), strict=True):
+        store[p.outputs[0]] = result
+    store[o.outputs[0]] = rollout
+    record.response_lens = rollout.response_lens
+    record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)
 
 
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -137,6 +164,15 @@ def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     store[o.outputs[0]] = LeafBoundary.of(e.actor.prefix(store["prompts"], attached=True))
+
+
+def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boundary]:
+    return e.reference.prefix_chunks(prompts, attached=False, layers_per_chunk=e.layers_per_chunk)
+
+
+def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, LeafBoundary]:
+    boundary = yield from e.actor.prefix_chunks(prompts, attached=True, layers_per_chunk=e.layers_per_chunk)
+    return LeafBoundary.of(boundary)
 
 
 def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -195,6 +231,11 @@ def _input(store: Store, o: Op, kind: type, *, required: bool = True):
         raise ValueError(f"op '{o.id}' reads no {kind.__name__}; its inputs are {list(o.inputs)}")
     return found[0] if found else None
 
+
+PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence], Generator]] = {
+    (NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX): _ref_prefix_job,
+    (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix_job,
+}
 
 HANDLERS: dict[tuple, Handler] = {
     (NodeKind.DECODE, Role.ROLLOUT, Part.WHOLE): _decode,

@@ -1,6 +1,6 @@
 """The YAML spec, validated with pydantic. This is the only place pydantic is used.
 
-Sections: model, cluster, parallel, workload, algorithm, memory, schedule, graph (optional), run.
+Sections: model, cluster, parallel, workload, algorithm, memory, schedule, sharing, graph (optional), run.
 Checks that need the model's shapes (TP divides the heads) live in `graph.load`, after the model is read.
 """
 
@@ -163,6 +163,17 @@ class RunSpec(_Strict):
     )
 
 
+class SharingSpec(_Strict):
+    policy: Literal["inline", "streams", "green"] = Field(
+        "green",
+        description="How `rollplex` runs prefix work beside rollout decode on a GPU: inline (between decode "
+        "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
+        "`prefix_sms` SMs, torch green contexts). One chunk at most is in flight; the CPU always runs inline.",
+    )
+    prefix_sms: PositiveInt = Field(66, description="SMs of the prefix partition under `green` (an H200 has 132).")
+    layers_per_chunk: PositiveInt = Field(1, description="Decoder layers of prefix work per chunk.")
+
+
 class Spec(_Strict):
     model: str = Field(description="A shipped config name, an HF config.json, or a checkpoint directory.")
     cluster: ClusterSpec
@@ -171,6 +182,7 @@ class Spec(_Strict):
     algorithm: AlgorithmSpec = AlgorithmSpec()
     memory: MemorySpec = MemorySpec()
     schedule: Literal["serial", "rollplex"] = Field("rollplex", description="How the compiled graph runs.")
+    sharing: SharingSpec = SharingSpec()
     graph: GraphSpec | None = Field(None, description="A custom iteration graph; default: standard GRPO.")
     run: RunSpec = RunSpec()
 

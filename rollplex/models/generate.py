@@ -8,7 +8,7 @@ on whatever device the model is on; the generator must live there too. Not here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +35,11 @@ def generate(
     num_samples: int,
     params: SamplingParams,
     generator: torch.Generator,
+    beside: Callable[[], None] | None = None,
 ) -> Rollout:
-    """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout."""
+    """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
+
+    beside: called after each decode step, to run other work in between (`rollplex.rollout.beside`)."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")
     boundary = model.prefix(prompts, attached=False)
@@ -58,6 +61,8 @@ def generate(
             break
         logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)
         dist = torch.log_softmax(logits.float(), dim=-1).view(batch, -1)
+        if beside is not None:
+            beside()
     return collect_rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)
 
 

@@ -64,6 +64,12 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
     assert len({r["param_digest"] for r in a}) == 3
 
 
+def test_rollplex_runs_its_prefixes_beside_decode_and_serial_does_not(tmp_path):
+    a, b = run(tmp_path, "serial", 1), run(tmp_path, "rollplex", 1)
+    assert a[0]["prefix_beside_decode"] == 0.0 and b[0]["prefix_beside_decode"] > 0.5
+    assert b[0]["time_s"]["ref_prefix"] == b[0]["time_s"]["actor_prefix"] == 0.0  # inside the rollout's time
+
+
 def test_unsplit_textbook_grpo_gives_the_same_losses(tmp_path):
     split, unsplit = run(tmp_path, "rollplex"), run(tmp_path, "unsplit")
     for s, u in zip(split, unsplit, strict=True):
@@ -146,6 +152,7 @@ def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
 
 
 METRIC_KEYS = {
+    "prefix_beside_decode",
     "step",
     "schedule",
     "reward_mean",
