@@ -36,6 +36,7 @@ OPTIMIZER_CHUNK_BYTES = 64 << 20
 class Engines:
     actor: Qwen2_5_VL
     rollout: RolloutFn  # samples with the actor's weights
+    rollout_stats: Callable[[], object | None]  # the last rollout's `RolloutStats` on a GPU, else None
     reference: Qwen2_5_VL | None
     optimizer: ChunkedAdamW
     sampling: SamplingParams
@@ -58,12 +59,14 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def make_rollout(actor: Qwen2_5_VL) -> RolloutFn:
+def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
+    """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU)."""
     if actor.device.type == "cuda":
         from rollplex.rollout.engine import RolloutEngine
 
-        return RolloutEngine(actor).generate
-    return partial(generate, actor)
+        engine = RolloutEngine(actor)
+        return engine.generate, lambda: engine.stats
+    return partial(generate, actor), lambda: None
 
 
 def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) -> Engines:
@@ -97,9 +100,11 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         stop_token_ids=(config.tokens.eos,),
     )
     prefix_stream, green_context = make_prefix_stream(loaded, device)
+    rollout, rollout_stats = make_rollout(actor)
     return Engines(
         actor=actor,
-        rollout=make_rollout(actor),
+        rollout=rollout,
+        rollout_stats=rollout_stats,
         reference=reference,
         optimizer=optimizer,
         sampling=sampling,

@@ -37,6 +37,7 @@ class StepRecord:
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
     response_lens: torch.Tensor | None = None
+    chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     rollout = e.rollout(store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
+    if e.rollout_stats() is not None:
+        record.stats["decode_s"] = e.rollout_stats().decode_s
 
 
 def _decode_with_prefixes(e: Engines, o: Op, prefixes: Sequence[Op], store: Store, record: StepRecord) -> None:
@@ -129,6 +132,9 @@ def _decode_with_prefixes(e: Engines, o: Op, prefixes: Sequence[Op], store: Stor
     chunks_during_decode = beside.num_chunks
     for p, result in zip(prefixes, beside.finish(), strict=True):
         store[p.outputs[0]] = result
+    record.chunks = [(prefixes[job].id, start, end) for job, start, end in beside.spans()]
+    if e.rollout_stats() is not None:
+        record.stats["decode_s"] = e.rollout_stats().decode_s
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
     record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)

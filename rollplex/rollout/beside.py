@@ -14,6 +14,7 @@ Lifecycle of a job:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 
@@ -29,6 +30,14 @@ class Beside:
         self.in_flight: torch.cuda.Event | None = None
         self.num_chunks = 0
         self.num_skipped = 0  # calls that found the previous chunk still running
+        self.origin = time.perf_counter()
+        self._marks: list[tuple[int, object, object]] = []  # (job, start, end): perf_counter or CUDA events
+        self._origin_event = None
+        if stream is not None:
+            torch.cuda.synchronize()
+            self.origin = time.perf_counter()
+            self._origin_event = torch.cuda.Event(enable_timing=True)
+            self._origin_event.record()
 
     @property
     def done(self) -> bool:
@@ -51,14 +60,31 @@ class Beside:
             torch.cuda.current_stream().wait_stream(self.stream)
         return self.results
 
+    def spans(self) -> list[tuple[int, float, float]]:
+        """(job, start, end) of every chunk in perf_counter seconds; on a stream, GPU times (after `finish`)."""
+        if self._origin_event is None:
+            return [(job, start, end) for job, start, end in self._marks]
+        at = lambda e: self.origin + self._origin_event.elapsed_time(e) / 1e3  # noqa: E731
+        return [(job, at(start), at(end)) for job, start, end in self._marks]
+
     def _advance(self) -> None:
+        job = self.next_job
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            start = self._mark()
             try:
-                next(self.jobs[self.next_job])
+                next(self.jobs[job])
             except StopIteration as finished:
-                self.results[self.next_job] = finished.value
+                self.results[job] = finished.value
                 self.next_job += 1
+            end = self._mark()
             if self.stream is not None:
-                self.in_flight = torch.cuda.Event()
-                self.in_flight.record(self.stream)
+                self.in_flight = end
+        self._marks.append((job, start, end))
         self.num_chunks += 1
+
+    def _mark(self):
+        if self.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
