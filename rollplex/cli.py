@@ -70,6 +70,45 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.load import load_spec
+
+    loaded = load_spec(args.spec)
+    from rollplex.executors.bench import compare, run_schedule
+    from rollplex.executors.engines import resolve_device
+    from rollplex.report.timeline import plot_timeline
+
+    try:
+        resolve_device(loaded.spec.run.device)
+    except ValueError as e:
+        raise loaded.locate(SpecError("run.device", str(e))) from None
+    if args.steps < 1 or args.warmup < 0:
+        raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
+    out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
+    runs = {}
+    for schedule in (Schedule.SERIAL, Schedule.ROLLPLEX):
+        print(f"rollplex bench: {schedule.value}, {args.warmup} warm-up + {args.steps} steps", file=sys.stderr)
+        runs[schedule.value] = run_schedule(loaded, schedule, args.steps, args.warmup)
+    command = "rollplex " + " ".join(args.argv)
+    result = compare(loaded, runs["serial"], runs["rollplex"], command)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot_timeline({k: r.timeline for k, r in runs.items()}, png, f"{Path(args.spec).stem} on {result['gpu']}")
+    s = result["step_s"]
+    slowdown = result["decode_slowdown"]
+    print(
+        f"step: serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
+        f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
+        f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']}; "
+        f"{out}, {png}"
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollplex", description="Cross-phase GRPO for video VLMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,11 +130,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, help="save every K steps (default: run.checkpoint_every)")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.set_defaults(func=_run)
+    b = sub.add_parser("bench", help="time serial against rollplex on the same seeds; JSON and a timeline PNG")
+    b.add_argument("spec", help="the YAML spec")
+    b.add_argument("--steps", type=int, default=3, help="measured steps per schedule (default 3)")
+    b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
+    b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
+    b.set_defaults(func=_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except (SpecError, PlanDoesNotFit) as e:

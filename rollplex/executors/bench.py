@@ -1,0 +1,141 @@
+"""`rollplex bench SPEC`: serial against rollplex on the same seeds, timed phase by phase.
+
+Each schedule trains `warmup + steps` steps from the same initial weights and data (engines built afresh,
+nothing written to disk), with a device synchronisation around every op so that op times are GPU times.
+From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
+(T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
+seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The updates
+match when the two schedules' final actor parameters agree within the rounding of the model dtype.
+Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rollplex.data.source import batch_at, open_dataset
+from rollplex.executors.engines import build_engines
+from rollplex.executors.runtime import run_iteration
+from rollplex.graph.ir import NodeKind, Op, Part, Schedule
+from rollplex.graph.load import LoadedSpec
+from rollplex.graph.pipeline import compile_graph
+
+Span = tuple[str, str, float, float]  # (lane, label, start s, end s) from the iteration's start
+
+
+@dataclass
+class ScheduleRun:
+    step_s: list[float] = field(default_factory=list)
+    times: list[dict[str, float]] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    beside_fraction: list[float] = field(default_factory=list)
+    timeline: list[Span] = field(default_factory=list)  # of the last step
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
+
+
+def run_schedule(loaded: LoadedSpec, schedule: Schedule, steps: int, warmup: int) -> ScheduleRun:
+    engines = build_engines(loaded)
+    g = compile_graph(loaded.spec, schedule=schedule)
+    spec = loaded.spec
+    dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
+    device, out = engines.actor.device, ScheduleRun()
+    for i in range(warmup + steps):
+        examples = batch_at(dataset, i * spec.workload.prompts_per_step, spec.workload.prompts_per_step)
+        clock = _OpClock(device)
+        _sync(device)
+        begin = time.perf_counter()
+        record = run_iteration(g, engines, examples, before_op=clock.before, after_op=clock.after)
+        _sync(device)
+        if i < warmup:
+            continue
+        out.step_s.append(time.perf_counter() - begin)
+        out.times.append(dict(record.times))
+        out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
+        out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
+        beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
+        ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
+        out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
+    out.params = {n: p.detach().to("cpu", copy=True) for n, p in engines.actor.named_parameters()}
+    return out
+
+
+def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, command: str) -> dict:
+    """The result document: the keys of issue 5's `bench/results/<name>.json`, and the phase times."""
+    spec = loaded.spec
+    med = statistics.median
+    t_d = med(t["rollout"] for t in serial.times)
+    t_p = med(t["ref_prefix"] + t["actor_prefix"] for t in serial.times)
+    step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
+    t_post = max(step_serial - t_d - t_p, 0.0)
+    diff = max_relative_difference(serial.params, rollplex.params)
+    decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": spec.model,
+        "workload": spec.workload.model_dump(),
+        "policy": spec.sharing.policy if torch.cuda.is_available() else "inline",
+        "command": command,
+        "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},
+        "speedup": round(step_serial / step_rollplex, 4),
+        "ideal_speedup": round((t_d + t_p + t_post) / (max(t_d, t_p) + t_post), 4),
+        "decode_slowdown": round(decode, 4) if decode is not None else None,
+        "updates_match": diff <= _tolerance(spec.run.dtype),
+        "max_param_relative_difference": diff,
+        "T_D_s": round(t_d, 4),
+        "T_P_s": round(t_p, 4),
+        "T_post_s": round(t_post, 4),
+        "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
+        "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
+        "steps": len(serial.step_s),
+    }
+
+
+def _phase_medians(run: ScheduleRun) -> dict[str, float]:
+    return {k: round(statistics.median(t[k] for t in run.times), 4) for k in run.times[0]}
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max |a - b| / max |a| (0 for equal weights)."""
+    worst = 0.0
+    for name, x in a.items():
+        scale = float(x.float().abs().max()) or 1.0
+        worst = max(worst, float((x.float() - b[name].float()).abs().max()) / scale)
+    return worst
+
+
+def _tolerance(dtype: str) -> float:
+    return 1e-2 if dtype == "bfloat16" else 1e-5  # a few units of the last place, relative to the tensor
+
+
+class _OpClock:
+    """before/after-op hooks that time each op between device synchronisations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.started: dict[str, float] = {}
+        self.spans: list[Span] = []
+
+    def before(self, o: Op) -> None:
+        _sync(self.device)
+        self.started[o.id] = time.perf_counter()
+
+    def after(self, o: Op) -> None:
+        _sync(self.device)
+        self.spans.append((_lane(o), o.id, self.started[o.id], time.perf_counter()))
+
+
+def _lane(o: Op) -> str:
+    if o.kind is NodeKind.DECODE:
+        return "rollout"
+    if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
+        return "prefix stream"
+    return "trainer"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,37 @@
+"""`rollplex bench` on the tiny spec: the result document, the timeline, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"gpu", "model", "workload", "policy", "command", "step_s", "speedup", "ideal_speedup", "decode_slowdown",
+        "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode"}  # fmt: skip
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "rollplex.cli", "bench", str(ROOT / "specs/tiny_cpu.yaml"), *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
+    assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
+    assert result["ideal_speedup"] >= 1.0 and result["prefix_beside_decode"] > 0.5
+    assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
+    assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert "speedup" not in proc.stderr and "x (ideal" in proc.stdout
+
+
+def test_bench_with_no_steps_is_a_one_line_error(tmp_path):
+    proc = bench("--steps", "0", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.json").exists()
