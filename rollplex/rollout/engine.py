@@ -28,7 +28,7 @@ from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling
 
-PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in these steps, so similar batches reuse the graphs
+PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
 POSITION_QUANTUM = 1024
 
 
@@ -122,7 +122,7 @@ class RolloutEngine:
         shape = DecodeShape(
             num_prompts=boundary.num_prompts,
             num_samples=num_samples,
-            max_prompt_len=_round_up(boundary.max_prompt_len, PROMPT_LEN_QUANTUM),
+            max_prompt_len=_round_up(boundary.max_prompt_len, min(PROMPT_LEN_QUANTUM, _pow2(boundary.max_prompt_len))),
             max_tokens=params.max_tokens,
             max_position=_round_up(int(boundary.next_positions.max()) + params.max_tokens + 1, POSITION_QUANTUM),
             fused_sampling=can_fuse_sampling(params),
@@ -207,6 +207,10 @@ class _Run:
         else:
             flags, event = done.clone(), None
         self.flags.append((flags, event))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _round_up(n: int, quantum: int) -> int:

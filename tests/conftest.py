@@ -1,0 +1,15 @@
+"""Runs before any test module is imported: without a GPU, Triton kernels run under triton's CPU interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported in the process (anything may import it: torch's
+compiler stack, transformers), because triton decides then whether its own jit helpers (tl.sum, tl.max,
+tl.rand) are interpreted; a later setting leaves them compiled-mode and interpreted kernels that call them fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
