@@ -46,6 +46,7 @@ class Engines:
     grpo: GrpoConfig
     group_size: int
     layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
+    prompts_per_chunk: int | None = None  # prompts per chunk of prefix work (both schedules); None: all
     prefix_stream: torch.cuda.Stream | None = None  # where `rollplex` runs prefix work beside decode; None: inline
     green_context: object | None = None  # keeps a green partition alive while its stream is used
 
@@ -114,6 +115,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
         group_size=spec.workload.group_size,
         layers_per_chunk=spec.sharing.layers_per_chunk,
+        prompts_per_chunk=spec.sharing.prompts_per_chunk,
         prefix_stream=prefix_stream,
         green_context=green_context,
     )

@@ -154,7 +154,7 @@ def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = e.reference.prefix(store["prompts"], attached=False)
+    store[o.outputs[0]] = _drain(_ref_prefix_job(e, store["prompts"]))
 
 
 def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -169,16 +169,29 @@ def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = LeafBoundary.of(e.actor.prefix(store["prompts"], attached=True))
+    store[o.outputs[0]] = _drain(_actor_prefix_job(e, store["prompts"]))
 
 
 def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boundary]:
-    return e.reference.prefix_chunks(prompts, attached=False, layers_per_chunk=e.layers_per_chunk)
+    return e.reference.prefix_chunks(
+        prompts, attached=False, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
+    )
 
 
 def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, LeafBoundary]:
-    boundary = yield from e.actor.prefix_chunks(prompts, attached=True, layers_per_chunk=e.layers_per_chunk)
+    boundary = yield from e.actor.prefix_chunks(
+        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
+    )
     return LeafBoundary.of(boundary)
+
+
+def _drain(job: Generator):
+    """Runs a chunked job to its end (the serial schedule's prefixes: the same chunks, back to back)."""
+    while True:
+        try:
+            next(job)
+        except StopIteration as done:
+            return done.value
 
 
 def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -172,6 +172,9 @@ class SharingSpec(_Strict):
     )
     prefix_sms: PositiveInt = Field(66, description="SMs of the prefix partition under `green` (an H200 has 132).")
     layers_per_chunk: PositiveInt = Field(1, description="Decoder layers of prefix work per chunk.")
+    prompts_per_chunk: PositiveInt | None = Field(
+        None, description="Prompts of prefix work per chunk (both schedules run prefixes in these groups); null: all."
+    )
 
 
 class Spec(_Strict):

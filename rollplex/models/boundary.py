@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -45,3 +46,24 @@ class Boundary:
     def key_mask(self) -> Tensor:
         """[P, S] bool: True where a key is a real prompt token."""
         return torch.arange(self.max_prompt_len, device=self.prompt_lens.device) < self.prompt_lens[:, None]
+
+
+def concat_boundaries(parts: list[Boundary]) -> Boundary:
+    """One boundary of the prompts of every part, in order; KV right-padded (with zeros) to the longest prompt.
+
+    Autograd flows through (attached parts stay attached). A single part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    longest = max(p.max_prompt_len for p in parts)
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        return torch.cat([F.pad(t, (0, 0, 0, longest - t.shape[2])) for t in tensors])
+
+    num_layers = len(parts[0].keys)
+    return Boundary(
+        keys=tuple(cat([p.keys[i] for p in parts]) for i in range(num_layers)),
+        values=tuple(cat([p.values[i] for p in parts]) for i in range(num_layers)),
+        first_logprobs=torch.cat([p.first_logprobs for p in parts]),
+        next_positions=torch.cat([p.next_positions for p in parts]),
+        prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+    )

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from rollplex.models.attention import Attention, CausalAttention, SharedPrefixAttention
 from rollplex.models.batching import PackedSequences, pack_sequences
-from rollplex.models.boundary import Boundary
+from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import TextDecoder
@@ -99,36 +99,26 @@ class Qwen2_5_VL(nn.Module):
                 return done.value
 
     def prefix_chunks(
-        self, prompts: Sequence[Prompt], *, attached: bool, layers_per_chunk: int = 1
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        attached: bool,
+        layers_per_chunk: int = 1,
+        prompts_per_chunk: int | None = None,
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
-        with other work (rollout decode): the embedding and vision encoder, then `layers_per_chunk` decoder
-        layers at a time, then the boundary, which it returns. The grad mode is entered and left inside each
-        chunk, never held across a pause. The same work as `prefix`, in the same order."""
-        mode = torch.enable_grad if attached else torch.no_grad
-        attention = CausalAttention(record=True)
-        with mode():
-            packed = pack_sequences(prompts, self.config)
-            x = self._embed(packed)
-            cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
+        with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
+        embedding and vision encoder, then `layers_per_chunk` decoder layers at a time; then the boundary of all
+        prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
+        pause. With one group, the same work as `prefix`, in the same order."""
+        size = prompts_per_chunk or len(prompts)
+        groups = [_GroupPrefix(self, prompts[i : i + size], attached) for i in range(0, len(prompts), size)]
         layers = self.model.language_model.layers
         for start in range(0, len(layers), layers_per_chunk):
-            yield
-            with mode():
-                for layer in layers[start : start + layers_per_chunk]:
-                    x = layer(x, cos, sin, attention)
-        with mode():
-            hidden = self.model.language_model.norm(x)
-            lens = packed.lens.to(self.device)
-            last = hidden[torch.arange(len(prompts), device=self.device), lens - 1]  # [P, hidden]
-            first_logprobs = torch.log_softmax(self.lm_head(last).float(), dim=-1)  # [P, V]
-        return Boundary(
-            keys=tuple(attention.keys),
-            values=tuple(attention.values),
-            first_logprobs=first_logprobs,
-            next_positions=packed.next_positions.to(self.device),
-            prompt_lens=lens,
-        )
+            for group in groups:
+                yield
+                group.run(layers[start : start + layers_per_chunk])
+        return concat_boundaries([group.boundary() for group in groups])
 
     def suffix(self, boundary: Boundary, responses: Tensor, response_lens: Tensor) -> SuffixOut:
         """Scores responses [P, N, R] int64 of lengths [P, N]; padding may hold any valid token id."""
@@ -172,3 +162,36 @@ class Qwen2_5_VL(nn.Module):
         features = self.model.visual(packed.visuals).to(x.dtype)  # [num_visual_tokens, hidden]
         slots = packed.visual_slots(self.config.tokens).to(self.device)
         return x.masked_scatter(slots[..., None], features)
+
+
+class _GroupPrefix:
+    """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
+
+    def __init__(self, model: Qwen2_5_VL, prompts: Sequence[Prompt], attached: bool) -> None:
+        self.model, self.num_prompts = model, len(prompts)
+        self.mode = torch.enable_grad if attached else torch.no_grad
+        self.attention = CausalAttention(record=True)
+        with self.mode():
+            self.packed = pack_sequences(prompts, model.config)
+            self.x = model._embed(self.packed)
+            self.cos, self.sin = text_rotary(self.packed.positions.to(model.device), model.config.text)
+
+    def run(self, layers: Sequence[nn.Module]) -> None:
+        with self.mode():
+            for layer in layers:
+                self.x = layer(self.x, self.cos, self.sin, self.attention)
+
+    def boundary(self) -> Boundary:
+        device = self.model.device
+        with self.mode():
+            hidden = self.model.model.language_model.norm(self.x)
+            lens = self.packed.lens.to(device)
+            last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
+            first_logprobs = torch.log_softmax(self.model.lm_head(last).float(), dim=-1)  # [P, V]
+        return Boundary(
+            keys=tuple(self.attention.keys),
+            values=tuple(self.attention.values),
+            first_logprobs=first_logprobs,
+            next_positions=self.packed.next_positions.to(device),
+            prompt_lens=lens,
+        )

@@ -64,6 +64,16 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
     assert len({r["param_digest"] for r in a}) == 3
 
 
+def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
+    spec = parse_spec(SPEC.format(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
+    runs = [
+        train(spec, RunOptions(2, Schedule(s), tmp_path / s, progress=False, tensorboard=False))
+        for s in ("serial", "rollplex")
+    ]
+    assert [r["param_digest"] for r in runs[0]] == [r["param_digest"] for r in runs[1]]
+    assert runs[1][0]["prefix_beside_decode"] > 0.5
+
+
 def test_rollplex_runs_its_prefixes_beside_decode_and_serial_does_not(tmp_path):
     a, b = run(tmp_path, "serial", 1), run(tmp_path, "rollplex", 1)
     assert a[0]["prefix_beside_decode"] == 0.0 and b[0]["prefix_beside_decode"] > 0.5

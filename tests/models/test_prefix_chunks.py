@@ -34,3 +34,16 @@ def test_an_attached_chunked_prefix_carries_gradients_to_the_vision_encoder(mode
     boundary, _ = drain(model.prefix_chunks(prompts, attached=True, layers_per_chunk=1), True)
     (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
     assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_one_prompt_per_chunk_gives_the_batched_boundary_within_rounding(model, prompts):
+    whole = model.prefix(prompts, attached=False)
+    chunked, pauses = drain(model.prefix_chunks(prompts, attached=False, prompts_per_chunk=1), True)
+    assert pauses == model.config.text.num_hidden_layers * len(prompts)
+    assert torch.equal(chunked.prompt_lens, whole.prompt_lens)
+    assert torch.equal(chunked.next_positions, whole.next_positions)
+    torch.testing.assert_close(chunked.first_logprobs, whole.first_logprobs, atol=1e-5, rtol=1e-5)
+    real = whole.key_mask()[:, None, :, None]  # padding positions differ (zeros vs padded-token values)
+    for a, b in zip(whole.keys + whole.values, chunked.keys + chunked.values, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a * real, b * real, atol=1e-5, rtol=1e-5)
