@@ -46,7 +46,7 @@ def compile_for_hopper(name: str, tiles: Tiles) -> dict:
 
 def decode_kernels() -> dict:
     """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128)."""
-    from rollplex.kernels import decode_attention as da
+    from rollplex.kernels import cascade as da
     from rollplex.kernels import decode_ops as ops
     from rollplex.kernels import sampling as sa
 
