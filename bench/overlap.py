@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rollplex.executors.engines import make_prefix_stream
 from rollplex.models.config import load_model_config
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
@@ -40,17 +41,11 @@ def timed(fn):
 
 
 def policy_stream(policy: str, keep: list) -> torch.cuda.Stream | None:
-    """The prefix stream of a policy; `keep` holds a green context for as long as its stream is used."""
-    if policy == "inline":
-        return None
-    if policy == "streams":
-        return torch.cuda.Stream()
-    if policy.startswith("green:"):
-        from torch.cuda.green_contexts import GreenContext
-
-        keep.append(GreenContext.create(num_sms=int(policy.split(":")[1]), device_id=0))
-        return keep[-1].Stream()
-    raise ValueError(f"unknown policy {policy!r}: inline, streams or green:<SMs>")
+    """`inline`, `streams` or `green:<SMs>` (`sharing.policy` of a spec); `keep` holds a green context alive."""
+    name, _, sms = policy.partition(":")
+    stream, context = make_prefix_stream(name, int(sms or 0), torch.device("cuda"))
+    keep.append(context)
+    return stream
 
 
 def main() -> None:

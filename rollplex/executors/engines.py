@@ -100,7 +100,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         max_tokens=spec.workload.response_tokens,
         stop_token_ids=(config.tokens.eos,),
     )
-    prefix_stream, green_context = make_prefix_stream(loaded, device)
+    sharing = spec.sharing
+    prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
     rollout, rollout_stats = make_rollout(actor)
     return Engines(
         actor=actor,
@@ -121,16 +122,17 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     )
 
 
-def make_prefix_stream(loaded: LoadedSpec, device: torch.device) -> tuple[torch.cuda.Stream | None, object | None]:
-    """The stream of `sharing.policy` (and the green context that owns it), or None to run inline."""
-    sharing = loaded.spec.sharing
-    if device.type != "cuda" or sharing.policy == "inline":
+def make_prefix_stream(
+    policy: str, prefix_sms: int, device: torch.device
+) -> tuple[torch.cuda.Stream | None, object | None]:
+    """The stream of a `sharing.policy` (and the green context that owns it: keep it), or None to run inline."""
+    if device.type != "cuda" or policy == "inline":
         return None, None
-    if sharing.policy == "streams":
+    if policy == "streams":
         return torch.cuda.Stream(device), None
     from torch.cuda.green_contexts import GreenContext
 
-    context = GreenContext.create(num_sms=sharing.prefix_sms, device_id=device.index or 0)
+    context = GreenContext.create(num_sms=prefix_sms, device_id=device.index or 0)
     return context.Stream(), context
 
 

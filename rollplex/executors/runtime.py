@@ -22,6 +22,7 @@ from rollplex.executors.scoring import LeafBoundary, score_all, score_group_spli
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
+from rollplex.models.model import drain
 from rollplex.models.scores import SuffixOut
 from rollplex.rollout.beside import Beside
 
@@ -79,7 +80,7 @@ def run_iteration(
                     before_op(each)
             start = time.perf_counter()
             if beside:
-                _decode_with_prefixes(engines, o, beside, store, record)
+                _decode(engines, o, store, record, beside)
             else:
                 _handler(o)(engines, o, store, record)
             record.times[_timer(o)] += time.perf_counter() - start
@@ -115,29 +116,23 @@ def _handler(o: Op) -> Handler:
     return HANDLERS[key]
 
 
-def _decode(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    rollout = e.rollout(store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator)
-    store[o.outputs[0]] = rollout
-    record.response_lens = rollout.response_lens
-    if e.rollout_stats() is not None:
-        record.stats["decode_s"] = e.rollout_stats().decode_s
-
-
-def _decode_with_prefixes(e: Engines, o: Op, prefixes: Sequence[Op], store: Store, record: StepRecord) -> None:
-    """Rollout with the prefix ops advanced chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
-    beside = Beside([PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes], e.prefix_stream)
+def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
+    """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
+    jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes]
+    beside = Beside(jobs, e.prefix_stream) if jobs else None
     rollout = e.rollout(
         store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside
     )
-    chunks_during_decode = beside.num_chunks
-    for p, result in zip(prefixes, beside.finish(), strict=True):
-        store[p.outputs[0]] = result
-    record.chunks = [(prefixes[job].id, start, end) for job, start, end in beside.spans()]
-    if e.rollout_stats() is not None:
-        record.stats["decode_s"] = e.rollout_stats().decode_s
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
-    record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)
+    if e.rollout_stats() is not None:
+        record.stats["decode_s"] = e.rollout_stats().decode_s
+    if beside is not None:
+        chunks_during_decode = beside.num_chunks
+        for p, result in zip(prefixes, beside.finish(), strict=True):
+            store[p.outputs[0]] = result
+        record.chunks = [(prefixes[job].id, start, end) for job, start, end in beside.spans()]
+        record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)
 
 
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -154,7 +149,7 @@ def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = _drain(_ref_prefix_job(e, store["prompts"]))
+    store[o.outputs[0]] = drain(_ref_prefix_job(e, store["prompts"]))
 
 
 def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -169,7 +164,7 @@ def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = _drain(_actor_prefix_job(e, store["prompts"]))
+    store[o.outputs[0]] = drain(_actor_prefix_job(e, store["prompts"]))
 
 
 def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boundary]:
@@ -183,15 +178,6 @@ def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Le
         prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
     )
     return LeafBoundary.of(boundary)
-
-
-def _drain(job: Generator):
-    """Runs a chunked job to its end (the serial schedule's prefixes: the same chunks, back to back)."""
-    while True:
-        try:
-            next(job)
-        except StopIteration as done:
-            return done.value
 
 
 def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import nullcontext
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +31,8 @@ from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_responses
 from rollplex.models.vision import VisionEncoder
+
+T = TypeVar("T")
 
 
 class Backbone(nn.Module):
@@ -91,12 +94,8 @@ class Qwen2_5_VL(nn.Module):
         `attached=False` (reference) runs under no_grad; `attached=True` (actor) keeps the graph, so a loss on
         suffix log-probs reaches the prompt's decoder layers, the merger and the vision encoder.
         """
-        chunks = self.prefix_chunks(prompts, attached=attached, layers_per_chunk=self.config.text.num_hidden_layers)
-        while True:
-            try:
-                next(chunks)
-            except StopIteration as done:
-                return done.value
+        num_layers = self.config.text.num_hidden_layers
+        return drain(self.prefix_chunks(prompts, attached=attached, layers_per_chunk=num_layers))
 
     def prefix_chunks(
         self,
@@ -112,7 +111,11 @@ class Qwen2_5_VL(nn.Module):
         prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
         pause. With one group, the same work as `prefix`, in the same order."""
         size = prompts_per_chunk or len(prompts)
-        groups = [_GroupPrefix(self, prompts[i : i + size], attached) for i in range(0, len(prompts), size)]
+        groups: list[_GroupPrefix] = []
+        for i in range(0, len(prompts), size):
+            if groups:
+                yield  # each group's vision encoder is a chunk of its own
+            groups.append(_GroupPrefix(self, prompts[i : i + size], attached))
         layers = self.model.language_model.layers
         for start in range(0, len(layers), layers_per_chunk):
             for group in groups:
@@ -149,10 +152,14 @@ class Qwen2_5_VL(nn.Module):
 
     def _run_sequences(self, sequences: Sequence[Prompt], attention: Attention) -> tuple[Tensor, PackedSequences]:
         """Final hidden states [B, L, hidden] of right-padded sequences, and the packed batch."""
-        packed = pack_sequences(sequences, self.config)
-        x = self._embed(packed)
-        cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
+        packed, x, cos, sin = self._inputs(sequences)
         return self.model.language_model(x, cos, sin, attention), packed
+
+    def _inputs(self, sequences: Sequence[Prompt]) -> tuple[PackedSequences, Tensor, Tensor, Tensor]:
+        """The packed batch, its input embeddings [B, L, hidden] and its rotary cos, sin [B, 1, L, D]."""
+        packed = pack_sequences(sequences, self.config)
+        cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
+        return packed, self._embed(packed), cos, sin
 
     def _embed(self, packed: PackedSequences) -> Tensor:
         """Token embeddings [B, L, hidden], image/video tokens replaced by the vision encoder's outputs."""
@@ -164,6 +171,15 @@ class Qwen2_5_VL(nn.Module):
         return x.masked_scatter(slots[..., None], features)
 
 
+def drain(chunks: Generator[None, None, T]) -> T:
+    """Runs a chunked job (`prefix_chunks`) to its end, chunk after chunk, and returns its result."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+
+
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
 
@@ -172,9 +188,7 @@ class _GroupPrefix:
         self.mode = torch.enable_grad if attached else torch.no_grad
         self.attention = CausalAttention(record=True)
         with self.mode():
-            self.packed = pack_sequences(prompts, model.config)
-            self.x = model._embed(self.packed)
-            self.cos, self.sin = text_rotary(self.packed.positions.to(model.device), model.config.text)
+            self.packed, self.x, self.cos, self.sin = model._inputs(prompts)
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():

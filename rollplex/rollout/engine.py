@@ -143,6 +143,8 @@ class _Run:
         self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=step.slots.device)
         self.num_columns = 0
         self.flags: deque[tuple[Tensor, torch.cuda.Event | None]] = deque()
+        done = step.done  # two host copies of the done flags, used in turn: one in flight, one being read
+        self.spare = deque(torch.empty(done.shape, dtype=done.dtype, pin_memory=done.is_cuda) for _ in range(2))
 
     def first_token(self, dist: Tensor) -> None:
         """Token 0 of every sequence, from its prompt's next-token distribution dist [P * N, V]."""
@@ -184,7 +186,9 @@ class _Run:
         flags, event = self.flags.popleft()
         if event is not None:
             event.synchronize()
-        return (flags[: self.num_sequences] == 0).nonzero()[:, 0]
+        live = (flags[: self.num_sequences] == 0).nonzero()[:, 0]
+        self.spare.append(flags)
+        return live
 
     def collect(self) -> Rollout:
         tokens = self.step.tokens[: self.num_sequences, : self.num_columns]
@@ -198,14 +202,12 @@ class _Run:
     def _columns_done(self, num_columns: int) -> None:
         """Notes the columns written and queues a host copy of the done flags behind them."""
         self.num_columns = num_columns
-        done = self.step.done
+        done, flags = self.step.done, self.spare.popleft()
+        flags.copy_(done, non_blocking=done.is_cuda)
+        event = None
         if done.is_cuda:
-            flags = torch.empty(done.shape, dtype=done.dtype, pin_memory=True)
-            flags.copy_(done, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            flags, event = done.clone(), None
         self.flags.append((flags, event))
 
 

@@ -24,7 +24,9 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     result = json.loads(out.read_text())
     assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
-    assert result["ideal_speedup"] >= 1.0 and result["prefix_beside_decode"] > 0.5
+    t_d, t_p, t_post = result["T_D_s"], result["T_P_s"], result["T_post_s"]
+    assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
+    assert result["prefix_beside_decode"] > 0.5
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
     assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
     assert out.with_suffix(".png").stat().st_size > 10_000

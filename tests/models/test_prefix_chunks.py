@@ -39,7 +39,7 @@ def test_an_attached_chunked_prefix_carries_gradients_to_the_vision_encoder(mode
 def test_one_prompt_per_chunk_gives_the_batched_boundary_within_rounding(model, prompts):
     whole = model.prefix(prompts, attached=False)
     chunked, pauses = drain(model.prefix_chunks(prompts, attached=False, prompts_per_chunk=1), True)
-    assert pauses == model.config.text.num_hidden_layers * len(prompts)
+    assert pauses == (model.config.text.num_hidden_layers + 1) * len(prompts) - 1  # + each later group's vision
     assert torch.equal(chunked.prompt_lens, whole.prompt_lens)
     assert torch.equal(chunked.next_positions, whole.next_positions)
     torch.testing.assert_close(chunked.first_logprobs, whole.first_logprobs, atol=1e-5, rtol=1e-5)
