@@ -25,7 +25,7 @@ from rollplex.models.batching import PackedSequences, pack_sequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
 from rollplex.models.config import ModelConfig
-from rollplex.models.decoder import TextDecoder
+from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt
 from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
@@ -72,9 +72,12 @@ class Qwen2_5_VL(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def pack_projections(self) -> None:
-        """Stores each decoder layer's q/k/v weights and biases, and gate/up weights, back to back (`packing.py`)."""
+        """Stores each decoder layer's q/k/v weights and biases, and gate/up weights, back to back (`packing.py`).
+        Tensor-parallel layers (`rollplex.parallel`) hold fused tensors already and are left as they are."""
         for layer in self.model.language_model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(attn, SelfAttention):
+                continue
             pack([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
             pack([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
             pack([mlp.gate_proj, mlp.up_proj], "weight")

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
@@ -23,9 +22,10 @@ from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
 from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 from rollplex.models.boundary import Boundary
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.packing import packed_view
 from rollplex.models.rotary import text_rotary
 from rollplex.models.sampling import SamplingParams
+from rollplex.parallel.group import all_gather_into
+from rollplex.rollout.weights import layer_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,9 @@ class DecodeStep:
     def __init__(self, model: Qwen2_5_VL, shape: DecodeShape) -> None:
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
         self.model, self.shape = model, shape
-        self.qkv, self.gate_up = [], []  # views of the packed parameters: updates show through, nothing copied
-        for layer in model.model.language_model.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.qkv.append((_packed(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                             _packed(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)))  # fmt: skip
-            self.gate_up.append(_packed(m.gate_proj.weight, m.up_proj.weight))
-        groups, d = text.num_key_value_heads, text.head_dim
+        self.weights = [layer_weights(layer) for layer in model.model.language_model.layers]  # read in place
+        self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
+        heads, groups, d = self.weights[0].num_heads, self.weights[0].num_groups, text.head_dim
         layers = range(text.num_hidden_layers)
         cache = (shape.num_slots, groups, shape.max_tokens, d)
         self.k_cache = [torch.zeros(cache, dtype=dtype, device=device) for _ in layers]
@@ -97,9 +93,10 @@ class DecodeStep:
         self.temperature = torch.zeros(1, dtype=torch.float32, device=device)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, **long)
         self.logits = torch.empty(shape.num_slots - 1, text.vocab_size, dtype=dtype, device=device)
+        self.logit_parts = torch.empty_like(self.logits).flatten() if self.group.size > 1 else None
         self.attention = DecodeAttention(
             DecodeAttentionShape(
-                shape.num_prompts, shape.num_samples, text.num_attention_heads, groups, d,
+                shape.num_prompts, shape.num_samples, heads, groups, d,
                 shape.max_prompt_len, shape.max_tokens,
             ),
             device,
@@ -141,15 +138,15 @@ class DecodeStep:
         text = self.model.config.text
         eps = text.rms_norm_eps
         slots = self.slots[:rows]
-        residual = F.embedding(self.last_token[slots], lm.embed_tokens.weight)  # [rows, hidden]
+        residual = lm.embed_tokens(self.last_token[slots])  # [rows, hidden]
         normed = torch.empty_like(residual)
-        q_rot = torch.empty(rows, text.num_attention_heads, text.head_dim, dtype=residual.dtype, device=slots.device)
+        heads = self.weights[0].num_heads
+        q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
         attended = torch.empty_like(q_rot)
         delta = None
-        for i, layer in enumerate(lm.layers):
+        for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed)
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(normed, *self.qkv[i])  # [rows, (H + 2G) D]
+            qkv = w.qkv(normed)  # [rows, (H + 2G) D]
             rotary_to_cache(
                 qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
                 self.k_cache[i], self.v_cache[i], self.shape.num_samples,
@@ -158,20 +155,24 @@ class DecodeStep:
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
                 self.k_cache[i], self.v_cache[i], slots, self.step, attended,
             )  # fmt: skip
-            out = F.linear(attended.view(rows, -1), attn.o_proj.weight)
+            out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed)
-            gate_up = F.linear(normed, self.gate_up[i])  # [rows, 2 I]
-            delta = F.linear(silu_mul(gate_up, gate_up.new_empty(rows, gate_up.shape[1] // 2)), mlp.down_proj.weight)
+            delta = w.mlp(normed, silu_mul)
         add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
-        logits = torch.matmul(normed, self.model.lm_head.weight.t(), out=self.logits[:rows])
+        logits = self._logits(normed, rows)
         self.step += 1
         if self.shape.fused_sampling:
             self.sample(logits, slots, self.step)  # the token after token `step - 1` is token `step`
         return logits
 
-
-def _packed(*tensors: Tensor) -> Tensor:
-    view = packed_view(*tensors)
-    if view is None:
-        raise ValueError("the model's projections are not packed: call model.pack_projections() after moving it")
-    return view
+    def _logits(self, normed: Tensor, rows: int) -> Tensor:
+        """Full logits [rows, V] into `self.logits`; a rollout group gathers its vocabulary shards."""
+        head = self.model.lm_head.weight.detach()
+        if self.group.size == 1:
+            return torch.matmul(normed, head.t(), out=self.logits[:rows])
+        parts = self.logit_parts[: rows * self.logits.shape[1]].view(self.group.size, rows, -1)
+        torch.matmul(normed, head.t(), out=parts[self.group.rank])
+        all_gather_into(parts, parts[self.group.rank], self.group)
+        logits = self.logits[:rows]
+        logits.view(rows, self.group.size, -1).copy_(parts.transpose(0, 1))
+        return logits

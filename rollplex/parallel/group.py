@@ -1,0 +1,107 @@
+"""A tensor-parallel group and the four collectives its layers need, as autograd functions.
+
+Megatron's conjugate pairs: `copy_to` is the identity forward and an all-reduce of the gradient backward (the
+input of a column-parallel layer); `reduce_from` all-reduces forward and passes the gradient through (the
+output of a row-parallel layer); `gather_from` concatenates the ranks' last-dim shards forward and keeps this
+rank's slice of the gradient backward (vocab-parallel logits). A group of size 1 makes all of them the
+identity, so the same layers serve one GPU. No global state: every call names its group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """`size` ranks of one tensor-parallel group; `rank` is this process's index in it (not its global rank)."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None = None  # None only when size == 1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
+        assert self.size == 1 or self.group is not None, "a group of several ranks needs its process group"
+
+    def shard(self, n: int) -> range:
+        """This rank's part of n items split evenly in rank order."""
+        assert n % self.size == 0, f"{n} does not split over {self.size} ranks"
+        return range(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+
+
+SINGLE = TPGroup(1, 0)
+
+
+def new_groups(world_size: int, rank: int, size: int) -> TPGroup:
+    """Splits ranks 0..world_size-1 into consecutive groups of `size`; every rank must call this (collective)."""
+    if size == 1:
+        return SINGLE
+    assert world_size % size == 0, f"{world_size} ranks do not split into groups of {size}"
+    mine = None
+    for first in range(0, world_size, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = TPGroup(size, rank - first, group)
+    return mine
+
+
+def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
+    """out = concat over ranks of each rank's `part` along dim 0 (part may be a view of out's own region)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
+    gather(out, part, group=group.group)
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group.group)
+        return grad, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group, ctx.width = group, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(group.size)]
+        dist.all_gather(parts, x.contiguous(), group=group.group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        start = ctx.group.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def copy_to(x: Tensor, group: TPGroup) -> Tensor:
+    return x if group.size == 1 else _CopyTo.apply(x, group)
+
+
+def reduce_from(x: Tensor, group: TPGroup) -> Tensor:
+    return x if group.size == 1 else _ReduceFrom.apply(x, group)
+
+
+def gather_from(x: Tensor, group: TPGroup) -> Tensor:
+    return x if group.size == 1 else _GatherFrom.apply(x, group)

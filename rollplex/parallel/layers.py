@@ -1,0 +1,112 @@
+"""Tensor-parallel decoder layers over shards in the training engine's layout, used by training and rollout.
+
+The same modules serve the trainer at TP t (parameters: this rank's Megatron-layout shards) and a rollout
+replica at TP r bound over q = t / r training shards (`bind.py`: parameters are the rollout-sized buffers whose
+regions the q training ranks own). They differ only in how many training shards one tensor holds:
+- QKV [rows, hidden]: `INTERLEAVED` (Megatron: per query group its q heads, k, v) is split by a free view,
+  whatever the number of groups; `GROUPED` (vLLM: all q, k, v) is the Case-3 copy path's layout.
+- [gate; up] of `num_blocks` training shards back to back ([g_0; u_0; g_1; u_1; ...]): the gated product
+  pairs each block's halves through a view of the GEMM output.
+- o_proj / down_proj stored transposed ([I, O] slabs, q of them back to back): y = x @ slab.
+- vocabulary-parallel embedding and LM head (the head gathers the full logits).
+Not here: where the shards come from (`model.py`, `bind.py`), attention cores (`rollplex.models.attention`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rollplex.models.attention import Attention
+from rollplex.models.rotary import apply_rotary
+from rollplex.parallel.group import TPGroup, copy_to, gather_from, reduce_from
+
+
+class QKVOrder(Enum):
+    INTERLEAVED = "interleaved"  # Megatron-Core: per query group [q heads; k; v]
+    GROUPED = "grouped"  # vLLM: [all q heads; all k heads; all v heads]
+
+
+def _param(t: Tensor, trainable: bool) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=trainable)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Grouped-query attention over `num_heads` local q heads in `num_groups` local query groups."""
+
+    def __init__(
+        self, qkv_weight: Tensor, qkv_bias: Tensor, o_slab: Tensor, num_heads: int, num_groups: int, head_dim: int,
+        order: QKVOrder, group: TPGroup, *, trainable: bool,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        assert qkv_weight.shape[0] == (num_heads + 2 * num_groups) * head_dim, f"qkv rows {qkv_weight.shape[0]}"
+        assert o_slab.shape[0] == num_heads * head_dim, f"o_proj slab must be stored [I, O], got {o_slab.shape}"
+        self.qkv_weight, self.qkv_bias = _param(qkv_weight, trainable), _param(qkv_bias, trainable)
+        self.o_slab = _param(o_slab, trainable)
+        self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
+        self.order, self.group = order, group
+
+    def split(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """y [B, T, rows] -> q [B, T, heads, D], k and v [B, T, groups, D]; views, no copy."""
+        b, t, d, g = y.shape[0], y.shape[1], self.head_dim, self.num_groups
+        if self.order is QKVOrder.GROUPED:
+            q, k, v = y.split([self.num_heads * d, g * d, g * d], dim=-1)
+            return q.unflatten(-1, (self.num_heads, d)), k.unflatten(-1, (g, d)), v.unflatten(-1, (g, d))
+        per_group = self.num_heads // g
+        y = y.view(b, t, g, per_group + 2, d)
+        return y[:, :, :, :per_group].flatten(2, 3), y[:, :, :, per_group], y[:, :, :, per_group + 1]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
+        """x [B, T, hidden] (replicated over the group) -> [B, T, hidden], summed over the group."""
+        batch, num_tokens, _ = x.shape
+        q, k, v = self.split(F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = attention(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, heads, T, D]
+        out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
+        return reduce_from(out @ self.o_slab, self.group)
+
+
+class ParallelMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) over `num_blocks` [gate; up] shards and their stacked down_proj slabs."""
+
+    def __init__(self, gate_up: Tensor, down_slab: Tensor, num_blocks: int, group: TPGroup, *, trainable: bool) -> None:
+        super().__init__()
+        assert gate_up.shape[0] == 2 * down_slab.shape[0], f"[gate; up] {gate_up.shape} vs down slab {down_slab.shape}"
+        self.gate_up, self.down_slab = _param(gate_up, trainable), _param(down_slab, trainable)
+        self.num_blocks, self.group = num_blocks, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(copy_to(x, self.group), self.gate_up).unflatten(-1, (self.num_blocks, 2, -1))
+        hidden = (F.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2)  # [..., blocks * I_block]
+        return reduce_from(hidden @ self.down_slab, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + rows) of the embedding; other ids contribute zeros before the sum."""
+
+    def __init__(self, weight: Tensor, vocab_start: int, group: TPGroup, *, trainable: bool) -> None:
+        super().__init__()
+        self.weight, self.vocab_start, self.group = _param(weight, trainable), vocab_start, group
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(inside, local, 0), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from(out, self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head over a vocabulary shard; returns the full logits (gathered over the group)."""
+
+    def __init__(self, weight: Tensor | nn.Parameter, group: TPGroup, *, trainable: bool) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight, trainable)  # tied: shared
+        self.group = group
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return gather_from(F.linear(copy_to(hidden, self.group), self.weight), self.group)

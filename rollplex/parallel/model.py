@@ -1,0 +1,104 @@
+"""A Qwen2.5-VL trained at tensor-parallel degree t: shard a full model in place, and materialise it back.
+
+`parallelize` swaps the language decoder's projections, embedding and LM head of a full `Qwen2_5_VL` for this
+rank's Megatron-layout shards (`layers.py`, `layout.py`); the norms and the vision encoder stay replicated, as
+in Megatron without sequence parallelism (their gradients agree on every rank because the residual stream's
+gradient is all-reduced at each column-parallel input). Every method of `Qwen2_5_VL` then runs at TP t
+unchanged, with every rank of the group calling it on the same inputs. `full_state` gathers the shards into the
+full tensors under HF names: the oracle that TP runs and the rollout binding are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rollplex.models.decoder import SelfAttention
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.parallel import layout
+from rollplex.parallel.group import TPGroup
+from rollplex.parallel.layers import (
+    ParallelMLP,
+    ParallelSelfAttention,
+    QKVOrder,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+
+@torch.no_grad()
+def parallelize(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
+    """Replaces the decoder's sharded tensors by rank `group.rank`'s shards (copies; the full ones are freed)."""
+    t, tp, rank = model.config.text, group.size, group.rank
+    layout.check_train_tp(t, tp)
+    lm = model.model.language_model
+    qkv_rows, gate_up_rows = layout.qkv_rows(t, tp, rank), layout.gate_up_rows(t, tp, rank)
+    for layer in lm.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn, SelfAttention), "the model is parallelized already"
+        qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        layer.self_attn = ParallelSelfAttention(
+            qkv_w[qkv_rows.to(qkv_w.device)], qkv_b[qkv_rows.to(qkv_b.device)],
+            layout.row_parallel_slab(attn.o_proj.weight, tp, rank), t.num_attention_heads // tp,
+            t.num_key_value_heads // tp, t.head_dim, QKVOrder.INTERLEAVED, group, trainable=True,
+        )  # fmt: skip
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[gate_up_rows.to(qkv_w.device)]
+        down = layout.row_parallel_slab(mlp.down_proj.weight, tp, rank)
+        layer.mlp = ParallelMLP(gate_up, down, 1, group, trainable=True)
+    vocab = group.shard(t.vocab_size)
+    embed = lm.embed_tokens.weight[vocab.start : vocab.stop].contiguous()
+    lm.embed_tokens = VocabParallelEmbedding(embed, vocab.start, group, trainable=True)
+    if t.tie_word_embeddings:
+        model.lm_head = VocabParallelHead(lm.embed_tokens.weight, group, trainable=True)
+    else:
+        head = model.lm_head.weight[vocab.start : vocab.stop].contiguous()
+        model.lm_head = VocabParallelHead(head, group, trainable=True)
+    return model
+
+
+def _gather(x: Tensor, group: TPGroup) -> list[Tensor]:
+    if group.size == 1:
+        return [x]
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.group)
+    return parts
+
+
+@torch.no_grad()
+def full_state(model: Qwen2_5_VL, group: TPGroup) -> dict[str, Tensor]:
+    """HF-named full tensors of a parallelized model (collective: every rank of the group calls it)."""
+    t, tp = model.config.text, group.size
+    lm = model.model.language_model
+    prefix = "model.language_model"
+    qkv_rows = [layout.qkv_rows(t, tp, r) for r in range(tp)]
+    gate_up_rows = [layout.gate_up_rows(t, tp, r) for r in range(tp)]
+    q, kv, i = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, t.intermediate_size
+    state = {n: p.detach() for n, p in model.named_parameters() if not n.startswith(("lm_head", f"{prefix}.layers"))}
+    state |= {n: p.detach() for n, p in lm.layers.named_parameters(prefix=f"{prefix}.layers") if "layernorm" in n}
+    for index, layer in enumerate(lm.layers):
+        at, attn, mlp = f"{prefix}.layers.{index}", layer.self_attn, layer.mlp
+        w = layout.scatter_rows(_gather(attn.qkv_weight, group), qkv_rows, q + 2 * kv)
+        b = layout.scatter_rows(_gather(attn.qkv_bias, group), qkv_rows, q + 2 * kv)
+        for name, rows in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv]), strict=True):
+            state[f"{at}.self_attn.{name}.weight"] = rows
+        for name, rows in zip(("q_proj", "k_proj", "v_proj"), b.split([q, kv, kv]), strict=True):
+            state[f"{at}.self_attn.{name}.bias"] = rows
+        state[f"{at}.self_attn.o_proj.weight"] = torch.cat(_gather(attn.o_slab, group)).t()
+        gate, up = layout.scatter_rows(_gather(mlp.gate_up, group), gate_up_rows, 2 * i).split([i, i])
+        state[f"{at}.mlp.gate_proj.weight"], state[f"{at}.mlp.up_proj.weight"] = gate, up
+        state[f"{at}.mlp.down_proj.weight"] = torch.cat(_gather(mlp.down_slab, group)).t()
+    state[f"{prefix}.embed_tokens.weight"] = torch.cat(_gather(lm.embed_tokens.weight, group))
+    if not t.tie_word_embeddings:
+        state["lm_head.weight"] = torch.cat(_gather(model.lm_head.weight, group))
+    return state
+
+
+def materialise(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
+    """A fresh full model holding the parallelized model's weights (collective)."""
+    state = full_state(model, group)
+    fresh = Qwen2_5_VL(model.config, dtype=model.lm_head.weight.dtype, device=model.device)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return fresh

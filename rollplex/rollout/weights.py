@@ -1,0 +1,90 @@
+"""How one decode step reads a decoder layer's projections, for each way the actor's weights can be stored.
+
+- a full model (`rollplex.models.decoder`): the packed [q; k; v] and [gate; up] views and HF [O, I] weights;
+- a tensor-parallel layer (`rollplex.parallel.layers`, a rollout replica bound over training shards): Megatron's
+  interleaved QKV through the permuted GEMM (`rollplex.kernels.qkv_gemm`) when it holds several query groups,
+  else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
+  outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
+Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rollplex.models.decoder import SelfAttention
+from rollplex.models.packing import packed_view
+from rollplex.parallel.group import SINGLE, TPGroup
+from rollplex.parallel.layers import ParallelSelfAttention, QKVOrder
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's decode projections over normed activations [rows, hidden]."""
+
+    qkv_weight: Tensor
+    qkv_bias: Tensor
+    interleaved_groups: int  # > 1: qkv_weight is Megatron-interleaved over this many query groups
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    o: Tensor  # [O, I] (transposed=False) or the stored [I, O] slab
+    gate_up: Tensor  # [blocks * 2 * I_block, hidden]
+    num_blocks: int
+    down: Tensor
+    transposed: bool
+    group: TPGroup
+
+    def qkv(self, x: Tensor) -> Tensor:
+        """[rows, (heads + 2 groups) D]: all q, then k, then v."""
+        if self.interleaved_groups > 1:
+            from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
+
+            w, b = self.qkv_weight, self.qkv_bias
+            return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
+        return F.linear(x, self.qkv_weight, self.qkv_bias)
+
+    def out(self, attended: Tensor) -> Tensor:
+        return self._reduce(attended @ self.o if self.transposed else F.linear(attended, self.o))
+
+    def mlp(self, x: Tensor, silu_mul) -> Tensor:
+        """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
+        y = F.linear(x, self.gate_up)  # [rows, blocks * 2 * I_block]
+        rows, width = y.shape[0], y.shape[1] // self.num_blocks
+        hidden = silu_mul(y.view(rows * self.num_blocks, width), y.new_empty(rows * self.num_blocks, width // 2))
+        hidden = hidden.view(rows, -1)
+        return self._reduce(hidden @ self.down if self.transposed else F.linear(hidden, self.down))
+
+    def _reduce(self, y: Tensor) -> Tensor:
+        if self.group.size > 1:
+            dist.all_reduce(y, group=self.group.group)
+        return y
+
+
+def layer_weights(layer: nn.Module) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(attn, SelfAttention):
+        qkv_w = _packed(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        qkv_b = _packed(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+        return LayerWeights(
+            qkv_w, qkv_b, 1, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.o_proj.weight,
+            _packed(mlp.gate_proj.weight, mlp.up_proj.weight), 1, mlp.down_proj.weight, False, SINGLE,
+        )  # fmt: skip
+    assert isinstance(attn, ParallelSelfAttention), f"no decode path for {type(attn).__name__}"
+    interleaved = attn.num_groups if attn.order is QKVOrder.INTERLEAVED else 1
+    return LayerWeights(
+        attn.qkv_weight.detach(), attn.qkv_bias.detach(), interleaved, attn.num_heads, attn.num_groups,
+        attn.head_dim, attn.o_slab.detach(), mlp.gate_up.detach(), mlp.num_blocks, mlp.down_slab.detach(), True,
+        attn.group,
+    )  # fmt: skip
+
+
+def _packed(*tensors: Tensor) -> Tensor:
+    view = packed_view(*tensors)
+    if view is None:
+        raise ValueError("the model's projections are not packed: call model.pack_projections() after moving it")
+    return view
