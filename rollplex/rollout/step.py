@@ -172,7 +172,7 @@ class DecodeStep:
             return torch.matmul(normed, head.t(), out=self.logits[:rows])
         parts = self.logit_parts[: rows * self.logits.shape[1]].view(self.group.size, rows, -1)
         torch.matmul(normed, head.t(), out=parts[self.group.rank])
-        all_gather_into(parts, parts[self.group.rank], self.group)
+        all_gather_into(parts.flatten(0, 1), parts[self.group.rank], self.group)
         logits = self.logits[:rows]
         logits.view(rows, self.group.size, -1).copy_(parts.transpose(0, 1))
         return logits
