@@ -30,7 +30,7 @@ from rollplex.memory.sharing import Case, classify
 from rollplex.models.config import TextConfig
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.parallel import layout
-from rollplex.parallel.group import SINGLE, TPGroup, all_gather_into
+from rollplex.parallel.group import SINGLE, TPGroup, all_gather_many
 from rollplex.parallel.layers import (
     ParallelMLP,
     ParallelSelfAttention,
@@ -84,13 +84,23 @@ class BoundRollout:
         return sum(c.dst.numel() * c.dst.element_size() for c in self.copies)
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Makes the last update visible to rollout: group-local all-gathers, then the Case-3 copies."""
+    def publish(self, *, coalesced: bool = True) -> None:
+        """Makes the last update visible to rollout: group-local all-gathers (one NCCL group launch unless not
+        `coalesced`), then the Case-3 copies."""
         if self.exchange.size > 1:
-            for region in self.regions:
-                all_gather_into(region.whole, region.part, self.exchange)
+            all_gather_many([(r.whole, r.part) for r in self.regions], self.exchange, coalesced=coalesced)
         for c in self.copies:
             torch.index_select(c.src, 0, c.index, out=c.dst)
+
+
+def vmm_allocator(arena, name: str = "rollout_actor") -> Callable[[int], Tensor]:
+    """`allocate` for `bind_rollout` from a region of a `rollplex.memory.vmm.VmmArena`: rollout's actor weights
+    at addresses that survive residency changes (captured graphs keep pointing at them)."""
+
+    def allocate(num_bytes: int) -> Tensor:
+        return arena.tensor(arena.allocate(num_bytes, name), torch.uint8, (num_bytes,))
+
+    return allocate
 
 
 def make_groups(train_tp: int, rollout_tp: int, rank: int) -> tuple[TPGroup, TPGroup, TPGroup]:

@@ -56,6 +56,20 @@ def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
     gather(out, part, group=group.group)
 
 
+def all_gather_many(pairs: list[tuple[Tensor, Tensor]], group: TPGroup, *, coalesced: bool = True) -> None:
+    """`all_gather_into` for every (out, part); on NCCL, `coalesced` launches them as one group."""
+    if not coalesced or dist.get_backend(group.group) != "nccl":
+        for out, part in pairs:
+            all_gather_into(out, part, group)
+        return
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    with _coalescing_manager(group=group.group, device=pairs[0][0].device, async_ops=True) as batch:
+        for out, part in pairs:
+            dist.all_gather_into_tensor(out, part, group=group.group)
+    batch.wait()
+
+
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: TPGroup) -> Tensor:

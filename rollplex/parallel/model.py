@@ -48,12 +48,12 @@ def parallelize(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
         down = layout.row_parallel_slab(mlp.down_proj.weight, tp, rank)
         layer.mlp = ParallelMLP(gate_up, down, 1, group, trainable=True)
     vocab = group.shard(t.vocab_size)
-    embed = lm.embed_tokens.weight[vocab.start : vocab.stop].contiguous()
+    embed = lm.embed_tokens.weight[vocab.start : vocab.stop].clone()  # not a view: the full table must go
     lm.embed_tokens = VocabParallelEmbedding(embed, vocab.start, group, trainable=True)
     if t.tie_word_embeddings:
         model.lm_head = VocabParallelHead(lm.embed_tokens.weight, group, trainable=True)
     else:
-        head = model.lm_head.weight[vocab.start : vocab.stop].contiguous()
+        head = model.lm_head.weight[vocab.start : vocab.stop].clone()
         model.lm_head = VocabParallelHead(head, group, trainable=True)
     return model
 

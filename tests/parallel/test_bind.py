@@ -49,9 +49,9 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         bound.publish()
         torch.testing.assert_close(bound.model(prompts), fresh(prompts), atol=1e-5, rtol=1e-5)
     if decode:
-        params = SamplingParams(temperature=0.0, max_tokens=4)
-        ours = RolloutEngine(bound.model).generate(text_prompts(), num_samples=2, params=params, generator=torch.Generator())
-        theirs = RolloutEngine(fresh).generate(text_prompts(), num_samples=2, params=params, generator=torch.Generator())
+        greedy = dict(num_samples=2, params=SamplingParams(temperature=0.0, max_tokens=4), generator=torch.Generator())
+        ours = RolloutEngine(bound.model).generate(text_prompts(), **greedy)
+        theirs = RolloutEngine(fresh).generate(text_prompts(), **greedy)
         assert torch.equal(ours.responses, theirs.responses)
         torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
 
