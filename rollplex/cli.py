@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -56,14 +57,19 @@ def _run(args: argparse.Namespace) -> int:
     )
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
+    from rollplex.executors.distributed import check_launch
     from rollplex.executors.engines import resolve_device
 
     try:
         resolve_device(spec.run.device)
     except ValueError as e:
         raise loaded.locate(SpecError("run.device", str(e))) from None
+    try:
+        check_launch(spec.parallel.train_tp)
+    except ValueError as e:
+        raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     records = train(loaded, opts)
-    if records:
+    if records and os.environ.get("RANK", "0") == "0":  # one summary line, from rank 0 under torchrun
         last = records[-1]
         summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
         print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from rollplex.executors.engines import Engines
-from rollplex.models.checkpoint import load_checkpoint, save_checkpoint
+from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
+from rollplex.parallel.model import full_state, load_sharded
 
 
 @dataclass(frozen=True)
@@ -40,19 +41,42 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 
 def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
-    """Weights and optimizer state as they are now (they must be those of `snap.step`)."""
+    """Weights and optimizer state as they are now (they must be those of `snap.step`).
+
+    Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
+    writes, each rank writes its own optimizer state (`optimizer-rank{r}.pt`)."""
     final = checkpoint_dir(out_dir, snap.step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_checkpoint(engines.actor, tmp / "model")
-    torch.save(engines.optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.replace(final)
+    if engines.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(engines)
+    if engines.tp is None:
+        save_checkpoint(engines.actor, tmp / "model")
+    else:
+        state = full_state(engines.actor, engines.tp.train)  # every rank takes part in the gather
+        if engines.is_main:
+            save_state(state, engines.actor.config, tmp / "model")
+    torch.save(engines.optimizer.state_dict(), tmp / _optimizer_file(engines))
+    if engines.is_main:
+        torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
+    _barrier(engines)
+    if engines.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.replace(final)
+    _barrier(engines)
     return final
+
+
+def _optimizer_file(engines: Engines) -> str:
+    return "optimizer.pt" if engines.tp is None else f"optimizer-rank{engines.tp.train.rank}.pt"
+
+
+def _barrier(engines: Engines) -> None:
+    if engines.tp is not None:
+        engines.tp.barrier()
 
 
 def latest(out_dir: Path) -> Path | None:
@@ -61,8 +85,15 @@ def latest(out_dir: Path) -> Path | None:
 
 
 def load(path: Path, engines: Engines) -> Snapshot:
-    load_checkpoint(engines.actor, path / "model")
-    engines.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    if engines.tp is None:
+        load_checkpoint(engines.actor, path / "model")
+    else:
+        load_sharded(engines.actor, path / "model", engines.tp.train)
+    engines.publish()
+    optimizer_file = path / _optimizer_file(engines)
+    if not optimizer_file.is_file():
+        raise ValueError(f"{path} has no {optimizer_file.name}: resume with the train_tp that wrote it")
+    engines.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=False))
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])

@@ -3,14 +3,17 @@ sampling, tokenizer and reward. Built from a spec by `build_engines`; the runtim
 
 Rollout always reads the actor's own parameters, so training and rollout share every weight: on the CPU
 through the plain decode loop (`rollplex.models.generate`), on a GPU through the graph-captured engine
-(`rollplex.rollout`), which reads the packed projections in place.
+(`rollplex.rollout`), which reads the packed projections in place. Under tensor parallelism
+(`parallel.train_tp` > 1, one process per rank: `distributed.py`) the actor and reference are this rank's
+Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound over them
+(`rollplex.parallel.bind`), and `publish` after each update fills the replica's regions the other ranks own.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import torch
 
 from rollplex.data.rewards import RewardFn, get_reward, load_reward
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.graph.load import LoadedSpec
 from rollplex.memory.optimizer import ChunkedAdamW
@@ -26,6 +30,8 @@ from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
+from rollplex.parallel.bind import QKVPath, bind_rollout
+from rollplex.parallel.model import parallelize, sharded_parameters
 
 RolloutFn = Callable[..., Rollout]  # (prompts, *, num_samples, params, generator) -> Rollout
 
@@ -49,6 +55,13 @@ class Engines:
     prompts_per_chunk: int | None = None  # prompts per chunk of prefix work (both schedules); None: all
     prefix_stream: torch.cuda.Stream | None = None  # where `rollplex` runs prefix work beside decode; None: inline
     green_context: object | None = None  # keeps a green partition alive while its stream is used
+    tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
+    publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes metrics and checkpoint weights (the only one without tensor parallelism)."""
+        return self.tp is None or self.tp.is_main
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -74,6 +87,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     """The engines of a spec, on `device` (default: the spec's `run.device`)."""
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
+    tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     dtype = getattr(torch, spec.run.dtype)
     torch.manual_seed(spec.run.seed)
     actor = Qwen2_5_VL(config, dtype=dtype, device=device)
@@ -83,15 +97,26 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     if spec.algorithm.kl_coef > 0:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
+    rollout_model, publish = actor, lambda: None
+    if tp is not None:
+        if reference is not None:
+            reference = parallelize(reference, tp.train)
+        actor = parallelize(actor, tp.train)
+        bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
+        rollout_model, publish = bound.model, bound.publish
     a = spec.algorithm
+    params = [p for p in actor.parameters() if p.requires_grad]
+    sharded = sharded_parameters(actor)
     optimizer = ChunkedAdamW(
-        [p for p in actor.parameters() if p.requires_grad],
+        params,
         lr=a.lr,
         betas=a.betas,
         eps=a.eps,
         weight_decay=a.weight_decay,
         max_grad_norm=a.max_grad_norm,
         chunk_bytes=OPTIMIZER_CHUNK_BYTES,
+        tp=None if tp is None else tp.train,
+        sharded=[id(p) in sharded for p in params],
     )
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
@@ -102,7 +127,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     )
     sharing = spec.sharing
     prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
-    rollout, rollout_stats = make_rollout(actor)
+    rollout, rollout_stats = make_rollout(rollout_model)
     return Engines(
         actor=actor,
         rollout=rollout,
@@ -119,6 +144,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         prompts_per_chunk=spec.sharing.prompts_per_chunk,
         prefix_stream=prefix_stream,
         green_context=green_context,
+        tp=tp,
+        publish=publish,
     )
 
 

@@ -72,15 +72,24 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
         raise loaded.locate(SpecError("workload.dataset", str(e))) from None
     start, position = 0, 0
     if opts.resume and (found := checkpointing.latest(opts.out_dir)) is not None:
-        resumed = checkpointing.load(found, engines)
+        try:
+            resumed = checkpointing.load(found, engines)
+        except ValueError as e:
+            raise SpecError("", str(e)) from None
         start, position = resumed.step, resumed.data_position
-    log = MetricsLog(opts.out_dir, resume_step=start if opts.resume else None, tensorboard=opts.tensorboard)
+    main = engines.is_main  # under tensor parallelism the other ranks compute and write nothing but their state
+    log = (
+        MetricsLog(opts.out_dir, resume_step=start if opts.resume else None, tensorboard=opts.tensorboard)
+        if main
+        else None
+    )
+    progress = opts.progress and main
     size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
     updating = False
     try:
-        for step in _progress(range(start + 1, opts.steps + 1), opts.progress, start, opts.steps):
+        for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
             examples = batch_at(dataset, position, size)
             _check_budget(loaded, examples)
 
@@ -91,17 +100,19 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
                     updating = True
 
             begin = time.perf_counter()
-            with PhaseBars(g, step, opts.progress) as after:
+            with PhaseBars(g, step, progress) as after:
                 record = run_iteration(g, engines, examples, before_op=before, after_op=after)
             position += size
             records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
-            log.write(records[-1])
+            if log is not None:
+                log.write(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False
             if opts.checkpoint_every and step % opts.checkpoint_every == 0:
                 checkpointing.save(opts.out_dir, saved, engines)
             gate.release()
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         if (
             not updating
             and saved.step > start

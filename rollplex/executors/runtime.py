@@ -227,6 +227,7 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
 def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     record.stats["grad_norm"] = float(e.optimizer.step())
     e.optimizer.zero_grad()
+    e.publish()
 
 
 def _input(store: Store, o: Op, kind: type, *, required: bool = True):

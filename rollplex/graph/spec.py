@@ -33,6 +33,11 @@ class ClusterSpec(_Strict):
 class ParallelSpec(_Strict):
     train_tp: PositiveInt = Field(1, description="Tensor-parallel degree of the trainer (actor, reference, critic).")
     rollout_tp: PositiveInt = Field(1, description="Tensor-parallel degree of rollout; must divide train_tp.")
+    qkv_sharing: Literal["in_place", "copy"] = Field(
+        "in_place",
+        description="How rollout reads the fused QKV when a rollout rank holds several training shards' query "
+        "groups (Case 3): in_place (zero-copy, Megatron order read directly) or copy (the paper's grouped copy).",
+    )
     distributed_optimizer: bool = Field(
         False, description="Shard FP32 master weights and Adam moments over training data-parallel ranks."
     )

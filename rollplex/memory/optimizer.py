@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
+from rollplex.parallel.group import TPGroup
 
 STATE_BYTES_PER_ELEMENT = 12  # FP32 master + exp_avg + exp_avg_sq
 NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
@@ -161,8 +163,12 @@ class ChunkedAdamW:
         *,
         pool: HostPool | None = None,
         write: Writer | None = None,
+        tp: TPGroup | None = None,
+        sharded: Sequence[bool] | None = None,
     ) -> None:
         self.params = list(params)
+        self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
+        assert len(self.sharded) == len(self.params), "one sharded flag per parameter"
         if sum(p.numel() for p in self.params) == 0:
             raise ValueError(f"ChunkedAdamW got {len(self.params)} parameters and no elements to update")
         self.config = AdamWConfig(lr, tuple(betas), eps, weight_decay, max_grad_norm)
@@ -246,10 +252,23 @@ class ChunkedAdamW:
             for s in chunk.segments:
                 torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], out=norms[k])
                 k += 1
-        self.last_grad_norm = torch.linalg.vector_norm(norms)
+        self.last_grad_norm = self._global_norm(norms)
         if self.config.max_grad_norm is None:
             return None
         return torch.clamp(self.config.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
+
+    def _global_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        """The norm of every segment's norm; under tensor parallelism the sharded segments' squares are summed
+        over the group and the replicated ones counted once (Megatron's rule)."""
+        if self.tp is None or self.tp.size == 1:
+            return torch.linalg.vector_norm(norms)
+        mask = torch.tensor(
+            [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments], device=norms.device
+        )
+        squares = norms.square()
+        sharded = torch.where(mask, squares, 0.0).sum()
+        dist.all_reduce(sharded, group=self.tp.group)
+        return (sharded + torch.where(mask, 0.0, squares).sum()).sqrt()
 
     def _gather_grads(self, chunk: Chunk, grad: torch.Tensor) -> None:
         for s in chunk.segments:

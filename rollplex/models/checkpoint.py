@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from rollplex.models.config import load_model_config
+from rollplex.models.config import ModelConfig, load_model_config
 from rollplex.models.hf_config import hf_config_dict
 from rollplex.models.model import Qwen2_5_VL
 
@@ -71,11 +71,18 @@ def _copy(param: Tensor, tensor: Tensor, key: str) -> None:
 
 def save_checkpoint(model: Qwen2_5_VL, directory: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
     """Writes `config.json` and the weights under HF names; shards (with an index) above max_shard_bytes."""
+    save_state(dict(model.named_parameters()), model.config, directory, max_shard_bytes=max_shard_bytes)
+
+
+def save_state(
+    params: dict[str, Tensor], config: ModelConfig, directory: str | Path, *, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """`save_checkpoint` of HF-named tensors (e.g. gathered from tensor-parallel shards)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = model.lm_head.weight.dtype
-    (directory / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
-    shards = _shards(dict(model.named_parameters()), max_shard_bytes)
+    dtype = next(iter(params.values())).dtype
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2))
+    shards = _shards(params, max_shard_bytes)
     if len(shards) == 1:
         _save(shards[0], directory / SINGLE_FILE)
         return
@@ -84,7 +91,7 @@ def save_checkpoint(model: Qwen2_5_VL, directory: str | Path, *, max_shard_bytes
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         _save(shard, directory / file_name)
         weight_map |= dict.fromkeys(shard, file_name)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
 

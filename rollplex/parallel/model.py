@@ -58,6 +58,26 @@ def parallelize(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
     return model
 
 
+def sharded_parameters(model: Qwen2_5_VL) -> set[int]:
+    """ids of the parameters that differ between ranks (the rest is replicated: norms, vision encoder)."""
+    kinds = (ParallelSelfAttention, ParallelMLP, VocabParallelEmbedding, VocabParallelHead)
+    return {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters(recurse=False)}
+
+
+@torch.no_grad()
+def load_sharded(model: Qwen2_5_VL, directory, group: TPGroup) -> None:
+    """Copies this rank's shards of an HF checkpoint into a parallelized model, in place (bound views stay)."""
+    from rollplex.models.checkpoint import load_checkpoint
+
+    full = Qwen2_5_VL(model.config, dtype=model.lm_head.weight.dtype, device="cpu")
+    load_checkpoint(full, directory)
+    shards = parallelize(full, group)
+    mine, theirs = list(model.named_parameters()), list(shards.named_parameters())
+    assert [n for n, _ in mine] == [n for n, _ in theirs], "the model and the checkpoint's shards differ in structure"
+    for (_, p), (_, shard) in zip(mine, theirs, strict=True):
+        p.copy_(shard)
+
+
 def _gather(x: Tensor, group: TPGroup) -> list[Tensor]:
     if group.size == 1:
         return [x]

@@ -1,0 +1,110 @@
+"""`rollplex run` at training TP 2 (two gloo processes under torchrun, rollout TP 1 bound over both shards)
+against the same spec in one process: same losses and rewards, same weights within float32 rounding; and
+the one-line error when the process count does not match parallel.train_tp."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = Path(__file__).resolve().parent
+
+SPEC = """
+model: tiny
+cluster: {{gpus_per_node: {tp}, hbm_gib: 16, host_gib: 8}}
+parallel: {{train_tp: {tp}, rollout_tp: 1, qkv_sharing: {qkv}}}
+workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
+            dataset: "synthetic:clevrer@tiny"}}
+algorithm: {{kl_coef: 0.1, lr: 1.0e-2, max_grad_norm: 0.5, rewards: [{{name: "run_rewards:char_share"}}]}}
+run: {{seed: 3, dtype: float32, device: {device}}}
+"""
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _rollplex(
+    tmp: Path, tp: int, qkv: str, name: str, *args: str, launch: bool = True, device: str = "cpu"
+) -> subprocess.CompletedProcess:
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device))
+    cli = ["-m", "rollplex", "run", str(spec), "--out", str(tmp / name), "--quiet", *args]
+    if tp > 1 and launch:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cli = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", str(port), *cli]
+    return subprocess.run([sys.executable, *cli], env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _metrics(tmp: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(tmp: Path, name: str, step: int) -> dict[str, torch.Tensor]:
+    return load_file(tmp / name / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("qkv", "device"),
+    [
+        ("in_place", "cpu"),
+        ("copy", "cpu"),
+        pytest.param(
+            "in_place",
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs")],
+        ),
+    ],
+)
+def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, qkv, device):
+    one = _rollplex(tmp_path, 1, qkv, "one", "--steps", "2", device=device)
+    assert one.returncode == 0, one.stderr
+    two = _rollplex(tmp_path, 2, qkv, "two", "--steps", "2", device=device)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _metrics(tmp_path, "one"), _metrics(tmp_path, "two")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b, strict=True):
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-6)  # the same responses were sampled
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+    wa, wb = _weights(tmp_path, "one", 2), _weights(tmp_path, "two", 2)
+    assert wa.keys() == wb.keys()
+    # AdamW divides each gradient by its own running magnitude, so float rounding (TP sums partial products in
+    # another order) on near-zero gradients moves a few elements by a fraction of a step (lr = 1e-2)
+    diff = torch.cat([(wb[n] - wa[n]).abs().flatten() for n in wa])
+    assert diff.max() < 1e-3 and (diff > 1e-5).float().mean() < 1e-3, (diff.max(), (diff > 1e-5).sum())
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-000002").iterdir()) == [
+        "model", "optimizer-rank0.pt", "optimizer-rank1.pt", "rng.pt", "state.json",
+    ]  # fmt: skip
+
+
+def test_a_resumed_tp2_run_continues_where_it_stopped(tmp_path):
+    whole = _rollplex(tmp_path, 2, "in_place", "whole", "--steps", "2")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "2", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    wa, wb = _weights(tmp_path, "whole", 2), _weights(tmp_path, "parts", 2)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path):
+    out = _rollplex(tmp_path, 2, "in_place", "alone", launch=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert "parallel.train_tp" in out.stderr and "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
