@@ -89,9 +89,11 @@ def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = parallelize(Qwen2_5_VL(config, dtype=torch.bfloat16, device="cuda"), train)
+    gc.collect()  # replaced modules in reference cycles must not be freed inside the measured window
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     bound = bind_rollout(model, exchange, replica_group, path, None if arena is None else vmm_allocator(arena))
+    gc.collect()
     torch.cuda.synchronize()
     absorbed = sum(r.part.numel() * r.part.element_size() for r in bound.regions)
     in_torch = bound.storage.numel() if arena is None else 0  # the caching allocator does not see VMM regions
