@@ -91,6 +91,7 @@ def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     model = parallelize(Qwen2_5_VL(config, dtype=torch.bfloat16, device="cuda"), train)
     gc.collect()  # replaced modules in reference cycles must not be freed inside the measured window
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # also completes frees deferred behind the last path's NCCL streams
     before = torch.cuda.memory_allocated()
     bound = bind_rollout(model, exchange, replica_group, path, None if arena is None else vmm_allocator(arena))
     gc.collect()
