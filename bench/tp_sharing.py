@@ -8,8 +8,8 @@ rollout replica at TP r (`rollplex.parallel.bind`), once per Case-3 path (in pla
 rollout storage a region of the VMM arena, `in_place_vmm`). Per path: one AdamW
 step on a next-token loss, `publish()`, then the replica against a model loaded with the freshly materialised
 weights: logits of the same prompts, and a greedy rollout of both through the rollout engine (CUDA graphs).
-HBM: the bytes the binding allocated beyond the training shards it absorbed, measured with
-torch.cuda.memory_allocated, against the planner's Case-3 figure. Publish time against two ways of getting
+HBM: the bytes behind the replica's weights that are neither the shared storage nor the trainer's own tensors,
+found from the tensors' storages, against the planner's Case-3 figure. Publish time against two ways of getting
 the same weights to rollout without sharing: an out-of-place all-gather into a separate rollout copy, and a
 plain device-to-device copy of the whole rollout shard (the floor of any copy-based update).
 """
@@ -71,6 +71,20 @@ def rollout(model: Qwen2_5_VL, prompts: list[Prompt], tokens: int) -> tuple[torc
     return out.responses, engine.stats.decode_s
 
 
+def bytes_beyond_shared(bound, model: Qwen2_5_VL) -> int:
+    """Device bytes behind the replica's weights outside the shared storage and the trainer's own tensors
+    (replicated norms and vision encoder): what rollout holds of the actor beyond what training holds."""
+    start = bound.storage.data_ptr()
+    stop = start + bound.storage.numel()
+    trainer = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    extra = {}
+    for p in bound.model.parameters():
+        storage = p.untyped_storage()
+        if storage.data_ptr() not in trainer and not start <= p.data_ptr() < stop:
+            extra[storage.data_ptr()] = storage.nbytes()
+    return sum(extra.values())
+
+
 def separate_copy_s(bound, exchange) -> float:
     """An out-of-place all-gather of every tensor into a separate rollout copy (no sharing), coalesced too."""
     separate = [torch.empty_like(r.whole) for r in bound.regions]
@@ -89,16 +103,8 @@ def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = parallelize(Qwen2_5_VL(config, dtype=torch.bfloat16, device="cuda"), train)
-    gc.collect()  # replaced modules in reference cycles must not be freed inside the measured window
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # also completes frees deferred behind the last path's NCCL streams
-    before = torch.cuda.memory_allocated()
     bound = bind_rollout(model, exchange, replica_group, path, None if arena is None else vmm_allocator(arena))
-    gc.collect()
-    torch.cuda.synchronize()
-    absorbed = sum(r.part.numel() * r.part.element_size() for r in bound.regions)
-    in_torch = bound.storage.numel() if arena is None else 0  # the caching allocator does not see VMM regions
-    beyond = torch.cuda.memory_allocated() - before + absorbed - in_torch
+    beyond = bytes_beyond_shared(bound, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_of(model, prompts_of(config, 2, 256, seed=1)).backward()
     optimizer.step()
