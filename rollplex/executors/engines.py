@@ -97,7 +97,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     if spec.algorithm.kl_coef > 0:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
-    rollout_model, publish = actor, lambda: None
+    rollout_model, publish, bound = actor, lambda: None, None
     if tp is not None:
         if reference is not None:
             reference = parallelize(reference, tp.train)
@@ -117,6 +117,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         chunk_bytes=OPTIMIZER_CHUNK_BYTES,
         tp=None if tp is None else tp.train,
         sharded=[id(p) in sharded for p in params],
+        write=None if bound is None else bound.writer(params),  # the exchange streams under the update
     )
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(

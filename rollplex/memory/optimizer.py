@@ -176,7 +176,7 @@ class ChunkedAdamW:
         self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes)
         self.capacity = max(chunk.numel for chunk in self.chunks)
         self.pool = pool or HostPool(self._pool_bytes(), pin=self.device.type == "cuda")
-        self._write = write or copy_into(self.params)
+        self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
         self.blocks = tuple(
             self.pool.allocate(STATE_BYTES_PER_ELEMENT * c.numel, f"adamw chunk {j}") for j, c in enumerate(self.chunks)
@@ -285,7 +285,7 @@ class ChunkedAdamW:
             g.mul_(coef)
         adamw_(master, exp_avg, exp_avg_sq, g, denom, c, self.num_steps)
         for s in chunk.segments:
-            self._write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
+            self.write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
 
     def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
         """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""

@@ -18,19 +18,20 @@ Lifecycle of one binding: `bind_rollout` (training shards move into their region
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rollplex.memory.optimizer import Writer, copy_into
 from rollplex.memory.shapes import llm_families
 from rollplex.memory.sharing import Case, classify
 from rollplex.models.config import TextConfig
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.parallel import layout
-from rollplex.parallel.group import SINGLE, TPGroup, all_gather_many
+from rollplex.parallel.group import SINGLE, TPGroup, all_gather_async, all_gather_many
 from rollplex.parallel.layers import (
     ParallelMLP,
     ParallelSelfAttention,
@@ -66,13 +67,18 @@ class GroupedCopy:
 
 @dataclass(frozen=True)
 class BoundRollout:
-    """The rollout replica (`model`, TP r) and how to publish an update into it."""
+    """The rollout replica (`model`, TP r) and how to publish an update into it.
+
+    An update reaches rollout either all at once (`publish()` after the optimizer step) or streamed: the
+    optimizer's `writer()` starts each region's all-gather as soon as the chunked optimizer has written that
+    parameter, so the exchange runs under the rest of the update and `publish()` only waits for it."""
 
     model: Qwen2_5_VL
     storage: Tensor  # uint8: every shared region
     regions: tuple[Region, ...]
     copies: tuple[GroupedCopy, ...]
     exchange: TPGroup  # the q training ranks that fill one rollout shard
+    pending: dict[int, dist.Work] = field(default_factory=dict)  # region index -> its streamed all-gather
 
     @property
     def shared_bytes(self) -> int:
@@ -85,12 +91,38 @@ class BoundRollout:
 
     @torch.no_grad()
     def publish(self, *, coalesced: bool = True) -> None:
-        """Makes the last update visible to rollout: group-local all-gathers (one NCCL group launch unless not
-        `coalesced`), then the Case-3 copies."""
+        """Makes the last update visible to rollout: waits for the streamed all-gathers, runs the others
+        (one NCCL group launch unless not `coalesced`), then the Case-3 copies."""
         if self.exchange.size > 1:
-            all_gather_many([(r.whole, r.part) for r in self.regions], self.exchange, coalesced=coalesced)
+            rest = [(r.whole, r.part) for k, r in enumerate(self.regions) if k not in self.pending]
+            for work in self.pending.values():
+                work.wait()
+            self.pending.clear()
+            if rest:
+                all_gather_many(rest, self.exchange, coalesced=coalesced)
         for c in self.copies:
             torch.index_select(c.src, 0, c.index, out=c.dst)
+
+    def writer(self, params: list[Tensor]) -> Writer:
+        """A `ChunkedAdamW` writer over `params` (the trainer's, in the optimizer's order) that streams the
+        exchange: once every element of a bound parameter is written, its region's all-gather starts."""
+        base = copy_into(params)
+        region_of = {r.part.data_ptr(): k for k, r in enumerate(self.regions)}
+        regions = [region_of.get(p.data_ptr()) for p in params]
+        numels = [p.numel() for p in params]
+        left = list(numels)
+
+        def write(index: int, start: int, values: Tensor) -> None:
+            base(index, start, values)
+            left[index] -= values.numel()
+            if left[index] == 0:
+                left[index] = numels[index]
+                k = regions[index]
+                if k is not None and self.exchange.size > 1:
+                    region = self.regions[k]
+                    self.pending[k] = all_gather_async(region.whole, region.part, self.exchange)
+
+        return write
 
 
 def vmm_allocator(arena, name: str = "rollout_actor") -> Callable[[int], Tensor]:

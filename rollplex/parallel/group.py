@@ -56,6 +56,12 @@ def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
     gather(out, part, group=group.group)
 
 
+def all_gather_async(out: Tensor, part: Tensor, group: TPGroup) -> dist.Work:
+    """`all_gather_into` started on the current stream's queue; wait on the returned work before reading out."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, part, group=group.group, async_op=True)
+
+
 def all_gather_many(pairs: list[tuple[Tensor, Tensor]], group: TPGroup, *, coalesced: bool = True) -> None:
     """`all_gather_into` for every (out, part); on NCCL, `coalesced` launches them as one group."""
     if not coalesced or dist.get_backend(group.group) != "nccl":

@@ -8,6 +8,7 @@ import pytest
 import torch
 from parallel_testkit import config_for, image_prompt, next_token_loss, spawn, text_prompts
 
+from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.shapes import BF16
 from rollplex.memory.sharing import sharing_report
 from rollplex.models.model import Qwen2_5_VL
@@ -22,7 +23,7 @@ def _inside(t: torch.Tensor, storage: torch.Tensor) -> bool:
     return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= stop
 
 
-def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, decode: bool) -> None:
+def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, decode: bool, streamed: bool) -> None:
     config = config_for(world_size)
     torch.manual_seed(0)
     train, exchange, rollout = make_groups(world_size, rollout_tp, rank)
@@ -39,12 +40,16 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
     assert bound.copy_bytes // 4 * BF16 == expected_copy  # fp32 weights here, bf16 in the plan
 
     prompts = [*text_prompts(), image_prompt(config)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    if streamed:  # the chunked optimizer starts each region's exchange as soon as it has written the parameter
+        optimizer = ChunkedAdamW(params, lr=1e-2, chunk_bytes=1 << 16, write=bound.writer(params))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
     next_token_loss(model, prompts).backward()
     optimizer.step()
     fresh = materialise(model, train)
     with torch.no_grad():
-        if exchange.size > 1:  # before publishing, the peers' regions still hold the old weights
+        if exchange.size > 1 and not streamed:  # before publishing, the peers' regions hold the old weights
             assert not torch.allclose(bound.model(prompts), fresh(prompts), atol=1e-3)
         bound.publish()
         torch.testing.assert_close(bound.model(prompts), fresh(prompts), atol=1e-5, rtol=1e-5)
@@ -57,17 +62,17 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
 
 
 @pytest.mark.parametrize(
-    ("world_size", "rollout_tp", "path", "decode"),
+    ("world_size", "rollout_tp", "path", "decode", "streamed"),
     [
-        (2, 1, "in_place", True),  # the issue's configuration: permuted QKV GEMM in decode
-        (2, 1, "copy", True),
-        (2, 2, "in_place", False),  # matched degrees: everything Case 1
-        (4, 2, "in_place", True),  # rollout TP 2: decode all-reduces and gathers the vocabulary
-        (4, 1, "copy", False),
+        (2, 1, "in_place", True, False),  # the issue's configuration: permuted QKV GEMM in decode
+        (2, 1, "copy", True, True),
+        (2, 2, "in_place", False, False),  # matched degrees: everything Case 1
+        (4, 2, "in_place", True, False),  # rollout TP 2: decode all-reduces and gathers the vocabulary
+        (4, 1, "copy", False, True),
     ],
 )
-def test_a_bound_replica_after_publish_equals_the_materialised_model(world_size, rollout_tp, path, decode):
-    spawn(_bound_equals_fresh, world_size, rollout_tp, path, decode)
+def test_a_bound_replica_after_publish_equals_the_materialised_model(world_size, rollout_tp, path, decode, streamed):
+    spawn(_bound_equals_fresh, world_size, rollout_tp, path, decode, streamed)
 
 
 def test_rollout_tp_must_divide_training_tp():
