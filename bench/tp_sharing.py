@@ -11,7 +11,8 @@ weights: logits of the same prompts, and a greedy rollout of both through the ro
 HBM: the bytes behind the replica's weights that are neither the shared storage nor the trainer's own tensors,
 found from the tensors' storages, against the planner's Case-3 figure. Publish time against two ways of getting
 the same weights to rollout without sharing: an out-of-place all-gather into a separate rollout copy, and a
-plain device-to-device copy of the whole rollout shard (the floor of any copy-based update).
+plain device-to-device copy of the whole rollout shard (the floor of any copy-based update); and what publishing
+adds to a ChunkedAdamW update when the exchange is streamed under it (`BoundRollout.writer`) and when not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rollplex.memory.optimizer import ChunkedAdamW, copy_into
 from rollplex.memory.sharing import sharing_report
 from rollplex.memory.vmm import VmmArena
 from rollplex.models.config import load_model_config
@@ -97,6 +99,27 @@ def d2d_copy_s(storage: torch.Tensor) -> float:
     return timed(lambda: copy.copy_(storage))
 
 
+def update_and_publish_s(model: Qwen2_5_VL, bound, config) -> dict:
+    """ChunkedAdamW step then publish, with the exchange streamed under the step and without, and the step
+    alone: what publishing adds to the update."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = ChunkedAdamW(params, lr=1e-5, chunk_bytes=256 << 20, write=bound.writer(params))
+    loss_of(model, prompts_of(config, 2, 256, seed=1)).backward()
+    streamed, plain = optimizer.write, copy_into(params)
+
+    def update(writer, publish: bool) -> None:
+        optimizer.write = writer
+        optimizer.step()
+        if publish:
+            bound.publish()
+
+    return {
+        "update_s": timed(lambda: update(plain, False), reps=3),
+        "update_then_publish_s": timed(lambda: update(plain, True), reps=3),
+        "update_streaming_publish_s": timed(lambda: update(streamed, True), reps=3),
+    }
+
+
 def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     train, exchange, replica_group = groups
     gc.collect()  # the previous path's models and graphs go now, not during this path's measurements
@@ -110,6 +133,7 @@ def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del optimizer
+    chunked = update_and_publish_s(model, bound, config) if path is QKVPath.IN_PLACE and arena is None else {}
     publish_s = timed(bound.publish)
     publish_one_by_one_s = timed(lambda: bound.publish(coalesced=False))
     gather_s, copy_s = separate_copy_s(bound, exchange), d2d_copy_s(bound.storage)
@@ -124,6 +148,7 @@ def one_path(args, config, groups, path: QKVPath, arena=None) -> dict:
     whole = (ours_tokens == fresh_tokens).all(-1).float().mean().item()
     return {
         "publish_s": publish_s,
+        **chunked,
         "publish_one_call_per_tensor_s": publish_one_by_one_s,
         "separate_copy_gather_s": gather_s,
         "d2d_copy_of_rollout_shard_s": copy_s,
@@ -175,6 +200,9 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1))
         print(f"{'path':9} {'publish ms':>10} {'gather-copy ms':>14} {'d2d ms':>7} {'beyond MB':>9} {'plan MB':>8} "
               f"{'logit diff':>10} {'argmax':>6} {'greedy=':>7} {'dec bound/fresh s':>18}")  # fmt: skip
+        c = results["in_place"]
+        print(f"ChunkedAdamW update {c['update_s']:.3f} s; then publish {c['update_then_publish_s']:.3f} s; "
+              f"publish streamed under it {c['update_streaming_publish_s']:.3f} s")  # fmt: skip
         for name, r in results.items():
             plan = report.case3_buffer_bytes_per_gpu if name == "copy" else 0
             name = name.replace("in_place_vmm", "vmm")
