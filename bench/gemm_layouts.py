@@ -1,6 +1,8 @@
 """The layout GEMMs against torch on the materialised layout, for Qwen2.5-VL shapes, on one GPU.
 
     python bench/gemm_layouts.py --out bench/results/gemm_layouts_h200.json [--sweep]
+    # compile in parallel first: for i in $(seq 0 23); do python bench/gemm_layouts.py --sweep --compile-only \
+    #     --shard $i/24 & done; wait
 
 Per model (3B, 7B), rollout TP (1, 2), projection (o_proj and down_proj stored [I, O]: `matmul_transposed`;
 fused qkv stored in Megatron order: `qkv_grouped_from_megatron`) and M rows (decode 1-64, prefill 4096):
@@ -56,8 +58,8 @@ def candidates(num_rows: int):
             Tiles(128, 128, 128, 8, 8, 3), Tiles(64, 256, 64, 8, 4, 4), Tiles(256, 128, 64, 8, 8, 3),
         ]  # fmt: skip
     base = pick_tiles(num_rows, 1 << 20)
-    return [replace(base, block_n=n, block_k=k, num_stages=s) for n in (32, 64, 128) for k in (64, 128, 256)
-            for s in (3, 4, 5) if (base.block_m + n) * k * 2 * s <= 200 * 1024]  # fmt: skip
+    return [replace(base, block_n=n, block_k=k, num_stages=s) for n in (16, 32, 64) for k in (128, 256, 512)
+            for s in (4, 6) if (base.block_m + n) * k * 2 * s <= 200 * 1024]  # fmt: skip
 
 
 def operands(shape: Shape, num_rows: int) -> tuple[Callable, Callable]:
@@ -87,6 +89,16 @@ def time_us(fn: Callable) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100) * 1e3
+
+
+def compile_only(shape: Shape, num_rows: int, sweep: bool) -> None:
+    """Runs every tile config once: fills triton's on-disk cache, so that parallel `--compile-only --shard`
+    processes can compile what one timing process then only times."""
+    kernel, _ = operands(shape, num_rows)
+    kernel()
+    for tiles in candidates(num_rows) if sweep else []:
+        kernel(tiles)
+    torch.cuda.synchronize()
 
 
 def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
@@ -119,17 +131,27 @@ def print_table(results: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--out", type=Path, help="JSON file to write (required unless --compile-only)")
     p.add_argument("--models", nargs="+", default=["3b", "7b"], choices=["3b", "7b", "32b", "72b"])
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2])
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    p.add_argument("--compile-only", action="store_true", help="only compile (warm triton's cache); no --out")
+    p.add_argument("--shard", default="0/1", help="I/N: only every N-th (shape, rows) case from the I-th")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemm_layouts: needs a CUDA GPU (timing under the CPU interpreter means nothing)")
+    if args.out is None and not args.compile_only:
+        sys.exit("gemm_layouts: --out FILE is required (or --compile-only)")
     torch.manual_seed(0)
-    results = [measure(s, m, args.sweep) for model in args.models for tp in args.tp for s in shapes(model, tp)
-               for m in args.rows]  # fmt: skip
+    first, every = (int(v) for v in args.shard.split("/"))
+    cases = [(s, m) for model in args.models for tp in args.tp for s in shapes(model, tp) for m in args.rows]
+    cases = cases[first::every]
+    if args.compile_only:
+        for s, m in cases:
+            compile_only(s, m, args.sweep)
+        return
+    results = [measure(s, m, args.sweep) for s, m in cases]
     print_table(results)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

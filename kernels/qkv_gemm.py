@@ -61,8 +61,12 @@ def qkv_gemm_kernel(
     w_tile = w_ptr + src[None, :].to(tl.int64) * K + ks[:, None]  # [BLOCK_K, BLOCK_N]: W[src]^T, K contiguous
     acc = zero_tile(BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
-        b = tl.load(w_tile, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+        if K % BLOCK_K == 0 and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
+            a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
+            b = tl.load(w_tile)
+        else:
+            a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
+            b = tl.load(w_tile, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K

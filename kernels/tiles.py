@@ -1,9 +1,10 @@
 """Tile configurations of the layout GEMMs, one per regime, and the grouped tile order they share.
 
-Decode (M <= 64 rows) is bound by reading W once: a short M tile, tiles narrow enough in N to occupy the SMs,
-a long K tile and a deep pipeline. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with
-grouped ordering so that neighbouring programs reuse W tiles from L2. Decode tiles follow an H200 sweep
-(`bench/gemm_layouts.py --sweep`); the prefill tile is the usual starting point.
+Decode (M <= 64 rows) is bound by reading W once: a short M tile, tiles narrow enough in N to give at least
+MIN_COLUMN_TILES programs, a long K tile and the deepest pipeline that fits in shared memory. Prefill (large M)
+is bound by math: the usual 128x256x64 Hopper tile with grouped ordering so that neighbouring programs reuse W
+tiles from L2. Decode tiles follow an H200 sweep of Qwen2.5-VL 3B/7B shapes at TP 1 and 2
+(`bench/gemm_layouts.py --sweep`, `bench/results/gemm_sweep_h200.json`); the prefill tile is the usual start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import triton.language as tl
 
 DECODE_MAX_M = 64
 NUM_SMS_H200 = 132
+MIN_COLUMN_TILES = 64  # fewer column tiles leave most of an H200's 132 SMs without a slice of W to read
+SHARED_BYTES = 200 * 1024  # of the 228 KiB an H200 SM has, what a decode tile's pipeline may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,19 +40,16 @@ PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, nu
 
 def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0) -> Tiles:
     """The tile for an [num_rows, num_inner] x [num_inner, num_cols] product: decode for short M, prefill
-    otherwise. Decode tiles of M <= 32 rows take K in 256-deep steps, and narrow N tiles when K is long next
-    to N (down_proj), which the H200 sweep of Qwen2.5-VL-7B shapes found fastest
-    (bench/results/gemm_sweep_7b_tp1.json)."""
+    otherwise. Decode: the widest N tile (64, 32, 16) that still gives MIN_COLUMN_TILES column tiles, K in
+    256-deep steps up to 32 rows and 128-deep for 64, and the deepest pipeline (6, 4, 3 stages) that fits."""
     if num_rows > DECODE_MAX_M:
         return PREFILL
     block_m = max(16, triton.next_power_of_2(num_rows))
-    if block_m <= 32:
-        narrow = num_inner >= 4 * num_cols
-        return Tiles(
-            block_m=block_m, block_n=32 if narrow else 64, block_k=256, num_warps=4, num_stages=5 if narrow else 4
-        )
-    block_n = 64 if triton.cdiv(num_cols, 64) >= NUM_SMS_H200 else 32
-    return Tiles(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=4)
+    block_n = next((n for n in (64, 32) if triton.cdiv(num_cols, n) >= MIN_COLUMN_TILES), 16)
+    block_k = 256 if block_m <= 32 else 128
+    stage_bytes = (block_m + block_n) * block_k * 2  # one bf16 tile of x and one of W
+    stages = next(s for s in (6, 4, 3, 2) if s * stage_bytes <= SHARED_BYTES)
+    return Tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
 
 @triton.jit

@@ -88,3 +88,12 @@ def test_qwen_sized_fused_qkv_matches_torch_in_bf16(num_rows, num_heads, num_kv_
         qkv_grouped_from_megatron(x, w, b, num_heads, num_kv_heads, 128),
         reference(x, w, b, num_heads, num_kv_heads, 128),
     )
+
+
+def test_tiles_that_divide_k_and_the_columns_take_the_unmasked_loads():
+    num_heads, num_kv_heads, head_dim = 4, 2, 8  # 64 output columns; hidden 64: both split into 16 x 32 tiles
+    n = num_stored_rows(num_heads, num_kv_heads, head_dim)
+    w, b = random(n, 64, seed=16, scale=64**-0.5), random(n, seed=17)
+    x = random(19, 64, seed=18)
+    y = qkv_grouped_from_megatron(x, w, b, num_heads, num_kv_heads, head_dim, tiles=Tiles(16, 16, 32))
+    assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, head_dim))

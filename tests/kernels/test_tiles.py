@@ -10,7 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from rollplex.kernels.tiles import DECODE_MAX_M, PREFILL, pick_tiles
+import triton
+
+from rollplex.kernels.tiles import DECODE_MAX_M, MIN_COLUMN_TILES, PREFILL, SHARED_BYTES, pick_tiles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,13 +23,18 @@ def test_decode_rows_get_the_shortest_m_tile_that_holds_them(num_rows):
     assert tiles.block_m >= num_rows and (tiles.block_m == 16 or tiles.block_m < 2 * num_rows)
 
 
-def test_short_decode_tiles_go_deep_in_k_and_narrow_in_n_when_k_is_long():
-    assert pick_tiles(1, 3584, 3584).block_k == 256 and pick_tiles(1, 3584, 3584).block_n == 64
-    assert pick_tiles(8, 3584, 18944).block_n == 32  # down_proj: long K, few columns
+def test_decode_tiles_narrow_until_there_are_enough_column_tiles_to_spread_w_over_the_sms():
+    assert [pick_tiles(8, n).block_n for n in (4608, 3584, 2048, 1280)] == [64, 32, 32, 16]
+    assert all(triton.cdiv(n, pick_tiles(1, n).block_n) >= MIN_COLUMN_TILES for n in (1280, 2048, 3584, 4608))
 
 
-def test_wider_decode_tiles_narrow_until_the_column_tiles_can_fill_an_h200():
-    assert pick_tiles(64, 2048).block_n == 32 and pick_tiles(64, 32768).block_n == 64
+@pytest.mark.parametrize("num_rows", [1, 8, 32, 64])
+@pytest.mark.parametrize("num_cols", [1280, 2048, 4608])
+def test_decode_tiles_take_the_deepest_pipeline_that_fits_in_shared_memory(num_rows, num_cols):
+    t = pick_tiles(num_rows, num_cols)
+    stage = (t.block_m + t.block_n) * t.block_k * 2
+    deeper = {6: None, 4: 6, 3: 4, 2: 3}[t.num_stages]
+    assert t.num_stages * stage <= SHARED_BYTES and (deeper is None or deeper * stage > SHARED_BYTES)
 
 
 def test_prefill_rows_get_the_prefill_tile():

@@ -71,3 +71,9 @@ def test_qwen_sized_row_parallel_weights_match_torch_in_bf16(num_rows, out_featu
     x = random(num_rows, in_features, seed=2)
     assert DEVICE.type == "cuda"
     assert_matches(matmul_transposed(x, w.T.contiguous()), reference(x, w))
+
+
+def test_tiles_that_divide_k_and_n_take_the_unmasked_loads():
+    w = random(64, 96, seed=6, scale=96**-0.5)  # O = 64 and I = 96 split into 32-wide tiles
+    x = random(21, 96, seed=7)
+    assert_matches(matmul_transposed(x, w.T.contiguous(), SMALL), reference(x, w))
