@@ -52,19 +52,24 @@ def new_groups(world_size: int, rank: int, size: int) -> TPGroup:
 
 def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
     """out = concat over ranks of each rank's `part` along dim 0 (part may be a view of out's own region)."""
+    if group.size == 1:  # never hand torch a None group here: it would gather over the whole world
+        if out.data_ptr() != part.data_ptr():
+            out.copy_(part)
+        return
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
     gather(out, part, group=group.group)
 
 
 def all_gather_async(out: Tensor, part: Tensor, group: TPGroup) -> dist.Work:
     """`all_gather_into` started on the current stream's queue; wait on the returned work before reading out."""
+    assert group.size > 1, "a group of one rank has nothing to gather"
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, part, group=group.group, async_op=True)
 
 
 def all_gather_many(pairs: list[tuple[Tensor, Tensor]], group: TPGroup, *, coalesced: bool = True) -> None:
     """`all_gather_into` for every (out, part); on NCCL, `coalesced` launches them as one group."""
-    if not coalesced or dist.get_backend(group.group) != "nccl":
+    if not coalesced or group.size == 1 or dist.get_backend(group.group) != "nccl":
         for out, part in pairs:
             all_gather_into(out, part, group)
         return

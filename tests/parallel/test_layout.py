@@ -105,3 +105,14 @@ def test_a_replica_over_q_training_shards_computes_the_full_layers(train_tp, rol
             expected_mlp += ParallelMLP(gate_up, down, q, SINGLE, trainable=False)(x)
         torch.testing.assert_close(expected_attn, attn(x, cos, sin, CausalAttention(), 0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(expected_mlp, mlp(x), atol=1e-5, rtol=1e-5)
+
+
+def test_gathering_over_a_group_of_one_copies_the_part_and_touches_no_process_group():
+    from rollplex.parallel.group import all_gather_into, all_gather_many
+
+    out, part = torch.zeros(3), torch.arange(3.0)
+    all_gather_into(out, part, SINGLE)  # no process group exists in this test process
+    assert torch.equal(out, part)
+    whole = torch.arange(4.0)
+    all_gather_many([(whole, whole[:4])], SINGLE)
+    assert torch.equal(whole, torch.arange(4.0))
