@@ -32,6 +32,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout
 from rollplex.parallel.model import parallelize, sharded_parameters
+from rollplex.parallel.replicas import split_rollout
 
 RolloutFn = Callable[..., Rollout]  # (prompts, *, num_samples, params, generator) -> Rollout
 
@@ -129,6 +130,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     sharing = spec.sharing
     prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
     rollout, rollout_stats = make_rollout(rollout_model)
+    if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
+        rollout = split_rollout(rollout, tp.exchange)
     return Engines(
         actor=actor,
         rollout=rollout,

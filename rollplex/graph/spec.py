@@ -38,6 +38,11 @@ class ParallelSpec(_Strict):
         description="How rollout reads the fused QKV when a rollout rank holds several training shards' query "
         "groups (Case 3): in_place (zero-copy, Megatron order read directly) or copy (the paper's grouped copy).",
     )
+    split_rollout: bool = Field(
+        True,
+        description="With train_tp / rollout_tp > 1 rollout replicas, each samples its share of the prompts "
+        "(false: every replica samples all of them, as one replica would).",
+    )
     distributed_optimizer: bool = Field(
         False, description="Shard FP32 master weights and Adam moments over training data-parallel ranks."
     )

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 SPEC = """
 model: tiny
 cluster: {{gpus_per_node: {tp}, hbm_gib: 16, host_gib: 8}}
-parallel: {{train_tp: {tp}, rollout_tp: 1, qkv_sharing: {qkv}}}
+parallel: {{train_tp: {tp}, rollout_tp: 1, qkv_sharing: {qkv}, split_rollout: {split}}}
 workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
             dataset: "synthetic:clevrer@tiny"}}
 algorithm: {{kl_coef: 0.1, lr: 1.0e-2, max_grad_norm: 0.5, rewards: [{{name: "run_rewards:char_share"}}]}}
@@ -36,10 +36,11 @@ def _env() -> dict:
 
 
 def _rollplex(
-    tmp: Path, tp: int, qkv: str, name: str, *args: str, launch: bool = True, device: str = "cpu"
+    tmp: Path, tp: int, qkv: str, name: str, *args: str, launch: bool = True, device: str = "cpu", split: bool = False
 ) -> subprocess.CompletedProcess:
+    """Without `split`, both rollout replicas sample every prompt, as the one-process run does."""
     spec = tmp / f"{name}.yaml"
-    spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device))
+    spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device, split=str(split).lower()))
     cli = ["-m", "rollplex", "run", str(spec), "--out", str(tmp / name), "--quiet", *args]
     if tp > 1 and launch:
         with socket.socket() as s:
@@ -91,12 +92,12 @@ def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, qkv, device):
     ]  # fmt: skip
 
 
-def test_a_resumed_tp2_run_continues_where_it_stopped(tmp_path):
-    whole = _rollplex(tmp_path, 2, "in_place", "whole", "--steps", "2")
+def test_a_resumed_tp2_run_with_replicas_sharing_the_prompts_continues_where_it_stopped(tmp_path):
+    whole = _rollplex(tmp_path, 2, "in_place", "whole", "--steps", "2", split=True)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    first = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "1")
+    first = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "1", split=True)
     assert first.returncode == 0, first.stderr[-3000:]
-    rest = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "2", "--resume")
+    rest = _rollplex(tmp_path, 2, "in_place", "parts", "--steps", "2", "--resume", split=True)
     assert rest.returncode == 0, rest.stderr[-3000:]
     wa, wb = _weights(tmp_path, "whole", 2), _weights(tmp_path, "parts", 2)
     for name in wa:

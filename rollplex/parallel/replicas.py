@@ -1,0 +1,62 @@
+"""Rollout replicas that share the prompts: with q = train_tp / rollout_tp replicas on the GPUs, each samples
+its contiguous share of a step's prompts and every rank receives the whole rollout (the trainer needs all of it).
+
+Sampling stays reproducible: all ranks draw one seed from the shared generator (so its state stays equal on
+every rank, and a checkpoint's state resumes every rank), and replica j samples from a generator seeded with
+seed + j. The samples therefore differ from a single replica's; greedy rollouts are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rollplex.models.generate import Rollout
+from rollplex.models.inputs import Prompt
+from rollplex.parallel.group import TPGroup
+
+
+def shares(num_prompts: int, num_replicas: int) -> list[range]:
+    """Contiguous, near-equal shares in replica order (the first ones one prompt longer when uneven)."""
+    base, extra = divmod(num_prompts, num_replicas)
+    bounds = [0]
+    for j in range(num_replicas):
+        bounds.append(bounds[-1] + base + (j < extra))
+    return [range(bounds[j], bounds[j + 1]) for j in range(num_replicas)]
+
+
+def gather_rollouts(part: Rollout, replicas: TPGroup) -> Rollout:
+    """The replicas' rollouts concatenated over prompts in replica order, responses padded to the longest."""
+    mine = (part.responses.cpu(), part.response_lens.cpu(), part.logprobs.cpu())
+    parts: list = [None] * replicas.size
+    dist.all_gather_object(parts, mine, group=replicas.group)
+    width = max(r.shape[2] for r, _, _ in parts)
+    pad = lambda t: F.pad(t, (0, width - t.shape[2]))  # noqa: E731
+    device = part.responses.device
+    return Rollout(
+        responses=torch.cat([pad(r) for r, _, _ in parts]).to(device),
+        response_lens=torch.cat([n for _, n, _ in parts]).to(device),
+        logprobs=torch.cat([pad(lp) for _, _, lp in parts]).to(device),
+    )
+
+
+def split_rollout(rollout: Callable[..., Rollout], replicas: TPGroup) -> Callable[..., Rollout]:
+    """`rollout` run by each replica on its share of the prompts (one rank of every replica is in `replicas`:
+    the exchange group). Falls back to every replica sampling everything when there are fewer prompts than
+    replicas."""
+
+    def run(prompts: Sequence[Prompt], *, num_samples: int, params, generator: torch.Generator, **kw) -> Rollout:
+        if len(prompts) < replicas.size:
+            return rollout(prompts, num_samples=num_samples, params=params, generator=generator, **kw)
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        own = torch.Generator(generator.device).manual_seed(seed + replicas.rank)
+        share = shares(len(prompts), replicas.size)[replicas.rank]
+        part = rollout(
+            [prompts[i] for i in share], num_samples=num_samples, params=params, generator=own, **kw
+        )  # fmt: skip
+        return gather_rollouts(part, replicas)
+
+    return run
