@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -69,7 +68,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     records = train(loaded, opts)
-    if records and os.environ.get("RANK", "0") == "0":  # one summary line, from rank 0 under torchrun
+    from rollplex.executors.distributed import is_main_process
+
+    if records and is_main_process():  # one summary line, from rank 0 under torchrun
         last = records[-1]
         summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
         print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")
@@ -83,7 +84,8 @@ def _bench(args: argparse.Namespace) -> int:
     from rollplex.graph.load import load_spec
 
     loaded = load_spec(args.spec)
-    from rollplex.executors.bench import compare, run_schedule
+    from rollplex.executors.bench import compare, run_schedule, tolerance
+    from rollplex.executors.distributed import check_launch, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.report.timeline import plot_timeline
 
@@ -91,6 +93,10 @@ def _bench(args: argparse.Namespace) -> int:
         resolve_device(loaded.spec.run.device)
     except ValueError as e:
         raise loaded.locate(SpecError("run.device", str(e))) from None
+    try:
+        check_launch(loaded.spec.parallel.train_tp)
+    except ValueError as e:
+        raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
@@ -100,6 +106,11 @@ def _bench(args: argparse.Namespace) -> int:
         runs[schedule.value] = run_schedule(loaded, schedule, args.steps, args.warmup)
     command = "rollplex " + " ".join(args.argv)
     result = compare(loaded, runs["serial"], runs["rollplex"], command)
+    # under tensor parallelism each rank compared its own shards: the worst rank decides
+    result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])
+    result["updates_match"] = result["max_param_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+    if not is_main_process():
+        return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = out.with_suffix(".png")

@@ -83,7 +83,7 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "speedup": round(step_serial / step_rollplex, 4),
         "ideal_speedup": round((t_d + t_p + t_post) / (max(t_d, t_p) + t_post), 4),
         "decode_slowdown": round(decode, 4) if decode is not None else None,
-        "updates_match": diff <= _tolerance(spec.run.dtype),
+        "updates_match": diff <= tolerance(spec.run.dtype),
         "max_param_relative_difference": diff,
         "T_D_s": round(t_d, 4),
         "T_P_s": round(t_p, 4),
@@ -107,7 +107,7 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return worst
 
 
-def _tolerance(dtype: str) -> float:
+def tolerance(dtype: str) -> float:
     return 1e-2 if dtype == "bfloat16" else 1e-5  # a few units of the last place, relative to the tensor
 
 

@@ -38,6 +38,21 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch, or the only process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's value (collective); the value itself in a one-process run."""
+    if not dist.is_initialized():
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (torchrun sets WORLD_SIZE)."""
     world = launched_processes()

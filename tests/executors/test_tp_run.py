@@ -41,8 +41,12 @@ def _rollplex(
     """Without `split`, both rollout replicas sample every prompt, as the one-process run does."""
     spec = tmp / f"{name}.yaml"
     spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device, split=str(split).lower()))
-    cli = ["-m", "rollplex", "run", str(spec), "--out", str(tmp / name), "--quiet", *args]
-    if tp > 1 and launch:
+    return _launch(tp if launch else 1, "run", str(spec), "--out", str(tmp / name), "--quiet", *args)
+
+
+def _launch(tp: int, *rollplex_args: str) -> subprocess.CompletedProcess:
+    cli = ["-m", "rollplex", *rollplex_args]
+    if tp > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -109,3 +113,14 @@ def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr
     assert "parallel.train_tp" in out.stderr and "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
+
+
+def test_rollplex_bench_under_torchrun_compares_the_schedules_on_every_rank(tmp_path):
+    spec = tmp_path / "bench.yaml"
+    spec.write_text(SPEC.format(tp=2, qkv="in_place", device="cpu", split="true"))
+    out = tmp_path / "bench.json"
+    done = _launch(2, "bench", str(spec), "--steps", "1", "--warmup", "0", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["updates_match"] and result["max_param_relative_difference"] == 0.0  # CPU: bitwise
+    assert out.with_suffix(".png").is_file() and done.stdout.count("step: serial") == 1  # rank 0 alone reports
