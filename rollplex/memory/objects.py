@@ -65,7 +65,9 @@ class Context:
 
 def make_context(g: nx.DiGraph, spec: Spec, model: ModelConfig) -> Context:
     p = spec.parallel
-    return Context(g, spec, model, per_gpu(spec, model), sharing_report(model.text, p.train_tp, p.rollout_tp))
+    in_place = p.qkv_sharing == "in_place"
+    sharing = sharing_report(model.text, p.train_tp, p.rollout_tp, in_place=in_place)
+    return Context(g, spec, model, per_gpu(spec, model), sharing)
 
 
 def role_steps(c: Context, role: Role, *, kinds: tuple[NodeKind, ...] = (), part: Part | None = None) -> set[int]:
@@ -252,7 +254,10 @@ def _rollout(c: Context) -> Iterator[MemObject]:
     update = role_steps(c, Role.ACTOR, kinds=(NodeKind.UPDATE,))
     if _shares(c):
         buf = c.sharing.case3_buffer_bytes_per_gpu
-        yield MemObject("rollout", "Case-3 buffer", TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED)
+        if buf:  # the paper's copy path; read in place, the Case-3 tensors are part of the shared storage
+            yield MemObject(
+                "rollout", "Case-3 buffer", TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED
+            )
         return
     llm = S.llm_params_per_rank(t, g.rollout_tp) * S.BF16
     vision = S.vision_params(c.model.vision) * S.BF16

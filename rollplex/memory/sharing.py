@@ -128,6 +128,7 @@ class SharingReport:
     shared_bytes_per_gpu: int  # rollout-sized region (Case 1/2) + training shards of Case-3 tensors
     case3_buffer_bytes_per_gpu: int  # rollout-layout copies of Case-3 tensors
     train_shard_bytes_per_gpu: int  # the actor's BF16 LLM shard at training TP
+    in_place: bool = False  # Case-3 tensors read where training writes them (no buffer)
 
     @property
     def total_params(self) -> int:
@@ -137,7 +138,10 @@ class SharingReport:
         return 100.0 * self.case_params[case] / self.total_params
 
 
-def sharing_report(t: TextConfig, train_tp: int, rollout_tp: int) -> SharingReport:
+def sharing_report(t: TextConfig, train_tp: int, rollout_tp: int, *, in_place: bool = False) -> SharingReport:
+    """The classification and its bytes per GPU. `in_place` (`parallel.qkv_sharing: in_place`): rollout reads the
+    Case-3 tensors where training writes them, so they join the shared storage and no copy exists; otherwise
+    (the paper's path) their training shards stay apart and rollout holds a grouped copy."""
     entries = tuple(classify(f, t, train_tp, rollout_tp) for f in llm_families(t))
     params = {c: sum(e.family.params for e in entries if e.case == c) for c in (1, 2, 3)}
     shared = case3 = train = 0
@@ -145,8 +149,8 @@ def sharing_report(t: TextConfig, train_tp: int, rollout_tp: int) -> SharingRepo
         at_train = family_params_per_rank(e.family, t, train_tp) * BF16
         at_rollout = family_params_per_rank(e.family, t, rollout_tp) * BF16
         train += at_train
-        if e.case is Case.COPIED:
+        if e.case is Case.COPIED and not in_place:
             shared, case3 = shared + at_train, case3 + at_rollout
         else:
             shared += at_rollout
-    return SharingReport(train_tp, rollout_tp, entries, params, shared, case3, train)
+    return SharingReport(train_tp, rollout_tp, entries, params, shared, case3, train, in_place)

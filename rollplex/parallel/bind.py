@@ -9,7 +9,8 @@ planner's classification (`rollplex.memory.sharing.classify`): Case 1 tensors as
 through a view of the GEMM output), Case 2 (o_proj, down_proj) as stored transposed slabs, Case 3 (the fused
 QKV when a rollout rank holds several query groups) either in place (Megatron order, split by a view, or the
 permuted GEMM of `rollplex.kernels.qkv_gemm` in decode) or, on the paper's path, from a grouped copy rebuilt
-by `publish()`. Norms and the vision encoder are replicated: rollout reads the training modules themselves.
+by `publish()` (the QKV training shards then stay outside the storage, as in the paper). Norms and the vision
+encoder are replicated: rollout reads the training modules themselves.
 
 Lifecycle of one binding: `bind_rollout` (training shards move into their regions; build the optimizer after)
 -> [training step -> `publish()` -> rollout] ...
@@ -31,7 +32,7 @@ from rollplex.memory.sharing import Case, classify
 from rollplex.models.config import TextConfig
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.parallel import layout
-from rollplex.parallel.group import SINGLE, TPGroup, all_gather_async, all_gather_many
+from rollplex.parallel.group import SINGLE, TPGroup, all_gather_async, all_gather_into, all_gather_many
 from rollplex.parallel.layers import (
     ParallelMLP,
     ParallelSelfAttention,
@@ -58,9 +59,10 @@ class Region:
 
 @dataclass(frozen=True)
 class GroupedCopy:
-    """A Case-3 copy: dst = src[index] after every publish."""
+    """A Case-3 copy (the paper's path): the training shard stays a plain tensor; after every update the q
+    shards are gathered into a transient buffer and dst = gathered[index] (the grouped rollout layout)."""
 
-    src: Tensor
+    part: Tensor  # this rank's training shard, in Megatron order
     index: Tensor
     dst: Tensor
 
@@ -101,7 +103,9 @@ class BoundRollout:
             if rest:
                 all_gather_many(rest, self.exchange, coalesced=coalesced)
         for c in self.copies:
-            torch.index_select(c.src, 0, c.index, out=c.dst)
+            gathered = torch.empty_like(c.dst)  # q Megatron shards back to back; freed after the copy
+            all_gather_into(gathered, c.part, self.exchange)
+            torch.index_select(gathered, 0, c.index, out=c.dst)
 
     def writer(self, params: list[Tensor]) -> Writer:
         """A `ChunkedAdamW` writer over `params` (the trainer's, in the optimizer's order) that streams the
@@ -158,14 +162,16 @@ def make_groups(train_tp: int, rollout_tp: int, rank: int) -> tuple[TPGroup, TPG
     return train, exchange, rollout
 
 
-def _trained(model: Qwen2_5_VL) -> list[tuple[nn.Module, str]]:
-    """The sharded parameters of a parallelized model, as (module, attribute), in a fixed order."""
+def _trained(model: Qwen2_5_VL, with_qkv: bool) -> list[tuple[nn.Module, str]]:
+    """The sharded parameters of a parallelized model that live in the shared storage, as (module, attribute),
+    in a fixed order; the fused QKV only when rollout reads it in place."""
     lm = model.model.language_model
     out = [(lm.embed_tokens, "weight")]
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(attn, ParallelSelfAttention), "bind a model parallelized with rollplex.parallel.parallelize"
-        out += [(attn, "qkv_weight"), (attn, "qkv_bias"), (attn, "o_slab"), (mlp, "gate_up"), (mlp, "down_slab")]
+        out += [(attn, "qkv_weight"), (attn, "qkv_bias")] if with_qkv else []
+        out += [(attn, "o_slab"), (mlp, "gate_up"), (mlp, "down_slab")]
     if not model.config.text.tie_word_embeddings:
         out.append((model.lm_head, "weight"))
     return out
@@ -217,7 +223,8 @@ def bind_rollout(
     train_tp = model.model.language_model.layers[0].self_attn.group.size
     assert train_tp == q * r, f"training TP {train_tp} != exchange {q} x rollout {r}"
     allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, device=device))
-    owners = _trained(model)
+    copy_qkv = path is QKVPath.COPY and _qkv_case(model, train_tp, r) is Case.COPIED
+    owners = _trained(model, with_qkv=not copy_qkv)
     storage, wholes = _carve([getattr(m, a) for m, a in owners], q, allocate)
     regions = []
     for (module, attr), whole in zip(owners, wholes, strict=True):
@@ -233,15 +240,16 @@ def bind_rollout(
     rlm, lm = replica.model.language_model, model.model.language_model
     replica.model.visual, rlm.norm = model.model.visual, lm.norm
     copies = []
-    copy_qkv = path is QKVPath.COPY and _qkv_case(model, train_tp, r) is Case.COPIED
     index = grouped_index(text, train_tp, r, rollout.rank).to(device) if copy_qkv else None
     for mine, theirs in zip(rlm.layers, lm.layers, strict=True):
         mine.input_layernorm, mine.post_attention_layernorm = theirs.input_layernorm, theirs.post_attention_layernorm
         attn, mlp = theirs.self_attn, theirs.mlp
-        qkv_w, qkv_b = whole[id(attn), "qkv_weight"], whole[id(attn), "qkv_bias"]
         if copy_qkv:
-            copies += [GroupedCopy(src, index, torch.empty_like(src)) for src in (qkv_w, qkv_b)]
+            shards = (attn.qkv_weight.detach(), attn.qkv_bias.detach())
+            copies += [GroupedCopy(s, index, s.new_empty(q * s.shape[0], *s.shape[1:])) for s in shards]
             qkv_w, qkv_b = copies[-2].dst, copies[-1].dst
+        else:
+            qkv_w, qkv_b = whole[id(attn), "qkv_weight"], whole[id(attn), "qkv_bias"]
         mine.self_attn = ParallelSelfAttention(
             qkv_w, qkv_b, whole[id(attn), "o_slab"], text.num_attention_heads // r, text.num_key_value_heads // r,
             text.head_dim, QKVOrder.GROUPED if copy_qkv else QKVOrder.INTERLEAVED, rollout, trainable=False,

@@ -111,7 +111,12 @@ def sharing_table(plan: Plan) -> str:
     return (
         f"Actor weight sharing, train TP {sh.train_tp} -> rollout TP {sh.rollout_tp} (LLM parameters)\n"
         + table(["tensor", "count", "params (B)", "case", "why"], rows, right={1, 2})
-        + f"\n{summary}; Case-3 buffer {gib(sh.case3_buffer_bytes_per_gpu)} GiB per GPU"
+        + f"\n{summary}; "
+        + (
+            "Case 3 read in place, no copy"
+            if sh.in_place
+            else f"Case-3 buffer {gib(sh.case3_buffer_bytes_per_gpu)} GiB per GPU"
+        )
     )
 
 

@@ -83,10 +83,11 @@ def test_the_optimizer_streams_all_fp32_state_through_what_the_update_leaves_fre
     assert resident_rest + opt.state_bytes > r.capacity_bytes  # unchunked, the update could not fit
 
 
-def tiny(extra: str = "", schedule: str = "rollplex"):
+def tiny(extra: str = "", schedule: str = "rollplex", qkv_sharing: str = "in_place"):
     text = f"""
 model: qwen2_5_vl_7b
 cluster: {{hbm_gib: 139, host_gib: 1000}}
+parallel: {{qkv_sharing: {qkv_sharing}}}
 workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}}
 memory: {{recompute: full, prefix_activations: recompute{extra}}}
 schedule: {schedule}
@@ -117,8 +118,10 @@ def test_serial_frees_rollout_kv_before_the_prefixes_run():
 
 
 def test_without_weight_sharing_rollout_holds_its_own_copy_and_no_case3_buffer():
-    shared, separate = tiny(), tiny(", weight_sharing: false")
+    shared, separate = tiny(qkv_sharing="copy"), tiny(", weight_sharing: false")
     assert objects(shared, "rollout", "Case-3 buffer") and not objects(shared, "rollout", "weights (BF16)")
+    in_place = tiny()
+    assert not objects(in_place, "rollout", "Case-3 buffer") and not objects(in_place, "rollout", "weights (BF16)")
     assert objects(separate, "rollout", "weights (BF16)") and not objects(separate, "rollout", "Case-3 buffer")
     assert separate.residency.phases[0].peak_bytes > shared.residency.phases[0].peak_bytes
 

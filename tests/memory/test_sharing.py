@@ -89,6 +89,14 @@ def test_qwen2_5_vl_32b_tp8_to_tp4_reproduces_the_paper():
 
 
 @pytest.mark.parametrize(("t", "r"), PAIRS)
+def test_read_in_place_the_shared_storage_is_the_whole_rollout_shard_and_nothing_is_copied(t, r):
+    report = sharing_report(TEXT, t, r, in_place=True)
+    at = lambda f, tp: family_params_per_rank(f, TEXT, tp) * 2  # noqa: E731
+    assert report.shared_bytes_per_gpu == sum(at(e.family, r) for e in report.entries)
+    assert report.case3_buffer_bytes_per_gpu == 0
+
+
+@pytest.mark.parametrize(("t", "r"), PAIRS)
 def test_shared_storage_is_the_rollout_shard_plus_case3_training_shards(t, r):
     report = sharing_report(TEXT, t, r)
     at = lambda f, tp: family_params_per_rank(f, TEXT, tp) * 2  # noqa: E731

@@ -9,8 +9,8 @@ import torch
 from parallel_testkit import config_for, image_prompt, next_token_loss, spawn, text_prompts
 
 from rollplex.memory.optimizer import ChunkedAdamW
-from rollplex.memory.shapes import BF16
-from rollplex.memory.sharing import sharing_report
+from rollplex.memory.shapes import BF16, Sharding, family_params_per_rank
+from rollplex.memory.sharing import Case, sharing_report
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout, make_groups
@@ -31,13 +31,19 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
     bound = bind_rollout(model, exchange, rollout, QKVPath(path))
     trained = [p for p in model.parameters() if p.requires_grad]
     sharded = {id(p) for p in trained if _inside(p, bound.storage)}
-    assert len(sharded) == 5 * config.text.num_hidden_layers + 1 + (not config.text.tie_word_embeddings)
+    per_layer = 5 if path == "in_place" or exchange.size == 1 else 3  # on the copy path QKV stays apart
+    assert len(sharded) == per_layer * config.text.num_hidden_layers + 1 + (not config.text.tie_word_embeddings)
     own = [p for p in bound.model.parameters() if not _inside(p, bound.storage)]
     allowed = {p.data_ptr() for p in trained} | {c.dst.data_ptr() for c in bound.copies}  # norms, vision; copies
     assert {p.data_ptr() for p in own} <= allowed
-    report = sharing_report(config.text, world_size, rollout_tp)
-    expected_copy = report.case3_buffer_bytes_per_gpu if path == "copy" else 0
-    assert bound.copy_bytes // 4 * BF16 == expected_copy  # fp32 weights here, bf16 in the plan
+    report = sharing_report(config.text, world_size, rollout_tp, in_place=path == "in_place")
+    assert bound.copy_bytes // 4 * BF16 == report.case3_buffer_bytes_per_gpu  # fp32 weights here, bf16 in the plan
+    apart = [e for e in report.entries if e.family.sharding is Sharding.REPLICATED or e.case is Case.COPIED]
+    kept = sum(family_params_per_rank(e.family, config.text, world_size) * BF16 for e in apart if e.case is Case.COPIED)
+    norms = sum(e.family.params * BF16 for e in apart if e.family.sharding is Sharding.REPLICATED)
+    # the storage holds everything the planner counts as shared but the norms (rollout reads the trainer's) and,
+    # on the copy path, the Case-3 training shards (kept apart, as in the paper)
+    assert bound.shared_bytes // 4 * BF16 == report.shared_bytes_per_gpu - norms - (kept if path == "copy" else 0)
 
     prompts = [*text_prompts(), image_prompt(config)]
     params = list(model.parameters())
