@@ -75,11 +75,15 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
-    """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU)."""
+    """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
+    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV)."""
     if actor.device.type == "cuda":
+        from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
 
-        engine = RolloutEngine(actor)
+        device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(device).total_memory
+        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device))  # addresses only: the KV maps per rollout
         return engine.generate, lambda: engine.stats
     return partial(generate, actor), lambda: None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollplex.memory.vmm import RegionState
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout, collect_rollout
 from rollplex.models.inputs import Prompt
@@ -26,7 +27,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams, sample
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
-from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling
+from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
 
 PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
 POSITION_QUANTUM = 1024
@@ -42,12 +43,20 @@ class RolloutStats:
 
 
 class RolloutEngine:
-    """Rollout for one model; keeps its decode buffers and graphs while later rollouts fit their shape."""
+    """Rollout for one model; keeps its decode buffers and graphs while later rollouts fit their shape.
 
-    def __init__(self, model: Qwen2_5_VL) -> None:
+    With a `kv_arena` (`rollplex.memory.vmm.VmmArena`), the KV caches live in one region of it whose pages are
+    released when a rollout ends and mapped again when the next begins, at the same addresses, so the captured
+    graphs stay valid while the training phases use the memory (the plan's phase-local rollout KV):
+
+        (first rollout) allocate -> MAPPED -- rollout ends --> RELEASED -- next rollout --> MAPPED ...
+    """
+
+    def __init__(self, model: Qwen2_5_VL, kv_arena=None) -> None:
         self.model = model
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
+        self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
 
     @torch.no_grad()
     def generate(
@@ -91,6 +100,8 @@ class RolloutEngine:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
         start = time.perf_counter()
         graphs = self._graphs_for(boundary, num_samples, params)
+        if self.kv_region is not None and self.kv_arena.state(self.kv_region) is RegionState.RELEASED:
+            self.kv_arena.map(self.kv_region)  # fresh pages at the same addresses: contents are rewritten below
         step = graphs.step
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
         step.load(boundary, params, seed, max_lens)
@@ -111,6 +122,8 @@ class RolloutEngine:
                 rows = run.place(live, graphs.sizes)
         rollout = run.collect()
         _sync(self.model.device)
+        if self.kv_region is not None:
+            self.kv_arena.release(self.kv_region)  # the training phases get the KV's pages
         return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes))
 
     def _graphs_for(self, boundary: Boundary, num_samples: int, params: SamplingParams) -> StepGraphs:
@@ -127,8 +140,21 @@ class RolloutEngine:
             max_position=_round_up(int(boundary.next_positions.max()) + params.max_tokens + 1, POSITION_QUANTUM),
             fused_sampling=can_fuse_sampling(params),
         )
-        self.graphs = StepGraphs(DecodeStep(self.model, shape), bucket_sizes(shape.num_slots - 1))
+        self.graphs = StepGraphs(
+            DecodeStep(self.model, shape, self._kv_storage(shape)), bucket_sizes(shape.num_slots - 1)
+        )
         return self.graphs
+
+    def _kv_storage(self, shape: DecodeShape) -> Tensor | None:
+        """A fresh arena region for this shape's caches (the previous shape's region is freed), or None."""
+        if self.kv_arena is None:
+            return None
+        if self.kv_region is not None:
+            self.kv_arena.free(self.kv_region)
+        num_bytes = kv_bytes(self.model, shape)
+        self._regions += 1
+        self.kv_region = self.kv_arena.allocate(num_bytes, f"rollout KV {self._regions}")
+        return self.kv_arena.tensor(self.kv_region, torch.uint8, (num_bytes,))
 
 
 class _Run:

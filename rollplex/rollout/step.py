@@ -12,6 +12,7 @@ sampling (`engine.py`), capture (`graphs.py`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,19 @@ class DecodeShape:
         )
 
 
+def _kv_shapes(model: Qwen2_5_VL, shape: DecodeShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer: the response cache [slots, groups, R, D] and the prompt KV [P, groups, S, D]."""
+    groups, d = layer_weights(model.model.language_model.layers[0]).num_groups, model.config.text.head_dim
+    return (shape.num_slots, groups, shape.max_tokens, d), (shape.num_prompts, groups, shape.max_prompt_len, d)
+
+
+def kv_bytes(model: Qwen2_5_VL, shape: DecodeShape) -> int:
+    """Bytes of every layer's K and V caches, response and prompt, for one decode shape."""
+    cache, prompt = _kv_shapes(model, shape)
+    itemsize = model.lm_head.weight.dtype.itemsize
+    return 2 * model.config.text.num_hidden_layers * (math.prod(cache) + math.prod(prompt)) * itemsize
+
+
 def can_fuse_sampling(params: SamplingParams) -> bool:
     """The fused sampler does temperature (and greedy) but not top-p, and at most MAX_STOP_IDS stop tokens."""
     return params.top_p == 1.0 and len(params.stop_token_ids) <= MAX_STOP_IDS
@@ -61,19 +75,25 @@ def can_fuse_sampling(params: SamplingParams) -> bool:
 class DecodeStep:
     """Static decode state of one `DecodeShape` for one model: caches, prompt KV, rotary tables, row maps."""
 
-    def __init__(self, model: Qwen2_5_VL, shape: DecodeShape) -> None:
+    def __init__(self, model: Qwen2_5_VL, shape: DecodeShape, kv: Tensor | None = None) -> None:
+        """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
+        engine releases between rollouts); by default they are allocated here."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
         self.model, self.shape = model, shape
         self.weights = [layer_weights(layer) for layer in model.model.language_model.layers]  # read in place
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
-        heads, groups, d = self.weights[0].num_heads, self.weights[0].num_groups, text.head_dim
-        layers = range(text.num_hidden_layers)
-        cache = (shape.num_slots, groups, shape.max_tokens, d)
-        self.k_cache = [torch.zeros(cache, dtype=dtype, device=device) for _ in layers]
-        self.v_cache = [torch.zeros(cache, dtype=dtype, device=device) for _ in layers]
-        prompt = (shape.num_prompts, groups, shape.max_prompt_len, d)
-        self.prompt_k = [torch.zeros(prompt, dtype=dtype, device=device) for _ in layers]
-        self.prompt_v = [torch.zeros(prompt, dtype=dtype, device=device) for _ in layers]
+        heads, d = self.weights[0].num_heads, text.head_dim
+        cache, prompt = _kv_shapes(model, shape)
+        kv = kv if kv is not None else torch.zeros(kv_bytes(model, shape), dtype=torch.uint8, device=device)
+        assert kv.dtype == torch.uint8 and kv.numel() >= kv_bytes(model, shape), "kv storage too small"
+        tensors, offset = [], 0
+        for size in [cache] * 2 * text.num_hidden_layers + [prompt] * 2 * text.num_hidden_layers:
+            num_bytes = math.prod(size) * dtype.itemsize
+            tensors.append(kv[offset : offset + num_bytes].view(dtype).view(size))
+            offset += num_bytes
+        num_layers = text.num_hidden_layers
+        self.k_cache, self.v_cache = tensors[:num_layers], tensors[num_layers : 2 * num_layers]
+        self.prompt_k, self.prompt_v = tensors[2 * num_layers : 3 * num_layers], tensors[3 * num_layers :]
         positions = torch.arange(shape.max_position, device=device).expand(3, 1, -1)
         cos, sin = text_rotary(positions, text)  # [1, 1, positions, D]
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
@@ -96,7 +116,7 @@ class DecodeStep:
         self.logit_parts = torch.empty_like(self.logits).flatten() if self.group.size > 1 else None
         self.attention = DecodeAttention(
             DecodeAttentionShape(
-                shape.num_prompts, shape.num_samples, heads, groups, d,
+                shape.num_prompts, shape.num_samples, heads, self.weights[0].num_groups, d,
                 shape.max_prompt_len, shape.max_tokens,
             ),
             device,
