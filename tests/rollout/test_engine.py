@@ -154,3 +154,22 @@ def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(m
     region = engine.kv_region
     assert arena.calls == [("allocate", region), ("release", region), ("map", region), ("release", region)]
     assert arena.state(region) is RegionState.RELEASED  # nothing of the KV stays resident after a rollout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_not_change(model, prompts):
+    from rollplex.memory.vmm import VmmArena
+
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    with VmmArena(1 << 34) as arena:
+        engine = RolloutEngine(model, kv_arena=arena)
+        ours = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 1)]
+        released = torch.cuda.mem_get_info()[0]
+        arena.map(engine.kv_region)
+        mapped = torch.cuda.mem_get_info()[0]
+        arena.release(engine.kv_region)
+        assert released - mapped >= engine.kv_region.num_bytes  # what a training phase gets back
+    plain = [engine_rollout(model, prompts, params, seed=s)[0] for s in (0, 1)]
+    for a, b in zip(ours, plain, strict=True):
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
