@@ -57,6 +57,7 @@ class Engines:
     prefix_stream: torch.cuda.Stream | None = None  # where `rollplex` runs prefix work beside decode; None: inline
     green_context: object | None = None  # keeps a green partition alive while its stream is used
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
+    reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
 
     @property
@@ -133,6 +134,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     )
     sharing = spec.sharing
     prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
+    reference_pager = make_reference_pager(reference) if reference is not None else None
     rollout, rollout_stats = make_rollout(rollout_model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
@@ -154,7 +156,21 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         green_context=green_context,
         tp=tp,
         publish=publish,
+        reference_pager=reference_pager,
     )
+
+
+def make_reference_pager(reference: Qwen2_5_VL):
+    """On a GPU, the reference's weights in a VMM region paged out after its last op of each step (as the plan
+    has them: on the host during the update); None on the CPU."""
+    if reference.device.type != "cuda":
+        return None
+    from rollplex.memory.pager import WeightPager
+    from rollplex.memory.vmm import VmmArena
+
+    device = reference.device.index if reference.device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return WeightPager(reference, VmmArena(total, device))
 
 
 def make_prefix_stream(

@@ -69,6 +69,9 @@ def run_iteration(
     store: Store = {"prompts": [e.prompt for e in examples], "examples": list(examples)}
     record = StepRecord()
     done: set[str] = set()
+    pager, last_reference = engines.reference_pager, last_op_of(g, Role.REFERENCE)
+    if pager is not None and last_reference is not None:
+        pager.page_in()  # before rollout: under rollplex the reference prefix runs beside decode
     for s in steps(g):
         for name in s.ops:
             if name in done:
@@ -88,7 +91,15 @@ def run_iteration(
                 done.add(each.id)
                 if after_op is not None:
                     after_op(each)
+                if pager is not None and each.id == last_reference:
+                    pager.page_out()  # the rest of the step (actor backward, update) gets its pages
     return record
+
+
+def last_op_of(g: nx.DiGraph, role: Role) -> str | None:
+    """The id of the role's last op in execution order (ops beside decode run with it), or None."""
+    found = [name for s in steps(g) for name in s.ops if op(g, name).role is role]
+    return found[-1] if found else None
 
 
 def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:

@@ -225,3 +225,27 @@ def test_reward_rises_from_random_weights_on_a_small_synthetic_task(tmp_path):
     early = sum(r["reward_mean"] for r in records[:5]) / 5
     late = sum(r["reward_mean"] for r in records[-5:]) / 5
     assert late > early + 0.15, (early, late)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.SERIAL, Schedule.ROLLPLEX])
+def test_the_paged_reference_is_resident_from_rollout_to_its_last_op_and_gives_the_same_step(schedule):
+    from arena_testkit import PoisoningArena
+
+    from rollplex.graph.ir import Role
+    from rollplex.memory.pager import WeightPager
+
+    spec = loaded()
+    g = compile_graph(spec.spec, schedule=schedule)
+    plain, paged = build_engines(spec), build_engines(spec)
+    paged.reference_pager = WeightPager(paged.reference, PoisoningArena())  # paged-out bytes read back as NaN
+    paged.reference_pager.page_out()  # as the previous step left it
+    dataset = open_dataset(spec.spec.workload.dataset, plain.tokenizer, 3)
+    seen = {}
+    a = run_iteration(g, plain, batch_at(dataset, 0, 2))
+    b = run_iteration(
+        g, paged, batch_at(dataset, 0, 2), before_op=lambda o: seen.update({o: paged.reference_pager.resident})
+    )
+    assert a.stats == b.stats and torch.equal(a.rewards, b.rewards)
+    assert all(resident for o, resident in seen.items() if o.role is Role.REFERENCE)
+    assert [resident for o, resident in seen.items() if o.id == "actor_update"] == [False]
+    assert not paged.reference_pager.resident  # on the host until the next step

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from arena_testkit import PoisoningArena
 
 from rollplex.memory.vmm import RegionState
 from rollplex.models.config import load_model_config
@@ -109,42 +108,9 @@ def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundarie
     assert torch.equal(actor.first_logprobs, model.prefix(prompts, attached=True).first_logprobs)
 
 
-class PoisoningArena:
-    """The calls of a `VmmArena` on host memory; released pages come back full of NaN bytes, as fresh pages may
-    hold anything."""
-
-    def __init__(self) -> None:
-        self.bytes, self.states, self.calls = {}, {}, []
-
-    def allocate(self, num_bytes: int, name: str):
-        self.bytes[name] = torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=DEVICE)
-        self.states[name] = RegionState.MAPPED
-        self.calls.append(("allocate", name))
-        return name
-
-    def tensor(self, region, dtype, shape):
-        return self.bytes[region][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-    def state(self, region):
-        return self.states[region]
-
-    def release(self, region) -> None:
-        self.bytes[region].fill_(0xFF)
-        self.states[region] = RegionState.RELEASED
-        self.calls.append(("release", region))
-
-    def map(self, region) -> None:
-        self.states[region] = RegionState.MAPPED
-        self.calls.append(("map", region))
-
-    def free(self, region) -> None:
-        del self.bytes[region], self.states[region]
-        self.calls.append(("free", region))
-
-
 def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=6)
-    arena = PoisoningArena()
+    arena = PoisoningArena(DEVICE)
     engine = RolloutEngine(model, kv_arena=arena)
     runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 1)]
     plain = [engine_rollout(model, prompts, params, seed=s)[0] for s in (0, 1)]

@@ -1,0 +1,53 @@
+"""A frozen model's weights resident on the device only around the windows that use them (the reference).
+
+All of the model's parameters move into one region of a VMM arena (`vmm.py`), in parameter order, each on an
+ALIGN boundary; the parameters stay the same `nn.Parameter` objects, now viewing the region. `page_out`
+copies the region to a host buffer (pinned on a GPU) and releases its pages; `page_in` maps fresh pages at
+the same addresses and copies the contents back, so every view (and anything captured against it) stays valid:
+
+    RESIDENT --page_out--> ON HOST (pages released) --page_in--> RESIDENT
+
+The arena may be anything with `allocate`, `tensor`, `evict`, `restore` and `state` (tests use host memory).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollplex.memory.vmm import RegionState
+
+ALIGN = 256
+
+
+class WeightPager:
+    def __init__(self, model: nn.Module, arena, name: str = "reference weights") -> None:
+        params = list(model.parameters())
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        self.arena, self.num_bytes = arena, total
+        self.region = arena.allocate(total, name)
+        flat = arena.tensor(self.region, torch.uint8, (total,))
+        with torch.no_grad():
+            for p, offset in zip(params, offsets, strict=True):
+                view = flat[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                view.copy_(p)
+                p.data = view
+        on_gpu = flat.is_cuda
+        self.host = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
+
+    @property
+    def resident(self) -> bool:
+        return self.arena.state(self.region) is RegionState.MAPPED
+
+    def page_out(self) -> None:
+        """Device -> host, then the pages go back to the driver (waits for queued work on them)."""
+        if self.resident:
+            self.arena.evict(self.region, self.host)
+
+    def page_in(self) -> None:
+        """Fresh pages at the same addresses, contents copied back on the current stream."""
+        if not self.resident:
+            self.arena.restore(self.region, self.host)
