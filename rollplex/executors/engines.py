@@ -134,7 +134,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     )
     sharing = spec.sharing
     prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
-    reference_pager = make_reference_pager(reference) if reference is not None else None
+    paged = reference is not None and spec.memory.page_reference
+    reference_pager = make_reference_pager(reference) if paged else None
     rollout, rollout_stats = make_rollout(rollout_model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)

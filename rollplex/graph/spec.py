@@ -132,6 +132,11 @@ class MemorySpec(_Strict):
     )
     runtime_reserve_gib: float = Field(3.0, ge=0, description="Per-GPU reserve for CUDA context and workspaces.")
     weight_sharing: bool = Field(True, description="Share actor weights between training and rollout.")
+    page_reference: bool = Field(
+        False,
+        description="On a GPU, page the reference's weights to pinned host memory after its last op of each step "
+        "and back before the next rollout, as the plan assumes (not yet validated on a GPU: off by default).",
+    )
 
 
 class NodeSpec(_Strict):
