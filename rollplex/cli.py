@@ -84,7 +84,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rollplex.graph.load import load_spec
 
     loaded = load_spec(args.spec)
-    from rollplex.executors.bench import compare, run_schedule, tolerance
+    from rollplex.executors.bench import compare, run_schedule, tolerance, with_unsplit
     from rollplex.executors.distributed import check_launch, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.report.timeline import plot_timeline
@@ -101,7 +101,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
     runs = {}
-    for schedule in (Schedule.SERIAL, Schedule.ROLLPLEX):
+    for schedule in (Schedule.SERIAL, Schedule.ROLLPLEX, *([Schedule.UNSPLIT] if args.unsplit else [])):
         print(f"rollplex bench: {schedule.value}, {args.warmup} warm-up + {args.steps} steps", file=sys.stderr)
         runs[schedule.value] = run_schedule(loaded, schedule, args.steps, args.warmup)
     command = "rollplex " + " ".join(args.argv)
@@ -109,6 +109,10 @@ def _bench(args: argparse.Namespace) -> int:
     # under tensor parallelism each rank compared its own shards: the worst rank decides
     result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])
     result["updates_match"] = result["max_param_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+    if args.unsplit:
+        result = with_unsplit(result, runs["rollplex"], runs["unsplit"])
+        key = "unsplit_max_param_relative_difference"
+        result[key] = max_over_ranks(result[key])
     if not is_main_process():
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=3, help="measured steps per schedule (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
     b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
+    b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
     b.set_defaults(func=_bench)
     return p
 

@@ -94,6 +94,18 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
     }
 
 
+def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:
+    """The optional third schedule, textbook GRPO (each response scored over prompt ++ response, the prompt
+    recomputed per response): its step time and how far its update lands from rollplex's (not bitwise: the
+    prompt's work is summed in another order)."""
+    step = statistics.median(unsplit.step_s)
+    return result | {
+        "step_s": result["step_s"] | {"unsplit": round(step, 4)},
+        "speedup_vs_unsplit": round(step / result["step_s"]["rollplex"], 4),
+        "unsplit_max_param_relative_difference": max_relative_difference(unsplit.params, rollplex.params),
+    }
+
+
 def _phase_medians(run: ScheduleRun) -> dict[str, float]:
     return {k: round(statistics.median(t[k] for t in run.times), 4) for k in run.times[0]}
 

@@ -37,3 +37,14 @@ def test_bench_with_no_steps_is_a_one_line_error(tmp_path):
     proc = bench("--steps", "0", "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--unsplit", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["step_s"]) == {"serial", "rollplex", "unsplit"}
+    s = result["step_s"]
+    assert abs(result["speedup_vs_unsplit"] - s["unsplit"] / s["rollplex"]) < 2e-3  # from unrounded medians
+    assert result["unsplit_max_param_relative_difference"] < 1e-2  # another summation order, the same update
