@@ -75,6 +75,7 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         (2, 2, "in_place", False, False),  # matched degrees: everything Case 1
         (4, 2, "in_place", True, False),  # rollout TP 2: decode all-reduces and gathers the vocabulary
         (4, 1, "copy", False, True),
+        (8, 4, "in_place", False, True),  # issue 7's degrees: two rollout replicas at TP 4 over 8 training ranks
     ],
 )
 def test_a_bound_replica_after_publish_equals_the_materialised_model(world_size, rollout_tp, path, decode, streamed):
