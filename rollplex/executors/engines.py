@@ -103,28 +103,13 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     if spec.algorithm.kl_coef > 0:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
-    rollout_model, publish, bound = actor, lambda: None, None
+    bound = None
     if tp is not None:
-        if reference is not None:
-            reference = parallelize(reference, tp.train)
+        reference = None if reference is None else parallelize(reference, tp.train)
         actor = parallelize(actor, tp.train)
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
-        rollout_model, publish = bound.model, bound.publish
     a = spec.algorithm
-    params = [p for p in actor.parameters() if p.requires_grad]
-    sharded = sharded_parameters(actor)
-    optimizer = ChunkedAdamW(
-        params,
-        lr=a.lr,
-        betas=a.betas,
-        eps=a.eps,
-        weight_decay=a.weight_decay,
-        max_grad_norm=a.max_grad_norm,
-        chunk_bytes=OPTIMIZER_CHUNK_BYTES,
-        tp=None if tp is None else tp.train,
-        sharded=[id(p) in sharded for p in params],
-        write=None if bound is None else bound.writer(params),  # the exchange streams under the update
-    )
+    optimizer = make_optimizer(actor, a, tp, bound)
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
         temperature=a.temperature,
@@ -136,7 +121,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
     paged = reference is not None and spec.memory.page_reference
     reference_pager = make_reference_pager(reference) if paged else None
-    rollout, rollout_stats = make_rollout(rollout_model)
+    rollout, rollout_stats = make_rollout(actor if bound is None else bound.model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(
@@ -156,8 +141,27 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         prefix_stream=prefix_stream,
         green_context=green_context,
         tp=tp,
-        publish=publish,
+        publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
+    )
+
+
+def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAdamW:
+    """ChunkedAdamW over the actor's trainable parameters; under tensor parallelism its grad norm counts the
+    shards over the group, and it streams each bound parameter's exchange as soon as it has written it."""
+    params = [p for p in actor.parameters() if p.requires_grad]
+    sharded = sharded_parameters(actor)
+    return ChunkedAdamW(
+        params,
+        lr=a.lr,
+        betas=a.betas,
+        eps=a.eps,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm,
+        chunk_bytes=OPTIMIZER_CHUNK_BYTES,
+        tp=None if tp is None else tp.train,
+        sharded=[id(p) in sharded for p in params],
+        write=None if bound is None else bound.writer(params),
     )
 
 
