@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,7 @@ class Engines:
     green_context: object | None = None  # keeps a green partition alive while its stream is used
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
     reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
+    prefix_memory: Callable[[], AbstractContextManager] = nullcontext  # each actor-prefix chunk runs inside one
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
 
     @property
@@ -143,6 +145,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         tp=tp,
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
+        prefix_memory=make_prefix_memory(loaded, actor),
     )
 
 
@@ -163,6 +166,30 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
         sharded=[id(p) in sharded for p in params],
         write=None if bound is None else bound.writer(params),
     )
+
+
+def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
+    """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward
+    (`memory.prefix_activations`): `offload` copies them into a host pool (pinned on a GPU) sized from the
+    plan's figure, or `memory.host_pool_gib`; `recompute` checkpoints each decoder layer (its input is kept,
+    backward reruns it). Neither changes a gradient."""
+    from rollplex.memory.offload import SavedTensorOffload, recompute
+
+    memory = loaded.spec.memory
+    if memory.prefix_activations == "recompute":
+        layers = list(actor.model.language_model.layers)
+        return lambda: recompute(layers)
+    from rollplex.graph.plan import compile_plan
+    from rollplex.memory.host_pool import HostPool
+
+    if memory.host_pool_gib is not None:
+        num_bytes = int(memory.host_pool_gib * 2**30)
+    else:
+        objects = compile_plan(loaded).residency.objects
+        planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
+        num_bytes = max(64 << 20, planned + planned // 4)
+    offload = SavedTensorOffload(HostPool(num_bytes, pin=actor.device.type == "cuda"), keep=actor.parameters())
+    return lambda: offload
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import networkx as nx
 import torch
@@ -27,6 +29,7 @@ from rollplex.models.scores import SuffixOut
 from rollplex.rollout.beside import Beside
 
 Store = dict[str, object]
+T = TypeVar("T")
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
 
 
@@ -185,10 +188,25 @@ def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boun
 
 
 def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, LeafBoundary]:
-    boundary = yield from e.actor.prefix_chunks(
+    chunks = e.actor.prefix_chunks(
         prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
     )
+    boundary = yield from each_inside(e.prefix_memory, chunks)
     return LeafBoundary.of(boundary)
+
+
+def each_inside(
+    context: Callable[[], AbstractContextManager], chunks: Generator[None, None, T]
+) -> Generator[None, None, T]:
+    """A chunked job whose every chunk runs inside context() (entered and left around the chunk, never held
+    across a pause: another job may run in between)."""
+    while True:
+        with context():
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+        yield
 
 
 def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -249,3 +249,21 @@ def test_the_paged_reference_is_resident_from_rollout_to_its_last_op_and_gives_t
     assert all(resident for o, resident in seen.items() if o.role is Role.REFERENCE)
     assert [resident for o, resident in seen.items() if o.id == "actor_update"] == [False]
     assert not paged.reference_pager.resident  # on the host until the next step
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
+    from contextlib import nullcontext
+
+    spec = parse_spec(SPEC.format(kl=0.1, device="cpu") + f"memory: {{prefix_activations: {mode}}}\n")
+    g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
+    kept, given_back = build_engines(spec), build_engines(spec)
+    kept.prefix_memory = nullcontext  # every saved tensor stays where autograd put it
+    dataset = open_dataset(spec.spec.workload.dataset, kept.tokenizer, 3)
+    a = run_iteration(g, kept, batch_at(dataset, 0, 2))
+    b = run_iteration(g, given_back, batch_at(dataset, 0, 2))
+    assert a.stats == b.stats
+    for (name, p), q in zip(kept.actor.named_parameters(), given_back.actor.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    if mode == "offload":
+        assert given_back.prefix_memory().stats().num_bytes > 0  # the prefix's saved tensors went to the pool
