@@ -193,8 +193,8 @@ def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], Ab
 
 
 def make_reference_pager(reference: Qwen2_5_VL):
-    """On a GPU, the reference's weights in a VMM region paged out after its last op of each step (as the plan
-    has them: on the host during the update); None on the CPU."""
+    """On a GPU, the reference's weights in a VMM region, on the host outside the steps that use them (as the
+    plan has them); None on the CPU."""
     if reference.device.type != "cuda":
         return None
     from rollplex.memory.pager import WeightPager

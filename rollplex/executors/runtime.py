@@ -72,10 +72,10 @@ def run_iteration(
     store: Store = {"prompts": [e.prompt for e in examples], "examples": list(examples)}
     record = StepRecord()
     done: set[str] = set()
-    pager, last_reference = engines.reference_pager, last_op_of(g, Role.REFERENCE)
-    if pager is not None and last_reference is not None:
-        pager.page_in()  # before rollout: under rollplex the reference prefix runs beside decode
-    for s in steps(g):
+    pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
+    for i, s in enumerate(steps(g)):
+        if pager is not None and i in paged_steps:
+            pager.page_in()  # the plan's window: resident in the steps where the reference runs
         for name in s.ops:
             if name in done:
                 continue  # ran beside decode
@@ -94,15 +94,14 @@ def run_iteration(
                 done.add(each.id)
                 if after_op is not None:
                     after_op(each)
-                if pager is not None and each.id == last_reference:
-                    pager.page_out()  # the rest of the step (actor backward, update) gets its pages
+        if pager is not None and i in paged_steps and i + 1 not in paged_steps:
+            pager.page_out()  # the steps without the reference (actor backward, update) get its pages
     return record
 
 
-def last_op_of(g: nx.DiGraph, role: Role) -> str | None:
-    """The id of the role's last op in execution order (ops beside decode run with it), or None."""
-    found = [name for s in steps(g) for name in s.ops if op(g, name).role is role]
-    return found[-1] if found else None
+def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
+    """Indices of the steps that hold one of the role's ops (the planner's residency window of frozen weights)."""
+    return {i for i, s in enumerate(steps(g)) if any(op(g, name).role is role for name in s.ops)}
 
 
 def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:

@@ -134,8 +134,8 @@ class MemorySpec(_Strict):
     weight_sharing: bool = Field(True, description="Share actor weights between training and rollout.")
     page_reference: bool = Field(
         False,
-        description="On a GPU, page the reference's weights to pinned host memory after its last op of each step "
-        "and back before the next rollout, as the plan assumes (not yet validated on a GPU: off by default).",
+        description="On a GPU, keep the reference's weights in pinned host memory outside the steps that use "
+        "them, as the plan assumes (not yet validated on a GPU: off by default).",
     )
 
 

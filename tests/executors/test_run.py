@@ -228,7 +228,7 @@ def test_reward_rises_from_random_weights_on_a_small_synthetic_task(tmp_path):
 
 
 @pytest.mark.parametrize("schedule", [Schedule.SERIAL, Schedule.ROLLPLEX])
-def test_the_paged_reference_is_resident_from_rollout_to_its_last_op_and_gives_the_same_step(schedule):
+def test_the_paged_reference_is_resident_in_its_steps_only_and_gives_the_same_step(schedule):
     from arena_testkit import PoisoningArena
 
     from rollplex.graph.ir import Role
