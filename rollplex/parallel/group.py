@@ -37,19 +37,6 @@ class TPGroup:
 SINGLE = TPGroup(1, 0)
 
 
-def new_groups(world_size: int, rank: int, size: int) -> TPGroup:
-    """Splits ranks 0..world_size-1 into consecutive groups of `size`; every rank must call this (collective)."""
-    if size == 1:
-        return SINGLE
-    assert world_size % size == 0, f"{world_size} ranks do not split into groups of {size}"
-    mine = None
-    for first in range(0, world_size, size):
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= rank < first + size:
-            mine = TPGroup(size, rank - first, group)
-    return mine
-
-
 def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
     """out = concat over ranks of each rank's `part` along dim 0 (part may be a view of out's own region)."""
     if group.size == 1:  # never hand torch a None group here: it would gather over the whole world
