@@ -132,6 +132,7 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         **{k: record.stats.get(k, 0.0) for k in ("loss", "kl", "entropy", "clip_frac", "grad_norm")},
         "response_len_mean": float(lens.mean()),
         "prefix_beside_decode": record.stats.get("prefix_chunks_during_decode", 0.0),
+        "decode_slowdown": record.stats.get("decode_slowdown"),
         "param_digest": param_digest(engines.actor),
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),

@@ -27,6 +27,7 @@ from rollplex.models.generate import Rollout
 from rollplex.models.model import drain
 from rollplex.models.scores import SuffixOut
 from rollplex.rollout.beside import Beside
+from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
 T = TypeVar("T")
@@ -138,14 +139,18 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Seque
     )
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
-    if e.rollout_stats() is not None:
-        record.stats["decode_s"] = e.rollout_stats().decode_s
+    stats = e.rollout_stats()
+    if stats is not None:
+        record.stats["decode_s"] = stats.decode_s
     if beside is not None:
         chunks_during_decode = beside.num_chunks
         for p, result in zip(prefixes, beside.finish(), strict=True):
             store[p.outputs[0]] = result
         record.chunks = [(prefixes[job].id, start, end) for job, start, end in beside.spans()]
         record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)
+        slowdown = None if stats is None else decode_slowdown(stats.step_spans, [(s, t) for _, s, t in record.chunks])
+        if slowdown is not None:
+            record.stats["decode_slowdown"] = slowdown
 
 
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -14,11 +14,12 @@ Lifecycle of a job:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 
 import torch
+
+from rollplex.rollout.slowdown import DeviceClock
 
 
 class Beside:
@@ -30,14 +31,8 @@ class Beside:
         self.in_flight: torch.cuda.Event | None = None
         self.num_chunks = 0
         self.num_skipped = 0  # calls that found the previous chunk still running
-        self.origin = time.perf_counter()
+        self.clock = DeviceClock(cuda=stream is not None)
         self._marks: list[tuple[int, object, object]] = []  # (job, start, end): perf_counter or CUDA events
-        self._origin_event = None
-        if stream is not None:
-            torch.cuda.synchronize()
-            self.origin = time.perf_counter()
-            self._origin_event = torch.cuda.Event(enable_timing=True)
-            self._origin_event.record()
 
     @property
     def done(self) -> bool:
@@ -62,29 +57,19 @@ class Beside:
 
     def spans(self) -> list[tuple[int, float, float]]:
         """(job, start, end) of every chunk in perf_counter seconds; on a stream, GPU times (after `finish`)."""
-        if self._origin_event is None:
-            return [(job, start, end) for job, start, end in self._marks]
-        at = lambda e: self.origin + self._origin_event.elapsed_time(e) / 1e3  # noqa: E731
-        return [(job, at(start), at(end)) for job, start, end in self._marks]
+        return [(job, self.clock.seconds(start), self.clock.seconds(end)) for job, start, end in self._marks]
 
     def _advance(self) -> None:
         job = self.next_job
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            start = self._mark()
+            start = self.clock.mark()
             try:
                 next(self.jobs[job])
             except StopIteration as finished:
                 self.results[job] = finished.value
                 self.next_job += 1
-            end = self._mark()
+            end = self.clock.mark()
             if self.stream is not None:
                 self.in_flight = end
         self._marks.append((job, start, end))
         self.num_chunks += 1
-
-    def _mark(self):
-        if self.stream is None:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
-        return event

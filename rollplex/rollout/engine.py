@@ -27,6 +27,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams, sample
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
+from rollplex.rollout.slowdown import DeviceClock, StepSpan
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
 
 PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
@@ -40,6 +41,7 @@ class RolloutStats:
     num_steps: int  # decode steps launched
     row_steps: int  # sum over steps of the batch rows computed (padding and finished rows included)
     batch_sizes: tuple[int, ...]  # the batch size of each step
+    step_spans: tuple[StepSpan, ...] = ()  # (start s, end s, rows) of each step, when work ran beside decode
 
 
 class RolloutEngine:
@@ -95,7 +97,7 @@ class RolloutEngine:
         max_lens: Tensor | None = None,
         beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, tuple]:
-        """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes)."""
+        """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
         if num_samples < 1:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
         start = time.perf_counter()
@@ -109,8 +111,12 @@ class RolloutEngine:
         run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
+        clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if beside is not None else (None, [])
         for k in range(params.max_tokens - 1):
+            start_mark = clock.mark() if clock else None
             logits = graphs.run(rows)
+            if clock:
+                marks.append((start_mark, clock.mark(), rows))
             run.next_token(rows, k + 1, logits)
             sizes.append(rows)
             if beside is not None:
@@ -124,7 +130,8 @@ class RolloutEngine:
         _sync(self.model.device)
         if self.kv_region is not None:
             self.kv_arena.release(self.kv_region)  # the training phases get the KV's pages
-        return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes))
+        spans = tuple((clock.seconds(s), clock.seconds(e), r) for s, e, r in marks)
+        return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes), spans)
 
     def _graphs_for(self, boundary: Boundary, num_samples: int, params: SamplingParams) -> StepGraphs:
         if self.graphs is not None and self.graphs.step.shape.fits(boundary, num_samples, params):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from arena_testkit import PoisoningArena
@@ -97,11 +99,13 @@ def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundarie
     alone = RolloutEngine(model).generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4))
     jobs = [model.prefix_chunks(prompts[:2], attached=False), model.prefix_chunks(prompts, attached=True)]
     beside = Beside(jobs)
-    together = RolloutEngine(model).generate(
-        prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4), beside=beside
-    )
+    engine = RolloutEngine(model)
+    together = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4), beside=beside)
     ref, actor = beside.finish()
     assert beside.num_chunks > 0
+    spans = engine.stats.step_spans  # timed because work ran beside: one (start, end, rows) per step, in order
+    assert [rows for _, _, rows in spans] == list(engine.stats.batch_sizes)
+    assert all(s < e <= s2 for (s, e, _), (s2, _, _) in pairwise(spans))
     assert torch.equal(alone.responses, together.responses) and torch.equal(alone.logprobs, together.logprobs)
     assert torch.equal(ref.keys[0], model.prefix(prompts[:2], attached=False).keys[0])
     assert actor.keys[-1].requires_grad
