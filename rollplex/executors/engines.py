@@ -96,19 +96,15 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
-    dtype = getattr(torch, spec.run.dtype)
-    torch.manual_seed(spec.run.seed)
-    actor = Qwen2_5_VL(config, dtype=dtype, device=device)
-    if spec.run.init == "checkpoint":
-        load_checkpoint(actor, _checkpoint_dir(loaded))
+    actor = _initial_model(loaded, device, tp)
     reference = None
-    if spec.algorithm.kl_coef > 0:
+    if spec.algorithm.kl_coef > 0 and tp is None:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
+    elif spec.algorithm.kl_coef > 0:  # built again rather than copied: one full model on the device at a time
+        reference = _initial_model(loaded, device, tp).requires_grad_(False)
     bound = None
     if tp is not None:
-        reference = None if reference is None else parallelize(reference, tp.train)
-        actor = parallelize(actor, tp.train)
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
     a = spec.algorithm
     optimizer = make_optimizer(actor, a, tp, bound)
@@ -147,6 +143,17 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         reference_pager=reference_pager,
         prefix_memory=make_prefix_memory(loaded, actor),
     )
+
+
+def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL:
+    """The spec's initial weights (random from `run.seed`, or the checkpoint); this rank's shards under
+    tensor parallelism (the full model exists only until it is sharded). The same call gives the same weights."""
+    spec = loaded.spec
+    torch.manual_seed(spec.run.seed)
+    model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
+    if spec.run.init == "checkpoint":
+        load_checkpoint(model, _checkpoint_dir(loaded))
+    return model if tp is None else parallelize(model, tp.train)
 
 
 def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAdamW:
