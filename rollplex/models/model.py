@@ -13,8 +13,8 @@ Parameter names are transformers 5.x's `Qwen2_5_VLForConditionalGeneration` name
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from contextlib import nullcontext
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -59,8 +59,8 @@ class Qwen2_5_VL(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        with torch.device(device) if device is not None else nullcontext():
-            self.model = Backbone(config)
+        with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
+            self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype)
@@ -172,6 +172,17 @@ class Qwen2_5_VL(nn.Module):
         features = self.model.visual(packed.visuals).to(x.dtype)  # [num_visual_tokens, hidden]
         slots = packed.visual_slots(self.config.tokens).to(self.device)
         return x.masked_scatter(slots[..., None], features)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to `dtype` inside the block only (restored on the way out)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def drain(chunks: Generator[None, None, T]) -> T:

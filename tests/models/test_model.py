@@ -72,3 +72,14 @@ def test_bfloat16_model_runs_and_stays_close_to_float32(model, inputs):
 def test_meta_device_model_allocates_nothing(config):
     model = Qwen2_5_VL(config, device="meta")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_bf16_model_is_built_in_bf16_not_cast_from_fp32(config, monkeypatch):
+    made = []
+    original = torch.nn.Linear.reset_parameters
+    monkeypatch.setattr(
+        torch.nn.Linear, "reset_parameters", lambda self: (made.append(self.weight.dtype), original(self))
+    )
+    Qwen2_5_VL(config, dtype=torch.bfloat16)
+    assert made and set(made) == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored
