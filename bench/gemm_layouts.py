@@ -49,8 +49,18 @@ def shapes(model: str, tp: int) -> list[Shape]:
     ]
 
 
-def candidates(num_rows: int):
-    """Tile configs the sweep tries besides the picked one."""
+def candidates(shape: Shape, num_rows: int):
+    """Tile configs the sweep tries besides the picked one; split-K ones for the transposed decode GEMMs."""
+    from rollplex.kernels.tiles import pick_tiles
+
+    if num_rows <= 64 and shape.heads is None:
+        picked = pick_tiles(num_rows, shape.out_features, shape.in_features)
+        split = [replace(picked, split_k=s) for s in (2, 4)]
+        return split + _tile_candidates(num_rows)
+    return _tile_candidates(num_rows)
+
+
+def _tile_candidates(num_rows: int):
     from rollplex.kernels.tiles import PREFILL, Tiles, pick_tiles
 
     if num_rows > 64:
@@ -96,7 +106,7 @@ def compile_only(shape: Shape, num_rows: int, sweep: bool) -> None:
     processes can compile what one timing process then only times."""
     kernel, _ = operands(shape, num_rows)
     kernel()
-    for tiles in candidates(num_rows) if sweep else []:
+    for tiles in candidates(shape, num_rows) if sweep else []:
         kernel(tiles)
     torch.cuda.synchronize()
 
@@ -112,7 +122,7 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
     row = {**asdict(shape), "rows": num_rows, "kernel_us": kernel_us, "torch_us": torch_us,
            "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked)}  # fmt: skip
     if sweep:
-        timed = [(time_us(lambda t=t: kernel(t)), t) for t in candidates(num_rows)]
+        timed = [(time_us(lambda t=t: kernel(t)), t) for t in candidates(shape, num_rows)]
         best_us, best = min(timed, key=lambda p: p[0])
         row |= {"best_us": best_us, "best_speed": torch_us / best_us, "best_tiles": asdict(best)}
     row["meets_target"] = max(row["speed"], row.get("best_speed", 0.0)) >= target

@@ -102,6 +102,7 @@ def qkv_grouped_from_megatron(
     if m == 0:
         return y
     t = tiles or pick_tiles(m, n, x.shape[1])
+    assert t.split_k == 1, "the fused QKV GEMM does not split K"
     qkv_gemm_kernel[(num_programs(m, n, t),)](
         x, w, w if bias is None else bias, y, m, x.shape[1], num_heads, num_kv_heads, head_dim, kv_replicas,
         bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,

@@ -29,10 +29,12 @@ class Tiles:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # > 1: K is cut over this many programs per tile, summed by fp32 atomics (transposed GEMM)
 
     def __post_init__(self) -> None:
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"tile sides must be powers of two >= 16 (tl.dot), got {self}"
+        assert self.split_k >= 1, f"split_k must be >= 1, got {self}"
 
 
 PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)

@@ -2,8 +2,10 @@
 
 W is logically [O, I] (o_proj, down_proj); the trainer stores it as S = W^T = [I, O] contiguous, so that each
 training shard of the I axis is a contiguous slab and a rollout shard is q slabs back to back. This kernel reads
-S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. It does not shard,
-bind or all-reduce; the caller passes the slab its rank holds.
+S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. With `split_k` > 1
+(long K, few output columns: not enough tiles for the SMs), each tile's K is cut over that many programs whose
+fp32 partial sums meet by atomic adds in a zeroed buffer, cast once at the end. It does not shard, bind or
+all-reduce; the caller passes the slab its rank holds.
 """
 
 from __future__ import annotations
@@ -27,26 +29,34 @@ def transposed_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
+    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K itself when SPLIT_K == 1)
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    first = tl.program_id(1) * K_SPLIT
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    s_tile = s_ptr + ks[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_K, BLOCK_N]
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + (first + ks)[None, :]  # [BLOCK_M, BLOCK_K]
+    s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_K, BLOCK_N]
     acc = zero_tile(BLOCK_M, BLOCK_N)
-    for k0 in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0 and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
             a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
             b = tl.load(s_tile)
         else:
-            a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
-            b = tl.load(s_tile, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+            left = K - first - k0
+            a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
+            b = tl.load(s_tile, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         s_tile += BLOCK_K * N
     y_tile = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.atomic_add(y_tile, acc, mask=inside)  # y is the fp32 sum of the splits
 
 
 def matmul_transposed(x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
@@ -57,11 +67,13 @@ def matmul_transposed(x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = No
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
     (m, k), n = x.shape, s.shape[1]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
     t = tiles or pick_tiles(m, n, x.shape[1])
-    transposed_gemm_kernel[(num_programs(m, n, t),)](
-        x, s, y, m, n, k, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages
-    )
-    return y
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if t.split_k == 1 else x.new_zeros(m, n, dtype=torch.float32)
+    if m == 0:
+        return y.to(x.dtype)
+    k_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    transposed_gemm_kernel[(num_programs(m, n, t), t.split_k)](
+        x, s, y, m, n, k, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k, k_split,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return y if t.split_k == 1 else y.to(x.dtype)

@@ -23,7 +23,7 @@ KERNELS = {
     "transposed": (
         transposed_gemm_kernel,
         {"x_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32"},
-        {"K": 5504, "N": 2048},  # down_proj of the 3B model at TP 2
+        {"K": 5504, "N": 2048, "SPLIT_K": 1, "K_SPLIT": 5504},  # down_proj of the 3B model at TP 2
     ),
     "qkv": (
         qkv_gemm_kernel,

@@ -77,3 +77,13 @@ def test_tiles_that_divide_k_and_n_take_the_unmasked_loads():
     w = random(64, 96, seed=6, scale=96**-0.5)  # O = 64 and I = 96 split into 32-wide tiles
     x = random(21, 96, seed=7)
     assert_matches(matmul_transposed(x, w.T.contiguous(), SMALL), reference(x, w))
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("num_rows", [1, 21])
+def test_splitting_k_over_programs_sums_to_the_same_product(split_k, num_rows):
+    w = random(64, 200, seed=8, scale=200**-0.5)  # K = 200: the last split is short, and not a tile multiple
+    x = random(num_rows, 200, seed=9)
+    y = matmul_transposed(x, w.T.contiguous(), Tiles(block_m=16, block_n=32, block_k=32, split_k=split_k))
+    assert y.dtype == x.dtype
+    assert_matches(y, reference(x, w))
