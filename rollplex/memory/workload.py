@@ -51,7 +51,10 @@ def per_gpu(spec: Spec, model: ModelConfig) -> PerGpu:
         train_dp=n // t,
         num_rollout_replicas=replicas,
         prompts_per_rank=w.prompts_per_step // (n // t),
-        prompts_per_replica=-(-w.prompts_per_step // replicas),
+        # replicas share a step's prompts (`parallel.split_rollout`), or each decodes its training rank's all
+        prompts_per_replica=-(-w.prompts_per_step // replicas)
+        if spec.parallel.split_rollout
+        else w.prompts_per_step // (n // t),
         group_size=w.group_size,
         prompt_tokens=w.prompt_tokens,
         response_tokens=w.response_tokens,

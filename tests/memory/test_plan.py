@@ -160,3 +160,17 @@ def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
         opt = ChunkedAdamW(params, chunk_bytes=chunk)
         planned = OptimizerPlan(total, chunk, -(-total // chunk), 3)
         assert opt.peak_device_bytes <= planned.workspace_bytes
+
+
+@pytest.mark.parametrize(("split", "expected"), [("true", 4), ("false", 8)])
+def test_rollout_replicas_decode_their_share_of_the_prompts_unless_told_not_to(split, expected):
+    from rollplex.memory.workload import per_gpu
+
+    text = f"""
+model: qwen2_5_vl_7b
+cluster: {{gpus_per_node: 4, hbm_gib: 139, host_gib: 1000}}
+parallel: {{train_tp: 4, rollout_tp: 2, split_rollout: {split}}}
+workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}}
+"""
+    loaded = parse_spec(text)
+    assert per_gpu(loaded.spec, loaded.model).prompts_per_replica == expected  # 2 replicas of TP 2 on 4 GPUs
