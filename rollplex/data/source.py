@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from rollplex.data.presets import get_preset
+from rollplex.data.presets import Preset, get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import Example
@@ -23,13 +23,18 @@ class Dataset(Protocol):
     def __getitem__(self, index: int) -> Example: ...
 
 
+def synthetic_preset(name: str) -> Preset:
+    """The preset of a `synthetic:<preset>[@tiny]` dataset name (ValueError for a bad name or scale)."""
+    preset_name, _, scale = name.removeprefix("synthetic:").partition("@")
+    if scale not in ("", "tiny"):
+        raise ValueError(f"dataset '{name}': unknown scale '@{scale}'; use '@tiny' or nothing")
+    preset = get_preset(preset_name)
+    return preset.tiny() if scale else preset
+
+
 def open_dataset(name: str, tokenizer: Tokenizer, seed: int, base: Path | None = None) -> Dataset:
     if name.startswith("synthetic:"):
-        preset_name, _, scale = name.removeprefix("synthetic:").partition("@")
-        if scale not in ("", "tiny"):
-            raise ValueError(f"dataset '{name}': unknown scale '@{scale}'; use '@tiny' or nothing")
-        preset = get_preset(preset_name)
-        return SyntheticVideoQA(preset.tiny() if scale else preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE)
+        return SyntheticVideoQA(synthetic_preset(name), tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE)
     path = Path(name).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path

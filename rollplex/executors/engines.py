@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from rollplex.data.presets import LengthDistribution
 from rollplex.data.rewards import RewardFn, get_reward, load_reward
+from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
@@ -60,6 +62,7 @@ class Engines:
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
     reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
     prefix_memory: Callable[[], AbstractContextManager] = nullcontext  # each actor-prefix chunk runs inside one
+    response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
 
     @property
@@ -142,6 +145,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
         prefix_memory=make_prefix_memory(loaded, actor),
+        response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
     )
 
 

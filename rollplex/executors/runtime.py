@@ -134,9 +134,11 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Seque
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
     jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes]
     beside = Beside(jobs, e.prefix_stream) if jobs else None
+    prompts = store["prompts"]
     rollout = e.rollout(
-        store["prompts"], num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside
-    )
+        prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
+        max_lens=_length_budgets(e, len(prompts)),
+    )  # fmt: skip
     store[o.outputs[0]] = rollout
     record.response_lens = rollout.response_lens
     stats = e.rollout_stats()
@@ -151,6 +153,16 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Seque
         slowdown = None if stats is None else decode_slowdown(stats.step_spans, [(s, t) for _, s, t in record.chunks])
         if slowdown is not None:
             record.stats["decode_slowdown"] = slowdown
+
+
+def _length_budgets(e: Engines, num_prompts: int) -> torch.Tensor | None:
+    """[P, N] response lengths drawn from the workload's distribution (`workload.replay_lengths`), capped at
+    max tokens; the seed comes from the sampling generator, so a run (and its resume) draws the same ones."""
+    if e.response_lengths is None:
+        return None
+    seed = int(torch.randint(2**31, (1,), generator=e.generator, device=e.generator.device))
+    lengths = e.response_lengths.sample(num_prompts * e.group_size, seed).clip(max=e.sampling.max_tokens)
+    return torch.from_numpy(lengths).view(num_prompts, e.group_size)
 
 
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -71,9 +71,16 @@ class WorkloadSpec(_Strict):
     video: VideoSpec | None = Field(None, description="Video frames and resolution; sets the visual tokens.")
     visual_tokens: PositiveInt | None = Field(None, description="Visual tokens per prompt, instead of `video`.")
     dataset: str = Field("synthetic:clevrer", description="`synthetic:<preset>` or a Video-R1 JSON/JSONL path.")
+    replay_lengths: bool = Field(
+        False,
+        description="Benchmarks with random weights: end each response at a length drawn from the synthetic "
+        "preset's distribution (seeded from the run), so that decode follows the workload, not max tokens.",
+    )
 
     @model_validator(mode="after")
     def _visual(self) -> WorkloadSpec:
+        if self.replay_lengths and not self.dataset.startswith("synthetic:"):
+            raise ValueError(f"replay_lengths needs a synthetic:<preset> dataset (its lengths), not '{self.dataset}'")
         if self.video is not None and self.visual_tokens is not None:
             raise ValueError("give either `video` or `visual_tokens`, not both")
         if self.num_visual_tokens > self.prompt_tokens:

@@ -36,10 +36,12 @@ def generate(
     params: SamplingParams,
     generator: torch.Generator,
     beside: Callable[[], None] | None = None,
+    max_lens: Tensor | None = None,
 ) -> Rollout:
     """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
 
-    beside: called after each decode step, to run other work in between (`rollplex.rollout.beside`)."""
+    beside: called after each decode step, to run other work in between (`rollplex.rollout.beside`).
+    max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first)."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")
     boundary = model.prefix(prompts, attached=False)
@@ -51,12 +53,15 @@ def generate(
     tokens, logprobs = [], []
     lens = torch.zeros(batch, dtype=torch.long, device=model.device)
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
+    budget = None if max_lens is None else max_lens.flatten().to(model.device)
     for step in range(params.max_tokens):
         token = sample(dist, params, generator)  # [P*N]
         tokens.append(token)
         logprobs.append(dist.gather(-1, token[:, None])[:, 0])
         lens += ~done
         done |= torch.isin(token, stop_ids)
+        if budget is not None:
+            done |= lens >= budget
         if bool(done.all()) or step + 1 == params.max_tokens:
             break
         logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)

@@ -54,6 +54,8 @@ def split_rollout(rollout: Callable[..., Rollout], replicas: TPGroup) -> Callabl
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
         own = torch.Generator(generator.device).manual_seed(seed + replicas.rank)
         share = shares(len(prompts), replicas.size)[replicas.rank]
+        if kw.get("max_lens") is not None:  # length budgets [P, N] follow their prompts
+            kw["max_lens"] = kw["max_lens"][share.start : share.stop]
         part = rollout(
             [prompts[i] for i in share], num_samples=num_samples, params=params, generator=own, **kw
         )  # fmt: skip

@@ -267,3 +267,19 @@ def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
         assert torch.equal(p, q), name
     if mode == "offload":
         assert given_back.prefix_memory().stats().num_bytes > 0  # the prefix's saved tensors went to the pool
+
+
+def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
+    text = SPEC.format(kl=0.0, device="cpu").replace("response_tokens: 6", "response_tokens: 32")
+    spec = parse_spec(
+        text.replace('dataset: "synthetic:clevrer@tiny"', 'dataset: "synthetic:clevrer@tiny", replay_lengths: true')
+    )
+    g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
+    lens = []
+    for _ in range(2):  # the same seed draws the same budgets
+        engines = build_engines(spec)
+        dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
+        lens.append(run_iteration(g, engines, batch_at(dataset, 0, 2)).response_lens)
+    assert torch.equal(lens[0], lens[1])
+    assert len(set(lens[0].flatten().tolist())) > 2  # long-tailed, not everyone at max tokens
+    assert engines.response_lengths is not None and int(lens[0].max()) <= 32

@@ -66,6 +66,10 @@ CASES = {
         .replace("prompts_per_step: 2", "prompts_per_step: 8"),
         ["parallel.train_tp", "28 attention heads", "use one of", ":3:"],
     ),
+    "replayed lengths without a preset": (
+        BASE.replace("visual_tokens: 8}", "visual_tokens: 8, dataset: my.jsonl, replay_lengths: true}"),
+        ["workload", "replay_lengths needs a synthetic:<preset> dataset", "my.jsonl"],
+    ),
     "train tp not a multiple of rollout tp": (
         BASE.replace("gpus_per_node: 1", "gpus_per_node: 4")
         .replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")

@@ -39,6 +39,19 @@ def test_responses_end_at_their_first_stop_token_or_at_max_tokens(model, prompts
         assert (response[length:] == 0).all()
 
 
+def test_a_length_budget_ends_a_response_unless_a_stop_token_came_first(model, prompts):
+    stop = (10, 11, 12)
+    budgets = torch.tensor([[1, 4, 8]] * len(prompts))
+    params = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=stop)
+    out = generate(
+        model, prompts, num_samples=3, params=params, generator=torch.Generator().manual_seed(0), max_lens=budgets
+    )
+    assert (out.response_lens <= budgets).all() and out.response_lens[:, 0].eq(1).all()
+    ends = zip(out.responses.flatten(0, 1), out.response_lens.flatten(), budgets.flatten(), strict=True)
+    for response, length, budget in ends:
+        assert length == budget or int(response[length - 1]) in stop
+
+
 def test_greedy_decoding_follows_the_argmax_of_the_full_forward(model, prompts):
     out = rollout(model, prompts, SamplingParams(temperature=0.0, max_tokens=5))
     for p, prompt in enumerate(prompts):
