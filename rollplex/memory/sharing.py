@@ -129,6 +129,7 @@ class SharingReport:
     case3_buffer_bytes_per_gpu: int  # rollout-layout copies of Case-3 tensors
     train_shard_bytes_per_gpu: int  # the actor's BF16 LLM shard at training TP
     in_place: bool = False  # Case-3 tensors read where training writes them (no buffer)
+    exchange_bytes_per_gpu: int = 0  # what a GPU receives from its q - 1 peers when an update is published
 
     @property
     def total_params(self) -> int:
@@ -144,13 +145,16 @@ def sharing_report(t: TextConfig, train_tp: int, rollout_tp: int, *, in_place: b
     (the paper's path) their training shards stay apart and rollout holds a grouped copy."""
     entries = tuple(classify(f, t, train_tp, rollout_tp) for f in llm_families(t))
     params = {c: sum(e.family.params for e in entries if e.case == c) for c in (1, 2, 3)}
-    shared = case3 = train = 0
+    shared = case3 = train = exchange = 0
+    q = train_tp // rollout_tp
     for e in entries:
         at_train = family_params_per_rank(e.family, t, train_tp) * BF16
         at_rollout = family_params_per_rank(e.family, t, rollout_tp) * BF16
         train += at_train
+        if e.family.sharding is not Sharding.REPLICATED:
+            exchange += at_rollout * (q - 1) // q  # the other training ranks' regions of the rollout shard
         if e.case is Case.COPIED and not in_place:
             shared, case3 = shared + at_train, case3 + at_rollout
         else:
             shared += at_rollout
-    return SharingReport(train_tp, rollout_tp, entries, params, shared, case3, train, in_place)
+    return SharingReport(train_tp, rollout_tp, entries, params, shared, case3, train, in_place, exchange)

@@ -49,6 +49,7 @@ def plan_to_json(plan: Plan) -> dict:
             "case_params": {str(c): sh.case_params[c] for c in (1, 2, 3)},
             "case_percent": {str(c): round(sh.percent(c), 2) for c in (1, 2, 3)},
             "case3_buffer_gib": _gib(sh.case3_buffer_bytes_per_gpu),
+            "exchange_gib": _gib(sh.exchange_bytes_per_gpu),
             "tensors": [
                 {
                     "family": e.family.name,

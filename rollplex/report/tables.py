@@ -117,6 +117,8 @@ def sharing_table(plan: Plan) -> str:
             if sh.in_place
             else f"Case-3 buffer {gib(sh.case3_buffer_bytes_per_gpu)} GiB per GPU"
         )
+        + f"\npublishing an update: each GPU receives {gib(sh.exchange_bytes_per_gpu)} GiB from its "
+        + f"{sh.train_tp // sh.rollout_tp - 1} peer(s) (no copy of its own part)"
     )
 
 

@@ -106,3 +106,18 @@ def test_shared_storage_is_the_rollout_shard_plus_case3_training_shards(t, r):
     assert report.case3_buffer_bytes_per_gpu == sum(at(f, r) for f in case3)
     assert report.total_params == sum(f.params for f in llm_families(TEXT))
     assert all(e.family.sharding is not Sharding.ROW or e.case is not Case.COPIED for e in report.entries)
+
+
+@pytest.mark.parametrize(("t", "r"), PAIRS)
+def test_publishing_moves_the_peers_regions_of_every_sharded_tensor_and_nothing_at_matched_degrees(t, r):
+    report = sharing_report(TEXT, t, r)
+    at = lambda f, tp: family_params_per_rank(f, TEXT, tp) * 2  # noqa: E731
+    sharded = [e.family for e in report.entries if e.family.sharding is not Sharding.REPLICATED]
+    assert report.exchange_bytes_per_gpu == sum(at(f, r) * (t // r - 1) // (t // r) for f in sharded)
+    assert (report.exchange_bytes_per_gpu == 0) == (t == r)
+
+
+def test_the_3b_exchange_at_tp_2_to_1_is_what_the_h200_pair_moved():
+    report = sharing_report(load_model_config("qwen2_5_vl_3b").text, 2, 1, in_place=True)
+    # bench/results/tp_sharing_3b_h200x2.json: a 6,171,578,368-byte storage, half of it from the peer
+    assert report.exchange_bytes_per_gpu == pytest.approx(6_171_578_368 / 2, rel=1e-3)
