@@ -54,7 +54,7 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     if engines.tp is None:
         save_checkpoint(engines.actor, tmp / "model")
     else:
-        state = full_state(engines.actor, engines.tp.train)  # every rank takes part in the gather
+        state = full_state(engines.actor, engines.tp.train, dst=0, to_host=True)  # every rank sends, rank 0 keeps
         if engines.is_main:
             save_state(state, engines.actor.config, tmp / "model")
     torch.save(engines.optimizer.state_dict(), tmp / _optimizer_file(engines))

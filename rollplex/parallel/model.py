@@ -78,41 +78,60 @@ def load_sharded(model: Qwen2_5_VL, directory, group: TPGroup) -> None:
         p.copy_(shard)
 
 
-def _gather(x: Tensor, group: TPGroup) -> list[Tensor]:
+def _gather(x: Tensor, group: TPGroup, dst: int | None) -> list[Tensor] | None:
+    """Every rank's `x` in rank order: on every rank (dst None) or only on group rank `dst` (None elsewhere)."""
     if group.size == 1:
         return [x]
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.group)
+    x = x.contiguous()
+    receive = dst is None or group.rank == dst
+    parts = [torch.empty_like(x) for _ in range(group.size)] if receive else None
+    if dst is None:
+        dist.all_gather(parts, x, group=group.group)
+    else:
+        dist.gather(x, parts, dst=dist.get_global_rank(group.group, dst), group=group.group)
     return parts
 
 
 @torch.no_grad()
-def full_state(model: Qwen2_5_VL, group: TPGroup) -> dict[str, Tensor]:
-    """HF-named full tensors of a parallelized model (collective: every rank of the group calls it)."""
+def full_state(model: Qwen2_5_VL, group: TPGroup, *, dst: int | None = None, to_host: bool = False) -> dict:
+    """HF-named full tensors of a parallelized model (collective: every rank of the group calls it). With `dst`,
+    only that group rank receives them (the others get {}): what a checkpoint needs, without a full copy on
+    every GPU; `to_host` moves each tensor to the CPU as soon as it is whole."""
     t, tp = model.config.text, group.size
     lm = model.model.language_model
     prefix = "model.language_model"
     qkv_rows = [layout.qkv_rows(t, tp, r) for r in range(tp)]
     gate_up_rows = [layout.gate_up_rows(t, tp, r) for r in range(tp)]
     q, kv, i = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, t.intermediate_size
+    receive = dst is None or group.rank == dst
     state = {n: p.detach() for n, p in model.named_parameters() if not n.startswith(("lm_head", f"{prefix}.layers"))}
     state |= {n: p.detach() for n, p in lm.layers.named_parameters(prefix=f"{prefix}.layers") if "layernorm" in n}
     for index, layer in enumerate(lm.layers):
         at, attn, mlp = f"{prefix}.layers.{index}", layer.self_attn, layer.mlp
-        w = layout.scatter_rows(_gather(attn.qkv_weight, group), qkv_rows, q + 2 * kv)
-        b = layout.scatter_rows(_gather(attn.qkv_bias, group), qkv_rows, q + 2 * kv)
+        tensors = (attn.qkv_weight, attn.qkv_bias, attn.o_slab, mlp.gate_up, mlp.down_slab)
+        qkv_w, qkv_b, o, gate_up, down = (_gather(x, group, dst) for x in tensors)
+        if not receive:
+            continue
+        w = layout.scatter_rows(qkv_w, qkv_rows, q + 2 * kv)
+        b = layout.scatter_rows(qkv_b, qkv_rows, q + 2 * kv)
         for name, rows in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv]), strict=True):
             state[f"{at}.self_attn.{name}.weight"] = rows
         for name, rows in zip(("q_proj", "k_proj", "v_proj"), b.split([q, kv, kv]), strict=True):
             state[f"{at}.self_attn.{name}.bias"] = rows
-        state[f"{at}.self_attn.o_proj.weight"] = torch.cat(_gather(attn.o_slab, group)).t()
-        gate, up = layout.scatter_rows(_gather(mlp.gate_up, group), gate_up_rows, 2 * i).split([i, i])
+        state[f"{at}.self_attn.o_proj.weight"] = torch.cat(o).t()
+        gate, up = layout.scatter_rows(gate_up, gate_up_rows, 2 * i).split([i, i])
         state[f"{at}.mlp.gate_proj.weight"], state[f"{at}.mlp.up_proj.weight"] = gate, up
-        state[f"{at}.mlp.down_proj.weight"] = torch.cat(_gather(mlp.down_slab, group)).t()
-    state[f"{prefix}.embed_tokens.weight"] = torch.cat(_gather(lm.embed_tokens.weight, group))
-    if not t.tie_word_embeddings:
-        state["lm_head.weight"] = torch.cat(_gather(model.lm_head.weight, group))
-    return state
+        state[f"{at}.mlp.down_proj.weight"] = torch.cat(down).t()
+        if to_host:
+            state = {n: v.cpu() for n, v in state.items()}  # this layer's full tensors leave the GPU now
+    embed = _gather(lm.embed_tokens.weight, group, dst)
+    head = None if t.tie_word_embeddings else _gather(model.lm_head.weight, group, dst)
+    if not receive:
+        return {}
+    state[f"{prefix}.embed_tokens.weight"] = torch.cat(embed)
+    if head is not None:
+        state["lm_head.weight"] = torch.cat(head)
+    return {n: v.cpu() for n, v in state.items()} if to_host else state
 
 
 def materialise(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
