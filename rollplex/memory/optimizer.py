@@ -168,6 +168,7 @@ class ChunkedAdamW:
     ) -> None:
         self.params = list(params)
         self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
+        self._sharded_segments: torch.Tensor | None = None
         assert len(self.sharded) == len(self.params), "one sharded flag per parameter"
         if sum(p.numel() for p in self.params) == 0:
             raise ValueError(f"ChunkedAdamW got {len(self.params)} parameters and no elements to update")
@@ -262,9 +263,10 @@ class ChunkedAdamW:
         over the group and the replicated ones counted once (Megatron's rule)."""
         if self.tp is None or self.tp.size == 1:
             return torch.linalg.vector_norm(norms)
-        mask = torch.tensor(
-            [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments], device=norms.device
-        )
+        if self._sharded_segments is None:  # built on the first step, on the norms' device
+            flags = [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments]
+            self._sharded_segments = torch.tensor(flags, device=norms.device)
+        mask = self._sharded_segments
         squares = norms.square()
         sharded = torch.where(mask, squares, 0.0).sum()
         dist.all_reduce(sharded, group=self.tp.group)

@@ -37,21 +37,24 @@ class TPGroup:
 SINGLE = TPGroup(1, 0)
 
 
+def _gather_single():
+    """torch's all-gather into one tensor: `all_gather_single` from torch 2.13, `all_gather_into_tensor` before."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_into(out: Tensor, part: Tensor, group: TPGroup) -> None:
     """out = concat over ranks of each rank's `part` along dim 0 (part may be a view of out's own region)."""
     if group.size == 1:  # never hand torch a None group here: it would gather over the whole world
         if out.data_ptr() != part.data_ptr():
             out.copy_(part)
         return
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
-    gather(out, part, group=group.group)
+    _gather_single()(out, part, group=group.group)
 
 
 def all_gather_async(out: Tensor, part: Tensor, group: TPGroup) -> dist.Work:
     """`all_gather_into` started on the current stream's queue; wait on the returned work before reading out."""
     assert group.size > 1, "a group of one rank has nothing to gather"
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, part, group=group.group, async_op=True)
+    return _gather_single()(out, part, group=group.group, async_op=True)
 
 
 def all_gather_many(pairs: list[tuple[Tensor, Tensor]], group: TPGroup, *, coalesced: bool = True) -> None:

@@ -122,8 +122,8 @@ def full_state(model: Qwen2_5_VL, group: TPGroup, *, dst: int | None = None, to_
         gate, up = layout.scatter_rows(gate_up, gate_up_rows, 2 * i).split([i, i])
         state[f"{at}.mlp.gate_proj.weight"], state[f"{at}.mlp.up_proj.weight"] = gate, up
         state[f"{at}.mlp.down_proj.weight"] = torch.cat(down).t()
-        if to_host:
-            state = {n: v.cpu() for n, v in state.items()}  # this layer's full tensors leave the GPU now
+        if to_host:  # this layer's full tensors leave the GPU now
+            state |= {n: v.cpu() for n, v in state.items() if n.startswith(f"{at}.")}
     embed = _gather(lm.embed_tokens.weight, group, dst)
     head = None if t.tie_word_embeddings else _gather(model.lm_head.weight, group, dst)
     if not receive:
@@ -131,7 +131,7 @@ def full_state(model: Qwen2_5_VL, group: TPGroup, *, dst: int | None = None, to_
     state[f"{prefix}.embed_tokens.weight"] = torch.cat(embed)
     if head is not None:
         state["lm_head.weight"] = torch.cat(head)
-    return {n: v.cpu() for n, v in state.items()} if to_host else state
+    return {n: v.cpu() for n, v in state.items()} if to_host else state  # .cpu() of a host tensor is itself
 
 
 def materialise(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:

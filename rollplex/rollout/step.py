@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
-from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
+from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache
 from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 from rollplex.models.boundary import Boundary
 from rollplex.models.model import Qwen2_5_VL
@@ -177,7 +177,7 @@ class DecodeStep:
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed)
-            delta = w.mlp(normed, silu_mul)
+            delta = w.mlp(normed)
         add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
         logits = self._logits(normed, rows)
         self.step += 1

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollplex.kernels.decode_ops import silu_mul
 from rollplex.models.decoder import SelfAttention
 from rollplex.models.packing import packed_view
 from rollplex.parallel.group import SINGLE, TPGroup
@@ -51,7 +52,7 @@ class LayerWeights:
     def out(self, attended: Tensor) -> Tensor:
         return self._reduce(attended @ self.o if self.transposed else F.linear(attended, self.o))
 
-    def mlp(self, x: Tensor, silu_mul) -> Tensor:
+    def mlp(self, x: Tensor) -> Tensor:
         """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
         y = F.linear(x, self.gate_up)  # [rows, blocks * 2 * I_block]
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
