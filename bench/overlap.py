@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from rollplex.executors.engines import make_prefix_stream
+from rollplex.executors.bench import parse_policy
+from rollplex.executors.engines import PrefixStreams, make_prefix_streams
 from rollplex.models.config import load_model_config
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
-from rollplex.rollout.beside import Beside
 from rollplex.rollout.engine import RolloutEngine
 
 
@@ -40,12 +40,13 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def policy_stream(policy: str, keep: list) -> torch.cuda.Stream | None:
-    """`inline`, `streams` or `green:<SMs>` (`sharing.policy` of a spec); `keep` holds a green context alive."""
-    name, _, sms = policy.partition(":")
-    stream, context = make_prefix_stream(name, int(sms or 0), torch.device("cuda"))
-    keep.append(context)
-    return stream
+def policy_streams(policy: str, keep: list) -> PrefixStreams:
+    """`inline`, `streams`, `green:<SMs>` or `green:adaptive` (`rollplex bench --policies`); `keep` holds the
+    green contexts alive."""
+    name, sms = parse_policy(policy)
+    streams = make_prefix_streams(name, sms, torch.device("cuda"))
+    keep.append(streams)
+    return streams
 
 
 def main() -> None:
@@ -107,7 +108,7 @@ def main() -> None:
     contexts: list = []
     for policy in args.policies:
         jobs = [m.prefix_chunks([p], attached=False) for m in (reference, actor) for p in prompts]
-        beside = Beside(jobs, policy_stream(policy, contexts))
+        beside = policy_streams(policy, contexts).beside(jobs)
 
         def together(beside=beside):
             out = rollout(beside)

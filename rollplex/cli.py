@@ -84,7 +84,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rollplex.graph.load import load_spec
 
     loaded = load_spec(args.spec)
-    from rollplex.executors.bench import compare, run_schedule, tolerance, with_unsplit
+    from rollplex.executors.bench import compare, policy_label, run_schedule, tolerance, with_policy, with_unsplit
     from rollplex.executors.distributed import check_launch, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.report.timeline import plot_timeline
@@ -99,34 +99,51 @@ def _bench(args: argparse.Namespace) -> int:
         raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
+    try:
+        variants = [with_policy(loaded, p) for p in args.policies] if args.policies else [loaded]
+    except ValueError as e:
+        raise SpecError("", f"--policies: {e}") from None
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
-    runs = {}
-    for schedule in (Schedule.SERIAL, Schedule.ROLLPLEX, *([Schedule.UNSPLIT] if args.unsplit else [])):
-        print(f"rollplex bench: {schedule.value}, {args.warmup} warm-up + {args.steps} steps", file=sys.stderr)
-        runs[schedule.value] = run_schedule(loaded, schedule, args.steps, args.warmup)
-    command = "rollplex " + " ".join(args.argv)
-    result = compare(loaded, runs["serial"], runs["rollplex"], command)
-    # under tensor parallelism each rank compared its own shards: the worst rank decides
-    result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])
-    result["updates_match"] = result["max_param_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+    steps = f"{args.warmup} warm-up + {args.steps} steps"
+    print(f"rollplex bench: serial, {steps}", file=sys.stderr)
+    serial = run_schedule(loaded, Schedule.SERIAL, args.steps, args.warmup)
+    unsplit = None
     if args.unsplit:
-        result = with_unsplit(result, runs["rollplex"], runs["unsplit"])
-        key = "unsplit_max_param_relative_difference"
-        result[key] = max_over_ranks(result[key])
-    if not is_main_process():
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    png = out.with_suffix(".png")
-    plot_timeline({k: r.timeline for k, r in runs.items()}, png, f"{Path(args.spec).stem} on {result['gpu']}")
-    s = result["step_s"]
-    slowdown = result["decode_slowdown"]
-    print(
-        f"step: serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
-        f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
-        f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']}; "
-        f"{out}, {png}"
-    )
+        print(f"rollplex bench: unsplit, {steps}", file=sys.stderr)
+        unsplit = run_schedule(loaded, Schedule.UNSPLIT, args.steps, args.warmup)
+    command = "rollplex " + " ".join(args.argv)
+    for variant in variants:
+        label = policy_label(variant.spec)
+        print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
+        rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup)
+        result = compare(variant, serial, rollplex, command)
+        # under tensor parallelism each rank compared its own shards: the worst rank decides
+        result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])
+        result["updates_match"] = result["max_param_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+        runs = {"serial": serial, "rollplex": rollplex}
+        if unsplit is not None:
+            result = with_unsplit(result, rollplex, unsplit)
+            key = "unsplit_max_param_relative_difference"
+            result[key] = max_over_ranks(result[key])
+            runs["unsplit"] = unsplit
+        if not is_main_process():
+            continue
+        path = out if len(variants) == 1 else out.with_name(f"{out.stem}_{label.replace(':', '')}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        png = path.with_suffix(".png")
+        plot_timeline(
+            {k: r.timeline for k, r in runs.items()}, png, f"{Path(args.spec).stem} ({label}) on {result['gpu']}"
+        )
+        s = result["step_s"]
+        slowdown = result["decode_slowdown"]
+        print(
+            f"{label}: step serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
+            f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
+            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']}; "
+            f"{path}, {png}",
+            flush=True,
+        )
     return 0
 
 
@@ -157,6 +174,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
     b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
     b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
+    b.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        help="rollplex once per GPU sharing policy against one serial run: inline, streams, green, green:<SMs>, "
+        "green:adaptive (default: the spec's); one JSON and PNG each, named <out>_<policy>",
+    )
     b.set_defaults(func=_bench)
     return p
 

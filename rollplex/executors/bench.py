@@ -6,11 +6,15 @@ From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); th
 (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
 seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The updates
 match when the two schedules' final actor parameters agree within the rounding of the model dtype.
+Each schedule's device memory is probed per phase (`memprobe.py`: the driver's used bytes, so VMM regions and
+the runtime count as in the plan) and reported beside the compiled plan's peak of that phase. Several GPU
+sharing policies share one serial run (`--policies`: one rollplex run per policy, `with_policy`).
 Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,10 +23,12 @@ import torch
 
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import build_engines
+from rollplex.executors.memprobe import PhaseMemory, chain
 from rollplex.executors.runtime import run_iteration
-from rollplex.graph.ir import NodeKind, Op, Part, Schedule
+from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
+from rollplex.graph.plan import compile_plan
 
 Span = tuple[str, str, float, float]  # (lane, label, start s, end s) from the iteration's start
 
@@ -35,6 +41,7 @@ class ScheduleRun:
     beside_fraction: list[float] = field(default_factory=list)
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
+    peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
 
 
 def run_schedule(loaded: LoadedSpec, schedule: Schedule, steps: int, warmup: int) -> ScheduleRun:
@@ -48,10 +55,14 @@ def run_schedule(loaded: LoadedSpec, schedule: Schedule, steps: int, warmup: int
         clock = _OpClock(device)
         _sync(device)
         begin = time.perf_counter()
-        record = run_iteration(g, engines, examples, before_op=clock.before, after_op=clock.after)
-        _sync(device)
+        with PhaseMemory(device) as memory:
+            before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
+            record = run_iteration(g, engines, examples, before_op=before, after_op=after)
+            _sync(device)
         if i < warmup:
             continue
+        for phase, num_bytes in memory.peaks().items():
+            out.peak_bytes[phase] = max(out.peak_bytes.get(phase, 0), num_bytes)
         out.step_s.append(time.perf_counter() - begin)
         out.times.append(dict(record.times))
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
@@ -77,7 +88,7 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": spec.model,
         "workload": spec.workload.model_dump(),
-        "policy": spec.sharing.policy if torch.cuda.is_available() else "inline",
+        "policy": policy_label(spec) if torch.cuda.is_available() else "inline",
         "command": command,
         "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},
         "speedup": round(step_serial / step_rollplex, 4),
@@ -90,8 +101,47 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "T_post_s": round(t_post, 4),
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
+        "peak_gib": {"serial": _gib_by_phase(serial.peak_bytes), "rollplex": _gib_by_phase(rollplex.peak_bytes)},
+        "plan_peak_gib": {s.value: plan_peaks_gib(loaded, s) for s in (Schedule.SERIAL, Schedule.ROLLPLEX)},
         "steps": len(serial.step_s),
     }
+
+
+def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:
+    """The compiled plan's peak HBM per phase ("1", "2", "3"), GiB per GPU."""
+    return {str(int(p.phase)): round(p.peak_bytes / 2**30, 2) for p in compile_plan(loaded, schedule).residency.phases}
+
+
+def _gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:
+    return {str(int(p)): round(b / 2**30, 2) for p, b in sorted(peaks.items())}
+
+
+def parse_policy(text: str) -> tuple[str, int | str | None]:
+    """`inline`, `streams`, `green`, `green:<SMs>` or `green:adaptive` -> (sharing.policy, sharing.prefix_sms
+    or None to keep the spec's)."""
+    name, _, sms = text.partition(":")
+    if name not in ("inline", "streams", "green") or (sms and name != "green"):
+        raise ValueError(f"policy '{text}': use inline, streams, green, green:<SMs> or green:adaptive")
+    if not sms:
+        return name, None
+    if sms == "adaptive":
+        return name, sms
+    if not sms.isdigit() or int(sms) < 1:
+        raise ValueError(f"policy '{text}': the SM count must be a positive integer or adaptive")
+    return name, int(sms)
+
+
+def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
+    """The spec with `sharing.policy` (and `prefix_sms`) from a `--policies` entry."""
+    name, sms = parse_policy(text)
+    update = {"policy": name} | ({"prefix_sms": sms} if sms is not None else {})
+    sharing = loaded.spec.sharing.model_copy(update=update)
+    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
+
+
+def policy_label(spec) -> str:
+    s = spec.sharing
+    return f"green:{s.prefix_sms}" if s.policy == "green" else s.policy
 
 
 def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:

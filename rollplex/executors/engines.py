@@ -12,7 +12,7 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +36,7 @@ from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout
 from rollplex.parallel.model import parallelize, sharded_parameters
 from rollplex.parallel.replicas import split_rollout
+from rollplex.rollout.beside import AdaptivePartition, Beside
 
 RolloutFn = Callable[..., Rollout]  # (prompts, *, num_samples, params, generator) -> Rollout
 
@@ -57,8 +58,7 @@ class Engines:
     group_size: int
     layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
     prompts_per_chunk: int | None = None  # prompts per chunk of prefix work (both schedules); None: all
-    prefix_stream: torch.cuda.Stream | None = None  # where `rollplex` runs prefix work beside decode; None: inline
-    green_context: object | None = None  # keeps a green partition alive while its stream is used
+    prefix_streams: PrefixStreams = field(default_factory=lambda: PrefixStreams())  # where prefixes run beside decode
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
     reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
     prefix_memory: Callable[[], AbstractContextManager] = nullcontext  # each actor-prefix chunk runs inside one
@@ -119,7 +119,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         stop_token_ids=(config.tokens.eos,),
     )
     sharing = spec.sharing
-    prefix_stream, green_context = make_prefix_stream(sharing.policy, sharing.prefix_sms, device)
+    prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
     paged = reference is not None and spec.memory.page_reference
     reference_pager = make_reference_pager(reference) if paged else None
     rollout, rollout_stats = make_rollout(actor if bound is None else bound.model)
@@ -139,8 +139,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         group_size=spec.workload.group_size,
         layers_per_chunk=spec.sharing.layers_per_chunk,
         prompts_per_chunk=spec.sharing.prompts_per_chunk,
-        prefix_stream=prefix_stream,
-        green_context=green_context,
+        prefix_streams=prefix_streams,
         tp=tp,
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
@@ -216,18 +215,39 @@ def make_reference_pager(reference: Qwen2_5_VL):
     return WeightPager(reference, VmmArena(total, device))
 
 
-def make_prefix_stream(
-    policy: str, prefix_sms: int, device: torch.device
-) -> tuple[torch.cuda.Stream | None, object | None]:
-    """The stream of a `sharing.policy` (and the green context that owns it: keep it), or None to run inline."""
+ADAPTIVE_SMS_FRACTIONS = (0.25, 0.5, 0.75)  # the partitions `green:adaptive` picks from, of the device's SMs
+
+
+@dataclass(frozen=True)
+class PrefixStreams:
+    """Where `rollplex` runs prefix chunks beside decode (`sharing.policy`): `stream` (None: inline, on
+    decode's stream), or under `green:adaptive` a stream per partition size picked by the live decode batch.
+    `contexts` holds the green contexts that own the streams (alive as long as this is)."""
+
+    stream: torch.cuda.Stream | None = None
+    choose: Callable[[int], torch.cuda.Stream] | None = None
+    contexts: tuple = ()
+
+    def beside(self, jobs: Sequence[Generator]) -> Beside:
+        return Beside(jobs, self.stream, self.choose)
+
+
+def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device) -> PrefixStreams:
     if device.type != "cuda" or policy == "inline":
-        return None, None
+        return PrefixStreams()
     if policy == "streams":
-        return torch.cuda.Stream(device), None
+        return PrefixStreams(torch.cuda.Stream(device))
     from torch.cuda.green_contexts import GreenContext
 
-    context = GreenContext.create(num_sms=prefix_sms, device_id=device.index or 0)
-    return context.Stream(), context
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if prefix_sms != "adaptive":
+        context = GreenContext.create(num_sms=prefix_sms, device_id=index)
+        return PrefixStreams(context.Stream(), contexts=(context,))
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    contexts = {round(total * f): GreenContext.create(num_sms=round(total * f), device_id=index)
+                for f in ADAPTIVE_SMS_FRACTIONS}  # fmt: skip
+    choose = AdaptivePartition({sms: c.Stream() for sms, c in contexts.items()}, total)
+    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()))
 
 
 def _checkpoint_dir(loaded: LoadedSpec) -> Path:

@@ -17,6 +17,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.engines import Engines, build_engines
+from rollplex.executors.memprobe import PhaseMemory, chain
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
@@ -100,10 +101,12 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
                     updating = True
 
             begin = time.perf_counter()
-            with PhaseBars(g, step, progress) as after:
-                record = run_iteration(g, engines, examples, before_op=before, after_op=after)
+            with PhaseBars(g, step, progress) as after, PhaseMemory(engines.actor.device) as memory:
+                hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after)}
+                record = run_iteration(g, engines, examples, **hooks)
             position += size
             records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
+            records[-1]["peak_gib_by_phase"] = {str(int(p)): round(b / 2**30, 2) for p, b in memory.peaks().items()}
             if log is not None:
                 log.write(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False

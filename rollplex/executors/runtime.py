@@ -26,7 +26,6 @@ from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
 from rollplex.models.model import drain
 from rollplex.models.scores import SuffixOut
-from rollplex.rollout.beside import Beside
 from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
@@ -133,7 +132,7 @@ def _handler(o: Op) -> Handler:
 def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
     jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes]
-    beside = Beside(jobs, e.prefix_stream) if jobs else None
+    beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
     rollout = e.rollout(
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,

@@ -192,7 +192,11 @@ class SharingSpec(_Strict):
         "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
         "`prefix_sms` SMs, torch green contexts). One chunk at most is in flight; the CPU always runs inline.",
     )
-    prefix_sms: PositiveInt = Field(66, description="SMs of the prefix partition under `green` (an H200 has 132).")
+    prefix_sms: PositiveInt | Literal["adaptive"] = Field(
+        66,
+        description="SMs of the prefix partition under `green` (an H200 has 132), or adaptive: each chunk gets "
+        "a partition sized by the live decode batch (half the SMs at the rollout's full batch, more as it drains).",
+    )
     layers_per_chunk: PositiveInt = Field(1, description="Decoder layers of prefix work per chunk.")
     prompts_per_chunk: PositiveInt | None = Field(
         None, description="Prompts of prefix work per chunk (both schedules run prefixes in these groups); null: all."

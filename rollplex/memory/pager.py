@@ -49,6 +49,9 @@ class WeightPager:
             self.arena.evict(self.region, self.host)
 
     def page_in(self) -> None:
-        """Fresh pages at the same addresses, contents copied back on the current stream."""
+        """Fresh pages at the same addresses, contents copied back on the current stream. The caching
+        allocator first gives back its unused blocks: the pages come from what the previous phase freed."""
         if not self.resident:
+            if self.host.is_pinned():
+                torch.cuda.empty_cache()
             self.arena.restore(self.region, self.host)

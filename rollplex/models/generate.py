@@ -35,12 +35,13 @@ def generate(
     num_samples: int,
     params: SamplingParams,
     generator: torch.Generator,
-    beside: Callable[[], None] | None = None,
+    beside: Callable[[int], None] | None = None,
     max_lens: Tensor | None = None,
 ) -> Rollout:
     """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
 
-    beside: called after each decode step, to run other work in between (`rollplex.rollout.beside`).
+    beside: called after each decode step with the live batch size, to run other work in between
+    (`rollplex.rollout.beside`).
     max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first)."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")
@@ -67,7 +68,7 @@ def generate(
         logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)
         dist = torch.log_softmax(logits.float(), dim=-1).view(batch, -1)
         if beside is not None:
-            beside()
+            beside(int((~done).sum()))
     return collect_rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)
 
 

@@ -5,7 +5,9 @@ the next chunk of the first unfinished job on its own stream (a plain stream, or
 SM partition), but only when the chunk it enqueued before has finished on the GPU: at most one chunk is
 ever in flight, so prefix work fills the GPU beside decode and never queues up in front of it (a free-running
 prefill stream starves decode, DESIGN.md section 6). `finish` runs what is left and makes the caller's stream
-wait for it. Without CUDA (tests), chunks run in line.
+wait for it. Without CUDA (tests), chunks run in line. With `choose`, each chunk's stream is picked from the
+live decode batch (`green:adaptive`: partitions of several sizes); a chunk on another stream than the one
+before waits for it, so a job's chunks stay in order.
 
 Lifecycle of a job:
 
@@ -14,7 +16,7 @@ Lifecycle of a job:
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -23,10 +25,16 @@ from rollplex.rollout.slowdown import DeviceClock
 
 
 class Beside:
-    def __init__(self, jobs: Sequence[Generator], stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[Generator],
+        stream: torch.cuda.Stream | None = None,
+        choose: Callable[[int], torch.cuda.Stream] | None = None,
+    ) -> None:
         self.jobs = list(jobs)
         self.results: list[object] = [None] * len(self.jobs)
-        self.stream = stream
+        self.stream = stream if choose is None else choose(0)
+        self.choose = choose
         self.next_job = 0
         self.in_flight: torch.cuda.Event | None = None
         self.num_chunks = 0
@@ -38,13 +46,16 @@ class Beside:
     def done(self) -> bool:
         return self.next_job == len(self.jobs)
 
-    def __call__(self) -> None:
-        """Enqueues one chunk if the previous one has finished (the hook between decode steps)."""
+    def __call__(self, rows: int = 0) -> None:
+        """Enqueues one chunk if the previous one has finished (the hook between decode steps; `rows`: the
+        live decode batch, which picks the stream under `choose`)."""
         if self.done:
             return
         if self.in_flight is not None and not self.in_flight.query():
             self.num_skipped += 1
             return
+        if self.choose is not None:
+            self._switch(self.choose(rows))
         self._advance()
 
     def finish(self) -> list[object]:
@@ -58,6 +69,11 @@ class Beside:
     def spans(self) -> list[tuple[int, float, float]]:
         """(job, start, end) of every chunk in perf_counter seconds; on a stream, GPU times (after `finish`)."""
         return [(job, self.clock.seconds(start), self.clock.seconds(end)) for job, start, end in self._marks]
+
+    def _switch(self, stream: torch.cuda.Stream) -> None:
+        if stream is not self.stream and self.in_flight is not None:
+            stream.wait_event(self.in_flight)
+        self.stream = stream
 
     def _advance(self) -> None:
         job = self.next_job
@@ -73,3 +89,25 @@ class Beside:
                 self.in_flight = end
         self._marks.append((job, start, end))
         self.num_chunks += 1
+
+
+class AdaptivePartition:
+    """`choose` of `Beside` for `green:adaptive`: a chunk runs in the partition whose size follows the live
+    decode batch, half the SMs at the rollout's full batch (the largest batch seen) and up to all of them
+    as the batch drains (the largest partition not above `total * (1 - rows / (2 * full))`)."""
+
+    def __init__(self, streams: dict[int, torch.cuda.Stream], total_sms: int) -> None:
+        self.streams = dict(sorted(streams.items()))
+        self.total_sms = total_sms
+        self.full_rows = 0
+
+    def __call__(self, rows: int) -> torch.cuda.Stream:
+        self.full_rows = max(self.full_rows, rows)
+        return self.streams[adaptive_sms(rows, self.full_rows, tuple(self.streams), self.total_sms)]
+
+
+def adaptive_sms(rows: int, full_rows: int, sizes: tuple[int, ...], total_sms: int) -> int:
+    """The partition size (one of `sizes`, ascending) for a live batch of `rows` out of `full_rows`."""
+    target = total_sms * (1 - rows / (2 * full_rows)) if full_rows else total_sms
+    fitting = [s for s in sizes if s <= target]
+    return fitting[-1] if fitting else sizes[0]

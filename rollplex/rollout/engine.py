@@ -69,7 +69,7 @@ class RolloutEngine:
         params: SamplingParams,
         generator: torch.Generator,
         max_lens: Tensor | None = None,
-        beside: Callable[[], None] | None = None,
+        beside: Callable[[int], None] | None = None,
     ) -> Rollout:
         """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`).
 
@@ -95,7 +95,7 @@ class RolloutEngine:
         params: SamplingParams,
         generator: torch.Generator,
         max_lens: Tensor | None = None,
-        beside: Callable[[], None] | None = None,
+        beside: Callable[[int], None] | None = None,
     ) -> tuple[Rollout, tuple]:
         """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
         if num_samples < 1:
@@ -103,6 +103,7 @@ class RolloutEngine:
         start = time.perf_counter()
         graphs = self._graphs_for(boundary, num_samples, params)
         if self.kv_region is not None and self.kv_arena.state(self.kv_region) is RegionState.RELEASED:
+            torch.cuda.empty_cache()  # the training phases' cached blocks go back first: the KV takes their pages
             self.kv_arena.map(self.kv_region)  # fresh pages at the same addresses: contents are rewritten below
         step = graphs.step
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
@@ -120,7 +121,7 @@ class RolloutEngine:
             run.next_token(rows, k + 1, logits)
             sizes.append(rows)
             if beside is not None:
-                beside()
+                beside(rows)
             live = run.live_after_previous_step()
             if live.numel() == 0:
                 break

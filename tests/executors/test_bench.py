@@ -48,3 +48,22 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
     s = result["step_s"]
     assert abs(result["speedup_vs_unsplit"] - s["unsplit"] / s["rollplex"]) < 2e-3  # from unrounded medians
     assert result["unsplit_max_param_relative_difference"] < 1e-2  # another summation order, the same update
+
+
+def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--policies", "inline", "green:adaptive", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("rollplex bench: serial") == 1 and proc.stderr.count("rollplex bench: rollplex") == 2
+    results = [json.loads((tmp_path / f"tiny_{name}.json").read_text()) for name in ("inline", "greenadaptive")]
+    assert results[0]["step_s"]["serial"] == results[1]["step_s"]["serial"]  # the same serial run
+    for r in results:
+        assert r["updates_match"] and set(r["plan_peak_gib"]) == {"serial", "rollplex"}
+        assert set(r["plan_peak_gib"]["rollplex"]) == {"1", "2", "3"}
+        assert r["peak_gib"] == {"serial": {}, "rollplex": {}}  # measured on a GPU only
+    assert not out.exists() and (tmp_path / "tiny_greenadaptive.png").exists()
+
+
+def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path):
+    proc = bench("--policies", "green:many", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "green:many" in proc.stderr and "Traceback" not in proc.stderr

@@ -62,6 +62,8 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
     assert len({r["param_digest"] for r in a}) == 3
+    for r in a + b:  # the driver's view of the device, per phase: at least the CUDA context and the weights
+        assert set(r["peak_gib_by_phase"]) == {"1", "2", "3"} and min(r["peak_gib_by_phase"].values()) > 0.1
 
 
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
@@ -162,6 +164,7 @@ def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
 
 
 METRIC_KEYS = {
+    "peak_gib_by_phase",
     "prefix_beside_decode",
     "step",
     "schedule",

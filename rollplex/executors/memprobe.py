@@ -1,0 +1,86 @@
+"""Measured per-phase device memory: what the GPU really holds in each phase of a step, for the plan's figures.
+
+The plan counts every byte a phase holds on the GPU: the caching allocator's blocks, the VMM regions (rollout
+KV, the paged reference, shared actor storage) and the runtime reserve. `torch.cuda.max_memory_allocated`
+sees only the first, so the probe reads the driver instead: a thread samples `cudaMemGetInfo` (total - free:
+every context, allocator, VMM mapping and library workspace of the device) every `interval_s`, and at each
+op boundary, and keeps the maximum per phase. The phase is the one of the op that last started. Peaks
+shorter than the interval between two samples can be missed; the allocator's blocks stay reserved after a
+peak (the runtime empties the cache only where VMM pages must be mapped), so they are not.
+
+Not here: the plan (`rollplex.graph.plan`), what the probe is compared with (`bench.py`, `loop.py`).
+Without CUDA the probe records nothing (`peaks()` is empty).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from rollplex.graph.ir import Op, Phase
+
+
+class PhaseMemory:
+    """Peak device bytes per phase over the ops it is told about (`before`/`after` hooks of `run_iteration`)."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.phase: Phase | None = None
+        self._peaks: dict[Phase, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device.type == "cuda":
+            self._thread = threading.Thread(target=self._sample_until_stopped, name="rollplex-memprobe", daemon=True)
+            self._thread.start()
+
+    def __enter__(self) -> PhaseMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def before(self, o: Op) -> None:
+        self._sample()
+        self.phase = o.phase
+        self._sample()
+
+    def after(self, o: Op) -> None:
+        self._sample()
+
+    def peaks(self) -> dict[Phase, int]:
+        with self._lock:
+            return dict(self._peaks)
+
+    def _sample_until_stopped(self) -> None:
+        torch.cuda.set_device(self.device)
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        if self.device.type != "cuda" or self.phase is None:
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        with self._lock:
+            phase = self.phase
+            if phase is not None:
+                self._peaks[phase] = max(self._peaks.get(phase, 0), total - free)
+
+
+def chain(*hooks):
+    """One op hook that calls each of `hooks` (None entries skipped) in order."""
+    live = [h for h in hooks if h is not None]
+
+    def call(o: Op) -> None:
+        for h in live:
+            h(o)
+
+    return call

@@ -1,0 +1,51 @@
+"""The per-phase device memory probe."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rollplex.executors.memprobe import PhaseMemory, chain
+from rollplex.graph.ir import NodeKind, Op, Phase
+
+
+def op_in(phase: Phase) -> Op:
+    return Op(id=f"op{int(phase)}", kind=NodeKind.FORWARD, role=None, inputs=(), outputs=(), phase=phase)
+
+
+def test_hooks_chain_in_order_and_skip_none():
+    calls = []
+    hook = chain(lambda o: calls.append(("a", o.id)), None, lambda o: calls.append(("b", o.id)))
+    hook(op_in(Phase.TRAIN))
+    assert calls == [("a", "op2"), ("b", "op2")]
+
+
+def test_on_the_cpu_the_probe_records_nothing():
+    with PhaseMemory(torch.device("cpu")) as memory:
+        memory.before(op_in(Phase.ROLLOUT))
+        memory.after(op_in(Phase.ROLLOUT))
+    assert memory.peaks() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_phase_sees_what_the_device_held_during_it():
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    with PhaseMemory(device) as memory:
+        memory.before(op_in(Phase.ROLLOUT))
+        memory.after(op_in(Phase.ROLLOUT))
+        memory.before(op_in(Phase.TRAIN))
+        big = torch.empty(4 << 30, dtype=torch.uint8, device=device)  # 4 GiB, held for a moment only
+        torch.cuda.synchronize()
+        time.sleep(0.05)  # the sampling thread's turn
+        del big
+        torch.cuda.empty_cache()
+        memory.after(op_in(Phase.TRAIN))
+        memory.before(op_in(Phase.UPDATE))
+        memory.after(op_in(Phase.UPDATE))
+    peaks = memory.peaks()
+    assert peaks[Phase.TRAIN] - peaks[Phase.ROLLOUT] >= 4 << 30
+    assert abs(peaks[Phase.UPDATE] - peaks[Phase.ROLLOUT]) < 1 << 30

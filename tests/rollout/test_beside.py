@@ -1,0 +1,63 @@
+"""`green:adaptive`: the partition a prefix chunk runs in follows the live decode batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.rollout.beside import AdaptivePartition, Beside, adaptive_sms
+
+SIZES = (33, 66, 99)
+
+
+def test_half_the_sms_at_the_full_batch_and_more_as_the_batch_drains():
+    assert adaptive_sms(64, 64, SIZES, 132) == 66
+    assert adaptive_sms(32, 64, SIZES, 132) == 99  # target 99
+    assert adaptive_sms(1, 64, SIZES, 132) == 99  # never above the largest partition
+    assert adaptive_sms(0, 0, SIZES, 132) == 99  # nothing seen yet: the largest
+    assert adaptive_sms(64, 64, (80, 100), 132) == 80  # none fits the target: the smallest
+
+
+def test_the_full_batch_is_the_largest_seen_so_far():
+    streams = {99: "s99", 33: "s33", 66: "s66"}  # stand-ins: the policy only picks among them
+    choose = AdaptivePartition(streams, 132)
+    picked = [choose(rows) for rows in (64, 48, 16, 1)]
+    assert picked == ["s66", "s66", "s99", "s99"]  # 48 of 64: target 82.5 -> 66
+    assert choose.full_rows == 64
+
+
+def test_inline_beside_runs_jobs_in_order_whatever_the_batch():
+    def job(k, log):
+        for i in range(3):
+            log.append((k, i))
+            yield
+        return k
+
+    log = []
+    beside = Beside([job(0, log), job(1, log)])
+    for rows in (8, 4, 2):
+        beside(rows)
+    assert beside.finish() == [0, 1]
+    assert log == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunks_moving_between_green_partitions_stay_in_order():
+    from rollplex.executors.engines import make_prefix_streams
+
+    streams = make_prefix_streams("green", "adaptive", torch.device("cuda"))
+    x = torch.ones(1 << 20, device="cuda")
+
+    def job():
+        for _ in range(20):
+            x.mul_(2).div_(2).add_(1)  # order matters: any reordering changes the sum
+            yield
+        return float(x[0])
+
+    beside = streams.beside([job()])
+    rows = 64
+    while not beside.done:
+        beside(rows)
+        rows = max(rows - 7, 1)
+    assert beside.finish() == [21.0]
