@@ -181,13 +181,13 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
 def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
     """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward
     (`memory.prefix_activations`): `offload` copies them into a host pool (pinned on a GPU) sized from the
-    plan's figure, or `memory.host_pool_gib`; `recompute` checkpoints each decoder layer (its input is kept,
-    backward reruns it). Neither changes a gradient."""
+    plan's figure, or `memory.host_pool_gib`; `recompute` checkpoints each decoder layer and each vision block
+    (its input is kept, backward reruns it), as the plan counts them. Neither changes a gradient."""
     from rollplex.memory.offload import SavedTensorOffload, recompute
 
     memory = loaded.spec.memory
     if memory.prefix_activations == "recompute":
-        layers = list(actor.model.language_model.layers)
+        layers = [*actor.model.visual.blocks, *actor.model.language_model.layers]
         return lambda: recompute(layers)
     from rollplex.graph.plan import compile_plan
     from rollplex.memory.host_pool import HostPool

@@ -33,6 +33,8 @@ class PhaseMemory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if device.type == "cuda":
+            if device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self._thread = threading.Thread(target=self._sample_until_stopped, name="rollplex-memprobe", daemon=True)
             self._thread.start()
 
