@@ -39,7 +39,7 @@ class Beside:
         self.in_flight: torch.cuda.Event | None = None
         self.num_chunks = 0
         self.num_skipped = 0  # calls that found the previous chunk still running
-        self.clock = DeviceClock(cuda=stream is not None)
+        self.clock = DeviceClock(cuda=self.stream is not None)
         self._marks: list[tuple[int, object, object]] = []  # (job, start, end): perf_counter or CUDA events
 
     @property
