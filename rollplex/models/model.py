@@ -29,7 +29,7 @@ from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt
 from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
-from rollplex.models.scores import SuffixOut, score_responses
+from rollplex.models.scores import SuffixOut, score_hidden
 from rollplex.models.vision import VisionEncoder
 
 T = TypeVar("T")
@@ -131,8 +131,8 @@ class Qwen2_5_VL(nn.Module):
         if responses.ndim != 3 or responses.shape[0] != boundary.num_prompts or responses.shape[2] == 0:
             expected = f"[num_prompts={boundary.num_prompts}, N, R >= 1]"
             raise ValueError(f"responses must be {expected}, got {tuple(responses.shape)}")
-        logits = self.response_logits(boundary, responses[:, :, :-1])  # [P, N, R-1, V]
-        return score_responses(boundary.first_logprobs, logits, responses, response_lens)
+        hidden = self.response_hidden(boundary, responses[:, :, :-1])  # [P, N, R-1, hidden]
+        return score_hidden(boundary.first_logprobs, hidden, self.lm_head, responses, response_lens)
 
     def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
         """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt.
@@ -140,6 +140,10 @@ class Qwen2_5_VL(nn.Module):
         Without a cache the tokens are the responses' first T tokens; with one they follow its `length`
         tokens, and the cache takes their K and V.
         """
+        return self.lm_head(self.response_hidden(boundary, tokens, cache))
+
+    def response_hidden(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
+        """The final hidden states [P, N, T, hidden] under `response_logits` (before the LM head)."""
         num_prompts, num_samples, num_tokens = tokens.shape
         start = 0 if cache is None else cache.length
         offsets = torch.arange(start, start + num_tokens, device=self.device)
@@ -151,7 +155,7 @@ class Qwen2_5_VL(nn.Module):
         hidden = self.model.language_model(x, cos, sin, attention)
         if cache is not None:
             cache.advance(num_tokens)
-        return self.lm_head(hidden).unflatten(0, (num_prompts, num_samples))
+        return hidden.unflatten(0, (num_prompts, num_samples))
 
     def _run_sequences(self, sequences: Sequence[Prompt], attention: Attention) -> tuple[Tensor, PackedSequences]:
         """Final hidden states [B, L, hidden] of right-padded sequences, and the packed batch."""

@@ -1,13 +1,19 @@
 """Per-token scores of sampled responses: the log-probability of each token and the entropy of the
-distribution it was drawn from, masked past each response's length. Pure tensor math on logits; no model.
+distribution it was drawn from, masked past each response's length. Tensor math on logits, or on final
+hidden states and the LM head (`score_hidden`: in chunks of tokens, never all the FP32 logits at once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+LOGIT_CHUNK_BYTES = 1 << 30  # FP32 logits of one chunk of response tokens in `score_hidden`
 
 
 @dataclass(frozen=True)
@@ -39,3 +45,40 @@ def score_responses(first_logprobs: Tensor, logits: Tensor, responses: Tensor, r
     entropies = torch.cat([first_entropy, entropy(rest)], dim=-1)  # [P, N, R]
     is_real = torch.arange(num_tokens, device=responses.device) < response_lens[..., None]
     return SuffixOut(logprobs.where(is_real, 0.0), entropies.where(is_real, 0.0))
+
+
+def score_hidden(
+    first_logprobs: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor], responses: Tensor, response_lens: Tensor
+) -> SuffixOut:
+    """`score_responses` from hidden [P, N, R-1, H] and the LM head: tokens go through the head in chunks of
+    LOGIT_CHUNK_BYTES of FP32 logits, each under activation checkpointing when autograd records (backward
+    recomputes a chunk's logits from its hidden states): the scores and gradients of `score_responses`
+    without [P, N, R, V] FP32 logits, their log-softmax and its exponent alive at once."""
+    num_prompts, num_samples, num_tokens = responses.shape
+    flat, targets = hidden.flatten(0, 2), responses[..., 1:].flatten()
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * first_logprobs.shape[-1]))
+    score = partial(_token_scores, head)
+    grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in _params(head)))
+    parts = [
+        checkpoint(score, flat[i : i + step], targets[i : i + step], use_reentrant=False)
+        if grad
+        else score(flat[i : i + step], targets[i : i + step])
+        for i in range(0, max(flat.shape[0], 1), step)  # one empty chunk for one-token responses
+    ]
+    rest_lp = torch.cat([lp for lp, _ in parts]).view(num_prompts, num_samples, num_tokens - 1)
+    rest_ent = torch.cat([e for _, e in parts]).view(num_prompts, num_samples, num_tokens - 1)
+    first = first_logprobs.gather(-1, responses[:, :, 0])[..., None]
+    logprobs = torch.cat([first, rest_lp], dim=-1)
+    first_entropy = entropy(first_logprobs)[:, None, None].expand(num_prompts, num_samples, 1)
+    entropies = torch.cat([first_entropy, rest_ent], dim=-1)
+    is_real = torch.arange(num_tokens, device=responses.device) < response_lens[..., None]
+    return SuffixOut(logprobs.where(is_real, 0.0), entropies.where(is_real, 0.0))
+
+
+def _token_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [M, V]
+    return logprobs.gather(-1, targets[:, None])[:, 0], entropy(logprobs)
+
+
+def _params(head) -> list[Tensor]:
+    return list(head.parameters()) if isinstance(head, torch.nn.Module) else []
