@@ -62,6 +62,7 @@ class Engines:
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
     reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
     prefix_memory: Callable[[], AbstractContextManager] = nullcontext  # each actor-prefix chunk runs inside one
+    microbatch_memory: Callable[[], AbstractContextManager] = nullcontext  # each training microbatch's forward
     response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
 
@@ -144,6 +145,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
         prefix_memory=make_prefix_memory(loaded, actor),
+        microbatch_memory=make_microbatch_memory(loaded, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
     )
 
@@ -200,6 +202,17 @@ def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], Ab
         num_bytes = max(64 << 20, planned + planned // 4)
     offload = SavedTensorOffload(HostPool(num_bytes, pin=actor.device.type == "cuda"), keep=actor.parameters())
     return lambda: offload
+
+
+def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
+    """`memory.recompute`: under `full` the training microbatch's forward checkpoints every decoder layer and
+    vision block (inputs kept, backward reruns them), as the plan counts it; `none` keeps every activation."""
+    from rollplex.memory.offload import recompute
+
+    if loaded.spec.memory.recompute == "none":
+        return nullcontext
+    layers = [*actor.model.visual.blocks, *actor.model.language_model.layers]
+    return lambda: recompute(layers)
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

@@ -241,10 +241,11 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
     scale = loss_scale(mask)
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
     for p, prompt in enumerate(store["prompts"]):
-        if split:
-            out = score_group_split(e.actor, leaf.leaf, p, rollout)
-        else:
-            out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
+        with e.microbatch_memory():
+            if split:
+                out = score_group_split(e.actor, leaf.leaf, p, rollout)
+            else:
+                out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
         ref_lp = ref.logprobs[p : p + 1] if ref is not None else None
         g = grpo_loss(
             e.grpo,

@@ -286,3 +286,18 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
     assert torch.equal(lens[0], lens[1])
     assert len(set(lens[0].flatten().tolist())) > 2  # long-tailed, not everyone at max tokens
     assert engines.response_lengths is not None and int(lens[0].max()) <= 32
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ROLLPLEX, Schedule.UNSPLIT])
+def test_recomputing_the_training_microbatch_changes_no_number(schedule):
+    specs = [parse_spec(SPEC.format(kl=0.1, device="cpu") + f"memory: {{recompute: {r}}}\n") for r in ("none", "full")]
+    g = compile_graph(specs[0].spec, schedule=schedule)
+    kept, recomputed = build_engines(specs[0]), build_engines(specs[1])
+    with recomputed.microbatch_memory() as wrapped:
+        assert wrapped == len(recomputed.actor.model.language_model.layers) + len(recomputed.actor.model.visual.blocks)
+    dataset = open_dataset(specs[0].spec.workload.dataset, kept.tokenizer, 3)
+    a = run_iteration(g, kept, batch_at(dataset, 0, 2))
+    b = run_iteration(g, recomputed, batch_at(dataset, 0, 2))
+    assert a.stats == b.stats
+    for (name, p), q in zip(kept.actor.named_parameters(), recomputed.actor.parameters(), strict=True):
+        assert torch.equal(p, q), name
