@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from rollplex.models.boundary import Boundary
@@ -65,9 +66,47 @@ class LeafBoundary:
             torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
 
 
+PADDING_WASTE = 0.25  # at most this much of a length batch's tokens are padding (unless it holds one response)
+
+
 def score_group_split(model: Qwen2_5_VL, boundary: Boundary, p: int, rollout: Rollout) -> SuffixOut:
-    """Log-probs and entropy [1, N, R] of prompt p's N responses, from its boundary."""
-    return model.suffix(group(boundary, p), rollout.responses[p : p + 1], rollout.response_lens[p : p + 1])
+    """Log-probs and entropy [1, N, R] of prompt p's N responses, from its boundary.
+
+    Responses of a long-tailed rollout differ in length by 10x and more: scoring all N padded to the longest
+    would mostly compute padding. They are scored in batches of similar lengths (`length_batches`), each
+    padded only to its own longest; every batch reads the same prompt boundary (its gradients add up)."""
+    b, responses, lens = group(boundary, p), rollout.responses[p : p + 1], rollout.response_lens[p : p + 1]
+    num_samples, width = responses.shape[1:]
+    batches = length_batches([int(n) for n in lens[0].tolist()])
+    if len(batches) == 1:
+        return model.suffix(b, responses, lens)
+    logprobs, entropies = [], []
+    order = []
+    for idx in batches:
+        rows = torch.tensor(idx, device=responses.device)
+        longest = max(1, int(lens[0, rows].max()))
+        out = model.suffix(b, responses[:, rows, :longest], lens[:, rows])
+        logprobs.append(F.pad(out.logprobs, (0, width - longest)))
+        entropies.append(F.pad(out.entropy, (0, width - longest)))
+        order.extend(idx)
+    back = torch.tensor(sorted(range(num_samples), key=order.__getitem__), device=responses.device)  # inverse
+    return SuffixOut(torch.cat(logprobs, dim=1)[:, back], torch.cat(entropies, dim=1)[:, back])
+
+
+def length_batches(lens: Sequence[int], max_waste: float = PADDING_WASTE) -> list[list[int]]:
+    """Indices of `lens` in batches of similar lengths, longest first: a batch takes the next-longest response
+    while padding stays at most `max_waste` of its tokens (count x longest <= (1 + max_waste) x sum)."""
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            longest, total = lens[batch[0]], sum(lens[j] for j in batch) + lens[i]
+            if (len(batch) + 1) * longest <= (1 + max_waste) * total:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
 
 
 def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> SuffixOut:
