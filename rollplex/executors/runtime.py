@@ -73,7 +73,11 @@ def run_iteration(
     record = StepRecord()
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
+    phase = None
     for i, s in enumerate(steps(g)):
+        if s.phase is not phase and engines.actor.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the last phase freed goes back to the driver: the plan's per-phase HBM
+        phase = s.phase
         if pager is not None and i in paged_steps:
             pager.page_in()  # the plan's window: resident in the steps where the reference runs
         for name in s.ops:
