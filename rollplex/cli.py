@@ -57,17 +57,18 @@ def _run(args: argparse.Namespace) -> int:
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
     from rollplex.executors.distributed import check_launch
-    from rollplex.executors.engines import resolve_device
+    from rollplex.executors.engines import mps_session, resolve_device
 
-    try:
-        resolve_device(spec.run.device)
-    except ValueError as e:
-        raise loaded.locate(SpecError("run.device", str(e))) from None
-    try:
-        check_launch(spec.parallel.train_tp)
-    except ValueError as e:
-        raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
-    records = train(loaded, opts)
+    with mps_session([spec]):  # under the mps policy: before anything touches the GPU
+        try:
+            resolve_device(spec.run.device)
+        except ValueError as e:
+            raise loaded.locate(SpecError("run.device", str(e))) from None
+        try:
+            check_launch(spec.parallel.train_tp)
+        except ValueError as e:
+            raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
+        records = train(loaded, opts)
     from rollplex.executors.distributed import is_main_process
 
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
@@ -78,15 +79,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import json
 
-    from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
 
     loaded = load_spec(args.spec)
-    from rollplex.executors.bench import compare, policy_label, run_schedule, tolerance, with_policy, with_unsplit
+    from rollplex.executors.bench import with_policy
+    from rollplex.executors.engines import mps_session
+
+    try:
+        variants = [with_policy(loaded, p) for p in args.policies] if args.policies else [loaded]
+    except ValueError as e:
+        raise SpecError("", f"--policies: {e}") from None
+    with mps_session([v.spec for v in variants]):  # under the mps policy: before anything touches the GPU
+        return _bench_variants(args, loaded, variants)
+
+
+def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
+    import json
+
+    from rollplex.executors.bench import compare, policy_label, run_schedule, tolerance, with_unsplit
     from rollplex.executors.distributed import check_launch, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
+    from rollplex.graph.ir import Schedule
     from rollplex.report.timeline import plot_timeline
 
     try:
@@ -99,20 +113,22 @@ def _bench(args: argparse.Namespace) -> int:
         raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
-    try:
-        variants = [with_policy(loaded, p) for p in args.policies] if args.policies else [loaded]
-    except ValueError as e:
-        raise SpecError("", f"--policies: {e}") from None
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
-    print(f"rollplex bench: serial, {steps}", file=sys.stderr)
-    serial = run_schedule(loaded, Schedule.SERIAL, args.steps, args.warmup)
-    unsplit = None
-    if args.unsplit:
-        print(f"rollplex bench: unsplit, {steps}", file=sys.stderr)
-        unsplit = run_schedule(loaded, Schedule.UNSPLIT, args.steps, args.warmup)
+    baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     command = "rollplex " + " ".join(args.argv)
     for variant in variants:
+        remote = variant.spec.sharing.policy == "mps"
+        if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
+            where = " (rollout in its own process)" if remote else ""
+            print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
+            serial = run_schedule(variant, Schedule.SERIAL, args.steps, args.warmup)
+            unsplit = None
+            if args.unsplit:
+                print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
+                unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup)
+            baselines[remote] = serial, unsplit
+        serial, unsplit = baselines[remote]
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup)
@@ -179,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="POLICY",
         help="rollplex once per GPU sharing policy against one serial run: inline, streams, green, green:<SMs>, "
-        "green:adaptive (default: the spec's); one JSON and PNG each, named <out>_<policy>",
+        "green:adaptive, mps, mps:<trainer %%> (default: the spec's); one JSON and PNG each, named <out>_<policy>",
     )
     b.set_defaults(func=_bench)
     return p

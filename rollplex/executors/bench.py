@@ -117,31 +117,39 @@ def _gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:
 
 
 def parse_policy(text: str) -> tuple[str, int | str | None]:
-    """`inline`, `streams`, `green`, `green:<SMs>` or `green:adaptive` -> (sharing.policy, sharing.prefix_sms
-    or None to keep the spec's)."""
-    name, _, sms = text.partition(":")
-    if name not in ("inline", "streams", "green") or (sms and name != "green"):
-        raise ValueError(f"policy '{text}': use inline, streams, green, green:<SMs> or green:adaptive")
-    if not sms:
+    """`inline`, `streams`, `green`, `green:<SMs>`, `green:adaptive`, `mps` or `mps:<trainer %>` ->
+    (sharing.policy, its number: prefix_sms under green, mps_trainer_percent under mps; None keeps the spec's)."""
+    name, _, arg = text.partition(":")
+    usage = "use inline, streams, green, green:<SMs>, green:adaptive, mps or mps:<trainer %>"
+    if name not in ("inline", "streams", "green", "mps") or (arg and name not in ("green", "mps")):
+        raise ValueError(f"policy '{text}': {usage}")
+    if not arg:
         return name, None
-    if sms == "adaptive":
-        return name, sms
-    if not sms.isdigit() or int(sms) < 1:
-        raise ValueError(f"policy '{text}': the SM count must be a positive integer or adaptive")
-    return name, int(sms)
+    if name == "green" and arg == "adaptive":
+        return name, arg
+    if not arg.isdigit() or not 1 <= int(arg) <= (100 if name == "mps" else 10_000):
+        raise ValueError(f"policy '{text}': {usage}")
+    return name, int(arg)
 
 
 def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
-    """The spec with `sharing.policy` (and `prefix_sms`) from a `--policies` entry."""
-    name, sms = parse_policy(text)
-    update = {"policy": name} | ({"prefix_sms": sms} if sms is not None else {})
+    """The spec with `sharing.policy` (and `prefix_sms` or `mps_trainer_percent`) from a `--policies` entry."""
+    name, arg = parse_policy(text)
+    key = "prefix_sms" if name == "green" else "mps_trainer_percent"
+    update = {"policy": name} | ({key: arg} if arg is not None else {})
     sharing = loaded.spec.sharing.model_copy(update=update)
+    if name == "mps" and loaded.spec.parallel.train_tp > 1:
+        raise ValueError("mps runs with train_tp 1 only")
     return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
 
 
 def policy_label(spec) -> str:
     s = spec.sharing
-    return f"green:{s.prefix_sms}" if s.policy == "green" else s.policy
+    if s.policy == "green":
+        return f"green:{s.prefix_sms}"
+    if s.policy == "mps" and s.mps_trainer_percent is not None:
+        return f"mps:{s.mps_trainer_percent}"
+    return s.policy
 
 
 def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:

@@ -12,8 +12,10 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import os
+import shutil
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,9 +26,11 @@ from rollplex.data.presets import LengthDistribution
 from rollplex.data.rewards import RewardFn, get_reward, load_reward
 from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rollplex.errors import SpecError
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.spec import Spec
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -95,6 +99,52 @@ def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | No
     return partial(generate, actor), lambda: None
 
 
+@contextmanager
+def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
+    """Under `sharing.policy: mps` on a GPU machine: a private MPS daemon for the run, and this process its
+    client with the trainer's active-thread percentage, set before CUDA starts (call it before anything
+    touches the GPU). Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the
+    rollout then refuses to start: `make_remote_rollout`)."""
+    from rollplex.memory.mps import CONTROL, MpsDaemon
+
+    percents = {s.sharing.mps_trainer_percent for s in specs if s.sharing.policy == "mps"}
+    if len(percents) > 1:
+        raise SpecError("sharing.mps_trainer_percent", "one process has one MPS percentage", "bench one at a time")
+    if not percents or all(s.run.device == "cpu" for s in specs) or shutil.which(CONTROL) is None:
+        yield
+        return
+    saved = dict(os.environ)
+    try:
+        with MpsDaemon() as daemon:
+            os.environ.update(daemon.client_env(percents.pop()))
+            yield
+    except RuntimeError as e:
+        if "MPS" in str(e) or CONTROL in str(e):
+            raise SpecError("sharing.policy", f"mps: {e}") from None
+        raise
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def make_remote_rollout(actor: Qwen2_5_VL, percent: int | None) -> tuple[RolloutFn, Callable[[], object | None]]:
+    """The `mps` policy's rollout: a child process reading the actor's weights in place
+    (`rollplex.rollout.remote`), with its own MPS active-thread percentage on a GPU. On a GPU this process
+    must be an MPS client already (`mps_session`, before CUDA starts)."""
+    from rollplex.memory.mps import ACTIVE_THREAD_PERCENTAGE, PIPE_DIRECTORY
+    from rollplex.rollout.remote import RemoteRollout
+
+    env = {}
+    if actor.device.type == "cuda":
+        if PIPE_DIRECTORY not in os.environ:
+            raise SpecError(
+                "sharing.policy", "mps: this process is not an MPS client", "run it through the rollplex CLI"
+            )
+        env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
+    remote = RemoteRollout(actor, env=env)
+    return remote, remote.stats
+
+
 def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) -> Engines:
     """The engines of a spec, on `device` (default: the spec's `run.device`)."""
     spec, config = loaded.spec, loaded.model
@@ -111,6 +161,9 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     if tp is not None:
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
     a = spec.algorithm
+    sharing = spec.sharing
+    if sharing.policy == "mps":  # moves the actor's weights into shared storage: before the optimizer sees them
+        rollout, rollout_stats = make_remote_rollout(actor, sharing.mps_rollout_percent)
     optimizer = make_optimizer(actor, a, tp, bound)
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
@@ -119,11 +172,11 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         max_tokens=spec.workload.response_tokens,
         stop_token_ids=(config.tokens.eos,),
     )
-    sharing = spec.sharing
     prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
     paged = reference is not None and spec.memory.page_reference
     reference_pager = make_reference_pager(reference) if paged else None
-    rollout, rollout_stats = make_rollout(actor if bound is None else bound.model)
+    if sharing.policy != "mps":
+        rollout, rollout_stats = make_rollout(actor if bound is None else bound.model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(
@@ -248,7 +301,7 @@ class PrefixStreams:
 def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device) -> PrefixStreams:
     if device.type != "cuda" or policy == "inline":
         return PrefixStreams()
-    if policy == "streams":
+    if policy in ("streams", "mps"):  # under mps, decode is another process: the prefixes get a plain stream
         return PrefixStreams(torch.cuda.Stream(device))
     from torch.cuda.green_contexts import GreenContext
 

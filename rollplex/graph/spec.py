@@ -186,11 +186,20 @@ class RunSpec(_Strict):
 
 
 class SharingSpec(_Strict):
-    policy: Literal["inline", "streams", "green"] = Field(
+    policy: Literal["inline", "streams", "green", "mps"] = Field(
         "green",
         description="How `rollplex` runs prefix work beside rollout decode on a GPU: inline (between decode "
         "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
-        "`prefix_sms` SMs, torch green contexts). One chunk at most is in flight; the CPU always runs inline.",
+        "`prefix_sms` SMs, torch green contexts), mps (rollout in a child process reading the actor's weights "
+        "in place, both processes clients of an MPS daemon the run starts and stops; both schedules use it). "
+        "One chunk at most is in flight; the CPU runs prefix work inline (under mps, rollout still runs in "
+        "its own process).",
+    )
+    mps_trainer_percent: int | None = Field(
+        None, ge=1, le=100, description="Under mps: the trainer process's active-thread percentage (null: no cap)."
+    )
+    mps_rollout_percent: int | None = Field(
+        None, ge=1, le=100, description="Under mps: the rollout process's active-thread percentage (null: no cap)."
     )
     prefix_sms: PositiveInt | Literal["adaptive"] = Field(
         66,
@@ -214,6 +223,12 @@ class Spec(_Strict):
     sharing: SharingSpec = SharingSpec()
     graph: GraphSpec | None = Field(None, description="A custom iteration graph; default: standard GRPO.")
     run: RunSpec = RunSpec()
+
+    @model_validator(mode="after")
+    def _mps(self) -> Spec:
+        if self.sharing.policy == "mps" and self.parallel.train_tp > 1:
+            raise ValueError("sharing.policy mps runs with train_tp 1 only; use green or streams under TP")
+        return self
 
     @model_validator(mode="after")
     def _layout(self) -> Spec:

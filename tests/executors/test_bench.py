@@ -52,10 +52,12 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
 
 def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
     out = tmp_path / "tiny.json"
-    proc = bench("--steps", "1", "--warmup", "0", "--policies", "inline", "green:adaptive", "--out", str(out))
+    policies = ("inline", "green:adaptive", "mps")
+    proc = bench("--steps", "1", "--warmup", "0", "--policies", *policies, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr.count("rollplex bench: serial") == 1 and proc.stderr.count("rollplex bench: rollplex") == 2
-    results = [json.loads((tmp_path / f"tiny_{name}.json").read_text()) for name in ("inline", "greenadaptive")]
+    # one serial run per rollout engine: in process, and mps's own process
+    assert proc.stderr.count("rollplex bench: serial") == 2 and proc.stderr.count("rollplex bench: rollplex") == 3
+    results = [json.loads((tmp_path / f"tiny_{name}.json").read_text()) for name in ("inline", "greenadaptive", "mps")]
     assert results[0]["step_s"]["serial"] == results[1]["step_s"]["serial"]  # the same serial run
     for r in results:
         assert r["updates_match"] and set(r["plan_peak_gib"]) == {"serial", "rollplex"}

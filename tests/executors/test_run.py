@@ -301,3 +301,19 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule):
     assert a.stats == b.stats
     for (name, p), q in zip(kept.actor.named_parameters(), recomputed.actor.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_under_mps_rollout_runs_in_its_own_process_and_both_schedules_train_identically(tmp_path):
+    spec = parse_spec(SPEC.format(kl=0.1, device="cpu") + "sharing: {policy: mps}\n")
+    opts = {"progress": False, "tensorboard": False}
+    a = train(spec, RunOptions(2, Schedule.SERIAL, tmp_path / "serial", **opts))
+    b = train(spec, RunOptions(2, Schedule.ROLLPLEX, tmp_path / "rollplex", **opts))
+    assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
+    assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+    assert len({r["param_digest"] for r in a}) == 2 and b[0]["prefix_beside_decode"] > 0
+
+
+def test_mps_under_tensor_parallelism_is_a_spec_error():
+    with pytest.raises(ValueError, match="mps runs with train_tp 1 only"):
+        parse_spec(SPEC.format(kl=0.1, device="cpu").replace("hbm_gib: 16", "hbm_gib: 16, gpus_per_node: 2")
+                   + "parallel: {train_tp: 2}\nsharing: {policy: mps}\n")  # fmt: skip
