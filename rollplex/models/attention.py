@@ -4,10 +4,11 @@ A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
 - `CausalAttention`: self-attention over right-padded whole sequences (full forward, prompt prefill). It can
   record each layer's K and V: the boundary KV of a prefix.
 - `SharedPrefixAttention`: the response tokens of N samples per prompt attend to their prompt's boundary KV
-  (one copy, shared by the group, never expanded N times) and to their own response KV (causal). The two parts
-  are computed apart and merged exactly through their log-sum-exp (the cascade / merge-state trick), so the
-  result equals attention over prompt ++ response and autograd sums the group's gradients into the one
-  boundary KV.
+  (one copy, shared by the group) and to their own response KV (causal), so the result equals attention over
+  prompt ++ response and autograd sums the group's gradients into the one boundary KV. Scoring whole
+  responses runs one masked SDPA call over [prompt KV repeated per sample for the call; own KV] (fused,
+  memory-efficient kernels on a GPU); decoding with a cache computes the two parts apart and merges them
+  exactly through their log-sum-exp (the cascade / merge-state trick), never expanding the prompt KV.
 Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
 """
 
@@ -30,82 +31,18 @@ class Attention(Protocol):
         ...
 
 
-SCORE_BLOCK_BYTES = 256 << 20  # FP32 scores of one block of queries: what attention holds beyond q, k, v, out
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax attention that also returns each query's log-sum-exp of scores.
 
-    q [..., Q, D], k/v [..., K, D] and mask [..., Q or 1, K] (True = may attend) broadcast over leading dims.
+    q [..., Q, D], k/v [..., K, D] and mask [..., Q, K] (True = may attend) broadcast over leading dims.
     Returns out [..., Q, D] in v's dtype and lse [..., Q] float32. Every query must see at least one key.
-    Memory-efficient, as the planner assumes (flash-style): queries go in blocks whose FP32 scores fit
-    SCORE_BLOCK_BYTES, and backward recomputes a block's scores instead of saving them (q, k, v, out and lse
-    are all it keeps); gradients flow through both out and lse (the merge of two attentions needs lse's).
+    Materialises the [..., Q, K] scores: for decode steps (Q = 1); scoring whole responses goes through SDPA.
     """
-    return _BlockAttention.apply(q, k, v, mask)
-
-
-def _block_rows(q: Tensor, k: Tensor) -> int:
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]).numel()
-    return max(1, SCORE_BLOCK_BYTES // (4 * max(lead * k.shape[-2], 1)))
-
-
-def _rows(mask: Tensor, start: int, end: int) -> Tensor:
-    return mask if mask.shape[-2] == 1 else mask[..., start:end, :]
-
-
-def _scores(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [..., Qb, K]
-    return scores.masked_fill(~mask, float("-inf"))
-
-
-def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
-    """x summed over the dimensions that were broadcast from `shape` (a gradient back to its input's shape)."""
-    dims = [i for i, (a, b) in enumerate(zip(x.shape, shape, strict=True)) if b == 1 and a != 1]
-    return x.sum(dims, keepdim=True) if dims else x
-
-
-class _BlockAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        outs, lses, n = [], [], q.shape[-2]
-        step = _block_rows(q, k)
-        for start in range(0, max(n, 1), step):  # one (empty) block when there are no queries
-            scores = _scores(q[..., start : start + step, :], k, _rows(mask, start, start + step))
-            lse = scores.logsumexp(dim=-1)
-            outs.append(torch.exp(scores - lse[..., None]).to(v.dtype) @ v)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, mask, lse)
-        ctx.set_materialize_grads(False)  # an output nothing reads gets no gradient work
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
-        q, k, v, mask, lse = ctx.saved_tensors
-        n, scale = q.shape[-2], q.shape[-1] ** -0.5
-        step = _block_rows(q, k)
-        dq_blocks = []
-        dk = torch.zeros(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]) + k.shape[-2:], dtype=torch.float32,
-                         device=k.device)  # fmt: skip
-        dv = torch.zeros(dk.shape, dtype=torch.float32, device=v.device)
-        for start in range(0, max(n, 1), step):  # one (empty) block when there are no queries
-            end = min(start + step, n)
-            qb = q[..., start:end, :]
-            probs = torch.exp(_scores(qb, k, _rows(mask, start, end)) - lse[..., start:end, None])
-            d_scores = torch.zeros_like(probs)
-            if d_out is not None:
-                dob = d_out[..., start:end, :]
-                dv += probs.to(v.dtype).transpose(-1, -2) @ dob
-                d_probs = (dob @ v.transpose(-1, -2)).float()
-                d_scores += probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
-            if d_lse is not None:
-                d_scores += probs * d_lse[..., start:end, None]
-            d_scores = (d_scores * scale).to(q.dtype)
-            dq_blocks.append(d_scores @ k)
-            dk += d_scores.transpose(-1, -2) @ qb
-        dq = _sum_to(torch.cat(dq_blocks, dim=-2), q.shape)
-        return dq, _sum_to(dk, k.shape).to(k.dtype), _sum_to(dv, v.shape).to(v.dtype), None
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [..., Q, K]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return probs.to(v.dtype) @ v, lse
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
@@ -147,11 +84,31 @@ class SharedPrefixAttention:
         self.cache = cache
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.cache is not None:
-            k, v = self.cache.write(layer, k, v)
+        if self.cache is None:
+            return self._attend_joint(layer, q, k, v)
+        k, v = self.cache.write(layer, k, v)
         out_prompt, lse_prompt = self._attend_prompt(layer, q)
         out_own, lse_own = self._attend_own(q, k, v)
         return merge_attention(out_prompt, lse_prompt, out_own, lse_own)
+
+    def _attend_joint(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Whole responses (scoring): each sequence's queries [B, heads, T, D] over its prompt's KV then its own
+        [B, G, T, D], in one fused SDPA call (flash-style kernels on a GPU, gradients included). The prompt's KV
+        is repeated per sample for the call only: autograd sums the samples' gradients into the one copy."""
+        keys, values = self.boundary.keys[layer], self.boundary.values[layer]  # [P, G, S, D]
+        batch, num_heads, num_tokens, _ = q.shape
+        per_head = num_heads // keys.shape[1]
+
+        def joined(prompt: Tensor, own: Tensor) -> Tensor:
+            whole = torch.cat([prompt.repeat_interleave(self.num_samples, dim=0), own], dim=2)
+            return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
+
+        prompt_keys = self.boundary.key_mask().repeat_interleave(self.num_samples, dim=0)  # [B, S]
+        own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
+        mask = torch.cat(
+            [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
+        )[:, None]  # [B, 1, T, S + T]
+        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""

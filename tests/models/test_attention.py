@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from rollplex.models.attention import SharedPrefixAttention, attend, merge_attention
@@ -39,48 +38,3 @@ def test_shared_prefix_attention_equals_causal_attention_over_the_copied_prompt(
         mask = torch.ones(num_tokens, length + num_tokens, dtype=torch.bool).tril(length)
         expected = torch.nn.functional.scaled_dot_product_attention(q[row], full_k, full_v, attn_mask=mask)
         assert torch.allclose(out[row], expected, atol=1e-6)
-
-
-def composite_attend(q, k, v, mask):
-    """The oracle: plain autograd over the whole score matrix."""
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    return torch.exp(scores - lse[..., None]).to(v.dtype) @ v, lse
-
-
-@pytest.mark.parametrize("block_bytes", [4 * 16 * 7, 1 << 30])  # a few query rows per block; one block
-@pytest.mark.parametrize("layout", ["shared prompt", "own causal"])
-def test_block_attention_gives_the_composite_outputs_and_gradients_through_out_and_lse(
-    monkeypatch, block_bytes, layout
-):
-    import rollplex.models.attention as attention
-
-    monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", block_bytes)
-    g = torch.Generator().manual_seed(0)
-    if layout == "shared prompt":  # as SharedPrefixAttention._attend_prompt: heads share a prompt's KV
-        q = torch.randn(2, 2, 3, 10, DIM, generator=g, dtype=torch.float32)
-        k, v = (torch.randn(2, 2, 1, 7, DIM, generator=g, dtype=torch.float32) for _ in range(2))
-        mask = (torch.arange(7) < torch.tensor([7, 4])[:, None])[:, None, None, None, :]
-    else:  # as _attend_own: causal over the sequence's own keys, the last T of K
-        q = torch.randn(3, 2, 2, 5, DIM, generator=g, dtype=torch.float32)
-        k, v = (torch.randn(3, 2, 1, 8, DIM, generator=g, dtype=torch.float32) for _ in range(2))
-        mask = torch.arange(8) <= torch.arange(3, 8)[:, None]
-    w_out, w_lse = torch.randn(q.shape, generator=g, dtype=torch.float32), torch.randn(q.shape[:-1], generator=g)
-    grads = []
-    for fn in (attend, composite_attend):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = fn(*leaves, mask)
-        ((out * w_out).sum() + (lse * w_lse).sum()).backward()
-        grads.append((out.detach(), lse.detach(), *(t.grad for t in leaves)))
-    for ours, oracle in zip(*grads, strict=True):
-        torch.testing.assert_close(ours, oracle.to(ours.dtype), rtol=1e-5, atol=1e-5)
-
-
-def test_block_attention_backward_through_out_alone():
-    q, k, v = torch.randn(2, 5, DIM, requires_grad=True), torch.randn(2, 6, DIM), torch.randn(2, 6, DIM)
-    out, _ = attend(q, k, v, torch.ones(5, 6, dtype=torch.bool))
-    out.sum().backward()
-    q2 = q.detach().clone().requires_grad_()
-    composite_attend(q2, k, v, torch.ones(5, 6, dtype=torch.bool))[0].sum().backward()
-    torch.testing.assert_close(q.grad, q2.grad)
