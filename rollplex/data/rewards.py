@@ -7,6 +7,8 @@ Built in:
                 such tags in any order-respecting choice): partial credit a random-weight policy can climb
     accuracy    the last `<answer>` block against `example.answer`: the option letter (choice), numeric
                 equality within a tolerance (number), or equality after normalisation (exact)
+    brevity     1 / (1 + characters / 1000): differs between responses of different lengths, so that a
+                random-weight benchmark (`workload.replay_lengths`) has non-zero advantages and a real update
 Names joined by `+` sum their rewards (`get_reward("format+accuracy")`, Video-R1's reward); `combine`
 gives other weights. `load_reward("pkg.module:fn")` takes a user's function. The registry is a plain dict
 of pure functions; this module holds no other state.
@@ -87,6 +89,11 @@ def load_reward(spec: str) -> RewardFn:
 @register("format")
 def format_reward(text: str, example: Example) -> float:
     return 1.0 if _FORMAT.fullmatch(text) else 0.0
+
+
+@register("brevity")
+def brevity_reward(text: str, example: Example) -> float:
+    return 1.0 / (1.0 + len(text) / 1000)
 
 
 @register("tags")

@@ -119,7 +119,7 @@ def test_combine_weights_each_reward():
 
 
 def test_an_unknown_reward_name_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="unknown reward 'speed'; registered: accuracy, format, tags"):
+    with pytest.raises(ValueError, match="unknown reward 'speed'; registered: accuracy, brevity, format, tags"):
         get_reward("format+speed")
 
 
@@ -156,3 +156,9 @@ def test_load_reward_imports_a_function_by_path(tmp_path, monkeypatch):
 def test_load_reward_errors_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
         load_reward(spec)
+
+
+def test_brevity_falls_with_length_and_stays_in_zero_one():
+    brevity = get_reward("brevity")
+    scores = [brevity("x" * n, None) for n in (0, 10, 1000, 100_000)]
+    assert scores[0] == 1.0 and scores[2] == 0.5 and all(a > b > 0 for a, b in zip(scores, scores[1:]))
