@@ -41,7 +41,7 @@ class RolloutStats:
     num_steps: int  # decode steps launched
     row_steps: int  # sum over steps of the batch rows computed (padding and finished rows included)
     batch_sizes: tuple[int, ...]  # the batch size of each step
-    step_spans: tuple[StepSpan, ...] = ()  # (start s, end s, rows) of each step, when work ran beside decode
+    step_spans: tuple[StepSpan, ...] = ()  # (start s, end s, rows) of each step, when timed (see RolloutEngine)
 
 
 class RolloutEngine:
@@ -52,10 +52,15 @@ class RolloutEngine:
     graphs stay valid while the training phases use the memory (the plan's phase-local rollout KV):
 
         (first rollout) allocate -> MAPPED -- rollout ends --> RELEASED -- next rollout --> MAPPED ...
+
+    Decode steps are timed with CUDA events (`RolloutStats.step_spans`, on the host's perf_counter clock) when
+    work runs beside them, or always with `time_steps` (rollout in its own process, `remote.py`: the trainer's
+    prefix chunks are on the same clock, so the decode slowdown is measured across the two processes).
     """
 
-    def __init__(self, model: Qwen2_5_VL, kv_arena=None) -> None:
+    def __init__(self, model: Qwen2_5_VL, kv_arena=None, *, time_steps: bool = False) -> None:
         self.model = model
+        self.time_steps = time_steps
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -112,7 +117,8 @@ class RolloutEngine:
         run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
-        clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if beside is not None else (None, [])
+        timed = beside is not None or self.time_steps
+        clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if timed else (None, [])
         for k in range(params.max_tokens - 1):
             start_mark = clock.mark() if clock else None
             logits = graphs.run(rows)

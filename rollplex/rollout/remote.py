@@ -40,84 +40,23 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
-from math import prod
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rollplex.models.config import ModelConfig
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
-from rollplex.parallel.bind import ALIGN
+from rollplex.rollout.shared_weights import TensorSlot, move_into, named_tensors, plan_slots, shared_model
 
 if TYPE_CHECKING:
     from rollplex.rollout.beside import Beside
 
 POLL_S = 0.05  # how often a wait checks that the child is still alive
 BESIDE_POLL_S = 0.001  # longest pause between two calls of `beside` while the child decodes
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSlot:
-    """Where one tensor lies in the shared storage: `offset` bytes from its start, as_strided(shape, stride)."""
-
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stride: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        """The bytes from the first element to past the last one (0 for an empty tensor)."""
-        if prod(self.shape) == 0:
-            return 0
-        return (1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))) * self.dtype.itemsize
-
-
-def plan_slots(tensors: dict[str, Tensor]) -> tuple[int, dict[str, TensorSlot]]:
-    """The storage size and each tensor's slot. Tensors that shared a storage keep their relative byte layout
-    (packed projections stay packed); each group starts on an `ALIGN` boundary."""
-    groups: dict[int, list[str]] = {}
-    for name, t in tensors.items():
-        groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-    total, slots = 0, {}
-    for names in groups.values():
-        starts = {n: tensors[n].storage_offset() * tensors[n].element_size() for n in names}
-        base = -(-total // ALIGN) * ALIGN
-        low = min(starts.values())
-        for n in names:
-            t = tensors[n]
-            slots[n] = TensorSlot(base + starts[n] - low, tuple(t.shape), t.dtype, tuple(t.stride()))
-            assert slots[n].offset % t.element_size() == 0, f"{n} would be misaligned in the shared storage"
-        total = max([base] + [s.offset + s.num_bytes for s in (slots[n] for n in names)])
-    return max(-(-total // ALIGN) * ALIGN, ALIGN), slots
-
-
-def slot_view(storage: Tensor, slot: TensorSlot) -> Tensor:
-    """The tensor of `slot` over the uint8 `storage` (a view: no copy)."""
-    flat = storage[slot.offset : slot.offset + slot.num_bytes].view(slot.dtype)
-    return flat.as_strided(slot.shape, slot.stride)
-
-
-def named_tensors(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter and buffer under every name (a tied weight appears under each of its names)."""
-    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-
-
-@torch.no_grad()
-def move_into(tensors: dict[str, Tensor], storage: Tensor, slots: dict[str, TensorSlot]) -> None:
-    """Moves each tensor into its slot of `storage`, in place (`tensor.data = view`: the same objects, so an
-    optimizer, autograd and every module holding them see no difference)."""
-    moved: set[int] = set()
-    for name, t in tensors.items():
-        if id(t) not in moved:
-            view = slot_view(storage, slots[name])
-            view.copy_(t)
-            t.data = view
-            moved.add(id(t))
 
 
 def draw_seed(generator: torch.Generator) -> int:
@@ -368,21 +307,6 @@ def _answer(request: _Request, rollout: Callable[..., Rollout], stats: Callable[
         return _Reply(error=_one_line(error))
 
 
-def shared_model(
-    config: ModelConfig, dtype: torch.dtype, storage: Tensor, slots: Sequence[tuple[str, TensorSlot]]
-) -> Qwen2_5_VL:
-    """A model whose every parameter and buffer is a view of `storage` at its slot (built on the meta device
-    first: no weight is materialised); its parameters do not require grad."""
-    model = Qwen2_5_VL(config, dtype=dtype, device="meta")
-    for name, slot in slots:
-        module_name, _, leaf = name.rpartition(".")
-        module, view = model.get_submodule(module_name), slot_view(storage, slot)
-        is_param = isinstance(getattr(module, leaf), nn.Parameter)
-        setattr(module, leaf, nn.Parameter(view, requires_grad=False) if is_param else view)
-    assert not any(t.is_meta for t in named_tensors(model).values()), "a tensor of the model is not in the storage"
-    return model
-
-
 def _attach(setup: _Setup) -> tuple[Qwen2_5_VL, object]:
     """The child's model over the shared bytes, and what must outlive it (its arena on a GPU, else None)."""
     if torch.device(setup.device).type != "cuda":
@@ -405,6 +329,7 @@ def _engine(model: Qwen2_5_VL) -> tuple[Callable[..., Rollout], Callable[[], obj
 
         device = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
-        engine = RolloutEngine(model, kv_arena=VmmArena(total, device))  # addresses only: the KV maps per rollout
+        # addresses only: the KV maps per rollout; steps timed for the decode slowdown the trainer's chunks cause
+        engine = RolloutEngine(model, kv_arena=VmmArena(total, device), time_steps=True)
         return engine.generate, lambda: engine.stats
     return partial(generate, model), lambda: None

@@ -143,3 +143,12 @@ def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_n
     plain = [engine_rollout(model, prompts, params, seed=s)[0] for s in (0, 1)]
     for a, b in zip(ours, plain, strict=True):
         assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_steps_are_timed_without_work_beside_when_asked(model, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=5)
+    plain, timed = RolloutEngine(model), RolloutEngine(model, time_steps=True)
+    for engine in (plain, timed):
+        engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(2))
+    assert plain.stats.step_spans == ()
+    assert [rows for _, _, rows in timed.stats.step_spans] == list(timed.stats.batch_sizes)

@@ -21,14 +21,8 @@ from rollplex.models.positions import num_visual_tokens
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import ALIGN
 from rollplex.rollout.beside import Beside
-from rollplex.rollout.remote import (
-    RemoteRollout,
-    draw_seed,
-    move_into,
-    named_tensors,
-    plan_slots,
-    shared_model,
-)
+from rollplex.rollout.remote import RemoteRollout, draw_seed
+from rollplex.rollout.shared_weights import move_into, named_tensors, plan_slots, shared_model
 
 NUM_SAMPLES = 3
 PARAMS = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=tuple(range(20, 40)))
