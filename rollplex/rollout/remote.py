@@ -73,6 +73,7 @@ class _Setup:
     slots: tuple[tuple[str, TensorSlot], ...]
     storage: Tensor | None = None  # CPU: the shared-memory bytes themselves (torch's reductions share them)
     handles: str | None = None  # GPU: the socket of the `HandleServer` that sends the arena region
+    num_threads: int = 1  # the parent's intra-op threads: CPU sums reduce in the same order on both sides
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,10 @@ class RemoteRollout:
         num_bytes, slots = plan_slots(tensors)
         self.storage = self._allocate(num_bytes)
         move_into(tensors, self.storage, slots)
-        setup = _Setup(actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()))
+        setup = _Setup(
+            actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()),
+            num_threads=torch.get_num_threads(),
+        )  # fmt: skip
         if self.device.type == "cuda":
             self._hand_over(setup, startup_timeout_s)
         else:
@@ -278,6 +282,7 @@ def _serve(conn, env: dict[str, str]) -> None:
     os.environ.update(env)
     try:
         setup = conn.recv()
+        torch.set_num_threads(setup.num_threads)  # not the inherited OMP_NUM_THREADS: the parent's own count
         model, _arena = _attach(setup)  # the arena (GPU) must outlive the model
         rollout, stats = _engine(model)
     except Exception as error:
