@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -113,18 +114,21 @@ def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
     if not percents or all(s.run.device == "cpu" for s in specs) or shutil.which(CONTROL) is None:
         yield
         return
-    saved = dict(os.environ)
+    daemon, saved = MpsDaemon(), dict(os.environ)
     try:
-        with MpsDaemon() as daemon:
-            os.environ.update(daemon.client_env(percents.pop()))
-            yield
+        daemon.start()
     except RuntimeError as e:
-        if "MPS" in str(e) or CONTROL in str(e):
-            raise SpecError("sharing.policy", f"mps: {e}") from None
-        raise
+        raise SpecError("sharing.policy", f"mps: {e}") from None
+    os.environ.update(daemon.client_env(percents.pop()))
+    try:
+        yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        try:
+            daemon.stop()  # this process is still a client: the daemon may outwait it (the run's results stand)
+        except RuntimeError as e:
+            print(f"rollplex: warning: {e}", file=sys.stderr)
 
 
 def make_remote_rollout(actor: Qwen2_5_VL, percent: int | None) -> tuple[RolloutFn, Callable[[], object | None]]:

@@ -1,0 +1,71 @@
+"""`mps_session`: under the mps policy the CLI starts a private MPS daemon and makes this process its client
+before CUDA starts, and puts everything back afterwards (a fake control program stands in for NVIDIA's)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rollplex.errors import SpecError
+from rollplex.executors.engines import mps_session
+from rollplex.graph.load import parse_spec
+
+SPEC = """
+model: tiny
+cluster: {{hbm_gib: 16, host_gib: 8}}
+workload: {{prompts_per_step: 2, group_size: 2, prompt_tokens: 384, response_tokens: 4, visual_tokens: 18}}
+sharing: {{policy: {policy}, mps_trainer_percent: {percent}}}
+run: {{device: {device}}}
+"""
+FAKE = """#!/bin/sh
+echo "$* $CUDA_MPS_PIPE_DIRECTORY" >> {record}
+if [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; else read line; echo "$line" >> {record}; {stop}; fi
+"""
+
+
+def fake_control(directory: Path, stop: str = "true") -> Path:
+    (directory / "nvidia-cuda-mps-control").write_text(FAKE.format(record=directory / "calls.txt", stop=stop))
+    (directory / "nvidia-cuda-mps-control").chmod(0o755)
+    return directory / "calls.txt"
+
+
+def spec(policy: str = "mps", percent: str = "50", device: str = "auto"):
+    return parse_spec(SPEC.format(policy=policy, percent=percent, device=device)).spec
+
+
+def test_the_process_is_a_client_inside_the_session_and_nothing_is_left_after(tmp_path, monkeypatch):
+    record = fake_control(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    before = dict(os.environ)
+    with mps_session([spec()]):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50" and Path(pipe, "control").exists()
+    assert dict(os.environ) == before and not Path(pipe).exists()
+    assert record.read_text().splitlines() == [f"-d {pipe}", f" {pipe}", "quit"]
+
+
+@pytest.mark.parametrize("specs", [[spec("green")], [spec(device="cpu")]])
+def test_no_daemon_for_other_policies_or_on_the_cpu(tmp_path, monkeypatch, specs):
+    record = fake_control(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with mps_session(specs):
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert not record.exists()
+
+
+def test_a_daemon_that_will_not_stop_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, capsys):
+    fake_control(tmp_path, stop="exit 3")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with mps_session([spec()]):
+        pass
+    assert "warning: stopping the MPS daemon" in capsys.readouterr().err
+
+
+def test_two_trainer_percentages_in_one_process_are_a_spec_error():
+    with (
+        pytest.raises(SpecError, match="one process has one MPS percentage"),
+        mps_session([spec(), spec(percent="30")]),
+    ):
+        pass
