@@ -206,7 +206,7 @@ class SharingSpec(_Strict):
         description="SMs of the prefix partition under `green` (an H200 has 132), or adaptive: each chunk gets "
         "a partition sized by the live decode batch (half the SMs at the rollout's full batch, more as it drains).",
     )
-    layers_per_chunk: PositiveInt = Field(1, description="Decoder layers of prefix work per chunk.")
+    layers_per_chunk: PositiveInt = Field(1, description="Decoder layers (and vision blocks) of prefix work per chunk.")
     prompts_per_chunk: PositiveInt | None = Field(
         None, description="Prompts of prefix work per chunk (both schedules run prefixes in these groups); null: all."
     )

@@ -110,15 +110,18 @@ class Qwen2_5_VL(nn.Module):
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
         with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
-        embedding and vision encoder, then `layers_per_chunk` decoder layers at a time; then the boundary of all
+        embedding and vision encoder (`layers_per_chunk` vision blocks at a time), then `layers_per_chunk` decoder
+        layers at a time; then the boundary of all
         prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
         pause. With one group, the same work as `prefix`, in the same order."""
         size = prompts_per_chunk or len(prompts)
         groups: list[_GroupPrefix] = []
         for i in range(0, len(prompts), size):
             if groups:
-                yield  # each group's vision encoder is a chunk of its own
-            groups.append(_GroupPrefix(self, prompts[i : i + size], attached))
+                yield  # each group's embedding and vision encoder start a chunk of their own
+            group = _GroupPrefix(self, attached)
+            yield from group.start(prompts[i : i + size], blocks_per_chunk=layers_per_chunk)
+            groups.append(group)
         layers = self.model.language_model.layers
         for start in range(0, len(layers), layers_per_chunk):
             for group in groups:
@@ -163,19 +166,22 @@ class Qwen2_5_VL(nn.Module):
         return self.model.language_model(x, cos, sin, attention), packed
 
     def _inputs(self, sequences: Sequence[Prompt]) -> tuple[PackedSequences, Tensor, Tensor, Tensor]:
-        """The packed batch, its input embeddings [B, L, hidden] and its rotary cos, sin [B, 1, L, D]."""
+        """The packed batch, its input embeddings [B, L, hidden] (image/video tokens replaced by the vision
+        encoder's outputs) and its rotary cos, sin [B, 1, L, D]."""
+        return drain(self._input_chunks(sequences, blocks_per_chunk=len(self.model.visual.blocks)))
+
+    def _input_chunks(
+        self, sequences: Sequence[Prompt], blocks_per_chunk: int
+    ) -> Generator[None, None, tuple[PackedSequences, Tensor, Tensor, Tensor]]:
+        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks."""
         packed = pack_sequences(sequences, self.config)
         cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
-        return packed, self._embed(packed), cos, sin
-
-    def _embed(self, packed: PackedSequences) -> Tensor:
-        """Token embeddings [B, L, hidden], image/video tokens replaced by the vision encoder's outputs."""
         x = self.model.language_model.embed_tokens(packed.input_ids.to(self.device))
-        if not packed.visuals:
-            return x
-        features = self.model.visual(packed.visuals).to(x.dtype)  # [num_visual_tokens, hidden]
-        slots = packed.visual_slots(self.config.tokens).to(self.device)
-        return x.masked_scatter(slots[..., None], features)
+        if packed.visuals:
+            features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk)
+            slots = packed.visual_slots(self.config.tokens).to(self.device)
+            x = x.masked_scatter(slots[..., None], features.to(x.dtype))  # [num_visual_tokens, hidden] in place
+        return packed, x, cos, sin
 
 
 @contextmanager
@@ -201,12 +207,24 @@ def drain(chunks: Generator[None, None, T]) -> T:
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
 
-    def __init__(self, model: Qwen2_5_VL, prompts: Sequence[Prompt], attached: bool) -> None:
-        self.model, self.num_prompts = model, len(prompts)
+    def __init__(self, model: Qwen2_5_VL, attached: bool) -> None:
+        self.model, self.num_prompts = model, 0
         self.mode = torch.enable_grad if attached else torch.no_grad
         self.attention = CausalAttention(record=True)
-        with self.mode():
-            self.packed, self.x, self.cos, self.sin = model._inputs(prompts)
+
+    def start(self, prompts: Sequence[Prompt], blocks_per_chunk: int) -> Generator[None, None, None]:
+        """Embeds the prompts (vision encoder included), pausing between chunks of vision blocks; the grad
+        mode is entered around each chunk only."""
+        self.num_prompts = len(prompts)
+        chunks = self.model._input_chunks(prompts, blocks_per_chunk)
+        while True:
+            with self.mode():
+                try:
+                    next(chunks)
+                except StopIteration as done:
+                    self.packed, self.x, self.cos, self.sin = done.value
+                    return
+            yield
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():

@@ -8,7 +8,7 @@ image/video tokens hold them. Parameter names follow HF (`patch_embed.proj`, `bl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,16 @@ class VisionEncoder(nn.Module):
 
     def forward(self, visuals: Sequence[Visual]) -> Tensor:
         """Visuals -> [num_visual_tokens, out_hidden]: their merged tokens, concatenated in order."""
+        chunks = self.chunks(visuals, blocks_per_chunk=len(self.blocks))
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def chunks(self, visuals: Sequence[Visual], blocks_per_chunk: int) -> Generator[None, None, Tensor]:
+        """`forward` as a generator that pauses after every `blocks_per_chunk` blocks (the patch embedding runs
+        with the first ones, the merger with the last): the same ops in the same order."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
         cos, sin = vision_rotary(layout.rows.to(device), layout.cols.to(device), self.config.head_dim)
@@ -104,5 +114,7 @@ class VisionEncoder(nn.Module):
         windows = [members.to(device) for members in segment_groups(layout.windows)]
         x = self.patch_embed(torch.cat([visual.pixel_values for visual in visuals]).to(device))
         for index, block in enumerate(self.blocks):
+            if index and index % blocks_per_chunk == 0:
+                yield
             x = block(x, cos, sin, frames if index in self.config.fullatt_block_indexes else windows)
         return self.merger(x)

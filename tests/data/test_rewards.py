@@ -161,4 +161,4 @@ def test_load_reward_errors_say_what_is_wrong(spec, message):
 def test_brevity_falls_with_length_and_stays_in_zero_one():
     brevity = get_reward("brevity")
     scores = [brevity("x" * n, None) for n in (0, 10, 1000, 100_000)]
-    assert scores[0] == 1.0 and scores[2] == 0.5 and all(a > b > 0 for a, b in zip(scores, scores[1:]))
+    assert scores[0] == 1.0 and scores[2] == 0.5 and all(a > b > 0 for a, b in itertools.pairwise(scores))

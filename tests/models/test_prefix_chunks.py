@@ -23,7 +23,8 @@ def test_chunks_give_the_boundary_of_prefix_and_pause_once_per_group_of_layers(m
     num_layers = model.config.text.num_hidden_layers
     with torch.no_grad():  # the caller's mode (rollout decode) differs from the chunks' own
         chunked, pauses = drain(model.prefix_chunks(prompts, attached=attached, layers_per_chunk=1), False)
-    assert pauses == num_layers
+    vision_pauses = model.config.vision.depth - 1  # one vision block per chunk too
+    assert pauses == num_layers + vision_pauses
     for a, b in zip(whole.keys + whole.values, chunked.keys + chunked.values, strict=True):
         assert torch.equal(a, b) and a.requires_grad == b.requires_grad == attached
     assert torch.equal(whole.first_logprobs, chunked.first_logprobs)
@@ -39,7 +40,9 @@ def test_an_attached_chunked_prefix_carries_gradients_to_the_vision_encoder(mode
 def test_one_prompt_per_chunk_gives_the_batched_boundary_within_rounding(model, prompts):
     whole = model.prefix(prompts, attached=False)
     chunked, pauses = drain(model.prefix_chunks(prompts, attached=False, prompts_per_chunk=1), True)
-    assert pauses == (model.config.text.num_hidden_layers + 1) * len(prompts) - 1  # + each later group's vision
+    with_visuals = sum(bool(p.visuals) for p in prompts)  # their vision encoders pause between blocks
+    layer_pauses = (model.config.text.num_hidden_layers + 1) * len(prompts) - 1  # + each later group's embedding
+    assert pauses == layer_pauses + with_visuals * (model.config.vision.depth - 1)
     assert torch.equal(chunked.prompt_lens, whole.prompt_lens)
     assert torch.equal(chunked.next_positions, whole.next_positions)
     torch.testing.assert_close(chunked.first_logprobs, whole.first_logprobs, atol=1e-5, rtol=1e-5)
