@@ -49,6 +49,12 @@ class ParallelSelfAttention(nn.Module):
         self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
         self.order, self.group = order, group
 
+    @property
+    def o_weight(self) -> Tensor:
+        """o_proj's weight in its logical [O, I-shard] orientation (nn.Linear's): a transposed view of the
+        stored slab, no copy; writes through it reach the slab."""
+        return self.o_slab.t()
+
     def split(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """y [B, T, rows] -> q [B, T, heads, D], k and v [B, T, groups, D]; views, no copy."""
         b, t, d, g = y.shape[0], y.shape[1], self.head_dim, self.num_groups
@@ -77,6 +83,11 @@ class ParallelMLP(nn.Module):
         assert gate_up.shape[0] == 2 * down_slab.shape[0], f"[gate; up] {gate_up.shape} vs down slab {down_slab.shape}"
         self.gate_up, self.down_slab = _param(gate_up, trainable), _param(down_slab, trainable)
         self.num_blocks, self.group = num_blocks, group
+
+    @property
+    def down_weight(self) -> Tensor:
+        """down_proj's weight in its logical [O, I-shard] orientation: a transposed view of the stored slab."""
+        return self.down_slab.t()
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(copy_to(x, self.group), self.gate_up).unflatten(-1, (self.num_blocks, 2, -1))

@@ -54,6 +54,28 @@ def test_a_row_parallel_slab_is_the_transposed_input_columns():
     assert torch.equal(torch.cat(slabs).t(), w)  # q slabs back to back are the rollout's slab
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_case2_modules_expose_the_logical_orientation_as_a_view_of_the_stored_slab(tp):
+    heads, groups, dim, hidden, inter = 8, 8, 4, 12, 16
+    o_proj, down_proj = torch.randn(hidden, heads * dim), torch.randn(hidden, inter)
+    for rank in range(tp):
+        qkv = torch.zeros((heads + 2 * groups) // tp * dim, hidden)
+        attn = ParallelSelfAttention(
+            qkv, qkv[:, 0], layout.row_parallel_slab(o_proj, tp, rank), heads // tp, groups // tp, dim,
+            QKVOrder.INTERLEAVED, SINGLE, trainable=True,
+        )  # fmt: skip
+        mlp = ParallelMLP(torch.zeros(2 * inter // tp, hidden), layout.row_parallel_slab(down_proj, tp, rank), 1,
+                          SINGLE, trainable=True)  # fmt: skip
+        o_cols, down_cols = heads * dim // tp, inter // tp
+        assert torch.equal(attn.o_weight, o_proj[:, rank * o_cols : (rank + 1) * o_cols])  # nn.Linear's [O, I]
+        assert torch.equal(mlp.down_weight, down_proj[:, rank * down_cols : (rank + 1) * down_cols])
+        assert attn.o_weight.data_ptr() == attn.o_slab.data_ptr()  # a view, no copy
+        with torch.no_grad():
+            attn.o_weight[1, 0] = 7.0  # writes land in the stored [I, O] slab
+            mlp.down_weight[1, 0] = 7.0
+        assert attn.o_slab[0, 1] == 7.0 and mlp.down_slab[0, 1] == 7.0
+
+
 @pytest.mark.parametrize(("train_tp", "rollout_tp"), PAIRS)
 def test_the_case3_copy_index_is_the_closed_form_the_permuted_gemm_reads(train_tp, rollout_tp):
     q = train_tp // rollout_tp
