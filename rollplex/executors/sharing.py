@@ -1,0 +1,108 @@
+"""GPU sharing policies (`sharing.policy`): where `rollplex` runs prefix work beside decode (`PrefixStreams`:
+inline, a stream, a green partition, or partitions picked by the live batch) and, under `mps`, where rollout
+runs (a child process over the actor's shared weights) and the MPS daemon both processes are clients of.
+Not here: the engines themselves (`engines.py`), the chunk scheduler (`rollplex.rollout.beside`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from rollplex.errors import SpecError
+from rollplex.graph.spec import Spec
+from rollplex.models.generate import Rollout
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.rollout.beside import AdaptivePartition, Beside
+
+ADAPTIVE_SMS_FRACTIONS = (0.25, 0.5, 0.75)  # the partitions `green:adaptive` picks from, of the device's SMs
+
+
+@dataclass(frozen=True)
+class PrefixStreams:
+    """Where `rollplex` runs prefix chunks beside decode (`sharing.policy`): `stream` (None: inline, on
+    decode's stream), or under `green:adaptive` a stream per partition size picked by the live decode batch.
+    `contexts` holds the green contexts that own the streams (alive as long as this is)."""
+
+    stream: torch.cuda.Stream | None = None
+    choose: Callable[[int], torch.cuda.Stream] | None = None
+    contexts: tuple = ()
+
+    def beside(self, jobs: Sequence[Generator]) -> Beside:
+        return Beside(jobs, self.stream, self.choose)
+
+
+def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device) -> PrefixStreams:
+    if device.type != "cuda" or policy == "inline":
+        return PrefixStreams()
+    if policy in ("streams", "mps"):  # under mps, decode is another process: the prefixes get a plain stream
+        return PrefixStreams(torch.cuda.Stream(device))
+    from torch.cuda.green_contexts import GreenContext
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if prefix_sms != "adaptive":
+        context = GreenContext.create(num_sms=prefix_sms, device_id=index)
+        return PrefixStreams(context.Stream(), contexts=(context,))
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    contexts = {round(total * f): GreenContext.create(num_sms=round(total * f), device_id=index)
+                for f in ADAPTIVE_SMS_FRACTIONS}  # fmt: skip
+    choose = AdaptivePartition({sms: c.Stream() for sms, c in contexts.items()}, total)
+    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()))
+
+
+@contextmanager
+def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
+    """Under `sharing.policy: mps` on a GPU machine: a private MPS daemon for the run, and this process its
+    client with the trainer's active-thread percentage, set before CUDA starts (call it before anything
+    touches the GPU). Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the
+    rollout then refuses to start: `make_remote_rollout`)."""
+    from rollplex.memory.mps import CONTROL, MpsDaemon
+
+    percents = {s.sharing.mps_trainer_percent for s in specs if s.sharing.policy == "mps"}
+    if len(percents) > 1:
+        raise SpecError("sharing.mps_trainer_percent", "one process has one MPS percentage", "bench one at a time")
+    if not percents or all(s.run.device == "cpu" for s in specs) or shutil.which(CONTROL) is None:
+        yield
+        return
+    daemon, saved = MpsDaemon(), dict(os.environ)
+    try:
+        daemon.start()
+    except RuntimeError as e:
+        raise SpecError("sharing.policy", f"mps: {e}") from None
+    os.environ.update(daemon.client_env(percents.pop()))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        try:
+            daemon.stop()  # this process is still a client: the daemon may outwait it (the run's results stand)
+        except RuntimeError as e:
+            print(f"rollplex: warning: {e}", file=sys.stderr)
+
+
+def make_remote_rollout(
+    actor: Qwen2_5_VL, percent: int | None
+) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
+    """The `mps` policy's rollout: a child process reading the actor's weights in place
+    (`rollplex.rollout.remote`), with its own MPS active-thread percentage on a GPU. On a GPU this process
+    must be an MPS client already (`mps_session`, before CUDA starts)."""
+    from rollplex.memory.mps import ACTIVE_THREAD_PERCENTAGE, CONTROL, PIPE_DIRECTORY
+    from rollplex.rollout.remote import RemoteRollout
+
+    env = {}
+    if actor.device.type == "cuda":
+        if PIPE_DIRECTORY not in os.environ:
+            why = (
+                "nvidia-cuda-mps-control is not on PATH" if shutil.which(CONTROL) is None else "not started by the CLI"
+            )
+            raise SpecError("sharing.policy", f"mps: this process is not an MPS client ({why})", "use green or streams")
+        env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
+    remote = RemoteRollout(actor, env=env)
+    return remote, remote.stats
