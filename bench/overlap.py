@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollplex.executors.bench import parse_policy
-from rollplex.executors.sharing import PrefixStreams, make_prefix_streams
+from rollplex.executors.policies import PrefixStreams, make_prefix_streams
 from rollplex.models.config import load_model_config
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL

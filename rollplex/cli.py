@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
     from rollplex.executors.distributed import check_launch
     from rollplex.executors.engines import resolve_device
-    from rollplex.executors.sharing import mps_session
+    from rollplex.executors.policies import mps_session
 
     with mps_session([spec]):  # under the mps policy: before anything touches the GPU
         try:
@@ -85,7 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     loaded = load_spec(args.spec)
     from rollplex.executors.bench import with_policy
-    from rollplex.executors.sharing import mps_session
+    from rollplex.executors.policies import mps_session
 
     try:
         variants = [with_policy(loaded, p) for p in args.policies] if args.policies else [loaded]

@@ -26,7 +26,7 @@ from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
-from rollplex.executors.sharing import PrefixStreams, make_prefix_streams, make_remote_rollout
+from rollplex.executors.policies import PrefixStreams, make_prefix_streams, make_remote_rollout
 from rollplex.graph.load import LoadedSpec
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint

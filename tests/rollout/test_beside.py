@@ -44,7 +44,7 @@ def test_inline_beside_runs_jobs_in_order_whatever_the_batch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunks_moving_between_green_partitions_stay_in_order():
-    from rollplex.executors.sharing import make_prefix_streams
+    from rollplex.executors.policies import make_prefix_streams
 
     streams = make_prefix_streams("green", "adaptive", torch.device("cuda"))
     x = torch.ones(1 << 20, device="cuda")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.errors import SpecError
-from rollplex.executors.sharing import mps_session
+from rollplex.executors.policies import mps_session
 from rollplex.graph.load import parse_spec
 
 SPEC = """
