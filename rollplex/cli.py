@@ -117,22 +117,23 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
+    batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
     command = "rollplex " + " ".join(args.argv)
     for variant in variants:
         remote = variant.spec.sharing.policy == "mps"
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
-            serial = run_schedule(variant, Schedule.SERIAL, args.steps, args.warmup)
+            serial = run_schedule(variant, Schedule.SERIAL, args.steps, args.warmup, batches)
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
-                unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup)
+                unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup, batches)
             baselines[remote] = serial, unsplit
         serial, unsplit = baselines[remote]
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
-        rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup)
+        rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
         result = compare(variant, serial, rollplex, command)
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])

@@ -44,14 +44,22 @@ class ScheduleRun:
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
 
 
-def run_schedule(loaded: LoadedSpec, schedule: Schedule, steps: int, warmup: int) -> ScheduleRun:
+def run_schedule(
+    loaded: LoadedSpec, schedule: Schedule, steps: int, warmup: int, batches: dict[int, list] | None = None
+) -> ScheduleRun:
+    """`warmup + steps` steps of one schedule on fresh engines. `batches` (step -> examples), when given, is
+    filled on first use and read after: every schedule of a bench trains on the very same examples, rendered
+    once (a LLaVA-Video-like batch takes seconds of host time to render)."""
     engines = build_engines(loaded)
     g = compile_graph(loaded.spec, schedule=schedule)
     spec = loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     device, out = engines.actor.device, ScheduleRun()
+    batches = {} if batches is None else batches
     for i in range(warmup + steps):
-        examples = batch_at(dataset, i * spec.workload.prompts_per_step, spec.workload.prompts_per_step)
+        if i not in batches:
+            batches[i] = batch_at(dataset, i * spec.workload.prompts_per_step, spec.workload.prompts_per_step)
+        examples = batches[i]
         clock = _OpClock(device)
         _sync(device)
         begin = time.perf_counter()
