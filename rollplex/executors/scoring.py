@@ -19,7 +19,7 @@ from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.scores import SuffixOut, entropy
+from rollplex.models.scores import SuffixOut, token_scores
 
 
 def group(b: Boundary, p: int) -> Boundary:
@@ -114,17 +114,17 @@ def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, le
     num, width = responses.shape
     ids = [torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)]
     seqs = [Prompt(x, prompt.visuals, response_start=prompt.num_tokens) for x in ids]
-    logits = model(seqs)  # [N, L, V]
-    start = prompt.num_tokens - 1
-    idx = torch.arange(width, device=logits.device)
-    rows = (start + idx).clamp(max=logits.shape[1] - 1)
-    logp = torch.log_softmax(logits[:, rows].float(), dim=-1)  # [N, R, V]
-    tokens = responses.to(logits.device)
-    mask = idx < lens.to(logits.device)[:, None]
-    token_lp = logp.gather(-1, tokens[..., None])[..., 0]
+    hidden = model.hidden(seqs)  # [N, L, H]
+    idx = torch.arange(width, device=hidden.device)
+    rows = (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)  # the position before each token
+    tokens = responses.to(hidden.device)
+    logprobs, entropies = token_scores(
+        hidden[:, rows].flatten(0, 1), model.lm_head, tokens.flatten(), model.config.text.vocab_size
+    )
+    mask = idx < lens.to(hidden.device)[:, None]
     return SuffixOut(
-        logprobs=token_lp.where(mask, 0.0)[None],
-        entropy=entropy(logp).where(mask, 0.0)[None],
+        logprobs=logprobs.view(num, width).where(mask, 0.0)[None],
+        entropy=entropies.view(num, width).where(mask, 0.0)[None],
     )
 
 

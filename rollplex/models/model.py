@@ -88,8 +88,12 @@ class Qwen2_5_VL(nn.Module):
 
     def forward(self, sequences: Sequence[Prompt]) -> Tensor:
         """Logits [B, L, V] of right-padded whole sequences; rows past a sequence's length are meaningless."""
+        return self.lm_head(self.hidden(sequences))
+
+    def hidden(self, sequences: Sequence[Prompt]) -> Tensor:
+        """Final hidden states [B, L, hidden] under `forward` (before the LM head)."""
         hidden, _ = self._run_sequences(sequences, CausalAttention())
-        return self.lm_head(hidden)
+        return hidden
 
     def prefix(self, prompts: Sequence[Prompt], *, attached: bool) -> Boundary:
         """Runs each prompt once: vision encoder and prefill.

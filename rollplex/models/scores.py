@@ -55,24 +55,32 @@ def score_hidden(
     recomputes a chunk's logits from its hidden states): the scores and gradients of `score_responses`
     without [P, N, R, V] FP32 logits, their log-softmax and its exponent alive at once."""
     num_prompts, num_samples, num_tokens = responses.shape
-    flat, targets = hidden.flatten(0, 2), responses[..., 1:].flatten()
-    step = max(1, LOGIT_CHUNK_BYTES // (4 * first_logprobs.shape[-1]))
-    score = partial(_token_scores, head)
-    grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in _params(head)))
-    parts = [
-        checkpoint(score, flat[i : i + step], targets[i : i + step], use_reentrant=False)
-        if grad
-        else score(flat[i : i + step], targets[i : i + step])
-        for i in range(0, max(flat.shape[0], 1), step)  # one empty chunk for one-token responses
-    ]
-    rest_lp = torch.cat([lp for lp, _ in parts]).view(num_prompts, num_samples, num_tokens - 1)
-    rest_ent = torch.cat([e for _, e in parts]).view(num_prompts, num_samples, num_tokens - 1)
+    rest_lp, rest_ent = token_scores(hidden.flatten(0, 2), head, responses[..., 1:].flatten(), first_logprobs.shape[-1])
+    rest_lp = rest_lp.view(num_prompts, num_samples, num_tokens - 1)
+    rest_ent = rest_ent.view(num_prompts, num_samples, num_tokens - 1)
     first = first_logprobs.gather(-1, responses[:, :, 0])[..., None]
     logprobs = torch.cat([first, rest_lp], dim=-1)
     first_entropy = entropy(first_logprobs)[:, None, None].expand(num_prompts, num_samples, 1)
     entropies = torch.cat([first_entropy, rest_ent], dim=-1)
     is_real = torch.arange(num_tokens, device=responses.device) < response_lens[..., None]
     return SuffixOut(logprobs.where(is_real, 0.0), entropies.where(is_real, 0.0))
+
+
+def token_scores(
+    hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, vocab_size: int
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and the entropy at each of hidden [M, H]: the head runs on chunks of tokens
+    (LOGIT_CHUNK_BYTES of FP32 logits), each checkpointed when autograd records. [M] and [M], float32."""
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
+    score = partial(_token_scores, head)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
+    parts = [
+        checkpoint(score, hidden[i : i + step], targets[i : i + step], use_reentrant=False)
+        if grad
+        else score(hidden[i : i + step], targets[i : i + step])
+        for i in range(0, max(hidden.shape[0], 1), step)  # one empty chunk when there are no tokens
+    ]
+    return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts])
 
 
 def _token_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
