@@ -1,10 +1,12 @@
 """`Qwen2_5_VL`: the vision-language model, callable whole or split at the first response position.
 
-- `forward(sequences)`: logits of whole sequences (prompt, or prompt ++ response): the unsplit path.
+- `forward(sequences)`: logits of whole sequences (prompt, or prompt ++ response): the unsplit path;
+  `hidden(sequences)`: the same before the LM head.
 - `prefix(prompts, attached=...)`: vision encoder + prompt prefill, once per prompt -> `Boundary`.
 - `suffix(boundary, responses, response_lens)`: per-token log-probs and entropy of N responses per prompt,
   each attending to its prompt's shared boundary KV (never copied N times).
-- `response_logits(boundary, tokens, cache)`: the forward under `suffix` and rollout decode.
+- `response_logits(boundary, tokens, cache)`: the forward under `suffix` and rollout decode;
+  `response_hidden(...)`: the same before the LM head (`suffix` runs the head in chunks of tokens).
 
 Parameter names are transformers 5.x's `Qwen2_5_VLForConditionalGeneration` names (`model.visual.*`,
 `model.language_model.*`, `lm_head.weight`). Not here: loading weights (`checkpoint.py`), sampling
