@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -67,11 +68,18 @@ def run_schedule(
             before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
             record = run_iteration(g, engines, examples, before_op=before, after_op=after)
             _sync(device)
+            elapsed = time.perf_counter() - begin
+        if engines.is_main:  # a line per step: what a bench cut short by a time limit still tells
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in record.times.items() if v)
+            peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
+            kind = "warm-up" if i < warmup else "step"
+            print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases})"
+                  + (f"; GiB per phase {peaks}" if peaks else ""), file=sys.stderr, flush=True)  # fmt: skip
         if i < warmup:
             continue
         for phase, num_bytes in memory.peaks().items():
             out.peak_bytes[phase] = max(out.peak_bytes.get(phase, 0), num_bytes)
-        out.step_s.append(time.perf_counter() - begin)
+        out.step_s.append(elapsed)
         out.times.append(dict(record.times))
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
