@@ -16,7 +16,12 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.graph.plan import check_fits, compile_plan
     from rollplex.report.jsonout import plan_to_json
 
-    plan = compile_plan(load_spec(args.spec), Schedule(args.schedule) if args.schedule else None)
+    loaded = load_spec(args.spec)
+    plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
+    if args.check_data:
+        from rollplex.executors.datacheck import check_data
+
+        print(check_data(loaded).line(), file=sys.stderr)
     if args.plot:
         from rollplex.report.plot import plot_memory
 
@@ -172,6 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("spec", help="the YAML spec")
     c.add_argument("--dry-run", action="store_true", help="print the plan instead of writing it")
     c.add_argument("--naive", action="store_true", help="also show the everything-resident footprint")
+    c.add_argument(
+        "--check-data",
+        action="store_true",
+        help="render the first step's prompts on the CPU and check them against the budgets (one line on stderr)",
+    )
     c.add_argument("--plot", metavar="FILE.png", help="plot HBM by role over the phases")
     c.add_argument("--format", choices=["text", "json"], default="text", help="dry-run output format")
     c.add_argument("--schedule", choices=["serial", "rollplex"], help="override the spec's schedule")

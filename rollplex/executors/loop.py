@@ -16,6 +16,7 @@ from pathlib import Path
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
+from rollplex.executors.datacheck import check_budget
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, chain
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
@@ -92,7 +93,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
     try:
         for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
             examples = batch_at(dataset, position, size)
-            _check_budget(loaded, examples)
+            check_budget(loaded, examples)
 
             def before(o: Op) -> None:
                 nonlocal updating
@@ -140,14 +141,6 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),
     }
-
-
-def _check_budget(loaded: LoadedSpec, examples) -> None:
-    budget = loaded.spec.workload.prompt_tokens
-    longest = max(e.prompt.num_tokens for e in examples)
-    if longest > budget:
-        e = SpecError("workload.prompt_tokens", f"a prompt has {longest} tokens, over the budget {budget}", "raise it")
-        raise loaded.locate(e)
 
 
 def _progress(it, enabled: bool, start: int, total: int):

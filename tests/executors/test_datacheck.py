@@ -1,0 +1,28 @@
+"""`rollplex compile --check-data`: the spec's budgets against its rendered data, on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from rollplex.executors.datacheck import check_data
+from rollplex.graph.load import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_tiny_spec_fits_its_budgets_and_the_plan_counts_its_visual_tokens():
+    found = check_data(load_spec(ROOT / "specs/tiny_cpu.yaml"))
+    assert found.num_prompts == 2 and 0 < found.shortest <= found.longest <= found.budget == 384
+    assert found.visual_median == found.visual_planned  # 4 frames of 56 x 56: 2 x 2 x 2 tokens, as the plan says
+    assert "budget 384" in found.line()
+
+
+def test_a_prompt_over_the_budget_is_a_one_line_error_before_any_model_is_built(tmp_path):
+    spec = tmp_path / "small.yaml"
+    spec.write_text((ROOT / "specs/tiny_cpu.yaml").read_text().replace("prompt_tokens: 384", "prompt_tokens: 100"))
+    command = [sys.executable, "-m", "rollplex.cli", "compile", str(spec), "--dry-run", "--check-data"]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    assert proc.returncode == 2 and "workload.prompt_tokens" in proc.stderr and "over the budget 100" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
