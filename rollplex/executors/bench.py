@@ -24,7 +24,7 @@ import torch
 
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import build_engines
-from rollplex.executors.memprobe import PhaseMemory, chain
+from rollplex.executors.memprobe import PhaseMemory, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
@@ -117,7 +117,7 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "T_post_s": round(t_post, 4),
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
-        "peak_gib": {"serial": _gib_by_phase(serial.peak_bytes), "rollplex": _gib_by_phase(rollplex.peak_bytes)},
+        "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
         "plan_peak_gib": {s.value: plan_peaks_gib(loaded, s) for s in (Schedule.SERIAL, Schedule.ROLLPLEX)},
         "steps": len(serial.step_s),
     }
@@ -126,10 +126,6 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
 def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:
     """The compiled plan's peak HBM per phase ("1", "2", "3"), GiB per GPU."""
     return {str(int(p.phase)): round(p.peak_bytes / 2**30, 2) for p in compile_plan(loaded, schedule).residency.phases}
-
-
-def _gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:
-    return {str(int(p)): round(b / 2**30, 2) for p, b in sorted(peaks.items())}
 
 
 def parse_policy(text: str) -> tuple[str, int | str | None]:

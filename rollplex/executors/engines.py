@@ -112,8 +112,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
     a = spec.algorithm
     sharing = spec.sharing
-    if sharing.policy == "mps":  # moves the actor's weights into shared storage: before the optimizer sees them
-        rollout, rollout_stats = make_remote_rollout(actor, sharing.mps_rollout_percent)
+    # under mps the actor's weights move into shared storage: before the optimizer sees them
+    remote = make_remote_rollout(actor, sharing.mps_rollout_percent) if sharing.policy == "mps" else None
     optimizer = make_optimizer(actor, a, tp, bound)
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
@@ -125,8 +125,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
     paged = reference is not None and spec.memory.page_reference
     reference_pager = make_reference_pager(reference) if paged else None
-    if sharing.policy != "mps":
-        rollout, rollout_stats = make_rollout(actor if bound is None else bound.model)
+    rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(
@@ -192,7 +191,7 @@ def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], Ab
 
     memory = loaded.spec.memory
     if memory.prefix_activations == "recompute":
-        layers = [*actor.model.visual.blocks, *actor.model.language_model.layers]
+        layers = recomputed_modules(actor)
         return lambda: recompute(layers)
     from rollplex.graph.plan import compile_plan
     from rollplex.memory.host_pool import HostPool
@@ -214,8 +213,13 @@ def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[]
 
     if loaded.spec.memory.recompute == "none":
         return nullcontext
-    layers = [*actor.model.visual.blocks, *actor.model.language_model.layers]
+    layers = recomputed_modules(actor)
     return lambda: recompute(layers)
+
+
+def recomputed_modules(actor: Qwen2_5_VL) -> list:
+    """What recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
+    return [*actor.model.visual.blocks, *actor.model.language_model.layers]
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

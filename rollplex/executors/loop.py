@@ -18,7 +18,7 @@ from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.engines import Engines, build_engines
-from rollplex.executors.memprobe import PhaseMemory, chain
+from rollplex.executors.memprobe import PhaseMemory, chain, gib_by_phase
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
@@ -107,7 +107,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
             records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
-            records[-1]["peak_gib_by_phase"] = {str(int(p)): round(b / 2**30, 2) for p, b in memory.peaks().items()}
+            records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if log is not None:
                 log.write(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False

@@ -77,6 +77,11 @@ class PhaseMemory:
                 self._peaks[phase] = max(self._peaks.get(phase, 0), total - free)
 
 
+def gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:
+    """{"1": GiB, ...}: per-phase peaks as metrics and bench results write them."""
+    return {str(int(p)): round(b / 2**30, 2) for p, b in sorted(peaks.items())}
+
+
 def chain(*hooks):
     """One op hook that calls each of `hooks` (None entries skipped) in order."""
     live = [h for h in hooks if h is not None]

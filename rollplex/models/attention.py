@@ -82,6 +82,7 @@ class SharedPrefixAttention:
         self.boundary = boundary
         self.num_samples = num_samples
         self.cache = cache
+        self._joint_mask: Tensor | None = None  # without a cache: the [B, 1, T, S + T] mask of `_attend_joint`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.cache is None:
@@ -103,12 +104,13 @@ class SharedPrefixAttention:
             whole = torch.cat([prompt.repeat_interleave(self.num_samples, dim=0), own], dim=2)
             return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
 
-        prompt_keys = self.boundary.key_mask().repeat_interleave(self.num_samples, dim=0)  # [B, S]
-        own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
-        mask = torch.cat(
-            [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
-        )[:, None]  # [B, 1, T, S + T]
-        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=mask)
+        if self._joint_mask is None:  # the same for every layer of the forward: built once
+            prompt_keys = self.boundary.key_mask().repeat_interleave(self.num_samples, dim=0)  # [B, S]
+            own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
+            self._joint_mask = torch.cat(
+                [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
+            )[:, None]  # [B, 1, T, S + T]
+        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=self._joint_mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""

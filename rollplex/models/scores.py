@@ -1,6 +1,6 @@
 """Per-token scores of sampled responses: the log-probability of each token and the entropy of the
-distribution it was drawn from, masked past each response's length. Tensor math on logits, or on final
-hidden states and the LM head (`score_hidden`: in chunks of tokens, never all the FP32 logits at once).
+distribution it was drawn from, masked past each response's length, from final hidden states and the LM head
+(`score_hidden`, `token_scores`: in chunks of tokens, never all the FP32 logits at once).
 """
 
 from __future__ import annotations
@@ -27,33 +27,11 @@ def entropy(logprobs: Tensor) -> Tensor:
     return -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
-def score_responses(first_logprobs: Tensor, logits: Tensor, responses: Tensor, response_lens: Tensor) -> SuffixOut:
-    """first_logprobs [P, V] predict token 0; logits [P, N, R-1, V] (after tokens 0..R-2) predict 1..R-1.
-
-    responses [P, N, R] int64, response_lens [P, N] int64.
-    """
-    num_prompts, num_samples, num_tokens = responses.shape
-    rest = torch.log_softmax(logits.float(), dim=-1)  # [P, N, R-1, V]
-    logprobs = torch.cat(
-        [
-            first_logprobs.gather(-1, responses[:, :, 0])[..., None],
-            rest.gather(-1, responses[..., 1:, None])[..., 0],
-        ],
-        dim=-1,
-    )  # [P, N, R]
-    first_entropy = entropy(first_logprobs)[:, None, None].expand(num_prompts, num_samples, 1)
-    entropies = torch.cat([first_entropy, entropy(rest)], dim=-1)  # [P, N, R]
-    is_real = torch.arange(num_tokens, device=responses.device) < response_lens[..., None]
-    return SuffixOut(logprobs.where(is_real, 0.0), entropies.where(is_real, 0.0))
-
-
 def score_hidden(
     first_logprobs: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor], responses: Tensor, response_lens: Tensor
 ) -> SuffixOut:
-    """`score_responses` from hidden [P, N, R-1, H] and the LM head: tokens go through the head in chunks of
-    LOGIT_CHUNK_BYTES of FP32 logits, each under activation checkpointing when autograd records (backward
-    recomputes a chunk's logits from its hidden states): the scores and gradients of `score_responses`
-    without [P, N, R, V] FP32 logits, their log-softmax and its exponent alive at once."""
+    """Scores [P, N, R] of responses [P, N, R] int64 of lengths [P, N]: first_logprobs [P, V] predict token 0,
+    hidden [P, N, R-1, H] (after tokens 0..R-2) predict 1..R-1 through the LM head `head` (`token_scores`)."""
     num_prompts, num_samples, num_tokens = responses.shape
     rest_lp, rest_ent = token_scores(hidden.flatten(0, 2), head, responses[..., 1:].flatten(), first_logprobs.shape[-1])
     rest_lp = rest_lp.view(num_prompts, num_samples, num_tokens - 1)

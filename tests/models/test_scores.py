@@ -6,7 +6,18 @@ import pytest
 import torch
 
 import rollplex.models.scores as scores
-from rollplex.models.scores import score_hidden, score_responses
+from rollplex.models.scores import SuffixOut, entropy, score_hidden
+
+
+def whole_logits_scores(first_logprobs, logits, responses, lens) -> SuffixOut:
+    """The oracle: log-softmax over all the logits [P, N, R-1, V] at once."""
+    rest = torch.log_softmax(logits.float(), dim=-1)
+    first = first_logprobs.gather(-1, responses[:, :, 0])[..., None]
+    logprobs = torch.cat([first, rest.gather(-1, responses[..., 1:, None])[..., 0]], dim=-1)
+    first_entropy = entropy(first_logprobs)[:, None, None].expand(*responses.shape[:2], 1)
+    entropies = torch.cat([first_entropy, entropy(rest)], dim=-1)
+    real = torch.arange(responses.shape[2]) < lens[..., None]
+    return SuffixOut(logprobs.where(real, 0.0), entropies.where(real, 0.0))
 
 
 @pytest.mark.parametrize("chunk_bytes", [4 * 11 * 3, 1 << 30])  # 3 tokens per chunk; everything in one
@@ -22,7 +33,9 @@ def test_chunked_scores_and_their_gradients_equal_the_whole_logits(monkeypatch, 
         h = hidden.clone().requires_grad_()
         head.zero_grad()
         out = (
-            score_responses(first, head(h), responses, lens) if whole else score_hidden(first, h, head, responses, lens)
+            whole_logits_scores(first, head(h), responses, lens)
+            if whole
+            else score_hidden(first, h, head, responses, lens)
         )
         (out.logprobs.sum() + 0.3 * out.entropy.sum()).backward()
         results.append((out.logprobs.detach(), out.entropy.detach(), h.grad, head.weight.grad.clone()))
