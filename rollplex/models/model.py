@@ -36,6 +36,8 @@ from rollplex.models.vision import VisionEncoder
 
 T = TypeVar("T")
 
+INIT_STD = 0.02  # `initializer_range` of every released Qwen2.5-VL config
+
 
 class Backbone(nn.Module):
     """The two towers under HF's names: `model.visual` and `model.language_model`."""
@@ -64,9 +66,21 @@ class Qwen2_5_VL(nn.Module):
         with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
             self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.init_weights()
         self.tie_weights()
         self.to(dtype)
         self.pack_projections()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = INIT_STD) -> None:
+        """Random weights as transformers initialises them: N(0, std) matrices, embeddings and patch kernels,
+        zero biases, unit norms. (torch's defaults put N(0, 1) in the embedding, which the 3B model's tied
+        LM head turns into logits of std ~45: one-hot predictions, zero entropy, zero gradients.)"""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv3d)):
+                m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
 
     def tie_weights(self) -> None:
         """Shares the LM head with the token embedding when the config ties them (Qwen2.5-VL-3B)."""

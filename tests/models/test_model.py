@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from models_testkit import hf_logits, hf_model_from_state
 
-from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.model import INIT_STD, Qwen2_5_VL
 
 TOLERANCE = 1e-4
 
@@ -59,6 +60,21 @@ def test_tied_embeddings_share_one_weight_and_match_transformers(config, inputs)
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     hf_model = hf_model_from_state(model.state_dict(), {"tie_word_embeddings": True})
     assert_logits_match(model, hf_model, [inputs.prompt(3, inputs.image((4, 4)), 2)])
+
+
+def test_random_weights_are_initialised_as_transformers_does(config, inputs):
+    # torch's default N(0, 1) embedding, tied as the LM head, gave one-hot predictions: zero entropy and zero
+    # gradients in every random-weight benchmark; HF's init (N(0, 0.02)) keeps predictions near uniform
+    text = dataclasses.replace(config.text, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(dataclasses.replace(config, text=text))
+    for name, p in model.named_parameters():
+        if p.ndim == 1:  # biases zero, norms one
+            assert (p == float(not name.endswith("bias"))).all(), name
+        else:
+            assert abs(float(p.detach().std()) - INIT_STD) < 0.2 * INIT_STD, name
+    logprobs = torch.log_softmax(model([inputs.prompt(3, inputs.image((4, 4)), 2)])[0, -1].detach(), dim=-1)
+    assert float(-(logprobs.exp() * logprobs).sum()) > 0.95 * math.log(text.vocab_size)
 
 
 def test_bfloat16_model_runs_and_stays_close_to_float32(model, inputs):
