@@ -120,6 +120,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
+    out = out if out.suffix == ".json" else out.with_name(out.name + ".json")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
@@ -141,13 +142,16 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
         result = compare(variant, serial, rollplex, command)
         # under tensor parallelism each rank compared its own shards: the worst rank decides
-        result["max_param_relative_difference"] = max_over_ranks(result["max_param_relative_difference"])
-        result["updates_match"] = result["max_param_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+        for key in ("max_param_relative_difference", "first_step_grad_relative_difference"):
+            result[key] = max_over_ranks(result[key])
+        result["updates_match"] = result["first_step_rollouts_match"] and (
+            result["first_step_grad_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+        )
         runs = {"serial": serial, "rollplex": rollplex}
         if unsplit is not None:
             result = with_unsplit(result, rollplex, unsplit)
-            key = "unsplit_max_param_relative_difference"
-            result[key] = max_over_ranks(result[key])
+            for key in ("unsplit_max_param_relative_difference", "unsplit_first_step_grad_relative_difference"):
+                result[key] = max_over_ranks(result[key])
             runs["unsplit"] = unsplit
         if not is_main_process():
             continue

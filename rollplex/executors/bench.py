@@ -4,8 +4,14 @@ Each schedule trains `warmup + steps` steps from the same initial weights and da
 nothing written to disk), with a device synchronisation around every op so that op times are GPU times.
 From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
 (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
-seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The updates
-match when the two schedules' final actor parameters agree within the rounding of the model dtype.
+seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran.
+
+The updates match when, at the first step (the only one both schedules start from the same weights), the two
+rollouts are the same tokens and the two gradients agree within the rounding of the model dtype (a strided
+sample of every parameter's gradient, taken just before the update). Parameters after several steps are
+reported too but decide nothing in bf16: AdamW's first steps move every element by about lr x sign(grad), so
+a rounding-level difference in a near-zero gradient becomes a full step, and the next rollout samples from
+slightly different weights.
 Each schedule's device memory is probed per phase (`memprobe.py`: the driver's used bytes, so VMM regions and
 the runtime count as in the plan) and reported beside the compiled plan's peak of that phase. Several GPU
 sharing policies share one serial run (`--policies`: one rollplex run per policy, `with_policy`).
@@ -43,6 +49,8 @@ class ScheduleRun:
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
+    first_rollout: tuple[torch.Tensor, torch.Tensor] | None = None  # (responses, lengths) of step 1, on the CPU
+    first_grads: torch.Tensor | None = None  # `grad_sketch` of step 1's gradients, FP32 on the CPU
 
 
 def run_schedule(
@@ -66,9 +74,13 @@ def run_schedule(
         begin = time.perf_counter()
         with PhaseMemory(device) as memory:
             before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
+            if i == 0:
+                before = chain(before, _sketch_before_update(engines.actor, out))
             record = run_iteration(g, engines, examples, before_op=before, after_op=after)
             _sync(device)
             elapsed = time.perf_counter() - begin
+        if i == 0:
+            out.first_rollout = (record.responses.cpu(), record.response_lens.cpu())
         if engines.is_main:  # a line per step: what a bench cut short by a time limit still tells
             phases = ", ".join(f"{k} {v:.2f}" for k, v in record.times.items() if v)
             peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
@@ -99,6 +111,8 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
     step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
     t_post = max(step_serial - t_d - t_p, 0.0)
     diff = max_relative_difference(serial.params, rollplex.params)
+    rollouts_match = same_rollout(serial.first_rollout, rollplex.first_rollout)
+    grad_diff = relative_difference(serial.first_grads, rollplex.first_grads)
     decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -110,7 +124,9 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "speedup": round(step_serial / step_rollplex, 4),
         "ideal_speedup": round((t_d + t_p + t_post) / (max(t_d, t_p) + t_post), 4),
         "decode_slowdown": round(decode, 4) if decode is not None else None,
-        "updates_match": diff <= tolerance(spec.run.dtype),
+        "updates_match": rollouts_match and grad_diff <= tolerance(spec.run.dtype),
+        "first_step_rollouts_match": rollouts_match,
+        "first_step_grad_relative_difference": grad_diff,
         "max_param_relative_difference": diff,
         "T_D_s": round(t_d, 4),
         "T_P_s": round(t_p, 4),
@@ -173,11 +189,45 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
         "step_s": result["step_s"] | {"unsplit": round(step, 4)},
         "speedup_vs_unsplit": round(step / result["step_s"]["rollplex"], 4),
         "unsplit_max_param_relative_difference": max_relative_difference(unsplit.params, rollplex.params),
+        "unsplit_first_step_grad_relative_difference": relative_difference(unsplit.first_grads, rollplex.first_grads),
     }
 
 
 def _phase_medians(run: ScheduleRun) -> dict[str, float]:
     return {k: round(statistics.median(t[k] for t in run.times), 4) for k in run.times[0]}
+
+
+GRAD_SKETCH = 4096  # gradient elements sampled per parameter (strided) for the first-step comparison
+
+
+def grad_sketch(model: torch.nn.Module) -> torch.Tensor:
+    """A strided sample of at most GRAD_SKETCH elements of every parameter's gradient, FP32 on the CPU."""
+    parts = []
+    for p in model.parameters():
+        if p.grad is not None:
+            flat = p.grad.detach().reshape(-1)
+            parts.append(flat[:: max(1, flat.numel() // GRAD_SKETCH)][:GRAD_SKETCH].float().cpu())
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _sketch_before_update(model: torch.nn.Module, out: ScheduleRun):
+    def before(o: Op) -> None:
+        if o.kind is NodeKind.UPDATE:
+            out.first_grads = grad_sketch(model)
+
+    return before
+
+
+def same_rollout(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def relative_difference(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """||a - b|| / ||a|| (0 for equal vectors; inf when either is missing or they differ in size)."""
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
+    scale = float(a.norm()) or 1.0
+    return float((a - b).norm()) / scale
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -41,6 +41,7 @@ class StepRecord:
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
     response_lens: torch.Tensor | None = None
+    responses: torch.Tensor | None = None  # [P, N, R] token ids of the rollout
     chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
 
 
@@ -143,7 +144,7 @@ def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Seque
         max_lens=_length_budgets(e, len(prompts)),
     )  # fmt: skip
     store[o.outputs[0]] = rollout
-    record.response_lens = rollout.response_lens
+    record.response_lens, record.responses = rollout.response_lens, rollout.responses
     stats = e.rollout_stats()
     if stats is not None:
         record.stats["decode_s"] = stats.decode_s

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from rollplex.executors.bench import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout
+
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "policy", "command", "step_s", "speedup", "ideal_speedup", "decode_slowdown",
         "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode"}  # fmt: skip
@@ -24,6 +28,7 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     result = json.loads(out.read_text())
     assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
+    assert result["first_step_rollouts_match"] and result["first_step_grad_relative_difference"] == 0.0
     t_d, t_p, t_post = result["T_D_s"], result["T_P_s"], result["T_post_s"]
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
     assert result["prefix_beside_decode"] > 0.5
@@ -31,6 +36,25 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert "speedup" not in proc.stderr and "x (ideal" in proc.stdout
+
+
+def test_bench_names_its_result_json_when_out_has_no_suffix(tmp_path):
+    proc = bench("--steps", "1", "--warmup", "0", "--policies", "inline", "--out", str(tmp_path / "tiny"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "tiny.json").exists() and (tmp_path / "tiny.png").exists()
+
+
+def test_the_first_step_comparison_needs_the_same_tokens_and_close_gradients():
+    model = torch.nn.Linear(64, 100)
+    model(torch.randn(3, 64)).square().sum().backward()
+    sketch = grad_sketch(model)
+    assert sketch.numel() == min(GRAD_SKETCH, 6400) + 100 and sketch.dtype == torch.float32
+    assert relative_difference(sketch, sketch) == 0.0
+    assert abs(relative_difference(sketch, 1.01 * sketch) - 0.01) < 1e-6
+    assert relative_difference(sketch, None) == float("inf")
+    tokens, lens = torch.arange(12).view(1, 3, 4), torch.tensor([[4, 2, 3]])
+    assert same_rollout((tokens, lens), (tokens.clone(), lens.clone()))
+    assert not same_rollout((tokens, lens), (tokens + 1, lens)) and not same_rollout((tokens, lens), None)
 
 
 def test_bench_with_no_steps_is_a_one_line_error(tmp_path):
@@ -48,6 +72,7 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
     s = result["step_s"]
     assert abs(result["speedup_vs_unsplit"] - s["unsplit"] / s["rollplex"]) < 2e-3  # from unrounded medians
     assert result["unsplit_max_param_relative_difference"] < 1e-2  # another summation order, the same update
+    assert result["unsplit_first_step_grad_relative_difference"] < 1e-4
 
 
 def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
