@@ -107,15 +107,15 @@ def _timed(name: str, fn, parts: list):
 
 
 def _time_parts(parts: list) -> None:
-    """Times the pieces of the suffix and backward ops: each length batch's suffix forward, each group's loss
-    backward, the one backward through the prefix."""
-    runtime.score_group_split = _timed("score_group_split (fwd)", scoring.score_group_split, parts)
+    """Times the pieces of the suffix and backward ops: each length batch's suffix forward (reference and
+    actor), the actor's alone, each batch's loss backward, the one backward through the prefix."""
+    runtime.score_batch = _timed("score_batch (actor fwd)", scoring.score_batch, parts)
     scoring.LeafBoundary.backward_through_prefix = _timed(
         "backward_through_prefix", scoring.LeafBoundary.backward_through_prefix, parts
     )
     backward = torch.Tensor.backward
     torch.Tensor.backward = _timed("loss.backward (suffix)", backward, parts)
-    Qwen2_5_VL.suffix = _timed("model.suffix (one length batch)", Qwen2_5_VL.suffix, parts)
+    Qwen2_5_VL.suffix_rows = _timed("model.suffix_rows (a length batch)", Qwen2_5_VL.suffix_rows, parts)
 
 
 def _profile_group(engines, g, dataset, size, args) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from rollplex.executors.engines import Engines
 from rollplex.executors.grpo import group_advantages, grpo_loss, loss_scale
-from rollplex.executors.scoring import LeafBoundary, score_all, score_group_split, score_group_unsplit
+from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
@@ -234,40 +234,41 @@ def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    """Per prompt group: suffix (or unsplit) forward, GRPO loss, backward; then the prefix backward once."""
+    """Per microbatch: suffix (or unsplit) forward, GRPO loss, backward; then the prefix backward once. Split,
+    a microbatch is a batch of responses of similar lengths across prompts (`row_batches`, at most N rows);
+    unsplit, one prompt group."""
     scores = _input(store, o, _ActorScores)
     split = scores.op.part is Part.SUFFIX
-    leaf = _input(store, scores.op, LeafBoundary) if split else None
     rollout = _input(store, scores.op, Rollout)
     ref = _input(store, o, SuffixOut, required=False)
-    rewards = _input(store, o, torch.Tensor)
-    advantages = group_advantages(rewards)
+    advantages = group_advantages(_input(store, o, torch.Tensor))
     mask = torch.arange(rollout.responses.shape[2], device=rollout.responses.device) < rollout.response_lens[..., None]
     scale = loss_scale(mask)
-    totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
-    for p, prompt in enumerate(store["prompts"]):
-        with e.microbatch_memory():
-            if split:
-                out = score_group_split(e.actor, leaf.leaf, p, rollout)
-            else:
-                out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
-        ref_lp = ref.logprobs[p : p + 1] if ref is not None else None
-        g = grpo_loss(
-            e.grpo,
-            scale,
-            out.logprobs,
-            out.logprobs.detach(),
-            ref_lp,
-            advantages[p : p + 1],
-            out.entropy,
-            mask[p : p + 1],
-        )
+    totals = dict.fromkeys(("loss", "kl", "entropy", "clipped"), 0.0)  # device scalars: one host sync, at the end
+
+    def step(out: SuffixOut, rows: tuple, width: int) -> None:
+        """The loss of the responses at `rows` (an index into [P, N]) and its backward."""
+        ref_lp = ref.logprobs[rows][..., :width] if ref is not None else None
+        lp = out.logprobs
+        g = grpo_loss(e.grpo, scale, lp, lp.detach(), ref_lp, advantages[rows], out.entropy, mask[rows][..., :width])
         g.loss.backward()
         for k in totals:
-            totals[k] += float(getattr(g, k).detach())
+            totals[k] = totals[k] + getattr(g, k).detach()
+
     if split:
+        leaf = _input(store, scores.op, LeafBoundary)
+        num_samples = rollout.responses.shape[1]
+        for batch in row_batches(rollout, max_rows=e.group_size):
+            with e.microbatch_memory():
+                out = score_batch(e.actor, leaf.leaf, rollout, batch)
+            step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)
         leaf.backward_through_prefix()
-    n = max(scale.num_tokens, 1)
+    else:
+        for p, prompt in enumerate(store["prompts"]):
+            with e.microbatch_memory():
+                out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
+            step(out, (slice(p, p + 1),), rollout.responses.shape[2])
+    n, totals = max(scale.num_tokens, 1), {k: float(v) for k, v in totals.items()}
     record.stats.update(
         loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
     )

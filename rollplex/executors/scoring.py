@@ -1,9 +1,10 @@
 """Scoring sampled responses: split (prefix once per prompt, suffix per group) or unsplit (the oracle).
 
 The unsplit path is textbook GRPO: every response is scored over its full sequence prompt ++ response, so
-each prompt is recomputed once per response. The split path slices a `Boundary` per prompt group and, for
-the attached actor boundary, swaps in a leaf copy so each group's backward stops at the boundary; the
-accumulated boundary gradient then flows through the prefix graph once (`backward_through_prefix`).
+each prompt is recomputed once per response. The split path scores batches of responses of similar lengths,
+across prompts (`row_batches`), each row attending to its own prompt's boundary; for the attached actor
+boundary it swaps in a leaf copy so each batch's backward stops at the boundary; the accumulated boundary
+gradient then flows through the prefix graph once (`backward_through_prefix`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rollplex.models.boundary import Boundary
@@ -20,17 +20,6 @@ from rollplex.models.generate import Rollout
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.scores import SuffixOut, token_scores
-
-
-def group(b: Boundary, p: int) -> Boundary:
-    """The boundary of prompt p alone (views, no copy)."""
-    return Boundary(
-        keys=tuple(k[p : p + 1] for k in b.keys),
-        values=tuple(v[p : p + 1] for v in b.values),
-        first_logprobs=b.first_logprobs[p : p + 1],
-        next_positions=b.next_positions[p : p + 1],
-        prompt_lens=b.prompt_lens[p : p + 1],
-    )
 
 
 @dataclass(frozen=True)
@@ -69,37 +58,46 @@ class LeafBoundary:
 PADDING_WASTE = 0.25  # at most this much of a length batch's tokens are padding (unless it holds one response)
 
 
-def score_group_split(model: Qwen2_5_VL, boundary: Boundary, p: int, rollout: Rollout) -> SuffixOut:
-    """Log-probs and entropy [1, N, R] of prompt p's N responses, from its boundary.
+@dataclass(frozen=True)
+class RowBatch:
+    """Responses scored together: flat indices p * N + n into the step's [P, N] responses, padded to `width`."""
 
-    Responses of a long-tailed rollout differ in length by 10x and more: scoring all N padded to the longest
-    would mostly compute padding. They are scored in batches of similar lengths (`length_batches`), each
-    padded only to its own longest; every batch reads the same prompt boundary (its gradients add up)."""
-    b, responses, lens = group(boundary, p), rollout.responses[p : p + 1], rollout.response_lens[p : p + 1]
-    num_samples, width = responses.shape[1:]
-    batches = length_batches([int(n) for n in lens[0].tolist()])
-    if len(batches) == 1:
-        return model.suffix(b, responses, lens)
-    logprobs, entropies = [], []
-    order = []
-    for idx in batches:
-        rows = torch.tensor(idx, device=responses.device)
-        longest = max(1, int(lens[0, rows].max()))
-        out = model.suffix(b, responses[:, rows, :longest], lens[:, rows])
-        logprobs.append(F.pad(out.logprobs, (0, width - longest)))
-        entropies.append(F.pad(out.entropy, (0, width - longest)))
-        order.extend(idx)
-    back = torch.tensor(sorted(range(num_samples), key=order.__getitem__), device=responses.device)  # inverse
-    return SuffixOut(torch.cat(logprobs, dim=1)[:, back], torch.cat(entropies, dim=1)[:, back])
+    index: Tensor  # [B] int64, on the responses' device
+    width: int  # the batch's longest response
 
 
-def length_batches(lens: Sequence[int], max_waste: float = PADDING_WASTE) -> list[list[int]]:
+def row_batches(rollout: Rollout, max_rows: int, max_waste: float = PADDING_WASTE) -> list[RowBatch]:
+    """The step's P x N responses in batches of similar lengths across prompts, at most `max_rows` each.
+
+    Responses of a long-tailed rollout differ in length by 10x and more: scoring a group padded to its longest
+    would mostly compute padding, and scoring each group on its own makes many small calls (host-bound on an
+    H200). With `max_rows` = N a batch never holds more rows or tokens than one group, as the planner counts."""
+    lens = rollout.response_lens.flatten().tolist()  # the one host sync of a scoring pass
+    device = rollout.responses.device
+    return [
+        RowBatch(torch.tensor(b, device=device), max(1, max(lens[i] for i in b)))
+        for b in length_batches(lens, max_waste, max_rows)
+    ]
+
+
+def score_batch(model: Qwen2_5_VL, boundary: Boundary, rollout: Rollout, batch: RowBatch) -> SuffixOut:
+    """Log-probs and entropy [B, width] of one batch of responses, each attending to its prompt's boundary."""
+    num_samples = rollout.responses.shape[1]
+    responses = rollout.responses.flatten(0, 1).index_select(0, batch.index)[:, : batch.width]
+    lens = rollout.response_lens.flatten().index_select(0, batch.index)
+    return model.suffix_rows(boundary, batch.index // num_samples, responses, lens)
+
+
+def length_batches(
+    lens: Sequence[int], max_waste: float = PADDING_WASTE, max_rows: int | None = None
+) -> list[list[int]]:
     """Indices of `lens` in batches of similar lengths, longest first: a batch takes the next-longest response
-    while padding stays at most `max_waste` of its tokens (count x longest <= (1 + max_waste) x sum)."""
+    while padding stays at most `max_waste` of its tokens (count x longest <= (1 + max_waste) x sum) and it
+    holds fewer than `max_rows`."""
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
     batches: list[list[int]] = []
     for i in order:
-        if batches:
+        if batches and (max_rows is None or len(batches[-1]) < max_rows):
             batch = batches[-1]
             longest, total = lens[batch[0]], sum(lens[j] for j in batch) + lens[i]
             if (len(batch) + 1) * longest <= (1 + max_waste) * total:
@@ -129,11 +127,17 @@ def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, le
 
 
 def score_all(model: Qwen2_5_VL, prompts: Sequence[Prompt], boundary: Boundary | None, rollout: Rollout) -> SuffixOut:
-    """Every group's scores [P, N, R] (reference scoring): from the boundary, or unsplit without one."""
-    outs = []
-    for p, prompt in enumerate(prompts):
-        if boundary is not None:
-            outs.append(score_group_split(model, boundary, p, rollout))
-        else:
-            outs.append(score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p]))
-    return SuffixOut(torch.cat([o.logprobs for o in outs]), torch.cat([o.entropy for o in outs]))
+    """Every response's scores [P, N, R] (reference scoring): from the boundary in length batches across
+    prompts, or unsplit, group by group, without one."""
+    if boundary is None:
+        outs = [score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p])
+                for p, prompt in enumerate(prompts)]  # fmt: skip
+        return SuffixOut(torch.cat([o.logprobs for o in outs]), torch.cat([o.entropy for o in outs]))
+    num_prompts, num_samples, width = rollout.responses.shape
+    logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
+    entropy = torch.zeros_like(logprobs)
+    for batch in row_batches(rollout, max_rows=num_samples):
+        out = score_batch(model, boundary, rollout, batch)
+        logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
+        entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))
+    return SuffixOut(logprobs.view(num_prompts, num_samples, width), entropy.view(num_prompts, num_samples, width))

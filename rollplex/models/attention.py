@@ -75,13 +75,19 @@ class SharedPrefixAttention:
     """Attention of response tokens, P prompts x N samples (batch row p * N + n), over a shared boundary.
 
     Without a cache, the new tokens are whole responses (or their first T tokens) and attend causally to each
-    other. With a `ResponseCache`, they continue the responses after the cache's tokens, which they also see.
+    other; `rows` [B] (the prompt of each batch row) then lets a batch hold any responses of any prompts. With a
+    `ResponseCache`, they continue the responses after the cache's tokens, which they also see.
     """
 
-    def __init__(self, boundary: Boundary, num_samples: int, cache: ResponseCache | None = None) -> None:
+    def __init__(
+        self, boundary: Boundary, num_samples: int, cache: ResponseCache | None = None, rows: Tensor | None = None
+    ) -> None:
+        if rows is not None and cache is not None:
+            raise ValueError("rows: only without a cache (decode batches are P prompts x N samples)")
         self.boundary = boundary
         self.num_samples = num_samples
         self.cache = cache
+        self.rows = rows
         self._joint_mask: Tensor | None = None  # without a cache: the [B, 1, T, S + T] mask of `_attend_joint`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -95,17 +101,19 @@ class SharedPrefixAttention:
     def _attend_joint(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Whole responses (scoring): each sequence's queries [B, heads, T, D] over its prompt's KV then its own
         [B, G, T, D], in one fused SDPA call (flash-style kernels on a GPU, gradients included). The prompt's KV
-        is repeated per sample for the call only: autograd sums the samples' gradients into the one copy."""
+        is gathered per row for the call only: autograd sums the rows' gradients into the one copy."""
         keys, values = self.boundary.keys[layer], self.boundary.values[layer]  # [P, G, S, D]
         batch, num_heads, num_tokens, _ = q.shape
         per_head = num_heads // keys.shape[1]
+        if self.rows is None:
+            self.rows = torch.arange(keys.shape[0], device=q.device).repeat_interleave(self.num_samples)
 
         def joined(prompt: Tensor, own: Tensor) -> Tensor:
-            whole = torch.cat([prompt.repeat_interleave(self.num_samples, dim=0), own], dim=2)
+            whole = torch.cat([prompt.index_select(0, self.rows), own], dim=2)
             return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
 
         if self._joint_mask is None:  # the same for every layer of the forward: built once
-            prompt_keys = self.boundary.key_mask().repeat_interleave(self.num_samples, dim=0)  # [B, S]
+            prompt_keys = self.boundary.key_mask().index_select(0, self.rows)  # [B, S]
             own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
             self._joint_mask = torch.cat(
                 [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1

@@ -154,8 +154,22 @@ class Qwen2_5_VL(nn.Module):
         if responses.ndim != 3 or responses.shape[0] != boundary.num_prompts or responses.shape[2] == 0:
             expected = f"[num_prompts={boundary.num_prompts}, N, R >= 1]"
             raise ValueError(f"responses must be {expected}, got {tuple(responses.shape)}")
-        hidden = self.response_hidden(boundary, responses[:, :, :-1])  # [P, N, R-1, hidden]
-        return score_hidden(boundary.first_logprobs, hidden, self.lm_head, responses, response_lens)
+        num_prompts, num_samples, _ = responses.shape
+        rows = torch.arange(num_prompts, device=self.device).repeat_interleave(num_samples)
+        out = self.suffix_rows(boundary, rows, responses.flatten(0, 1), response_lens.flatten())
+        return SuffixOut(out.logprobs.unflatten(0, (num_prompts, num_samples)),
+                         out.entropy.unflatten(0, (num_prompts, num_samples)))  # fmt: skip
+
+    def suffix_rows(self, boundary: Boundary, rows: Tensor, responses: Tensor, response_lens: Tensor) -> SuffixOut:
+        """Scores [B, R] of responses [B, R] of lengths [B], row b a response to prompt rows[b] of the boundary:
+        a batch may mix the responses of several prompts (scoring batches them by length, not by prompt)."""
+        if responses.ndim != 2 or rows.shape != responses.shape[:1] or responses.shape[1] == 0:
+            raise ValueError(f"responses must be [B, R >= 1] with rows [B], got {tuple(responses.shape)}, "
+                             f"{tuple(rows.shape)}")  # fmt: skip
+        hidden = self.rows_hidden(boundary, rows, responses[:, :-1])  # [B, R-1, hidden]
+        first = boundary.first_logprobs.index_select(0, rows)
+        out = score_hidden(first, hidden[:, None], self.lm_head, responses[:, None], response_lens[:, None])
+        return SuffixOut(out.logprobs[:, 0], out.entropy[:, 0])
 
     def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
         """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt.
@@ -168,17 +182,24 @@ class Qwen2_5_VL(nn.Module):
     def response_hidden(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
         """The final hidden states [P, N, T, hidden] under `response_logits` (before the LM head)."""
         num_prompts, num_samples, num_tokens = tokens.shape
+        rows = torch.arange(num_prompts, device=self.device).repeat_interleave(num_samples)
         start = 0 if cache is None else cache.length
-        offsets = torch.arange(start, start + num_tokens, device=self.device)
-        positions = boundary.next_positions[:, None, None] + offsets  # [P, 1, T]
-        positions = positions.expand(3, num_prompts, num_samples, num_tokens).flatten(1, 2)  # [3, P*N, T]
-        x = self.model.language_model.embed_tokens(tokens.flatten(0, 1))  # [P*N, T, hidden]
-        cos, sin = text_rotary(positions, self.config.text)
-        attention = SharedPrefixAttention(boundary, num_samples, cache)
-        hidden = self.model.language_model(x, cos, sin, attention)
+        attention = SharedPrefixAttention(boundary, num_samples, cache, rows=rows if cache is None else None)
+        hidden = self._response_rows(boundary, rows, tokens.flatten(0, 1), start, attention)
         if cache is not None:
             cache.advance(num_tokens)
         return hidden.unflatten(0, (num_prompts, num_samples))
+
+    def rows_hidden(self, boundary: Boundary, rows: Tensor, tokens: Tensor) -> Tensor:
+        """Final hidden states [B, T, hidden] of responses' first T tokens [B, T], row b answering prompt rows[b]."""
+        return self._response_rows(boundary, rows, tokens, 0, SharedPrefixAttention(boundary, 1, rows=rows))
+
+    def _response_rows(self, boundary: Boundary, rows: Tensor, tokens: Tensor, start: int, attention) -> Tensor:
+        """tokens [B, T] at response positions start.. of prompts rows [B] -> final hidden states [B, T, hidden]."""
+        offsets = torch.arange(start, start + tokens.shape[1], device=self.device)
+        positions = boundary.next_positions.index_select(0, rows)[:, None] + offsets  # [B, T]
+        cos, sin = text_rotary(positions.expand(3, *positions.shape), self.config.text)
+        return self.model.language_model(self.model.language_model.embed_tokens(tokens), cos, sin, attention)
 
     def _run_sequences(self, sequences: Sequence[Prompt], attention: Attention) -> tuple[Tensor, PackedSequences]:
         """Final hidden states [B, L, hidden] of right-padded sequences, and the packed batch."""

@@ -1,4 +1,4 @@
-"""Split scoring in batches of similar response lengths equals scoring the whole group padded to its longest."""
+"""Split scoring in batches of similar response lengths, across prompts, equals scoring each group padded to R."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from models_testkit import TinyInputs
 
-import rollplex.executors.scoring as scoring
-from rollplex.executors.scoring import LeafBoundary, length_batches, score_group_split
+from rollplex.executors.scoring import LeafBoundary, length_batches, row_batches, score_all
 from rollplex.models.config import load_model_config
 from rollplex.models.generate import Rollout
 from rollplex.models.model import Qwen2_5_VL
@@ -32,7 +31,11 @@ def test_length_batches_group_similar_lengths():
     assert length_batches([3, 40, 5, 38, 1, 12, 12, 2]) == [[1, 3], [5, 6, 2], [0, 7], [4]]
 
 
-def test_batched_scores_and_boundary_gradients_equal_one_padded_batch(monkeypatch):
+def test_length_batches_hold_at_most_max_rows():
+    assert length_batches([5] * 7, max_rows=3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_row_batches_mix_prompts_and_score_as_each_group_alone():
     config = load_model_config("tiny")
     torch.manual_seed(0)
     model = Qwen2_5_VL(config)
@@ -41,14 +44,18 @@ def test_batched_scores_and_boundary_gradients_equal_one_padded_batch(monkeypatc
     g = torch.Generator().manual_seed(0)
     lens = torch.tensor([[9, 1, 8, 3], [2, 2, 9, 5]])
     rollout = Rollout(torch.randint(config.text.vocab_size, (2, 4, 9), generator=g), lens, torch.zeros(2, 4, 9))
+    batches = row_batches(rollout, max_rows=4)
+    assert len(batches) > 2 and all(len(b.index) <= 4 for b in batches)
+    assert any(len(set((b.index // 4).tolist())) == 2 for b in batches)  # a batch mixing both prompts
     results = []
-    for waste in (0.25, float("inf")):  # batches of similar lengths; everything in one batch
-        monkeypatch.setattr(scoring, "PADDING_WASTE", waste)
+    for split in (True, False):  # length batches across prompts; the oracle: each group padded to R in one call
         leaf = LeafBoundary.of(model.prefix(prompts, attached=True))
-        outs = [score_group_split(model, leaf.leaf, p, rollout) for p in range(2)]
-        sum(o.logprobs.sum() + 0.5 * o.entropy.sum() for o in outs).backward()
-        grads = [t.grad for t in (*leaf.leaf.keys, *leaf.leaf.values)]
-        results.append([*(o.logprobs for o in outs), *(o.entropy for o in outs), *grads])
-    assert len(length_batches(lens[0].tolist())) > 1
+        if split:
+            out = score_all(model, prompts, leaf.leaf, rollout)
+        else:
+            out = model.suffix(leaf.leaf, rollout.responses, lens)
+        (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
+        grads = [t.grad for t in (*leaf.leaf.keys, *leaf.leaf.values, leaf.leaf.first_logprobs)]
+        results.append([out.logprobs, out.entropy, *grads])
     for ours, oracle in zip(*results, strict=True):
         torch.testing.assert_close(ours, oracle, rtol=1e-5, atol=1e-5)
