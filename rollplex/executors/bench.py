@@ -24,6 +24,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,7 @@ def run_schedule(
         with PhaseMemory(device) as memory:
             before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
             if i == 0:
-                before = chain(before, _sketch_before_update(engines.actor, out))
+                before = chain(before, _sketch_before_update(engines.optimizer, out))
             record = run_iteration(g, engines, examples, before_op=before, after_op=after)
             _sync(device)
             elapsed = time.perf_counter() - begin
@@ -200,20 +201,20 @@ def _phase_medians(run: ScheduleRun) -> dict[str, float]:
 GRAD_SKETCH = 4096  # gradient elements sampled per parameter (strided) for the first-step comparison
 
 
-def grad_sketch(model: torch.nn.Module) -> torch.Tensor:
-    """A strided sample of at most GRAD_SKETCH elements of every parameter's gradient, FP32 on the CPU."""
+def grad_sketch(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """A strided sample of at most GRAD_SKETCH elements of every gradient, FP32 on the CPU."""
     parts = []
-    for p in model.parameters():
-        if p.grad is not None:
-            flat = p.grad.detach().reshape(-1)
+    for g in grads:
+        if g is not None:
+            flat = g.detach().reshape(-1)
             parts.append(flat[:: max(1, flat.numel() // GRAD_SKETCH)][:GRAD_SKETCH].float().cpu())
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def _sketch_before_update(model: torch.nn.Module, out: ScheduleRun):
+def _sketch_before_update(optimizer, out: ScheduleRun):
     def before(o: Op) -> None:
         if o.kind is NodeKind.UPDATE:
-            out.first_grads = grad_sketch(model)
+            out.first_grads = grad_sketch(optimizer.grad_of(i) for i in range(len(optimizer.params)))
 
     return before
 

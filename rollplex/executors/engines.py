@@ -12,8 +12,8 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -164,8 +164,9 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
 
 
 def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAdamW:
-    """ChunkedAdamW over the actor's trainable parameters; under tensor parallelism its grad norm counts the
-    shards over the group, and it streams each bound parameter's exchange as soon as it has written it."""
+    """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
+    gradients, the paper's Table 1); under tensor parallelism its grad norm counts the shards over the group,
+    and it streams each bound parameter's exchange as soon as it has written it."""
     params = [p for p in actor.parameters() if p.requires_grad]
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
@@ -179,31 +180,39 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
         tp=None if tp is None else tp.train,
         sharded=[id(p) in sharded for p in params],
         write=None if bound is None else bound.writer(params),
+        fp32_grads=True,
     )
 
 
 def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
-    """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward
-    (`memory.prefix_activations`): `offload` copies them into a host pool (pinned on a GPU) sized from the
-    plan's figure, or `memory.host_pool_gib`; `recompute` checkpoints each decoder layer and each vision block
-    (its input is kept, backward reruns it), as the plan counts them. Neither changes a gradient."""
+    """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward, as the plan
+    places them (`memory.prefix_activations`): `recompute` checkpoints each decoder layer and each vision block
+    (only its input is kept, backward reruns it); what is kept (everything under `offload`, the layer inputs
+    under `recompute`) goes to a host pool (pinned on a GPU) when the plan puts the prefix saved tensors on the
+    host, sized from the plan's figure or `memory.host_pool_gib`, and stays in HBM when the plan keeps it
+    there. None of it changes a gradient."""
+    from rollplex.graph.plan import compile_plan
+    from rollplex.memory.host_pool import HostPool
     from rollplex.memory.offload import SavedTensorOffload, recompute
 
     memory = loaded.spec.memory
-    if memory.prefix_activations == "recompute":
-        layers = recomputed_modules(actor)
-        return lambda: recompute(layers)
-    from rollplex.graph.plan import compile_plan
-    from rollplex.memory.host_pool import HostPool
+    layers = recomputed_modules(actor) if memory.prefix_activations == "recompute" else None
+    objects = compile_plan(loaded).residency.objects
+    planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
+    if not planned and memory.host_pool_gib is None:  # the plan keeps them in HBM
+        return (lambda: recompute(layers)) if layers is not None else nullcontext
+    num_bytes = int(memory.host_pool_gib * 2**30) if memory.host_pool_gib is not None else planned + planned // 4
+    offload = SavedTensorOffload(HostPool(max(64 << 20, num_bytes), pin=actor.device.type == "cuda"),
+                                 keep=actor.parameters())  # fmt: skip
+    if layers is None:
+        return lambda: offload
 
-    if memory.host_pool_gib is not None:
-        num_bytes = int(memory.host_pool_gib * 2**30)
-    else:
-        objects = compile_plan(loaded).residency.objects
-        planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
-        num_bytes = max(64 << 20, planned + planned // 4)
-    offload = SavedTensorOffload(HostPool(num_bytes, pin=actor.device.type == "cuda"), keep=actor.parameters())
-    return lambda: offload
+    @contextmanager
+    def offloaded_layer_inputs() -> Iterator[None]:
+        with offload, recompute(layers):  # checkpoint saves each module's inputs through the offload hooks
+            yield
+
+    return offloaded_layer_inputs
 
 
 def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:

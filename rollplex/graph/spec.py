@@ -208,7 +208,9 @@ class SharingSpec(_Strict):
     )
     layers_per_chunk: PositiveInt = Field(1, description="Decoder layers (and vision blocks) of prefix work per chunk.")
     prompts_per_chunk: PositiveInt | None = Field(
-        None, description="Prompts of prefix work per chunk (both schedules run prefixes in these groups); null: all."
+        1,
+        description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
+        "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
     )
 
 

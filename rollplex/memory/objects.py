@@ -192,7 +192,8 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
 
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
     """Saved tensors of the attached prefix: offloaded (or reduced to layer inputs) as they are produced;
-    one layer of one prompt is in HBM while the prefix runs and again while backward rematerializes it."""
+    one layer of one group of prompts (`sharing.prompts_per_chunk`) is in HBM while the prefix runs and again
+    while backward rematerializes it."""
     t, v, tp, g = c.model.text, c.model.vision, c.gpu.train_tp, c.gpu
     P, patches = g.prompt_tokens, g.patches_per_prompt
     full_llm, full_vis = S.layer_activation_bytes_per_token(t, tp), S.vision_activation_bytes_per_patch(v, tp)
@@ -216,7 +217,8 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
             host,
             window,
         )
-    one_layer = P * full_llm + patches * full_vis
+    in_flight = min(c.spec.sharing.prompts_per_chunk or g.prompts_per_rank, g.prompts_per_rank)  # one group's
+    one_layer = in_flight * (P * full_llm + patches * full_vis)
     yield MemObject(
         role.value,
         "prefix, one layer in flight",

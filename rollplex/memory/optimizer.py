@@ -8,7 +8,10 @@ overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in ord
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
 form), op for op on each element. The global grad norm and the clipping coefficient are complete before any
-chunk commits. Gradients are read, never modified. What it is not: a `torch.optim.Optimizer` (one group,
+chunk commits. Gradients are read, never modified. With `fp32_grads` the gradients accumulate in FP32
+(Megatron's main grads): a hook adds each parameter's fresh low-precision `.grad` into an FP32 buffer and
+frees it, so microbatches sum in FP32 and one low-precision gradient per parameter is alive at a time at
+most; the buffers exist from the first backward to `zero_grad`. What it is not: a `torch.optim.Optimizer` (one group,
 no closures, no AMSGrad); its state dict has torch's layout plus each parameter's FP32 "master".
 """
 
@@ -165,8 +168,12 @@ class ChunkedAdamW:
         write: Writer | None = None,
         tp: TPGroup | None = None,
         sharded: Sequence[bool] | None = None,
+        fp32_grads: bool = False,
     ) -> None:
         self.params = list(params)
+        self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._fold) for p in self.params] if fp32_grads else []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
         self._sharded_segments: torch.Tensor | None = None
         assert len(self.sharded) == len(self.params), "one sharded flag per parameter"
@@ -203,16 +210,35 @@ class ChunkedAdamW:
         return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        for i, p in enumerate(self.params):
+            if self.main_grads is not None and self.main_grads[i] is not None:
+                self.main_grads[i] = None if set_to_none else self.main_grads[i].zero_()
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
 
+    def grad_of(self, i: int) -> torch.Tensor | None:
+        """Parameter i's gradient as the next step reads it (its FP32 main grad under `fp32_grads`)."""
+        if self.main_grads is None:
+            return self.params[i].grad
+        if self.params[i].grad is not None:  # set by hand, not by a backward: fold it in now
+            self._fold(self.params[i])
+        return self.main_grads[i]
+
+    @torch.no_grad()
+    def _fold(self, p: torch.Tensor) -> None:
+        i = self._index[id(p)]
+        if self.main_grads[i] is None:
+            self.main_grads[i] = p.grad.to(torch.float32, copy=True)
+        else:
+            self.main_grads[i].add_(p.grad)
+        p.grad = None
+
     @torch.no_grad()
     def step(self) -> torch.Tensor:
         """One AdamW step over every chunk; returns the global grad norm (0-d FP32 on the device)."""
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        missing = [i for i in range(len(self.params)) if self.grad_of(i) is None]
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
         self.num_steps += 1
@@ -274,7 +300,7 @@ class ChunkedAdamW:
 
     def _gather_grads(self, chunk: Chunk, grad: torch.Tensor) -> None:
         for s in chunk.segments:
-            grad[s.offset : s.offset + s.numel].copy_(self.params[s.param_index].grad.reshape(-1)[s.start : s.stop])
+            grad[s.offset : s.offset + s.numel].copy_(self.grad_of(s.param_index).reshape(-1)[s.start : s.stop])
 
     def _adam(
         self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, coef: torch.Tensor | None

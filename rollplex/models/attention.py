@@ -88,6 +88,7 @@ class SharedPrefixAttention:
         self.num_samples = num_samples
         self.cache = cache
         self.rows = rows
+        self._pick: Tensor | None = None  # without a cache: the [B, P] one-hot row -> prompt of `_attend_joint`
         self._joint_mask: Tensor | None = None  # without a cache: the [B, 1, T, S + T] mask of `_attend_joint`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -107,9 +108,14 @@ class SharedPrefixAttention:
         per_head = num_heads // keys.shape[1]
         if self.rows is None:
             self.rows = torch.arange(keys.shape[0], device=q.device).repeat_interleave(self.num_samples)
+        if self._pick is None:  # [B, P] one-hot: row b reads prompt rows[b]
+            self._pick = F.one_hot(self.rows, keys.shape[0]).to(keys.dtype)
 
         def joined(prompt: Tensor, own: Tensor) -> Tensor:
-            whole = torch.cat([prompt.index_select(0, self.rows), own], dim=2)
+            # a one-hot matmul, not index_select: its backward sums a prompt's rows in a fixed order (index_add's
+            # atomics on CUDA would make the boundary gradient differ from run to run); exact in every dtype
+            picked = (self._pick @ prompt.flatten(1)).view(batch, *prompt.shape[1:])
+            whole = torch.cat([picked, own], dim=2)
             return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
 
         if self._joint_mask is None:  # the same for every layer of the forward: built once

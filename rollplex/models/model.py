@@ -147,7 +147,9 @@ class Qwen2_5_VL(nn.Module):
             for group in groups:
                 yield
                 group.run(layers[start : start + layers_per_chunk])
-        return concat_boundaries([group.boundary() for group in groups])
+        parts = [group.boundary() for group in groups]
+        with torch.enable_grad() if attached else torch.no_grad():  # the caller may drain it under no_grad (decode)
+            return concat_boundaries(parts)
 
     def suffix(self, boundary: Boundary, responses: Tensor, response_lens: Tensor) -> SuffixOut:
         """Scores responses [P, N, R] int64 of lengths [P, N]; padding may hold any valid token id."""

@@ -2,27 +2,39 @@
 every gradient equals the one without offload."""
 
 from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+import rollplex.memory.offload as offload_module
 from rollplex.data.presets import get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
+from rollplex.executors.engines import make_prefix_memory
 from rollplex.executors.scoring import LeafBoundary
+from rollplex.graph.load import load_spec
+from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
 from rollplex.memory.offload import SavedTensorOffload
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_prompts() -> list:
+    t = load_model_config("tiny").tokens
+    tokenizer = CharTokenizer.for_model(t.eos, t.vision_start, t.vision_end, t.image, t.video)
+    data = SyntheticVideoQA(get_preset("clevrer").tiny(), tokenizer, seed=1)
+    return [data[i].prompt for i in range(2)]
 
 
 def gradients(offload: bool) -> tuple[dict[str, torch.Tensor], int]:
     config = load_model_config("tiny")
     torch.manual_seed(0)
     model = Qwen2_5_VL(config)
-    t = config.tokens
-    tokenizer = CharTokenizer.for_model(t.eos, t.vision_start, t.vision_end, t.image, t.video)
-    data = SyntheticVideoQA(get_preset("clevrer").tiny(), tokenizer, seed=1)
-    prompts = [data[i].prompt for i in range(2)]
+    prompts = tiny_prompts()
     responses = torch.randint(8, 100, (2, 3, 5), generator=torch.Generator().manual_seed(2))
     lens = torch.tensor([[5, 3, 1], [2, 5, 4]])
     with HostPool(64 << 20) as pool:
@@ -46,3 +58,30 @@ def test_offloaded_prefix_saved_tensors_give_bitwise_the_same_gradients_vision_i
     assert any(g.abs().sum() > 0 for n, g in plain.items() if n.startswith("model.visual."))
     for name in plain:
         assert torch.equal(plain[name], offloaded[name]), name
+
+
+def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the_host(monkeypatch):
+    packed: list[torch.Tensor] = []
+
+    class Counting(offload_module.SavedTensorOffload):
+        def _pack(self, tensor):
+            packed.append(tensor)
+            return super()._pack(tensor)
+
+    monkeypatch.setattr(offload_module, "SavedTensorOffload", Counting)
+    base = load_spec(ROOT / "specs/tiny_cpu.yaml")
+    saved_bytes = {}
+    for mode in ("offload", "recompute"):
+        memory = base.spec.memory.model_copy(update={"prefix_activations": mode})
+        loaded = replace(base, spec=base.spec.model_copy(update={"memory": memory}))
+        objects = compile_plan(loaded).residency.objects
+        assert any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)  # the plan: host
+        torch.manual_seed(0)
+        model = Qwen2_5_VL(load_model_config("tiny"))
+        packed.clear()
+        with make_prefix_memory(loaded, model)():
+            boundary = model.prefix(tiny_prompts(), attached=True)
+        assert boundary.keys[0].requires_grad
+        saved_bytes[mode] = sum(t.numel() * t.element_size() for t in packed)
+    # under recompute the checkpointed modules' inputs (and what runs outside them) still reach the host pool
+    assert 0 < saved_bytes["recompute"] < saved_bytes["offload"] / 2

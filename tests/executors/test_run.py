@@ -78,7 +78,8 @@ def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(
 
 def test_rollplex_runs_its_prefixes_beside_decode_and_serial_does_not(tmp_path):
     a, b = run(tmp_path, "serial", 1), run(tmp_path, "rollplex", 1)
-    assert a[0]["prefix_beside_decode"] == 0.0 and b[0]["prefix_beside_decode"] > 0.5
+    # 6 decode steps against 2 prompts x (vision blocks + decoder layers) of one-prompt chunks: a part fits
+    assert a[0]["prefix_beside_decode"] == 0.0 and b[0]["prefix_beside_decode"] > 0.25
     assert b[0]["time_s"]["ref_prefix"] == b[0]["time_s"]["actor_prefix"] == 0.0  # inside the rollout's time
 
 
@@ -91,13 +92,16 @@ def test_unsplit_textbook_grpo_gives_the_same_losses(tmp_path):
 
 
 class GradRecorder:
-    """Stands in for the optimizer: keeps the gradients instead of stepping."""
+    """Stands in for the optimizer's step: keeps the (FP32) gradients it would read instead of stepping."""
 
-    def __init__(self, model):
-        self.model, self.grads = model, {}
+    def __init__(self, model, optimizer):
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.optimizer, self.grads = optimizer, {}
 
     def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        params = self.optimizer.params
+        grads = {self.names[id(p)]: self.optimizer.grad_of(i) for i, p in enumerate(params)}
+        self.grads = {n: g.clone() for n, g in grads.items() if g is not None}
         return torch.tensor(0.0)
 
     def zero_grad(self):
@@ -110,7 +114,7 @@ def gradients(schedule: Schedule) -> dict[str, torch.Tensor]:
     with torch.no_grad():  # a reference that differs from the actor, so the KL term has a gradient too
         for p in engines.reference.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    engines.optimizer = GradRecorder(engines.actor)
+    engines.optimizer = GradRecorder(engines.actor, engines.optimizer)
     dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
     run_iteration(compile_graph(spec.spec, schedule=schedule), engines, batch_at(dataset, 0, 2))
     return engines.optimizer.grads

@@ -249,3 +249,24 @@ def test_on_the_gpu_the_streamed_step_reports_bytes_moved_per_second():
     print(f"\nchunked AdamW: {opt.num_bytes_moved / 2**30:.2f} GiB moved per step in {seconds * 1e3:.0f} ms")
     print(f"  = {opt.num_bytes_moved / seconds / 1e9:.1f} GB/s host<->device (load + offload)")
     assert seconds > 0
+
+
+def test_fp32_grads_sum_bf16_microbatch_gradients_in_fp32_and_free_the_bf16_ones():
+    params = make_params(dtype=torch.bfloat16)
+    opt = ChunkedAdamW(params, chunk_bytes=256, fp32_grads=True)
+    x = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    oracle = [torch.zeros(p.shape) for p in params]
+    for k in range(4):  # four microbatches, each grad exactly representable in bf16
+        loss = sum(((0.5 + k) * p.float() * xi.bfloat16().float()).sum() for p, xi in zip(params, x, strict=True))
+        loss.backward()
+        assert all(p.grad is None for p in params)  # folded into the FP32 buffers as each one arrived
+        for o, xi in zip(oracle, x, strict=True):
+            o += ((0.5 + k) * xi.bfloat16().float()).bfloat16().float()
+    for i, o in enumerate(oracle):
+        assert opt.grad_of(i).dtype == torch.float32
+        torch.testing.assert_close(opt.grad_of(i), o, rtol=0, atol=0)
+    opt.step()
+    opt.zero_grad()
+    assert all(opt.grad_of(i) is None for i in range(len(params)))
+    set_grads(params, seed=3)  # a gradient set by hand (no backward) is read too
+    assert opt.grad_of(0).dtype == torch.float32 and params[0].grad is None

@@ -50,3 +50,12 @@ def test_one_prompt_per_chunk_gives_the_batched_boundary_within_rounding(model, 
     for a, b in zip(whole.keys + whole.values, chunked.keys + chunked.values, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a * real, b * real, atol=1e-5, rtol=1e-5)
+
+
+def test_an_attached_prefix_of_several_groups_drained_under_no_grad_stays_attached(model, prompts):
+    # rollout decode drains the chunks under no_grad: joining the groups' boundaries must still record autograd
+    with torch.no_grad():
+        boundary, _ = drain(model.prefix_chunks(prompts, attached=True, prompts_per_chunk=1), False)
+    assert all(t.requires_grad for t in (*boundary.keys, *boundary.values, boundary.first_logprobs))
+    (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
+    assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
