@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,10 +80,7 @@ def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        try:
-            daemon.stop()  # this process is still a client: the daemon may outwait it (the run's results stand)
-        except RuntimeError as e:
-            print(f"rollplex: warning: {e}", file=sys.stderr)
+        daemon.stop_after_exit()  # this process is a client: `quit` now would wait for it
 
 
 def make_remote_rollout(

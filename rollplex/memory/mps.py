@@ -11,9 +11,12 @@ percentages are the caller's choice), nor a client of the daemon itself; it need
 nothing from CUDA.
 
     STOPPED --start()--> RUNNING (daemon up, directories exist) --stop() / exit / garbage collection--> STOPPED
+    RUNNING --stop_after_exit(pid)--> HANDED OVER (a detached watcher quits it once process pid has exited)
 
 `stop` is idempotent and also runs at interpreter exit and on garbage collection (`weakref.finalize`), so the
-daemon never outlives the process that started it (a SIGKILL excepted).
+daemon never outlives the process that started it (a SIGKILL excepted). A process that is itself a client
+cannot stop it: `quit` waits for the clients, and this one is still there (measured on the H200: the call
+timed out after 30 s). Such a process calls `stop_after_exit()` instead.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class MpsDaemon:
         self.binary, self.control, self.timeout_s = binary, control, timeout_s
         self.pipe_directory: str | None = None
         self.log_directory: str | None = None
+        self._control: str | None = None
+        self._env: dict[str, str] = {}
         self._finalizer: weakref.finalize | None = None
 
     def __enter__(self) -> MpsDaemon:
@@ -85,6 +90,7 @@ class MpsDaemon:
             _quit(control, env, (pipe, log), self.timeout_s)  # whatever half-started, and the directories
             raise RuntimeError(failure)
         self.pipe_directory, self.log_directory = pipe, log
+        self._control, self._env = control, env
         self._finalizer = weakref.finalize(self, _quit, control, env, (pipe, log), self.timeout_s)
 
     def stop(self) -> None:
@@ -93,6 +99,20 @@ class MpsDaemon:
         self._finalizer, self.pipe_directory, self.log_directory = None, None, None
         if failure is not None:
             raise RuntimeError(failure)
+
+    def stop_after_exit(self, pid: int | None = None) -> None:
+        """Hands the daemon to a detached watcher that sends `quit` and removes the directories once process
+        `pid` (default: this one, a client) has exited; returns at once. Does nothing if it is not running."""
+        if not self.running:
+            return
+        self._finalizer.detach()
+        watch = 'while kill -0 "$0" 2>/dev/null; do sleep 0.1; done; echo quit | "$1"; rm -rf "$2" "$3"'
+        subprocess.Popen(
+            ["sh", "-c", watch, str(pid or os.getpid()), self._control, self.pipe_directory, self.log_directory],
+            env=self._env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        self._finalizer, self.pipe_directory, self.log_directory = None, None, None
 
     def client_env(self, active_thread_percent: int | None = None) -> dict[str, str]:
         """The variables a client must have before it initialises CUDA; the SM share (1-100 %) if given."""

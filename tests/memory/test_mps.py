@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,22 @@ def test_a_forgotten_daemon_is_stopped_when_collected(tmp_path):
     del mps
     gc.collect()
     assert calls(record)[-1] == "stdin quit" and not os.path.exists(pipe)
+
+
+def test_a_client_hands_the_daemon_to_a_watcher_that_quits_it_after_the_client_exits(tmp_path):
+    control, record = fake_control(tmp_path)
+    mps = MpsDaemon(control=control)
+    mps.start()
+    pipe = mps.pipe_directory
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
+    mps.stop_after_exit(client.pid)
+    assert not mps.running and "stdin quit" not in calls(record)  # returned at once, the client still runs
+    client.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(pipe) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert calls(record)[-1] == "stdin quit" and not os.path.exists(pipe)
+    mps.stop()  # nothing left to stop
 
 
 def test_a_missing_binary_is_a_one_line_error_naming_it():
