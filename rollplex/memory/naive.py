@@ -31,7 +31,12 @@ def naive_rows(c: Context) -> list[NaiveRow]:
 
 def _counted(o: MemObject) -> bool:
     """Model state, activations, boundaries, rollout state and the reserve; not the small data tensors,
-    the offloaded prefix state or the in-flight layer, which the paper's table does not list either."""
-    if o.role == "data" or o.component in ("prefix saved tensors", "prefix, one layer in flight"):
+    the offloaded prefix state, the in-flight layer or our scoring attention's per-row prompt KV, which the
+    paper's table does not list either (its implementation attends without repeating the prompt's KV)."""
+    if o.role == "data" or o.component in (
+        "prefix saved tensors",
+        "prefix, one layer in flight",
+        "suffix attention KV",
+    ):
         return False
     return o.component != "boundary log-probs" and (o.cls is not TensorClass.PHASE_LOCAL or o.bytes > 0)

@@ -187,7 +187,19 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         Residency.ABSENT,
     )
     if split:
+        yield _suffix_attention(c, role, live)
         yield from _prefix_saved(c, role, backward)
+
+
+def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject:
+    """The scoring attention's per-row prompt KV: each response row attends to its prompt's K and V gathered
+    for it and repeated per head (one fused SDPA call), [rows, heads, prompt + response, head_dim] each, rows
+    at most one group. The call is checkpointed (`SharedPrefixAttention`): one layer's K, V and, in backward,
+    their gradients are alive at a time, whatever `memory.recompute` says."""
+    t, g = c.model.text, c.gpu
+    unit = g.group_size * (g.prompt_tokens + g.response_tokens) * (t.num_attention_heads // g.train_tp)
+    unit *= t.head_dim * S.BF16
+    return MemObject(role.value, "suffix attention KV", TensorClass.PHASE_LOCAL, 4 * unit, live, Residency.ABSENT)
 
 
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from rollplex.models.boundary import Boundary
@@ -102,28 +103,37 @@ class SharedPrefixAttention:
     def _attend_joint(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Whole responses (scoring): each sequence's queries [B, heads, T, D] over its prompt's KV then its own
         [B, G, T, D], in one fused SDPA call (flash-style kernels on a GPU, gradients included). The prompt's KV
-        is gathered per row for the call only: autograd sums the rows' gradients into the one copy."""
+        is gathered per row and repeated per head for the call only (the memory-efficient kernel takes a mask
+        but no GQA): under autograd the call is checkpointed, so backward keeps q, k, v and the boundary, not
+        the [B, heads, S + T, D] copies, and rebuilds them one layer at a time. Autograd sums the rows'
+        gradients into the one copy of the prompt's KV."""
         keys, values = self.boundary.keys[layer], self.boundary.values[layer]  # [P, G, S, D]
-        batch, num_heads, num_tokens, _ = q.shape
-        per_head = num_heads // keys.shape[1]
+        batch, _, num_tokens, _ = q.shape
         if self.rows is None:
             self.rows = torch.arange(keys.shape[0], device=q.device).repeat_interleave(self.num_samples)
         if self._pick is None:  # [B, P] one-hot: row b reads prompt rows[b]
             self._pick = F.one_hot(self.rows, keys.shape[0]).to(keys.dtype)
-
-        def joined(prompt: Tensor, own: Tensor) -> Tensor:
-            # a one-hot matmul, not index_select: its backward sums a prompt's rows in a fixed order (index_add's
-            # atomics on CUDA would make the boundary gradient differ from run to run); exact in every dtype
-            picked = (self._pick @ prompt.flatten(1)).view(batch, *prompt.shape[1:])
-            whole = torch.cat([picked, own], dim=2)
-            return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
-
         if self._joint_mask is None:  # the same for every layer of the forward: built once
             prompt_keys = self.boundary.key_mask().index_select(0, self.rows)  # [B, S]
             own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
             self._joint_mask = torch.cat(
                 [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
             )[:, None]  # [B, 1, T, S + T]
+        tensors = (q, k, v, keys, values)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return checkpoint(self._joint_sdpa, *tensors, use_reentrant=False)
+        return self._joint_sdpa(*tensors)
+
+    def _joint_sdpa(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        per_head = q.shape[1] // keys.shape[1]
+
+        def joined(prompt: Tensor, own: Tensor) -> Tensor:
+            # a one-hot matmul, not index_select: its backward sums a prompt's rows in a fixed order (index_add's
+            # atomics on CUDA would make the boundary gradient differ from run to run); exact in every dtype
+            picked = (self._pick @ prompt.flatten(1)).view(q.shape[0], *prompt.shape[1:])
+            whole = torch.cat([picked, own], dim=2)
+            return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
+
         return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=self._joint_mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
