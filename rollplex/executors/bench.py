@@ -132,6 +132,8 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "T_D_s": round(t_d, 4),
         "T_P_s": round(t_p, 4),
         "T_post_s": round(t_post, 4),
+        # rollplex's own post-rollout seconds: were they T_post_s, the measured speedup could not pass the ideal
+        "T_post_rollplex_s": round(max(step_rollplex - med(t["rollout"] for t in rollplex.times), 0.0), 4),
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},

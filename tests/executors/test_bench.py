@@ -30,6 +30,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
     assert result["first_step_rollouts_match"] and result["first_step_grad_relative_difference"] == 0.0
     t_d, t_p, t_post = result["T_D_s"], result["T_P_s"], result["T_post_s"]
+    rollout = result["phase_s"]["rollplex"]["rollout"]
+    assert abs(result["T_post_rollplex_s"] - (result["step_s"]["rollplex"] - rollout)) < 2e-3
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
     assert result["prefix_beside_decode"] > 0.5
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
