@@ -1,0 +1,48 @@
+#!/bin/bash
+# Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
+#
+#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b)
+#
+# Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
+# ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
+# returns); each stage prints its short summary last. `preset NAME` benches specs/qwen2_5_vl_3b_h200_NAME.yaml
+# (clevrer, perception_test, star); `bench3b` one policy (default green:66, 3 steps: ~6-7 minutes with
+# serial; one serial and one rollplex run per call). Move what comes back into bench/results/ with the code's commit.
+set -u
+STAGE=${1:?stage: tests, profile, bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
+OUT=${OUT:?the device sets OUT}
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
+ln -sfn ../kernels rollplex/kernels
+quiet() { grep -v -e USDT -e UserWarning -e "return Variable._execution_engine" -e "_warn_once"; }
+
+case "$STAGE" in
+  tests)
+    timeout 540 python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout tests/memory/test_optimizer.py \
+      2>&1 | tail -40 > "$OUT/gpu_tests.log"
+    tail -5 "$OUT/gpu_tests.log" ;;
+  profile)
+    timeout 540 python3 bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --warmup 1 --top 25 2>&1 | quiet \
+      | tail -70 > "$OUT/profile_3b_h200_serial.log"
+    cat "$OUT/profile_3b_h200_serial.log" ;;
+  bench3b)
+    POLICY=${2:-green:66}
+    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 \
+      --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" 2>&1 | quiet > "$OUT/bench3b.log"
+    tail -12 "$OUT/bench3b.log" ;;
+  preset)
+    NAME=${2:?preset: clevrer, perception_test or star}
+    timeout 560 python3 -m rollplex bench "specs/qwen2_5_vl_3b_h200_$NAME.yaml" --steps 2 --warmup 1 \
+      --policies green:66 --out "$OUT/qwen2_5_vl_3b_h200_$NAME" 2>&1 | quiet > "$OUT/bench_$NAME.log"
+    tail -8 "$OUT/bench_$NAME.log" ;;
+  naive7b)
+    timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
+      | quiet | tail -20 ;;
+  run7b)
+    timeout 560 python3 -m rollplex run specs/qwen2_5_vl_7b_h200.yaml --steps 3 --out /tmp/r7 --quiet 2>&1 | quiet \
+      | tail -20 > "$OUT/run7b.log"
+    cp /tmp/r7/metrics.jsonl "$OUT/run_7b_h200_metrics.jsonl" 2>/dev/null
+    cat "$OUT/run7b.log" ;;
+  *)
+    echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
