@@ -167,7 +167,9 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         print(
             f"{label}: step serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
             f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
-            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']}; "
+            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']} (first "
+            f"step: same rollout {result['first_step_rollouts_match']}, gradients "
+            f"{result['first_step_grad_relative_difference']:.2e} apart); "
             f"{path}, {png}",
             flush=True,
         )
