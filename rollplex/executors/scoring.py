@@ -1,4 +1,4 @@
-"""Scoring sampled responses: split (prefix once per prompt, suffix per group) or unsplit (the oracle).
+"""Scoring sampled responses: split (prefix once per prompt, suffixes in length batches) or unsplit (the oracle).
 
 The unsplit path is textbook GRPO: every response is scored over its full sequence prompt ++ response, so
 each prompt is recomputed once per response. The split path scores batches of responses of similar lengths,
