@@ -85,3 +85,16 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
         saved_bytes[mode] = sum(t.numel() * t.element_size() for t in packed)
     # under recompute the checkpointed modules' inputs (and what runs outside them) still reach the host pool
     assert 0 < saved_bytes["recompute"] < saved_bytes["offload"] / 2
+
+
+def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch):
+    made = []
+    monkeypatch.setattr(offload_module, "SavedTensorOffload", lambda *a, **k: made.append(a))
+    loaded = load_spec(ROOT / "specs/qwen2_5_vl_7b_h200.yaml")  # its host pool is too small: the plan keeps them
+    objects = compile_plan(loaded).residency.objects
+    assert not any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(load_model_config("tiny"))
+    with make_prefix_memory(loaded, model)() as wrapped:
+        assert wrapped == len(model.model.visual.blocks) + len(model.model.language_model.layers)
+    assert not made
