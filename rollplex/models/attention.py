@@ -57,7 +57,9 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
 class CausalAttention:
     """Causal self-attention of right-padded sequences: a real token never sees the padding after it.
 
-    With `record`, keeps each layer's (post-rotary) K and V [B, kv_heads, L, D] in `keys` / `values`.
+    With `record`, keeps each layer's (post-rotary) K and V [B, kv_heads, L, D] in `keys` / `values`, once:
+    a checkpointed layer rerun by backward calls it again, and those K and V are not kept (they would stay
+    alive, one more copy per layer, until the whole backward ends).
     """
 
     def __init__(self, *, record: bool = False) -> None:
@@ -66,7 +68,7 @@ class CausalAttention:
         self.values: list[Tensor] = []
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.record:
+        if self.record and layer == len(self.keys):
             self.keys.append(k)
             self.values.append(v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -11,12 +11,12 @@ import rollplex.memory.offload as offload_module
 from rollplex.data.presets import get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
-from rollplex.executors.engines import make_prefix_memory
+from rollplex.executors.engines import make_prefix_memory, recomputed_modules
 from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
-from rollplex.memory.offload import SavedTensorOffload
+from rollplex.memory.offload import SavedTensorOffload, recompute
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
 
@@ -98,3 +98,27 @@ def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch)
     with make_prefix_memory(loaded, model)() as wrapped:
         assert wrapped == len(model.model.visual.blocks) + len(model.model.language_model.layers)
     assert not made
+
+
+def test_a_recomputed_prefix_records_each_layers_kv_once_even_when_backward_reruns_it():
+    import rollplex.models.model as model_module
+
+    attentions = []
+    original = model_module.CausalAttention
+
+    def recording(**kw):
+        attentions.append(original(**kw))
+        return attentions[-1]
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(load_model_config("tiny"))
+    layers = recomputed_modules(model)
+    try:
+        model_module.CausalAttention = recording
+        with recompute(layers):
+            boundary = model.prefix(tiny_prompts(), attached=True)
+    finally:
+        model_module.CausalAttention = original
+    (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()  # reruns every layer
+    num_layers = len(model.model.language_model.layers)
+    assert [len(a.keys) for a in attentions if a.record] == [num_layers]
