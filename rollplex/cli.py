@@ -75,12 +75,13 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
         records = train(loaded, opts)
-    from rollplex.executors.distributed import is_main_process
+    from rollplex.executors.distributed import finish, is_main_process
 
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
         last = records[-1]
         summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
         print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")
+    finish()
     return 0
 
 
@@ -104,7 +105,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
     from rollplex.executors.bench import compare, policy_label, run_schedule, tolerance, with_unsplit
-    from rollplex.executors.distributed import check_launch, is_main_process, max_over_ranks
+    from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.graph.ir import Schedule
     from rollplex.report.timeline import plot_timeline
@@ -173,6 +174,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             f"{path}, {png}",
             flush=True,
         )
+    finish()
     return 0
 
 

@@ -53,6 +53,15 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
+def finish() -> None:
+    """Under torchrun: waits for every rank, then ends the process group. A rank that exits while another
+    still uses the group can abort at interpreter exit in gloo's threads ("terminate called without an active
+    exception", seen once in a CI run after a bench's last collective). Nothing in a one-process run."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (torchrun sets WORLD_SIZE)."""
     world = launched_processes()
