@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import networkx as nx
 import torch
@@ -23,13 +21,12 @@ from rollplex.executors.grpo import group_advantages, grpo_loss, loss_scale
 from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
+from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
-from rollplex.models.model import drain
 from rollplex.models.scores import SuffixOut
 from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
-T = TypeVar("T")
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
 
 
@@ -213,20 +210,6 @@ def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Le
     )
     boundary = yield from each_inside(e.prefix_memory, chunks)
     return LeafBoundary.of(boundary)
-
-
-def each_inside(
-    context: Callable[[], AbstractContextManager], chunks: Generator[None, None, T]
-) -> Generator[None, None, T]:
-    """A chunked job whose every chunk runs inside context() (entered and left around the chunk, never held
-    across a pause: another job may run in between)."""
-    while True:
-        with context():
-            try:
-                next(chunks)
-            except StopIteration as done:
-                return done.value
-        yield
 
 
 def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +25,7 @@ from rollplex.models.attention import Attention, CausalAttention, SharedPrefixAt
 from rollplex.models.batching import PackedSequences, pack_sequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
+from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt
@@ -33,8 +33,6 @@ from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
 from rollplex.models.vision import VisionEncoder
-
-T = TypeVar("T")
 
 INIT_STD = 0.02  # `initializer_range` of every released Qwen2.5-VL config
 
@@ -238,15 +236,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def drain(chunks: Generator[None, None, T]) -> T:
-    """Runs a chunked job (`prefix_chunks`) to its end, chunk after chunk, and returns its result."""
-    while True:
-        try:
-            next(chunks)
-        except StopIteration as done:
-            return done.value
-
-
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
 
@@ -260,14 +249,7 @@ class _GroupPrefix:
         mode is entered around each chunk only."""
         self.num_prompts = len(prompts)
         chunks = self.model._input_chunks(prompts, blocks_per_chunk)
-        while True:
-            with self.mode():
-                try:
-                    next(chunks)
-                except StopIteration as done:
-                    self.packed, self.x, self.cos, self.sin = done.value
-                    return
-            yield
+        self.packed, self.x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual
 from rollplex.models.layers import GatedMLP, RMSNorm
@@ -97,12 +98,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, visuals: Sequence[Visual]) -> Tensor:
         """Visuals -> [num_visual_tokens, out_hidden]: their merged tokens, concatenated in order."""
-        chunks = self.chunks(visuals, blocks_per_chunk=len(self.blocks))
-        while True:
-            try:
-                next(chunks)
-            except StopIteration as done:
-                return done.value
+        return drain(self.chunks(visuals, blocks_per_chunk=len(self.blocks)))
 
     def chunks(self, visuals: Sequence[Visual], blocks_per_chunk: int) -> Generator[None, None, Tensor]:
         """`forward` as a generator that pauses after every `blocks_per_chunk` blocks (the patch embedding runs
