@@ -104,7 +104,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
-    from rollplex.executors.bench import compare, policy_label, run_schedule, tolerance, with_unsplit
+    from rollplex.executors.bench import compare, policy_label, run_schedule, updates_match, with_unsplit
     from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.graph.ir import Schedule
@@ -145,8 +145,8 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         for key in ("max_param_relative_difference", "first_step_grad_relative_difference"):
             result[key] = max_over_ranks(result[key])
-        result["updates_match"] = result["first_step_rollouts_match"] and (
-            result["first_step_grad_relative_difference"] <= tolerance(loaded.spec.run.dtype)
+        result["updates_match"] = updates_match(
+            result["first_step_rollouts_match"], result["first_step_grad_relative_difference"], loaded.spec.run.dtype
         )
         runs = {"serial": serial, "rollplex": rollplex}
         if unsplit is not None:

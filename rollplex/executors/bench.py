@@ -125,7 +125,7 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "speedup": round(step_serial / step_rollplex, 4),
         "ideal_speedup": round((t_d + t_p + t_post) / (max(t_d, t_p) + t_post), 4),
         "decode_slowdown": round(decode, 4) if decode is not None else None,
-        "updates_match": rollouts_match and grad_diff <= tolerance(spec.run.dtype),
+        "updates_match": updates_match(rollouts_match, grad_diff, spec.run.dtype),
         "first_step_rollouts_match": rollouts_match,
         "first_step_grad_relative_difference": grad_diff,
         "max_param_relative_difference": diff,
@@ -240,6 +240,11 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
         scale = float(x.float().abs().max()) or 1.0
         worst = max(worst, float((x.float() - b[name].float()).abs().max()) / scale)
     return worst
+
+
+def updates_match(rollouts_match: bool, grad_difference: float, dtype: str) -> bool:
+    """The first step's rollouts are the same tokens and its gradients agree within the dtype's rounding."""
+    return rollouts_match and grad_difference <= tolerance(dtype)
 
 
 def tolerance(dtype: str) -> float:
