@@ -1,4 +1,4 @@
-"""Where a whole GRPO step's GPU time and memory go, op by op: the serial schedule of a spec, warm.
+"""Where a whole GRPO step's GPU time and memory go, op by op: one schedule of a spec (serial by default), warm.
 
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --warmup 1 --top 25
 
