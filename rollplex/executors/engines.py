@@ -12,6 +12,7 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -81,6 +82,14 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def set_determinism(on: bool) -> None:
+    """`run.deterministic`, process-wide (torch has no narrower switch); set from the spec at every build so that
+    one run's setting never leaks into the next. cuBLAS needs a fixed workspace for deterministic results."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
 def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
     On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV)."""
@@ -99,6 +108,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     """The engines of a spec, on `device` (default: the spec's `run.device`)."""
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
+    set_determinism(spec.run.deterministic)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     actor = _initial_model(loaded, device, tp)
     reference = None

@@ -183,6 +183,12 @@ class RunSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where `rollplex run` trains: auto is the GPU when there is one, else the CPU."
     )
+    deterministic: bool = Field(
+        False,
+        description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
+        "give bitwise the same weights. Off, the memory-efficient attention backward accumulates with atomics "
+        "and weights differ at rounding level between runs. On costs some attention-backward speed.",
+    )
 
 
 class SharingSpec(_Strict):

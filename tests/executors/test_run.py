@@ -39,8 +39,10 @@ run: {{seed: 3, dtype: float32, device: {device}}}
 
 
 def loaded(kl: float = 0.1, device: str = "cpu"):
-    """The tests' spec; on the CPU unless asked, so that a GPU machine runs the same checks."""
-    return parse_spec(SPEC.format(kl=kl, device=device))
+    """The tests' spec; on the CPU unless asked, so that a GPU machine runs the same checks (with deterministic
+    kernels: the memory-efficient attention backward is otherwise not bitwise repeatable)."""
+    text = SPEC.format(kl=kl, device=device)
+    return parse_spec(text.replace("device: cuda}", "device: cuda, deterministic: true}"))
 
 
 def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, device: str = "cpu", **kw):
@@ -321,3 +323,12 @@ def test_mps_under_tensor_parallelism_is_a_spec_error():
     with pytest.raises(ValueError, match="mps runs with train_tp 1 only"):
         parse_spec(SPEC.format(kl=0.1, device="cpu").replace("hbm_gib: 16", "hbm_gib: 16, gpus_per_node: 2")
                    + "parallel: {train_tp: 2}\nsharing: {policy: mps}\n")  # fmt: skip
+
+
+def test_deterministic_kernels_train_the_same_on_the_cpu_and_the_setting_does_not_leak(tmp_path):
+    on = parse_spec(SPEC.format(kl=0.1, device="cpu").replace("device: cpu}", "device: cpu, deterministic: true}"))
+    a = train(on, RunOptions(1, Schedule("rollplex"), tmp_path / "on", progress=False, tensorboard=False))
+    assert torch.are_deterministic_algorithms_enabled()
+    b = run(tmp_path, "rollplex", 1, name="off")
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert a[0]["param_digest"] == b[0]["param_digest"]  # the CPU's kernels are deterministic either way
