@@ -21,6 +21,7 @@ Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -60,6 +61,11 @@ def run_schedule(
     """`warmup + steps` steps of one schedule on fresh engines. `batches` (step -> examples), when given, is
     filled on first use and read after: every schedule of a bench trains on the very same examples, rendered
     once (a LLaVA-Video-like batch takes seconds of host time to render)."""
+    # The last schedule's engines are unreachable but hold reference cycles: collect them before building these,
+    # or two sets of pinned host pools live at once (3B: ~75 GiB each; the host OOM-killed a bench on the H200).
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engines = build_engines(loaded)
     g = compile_graph(loaded.spec, schedule=schedule)
     spec = loaded.spec

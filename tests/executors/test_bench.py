@@ -96,3 +96,35 @@ def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
 def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path):
     proc = bench("--policies", "green:many", "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "green:many" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypatch):
+    """Two schedules' pinned host pools at once OOM-killed a 3B bench on a 128 GiB host."""
+    import gc
+    import weakref
+
+    from rollplex.executors import bench as bench_module
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.load import load_spec
+
+    built: list[weakref.ref] = []
+    alive_at_build: list[bool] = []
+
+    def build(loaded):
+        alive_at_build.append(any(r() is not None for r in built))
+        engines = real(loaded)
+        built.append(weakref.ref(engines))
+        loop = [engines]  # a reference cycle through the engines, as a GPU run's have (CUDA graphs, pools, closures)
+        loop.append(loop)
+        return engines
+
+    real = bench_module.build_engines
+    monkeypatch.setattr(bench_module, "build_engines", build)
+    loaded = load_spec(ROOT / "specs/tiny_cpu.yaml")
+    gc.disable()  # a long GPU run's engines reach the oldest generation, which automatic collection seldom visits
+    try:
+        for schedule in (Schedule.SERIAL, Schedule.ROLLPLEX):
+            bench_module.run_schedule(loaded, schedule, steps=1, warmup=0)
+    finally:
+        gc.enable()
+    assert alive_at_build == [False, False] and len(built) == 2
