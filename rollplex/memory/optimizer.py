@@ -17,6 +17,7 @@ no closures, no AMSGrad); its state dict has torch's layout plus each parameter'
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -172,7 +173,8 @@ class ChunkedAdamW:
     ) -> None:
         self.params = list(params)
         self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold) for p in self.params] if fp32_grads else []
+        fold = _weak_fold(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(fold) for p in self.params] if fp32_grads else []
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
         self._sharded_segments: torch.Tensor | None = None
@@ -227,7 +229,7 @@ class ChunkedAdamW:
         return self.main_grads[i]
 
     @torch.no_grad()
-    def _fold(self, p: torch.Tensor) -> None:
+    def _fold(self, p: torch.Tensor) -> None:  # a parameter's grad is complete: into its FP32 main grad
         i = self._index[id(p)]
         if self.main_grads[i] is None:
             self.main_grads[i] = p.grad.to(torch.float32, copy=True)
@@ -392,3 +394,16 @@ class ChunkedAdamW:
             *(tuple(group[k]) if k == "betas" else group[k] for k in keys),
             group.get("max_grad_norm", self.config.max_grad_norm),
         )
+
+
+def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook, holding the optimizer weakly. A bound method would tie the optimizer (and
+    its pinned host pool) to the parameters through torch's C++ hook storage, a cycle the garbage collector
+    cannot see: a bench's serial engines then outlived it and the next schedule's pool OOM-killed the host."""
+    ref = weakref.ref(optimizer)
+
+    def fold(p: torch.Tensor) -> None:
+        if (alive := ref()) is not None:
+            alive._fold(p)
+
+    return fold
