@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE] | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b)
+#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b)
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -9,7 +9,7 @@
 # (clevrer, perception_test, star); `bench3b` one policy (default green:66, 3 steps: ~6-7 minutes with
 # serial; one serial and one rollplex run per call). Move what comes back into bench/results/ with the code's commit.
 set -u
-STAGE=${1:?stage: tests, profile [SCHEDULE], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
+STAGE=${1:?stage: tests, profile [SCHEDULE [KERNELS]], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
 OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -22,10 +22,11 @@ case "$STAGE" in
       2>&1 | tail -40 > "$OUT/gpu_tests.log"
     tail -5 "$OUT/gpu_tests.log" ;;
   profile)
-    SCHEDULE=${2:-serial}
+    SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
+    KERNELS=${3:-actor_backward}
     timeout 540 python3 bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --warmup 1 --top 25 \
-      --schedule "$SCHEDULE" 2>&1 | quiet | tail -70 > "$OUT/profile_3b_h200_$SCHEDULE.log"
-    cat "$OUT/profile_3b_h200_$SCHEDULE.log" ;;
+      --schedule "$SCHEDULE" --kernels "$KERNELS" 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log"
+    cat "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log" ;;
   bench3b)
     POLICY=${2:-green:66}
     timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 \

@@ -4,8 +4,13 @@
 
 Runs `--warmup` steps, then one measured step: per op of the compiled graph, wall seconds, the allocator's
 bytes in use after it and its peak during it (torch's view; the driver's view is in `rollplex run`'s metrics),
-and the parts of the scoring ops (each length batch's suffix forward, each loss backward, the backward through
-the prefix). Then one more step with the actor's backward op under torch.profiler: its top `--top` kernels.
+the parts of the prefix ops (each group's embedding + vision encoder, each chunk of decoder layers, the
+boundary's concatenation) and of the scoring ops (each length batch's suffix forward, each loss backward, the
+backward through the prefix). Then one more step with the ops whose id contains `--kernels` (default: the
+actor's backward) under torch.profiler: their wall time, their kernels' GPU time (far less than the wall: the
+host is the bottleneck) and their top `--top` kernels.
+
+    python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix   # both prefixes' kernels
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors import runtime, scoring
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
-from rollplex.graph.ir import NodeKind, Op, Schedule
+from rollplex.graph.ir import Op, Schedule
 from rollplex.graph.load import load_spec
 from rollplex.graph.pipeline import compile_graph
+from rollplex.models import model as model_module
 from rollplex.models.model import Qwen2_5_VL
 
 GIB = 2**30
@@ -40,6 +46,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=25, help="kernels listed (0: no profiled step)")
     ap.add_argument("--schedule", default="serial", choices=[s.value for s in Schedule])
+    ap.add_argument("--kernels", default="actor_backward", help="profile the ops whose id contains this")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
     engines = build_engines(loaded)
@@ -75,7 +82,8 @@ def main() -> None:
     print(f"{'op':<28} {'wall s':>7} {'alloc GiB':>9} {'peak GiB':>9} {'reserved':>9}")
     for op_id, seconds, current, peak, reserved in rows:
         print(f"{op_id:<28} {seconds:>7.2f} {current:>9.1f} {peak:>9.1f} {reserved:>9.1f}")
-    print(f"\nparts of the scoring ops\n{'part':<34} {'calls':>5} {'wall s':>7} {'max s':>6} {'peak GiB':>9}")
+    print("\nparts of the prefix and scoring ops (the first also counts rollout's prefill)")
+    print(f"{'part':<34} {'calls':>5} {'wall s':>7} {'max s':>6} {'peak GiB':>9}")
     for name in dict.fromkeys(n for n, _, _ in parts):
         mine = [(t, p) for n, t, p in parts if n == name]
         total, longest, peak = sum(t for t, _ in mine), max(t for t, _ in mine), max(p for _, p in mine)
@@ -106,9 +114,38 @@ def _timed(name: str, fn, parts: list):
     return wrapper
 
 
+def _timed_chunks(name: str, fn, parts: list):
+    """A chunked job's function (`rollplex.models.chunks`) wrapped: the synchronised wall time of all its chunks
+    (not the pauses between them) and their allocator peak, one entry in `parts` per job."""
+
+    def wrapper(*a, **kw):
+        chunks, seconds, peak = fn(*a, **kw), 0.0, 0.0
+        while True:
+            _sync()
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                next(chunks)
+            except StopIteration as done:
+                _sync()
+                parts.append((name, seconds + time.perf_counter() - t0, max(peak, _gib()[1])))
+                return done.value
+            _sync()
+            seconds, peak = seconds + time.perf_counter() - t0, max(peak, _gib()[1])
+            yield
+
+    return wrapper
+
+
 def _time_parts(parts: list) -> None:
-    """Times the pieces of the suffix and backward ops: each length batch's suffix forward (reference and
-    actor), the actor's alone, each batch's loss backward, the one backward through the prefix."""
+    """Times the pieces of the prefix ops (each group's embedding and vision encoder, each call running decoder
+    layers for a group, the concatenation of the groups' boundaries) and of the suffix and backward ops: each
+    length batch's suffix forward (reference and actor), the actor's alone, each batch's loss backward, the
+    one backward through the prefix."""
+    Qwen2_5_VL._input_chunks = _timed_chunks("embedding + vision (a group)", Qwen2_5_VL._input_chunks, parts)
+    model_module._GroupPrefix.run = _timed("decoder layers (a group, a chunk)", model_module._GroupPrefix.run, parts)
+    model_module.concat_boundaries = _timed("concat_boundaries", model_module.concat_boundaries, parts)
     runtime.score_batch = _timed("score_batch (actor fwd)", scoring.score_batch, parts)
     scoring.LeafBoundary.backward_through_prefix = _timed(
         "backward_through_prefix", scoring.LeafBoundary.backward_through_prefix, parts
@@ -119,29 +156,43 @@ def _time_parts(parts: list) -> None:
 
 
 def _profile_group(engines, g, dataset, size, args) -> None:
-    """Kernels of one more step's actor scoring + backward, by GPU time (CUDA activity only: a whole step's
-    host events take minutes to collect)."""
+    """Kernels of one more step's ops whose id contains `--kernels`, by GPU time (CUDA activity only: a whole
+    step's host events take minutes to collect). Under rollplex a prefix op runs beside decode (its chunks are
+    not ops of their own): profile it under serial."""
     activity = ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU
-    prof = profile(activities=[activity])
+    key = "device_time_total" if CUDA else "cpu_time_total"
+    running: list = []  # (profiler, start) of the op being profiled
+    wall, kernels = [0.0], {}  # kernel name -> [seconds, calls], over every profiled op
 
     def before(o: Op) -> None:
-        if o.kind is NodeKind.BACKWARD:
+        if args.kernels in o.id:
             _sync()
-            prof.__enter__()
+            running.append((profile(activities=[activity]), time.perf_counter()))
+            running[-1][0].__enter__()
 
     def after(o: Op) -> None:
-        if o.kind is NodeKind.BACKWARD:
+        if args.kernels in o.id:
             _sync()
+            prof, t0 = running.pop()
+            wall[0] += time.perf_counter() - t0
             prof.__exit__(None, None, None)
+            picked.append(o.id)
+            for e in prof.key_averages():
+                seconds_calls = kernels.setdefault(e.key, [0.0, 0])
+                seconds_calls[0] += getattr(e, key) / 1e6
+                seconds_calls[1] += e.count
 
+    picked: list[str] = []
     run_iteration(g, engines, batch_at(dataset, (args.warmup + 1) * size, size), before_op=before, after_op=after)
-    key = "device_time_total" if CUDA else "cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
-    total = sum(getattr(e, key) for e in events)
-    print(f"\nactor backward op, kernels: {total / 1e6:.2f} s in all")
+    if not picked:
+        print(f"\nno op id contains {args.kernels!r}: nothing profiled")
+        return
+    events = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    total = sum(seconds for seconds, _ in kernels.values())
+    print(f"\n{', '.join(picked)}: {wall[0]:.2f} s wall (profiled), kernels {total:.2f} s in all")
     print(f"{'GPU s':>7} {'calls':>7}  kernel")
-    for e in events[: args.top]:
-        print(f"{getattr(e, key) / 1e6:>7.3f} {e.count:>7}  {e.key[:110]}")
+    for name, (seconds, calls) in events[: args.top]:
+        print(f"{seconds:>7.3f} {calls:>7}  {name[:110]}")
 
 
 if __name__ == "__main__":
