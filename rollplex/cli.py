@@ -104,7 +104,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
-    from rollplex.executors.bench import compare, policy_label, run_schedule, updates_match, with_unsplit
+    from rollplex.executors.bench import (
+        compare,
+        policy_label,
+        run_schedule,
+        updates_match,
+        with_prompts_per_chunk,
+        with_unsplit,
+    )
     from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
     from rollplex.executors.engines import resolve_device
     from rollplex.graph.ir import Schedule
@@ -122,6 +129,15 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
     out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
     out = out if out.suffix == ".json" else out.with_name(out.name + ".json")
+    grouping = args.serial_prompts_per_chunk
+
+    def serial_spec(variant):  # the spec serial runs under: the spec itself unless --serial-prompts-per-chunk
+        return with_prompts_per_chunk(variant, grouping) if grouping else variant
+
+    try:
+        serial_spec(loaded)
+    except ValueError as e:
+        raise SpecError("", f"--serial-prompts-per-chunk: {e}") from None
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
@@ -131,7 +147,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
-            serial = run_schedule(variant, Schedule.SERIAL, args.steps, args.warmup, batches)
+            serial = run_schedule(serial_spec(variant), Schedule.SERIAL, args.steps, args.warmup, batches)
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
@@ -141,7 +157,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
-        result = compare(variant, serial, rollplex, command)
+        result = compare(variant, serial, rollplex, command, serial_spec(variant))
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         for key in ("max_param_relative_difference", "first_step_grad_relative_difference"):
             result[key] = max_over_ranks(result[key])
@@ -210,6 +226,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
     b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
     b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
+    b.add_argument(
+        "--serial-prompts-per-chunk",
+        metavar="N|all",
+        help="prompts per prefix group in the serial baseline (default: the spec's sharing.prompts_per_chunk); "
+        "all: one batch. Serial has no decode to interleave with, so its fastest grouping is the fair baseline",
+    )
     b.add_argument(
         "--policies",
         nargs="+",

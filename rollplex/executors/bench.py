@@ -109,9 +109,17 @@ def run_schedule(
     return out
 
 
-def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, command: str) -> dict:
-    """The result document: the keys of issue 5's `bench/results/<name>.json`, and the phase times."""
+def compare(
+    loaded: LoadedSpec,
+    serial: ScheduleRun,
+    rollplex: ScheduleRun,
+    command: str,
+    serial_loaded: LoadedSpec | None = None,
+) -> dict:
+    """The result document: the keys of issue 5's `bench/results/<name>.json`, and the phase times.
+    `serial_loaded`: the spec serial ran under when it differs from rollplex's (`with_prompts_per_chunk`)."""
     spec = loaded.spec
+    serial_loaded = serial_loaded or loaded
     med = statistics.median
     t_d = med(t["rollout"] for t in serial.times)
     t_p = med(t["ref_prefix"] + t["actor_prefix"] for t in serial.times)
@@ -143,7 +151,14 @@ def compare(loaded: LoadedSpec, serial: ScheduleRun, rollplex: ScheduleRun, comm
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
-        "plan_peak_gib": {s.value: plan_peaks_gib(loaded, s) for s in (Schedule.SERIAL, Schedule.ROLLPLEX)},
+        "plan_peak_gib": {
+            "serial": plan_peaks_gib(serial_loaded, Schedule.SERIAL),
+            "rollplex": plan_peaks_gib(loaded, Schedule.ROLLPLEX),
+        },
+        "prompts_per_chunk": {
+            "serial": serial_loaded.spec.sharing.prompts_per_chunk or "all",
+            "rollplex": spec.sharing.prompts_per_chunk or "all",
+        },
         "steps": len(serial.step_s),
     }
 
@@ -177,6 +192,20 @@ def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
     sharing = loaded.spec.sharing.model_copy(update=update)
     if name == "mps" and loaded.spec.parallel.train_tp > 1:
         raise ValueError("mps runs with train_tp 1 only")
+    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
+
+
+def with_prompts_per_chunk(loaded: LoadedSpec, text: str) -> LoadedSpec:
+    """The spec with `sharing.prompts_per_chunk` from `--serial-prompts-per-chunk` (N >= 1, or all: one batch).
+    Serial has no decode to interleave with: its prefixes may run in bigger groups than rollplex's chunks, and a
+    fair baseline uses whichever grouping is fastest for it (the plan then counts that group's layer in flight)."""
+    if text == "all":
+        value = None
+    elif text.isdigit() and int(text) >= 1:
+        value = int(text)
+    else:
+        raise ValueError(f"{text!r} is not a number of prompts >= 1 or all")
+    sharing = loaded.spec.sharing.model_copy(update={"prompts_per_chunk": value})
     return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
 
 

@@ -128,3 +128,18 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
     finally:
         gc.enable()
     assert alive_at_build == [False, False] and len(built) == 2
+
+
+def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["prompts_per_chunk"] == {"serial": "all", "rollplex": 1}
+    assert result["first_step_rollouts_match"] and result["updates_match"]
+
+
+def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run():
+    proc = bench("--serial-prompts-per-chunk", "0")
+    assert proc.returncode == 2 and "--serial-prompts-per-chunk" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "rollplex bench:" not in proc.stderr
