@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b)
+#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b [ALLOC_CONF])
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -40,7 +40,8 @@ case "$STAGE" in
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
       | quiet | tail -20 ;;
-  run7b)
+  run7b)  # run7b [ALLOC_CONF]: e.g. expandable_segments:True (the allocator's reserve above its peak is fragmentation)
+    [ -n "${2:-}" ] && export PYTORCH_CUDA_ALLOC_CONF=$2
     timeout 560 python3 -m rollplex run specs/qwen2_5_vl_7b_h200.yaml --steps 3 --out /tmp/r7 --quiet 2>&1 | quiet \
       | tail -20 > "$OUT/run7b.log"
     cp /tmp/r7/metrics.jsonl "$OUT/run_7b_h200_metrics.jsonl" 2>/dev/null
