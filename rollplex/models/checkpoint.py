@@ -19,6 +19,7 @@ from torch import Tensor
 from rollplex.models.config import ModelConfig, load_model_config
 from rollplex.models.hf_config import hf_config_dict
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.vision import hf_shaped
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,7 +47,8 @@ def checkpoint_files(directory: Path) -> list[Path]:
 @torch.no_grad()
 def load_checkpoint(model: Qwen2_5_VL, directory: str | Path) -> None:
     """Copies every parameter from the checkpoint (converted to the model's dtype, on the model's device)."""
-    params = dict(model.named_parameters())  # a tied head appears once, as the embedding
+    # a tied head appears once, as the embedding; the vision MLPs' as views of transformers' shapes (`VisionMLP`)
+    params = hf_shaped(dict(model.named_parameters()), model.config.vision)
     loaded: set[str] = set()
     for path in checkpoint_files(Path(directory)):
         with safe_open(str(path), framework="pt") as file:
@@ -61,6 +63,7 @@ def load_checkpoint(model: Qwen2_5_VL, directory: str | Path) -> None:
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {directory} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    model.zero_padding()  # the model may have been built on uninitialised memory (`load_pretrained`)
 
 
 def _copy(param: Tensor, tensor: Tensor, key: str) -> None:
@@ -80,6 +83,7 @@ def save_state(
     """`save_checkpoint` of HF-named tensors (e.g. gathered from tensor-parallel shards)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    params = hf_shaped(params, config.vision)
     dtype = next(iter(params.values())).dtype
     (directory / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2))
     shards = _shards(params, max_shard_bytes)

@@ -32,7 +32,7 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
-from rollplex.models.vision import VisionEncoder
+from rollplex.models.vision import VisionEncoder, VisionMLP
 
 INIT_STD = 0.02  # `initializer_range` of every released Qwen2.5-VL config
 
@@ -79,6 +79,14 @@ class Qwen2_5_VL(nn.Module):
                 m.weight.normal_(0.0, std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
+        self.zero_padding()
+
+    def zero_padding(self) -> None:
+        """Zeroes what the vision MLPs store beyond transformers' shapes (`VisionMLP`): after an initialisation
+        or a load into uninitialised memory, before anything runs."""
+        for m in self.modules():
+            if isinstance(m, VisionMLP):
+                m.zero_padding()
 
     def tie_weights(self) -> None:
         """Shares the LM head with the token embedding when the config ties them (Qwen2.5-VL-3B)."""

@@ -22,6 +22,8 @@ from rollplex.models.rotary import apply_rotary, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 VISION_NORM_EPS = 1e-6
+MLP_ALIGN = 64  # the vision MLP's width is stored rounded up to a multiple of this (`VisionMLP`)
+MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight")
 
 
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
@@ -61,13 +63,78 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(num_patches, hidden))
 
 
+def stored_width(width: int) -> int:
+    """The vision MLP width as stored: `width` rounded up to a multiple of `MLP_ALIGN`."""
+    return -(-width // MLP_ALIGN) * MLP_ALIGN
+
+
+class VisionMLP(GatedMLP):
+    """The vision blocks' gated MLP, stored `MLP_ALIGN`-wide. Qwen2.5-VL-3B and 7B have a vision MLP width of
+    3420: rows of 6,840 bytes, not 16-byte aligned, so cuBLAS runs the GEMMs that touch that dimension (9 of a
+    block's 15 in forward + backward) on Ampere-era align-2 kernels (on an H200 they were 1.8 s of a 3B step's
+    10 s of backward kernels). Stored 3456 wide, gate/up have zero extra rows and down zero extra columns: the
+    extra activations are silu(0) * 0 = 0, every gradient reaching the padding is exactly 0, and AdamW moves a
+    zero with a zero gradient nowhere (its decay too), so outputs and updates are unchanged.
+
+    Checkpoints and state dicts hold transformers' shapes (`hf_shaped`, and the hooks below)."""
+
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__(dim, stored_width(width), bias=True)
+        self.width = width
+        self.register_state_dict_post_hook(_state_dict_in_hf_shapes)
+        self.register_load_state_dict_pre_hook(_pad_loaded_state)
+
+    @torch.no_grad()
+    def zero_padding(self) -> None:
+        for proj in (self.gate_proj, self.up_proj):
+            proj.weight[self.width :].zero_()
+            proj.bias[self.width :].zero_()
+        self.down_proj.weight[:, self.width :].zero_()
+
+
+def hf_part(leaf: str, tensor: Tensor, width: int) -> Tensor:
+    """The transformers-shaped view of a stored vision MLP tensor (`leaf`: e.g. "gate_proj.weight")."""
+    if leaf == "down_proj.weight":
+        return tensor[:, :width]
+    return tensor[:width] if leaf in MLP_LEAVES else tensor
+
+
+def hf_shaped(params: dict[str, Tensor], vision: VisionConfig) -> dict[str, Tensor]:
+    """A model's named tensors with the vision MLP's as views of transformers' shapes (`VisionMLP`)."""
+    if stored_width(vision.intermediate_size) == vision.intermediate_size:
+        return params
+    out = {}
+    for name, tensor in params.items():
+        block, _, leaf = name.rpartition(".mlp.")
+        in_vision = block.rpartition(".")[0].endswith("visual.blocks")
+        out[name] = hf_part(leaf, tensor, vision.intermediate_size) if in_vision else tensor
+    return out
+
+
+def _state_dict_in_hf_shapes(module: VisionMLP, state: dict, prefix: str, local_metadata: dict) -> None:
+    for leaf in MLP_LEAVES:
+        if prefix + leaf in state:
+            state[prefix + leaf] = hf_part(leaf, state[prefix + leaf], module.width)
+
+
+def _pad_loaded_state(module: VisionMLP, state: dict, prefix: str, *args) -> None:
+    """Pads transformers-shaped tensors to the stored shape (any other shape goes on to torch's own check)."""
+    for leaf in MLP_LEAVES:
+        key = prefix + leaf
+        stored = module.get_parameter(leaf)
+        if key in state and state[key].shape == hf_part(leaf, stored, module.width).shape != stored.shape:
+            padded = torch.zeros_like(stored)
+            hf_part(leaf, padded, module.width).copy_(state[key])
+            state[key] = padded
+
+
 class VisionBlock(nn.Module):
     def __init__(self, vision: VisionConfig) -> None:
         super().__init__()
         self.norm1 = RMSNorm(vision.hidden_size, VISION_NORM_EPS)
         self.norm2 = RMSNorm(vision.hidden_size, VISION_NORM_EPS)
         self.attn = VisionAttention(vision)
-        self.mlp = GatedMLP(vision.hidden_size, vision.intermediate_size, bias=True)
+        self.mlp = VisionMLP(vision.hidden_size, vision.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, groups)

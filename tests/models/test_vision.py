@@ -1,10 +1,20 @@
-"""The vision encoder equals transformers' Qwen2.5-VL vision tower; its windows partition every frame."""
+"""The vision encoder equals transformers' Qwen2.5-VL vision tower (an unaligned MLP width stored padded too); its
+windows partition every frame."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import pytest
 import torch
 from models_testkit import hf_model_from_state
+from safetensors import safe_open
 
+from rollplex.models.checkpoint import load_pretrained, save_checkpoint
+from rollplex.models.config import CONFIG_DIR
+from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.vision import stored_width
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 
@@ -36,3 +46,68 @@ def test_full_attention_segments_are_frames(config):
     layout = patch_layout([(1, 10, 6), (2, 12, 8)], config.vision)
     sizes = sorted(n for group in segment_groups(layout.frames) for n in [group.shape[1]] * group.shape[0])
     assert sizes == [60, 96, 96]
+
+
+WIDTH = 60  # not a multiple of MLP_ALIGN: stored 64 wide, as 3B's and 7B's 3420 are stored 3456 wide
+
+
+@pytest.fixture
+def unaligned(config):
+    """The tiny config with a vision MLP width that gets padded, and a random model of it."""
+    padded = dataclasses.replace(config, vision=dataclasses.replace(config.vision, intermediate_size=WIDTH))
+    torch.manual_seed(0)
+    return padded, Qwen2_5_VL(padded)
+
+
+def _hf_overrides():
+    vision = json.loads((CONFIG_DIR / "tiny.json").read_text())["vision_config"]
+    return {"vision_config": vision | {"intermediate_size": WIDTH}}
+
+
+def test_an_unaligned_vision_mlp_is_stored_padded_and_still_equals_transformers(unaligned, inputs):
+    config, model = unaligned
+    mlp = model.model.visual.blocks[0].mlp
+    assert stored_width(WIDTH) == 64 and mlp.gate_proj.weight.shape[0] == 64 and mlp.down_proj.weight.shape[1] == 64
+    assert not mlp.gate_proj.weight[WIDTH:].any() and not mlp.down_proj.weight[:, WIDTH:].any()
+    state = model.state_dict()
+    assert state["model.visual.blocks.0.mlp.gate_proj.weight"].shape == (WIDTH, config.vision.hidden_size)
+    assert state["model.visual.blocks.0.mlp.down_proj.weight"].shape == (config.vision.hidden_size, WIDTH)
+    hf_visual = hf_model_from_state(state, _hf_overrides()).model.visual
+    visuals = [inputs.image((10, 6)), inputs.video((2, 12, 8), second_per_grid_t=2.0)]
+    grids = torch.tensor([visual.grid_thw for visual in visuals])
+    with torch.no_grad():
+        theirs = hf_visual(torch.cat([v.pixel_values for v in visuals]), grid_thw=grids).pooler_output
+        ours = model.model.visual(visuals)
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+def test_the_padding_gets_zero_gradients_and_adamw_leaves_it_zero(unaligned, inputs):
+    _, model = unaligned
+    prompts = [inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        model(prompts).float().pow(2).mean().backward()
+        for block in model.model.visual.blocks:
+            mlp = block.mlp
+            for grad in (mlp.gate_proj.weight.grad[WIDTH:], mlp.up_proj.bias.grad[WIDTH:],
+                         mlp.down_proj.weight.grad[:, WIDTH:]):  # fmt: skip
+                assert torch.equal(grad, torch.zeros_like(grad))
+            assert mlp.gate_proj.weight.grad[:WIDTH].abs().sum() > 0  # the real rows do learn
+        optimizer.step()
+        optimizer.zero_grad()
+    for block in model.model.visual.blocks:
+        assert not block.mlp.up_proj.weight[WIDTH:].any() and not block.mlp.down_proj.weight[:, WIDTH:].any()
+
+
+def test_checkpoints_of_a_padded_vision_mlp_hold_transformers_shapes_and_load_back(unaligned, tmp_path):
+    config, model = unaligned
+    save_checkpoint(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.visual.blocks.1.mlp.up_proj.weight").get_shape() == [WIDTH, config.vision.hidden_size]
+    loaded = load_pretrained(tmp_path, dtype=torch.float32)  # built on uninitialised memory: padding zeroed
+    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    again = Qwen2_5_VL(loaded.config)
+    again.load_state_dict(model.state_dict())  # transformers' shapes are padded on the way in
+    again.load_state_dict({n: p.detach() for n, p in model.named_parameters()})  # stored shapes pass as they are
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
