@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS]] | preset NAME | naive7b | run7b [ALLOC_CONF])
+#   bash bench/issue5_h200.sh STAGE      (STAGE: tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | preset NAME | naive7b | run7b [ALLOC_CONF])
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -28,8 +28,9 @@ case "$STAGE" in
       --schedule "$SCHEDULE" --kernels "$KERNELS" 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log"
     cat "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log" ;;
   bench3b)
-    POLICY=${2:-green:66}
-    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 \
+    POLICY=${2:-green:66}  # SERIAL_GROUPING (4th): --serial-prompts-per-chunk, e.g. all (default: the spec's)
+    GROUPING=${4:+--serial-prompts-per-chunk $4}
+    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING \
       --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" 2>&1 | quiet > "$OUT/bench3b.log"
     tail -12 "$OUT/bench3b.log" ;;
   preset)
