@@ -90,6 +90,13 @@ def set_determinism(on: bool) -> None:
     torch.use_deterministic_algorithms(on)
 
 
+def set_expandable_segments(on: bool, device: torch.device) -> None:
+    """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
+    spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
+    if device.type == "cuda":
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+
+
 def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
     On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV)."""
@@ -109,6 +116,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     set_determinism(spec.run.deterministic)
+    set_expandable_segments(spec.memory.expandable_segments, device)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     actor = _initial_model(loaded, device, tp)
     reference = None

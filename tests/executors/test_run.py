@@ -68,6 +68,18 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
         assert set(r["peak_gib_by_phase"]) == {"1", "2", "3"} and min(r["peak_gib_by_phase"].values()) > 0.1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("expandable", [True, False])
+def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segments(expandable):
+    text = SPEC.format(kl=0.1, device="cuda") + f"memory: {{expandable_segments: {str(expandable).lower()}}}\n"
+    torch.cuda.empty_cache()
+    weight = build_engines(parse_spec(text)).actor.lm_head.weight  # in segments made under the spec's setting
+    (segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
+                  if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]  # fmt: skip
+    assert segment["is_expandable"] == expandable
+
+
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
     spec = parse_spec(SPEC.format(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
     runs = [
