@@ -93,8 +93,11 @@ def set_determinism(on: bool) -> None:
 def set_expandable_segments(on: bool, device: torch.device) -> None:
     """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
     spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
-    if device.type == "cuda":
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+    if device.type != "cuda":
+        return
+    # the accelerator-wide setter where torch has it (2.13 deprecates the CUDA one), else the CUDA one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(f"expandable_segments:{on}")
 
 
 def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
