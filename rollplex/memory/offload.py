@@ -64,7 +64,8 @@ class SavedTensorOffload:
 
     Tensors whose storage is one of `keep` (the parameters: resident anyway), tensors under `min_bytes`,
     and tensors that do not fit in the pool stay where they are and are counted as kept. A tensor saved
-    twice is copied once, and brought back once.
+    twice is copied once, and brought back once, also when the saves come in different entries of the context
+    while the tensor lives.
     """
 
     def __init__(self, pool: HostPool, keep: Iterable[torch.Tensor] = (), min_bytes: int = 1024) -> None:
@@ -82,7 +83,9 @@ class SavedTensorOffload:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
-        self._seen.clear()
+        # what is still alive stays deduplicated when the context is entered again: a prompt group's rotary
+        # tables are saved by every checkpointed layer, one chunk (one entry of this context) per layer
+        self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[2]() is not None}
 
     def stats(self) -> OffloadStats:
         return OffloadStats(*self._counts)

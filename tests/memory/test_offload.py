@@ -88,6 +88,20 @@ def test_a_tensor_saved_three_times_is_offloaded_once():
     assert torch.allclose(x.grad, 3 * x.exp() ** 3)
 
 
+def test_a_tensor_saved_in_several_entries_of_the_context_is_offloaded_once():
+    """As a prompt group's rotary tables, saved by each checkpointed layer, one context entry per layer."""
+    x, table = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64)
+    with HostPool(1 << 20) as pool:
+        offload, y = SavedTensorOffload(pool, min_bytes=1), x
+        for _ in range(3):
+            with offload:
+                y = y * table  # saves the table (y's gradient needs it), not y
+        assert offload.stats().num_tensors == 1  # not 3
+        y.sum().backward()
+        assert pool.live_blocks == ()
+    assert torch.allclose(x.grad, table**3)
+
+
 def test_the_pool_is_empty_again_once_backward_has_consumed_the_saved_tensors():
     model, inputs = mlp(), torch.randn(16, 64)
     with HostPool(8 << 20) as pool:
