@@ -44,7 +44,7 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     """Weights and optimizer state as they are now (they must be those of `snap.step`).
 
     Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
-    writes, each rank writes its own optimizer state (`optimizer-rank{r}.pt`)."""
+    writes, each rank writes its own optimizer state (`optimizer-rank{r}/part-*.pt`)."""
     final = checkpoint_dir(out_dir, snap.step)
     tmp = final.with_name(final.name + ".tmp")
     if engines.is_main:
@@ -57,7 +57,10 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
         state = full_state(engines.actor, engines.tp.train, dst=0, to_host=True)  # every rank sends, rank 0 keeps
         if engines.is_main:
             save_state(state, engines.actor.config, tmp / "model")
-    torch.save(engines.optimizer.state_dict(), tmp / _optimizer_file(engines))
+    parts = tmp / _optimizer_dir(engines)  # in parts: the whole state at once would double its host memory
+    parts.mkdir()
+    for k, part in enumerate(engines.optimizer.state_parts()):
+        torch.save(part, parts / f"part-{k:05d}.pt")
     if engines.is_main:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
@@ -70,8 +73,8 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     return final
 
 
-def _optimizer_file(engines: Engines) -> str:
-    return "optimizer.pt" if engines.tp is None else f"optimizer-rank{engines.tp.train.rank}.pt"
+def _optimizer_dir(engines: Engines) -> str:
+    return "optimizer" if engines.tp is None else f"optimizer-rank{engines.tp.train.rank}"
 
 
 def _barrier(engines: Engines) -> None:
@@ -90,10 +93,17 @@ def load(path: Path, engines: Engines) -> Snapshot:
     else:
         load_sharded(engines.actor, path / "model", engines.tp.train)
     engines.publish()
-    optimizer_file = path / _optimizer_file(engines)
-    if not optimizer_file.is_file():
-        raise ValueError(f"{path} has no {optimizer_file.name}: resume with the train_tp that wrote it")
-    engines.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=False))
+    parts = sorted((path / _optimizer_dir(engines)).glob("part-*.pt"))
+    if not parts:
+        raise ValueError(f"{path} has no {_optimizer_dir(engines)}/: resume with the train_tp that wrote it")
+    covered: set[int] = set()
+    for file in parts:  # one part in memory at a time
+        part = torch.load(file, weights_only=False)
+        engines.optimizer.load_state_dict(part)
+        covered |= set(part["state"])
+    if len(covered) != len(engines.optimizer.params):
+        raise ValueError(f"{path / _optimizer_dir(engines)} covers {len(covered)} of the optimizer's "
+                         f"{len(engines.optimizer.params)} parameters: an incomplete checkpoint")  # fmt: skip
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
@@ -188,6 +188,10 @@ class ChunkedAdamW:
         self.pool = pool or HostPool(self._pool_bytes(), pin=self.device.type == "cuda")
         self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
+        self._segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]  # (chunk, segment)
+        for j, chunk in enumerate(self.chunks):
+            for seg in chunk.segments:
+                self._segments_of[seg.param_index].append((j, seg))
         self.blocks = tuple(
             self.pool.allocate(STATE_BYTES_PER_ELEMENT * c.numel, f"adamw chunk {j}") for j, c in enumerate(self.chunks)
         )
@@ -196,7 +200,8 @@ class ChunkedAdamW:
         self._done: torch.cuda.Event | None = None
         self.num_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
-        self._fill_state([p.detach() for p in self.params], None, None)
+        for i, p in enumerate(self.params):
+            self._fill_param(i, p.detach(), None, None)
 
     @property
     def workspace_bytes(self) -> int:
@@ -343,52 +348,64 @@ class ChunkedAdamW:
         if self._done is not None:
             self._done.synchronize()
 
-    def _fill_state(self, masters, exp_avgs, exp_avg_sqs) -> None:
-        for j, chunk in enumerate(self.chunks):
+    def _fill_param(self, i: int, *rows: torch.Tensor | None) -> None:
+        """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros)."""
+        for j, s in self._segments_of[i]:
             host = self._host(j)
-            for s in chunk.segments:
-                for row, source in enumerate((masters, exp_avgs, exp_avg_sqs)):
-                    part = host[row, s.offset : s.offset + s.numel]
-                    if source is None:
-                        part.zero_()
-                    else:
-                        part.copy_(source[s.param_index].reshape(-1)[s.start : s.stop])
+            for row, source in enumerate(rows):
+                part = host[row, s.offset : s.offset + s.numel]
+                if source is None:
+                    part.zero_()
+                else:
+                    part.copy_(source.reshape(-1)[s.start : s.stop])
 
-    def _gather_state(self, row: int) -> list[torch.Tensor]:
-        out = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
-        for j, chunk in enumerate(self.chunks):
-            host = self._host(j)
-            for s in chunk.segments:
-                out[s.param_index].view(-1)[s.start : s.stop].copy_(host[row, s.offset : s.offset + s.numel])
+    def _gather_param(self, i: int, row: int) -> torch.Tensor:
+        out = torch.empty(self.params[i].shape, dtype=torch.float32)
+        for j, s in self._segments_of[i]:
+            out.view(-1)[s.start : s.stop].copy_(self._host(j)[row, s.offset : s.offset + s.numel])
         return out
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout (per-parameter step, exp_avg, exp_avg_sq) plus each FP32 master;
-        independent of the chunking, so a run may resume with another `chunk_bytes`."""
+        independent of the chunking, so a run may resume with another `chunk_bytes`. It copies the whole
+        state (12 bytes per parameter): a checkpoint writes `state_parts` instead."""
+        (whole,) = self.state_parts(max_bytes=None)
+        return whole
+
+    def state_parts(self, max_bytes: int | None = 1 << 30) -> Iterator[dict]:
+        """`state_dict()` in parts of about `max_bytes` of state each (whole parameters, in order; None: one
+        part), made one at a time: saving them in turn never holds more than one part beside the pool (a 7B
+        model's whole state is 100 GB). Each part is a state dict of its parameters' entries, with the full
+        `param_groups`; `load_state_dict` of every part, in any order, restores the optimizer."""
         self._sync()
-        rows = [self._gather_state(row) for row in range(3)]
         step = torch.tensor(float(self.num_steps))
-        state = {
-            i: {"step": step.clone(), "exp_avg": rows[1][i], "exp_avg_sq": rows[2][i], "master": rows[0][i]}
-            for i in range(len(self.params))
-        }
         c = self.config
         group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
         group |= {"max_grad_norm": c.max_grad_norm, "params": list(range(len(self.params)))}
-        return {"state": state, "param_groups": [group]}
+        state, num_bytes = {}, 0
+        for i, p in enumerate(self.params):
+            rows = [self._gather_param(i, row) for row in range(3)]
+            state[i] = {"step": step.clone(), "exp_avg": rows[1], "exp_avg_sq": rows[2], "master": rows[0]}
+            num_bytes += STATE_BYTES_PER_ELEMENT * p.numel()
+            if max_bytes is not None and num_bytes >= max_bytes and i + 1 < len(self.params):
+                yield {"state": state, "param_groups": [group]}
+                state, num_bytes = {}, 0
+        yield {"state": state, "param_groups": [group]}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a `state_dict()` (or a torch AdamW one: masters then come from the parameters)."""
+        """Restore a `state_dict()`, a part of one (`state_parts`: the parameters it holds), or a torch AdamW
+        state dict (masters then come from the parameters)."""
         (group,) = state_dict["param_groups"]
         state = state_dict["state"]
         if len(group["params"]) != len(self.params):
             raise ValueError(f"state dict holds {len(group['params'])} parameters, this optimizer {len(self.params)}")
         self._sync()
-        entries = [state[key] for key in group["params"]]
-        masters = [e.get("master", p.detach()) for e, p in zip(entries, self.params, strict=True)]
-        self._fill_state(masters, [e["exp_avg"] for e in entries], [e["exp_avg_sq"] for e in entries])
-        self.num_steps = int(entries[0]["step"])
+        for i, key in enumerate(group["params"]):
+            if key in state:
+                e = state[key]
+                self._fill_param(i, e.get("master", self.params[i].detach()), e["exp_avg"], e["exp_avg_sq"])
+                self.num_steps = int(e["step"])
         keys = ("lr", "betas", "eps", "weight_decay")
         self.config = AdamWConfig(
             *(tuple(group[k]) if k == "betas" else group[k] for k in keys),

@@ -11,6 +11,7 @@ import torch
 
 from rollplex.data.rewards import REWARDS
 from rollplex.data.source import batch_at, open_dataset
+from rollplex.errors import SpecError
 from rollplex.executors.engines import build_engines
 from rollplex.executors.loop import RunOptions, train
 from rollplex.executors.runtime import run_iteration
@@ -150,6 +151,19 @@ def test_resume_continues_with_the_digests_of_an_uninterrupted_run(tmp_path):
     assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
     lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch):
+    from rollplex.memory.optimizer import ChunkedAdamW
+
+    parts = ChunkedAdamW.state_parts
+    monkeypatch.setattr(ChunkedAdamW, "state_parts", lambda self: parts(self, max_bytes=4096))  # several parts
+    run(tmp_path, "rollplex", 1, name="cut")
+    written = sorted((tmp_path / "cut" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
+    assert len(written) > 2
+    written[1].unlink()
+    with pytest.raises(SpecError, match=r"covers .* of the optimizer's .* an incomplete checkpoint"):
+        run(tmp_path, "rollplex", 2, name="cut", resume=True)
 
 
 def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):

@@ -128,6 +128,25 @@ def test_a_resumed_optimizer_continues_bit_identically(resume_chunk_bytes):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_state_parts_hold_whole_parameters_about_max_bytes_each_and_load_back_in_any_order():
+    params = make_params()
+    opt = ChunkedAdamW(params, max_grad_norm=1.0, chunk_bytes=12 * 50)
+    for step in range(2):
+        set_grads(params, seed=step)
+        opt.step()
+    parts = list(opt.state_parts(max_bytes=12 * 60))
+    sizes = [[p.numel() for p in (e["master"] for e in part["state"].values())] for part in parts]
+    assert len(parts) > 2 and sorted(i for part in parts for i in part["state"]) == list(range(len(params)))
+    assert all(12 * sum(s[:-1]) < 12 * 60 for s in sizes)  # a part closes at the parameter that reaches the bound
+    fresh = ChunkedAdamW([torch.nn.Parameter(torch.zeros_like(p)) for p in params], chunk_bytes=12 * 17)
+    for part in reversed(parts):
+        fresh.load_state_dict(part)
+    whole, again = opt.state_dict(), fresh.state_dict()
+    assert fresh.num_steps == 2 and whole["param_groups"] == again["param_groups"]
+    for i, entry in whole["state"].items():
+        assert all(torch.equal(entry[k], again["state"][i][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+
+
 def test_the_state_dict_loads_into_torch_adamw_and_both_continue_alike():
     ours, theirs = make_params(), make_params()
     opt = ChunkedAdamW(ours, weight_decay=0.05)
