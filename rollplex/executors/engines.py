@@ -144,7 +144,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         stop_token_ids=(config.tokens.eos,),
     )
     prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
-    paged = reference is not None and spec.memory.page_reference
+    paged = reference is not None and reference_paged_by_plan(loaded)
     reference_pager = make_reference_pager(reference) if paged else None
     rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
@@ -250,6 +250,17 @@ def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[]
 def recomputed_modules(actor: Qwen2_5_VL) -> list:
     """What recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
     return [*actor.model.visual.blocks, *actor.model.language_model.layers]
+
+
+def reference_paged_by_plan(loaded: LoadedSpec) -> bool:
+    """Whether the plan keeps the reference's weights in the host pool between their steps (`page_reference`,
+    and room in the pool): the runtime then pages them, and otherwise keeps them in HBM, as the plan counts."""
+    from rollplex.graph.plan import compile_plan
+
+    return any(
+        o.role == "reference" and o.component == "weights (BF16)" and not o.vision and o.host_bytes > 0
+        for o in compile_plan(loaded).residency.objects
+    )
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

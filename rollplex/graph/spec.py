@@ -147,8 +147,9 @@ class MemorySpec(_Strict):
     )
     page_reference: bool = Field(
         False,
-        description="On a GPU, keep the reference's weights in pinned host memory outside the steps that use "
-        "them, as the plan assumes (not yet validated on a GPU: off by default).",
+        description="Let the plan keep the reference's weights in the pinned host pool outside the steps that use "
+        "them (it does when the pool has room, else they stay in HBM); on a GPU the runtime pages them as the plan "
+        "has them. Off (default): in HBM throughout, no paging copies.",
     )
 
 

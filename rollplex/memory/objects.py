@@ -115,17 +115,18 @@ def _weights_window(c: Context, role: Role, trained: bool) -> frozenset[int]:
 def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     t, tp = c.model.text, c.gpu.train_tp
     vision = S.vision_params(c.model.vision)
-    live = _weights_window(c, role, trained)
+    paged = not trained and c.spec.memory.page_reference  # frozen weights may wait on the host between uses
+    live = _weights_window(c, role, trained) if trained or paged else _all(c)
     outside = Residency.DROPPED if trained else Residency.HOST
     llm_bytes = c.sharing.train_shard_bytes_per_gpu
     if role is Role.ACTOR and _shares(c):
         llm_bytes = c.sharing.shared_bytes_per_gpu
-    host = 0 if trained else llm_bytes
+    host = llm_bytes if paged else 0
     window = _all(c)  # weights outlive the iteration
     yield MemObject(
         role.value, "weights (BF16)", TensorClass.REGENERABLE, llm_bytes, live, outside, False, host, window
     )
-    vhost = 0 if trained else vision * S.BF16
+    vhost = vision * S.BF16 if paged else 0
     yield MemObject(
         role.value,
         "weights (BF16)",

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rollplex.memory.host_pool import ALIGNMENT as HOST_ALIGNMENT
+from rollplex.memory.host_pool import HostPool
 from rollplex.memory.vmm import RegionState
 
 ALIGN = 256
@@ -37,7 +39,9 @@ class WeightPager:
                 view.copy_(p)
                 p.data = view
         on_gpu = flat.is_cuda
-        self.host = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
+        # pinned exactly (`HostPool`): pin_memory=True would round 15.4 GiB of 7B weights up to 16 GiB
+        self._pool = HostPool(-(-total // HOST_ALIGNMENT) * HOST_ALIGNMENT, pin=on_gpu)
+        self.host = self._pool.view(self._pool.allocate(total, name), torch.uint8, (total,))
 
     @property
     def resident(self) -> bool:

@@ -81,6 +81,28 @@ def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segment
     assert segment["is_expandable"] == expandable
 
 
+def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
+    from rollplex.executors.engines import reference_paged_by_plan
+
+    assert not reference_paged_by_plan(loaded())  # memory.page_reference is off by default
+    text = SPEC.format(kl=0.1, device="cpu") + "memory: {page_reference: true}\n"
+    assert reference_paged_by_plan(parse_spec(text))
+    assert not reference_paged_by_plan(parse_spec(text.replace("page_reference: true", "page_reference: true, "
+                                                                "host_pool_gib: 0.001")))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_paged_reference_changes_no_number_of_serial_or_rollplex(tmp_path):
+    text = SPEC.format(kl=0.1, device="cuda").replace("cuda}", "cuda, deterministic: true}")
+    paged = parse_spec(text + "memory: {page_reference: true}\n")
+    assert build_engines(paged).reference_pager is not None
+    a, b = (train(paged, RunOptions(2, Schedule(s), tmp_path / s, progress=False, tensorboard=False))
+            for s in ("serial", "rollplex"))  # fmt: skip
+    c = run(tmp_path, "rollplex", 2, name="resident", device="cuda")
+    assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b] == [r["param_digest"] for r in c]
+
+
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
     spec = parse_spec(SPEC.format(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
     runs = [

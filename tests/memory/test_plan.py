@@ -138,7 +138,7 @@ def test_recompute_shrinks_the_training_microbatch():
 
 
 def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
-    roomy, short = tiny(), tiny(", host_pool_gib: 100")
+    roomy, short = tiny(", page_reference: true"), tiny(", page_reference: true, host_pool_gib: 100")
     assert roomy.residency.host.needed_bytes_per_node > 100 * GIB
     assert short.residency.host.needed_bytes_per_node <= 100 * GIB and short.residency.fits
     (ref_roomy,), (ref_short,) = (
@@ -147,6 +147,16 @@ def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead
     )
     update = max(s.index for s in steps(roomy.graph))
     assert ref_roomy.residency(update) is Residency.HOST and ref_short.residency(update) is Residency.HBM
+
+
+def test_the_reference_waits_on_the_host_between_its_steps_only_where_the_spec_lets_the_plan_page_it():
+    kept, paged = tiny(), tiny(", page_reference: true")
+    update = max(s.index for s in steps(kept.graph))
+    for ref in objects(kept, "reference", "weights (BF16)"):  # the decoder's and the vision encoder's
+        assert ref.residency(update) is Residency.HBM and ref.host_bytes == 0
+    for ref in objects(paged, "reference", "weights (BF16)"):
+        assert ref.residency(update) is Residency.HOST and ref.host_bytes == ref.bytes
+    assert paged.residency.phases[-1].peak_bytes < kept.residency.phases[-1].peak_bytes
 
 
 def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
