@@ -43,7 +43,7 @@ case "$STAGE" in
       | quiet | tail -20 ;;
   run7b)  # run7b [ALLOC_CONF]: e.g. expandable_segments:True (the allocator's reserve above its peak is fragmentation)
     [ -n "${2:-}" ] && export PYTORCH_CUDA_ALLOC_CONF=$2
-    timeout 560 python3 -m rollplex run specs/qwen2_5_vl_7b_h200.yaml --steps 3 --out /tmp/r7 --quiet 2>&1 | quiet \
+    timeout 560 python3 -m rollplex run specs/qwen2_5_vl_7b_h200.yaml --steps 3 --out /tmp/r7 --quiet --no-checkpoints 2>&1 | quiet \
       | tail -20 > "$OUT/run7b.log"
     cp /tmp/r7/metrics.jsonl "$OUT/run_7b_h200_metrics.jsonl" 2>/dev/null
     cat "$OUT/run7b.log" ;;

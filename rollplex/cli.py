@@ -58,7 +58,10 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         checkpoint_every=args.checkpoint_every or spec.run.checkpoint_every,
         progress=not args.quiet,
+        checkpoints=not args.no_checkpoints,
     )
+    if args.no_checkpoints and args.checkpoint_every:
+        raise SpecError("", "--no-checkpoints with --checkpoint-every", "choose one")
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
     from rollplex.executors.distributed import check_launch
@@ -219,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     r.add_argument("--checkpoint-every", type=int, help="save every K steps (default: run.checkpoint_every)")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument(
+        "--no-checkpoints", action="store_true", help="write no checkpoint, not even the last step's (timing runs)"
+    )
     r.set_defaults(func=_run)
     b = sub.add_parser("bench", help="time serial against rollplex on the same seeds; JSON and a timeline PNG")
     b.add_argument("spec", help="the YAML spec")

@@ -35,6 +35,7 @@ class RunOptions:
     checkpoint_every: int | None = None
     progress: bool = True
     tensorboard: bool = True
+    checkpoints: bool = True  # False: none at all, not even the last step's (timing runs: 7B's state is 108 GB)
 
 
 class InterruptGate:
@@ -111,14 +112,15 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
             if log is not None:
                 log.write(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False
-            if opts.checkpoint_every and step % opts.checkpoint_every == 0:
+            if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
                 checkpointing.save(opts.out_dir, saved, engines)
             gate.release()
     finally:
         if log is not None:
             log.close()
         if (
-            not updating
+            opts.checkpoints
+            and not updating
             and saved.step > start
             and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
         ):

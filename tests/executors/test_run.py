@@ -254,6 +254,14 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
     assert (tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors").is_file()
 
 
+def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path):
+    records = run(tmp_path, "rollplex", 2, name="timing", checkpoints=False, checkpoint_every=1)
+    assert len(records) == 2 and not (tmp_path / "timing" / "checkpoints").exists()
+    assert (tmp_path / "timing" / "metrics.jsonl").is_file()
+    proc = cli("--no-checkpoints", "--checkpoint-every", "1", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "choose one" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
 def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
     proc = cli("--resume", "--out", str(tmp_path))
     assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
