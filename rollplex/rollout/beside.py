@@ -4,10 +4,10 @@
 the next chunk of the first unfinished job on its own stream (a plain stream, or one of a green context's
 SM partition), but only when the chunk it enqueued before has finished on the GPU: at most one chunk is
 ever in flight, so prefix work fills the GPU beside decode and never queues up in front of it (a free-running
-prefill stream starves decode, DESIGN.md section 6). `finish` runs what is left and makes the caller's stream
-wait for it. Without CUDA (tests), chunks run in line. With `choose`, each chunk's stream is picked from the
-live decode batch (`green:adaptive`: partitions of several sizes); a chunk on another stream than the one
-before waits for it, so a job's chunks stay in order.
+prefill stream starves decode, DESIGN.md section 6). `finish` runs what is left on the caller's stream (the
+whole device: decode is over) after the chunk in flight. Without CUDA (tests), chunks run in line. With
+`choose`, each chunk's stream is picked from the live decode batch (`green:adaptive`: partitions of several
+sizes); a chunk on another stream than the one before waits for it, so a job's chunks stay in order.
 
 Lifecycle of a job:
 
@@ -59,11 +59,17 @@ class Beside:
         self._advance()
 
     def finish(self) -> list[object]:
-        """Runs every remaining chunk; the current stream then waits for them. Returns each job's result."""
+        """Runs every remaining chunk on the caller's stream, after the one in flight: decode is over, so what
+        is left gets the whole device, not a green partition (and its backward too: autograd runs a node on
+        its forward's stream). The caller's stream then holds all of it. Returns each job's result."""
+        if self.stream is not None:
+            caller = torch.cuda.current_stream()
+            if not self.done:
+                self._switch(caller)
+            if self.stream is not caller:
+                caller.wait_stream(self.stream)
         while not self.done:
             self._advance()
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
         return self.results
 
     def spans(self) -> list[tuple[int, float, float]]:

@@ -61,3 +61,25 @@ def test_chunks_moving_between_green_partitions_stay_in_order():
         beside(rows)
         rows = max(rows - 7, 1)
     assert beside.finish() == [21.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_what_is_left_after_decode_runs_on_the_callers_stream_after_the_chunk_in_flight():
+    from rollplex.executors.policies import make_prefix_streams
+
+    streams = make_prefix_streams("green", 66, torch.device("cuda"))
+    x, seen = torch.ones(1 << 22, device="cuda"), []
+
+    def job():
+        for _ in range(6):
+            seen.append(torch.cuda.current_stream())
+            x.mul_(3).div_(3).add_(1)  # order matters: any reordering changes the value
+            yield
+        return float(x[0])
+
+    beside = streams.beside([job()])
+    beside(64)  # one chunk beside "decode", on the partition
+    assert beside.finish() == [7.0]
+    caller = torch.cuda.current_stream()
+    assert seen[0] == streams.stream and seen[0] != caller and all(s == caller for s in seen[1:])
