@@ -94,6 +94,9 @@ def load(path: Path, engines: Engines) -> Snapshot:
         load_sharded(engines.actor, path / "model", engines.tp.train)
     engines.publish()
     parts = sorted((path / _optimizer_dir(engines)).glob("part-*.pt"))
+    legacy = path / f"{_optimizer_dir(engines)}.pt"  # one file: checkpoints written before 2026-11-30
+    if not parts and legacy.is_file():
+        parts = [legacy]
     if not parts:
         raise ValueError(f"{path} has no {_optimizer_dir(engines)}/: resume with the train_tp that wrote it")
     covered: set[int] = set()

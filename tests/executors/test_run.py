@@ -188,6 +188,19 @@ def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch
         run(tmp_path, "rollplex", 2, name="cut", resume=True)
 
 
+def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_path):
+    import shutil
+
+    whole = run(tmp_path, "rollplex", 3, name="whole")
+    run(tmp_path, "rollplex", 2, name="old")
+    step = tmp_path / "old" / "checkpoints" / "step-000002"
+    (part,) = sorted((step / "optimizer").glob("part-*.pt"))
+    shutil.copy(part, step / "optimizer.pt")  # the layout of earlier checkpoints: one whole state dict
+    shutil.rmtree(step / "optimizer")
+    rest = run(tmp_path, "rollplex", 3, name="old", resume=True)
+    assert rest[-1]["param_digest"] == whole[-1]["param_digest"]
+
+
 def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
     whole = run(tmp_path, "rollplex", 4, name="whole")
     calls = {"n": 0}
