@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="actor_backward", help="profile the ops whose id contains this")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
-    engines = build_engines(loaded)
+    engines = build_engines(loaded, schedule=Schedule(args.schedule))
     g = compile_graph(loaded.spec, schedule=Schedule(args.schedule))
     spec = loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)

@@ -66,7 +66,7 @@ def run_schedule(
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    engines = build_engines(loaded)
+    engines = build_engines(loaded, schedule=schedule)
     g = compile_graph(loaded.spec, schedule=schedule)
     spec = loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)

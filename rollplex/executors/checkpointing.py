@@ -19,6 +19,7 @@ import torch
 
 from rollplex.executors.engines import Engines
 from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
+from rollplex.models.vision import hf_shaped
 from rollplex.parallel.model import full_state, load_sharded
 
 
@@ -59,8 +60,10 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
             save_state(state, engines.actor.config, tmp / "model")
     parts = tmp / _optimizer_dir(engines)  # in parts: the whole state at once would double its host memory
     parts.mkdir()
+    names = _optimizer_names(engines)
     for k, part in enumerate(engines.optimizer.state_parts()):
-        torch.save(part, parts / f"part-{k:05d}.pt")
+        torch.save(_in_hf_shapes(part, names, engines.actor.config.vision), parts / f"part-{k:05d}.pt")
+        del part  # else it stays alive while the next part is gathered
     if engines.is_main:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
@@ -71,6 +74,38 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
         tmp.replace(final)
     _barrier(engines)
     return final
+
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _optimizer_names(engines: Engines) -> list[str | None]:
+    """The actor's name of each optimizer parameter (None for one the actor does not name)."""
+    names = {id(p): n for n, p in engines.actor.named_parameters()}
+    return [names.get(id(p)) for p in engines.optimizer.params]
+
+
+def _in_hf_shapes(part: dict, names: list[str | None], vision) -> dict:
+    """Optimizer state as transformers' shapes hold it: the vision MLPs' padding (`VisionMLP`) left out, as in
+    the weights, so a checkpoint does not depend on how the runtime pads."""
+    for i, entry in part["state"].items():
+        if names[i] is not None:
+            for key in STATE_KEYS:
+                entry[key] = hf_shaped({names[i]: entry[key]}, vision)[names[i]].contiguous()
+    return part
+
+
+def _in_stored_shapes(part: dict, engines: Engines, names: list[str | None]) -> dict:
+    """The inverse of `_in_hf_shapes`: transformers-shaped state zero-padded to the parameters' stored shapes."""
+    params, vision = engines.optimizer.params, engines.actor.config.vision
+    for i, entry in part["state"].items():
+        for key in STATE_KEYS:
+            tensor = entry.get(key)
+            if tensor is not None and names[i] is not None and tensor.shape != params[i].shape:
+                padded = torch.zeros(params[i].shape, dtype=tensor.dtype)
+                hf_shaped({names[i]: padded}, vision)[names[i]].copy_(tensor)  # another shape fails here
+                entry[key] = padded
+    return part
 
 
 def _optimizer_dir(engines: Engines) -> str:
@@ -100,10 +135,12 @@ def load(path: Path, engines: Engines) -> Snapshot:
     if not parts:
         raise ValueError(f"{path} has no {_optimizer_dir(engines)}/: resume with the train_tp that wrote it")
     covered: set[int] = set()
+    names = _optimizer_names(engines)
     for file in parts:  # one part in memory at a time
-        part = torch.load(file, weights_only=False)
+        part = _in_stored_shapes(torch.load(file, weights_only=False), engines, names)
         engines.optimizer.load_state_dict(part)
         covered |= set(part["state"])
+        del part
     if len(covered) != len(engines.optimizer.params):
         raise ValueError(f"{path / _optimizer_dir(engines)} covers {len(covered)} of the optimizer's "
                          f"{len(engines.optimizer.params)} parameters: an incomplete checkpoint")  # fmt: skip

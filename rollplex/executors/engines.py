@@ -28,7 +28,9 @@ from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, make_prefix_streams, make_remote_rollout
+from rollplex.graph.ir import Schedule
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.plan import Plan, compile_plan
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -114,8 +116,12 @@ def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | No
     return partial(generate, actor), lambda: None
 
 
-def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) -> Engines:
-    """The engines of a spec, on `device` (default: the spec's `run.device`)."""
+def build_engines(
+    loaded: LoadedSpec, device: torch.device | str | None = None, schedule: Schedule | None = None
+) -> Engines:
+    """The engines of a spec, on `device` (default: the spec's `run.device`), with the memory decisions of
+    `schedule`'s plan (default: the spec's schedule): where the prefix's saved tensors and the reference's
+    weights wait."""
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     set_determinism(spec.run.deterministic)
@@ -144,7 +150,8 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         stop_token_ids=(config.tokens.eos,),
     )
     prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
-    paged = reference is not None and reference_paged_by_plan(loaded)
+    plan = compile_plan(loaded, schedule)
+    paged = reference is not None and reference_paged_by_plan(plan)
     reference_pager = make_reference_pager(reference) if paged else None
     rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
@@ -167,7 +174,7 @@ def build_engines(loaded: LoadedSpec, device: torch.device | str | None = None) 
         tp=tp,
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
-        prefix_memory=make_prefix_memory(loaded, actor),
+        prefix_memory=make_prefix_memory(loaded, actor, plan),
         microbatch_memory=make_microbatch_memory(loaded, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
     )
@@ -205,20 +212,19 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
     )
 
 
-def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
+def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL, plan: Plan) -> Callable[[], AbstractContextManager]:
     """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward, as the plan
     places them (`memory.prefix_activations`): `recompute` checkpoints each decoder layer and each vision block
     (only its input is kept, backward reruns it); what is kept (everything under `offload`, the layer inputs
     under `recompute`) goes to a host pool (pinned on a GPU) when the plan puts the prefix saved tensors on the
     host, sized from the plan's figure or `memory.host_pool_gib`, and stays in HBM when the plan keeps it
     there. None of it changes a gradient."""
-    from rollplex.graph.plan import compile_plan
     from rollplex.memory.host_pool import HostPool
     from rollplex.memory.offload import SavedTensorOffload, recompute
 
     memory = loaded.spec.memory
     layers = recomputed_modules(actor) if memory.prefix_activations == "recompute" else None
-    objects = compile_plan(loaded).residency.objects
+    objects = plan.residency.objects
     planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
     if not planned and memory.host_pool_gib is None:  # the plan keeps them in HBM
         return (lambda: recompute(layers)) if layers is not None else nullcontext
@@ -252,15 +258,12 @@ def recomputed_modules(actor: Qwen2_5_VL) -> list:
     return [*actor.model.visual.blocks, *actor.model.language_model.layers]
 
 
-def reference_paged_by_plan(loaded: LoadedSpec) -> bool:
-    """Whether the plan keeps the reference's weights in the host pool between their steps (`page_reference`,
-    and room in the pool): the runtime then pages them, and otherwise keeps them in HBM, as the plan counts."""
-    from rollplex.graph.plan import compile_plan
-
-    return any(
-        o.role == "reference" and o.component == "weights (BF16)" and not o.vision and o.host_bytes > 0
-        for o in compile_plan(loaded).residency.objects
-    )
+def reference_paged_by_plan(plan: Plan) -> bool:
+    """Whether the plan keeps the reference's weights (decoder and vision encoder: one pager moves them together)
+    in the host pool between their steps (`page_reference`, and room in the pool): the runtime then pages them,
+    and otherwise keeps them in HBM, as the plan counts."""
+    weights = [o for o in plan.residency.objects if o.role == "reference" and o.component == "weights (BF16)"]
+    return bool(weights) and all(o.host_bytes > 0 for o in weights)
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

@@ -66,7 +66,7 @@ class InterruptGate:
 def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     g = compile_graph(loaded.spec, schedule=opts.schedule)
-    engines = build_engines(loaded)
+    engines = build_engines(loaded, schedule=opts.schedule)
     try:
         dataset = open_dataset(
             loaded.spec.workload.dataset, engines.tokenizer, loaded.spec.run.seed, loaded.path.parent

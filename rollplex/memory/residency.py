@@ -108,14 +108,19 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
 
 def keep_in_hbm_when_room(objects: list[MemObject], capacity: int, update: set[int], host_room: int) -> list[MemObject]:
     """The host pool takes what HBM need not hold. Only when the pool would exceed `host_room` (bytes per
-    GPU) do frozen weights and prefix saved tensors stay in HBM over their window instead: largest first,
-    each only if every step still fits (update steps keeping room for the smallest optimizer pipeline)."""
+    GPU) do frozen weights and prefix saved tensors stay in HBM over their window instead: largest first, a
+    role's component whole (its decoder and vision parts together), each only if every step still fits
+    (update steps keeping room for the smallest optimizer pipeline)."""
     objects = list(objects)
     room = {s: capacity - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
-    for i in sorted((i for i, o in enumerate(objects) if o.movable), key=lambda i: -objects[i].bytes):
+    groups: dict[tuple[str, str], list[int]] = {}  # a role's component, decoder and vision parts: moved together,
+    for i, o in enumerate(objects):  # as the runtime moves them (one pager, one offload context)
+        if o.movable:
+            groups.setdefault((o.role, o.component), []).append(i)
+    for members in sorted(groups.values(), key=lambda m: -sum(objects[i].bytes for i in m)):
         if sum(o.host_bytes for o in objects) <= host_room:
             break
-        trial = [*objects[:i], replace(objects[i], live=objects[i].window, host_bytes=0), *objects[i + 1 :]]
+        trial = [replace(o, live=o.window, host_bytes=0) if i in members else o for i, o in enumerate(objects)]
         if all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
             objects = trial
     return objects

@@ -110,9 +110,9 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
     built: list[weakref.ref] = []
     alive_at_build: list[bool] = []
 
-    def build(loaded):
+    def build(loaded, **kw):
         alive_at_build.append(any(r() is not None for r in built))
-        engines = real(loaded)
+        engines = real(loaded, **kw)
         built.append(weakref.ref(engines))
         loop = [engines]  # a reference cycle through the engines, as a GPU run's have (CUDA graphs, pools, closures)
         loop.append(loop)

@@ -83,12 +83,15 @@ def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segment
 
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
     from rollplex.executors.engines import reference_paged_by_plan
+    from rollplex.graph.plan import compile_plan
 
-    assert not reference_paged_by_plan(loaded())  # memory.page_reference is off by default
+    def paged(text: str) -> bool:
+        return reference_paged_by_plan(compile_plan(parse_spec(text)))
+
+    assert not paged(SPEC.format(kl=0.1, device="cpu"))  # memory.page_reference is off by default
     text = SPEC.format(kl=0.1, device="cpu") + "memory: {page_reference: true}\n"
-    assert reference_paged_by_plan(parse_spec(text))
-    assert not reference_paged_by_plan(parse_spec(text.replace("page_reference: true", "page_reference: true, "
-                                                                "host_pool_gib: 0.001")))  # fmt: skip
+    assert paged(text)
+    assert not paged(text.replace("page_reference: true", "page_reference: true, host_pool_gib: 0.001"))
 
 
 @pytest.mark.gpu
@@ -186,6 +189,33 @@ def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch
     written[1].unlink()
     with pytest.raises(SpecError, match=r"covers .* of the optimizer's .* an incomplete checkpoint"):
         run(tmp_path, "rollplex", 2, name="cut", resume=True)
+
+
+def test_checkpoints_hold_optimizer_state_in_transformers_shapes_and_resume_exactly_with_a_padded_vision_mlp(
+    tmp_path,
+):
+    from rollplex.models.config import CONFIG_DIR
+
+    config = json.loads((CONFIG_DIR / "tiny.json").read_text())
+    config["vision_config"]["intermediate_size"] = 60  # stored 64 wide (`VisionMLP`)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = parse_spec(SPEC.format(kl=0.1, device="cpu").replace("model: tiny", f"model: {tmp_path / 'config.json'}"))
+
+    def go(name: str, steps: int, resume: bool = False) -> list[dict]:
+        return train(spec, RunOptions(steps, Schedule("rollplex"), tmp_path / name, resume=resume, progress=False,
+                                      tensorboard=False))  # fmt: skip
+
+    whole = go("whole", 3)
+    first, rest = go("split", 2), go("split", 3, resume=True)
+    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
+    from safetensors import safe_open
+
+    step = tmp_path / "split" / "checkpoints" / "step-000002"
+    (part,) = (step / "optimizer").glob("part-*.pt")
+    ours = sorted(tuple(e["exp_avg"].shape) for e in torch.load(part, weights_only=False)["state"].values())
+    with safe_open(str(step / "model" / "model.safetensors"), framework="pt") as f:
+        theirs = sorted(tuple(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    assert ours == theirs and (60, 32) in ours  # the weights' shapes: transformers', padding left out
 
 
 def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_path):
