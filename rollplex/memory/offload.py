@@ -74,7 +74,7 @@ class SavedTensorOffload:
         self._keep = {_storage_ptr(t) for t in keep}
         self._counts = [0, 0, 0, 0]  # offloaded tensors, bytes; kept tensors, bytes
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        self._seen: dict[int, tuple[weakref.ref, tuple[int, int], weakref.ref]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> SavedTensorOffload:
@@ -92,8 +92,9 @@ class SavedTensorOffload:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2]() is not None:
-            return seen[2]()  # saved again (q, k, v of one input): one copy
+        same = seen is not None and seen[0]() is tensor and seen[1] == (tensor._version, tensor.data_ptr())
+        if same and seen[2]() is not None:
+            return seen[2]()  # saved again (q, k, v of one input; a rotary table in every layer): one copy
         num_bytes = tensor.numel() * tensor.element_size()
         if not self._offloadable(tensor, num_bytes):
             self._counts[2] += 1
@@ -103,7 +104,8 @@ class SavedTensorOffload:
         events = list(_copy_out(self._stream(tensor.device), host, tensor))
         saved = _Saved(host, tensor.device, events)
         weakref.finalize(saved, _free_after, self.pool, block, events)
-        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(saved))
+        # the version catches in-place writes, the address a `.data =` swap (which keeps the version)
+        self._seen[id(tensor)] = (weakref.ref(tensor), (tensor._version, tensor.data_ptr()), weakref.ref(saved))
         self._counts[0] += 1
         self._counts[1] += num_bytes
         return saved

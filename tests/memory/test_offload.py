@@ -102,6 +102,20 @@ def test_a_tensor_saved_in_several_entries_of_the_context_is_offloaded_once():
     assert torch.allclose(x.grad, table**3)
 
 
+def test_a_tensor_given_new_data_between_entries_is_saved_again():
+    x, table = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64)
+    with HostPool(1 << 20) as pool:
+        offload = SavedTensorOffload(pool, min_bytes=1)
+        with offload:
+            y = x * table
+        table.data = torch.full((64, 64), 3.0)  # the same object, another value: `_version` does not change
+        with offload:
+            z = y * table
+        z.sum().backward()
+        assert offload.stats().num_tensors == 2
+    assert torch.allclose(x.grad, y.detach() / x.detach() * 3.0)
+
+
 def test_the_pool_is_empty_again_once_backward_has_consumed_the_saved_tensors():
     model, inputs = mlp(), torch.randn(16, 64)
     with HostPool(8 << 20) as pool:
