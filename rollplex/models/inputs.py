@@ -11,6 +11,16 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (an input of the model: ids, positions, patches, index lists) on `device` without making the
+    host wait: torch finishes a plain host-to-GPU copy before returning (the stream drains), once per tensor of
+    every prompt group. Staged through pinned memory instead (torch's pinned cache keeps the staging buffer until
+    the copy is done) and copied on the stream in order. On the CPU, or from the GPU, a plain `.to`."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Visual:
     """One video or image, already patchified the way the Qwen2.5-VL processor does it.

@@ -28,7 +28,7 @@ from rollplex.models.cache import ResponseCache
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
-from rollplex.models.inputs import Prompt
+from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packing import pack
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
@@ -224,11 +224,11 @@ class Qwen2_5_VL(nn.Module):
     ) -> Generator[None, None, tuple[PackedSequences, Tensor, Tensor, Tensor]]:
         """`_inputs`, pausing after every `blocks_per_chunk` vision blocks."""
         packed = pack_sequences(sequences, self.config)
-        cos, sin = text_rotary(packed.positions.to(self.device), self.config.text)
-        x = self.model.language_model.embed_tokens(packed.input_ids.to(self.device))
+        cos, sin = text_rotary(to_device(packed.positions, self.device), self.config.text)
+        x = self.model.language_model.embed_tokens(to_device(packed.input_ids, self.device))
         if packed.visuals:
             features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk)
-            slots = packed.visual_slots(self.config.tokens).to(self.device)
+            slots = to_device(packed.visual_slots(self.config.tokens), self.device)
             x = x.masked_scatter(slots[..., None], features.to(x.dtype))  # [num_visual_tokens, hidden] in place
         return packed, x, cos, sin
 
@@ -268,13 +268,13 @@ class _GroupPrefix:
         device = self.model.device
         with self.mode():
             hidden = self.model.model.language_model.norm(self.x)
-            lens = self.packed.lens.to(device)
+            lens = to_device(self.packed.lens, device)
             last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
             first_logprobs = torch.log_softmax(self.model.lm_head(last).float(), dim=-1)  # [P, V]
         return Boundary(
             keys=tuple(self.attention.keys),
             values=tuple(self.attention.values),
             first_logprobs=first_logprobs,
-            next_positions=self.packed.next_positions.to(device),
+            next_positions=to_device(self.packed.next_positions, device),
             prompt_lens=lens,
         )

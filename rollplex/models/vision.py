@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
-from rollplex.models.inputs import Visual
+from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.rotary import apply_rotary, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
@@ -172,10 +172,10 @@ class VisionEncoder(nn.Module):
         with the first ones, the merger with the last): the same ops in the same order."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
-        cos, sin = vision_rotary(layout.rows.to(device), layout.cols.to(device), self.config.head_dim)
-        frames = [members.to(device) for members in segment_groups(layout.frames)]
-        windows = [members.to(device) for members in segment_groups(layout.windows)]
-        x = self.patch_embed(torch.cat([visual.pixel_values for visual in visuals]).to(device))
+        cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
+        frames = [to_device(members, device) for members in segment_groups(layout.frames)]
+        windows = [to_device(members, device) for members in segment_groups(layout.windows)]
+        x = self.patch_embed(to_device(torch.cat([visual.pixel_values for visual in visuals]), device))
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:
                 yield
