@@ -114,7 +114,7 @@ def _weights_window(c: Context, role: Role, trained: bool) -> frozenset[int]:
 
 def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     t, tp = c.model.text, c.gpu.train_tp
-    vision = S.vision_params(c.model.vision)
+    vision = S.vision_params(c.model.vision, stored=True)
     paged = not trained and c.spec.memory.page_reference  # frozen weights may wait on the host between uses
     live = _weights_window(c, role, trained) if trained or paged else _all(c)
     outside = Residency.DROPPED if trained else Residency.HOST
@@ -275,7 +275,7 @@ def _rollout(c: Context) -> Iterator[MemObject]:
             )
         return
     llm = S.llm_params_per_rank(t, g.rollout_tp) * S.BF16
-    vision = S.vision_params(c.model.vision) * S.BF16
+    vision = S.vision_params(c.model.vision, stored=True) * S.BF16
     yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, llm, decode, Residency.DROPPED)
     yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, vision, decode, Residency.DROPPED, True)
 

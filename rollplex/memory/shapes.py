@@ -82,8 +82,10 @@ def llm_params_per_rank(t: TextConfig, tp: int) -> int:
     return sum(family_params_per_rank(f, t, tp) for f in llm_families(t))
 
 
-def vision_params(v: VisionConfig) -> int:
-    hv, iv = v.hidden_size, v.intermediate_size
+def vision_params(v: VisionConfig, *, stored: bool = False) -> int:
+    """Parameters of the vision encoder as transformers has them, or `stored` as the runtime holds them (its MLP
+    width padded: `VisionMLP`)."""
+    hv, iv = v.hidden_size, v.stored_intermediate_size if stored else v.intermediate_size
     patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * hv
     block = 2 * hv + (3 * hv * hv + 3 * hv) + (hv * hv + hv) + (3 * hv * iv + 2 * iv + hv)
     merged = hv * v.merge_unit
@@ -110,7 +112,7 @@ def output_activation_bytes_per_token(t: TextConfig, tp: int) -> int:
 
 
 def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:
-    elems = 4 * v.hidden_size + 4 * v.hidden_size + 3 * v.intermediate_size
+    elems = 4 * v.hidden_size + 4 * v.hidden_size + 3 * v.stored_intermediate_size
     return elems * BF16 // tp
 
 

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+MLP_ALIGN = 64  # the vision MLP's width is stored rounded up to a multiple of this (`rollplex.models.vision`)
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -74,6 +76,11 @@ class VisionConfig:
     def merge_unit(self) -> int:
         """Patches merged into one visual token."""
         return self.spatial_merge_size**2
+
+    @property
+    def stored_intermediate_size(self) -> int:
+        """The MLP width as the runtime stores it: rounded up to a multiple of `MLP_ALIGN` (`VisionMLP`)."""
+        return -(-self.intermediate_size // MLP_ALIGN) * MLP_ALIGN
 
 
 @dataclass(frozen=True, slots=True)

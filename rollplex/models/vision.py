@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.models.chunks import drain
-from rollplex.models.config import VisionConfig
+from rollplex.models.config import MLP_ALIGN, VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.rotary import apply_rotary, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 VISION_NORM_EPS = 1e-6
-MLP_ALIGN = 64  # the vision MLP's width is stored rounded up to a multiple of this (`VisionMLP`)
 MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight")
 
 
@@ -65,7 +64,7 @@ class VisionAttention(nn.Module):
 
 def stored_width(width: int) -> int:
     """The vision MLP width as stored: `width` rounded up to a multiple of `MLP_ALIGN`."""
-    return -(-width // MLP_ALIGN) * MLP_ALIGN
+    return -(-width // MLP_ALIGN) * MLP_ALIGN  # as VisionConfig.stored_intermediate_size
 
 
 class VisionMLP(GatedMLP):

@@ -42,3 +42,15 @@ def test_kv_and_activation_bytes_per_token_divide_by_tp():
     assert kv_bytes_per_token(t, 1) == 256 * 1024  # 64 layers x 8 heads x 128 x K,V x BF16
     assert kv_bytes_per_token(t, 8) == 32 * 1024
     assert layer_activation_bytes_per_token(t, 8) * 8 == pytest.approx(layer_activation_bytes_per_token(t, 1), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2_5_vl_3b"])
+def test_stored_vision_parameter_counts_equal_what_the_runtime_model_holds(name):
+    pytest.importorskip("torch")
+    from rollplex.models.model import Qwen2_5_VL
+
+    c = load_model_config(name)  # 3B's vision MLP width 3420 is stored 3456 wide
+    model = Qwen2_5_VL(c, device="meta")
+    held = sum(p.numel() for p in model.model.visual.parameters())
+    assert held == vision_params(c.vision, stored=True)
+    assert (held > vision_params(c.vision)) == (c.vision.intermediate_size % 64 != 0)
