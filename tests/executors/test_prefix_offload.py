@@ -79,7 +79,7 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
         torch.manual_seed(0)
         model = Qwen2_5_VL(load_model_config("tiny"))
         packed.clear()
-        with make_prefix_memory(loaded, model)():
+        with make_prefix_memory(loaded, model, compile_plan(loaded))():
             boundary = model.prefix(tiny_prompts(), attached=True)
         assert boundary.keys[0].requires_grad
         saved_bytes[mode] = sum(t.numel() * t.element_size() for t in packed)
@@ -95,7 +95,7 @@ def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch)
     assert not any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config("tiny"))
-    with make_prefix_memory(loaded, model)() as wrapped:
+    with make_prefix_memory(loaded, model, compile_plan(loaded))() as wrapped:
         assert wrapped == len(model.model.visual.blocks) + len(model.model.language_model.layers)
     assert not made
 
