@@ -133,6 +133,9 @@ def compare(
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": spec.model,
         "workload": spec.workload.model_dump(),
+        "memory": spec.memory.model_dump(),  # the settings a result depends on, beside the command
+        "sharing": spec.sharing.model_dump(),
+        "run": spec.run.model_dump(),
         "policy": policy_label(spec) if torch.cuda.is_available() else "inline",
         "command": command,
         "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},

@@ -12,7 +12,8 @@ import torch
 from rollplex.executors.bench import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"gpu", "model", "workload", "policy", "command", "step_s", "speedup", "ideal_speedup", "decode_slowdown",
+KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
+        "ideal_speedup", "decode_slowdown",
         "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode"}  # fmt: skip
 
 
