@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | preset NAME | naive7b | run7b [ALLOC_CONF])
+#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | policies3b STEPS SERIAL_GROUPING POLICY... | preset NAME | naive7b | run7b [ALLOC_CONF])
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -35,8 +35,17 @@ case "$STAGE" in
     POLICY=${2:-green:66}  # SERIAL_GROUPING (4th): --serial-prompts-per-chunk, e.g. all (default: the spec's)
     GROUPING=${4:+--serial-prompts-per-chunk $4}
     timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING \
-      --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" 2>&1 | quiet > "$OUT/bench3b.log"
+      --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" --save-serial "$OUT/serial_3b_h200.pt" \
+      2>&1 | quiet > "$OUT/bench3b.log"
     tail -12 "$OUT/bench3b.log" ;;
+  policies3b)  # policies3b STEPS GROUPING POLICY...: rollplex only, against the serial run a bench3b saved
+    # (copy its serial_3b_h200.pt to bench/baselines/ and carry that folder; same STEPS and GROUPING as then)
+    STEPS=${2:?steps}; GROUPING=${3:?serial grouping (e.g. all)}; shift 3
+    NAME=$OUT/qwen2_5_vl_3b_h200; [ $# -eq 1 ] && NAME=${NAME}_${1//:/}  # one policy: bench names no suffix itself
+    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "$STEPS" --warmup 1 \
+      --serial-prompts-per-chunk "$GROUPING" --serial-from bench/baselines/serial_3b_h200.pt --policies "$@" \
+      --out "$NAME" 2>&1 | quiet > "$OUT/policies3b.log"
+    tail -12 "$OUT/policies3b.log" ;;
   preset)
     NAME=${2:?preset: clevrer, perception_test or star}
     timeout 560 python3 -m rollplex bench "specs/qwen2_5_vl_3b_h200_$NAME.yaml" --steps 2 --warmup 1 \

@@ -108,9 +108,12 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
     from rollplex.executors.bench import (
+        baseline_key,
         compare,
+        load_baseline,
         policy_label,
         run_schedule,
+        save_baseline,
         updates_match,
         with_prompts_per_chunk,
         with_unsplit,
@@ -141,16 +144,33 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         serial_spec(loaded)
     except ValueError as e:
         raise SpecError("", f"--serial-prompts-per-chunk: {e}") from None
+    saved_baseline = args.save_serial or args.serial_from
+    if saved_baseline and (loaded.spec.parallel.train_tp > 1 or args.unsplit):
+        raise SpecError("", "--save-serial / --serial-from", "one process, without --unsplit")
+    if saved_baseline and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
+        raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
+    if args.serial_from and not Path(args.serial_from).is_file():
+        raise SpecError("", f"--serial-from {args.serial_from}: no such file")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
     command = "rollplex " + " ".join(args.argv)
     for variant in variants:
         remote = variant.spec.sharing.policy == "mps"
+        key = baseline_key(serial_spec(variant), args.steps, args.warmup)
+        if remote not in baselines and args.serial_from:  # measured by an earlier bench of this spec
+            try:
+                serial, serial_command = load_baseline(Path(args.serial_from), key)
+            except ValueError as e:
+                raise SpecError("", f"--serial-from: {e}") from None
+            print(f"rollplex bench: serial from {args.serial_from} ({serial_command})", file=sys.stderr)
+            baselines[remote] = serial, None
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
             serial = run_schedule(serial_spec(variant), Schedule.SERIAL, args.steps, args.warmup, batches)
+            if args.save_serial:
+                save_baseline(Path(args.save_serial), serial, key, command)
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
@@ -161,6 +181,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
         result = compare(variant, serial, rollplex, command, serial_spec(variant))
+        result["serial_from"] = args.serial_from  # None: serial ran in this bench
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         for key in ("max_param_relative_difference", "first_step_grad_relative_difference"):
             result[key] = max_over_ranks(result[key])
@@ -232,6 +253,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
     b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
     b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
+    b.add_argument(
+        "--save-serial",
+        metavar="PATH",
+        help="also save the serial run (times, memory, first-step rollout and gradients) for --serial-from",
+    )
+    b.add_argument(
+        "--serial-from",
+        metavar="PATH",
+        help="compare with the serial run a bench of the same spec, grouping and step counts saved "
+        "(--save-serial) on this kind of GPU, instead of running serial again",
+    )
     b.add_argument(
         "--serial-prompts-per-chunk",
         metavar="N|all",

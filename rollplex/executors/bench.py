@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import statistics
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -125,12 +128,12 @@ def compare(
     t_p = med(t["ref_prefix"] + t["actor_prefix"] for t in serial.times)
     step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
     t_post = max(step_serial - t_d - t_p, 0.0)
-    diff = max_relative_difference(serial.params, rollplex.params)
+    diff = max_relative_difference(serial.params, rollplex.params) if serial.params else None  # none saved
     rollouts_match = same_rollout(serial.first_rollout, rollplex.first_rollout)
     grad_diff = relative_difference(serial.first_grads, rollplex.first_grads)
     decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
     return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpu": _gpu_name(),
         "model": spec.model,
         "workload": spec.workload.model_dump(),
         "memory": spec.memory.model_dump(),  # the settings a result depends on, beside the command
@@ -164,6 +167,42 @@ def compare(
         },
         "steps": len(serial.step_s),
     }
+
+
+def baseline_key(loaded: LoadedSpec, steps: int, warmup: int) -> str:
+    """What a serial baseline depends on: the spec less rollplex's own sharing settings (serial's prefix
+    grouping and whether rollout runs in its own process stay in), and the step counts."""
+    spec = loaded.spec
+    sharing = spec.sharing.model_dump(include={"prompts_per_chunk", "layers_per_chunk"})
+    document = {
+        "spec": spec.model_dump(mode="json", exclude={"sharing", "schedule"}),
+        "sharing": sharing | {"rollout_in_own_process": spec.sharing.policy == "mps"},
+        "steps": steps,
+        "warmup": warmup,
+    }
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_baseline(path: Path, run: ScheduleRun, key: str, command: str) -> None:
+    """A serial run for later benches of other policies (`--serial-from`): everything but the final weights."""
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "params"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "command": command, "gpu": _gpu_name(), "run": fields}, path)
+
+
+def load_baseline(path: Path, key: str) -> tuple[ScheduleRun, str]:
+    """The serial run saved at `path` and its command; a ValueError unless it was measured as this bench
+    would measure it (`baseline_key`) on this kind of GPU."""
+    saved = torch.load(path, weights_only=False)
+    if saved["key"] != key:
+        raise ValueError(f"{path} was measured under another spec, grouping or step count ({saved['command']})")
+    if saved["gpu"] != _gpu_name():
+        raise ValueError(f"{path} was measured on {saved['gpu']}, this is {_gpu_name()}")
+    return ScheduleRun(**saved["run"]), saved["command"]
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:

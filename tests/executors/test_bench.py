@@ -144,3 +144,29 @@ def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run():
     proc = bench("--serial-prompts-per-chunk", "0")
     assert proc.returncode == 2 and "--serial-prompts-per-chunk" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert "rollplex bench:" not in proc.stderr
+
+
+def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path):
+    first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
+    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(first))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--policies", "inline",
+                 "--out", str(later))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = json.loads(first.read_text()), json.loads(later.read_text())
+    assert a["serial_from"] is None and b["serial_from"] == str(baseline)
+    assert b["step_s"]["serial"] == a["step_s"]["serial"] and b["phase_s"]["serial"] == a["phase_s"]["serial"]
+    assert b["updates_match"] and b["first_step_grad_relative_difference"] == 0.0
+    assert b["max_param_relative_difference"] is None  # final weights are not saved
+    assert "serial from" in proc.stderr and "rollplex bench: serial," not in proc.stderr
+
+
+def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path):
+    baseline = tmp_path / "serial.pt"
+    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(tmp_path / "a.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = bench("--steps", "2", "--warmup", "0", "--serial-from", str(baseline), "--out", str(tmp_path / "b.json"))
+    assert proc.returncode == 2 and "another spec, grouping or step count" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = bench("--serial-from", str(tmp_path / "missing.pt"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
