@@ -51,6 +51,7 @@ class ScheduleRun:
     times: list[dict[str, float]] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     beside_fraction: list[float] = field(default_factory=list)
+    prefix_backward_s: list[float] = field(default_factory=list)  # the actor's backward through its prefix
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
@@ -105,6 +106,7 @@ def run_schedule(
         out.times.append(dict(record.times))
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
+        out.prefix_backward_s.extend([record.stats["prefix_backward_s"]] if "prefix_backward_s" in record.stats else [])
         beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
@@ -155,6 +157,11 @@ def compare(
         # rollplex's own post-rollout seconds: were they T_post_s, the measured speedup could not pass the ideal
         "T_post_rollplex_s": round(max(step_rollplex - med(t["rollout"] for t in rollplex.times), 0.0), 4),
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
+        # on the stream each prefix layer ran on: rollplex's ran beside decode, on the green partition's
+        "prefix_backward_s": {
+            "serial": _median_or_none(serial.prefix_backward_s),
+            "rollplex": _median_or_none(rollplex.prefix_backward_s),
+        },
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
         "plan_peak_gib": {
@@ -203,6 +210,10 @@ def load_baseline(path: Path, key: str) -> tuple[ScheduleRun, str]:
 
 def _gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
 
 
 def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:

@@ -35,6 +35,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     assert abs(result["T_post_rollplex_s"] - (result["step_s"]["rollplex"] - rollout)) < 2e-3
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
     assert result["prefix_beside_decode"] > 0.5
+    assert 0 < result["prefix_backward_s"]["serial"] < result["step_s"]["serial"]
+    assert 0 < result["prefix_backward_s"]["rollplex"] < result["step_s"]["rollplex"]
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
     assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
     assert out.with_suffix(".png").stat().st_size > 10_000
