@@ -106,7 +106,7 @@ def run_schedule(
         out.times.append(dict(record.times))
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
-        out.prefix_backward_s.extend([record.stats["prefix_backward_s"]] if "prefix_backward_s" in record.stats else [])
+        out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
         beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]

@@ -40,6 +40,7 @@ class StepRecord:
     response_lens: torch.Tensor | None = None
     responses: torch.Tensor | None = None  # [P, N, R] token ids of the rollout
     chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
+    prefix_backward_s: float | None = None  # device seconds of the actor's backward through its prefix (split)
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
         loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
     )
     if split:  # read after the host sync above: the device time of the backward through the prefix
-        record.stats["prefix_backward_s"] = _seconds(start, end)
+        record.prefix_backward_s = _seconds(start, end)
     store[o.outputs[0]] = Gradients(scale.num_tokens)
 
 
