@@ -157,10 +157,10 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     command = "rollplex " + " ".join(args.argv)
     for variant in variants:
         remote = variant.spec.sharing.policy == "mps"
-        key = baseline_key(serial_spec(variant), args.steps, args.warmup)
+        identity = baseline_key(serial_spec(variant), args.steps, args.warmup)
         if remote not in baselines and args.serial_from:  # measured by an earlier bench of this spec
             try:
-                serial, serial_command = load_baseline(Path(args.serial_from), key)
+                serial, serial_command = load_baseline(Path(args.serial_from), identity)
             except ValueError as e:
                 raise SpecError("", f"--serial-from: {e}") from None
             print(f"rollplex bench: serial from {args.serial_from} ({serial_command})", file=sys.stderr)
@@ -170,7 +170,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
             serial = run_schedule(serial_spec(variant), Schedule.SERIAL, args.steps, args.warmup, batches)
             if args.save_serial:
-                save_baseline(Path(args.save_serial), serial, key, command)
+                save_baseline(Path(args.save_serial), serial, identity, command)
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)

@@ -241,11 +241,9 @@ def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
     """The spec with `sharing.policy` (and `prefix_sms` or `mps_trainer_percent`) from a `--policies` entry."""
     name, arg = parse_policy(text)
     key = "prefix_sms" if name == "green" else "mps_trainer_percent"
-    update = {"policy": name} | ({key: arg} if arg is not None else {})
-    sharing = loaded.spec.sharing.model_copy(update=update)
     if name == "mps" and loaded.spec.parallel.train_tp > 1:
         raise ValueError("mps runs with train_tp 1 only")
-    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
+    return _with_sharing(loaded, {"policy": name} | ({key: arg} if arg is not None else {}))
 
 
 def with_prompts_per_chunk(loaded: LoadedSpec, text: str) -> LoadedSpec:
@@ -258,7 +256,11 @@ def with_prompts_per_chunk(loaded: LoadedSpec, text: str) -> LoadedSpec:
         value = int(text)
     else:
         raise ValueError(f"{text!r} is not a number of prompts >= 1 or all")
-    sharing = loaded.spec.sharing.model_copy(update={"prompts_per_chunk": value})
+    return _with_sharing(loaded, {"prompts_per_chunk": value})
+
+
+def _with_sharing(loaded: LoadedSpec, update: dict) -> LoadedSpec:
+    sharing = loaded.spec.sharing.model_copy(update=update)
     return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
 
 

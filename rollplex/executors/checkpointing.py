@@ -19,7 +19,7 @@ import torch
 
 from rollplex.executors.engines import Engines
 from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
-from rollplex.models.vision import hf_shaped
+from rollplex.models.vision import hf_padded, hf_view
 from rollplex.parallel.model import full_state, load_sharded
 
 
@@ -91,7 +91,7 @@ def _in_hf_shapes(part: dict, names: list[str | None], vision) -> dict:
     for i, entry in part["state"].items():
         if names[i] is not None:
             for key in STATE_KEYS:
-                entry[key] = hf_shaped({names[i]: entry[key]}, vision)[names[i]].contiguous()
+                entry[key] = hf_view(names[i], entry[key], vision).contiguous()
     return part
 
 
@@ -100,11 +100,8 @@ def _in_stored_shapes(part: dict, engines: Engines, names: list[str | None]) -> 
     params, vision = engines.optimizer.params, engines.actor.config.vision
     for i, entry in part["state"].items():
         for key in STATE_KEYS:
-            tensor = entry.get(key)
-            if tensor is not None and names[i] is not None and tensor.shape != params[i].shape:
-                padded = torch.zeros(params[i].shape, dtype=tensor.dtype)
-                hf_shaped({names[i]: padded}, vision)[names[i]].copy_(tensor)  # another shape fails here
-                entry[key] = padded
+            if entry.get(key) is not None and names[i] is not None:
+                entry[key] = hf_padded(names[i], entry[key], params[i].shape, vision)  # another shape fails here
     return part
 
 

@@ -24,7 +24,7 @@ from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
 from rollplex.models.scores import SuffixOut
-from rollplex.rollout.slowdown import decode_slowdown
+from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
 Store = dict[str, object]
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
@@ -246,9 +246,12 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
             with e.microbatch_memory():
                 out = score_batch(e.actor, leaf.leaf, rollout, batch)
             step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)
-        start = _mark(rollout.responses.device)
+        # autograd makes this stream wait for the backward's other streams (each prefix layer is backpropagated
+        # on the stream it ran on, a green partition's beside decode): two marks here bracket all of it
+        cuda = rollout.responses.device.type == "cuda"
+        start = device_mark(cuda)
         leaf.backward_through_prefix()
-        end = _mark(rollout.responses.device)
+        end = device_mark(cuda)
     else:
         for p, prompt in enumerate(store["prompts"]):
             with e.microbatch_memory():
@@ -259,26 +262,8 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
         loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
     )
     if split:  # read after the host sync above: the device time of the backward through the prefix
-        record.prefix_backward_s = _seconds(start, end)
+        record.prefix_backward_s = seconds_between(start, end)
     store[o.outputs[0]] = Gradients(scale.num_tokens)
-
-
-def _mark(device: torch.device):
-    """A point on the device's timeline without a host sync (a CUDA event on the current stream), or the host's
-    clock on the CPU. Autograd makes the caller's stream wait for a backward's other streams (a prefix computed
-    beside decode is backpropagated on the stream it ran on), so two marks around a backward bracket all of it."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _seconds(start, end) -> float:
-    if isinstance(start, float):
-        return end - start
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.models.chunks import drain
-from rollplex.models.config import MLP_ALIGN, VisionConfig
+from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.rotary import apply_rotary, vision_rotary
@@ -62,11 +62,6 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(num_patches, hidden))
 
 
-def stored_width(width: int) -> int:
-    """The vision MLP width as stored: `width` rounded up to a multiple of `MLP_ALIGN`."""
-    return -(-width // MLP_ALIGN) * MLP_ALIGN  # as VisionConfig.stored_intermediate_size
-
-
 class VisionMLP(GatedMLP):
     """The vision blocks' gated MLP, stored `MLP_ALIGN`-wide. Qwen2.5-VL-3B and 7B have a vision MLP width of
     3420: rows of 6,840 bytes, not 16-byte aligned, so cuBLAS runs the GEMMs that touch that dimension (9 of a
@@ -75,11 +70,11 @@ class VisionMLP(GatedMLP):
     extra activations are silu(0) * 0 = 0, every gradient reaching the padding is exactly 0, and AdamW moves a
     zero with a zero gradient nowhere (its decay too), so outputs and updates are unchanged.
 
-    Checkpoints and state dicts hold transformers' shapes (`hf_shaped`, and the hooks below)."""
+    Checkpoints and state dicts hold transformers' shapes (`hf_view`, `hf_padded`, and the hooks below)."""
 
-    def __init__(self, dim: int, width: int) -> None:
-        super().__init__(dim, stored_width(width), bias=True)
-        self.width = width
+    def __init__(self, vision: VisionConfig) -> None:
+        super().__init__(vision.hidden_size, vision.stored_intermediate_size, bias=True)
+        self.width = vision.intermediate_size
         self.register_state_dict_post_hook(_state_dict_in_hf_shapes)
         self.register_load_state_dict_pre_hook(_pad_loaded_state)
 
@@ -91,29 +86,49 @@ class VisionMLP(GatedMLP):
         self.down_proj.weight[:, self.width :].zero_()
 
 
-def hf_part(leaf: str, tensor: Tensor, width: int) -> Tensor:
+def _hf_part(leaf: str, tensor: Tensor, width: int) -> Tensor:
     """The transformers-shaped view of a stored vision MLP tensor (`leaf`: e.g. "gate_proj.weight")."""
     if leaf == "down_proj.weight":
         return tensor[:, :width]
     return tensor[:width] if leaf in MLP_LEAVES else tensor
 
 
+def _padded_part(leaf: str, tensor: Tensor, shape: torch.Size, width: int) -> Tensor:
+    """A transformers-shaped vision MLP tensor zero-padded to its stored `shape`."""
+    padded = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+    _hf_part(leaf, padded, width).copy_(tensor)
+    return padded
+
+
+def _mlp_leaf(name: str) -> str | None:
+    """ "gate_proj.weight" for "model.visual.blocks.3.mlp.gate_proj.weight"; None for a name outside the vision MLPs."""
+    block, _, leaf = name.rpartition(".mlp.")
+    return leaf if block.rpartition(".")[0].endswith("visual.blocks") else None
+
+
+def hf_view(name: str, tensor: Tensor, vision: VisionConfig) -> Tensor:
+    """The model's tensor `name` (a parameter, or optimizer state shaped like one) as transformers shapes it."""
+    leaf = _mlp_leaf(name)
+    return tensor if leaf is None else _hf_part(leaf, tensor, vision.intermediate_size)
+
+
+def hf_padded(name: str, tensor: Tensor, shape: torch.Size, vision: VisionConfig) -> Tensor:
+    """The inverse of `hf_view`: a transformers-shaped tensor as the model stores `name` (`shape`)."""
+    leaf = _mlp_leaf(name)
+    if leaf is None or tensor.shape == shape:
+        return tensor
+    return _padded_part(leaf, tensor, shape, vision.intermediate_size)
+
+
 def hf_shaped(params: dict[str, Tensor], vision: VisionConfig) -> dict[str, Tensor]:
-    """A model's named tensors with the vision MLP's as views of transformers' shapes (`VisionMLP`)."""
-    if stored_width(vision.intermediate_size) == vision.intermediate_size:
-        return params
-    out = {}
-    for name, tensor in params.items():
-        block, _, leaf = name.rpartition(".mlp.")
-        in_vision = block.rpartition(".")[0].endswith("visual.blocks")
-        out[name] = hf_part(leaf, tensor, vision.intermediate_size) if in_vision else tensor
-    return out
+    """A model's named tensors as transformers shapes them (`hf_view`)."""
+    return {name: hf_view(name, tensor, vision) for name, tensor in params.items()}
 
 
 def _state_dict_in_hf_shapes(module: VisionMLP, state: dict, prefix: str, local_metadata: dict) -> None:
     for leaf in MLP_LEAVES:
         if prefix + leaf in state:
-            state[prefix + leaf] = hf_part(leaf, state[prefix + leaf], module.width)
+            state[prefix + leaf] = _hf_part(leaf, state[prefix + leaf], module.width)
 
 
 def _pad_loaded_state(module: VisionMLP, state: dict, prefix: str, *args) -> None:
@@ -121,10 +136,8 @@ def _pad_loaded_state(module: VisionMLP, state: dict, prefix: str, *args) -> Non
     for leaf in MLP_LEAVES:
         key = prefix + leaf
         stored = module.get_parameter(leaf)
-        if key in state and state[key].shape == hf_part(leaf, stored, module.width).shape != stored.shape:
-            padded = torch.zeros_like(stored)
-            hf_part(leaf, padded, module.width).copy_(state[key])
-            state[key] = padded
+        if key in state and state[key].shape == _hf_part(leaf, stored, module.width).shape != stored.shape:
+            state[key] = _padded_part(leaf, state[key], stored.shape, module.width)
 
 
 class VisionBlock(nn.Module):
@@ -133,7 +146,7 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(vision.hidden_size, VISION_NORM_EPS)
         self.norm2 = RMSNorm(vision.hidden_size, VISION_NORM_EPS)
         self.attn = VisionAttention(vision)
-        self.mlp = VisionMLP(vision.hidden_size, vision.intermediate_size)
+        self.mlp = VisionMLP(vision)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, groups)

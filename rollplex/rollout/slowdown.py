@@ -48,6 +48,23 @@ def decode_slowdown(steps: Sequence[StepSpan], chunks: Sequence[tuple[float, flo
     return fmean(ratios) if ratios else None
 
 
+def device_mark(cuda: bool):
+    """A point in time without a host sync: a CUDA event on the current stream, or perf_counter seconds."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start, end) -> float:
+    """Seconds from mark `start` to mark `end` (waits for `end` to be reached on the device)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 class DeviceClock:
     """Marks on one timeline in perf_counter seconds: perf_counter itself without CUDA, else CUDA events on the
     current stream, placed on the host's clock through an origin taken right after a device synchronisation
@@ -62,13 +79,9 @@ class DeviceClock:
         self.origin = time.perf_counter()
 
     def mark(self):
-        if self.origin_event is None:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return device_mark(self.origin_event is not None)
 
     def seconds(self, mark) -> float:
         if self.origin_event is None:
             return mark
-        return self.origin + self.origin_event.elapsed_time(mark) / 1e3
+        return self.origin + seconds_between(self.origin_event, mark)

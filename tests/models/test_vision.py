@@ -14,7 +14,6 @@ from safetensors import safe_open
 from rollplex.models.checkpoint import load_pretrained, save_checkpoint
 from rollplex.models.config import CONFIG_DIR
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.vision import stored_width
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 
@@ -67,7 +66,8 @@ def _hf_overrides():
 def test_an_unaligned_vision_mlp_is_stored_padded_and_still_equals_transformers(unaligned, inputs):
     config, model = unaligned
     mlp = model.model.visual.blocks[0].mlp
-    assert stored_width(WIDTH) == 64 and mlp.gate_proj.weight.shape[0] == 64 and mlp.down_proj.weight.shape[1] == 64
+    assert config.vision.stored_intermediate_size == 64
+    assert mlp.gate_proj.weight.shape[0] == 64 == mlp.down_proj.weight.shape[1]
     assert not mlp.gate_proj.weight[WIDTH:].any() and not mlp.down_proj.weight[:, WIDTH:].any()
     state = model.state_dict()
     assert state["model.visual.blocks.0.mlp.gate_proj.weight"].shape == (WIDTH, config.vision.hidden_size)
