@@ -1,54 +1,22 @@
-"""`rollplex run` on the tiny model: the schedules learn the same thing, resume is exact, stops are safe."""
+"""`rollplex run` on the tiny model: the schedules learn the same thing, on the CPU and the GPU; memory settings
+change no number. Checkpoints: `test_checkpointing.py`."""
 
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from run_testkit import ROOT, SPEC, cli, loaded, run
 
-from rollplex.data.rewards import REWARDS
 from rollplex.data.source import batch_at, open_dataset
-from rollplex.errors import SpecError
 from rollplex.executors.engines import build_engines
 from rollplex.executors.loop import RunOptions, train
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
 from rollplex.graph.pipeline import compile_graph
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def char_share(text: str, example) -> float:
-    """A reward that differs between random responses, so advantages (and gradients) are not zero."""
-    return sum(c in "aeiou0123456789" for c in text) / max(len(text), 1)
-
-
-REWARDS.setdefault("test_char_share", char_share)
-
-SPEC = """
-model: tiny
-cluster: {{hbm_gib: 16, host_gib: 8}}
-workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
-            dataset: "synthetic:clevrer@tiny"}}
-algorithm: {{kl_coef: {kl}, lr: 1.0e-2, rewards: [{{name: test_char_share}}]}}
-run: {{seed: 3, dtype: float32, device: {device}}}
-"""
-
-
-def loaded(kl: float = 0.1, device: str = "cpu"):
-    """The tests' spec; on the CPU unless asked, so that a GPU machine runs the same checks (with deterministic
-    kernels: the memory-efficient attention backward is otherwise not bitwise repeatable)."""
-    text = SPEC.format(kl=kl, device=device)
-    return parse_spec(text.replace("device: cuda}", "device: cuda, deterministic: true}"))
-
-
-def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, device: str = "cpu", **kw):
-    opts = RunOptions(steps, Schedule(schedule), tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
-    return train(loaded(device=device), opts)
 
 
 def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path):
@@ -169,90 +137,6 @@ def test_split_with_prefix_sharing_gives_every_parameter_the_unsplit_gradient():
         assert (split[name] - g).norm() <= 1e-5 * g.norm(), name
 
 
-def test_resume_continues_with_the_digests_of_an_uninterrupted_run(tmp_path):
-    whole = run(tmp_path, "rollplex", 4, name="whole")
-    first = run(tmp_path, "rollplex", 2, name="split")
-    rest = run(tmp_path, "rollplex", 4, name="split", resume=True)
-    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
-    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
-
-
-def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch):
-    from rollplex.memory.optimizer import ChunkedAdamW
-
-    parts = ChunkedAdamW.state_parts
-    monkeypatch.setattr(ChunkedAdamW, "state_parts", lambda self: parts(self, max_bytes=4096))  # several parts
-    run(tmp_path, "rollplex", 1, name="cut")
-    written = sorted((tmp_path / "cut" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
-    assert len(written) > 2
-    written[1].unlink()
-    with pytest.raises(SpecError, match=r"covers .* of the optimizer's .* an incomplete checkpoint"):
-        run(tmp_path, "rollplex", 2, name="cut", resume=True)
-
-
-def test_checkpoints_hold_optimizer_state_in_transformers_shapes_and_resume_exactly_with_a_padded_vision_mlp(
-    tmp_path,
-):
-    from rollplex.models.config import CONFIG_DIR
-
-    config = json.loads((CONFIG_DIR / "tiny.json").read_text())
-    config["vision_config"]["intermediate_size"] = 60  # stored 64 wide (`VisionMLP`)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = parse_spec(SPEC.format(kl=0.1, device="cpu").replace("model: tiny", f"model: {tmp_path / 'config.json'}"))
-
-    def go(name: str, steps: int, resume: bool = False) -> list[dict]:
-        return train(spec, RunOptions(steps, Schedule("rollplex"), tmp_path / name, resume=resume, progress=False,
-                                      tensorboard=False))  # fmt: skip
-
-    whole = go("whole", 3)
-    first, rest = go("split", 2), go("split", 3, resume=True)
-    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
-    from safetensors import safe_open
-
-    step = tmp_path / "split" / "checkpoints" / "step-000002"
-    (part,) = (step / "optimizer").glob("part-*.pt")
-    ours = sorted(tuple(e["exp_avg"].shape) for e in torch.load(part, weights_only=False)["state"].values())
-    with safe_open(str(step / "model" / "model.safetensors"), framework="pt") as f:
-        theirs = sorted(tuple(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    assert ours == theirs and (60, 32) in ours  # the weights' shapes: transformers', padding left out
-
-
-def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_path):
-    import shutil
-
-    whole = run(tmp_path, "rollplex", 3, name="whole")
-    run(tmp_path, "rollplex", 2, name="old")
-    step = tmp_path / "old" / "checkpoints" / "step-000002"
-    (part,) = sorted((step / "optimizer").glob("part-*.pt"))
-    shutil.copy(part, step / "optimizer.pt")  # the layout of earlier checkpoints: one whole state dict
-    shutil.rmtree(step / "optimizer")
-    rest = run(tmp_path, "rollplex", 3, name="old", resume=True)
-    assert rest[-1]["param_digest"] == whole[-1]["param_digest"]
-
-
-def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
-    whole = run(tmp_path, "rollplex", 4, name="whole")
-    calls = {"n": 0}
-
-    def interrupting(text, example):
-        calls["n"] += 1
-        if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
-            raise KeyboardInterrupt
-        return char_share(text, example)
-
-    REWARDS["test_char_share"] = interrupting
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run(tmp_path, "rollplex", 4, name="stopped")
-    finally:
-        REWARDS["test_char_share"] = char_share
-    names = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir())
-    assert names == ["step-000002"]
-    rest = run(tmp_path, "rollplex", 4, name="stopped", resume=True)
-    assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
-
-
 def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
     engines = build_engines(loaded(kl=0.0))
     assert engines.reference is None
@@ -279,12 +163,6 @@ METRIC_KEYS = {
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    """`rollplex run specs/tiny_cpu.yaml ARGS` in a fresh interpreter."""
-    command = [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/tiny_cpu.yaml"), *args]
-    return subprocess.run(command, capture_output=True, text=True)
-
-
 def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorboard(tmp_path):
     start = time.perf_counter()
     proc = cli("--steps", "2", "--out", str(tmp_path))
@@ -295,19 +173,6 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
     assert set(records[0]) >= METRIC_KEYS and set(records[0]["time_s"]) >= PHASE_TIMES
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors").is_file()
-
-
-def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path):
-    records = run(tmp_path, "rollplex", 2, name="timing", checkpoints=False, checkpoint_every=1)
-    assert len(records) == 2 and not (tmp_path / "timing" / "checkpoints").exists()
-    assert (tmp_path / "timing" / "metrics.jsonl").is_file()
-    proc = cli("--no-checkpoints", "--checkpoint-every", "1", "--out", str(tmp_path / "x"))
-    assert proc.returncode == 2 and "choose one" in proc.stderr and len(proc.stderr.splitlines()) == 1
-
-
-def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
-    proc = cli("--resume", "--out", str(tmp_path))
-    assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")

@@ -1,0 +1,107 @@
+"""Checkpoints of `rollplex run`: resume is exact, stops are safe, the optimizer state is written in parts and in
+transformers' shapes, and a timing run writes none."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from run_testkit import SPEC, char_share, cli, run
+from safetensors import safe_open
+
+from rollplex.data.rewards import REWARDS
+from rollplex.errors import SpecError
+from rollplex.executors.loop import RunOptions, train
+from rollplex.graph.ir import Schedule
+from rollplex.graph.load import parse_spec
+from rollplex.memory.optimizer import ChunkedAdamW
+from rollplex.models.config import CONFIG_DIR
+
+
+def test_resume_continues_with_the_digests_of_an_uninterrupted_run(tmp_path):
+    whole = run(tmp_path, "rollplex", 4, name="whole")
+    first = run(tmp_path, "rollplex", 2, name="split")
+    rest = run(tmp_path, "rollplex", 4, name="split", resume=True)
+    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
+    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch):
+    parts = ChunkedAdamW.state_parts
+    monkeypatch.setattr(ChunkedAdamW, "state_parts", lambda self: parts(self, max_bytes=4096))  # several parts
+    run(tmp_path, "rollplex", 1, name="cut")
+    written = sorted((tmp_path / "cut" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
+    assert len(written) > 2
+    written[1].unlink()
+    with pytest.raises(SpecError, match=r"covers .* of the optimizer's .* an incomplete checkpoint"):
+        run(tmp_path, "rollplex", 2, name="cut", resume=True)
+
+
+def test_checkpoints_hold_optimizer_state_in_transformers_shapes_and_resume_exactly_with_a_padded_vision_mlp(
+    tmp_path,
+):
+    config = json.loads((CONFIG_DIR / "tiny.json").read_text())
+    config["vision_config"]["intermediate_size"] = 60  # stored 64 wide (`VisionMLP`)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = parse_spec(SPEC.format(kl=0.1, device="cpu").replace("model: tiny", f"model: {tmp_path / 'config.json'}"))
+
+    def go(name: str, steps: int, resume: bool = False) -> list[dict]:
+        return train(spec, RunOptions(steps, Schedule("rollplex"), tmp_path / name, resume=resume, progress=False,
+                                      tensorboard=False))  # fmt: skip
+
+    whole = go("whole", 3)
+    first, rest = go("split", 2), go("split", 3, resume=True)
+    assert [r["param_digest"] for r in first + rest] == [r["param_digest"] for r in whole]
+    step = tmp_path / "split" / "checkpoints" / "step-000002"
+    (part,) = (step / "optimizer").glob("part-*.pt")
+    ours = sorted(tuple(e["exp_avg"].shape) for e in torch.load(part, weights_only=False)["state"].values())
+    with safe_open(str(step / "model" / "model.safetensors"), framework="pt") as f:
+        theirs = sorted(tuple(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    assert ours == theirs and (60, 32) in ours  # the weights' shapes: transformers', padding left out
+
+
+def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_path):
+    whole = run(tmp_path, "rollplex", 3, name="whole")
+    run(tmp_path, "rollplex", 2, name="old")
+    step = tmp_path / "old" / "checkpoints" / "step-000002"
+    (part,) = sorted((step / "optimizer").glob("part-*.pt"))
+    shutil.copy(part, step / "optimizer.pt")  # the layout of earlier checkpoints: one whole state dict
+    shutil.rmtree(step / "optimizer")
+    rest = run(tmp_path, "rollplex", 3, name="old", resume=True)
+    assert rest[-1]["param_digest"] == whole[-1]["param_digest"]
+
+
+def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
+    whole = run(tmp_path, "rollplex", 4, name="whole")
+    calls = {"n": 0}
+
+    def interrupting(text, example):
+        calls["n"] += 1
+        if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
+            raise KeyboardInterrupt
+        return char_share(text, example)
+
+    REWARDS["test_char_share"] = interrupting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, "rollplex", 4, name="stopped")
+    finally:
+        REWARDS["test_char_share"] = char_share
+    names = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir())
+    assert names == ["step-000002"]
+    rest = run(tmp_path, "rollplex", 4, name="stopped", resume=True)
+    assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
+
+
+def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path):
+    records = run(tmp_path, "rollplex", 2, name="timing", checkpoints=False, checkpoint_every=1)
+    assert len(records) == 2 and not (tmp_path / "timing" / "checkpoints").exists()
+    assert (tmp_path / "timing" / "metrics.jsonl").is_file()
+    proc = cli("--no-checkpoints", "--checkpoint-every", "1", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "choose one" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
+    proc = cli("--resume", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
