@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,7 @@ from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.rerun import Rerun
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout
 from rollplex.parallel.model import parallelize, sharded_parameters
@@ -65,6 +66,7 @@ class Engines:
     tp: TPSetup | None = None  # tensor-parallel groups; None in a one-process run
     reference_pager: object | None = None  # `rollplex.memory.pager.WeightPager` of the reference (GPU), or None
     prefix_memory: Callable[[], AbstractContextManager] = nullcontext  # each actor-prefix chunk runs inside one
+    prefix_rerun: Rerun | None = None  # `memory.prefix_activations: recompute`: the actor prefix's checkpointing
     microbatch_memory: Callable[[], AbstractContextManager] = nullcontext  # each training microbatch's forward
     response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
@@ -175,6 +177,7 @@ def build_engines(
         publish=(lambda: None) if bound is None else bound.publish,
         reference_pager=reference_pager,
         prefix_memory=make_prefix_memory(loaded, actor, plan),
+        prefix_rerun=make_prefix_rerun(loaded, device),
         microbatch_memory=make_microbatch_memory(loaded, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
     )
@@ -214,32 +217,31 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
 
 def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL, plan: Plan) -> Callable[[], AbstractContextManager]:
     """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward, as the plan
-    places them (`memory.prefix_activations`): `recompute` checkpoints each decoder layer and each vision block
-    (only its input is kept, backward reruns it); what is kept (everything under `offload`, the layer inputs
-    under `recompute`) goes to a host pool (pinned on a GPU) when the plan puts the prefix saved tensors on the
-    host, sized from the plan's figure or `memory.host_pool_gib`, and stays in HBM when the plan keeps it
-    there. None of it changes a gradient."""
+    places them: what autograd keeps (everything under `memory.prefix_activations: offload`, the inputs of the
+    checkpointed units under `recompute`, see `make_prefix_rerun`) goes to a host pool (pinned on a GPU) when
+    the plan puts the prefix saved tensors on the host, sized from the plan's figure or `memory.host_pool_gib`,
+    and stays in HBM when the plan keeps it there. None of it changes a gradient."""
     from rollplex.memory.host_pool import HostPool
-    from rollplex.memory.offload import SavedTensorOffload, recompute
+    from rollplex.memory.offload import SavedTensorOffload
 
     memory = loaded.spec.memory
-    layers = recomputed_modules(actor) if memory.prefix_activations == "recompute" else None
     objects = plan.residency.objects
     planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
     if not planned and memory.host_pool_gib is None:  # the plan keeps them in HBM
-        return (lambda: recompute(layers)) if layers is not None else nullcontext
+        return nullcontext
     num_bytes = int(memory.host_pool_gib * 2**30) if memory.host_pool_gib is not None else planned + planned // 4
     offload = SavedTensorOffload(HostPool(max(64 << 20, num_bytes), pin=actor.device.type == "cuda"),
                                  keep=actor.parameters())  # fmt: skip
-    if layers is None:
-        return lambda: offload
+    return lambda: offload
 
-    @contextmanager
-    def offloaded_layer_inputs() -> Iterator[None]:
-        with offload, recompute(layers):  # checkpoint saves each module's inputs through the offload hooks
-            yield
 
-    return offloaded_layer_inputs
+def make_prefix_rerun(loaded: LoadedSpec, device: torch.device) -> Rerun | None:
+    """`memory.prefix_activations: recompute`: each vision block and decoder layer of the actor prefix keeps only
+    its input and backward reruns it, on this (the trainer's) stream even where the prefix ran beside decode on a
+    partition of the SMs (`rollplex.models.rerun`); `offload` keeps every activation (None)."""
+    if loaded.spec.memory.prefix_activations != "recompute":
+        return None
+    return Rerun(torch.cuda.current_stream(device) if device.type == "cuda" else None)
 
 
 def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:

@@ -207,8 +207,9 @@ def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boun
 
 def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, LeafBoundary]:
     chunks = e.actor.prefix_chunks(
-        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
-    )
+        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
+        rerun=e.prefix_rerun,
+    )  # fmt: skip
     boundary = yield from each_inside(e.prefix_memory, chunks)
     return LeafBoundary.of(boundary)
 

@@ -74,6 +74,15 @@ class CausalAttention:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+class LayerKV(CausalAttention):
+    """`CausalAttention` of a single layer call, keeping that call's K and V (`key`, `value`) whatever the layer:
+    a unit rerun on its own (`rollplex.models.rerun`) returns them as outputs of its own."""
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.key, self.value = k, v
+        return super().__call__(layer, q, k, v)
+
+
 class SharedPrefixAttention:
     """Attention of response tokens, P prompts x N samples (batch row p * N + n), over a shared boundary.
 

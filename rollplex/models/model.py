@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from rollplex.models.attention import Attention, CausalAttention, SharedPrefixAttention
+from rollplex.models.attention import Attention, CausalAttention, LayerKV, SharedPrefixAttention
 from rollplex.models.batching import PackedSequences, pack_sequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
@@ -30,6 +31,7 @@ from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packing import pack
+from rollplex.models.rerun import Rerun
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
 from rollplex.models.vision import VisionEncoder, VisionMLP
@@ -133,19 +135,21 @@ class Qwen2_5_VL(nn.Module):
         attached: bool,
         layers_per_chunk: int = 1,
         prompts_per_chunk: int | None = None,
+        rerun: Rerun | None = None,
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
         with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
         embedding and vision encoder (`layers_per_chunk` vision blocks at a time), then `layers_per_chunk` decoder
         layers at a time; then the boundary of all
         prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
-        pause. With one group, the same work as `prefix`, in the same order."""
+        pause. With one group, the same work as `prefix`, in the same order. `rerun` (attached only): each
+        vision block and decoder layer keeps only its input, and backward reruns it (`rollplex.models.rerun`)."""
         size = prompts_per_chunk or len(prompts)
         groups: list[_GroupPrefix] = []
         for i in range(0, len(prompts), size):
             if groups:
                 yield  # each group's embedding and vision encoder start a chunk of their own
-            group = _GroupPrefix(self, attached)
+            group = _GroupPrefix(self, attached, rerun)
             yield from group.start(prompts[i : i + size], blocks_per_chunk=layers_per_chunk)
             groups.append(group)
         layers = self.model.language_model.layers
@@ -220,14 +224,14 @@ class Qwen2_5_VL(nn.Module):
         return drain(self._input_chunks(sequences, blocks_per_chunk=len(self.model.visual.blocks)))
 
     def _input_chunks(
-        self, sequences: Sequence[Prompt], blocks_per_chunk: int
+        self, sequences: Sequence[Prompt], blocks_per_chunk: int, rerun: Rerun | None = None
     ) -> Generator[None, None, tuple[PackedSequences, Tensor, Tensor, Tensor]]:
-        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks."""
+        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks (each under `rerun` if given)."""
         packed = pack_sequences(sequences, self.config)
         cos, sin = text_rotary(to_device(packed.positions, self.device), self.config.text)
         x = self.model.language_model.embed_tokens(to_device(packed.input_ids, self.device))
         if packed.visuals:
-            features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk)
+            features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk, rerun)
             slots = to_device(packed.visual_slots(self.config.tokens), self.device)
             x = x.masked_scatter(slots[..., None], features.to(x.dtype))  # [num_visual_tokens, hidden] in place
         return packed, x, cos, sin
@@ -244,25 +248,38 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _layer_kv(layer: nn.Module, cos: Tensor, sin: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's)."""
+    attention = LayerKV()
+    return layer(x, cos, sin, attention), attention.key, attention.value
+
+
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
 
-    def __init__(self, model: Qwen2_5_VL, attached: bool) -> None:
+    def __init__(self, model: Qwen2_5_VL, attached: bool, rerun: Rerun | None = None) -> None:
         self.model, self.num_prompts = model, 0
         self.mode = torch.enable_grad if attached else torch.no_grad
         self.attention = CausalAttention(record=True)
+        self.rerun = rerun if attached else None
 
     def start(self, prompts: Sequence[Prompt], blocks_per_chunk: int) -> Generator[None, None, None]:
         """Embeds the prompts (vision encoder included), pausing between chunks of vision blocks; the grad
         mode is entered around each chunk only."""
         self.num_prompts = len(prompts)
-        chunks = self.model._input_chunks(prompts, blocks_per_chunk)
+        chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun)
         self.packed, self.x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
             for layer in layers:
-                self.x = layer(self.x, self.cos, self.sin, self.attention)
+                if self.rerun is None:
+                    self.x = layer(self.x, self.cos, self.sin, self.attention)
+                    continue
+                unit = partial(_layer_kv, layer, self.cos, self.sin)
+                self.x, key, value = self.rerun(unit, self.x, layer.parameters())
+                self.attention.keys.append(key)
+                self.attention.values.append(value)
 
     def boundary(self) -> Boundary:
         device = self.model.device

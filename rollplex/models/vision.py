@@ -9,6 +9,7 @@ image/video tokens hold them. Parameter names follow HF (`patch_embed.proj`, `bl
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
+from rollplex.models.rerun import Rerun
 from rollplex.models.rotary import apply_rotary, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
@@ -153,6 +155,11 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _block_unit(block: VisionBlock, cos: Tensor, sin: Tensor, groups: Sequence[Tensor], x: Tensor) -> tuple[Tensor]:
+    """A vision block as a rerun unit (`rollplex.models.rerun`)."""
+    return (block(x, cos, sin, groups),)
+
+
 class PatchMerger(nn.Module):
     """Norms each patch, concatenates the m x m patches of a merge unit and projects them to the LLM width."""
 
@@ -179,9 +186,12 @@ class VisionEncoder(nn.Module):
         """Visuals -> [num_visual_tokens, out_hidden]: their merged tokens, concatenated in order."""
         return drain(self.chunks(visuals, blocks_per_chunk=len(self.blocks)))
 
-    def chunks(self, visuals: Sequence[Visual], blocks_per_chunk: int) -> Generator[None, None, Tensor]:
+    def chunks(
+        self, visuals: Sequence[Visual], blocks_per_chunk: int, rerun: Rerun | None = None
+    ) -> Generator[None, None, Tensor]:
         """`forward` as a generator that pauses after every `blocks_per_chunk` blocks (the patch embedding runs
-        with the first ones, the merger with the last): the same ops in the same order."""
+        with the first ones, the merger with the last): the same ops in the same order. Under `rerun` each
+        block keeps only its input (`rollplex.models.rerun`)."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
         cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
@@ -191,5 +201,9 @@ class VisionEncoder(nn.Module):
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:
                 yield
-            x = block(x, cos, sin, frames if index in self.config.fullatt_block_indexes else windows)
+            groups = frames if index in self.config.fullatt_block_indexes else windows
+            if rerun is None:
+                x = block(x, cos, sin, groups)
+            else:
+                (x,) = rerun(partial(_block_unit, block, cos, sin, groups), x, block.parameters())
         return self.merger(x)

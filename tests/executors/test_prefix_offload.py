@@ -11,12 +11,13 @@ import rollplex.memory.offload as offload_module
 from rollplex.data.presets import get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
-from rollplex.executors.engines import make_prefix_memory, recomputed_modules
+from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun, recomputed_modules
 from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
 from rollplex.memory.offload import SavedTensorOffload, recompute
+from rollplex.models.chunks import drain
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
 
@@ -79,8 +80,10 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
         torch.manual_seed(0)
         model = Qwen2_5_VL(load_model_config("tiny"))
         packed.clear()
+        rerun = make_prefix_rerun(loaded, torch.device("cpu"))
+        assert (rerun is not None) == (mode == "recompute")
         with make_prefix_memory(loaded, model, compile_plan(loaded))():
-            boundary = model.prefix(tiny_prompts(), attached=True)
+            boundary = drain(model.prefix_chunks(tiny_prompts(), attached=True, rerun=rerun))
         assert boundary.keys[0].requires_grad
         saved_bytes[mode] = sum(t.numel() * t.element_size() for t in packed)
     # under recompute the checkpointed modules' inputs (and what runs outside them) still reach the host pool
@@ -95,9 +98,10 @@ def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch)
     assert not any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config("tiny"))
-    with make_prefix_memory(loaded, model, compile_plan(loaded))() as wrapped:
-        assert wrapped == len(model.model.visual.blocks) + len(model.model.language_model.layers)
+    with make_prefix_memory(loaded, model, compile_plan(loaded))():
+        pass
     assert not made
+    assert make_prefix_rerun(loaded, torch.device("cpu")) is not None  # the units still keep only their inputs
 
 
 def test_a_recomputed_prefix_records_each_layers_kv_once_even_when_backward_reruns_it():
