@@ -98,3 +98,7 @@ def test_a_unit_run_on_a_green_partition_is_backpropagated_on_the_reruns_stream(
     torch.tanh(linear(x)).square().sum().backward()
     torch.testing.assert_close(grads[0], x.grad)
     torch.testing.assert_close(grads[1], linear.weight.grad)
+    # tensors that recorded the partition's stream must go before its green context does
+    del x, y, grads
+    torch.cuda.synchronize()
+    del partition
