@@ -34,7 +34,7 @@ case "$STAGE" in
   bench3b)
     POLICY=${2:-green:66}  # SERIAL_GROUPING (4th): --serial-prompts-per-chunk, e.g. all (default: the spec's)
     GROUPING=${4:+--serial-prompts-per-chunk $4}
-    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING \
+    timeout 560 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING --noise-floor \
       --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" --save-serial "$OUT/serial_3b_h200.pt" \
       2>&1 | quiet > "$OUT/bench3b.log"
     tail -12 "$OUT/bench3b.log" ;;

@@ -160,33 +160,42 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         identity = baseline_key(serial_spec(variant), args.steps, args.warmup)
         if remote not in baselines and args.serial_from:  # measured by an earlier bench of this spec
             try:
-                serial, serial_command = load_baseline(Path(args.serial_from), identity)
+                serial, serial_command, floor = load_baseline(Path(args.serial_from), identity)
             except ValueError as e:
                 raise SpecError("", f"--serial-from: {e}") from None
             print(f"rollplex bench: serial from {args.serial_from} ({serial_command})", file=sys.stderr)
-            baselines[remote] = serial, None
+            baselines[remote] = serial, None, floor
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
             serial = run_schedule(serial_spec(variant), Schedule.SERIAL, args.steps, args.warmup, batches)
+            floor = None
+            if args.noise_floor:  # serial's first step again, grouped as rollplex groups its prefixes
+                print(f"rollplex bench: serial's first step with rollplex's grouping{where} (noise floor)",
+                      file=sys.stderr)  # fmt: skip
+                floor = run_schedule(variant, Schedule.SERIAL, 1, 0, batches).first_grads
             if args.save_serial:
-                save_baseline(Path(args.save_serial), serial, identity, command)
+                save_baseline(Path(args.save_serial), serial, identity, command, floor)
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
                 unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup, batches)
-            baselines[remote] = serial, unsplit
-        serial, unsplit = baselines[remote]
+            baselines[remote] = serial, unsplit, floor
+        serial, unsplit, floor = baselines[remote]
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
-        result = compare(variant, serial, rollplex, command, serial_spec(variant))
+        result = compare(variant, serial, rollplex, command, serial_spec(variant), floor)
         result["serial_from"] = args.serial_from  # None: serial ran in this bench
         # under tensor parallelism each rank compared its own shards: the worst rank decides
-        for key in ("max_param_relative_difference", "first_step_grad_relative_difference"):
-            result[key] = max_over_ranks(result[key])
+        keys = ("max_param_relative_difference", "first_step_grad_relative_difference", "grad_noise_floor")
+        for key in keys:  # None on every rank alike (no --noise-floor; final weights of a saved serial run)
+            result[key] = None if result[key] is None else max_over_ranks(result[key])
         result["updates_match"] = updates_match(
-            result["first_step_rollouts_match"], result["first_step_grad_relative_difference"], loaded.spec.run.dtype
+            result["first_step_rollouts_match"],
+            result["first_step_grad_relative_difference"],
+            loaded.spec.run.dtype,
+            result["grad_noise_floor"],
         )
         runs = {"serial": serial, "rollplex": rollplex}
         if unsplit is not None:
@@ -269,6 +278,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N|all",
         help="prompts per prefix group in the serial baseline (default: the spec's sharing.prompts_per_chunk); "
         "all: one batch. Serial has no decode to interleave with, so its fastest grouping is the fair baseline",
+    )
+    b.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also rerun serial's first step with rollplex's prefix grouping: the gradient difference that "
+        "rounding alone makes (grad_noise_floor); updates then match within twice that, or the dtype's tolerance",
     )
     b.add_argument(
         "--policies",

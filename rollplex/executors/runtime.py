@@ -247,8 +247,8 @@ def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None
             with e.microbatch_memory():
                 out = score_batch(e.actor, leaf.leaf, rollout, batch)
             step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)
-        # autograd makes this stream wait for the backward's other streams (each prefix layer is backpropagated
-        # on the stream it ran on, a green partition's beside decode): two marks here bracket all of it
+        # autograd makes this stream wait for the backward's other streams (a prefix op outside the rerun units is
+        # backpropagated on the stream it ran on, a green partition's beside decode): two marks here bracket it all
         cuda = rollout.responses.device.type == "cuda"
         start = device_mark(cuda)
         leaf.backward_through_prefix()

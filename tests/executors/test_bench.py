@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.executors.bench import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout
+from rollplex.executors.bench import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout, updates_match
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
@@ -172,3 +172,29 @@ def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_pat
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = bench("--serial-from", str(tmp_path / "missing.pt"))
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_a_measured_noise_floor_widens_the_gradient_tolerance_to_twice_itself_and_no_more():
+    assert updates_match(True, 0.009, "bfloat16") and not updates_match(True, 0.015, "bfloat16")
+    assert updates_match(True, 0.015, "bfloat16", noise_floor=0.01)  # serial differs from itself by 1e-2
+    assert not updates_match(True, 0.021, "bfloat16", noise_floor=0.01)
+    assert updates_match(True, 0.009, "bfloat16", noise_floor=0.0)  # never below the dtype's tolerance
+    assert not updates_match(True, 0.015, "bfloat16", noise_floor=float("inf"))  # an unmeasured floor widens nothing
+    assert not updates_match(False, 0.0, "bfloat16", noise_floor=0.01)  # other tokens never match
+
+
+def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path):
+    first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
+                 "--save-serial", str(baseline), "--out", str(first))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "noise floor" in proc.stderr
+    a = json.loads(first.read_text())
+    # serial grouped all prompts, its rerun one per chunk as rollplex: FP32 rounding apart, not more
+    assert 0.0 <= a["grad_noise_floor"] < 1e-4 and a["updates_match"]
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--serial-from", str(baseline),
+                 "--policies", "inline", "--out", str(later))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(later.read_text())["grad_noise_floor"] == a["grad_noise_floor"]
+    proc = bench("--steps", "1", "--warmup", "0", "--out", str(tmp_path / "plain.json"))
+    assert json.loads((tmp_path / "plain.json").read_text())["grad_noise_floor"] is None
