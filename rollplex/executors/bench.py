@@ -39,7 +39,7 @@ import torch
 
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import build_engines
-from rollplex.executors.memprobe import PhaseMemory, chain, gib_by_phase
+from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
@@ -59,6 +59,7 @@ class ScheduleRun:
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
+    allocator_bytes: dict[Phase, tuple[int, int]] = field(default_factory=dict)  # (allocated, reserved) maxima
     first_rollout: tuple[torch.Tensor, torch.Tensor] | None = None  # (responses, lengths) of step 1, on the CPU
     first_grads: torch.Tensor | None = None  # `grad_sketch` of step 1's gradients, FP32 on the CPU
 
@@ -106,6 +107,9 @@ def run_schedule(
             continue
         for phase, num_bytes in memory.peaks().items():
             out.peak_bytes[phase] = max(out.peak_bytes.get(phase, 0), num_bytes)
+        for phase, (allocated, reserved) in memory.allocator_peaks().items():
+            was = out.allocator_bytes.get(phase, (0, 0))
+            out.allocator_bytes[phase] = (max(was[0], allocated), max(was[1], reserved))
         out.step_s.append(elapsed)
         out.times.append(dict(record.times))
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
@@ -172,6 +176,10 @@ def compare(
         },
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
+        "allocator_peak_gib": {  # the caching allocator's share of peak_gib: live tensors, and reserved
+            "serial": allocator_gib_by_phase(serial.allocator_bytes),
+            "rollplex": allocator_gib_by_phase(rollplex.allocator_bytes),
+        },
         "plan_peak_gib": {
             "serial": plan_peaks_gib(serial_loaded, Schedule.SERIAL),
             "rollplex": plan_peaks_gib(loaded, Schedule.ROLLPLEX),

@@ -18,7 +18,7 @@ from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.engines import Engines, build_engines
-from rollplex.executors.memprobe import PhaseMemory, chain, gib_by_phase
+from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
@@ -90,7 +90,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
     size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
-    updating = False
+    updating, peak_allocated = False, 0
     try:
         for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
             examples = batch_at(dataset, position, size)
@@ -109,6 +109,10 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
             position += size
             records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
+            if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
+                records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
+                peak_allocated = max([peak_allocated, *(a for a, _ in memory.allocator_peaks().values())])
+                records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
             if log is not None:
                 log.write(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False

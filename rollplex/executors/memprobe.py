@@ -8,8 +8,14 @@ op boundary, and keeps the maximum per phase. The phase is the one of the op tha
 shorter than the interval between two samples can be missed; the allocator's blocks stay reserved after a
 peak (the runtime empties the cache only where VMM pages must be mapped), so they are not.
 
+Beside the driver's view, the caching allocator's own peaks per phase (`allocator_peaks`: bytes in live tensors
+and bytes reserved, exact: torch's peak counters are reset at each phase change), so that a phase above its plan
+can be read apart: live tensors the plan does not count (allocated), the allocator's slack (reserved less
+allocated), or memory outside the allocator (driver less reserved: context, VMM regions, library workspaces).
+The reset makes `torch.cuda.max_memory_allocated` a per-phase figure while the probe runs.
+
 Not here: the plan (`rollplex.graph.plan`), what the probe is compared with (`bench.py`, `loop.py`).
-Without CUDA the probe records nothing (`peaks()` is empty).
+Without CUDA the probe records nothing (`peaks()` and `allocator_peaks()` are empty).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class PhaseMemory:
         self.interval_s = interval_s
         self.phase: Phase | None = None
         self._peaks: dict[Phase, int] = {}
+        self._allocator: dict[Phase, tuple[int, int]] = {}  # (allocated, reserved) peaks
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -49,9 +56,13 @@ class PhaseMemory:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._end_allocator_phase()
 
     def before(self, o: Op) -> None:
         self._sample()
+        if o.phase is not self.phase and self.device.type == "cuda":
+            self._end_allocator_phase()
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.phase = o.phase
         self._sample()
 
@@ -61,6 +72,17 @@ class PhaseMemory:
     def peaks(self) -> dict[Phase, int]:
         with self._lock:
             return dict(self._peaks)
+
+    def allocator_peaks(self) -> dict[Phase, tuple[int, int]]:
+        """(allocated, reserved) peak bytes of the caching allocator per phase."""
+        return dict(self._allocator)
+
+    def _end_allocator_phase(self) -> None:
+        if self.phase is None:
+            return
+        allocated, reserved = self._allocator.get(self.phase, (0, 0))
+        self._allocator[self.phase] = (max(allocated, torch.cuda.max_memory_allocated(self.device)),
+                                       max(reserved, torch.cuda.max_memory_reserved(self.device)))  # fmt: skip
 
     def _sample_until_stopped(self) -> None:
         torch.cuda.set_device(self.device)
@@ -80,6 +102,12 @@ class PhaseMemory:
 def gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:
     """{"1": GiB, ...}: per-phase peaks as metrics and bench results write them."""
     return {str(int(p)): round(b / 2**30, 2) for p, b in sorted(peaks.items())}
+
+
+def allocator_gib_by_phase(peaks: dict[Phase, tuple[int, int]]) -> dict[str, dict[str, float]]:
+    """{"1": {"allocated": GiB, "reserved": GiB}, ...}: `PhaseMemory.allocator_peaks` as results write them."""
+    return {str(int(p)): {"allocated": round(a / 2**30, 2), "reserved": round(r / 2**30, 2)}
+            for p, (a, r) in sorted(peaks.items())}  # fmt: skip
 
 
 def chain(*hooks):

@@ -26,7 +26,7 @@ def test_on_the_cpu_the_probe_records_nothing():
     with PhaseMemory(torch.device("cpu")) as memory:
         memory.before(op_in(Phase.ROLLOUT))
         memory.after(op_in(Phase.ROLLOUT))
-    assert memory.peaks() == {}
+    assert memory.peaks() == {} and memory.allocator_peaks() == {}
 
 
 @pytest.mark.gpu
@@ -49,3 +49,7 @@ def test_each_phase_sees_what_the_device_held_during_it():
     peaks = memory.peaks()
     assert peaks[Phase.TRAIN] - peaks[Phase.ROLLOUT] >= 4 << 30
     assert abs(peaks[Phase.UPDATE] - peaks[Phase.ROLLOUT]) < 1 << 30
+    allocator = memory.allocator_peaks()  # exact, per phase: the 4 GiB counts in the train phase only
+    assert allocator[Phase.TRAIN][0] - allocator[Phase.ROLLOUT][0] >= 4 << 30
+    assert allocator[Phase.TRAIN][1] >= allocator[Phase.TRAIN][0]
+    assert allocator[Phase.TRAIN][0] - allocator[Phase.UPDATE][0] >= 4 << 30  # freed before the update phase
