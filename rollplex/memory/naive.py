@@ -31,12 +31,14 @@ def naive_rows(c: Context) -> list[NaiveRow]:
 
 def _counted(o: MemObject) -> bool:
     """Model state, activations, boundaries, rollout state and the reserve; not the small data tensors,
-    the offloaded prefix state, the in-flight layer or our scoring attention's per-row prompt KV, which the
-    paper's table does not list either (its implementation attends without repeating the prompt's KV)."""
+    the offloaded prefix state, the in-flight layer, our scoring attention's per-row prompt KV or the boundary
+    KV's gradient, which the paper's table does not list either (its implementation attends without repeating
+    the prompt's KV, and it lists the boundary once)."""
     if o.role == "data" or o.component in (
         "prefix saved tensors",
         "prefix, one layer in flight",
         "suffix attention KV",
+        "boundary KV gradient",
     ):
         return False
     return o.component != "boundary log-probs" and (o.cls is not TensorClass.PHASE_LOCAL or o.bytes > 0)

@@ -254,6 +254,9 @@ def _boundary(c: Context, role: Role) -> Iterator[MemObject]:
         yield MemObject(role.value, "boundary KV", TensorClass.BOUNDARY, kv, live, Residency.ABSENT)
         lp = g.prompts_per_rank * (t.vocab_size // g.train_tp) * S.FP32
         yield MemObject(role.value, "boundary log-probs", TensorClass.BOUNDARY, lp, live, Residency.ABSENT)
+        backward = frozenset(role_steps(c, role, kinds=(NodeKind.BACKWARD,)))
+        if backward:  # the suffix backwards sum into a gradient as large as the KV, until the prefix backward reads it
+            yield MemObject(role.value, "boundary KV gradient", TensorClass.PHASE_LOCAL, kv, backward, Residency.ABSENT)
 
 
 def _shares(c: Context) -> bool:

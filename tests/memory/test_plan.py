@@ -117,6 +117,16 @@ def test_rollout_kv_lives_only_while_decoding_and_boundaries_bridge_phase_1_to_2
         assert phases == {Phase.ROLLOUT, Phase.TRAIN}
 
 
+def test_the_actors_boundary_kv_gradient_is_counted_while_its_backward_runs_and_not_in_the_naive_table():
+    plan = tiny()
+    (kv,) = objects(plan, "actor", "boundary KV")
+    (grad,) = objects(plan, "actor", "boundary KV gradient")
+    backward = {s.index for s in steps(plan.graph) if "actor_backward" in s.ops}
+    assert grad.bytes == kv.bytes > 0 and grad.live == backward
+    assert not objects(plan, "reference", "boundary KV gradient")  # frozen: no gradient reaches its boundary
+    assert not [r for r in plan.naive if r.component == "boundary KV gradient"]
+
+
 def test_serial_frees_rollout_kv_before_the_prefixes_run():
     plan = tiny(schedule="serial")
     (kv,) = objects(plan, "rollout", "KV cache")
