@@ -108,9 +108,11 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
     from rollplex.executors.bench import (
+        NoiseFloor,
         baseline_key,
         compare,
         load_baseline,
+        noise_floor_grads,
         policy_label,
         run_schedule,
         save_baseline,
@@ -164,16 +166,25 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             except ValueError as e:
                 raise SpecError("", f"--serial-from: {e}") from None
             print(f"rollplex bench: serial from {args.serial_from} ({serial_command})", file=sys.stderr)
-            baselines[remote] = serial, None, floor
+            if args.noise_floor and floor is None:
+                print(f"rollplex bench: {args.serial_from} holds no noise floor (saved without --noise-floor)",
+                      file=sys.stderr)  # fmt: skip
+            baselines[remote] = serial, None, floor if args.noise_floor else None
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
             serial = run_schedule(serial_spec(variant), Schedule.SERIAL, args.steps, args.warmup, batches)
             floor = None
             if args.noise_floor:  # serial's first step again, grouped as rollplex groups its prefixes
-                print(f"rollplex bench: serial's first step with rollplex's grouping{where} (noise floor)",
-                      file=sys.stderr)  # fmt: skip
-                floor = run_schedule(variant, Schedule.SERIAL, 1, 0, batches).first_grads
+                per_chunk = variant.spec.sharing.prompts_per_chunk or "all"
+                print(f"rollplex bench: serial's first step, {per_chunk} prompts per chunk as rollplex{where}"
+                      " (noise floor)", file=sys.stderr)  # fmt: skip
+                grads = noise_floor_grads(serial, run_schedule(variant, Schedule.SERIAL, 1, 0, batches))
+                if grads is None:
+                    print("rollplex bench: the noise-floor run sampled other tokens than serial: no floor",
+                          file=sys.stderr)  # fmt: skip
+                else:
+                    floor = NoiseFloor(grads, variant.spec.sharing.prompts_per_chunk)
             if args.save_serial:
                 save_baseline(Path(args.save_serial), serial, identity, command, floor)
             unsplit = None
@@ -182,10 +193,16 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
                 unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup, batches)
             baselines[remote] = serial, unsplit, floor
         serial, unsplit, floor = baselines[remote]
+        if floor is not None and floor.prompts_per_chunk != variant.spec.sharing.prompts_per_chunk:
+            print(f"rollplex bench: the noise floor was measured with {floor.prompts_per_chunk or 'all'} prompts per "
+                  "chunk, not rollplex's: no floor", file=sys.stderr)  # fmt: skip
+            floor = None
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
-        result = compare(variant, serial, rollplex, command, serial_spec(variant), floor)
+        result = compare(
+            variant, serial, rollplex, command, serial_spec(variant), None if floor is None else floor.grads
+        )
         result["serial_from"] = args.serial_from  # None: serial ran in this bench
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         keys = ("max_param_relative_difference", "first_step_grad_relative_difference", "grad_noise_floor")

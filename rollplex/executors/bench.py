@@ -206,26 +206,33 @@ def baseline_key(loaded: LoadedSpec, steps: int, warmup: int) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def save_baseline(
-    path: Path, run: ScheduleRun, key: str, command: str, floor_grads: torch.Tensor | None = None
-) -> None:
+@dataclass(frozen=True)
+class NoiseFloor:
+    """Serial's first-step gradient sketch rerun with rollplex's prefix grouping (`prompts_per_chunk`, None: all)."""
+
+    grads: torch.Tensor
+    prompts_per_chunk: int | None
+
+
+def save_baseline(path: Path, run: ScheduleRun, key: str, command: str, floor: NoiseFloor | None = None) -> None:
     """A serial run for later benches of other policies (`--serial-from`): everything but the final weights,
-    and its noise floor's gradient sketch when the bench measured one."""
+    and its noise floor when the bench measured one."""
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "params"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"key": key, "command": command, "gpu": _gpu_name(), "run": fields, "floor_grads": floor_grads}
-    torch.save(document, path)
+    floor_doc = None if floor is None else dataclasses.asdict(floor)
+    torch.save({"key": key, "command": command, "gpu": _gpu_name(), "run": fields, "floor": floor_doc}, path)
 
 
-def load_baseline(path: Path, key: str) -> tuple[ScheduleRun, str, torch.Tensor | None]:
-    """The serial run saved at `path`, its command and noise-floor sketch (None if not measured); a ValueError
+def load_baseline(path: Path, key: str) -> tuple[ScheduleRun, str, NoiseFloor | None]:
+    """The serial run saved at `path`, its command and noise floor (None if not measured); a ValueError
     unless it was measured as this bench would measure it (`baseline_key`) on this kind of GPU."""
     saved = torch.load(path, weights_only=False)
     if saved["key"] != key:
         raise ValueError(f"{path} was measured under another spec, grouping or step count ({saved['command']})")
     if saved["gpu"] != _gpu_name():
         raise ValueError(f"{path} was measured on {saved['gpu']}, this is {_gpu_name()}")
-    return ScheduleRun(**saved["run"]), saved["command"], saved.get("floor_grads")
+    floor = saved.get("floor")
+    return ScheduleRun(**saved["run"]), saved["command"], None if floor is None else NoiseFloor(**floor)
 
 
 def _gpu_name() -> str:
@@ -353,15 +360,23 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 
 FLOOR_MARGIN = 2.0  # rollplex's gradient difference from serial may reach this multiple of serial's own
+FLOOR_CAP = 5.0  # ... but never more than this multiple of the dtype's tolerance: a larger floor is a bug
 
 
 def updates_match(rollouts_match: bool, grad_difference: float, dtype: str, noise_floor: float | None = None) -> bool:
     """The first step's rollouts are the same tokens and its gradients agree within the dtype's rounding: the
     dtype's tolerance, or FLOOR_MARGIN times the measured noise floor where that is larger (rollplex adds its own
-    rounding differences, the SM partition's kernels and run-to-run atomics, to the grouping's)."""
-    measured = noise_floor is not None and math.isfinite(noise_floor)
-    bound = max(tolerance(dtype), FLOOR_MARGIN * noise_floor) if measured else tolerance(dtype)
+    rounding differences, the SM partition's kernels and run-to-run atomics, to the grouping's), up to FLOOR_CAP
+    times the tolerance (a floor that large means the grouping itself changes the gradient: nothing is widened)."""
+    bound = tolerance(dtype)
+    if noise_floor is not None and math.isfinite(noise_floor):
+        bound = min(max(bound, FLOOR_MARGIN * noise_floor), FLOOR_CAP * bound)
     return rollouts_match and grad_difference <= bound
+
+
+def noise_floor_grads(serial: ScheduleRun, rerun: ScheduleRun) -> torch.Tensor | None:
+    """The rerun's first-step gradient sketch, when its rollout was serial's (other tokens: no floor at all)."""
+    return rerun.first_grads if same_rollout(serial.first_rollout, rerun.first_rollout) else None
 
 
 def tolerance(dtype: str) -> float:

@@ -111,7 +111,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
-                peak_allocated = max([peak_allocated, *(a for a, _ in memory.allocator_peaks().values())])
+                peak_allocated = max(peak_allocated, memory.high_water())
                 records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
             if log is not None:
                 log.write(records[-1])

@@ -36,6 +36,7 @@ class PhaseMemory:
         self.phase: Phase | None = None
         self._peaks: dict[Phase, int] = {}
         self._allocator: dict[Phase, tuple[int, int]] = {}  # (allocated, reserved) peaks
+        self._high_water = 0  # allocated bytes, max over every window between resets, phases or not
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -77,7 +78,14 @@ class PhaseMemory:
         """(allocated, reserved) peak bytes of the caching allocator per phase."""
         return dict(self._allocator)
 
+    def high_water(self) -> int:
+        """The allocator's peak allocated bytes since the last reset before the probe started (what
+        `torch.cuda.max_memory_allocated` would say without the probe's resets), up to the last phase change
+        or `close`."""
+        return self._high_water
+
     def _end_allocator_phase(self) -> None:
+        self._high_water = max(self._high_water, torch.cuda.max_memory_allocated(self.device))
         if self.phase is None:
             return
         allocated, reserved = self._allocator.get(self.phase, (0, 0))

@@ -248,7 +248,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _layer_kv(layer: nn.Module, cos: Tensor, sin: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_kv(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's)."""
     attention = LayerKV()
     return layer(x, cos, sin, attention), attention.key, attention.value
@@ -276,8 +276,9 @@ class _GroupPrefix:
                 if self.rerun is None:
                     self.x = layer(self.x, self.cos, self.sin, self.attention)
                     continue
-                unit = partial(_layer_kv, layer, self.cos, self.sin)
-                self.x, key, value = self.rerun(unit, self.x, layer.parameters())
+                self.x, key, value = self.rerun(
+                    partial(_layer_kv, layer), self.x, layer.parameters(), self.cos, self.sin
+                )
                 self.attention.keys.append(key)
                 self.attention.values.append(value)
 

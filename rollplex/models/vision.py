@@ -155,7 +155,7 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _block_unit(block: VisionBlock, cos: Tensor, sin: Tensor, groups: Sequence[Tensor], x: Tensor) -> tuple[Tensor]:
+def _block_unit(block: VisionBlock, x: Tensor, cos: Tensor, sin: Tensor, *groups: Tensor) -> tuple[Tensor]:
     """A vision block as a rerun unit (`rollplex.models.rerun`)."""
     return (block(x, cos, sin, groups),)
 
@@ -205,5 +205,5 @@ class VisionEncoder(nn.Module):
             if rerun is None:
                 x = block(x, cos, sin, groups)
             else:
-                (x,) = rerun(partial(_block_unit, block, cos, sin, groups), x, block.parameters())
+                (x,) = rerun(partial(_block_unit, block), x, block.parameters(), cos, sin, *groups)
         return self.merger(x)

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import torch
 
-from rollplex.executors.bench import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout, updates_match
+from rollplex.executors.bench import (
+    GRAD_SKETCH,
+    ScheduleRun,
+    grad_sketch,
+    noise_floor_grads,
+    relative_difference,
+    same_rollout,
+    updates_match,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
@@ -181,6 +189,16 @@ def test_a_measured_noise_floor_widens_the_gradient_tolerance_to_twice_itself_an
     assert updates_match(True, 0.009, "bfloat16", noise_floor=0.0)  # never below the dtype's tolerance
     assert not updates_match(True, 0.015, "bfloat16", noise_floor=float("inf"))  # an unmeasured floor widens nothing
     assert not updates_match(False, 0.0, "bfloat16", noise_floor=0.01)  # other tokens never match
+    assert updates_match(True, 0.04, "bfloat16", noise_floor=0.1) and not updates_match(True, 0.06, "bfloat16", 0.1)
+
+
+def test_a_noise_floor_run_that_sampled_other_tokens_gives_no_floor():
+    tokens, lens = torch.arange(12).view(1, 3, 4), torch.tensor([[4, 2, 3]])
+    serial = ScheduleRun(first_rollout=(tokens, lens), first_grads=torch.ones(3))
+    same = ScheduleRun(first_rollout=(tokens.clone(), lens.clone()), first_grads=torch.full((3,), 2.0))
+    other = ScheduleRun(first_rollout=(tokens + 1, lens), first_grads=torch.full((3,), 2.0))
+    assert torch.equal(noise_floor_grads(serial, same), same.first_grads)
+    assert noise_floor_grads(serial, other) is None
 
 
 def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path):
@@ -188,13 +206,16 @@ def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_pa
     proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
                  "--save-serial", str(baseline), "--out", str(first))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "noise floor" in proc.stderr
+    assert "serial's first step, 1 prompts per chunk as rollplex (noise floor)" in proc.stderr
     a = json.loads(first.read_text())
-    # serial grouped all prompts, its rerun one per chunk as rollplex: FP32 rounding apart, not more
+    # serial grouped all prompts, its rerun one per chunk as rollplex: FP32 rounding apart at most
     assert 0.0 <= a["grad_noise_floor"] < 1e-4 and a["updates_match"]
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--serial-from", str(baseline),
-                 "--policies", "inline", "--out", str(later))  # fmt: skip
+    later_args = ("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--serial-from", str(baseline),
+                  "--policies", "inline", "--out", str(later))  # fmt: skip
+    proc = bench(*later_args, "--noise-floor")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(later.read_text())["grad_noise_floor"] == a["grad_noise_floor"]
+    proc = bench(*later_args)  # a saved floor counts only when asked for
+    assert proc.returncode == 0 and json.loads(later.read_text())["grad_noise_floor"] is None
     proc = bench("--steps", "1", "--warmup", "0", "--out", str(tmp_path / "plain.json"))
     assert json.loads((tmp_path / "plain.json").read_text())["grad_noise_floor"] is None

@@ -34,6 +34,9 @@ def test_on_the_cpu_the_probe_records_nothing():
 def test_each_phase_sees_what_the_device_held_during_it():
     device = torch.device("cuda")
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before_any_phase = torch.empty(6 << 30, dtype=torch.uint8, device=device)  # 6 GiB before the probe's resets
+    del before_any_phase
     with PhaseMemory(device) as memory:
         memory.before(op_in(Phase.ROLLOUT))
         memory.after(op_in(Phase.ROLLOUT))
@@ -53,3 +56,4 @@ def test_each_phase_sees_what_the_device_held_during_it():
     assert allocator[Phase.TRAIN][0] - allocator[Phase.ROLLOUT][0] >= 4 << 30
     assert allocator[Phase.TRAIN][1] >= allocator[Phase.TRAIN][0]
     assert allocator[Phase.TRAIN][0] - allocator[Phase.UPDATE][0] >= 4 << 30  # freed before the update phase
+    assert memory.high_water() >= 6 << 30  # the peak before the first phase is not lost to the resets

@@ -51,6 +51,11 @@ def test_a_rerun_prefix_keeps_only_each_units_input(model, prompts):
                                                                    model.config.text.hidden_size)]  # fmt: skip
     assert len(inputs) >= units  # each unit's input (and what runs outside the units: embedding, merger, head)
     assert len(rerun) < len(plain) / 4
+    # the rotary tables and the vision attention's index groups are saved too (host offload sees them), not
+    # held by the unit's closure
+    text_rotary = [t for t in rerun if t.ndim == 4 and t.shape[1] == 1 and t.shape[-1] == model.config.text.head_dim]
+    index_groups = [t for t in rerun if t.dtype == torch.int64 and t.ndim == 2]
+    assert len(text_rotary) >= 2 * model.config.text.num_hidden_layers and index_groups
 
 
 def test_a_unit_whose_input_needs_no_gradient_still_trains_its_parameters():
