@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | policies3b STEPS SERIAL_GROUPING POLICY... | preset NAME | naive7b | run7b [ALLOC_CONF])
+#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | phase2 | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | policies3b STEPS SERIAL_GROUPING POLICY... | preset NAME | naive7b | run7b [ALLOC_CONF])
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -9,7 +9,7 @@
 # (clevrer, perception_test, star); `bench3b` one policy (default green:66, 3 steps: ~6-7 minutes with
 # serial; one serial and one rollplex run per call). Move what comes back into bench/results/ with the code's commit.
 set -u
-STAGE=${1:?stage: start, tests, profile [SCHEDULE [KERNELS]], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
+STAGE=${1:?stage: start, tests, phase2, profile [SCHEDULE [KERNELS]], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
 OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -20,6 +20,9 @@ case "$STAGE" in
   start)  # one call instead of two (each call pays the machine's start-up): the GPU tests, then the prefix profile
     TESTS_TIMEOUT=180 bash "$0" tests
     PROFILE_TIMEOUT=380 bash "$0" profile serial prefix ;;
+  phase2)  # why rollplex's post-rollout phases run faster than serial's: the reference suffix under both schedules
+    PROFILE_TIMEOUT=285 bash "$0" profile serial ref_score.suffix
+    PROFILE_TIMEOUT=285 bash "$0" profile rollplex ref_score.suffix ;;
   tests)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
