@@ -3,10 +3,15 @@ gradients as the plain attached prefix, only the units' inputs kept."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
+from rollplex.memory.host_pool import HostPool
+from rollplex.memory.offload import SavedTensorOffload
 from rollplex.models.chunks import drain
+from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rerun import Rerun
 
 
@@ -107,3 +112,59 @@ def test_a_unit_run_on_a_green_partition_is_backpropagated_on_the_reruns_stream(
     del x, y, grads
     torch.cuda.synchronize()
     del partition
+
+
+def prefix_gradients_beside(config, prompts, device: str, beside: bool) -> dict[str, torch.Tensor]:
+    """As the runtime runs the actor prefix beside decode: one prompt per group, chunk by chunk on a side stream
+    (a green partition on a GPU), saved tensors offloaded to a host pool, units rerun on the trainer's stream;
+    then a loss on the boundary and its backward on the trainer's stream. Without `beside`: plainly."""
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(config, device=device)
+    cuda = device == "cuda"
+    trainer = torch.cuda.current_stream() if cuda else None
+    side = None
+    if beside and cuda:
+        from rollplex.executors.policies import make_prefix_streams
+
+        side = make_prefix_streams("green", 66, torch.device("cuda"))
+    with HostPool(64 << 20, pin=cuda) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters()) if beside else nullcontext()
+        rerun = Rerun(trainer) if beside else None
+        chunks = model.prefix_chunks(prompts, attached=True, prompts_per_chunk=1, rerun=rerun)
+        while True:
+            with torch.cuda.stream(side.stream) if side is not None else nullcontext(), offload:
+                try:
+                    next(chunks)
+                except StopIteration as done:
+                    boundary = done.value
+                    break
+        if side is not None:
+            trainer.wait_stream(side.stream)
+        weights = [torch.linspace(-1, 1, k.numel(), device=device).view_as(k) for k in boundary.keys]
+        pairs = zip(boundary.keys, boundary.values, weights, strict=True)
+        loss = sum((k.float() * w).sum() + (v.float() * w).sum() for k, v, w in pairs)
+        (loss + boundary.first_logprobs.sum()).backward()
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+        del boundary, loss, weights, chunks
+    if cuda:
+        torch.cuda.synchronize()
+    del side  # after every tensor that recorded its stream
+    return grads
+
+
+def test_a_prefix_beside_with_offload_and_reruns_gives_the_plain_gradients(config, prompts):
+    plain = prefix_gradients_beside(config, prompts, "cpu", beside=False)
+    beside = prefix_gradients_beside(config, prompts, "cpu", beside=True)
+    assert plain.keys() == beside.keys()
+    for name, g in plain.items():
+        assert torch.equal(g, beside[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_prefix_on_a_green_partition_with_offload_and_reruns_gives_the_plain_gradients(config, prompts):
+    plain = prefix_gradients_beside(config, prompts, "cuda", beside=False)
+    beside = prefix_gradients_beside(config, prompts, "cuda", beside=True)
+    assert plain.keys() == beside.keys()
+    for name, g in plain.items():  # atomics in some backward kernels: equal within FP32 rounding, not bitwise
+        torch.testing.assert_close(beside[name], g, rtol=1e-4, atol=1e-6, msg=name)
