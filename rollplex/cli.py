@@ -107,15 +107,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
+    from rollplex.executors.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
     from rollplex.executors.bench import (
-        NoiseFloor,
-        baseline_key,
         compare,
-        load_baseline,
         noise_floor_grads,
         policy_label,
         run_schedule,
-        save_baseline,
         updates_match,
         with_prompts_per_chunk,
         with_unsplit,

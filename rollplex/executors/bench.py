@@ -18,22 +18,20 @@ and the next rollout samples from slightly different weights.
 Each schedule's device memory is probed per phase (`memprobe.py`: the driver's used bytes, so VMM regions and
 the runtime count as in the plan) and reported beside the compiled plan's peak of that phase. Several GPU
 sharing policies share one serial run (`--policies`: one rollplex run per policy, `with_policy`).
-Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`).
+Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`), serial runs saved for later benches
+(`baseline.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import math
 import statistics
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -149,7 +147,7 @@ def compare(
     floor = relative_difference(serial.first_grads, floor_grads) if floor_grads is not None else None
     decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
     return {
-        "gpu": _gpu_name(),
+        "gpu": gpu_name(),
         "model": spec.model,
         "workload": spec.workload.model_dump(),
         "memory": spec.memory.model_dump(),  # the settings a result depends on, beside the command
@@ -195,50 +193,7 @@ def compare(
     }
 
 
-def baseline_key(loaded: LoadedSpec, steps: int, warmup: int) -> str:
-    """What a serial baseline depends on: the spec less rollplex's own sharing settings (serial's prefix
-    grouping and whether rollout runs in its own process stay in), and the step counts."""
-    spec = loaded.spec
-    sharing = spec.sharing.model_dump(include={"prompts_per_chunk", "layers_per_chunk"})
-    document = {
-        "spec": spec.model_dump(mode="json", exclude={"sharing", "schedule"}),
-        "sharing": sharing | {"rollout_in_own_process": spec.sharing.policy == "mps"},
-        "steps": steps,
-        "warmup": warmup,
-    }
-    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class NoiseFloor:
-    """Serial's first-step gradient sketch rerun with rollplex's prefix grouping (`prompts_per_chunk`, None: all)."""
-
-    grads: torch.Tensor
-    prompts_per_chunk: int | None
-
-
-def save_baseline(path: Path, run: ScheduleRun, key: str, command: str, floor: NoiseFloor | None = None) -> None:
-    """A serial run for later benches of other policies (`--serial-from`): everything but the final weights,
-    and its noise floor when the bench measured one."""
-    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "params"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    floor_doc = None if floor is None else dataclasses.asdict(floor)
-    torch.save({"key": key, "command": command, "gpu": _gpu_name(), "run": fields, "floor": floor_doc}, path)
-
-
-def load_baseline(path: Path, key: str) -> tuple[ScheduleRun, str, NoiseFloor | None]:
-    """The serial run saved at `path`, its command and noise floor (None if not measured); a ValueError
-    unless it was measured as this bench would measure it (`baseline_key`) on this kind of GPU."""
-    saved = torch.load(path, weights_only=False)
-    if saved["key"] != key:
-        raise ValueError(f"{path} was measured under another spec, grouping or step count ({saved['command']})")
-    if saved["gpu"] != _gpu_name():
-        raise ValueError(f"{path} was measured on {saved['gpu']}, this is {_gpu_name()}")
-    floor = saved.get("floor")
-    return ScheduleRun(**saved["run"]), saved["command"], None if floor is None else NoiseFloor(**floor)
-
-
-def _gpu_name() -> str:
+def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 

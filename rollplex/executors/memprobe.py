@@ -85,12 +85,12 @@ class PhaseMemory:
         return self._high_water
 
     def _end_allocator_phase(self) -> None:
-        self._high_water = max(self._high_water, torch.cuda.max_memory_allocated(self.device))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._high_water = max(self._high_water, peak)
         if self.phase is None:
             return
         allocated, reserved = self._allocator.get(self.phase, (0, 0))
-        self._allocator[self.phase] = (max(allocated, torch.cuda.max_memory_allocated(self.device)),
-                                       max(reserved, torch.cuda.max_memory_reserved(self.device)))  # fmt: skip
+        self._allocator[self.phase] = (max(allocated, peak), max(reserved, torch.cuda.max_memory_reserved(self.device)))
 
     def _sample_until_stopped(self) -> None:
         torch.cuda.set_device(self.device)

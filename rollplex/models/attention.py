@@ -55,28 +55,16 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
 
 
 class CausalAttention:
-    """Causal self-attention of right-padded sequences: a real token never sees the padding after it.
-
-    With `record`, keeps each layer's (post-rotary) K and V [B, kv_heads, L, D] in `keys` / `values`, once:
-    a checkpointed layer rerun by backward calls it again, and those K and V are not kept (they would stay
-    alive, one more copy per layer, until the whole backward ends).
-    """
-
-    def __init__(self, *, record: bool = False) -> None:
-        self.record = record
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
+    """Causal self-attention of right-padded sequences: a real token never sees the padding after it."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.record and layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class LayerKV(CausalAttention):
-    """`CausalAttention` of a single layer call, keeping that call's K and V (`key`, `value`) whatever the layer:
-    a unit rerun on its own (`rollplex.models.rerun`) returns them as outputs of its own."""
+    """`CausalAttention` of a single layer call that keeps the call's (post-rotary) K and V [B, kv_heads, L, D]
+    in `key` and `value`: the prefix returns them as the layer's outputs of their own (the boundary's KV). A
+    checkpoint's rerun of the layer overwrites them here, never in the boundary."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.key, self.value = k, v

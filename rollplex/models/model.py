@@ -255,12 +255,13 @@ def _layer_kv(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
 
 
 class _GroupPrefix:
-    """The prefix state of one group of prompts between chunks: hidden states, rotary tables, recorded KV."""
+    """The prefix state of one group of prompts between chunks: hidden states, rotary tables, each layer's KV."""
 
     def __init__(self, model: Qwen2_5_VL, attached: bool, rerun: Rerun | None = None) -> None:
         self.model, self.num_prompts = model, 0
         self.mode = torch.enable_grad if attached else torch.no_grad
-        self.attention = CausalAttention(record=True)
+        self.keys: list[Tensor] = []  # each layer's K and V, as the boundary holds them
+        self.values: list[Tensor] = []
         self.rerun = rerun if attached else None
 
     def start(self, prompts: Sequence[Prompt], blocks_per_chunk: int) -> Generator[None, None, None]:
@@ -273,14 +274,13 @@ class _GroupPrefix:
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
             for layer in layers:
+                unit = partial(_layer_kv, layer)
                 if self.rerun is None:
-                    self.x = layer(self.x, self.cos, self.sin, self.attention)
-                    continue
-                self.x, key, value = self.rerun(
-                    partial(_layer_kv, layer), self.x, layer.parameters(), self.cos, self.sin
-                )
-                self.attention.keys.append(key)
-                self.attention.values.append(value)
+                    self.x, key, value = unit(self.x, self.cos, self.sin)
+                else:
+                    self.x, key, value = self.rerun(unit, self.x, layer.parameters(), self.cos, self.sin)
+                self.keys.append(key)
+                self.values.append(value)
 
     def boundary(self) -> Boundary:
         device = self.model.device
@@ -290,8 +290,8 @@ class _GroupPrefix:
             last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
             first_logprobs = torch.log_softmax(self.model.lm_head(last).float(), dim=-1)  # [P, V]
         return Boundary(
-            keys=tuple(self.attention.keys),
-            values=tuple(self.attention.values),
+            keys=tuple(self.keys),
+            values=tuple(self.values),
             first_logprobs=first_logprobs,
             next_positions=to_device(self.packed.next_positions, device),
             prompt_lens=lens,
