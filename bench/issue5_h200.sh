@@ -26,8 +26,8 @@ case "$STAGE" in
   tests)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
-      2>&1 | tail -40 > "$OUT/gpu_tests.log"
-    tail -5 "$OUT/gpu_tests.log" ;;
+      --tb=short -rfEs 2>&1 > "$OUT/gpu_tests.log"
+    tail -8 "$OUT/gpu_tests.log" ;;
   profile)
     SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
     KERNELS=${3:-actor_backward}

@@ -36,6 +36,14 @@ class PrefixStreams:
     def beside(self, jobs: Sequence[Generator]) -> Beside:
         return Beside(jobs, self.stream, self.choose)
 
+    def close(self) -> None:
+        """Call before the last reference to the green contexts goes. A tensor that recorded one of their streams
+        leaves an event in the caching allocator when freed; an event that outlives its context makes the
+        allocator's next query fail ("context is destroyed"). This waits for and frees every such event."""
+        if self.contexts:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
 
 def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device) -> PrefixStreams:
     if device.type != "cuda" or policy == "inline":

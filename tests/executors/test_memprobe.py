@@ -37,6 +37,7 @@ def test_each_phase_sees_what_the_device_held_during_it():
     torch.cuda.reset_peak_memory_stats(device)
     before_any_phase = torch.empty(6 << 30, dtype=torch.uint8, device=device)  # 6 GiB before the probe's resets
     del before_any_phase
+    torch.cuda.empty_cache()  # back to the driver: the 4 GiB below must be new device memory, not this block
     with PhaseMemory(device) as memory:
         memory.before(op_in(Phase.ROLLOUT))
         memory.after(op_in(Phase.ROLLOUT))
