@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
-#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | phase2 | profile [SCHEDULE [KERNELS]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | policies3b STEPS SERIAL_GROUPING POLICY... | preset NAME | naive7b | run7b [ALLOC_CONF])
+#   bash bench/issue5_h200.sh STAGE      (STAGE: start | tests | phase2 | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]] | policies3b STEPS SERIAL_GROUPING POLICY... | preset NAME | naive7b | run7b [ALLOC_CONF])
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -9,7 +9,7 @@
 # (clevrer, perception_test, star); `bench3b` one policy (default green:66, 3 steps: ~6-7 minutes with
 # serial; one serial and one rollplex run per call). Move what comes back into bench/results/ with the code's commit.
 set -u
-STAGE=${1:?stage: start, tests, phase2, profile [SCHEDULE [KERNELS]], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
+STAGE=${1:?stage: start, tests, phase2, profile [SCHEDULE [KERNELS [GROUPING]]], bench3b [POLICY [STEPS]], preset NAME, naive7b or run7b}
 OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -31,8 +31,9 @@ case "$STAGE" in
   profile)
     SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
     KERNELS=${3:-actor_backward}
+    GROUPING=${4:+--prompts-per-chunk $4}  # the prefixes' prompt grouping (default: the spec's)
     timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --warmup 1 --top 25 \
-      --schedule "$SCHEDULE" --kernels "$KERNELS" 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log"
+      --schedule "$SCHEDULE" --kernels "$KERNELS" $GROUPING 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log"
     cat "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log" ;;
   bench3b)
     POLICY=${2:-green:66}  # SERIAL_GROUPING (4th): --serial-prompts-per-chunk, e.g. all (default: the spec's)

@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors import runtime, scoring
+from rollplex.executors.bench import with_prompts_per_chunk
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Op, Schedule
@@ -49,8 +50,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="kernels listed (0: no profiled step)")
     ap.add_argument("--schedule", default="serial", choices=[s.value for s in Schedule])
     ap.add_argument("--kernels", default="actor_backward", help="profile the ops whose id contains this")
+    ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
+    if args.prompts_per_chunk:
+        loaded = with_prompts_per_chunk(loaded, args.prompts_per_chunk)
     engines = build_engines(loaded, schedule=Schedule(args.schedule))
     g = compile_graph(loaded.spec, schedule=Schedule(args.schedule))
     spec = loaded.spec

@@ -11,10 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("schedule", ["serial", "rollplex"])
-def test_profile_step_times_every_op_of_either_schedule(schedule):
+@pytest.mark.parametrize("schedule, grouping", [("serial", ["--prompts-per-chunk", "all"]), ("rollplex", [])])
+def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
-               "--schedule", schedule, "--kernels", "ref_score.suffix", "--top", "3"]  # fmt: skip
+               "--schedule", schedule, "--kernels", "ref_score.suffix", "--top", "3", *grouping]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     timed = {line.split()[0] for line in out.stdout.splitlines() if line[:1].isalpha() and len(line.split()) == 5}
