@@ -150,6 +150,8 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
     if args.serial_from and not Path(args.serial_from).is_file():
         raise SpecError("", f"--serial-from {args.serial_from}: no such file")
+    if args.serial_only and (not args.save_serial or args.serial_from):
+        raise SpecError("", "--serial-only", "with --save-serial PATH and without --serial-from")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
@@ -184,6 +186,10 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
                     floor = NoiseFloor(grads, variant.spec.sharing.prompts_per_chunk)
             if args.save_serial:
                 save_baseline(Path(args.save_serial), serial, identity, command, floor)
+            if args.serial_only:
+                print(f"rollplex bench: serial saved to {args.save_serial}; time rollplex in a process of its own: "
+                      f"rollplex bench {args.spec} --serial-from {args.save_serial} ...", file=sys.stderr)  # fmt: skip
+                return 0
             unsplit = None
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
@@ -196,11 +202,18 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             floor = None
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
+        after_another = variant is not variants[0] or not args.serial_from
+        if after_another:
+            print("rollplex bench: an earlier schedule ran in this process, and the shapes it met are cached for "
+                  "this one (cuDNN attention plans, GEMM heuristics); for a fair figure time each in its own "
+                  "process (--serial-only --save-serial, then --serial-from, one policy each)",
+                  file=sys.stderr)  # fmt: skip
         rollplex = run_schedule(variant, Schedule.ROLLPLEX, args.steps, args.warmup, batches)
         result = compare(
             variant, serial, rollplex, command, serial_spec(variant), None if floor is None else floor.grads
         )
         result["serial_from"] = args.serial_from  # None: serial ran in this bench
+        result["after_another_schedule_in_process"] = after_another
         # under tensor parallelism each rank compared its own shards: the worst rank decides
         keys = ("max_param_relative_difference", "first_step_grad_relative_difference", "grad_noise_floor")
         for key in keys:  # None on every rank alike (no --noise-floor; final weights of a saved serial run)
@@ -286,6 +299,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="compare with the serial run a bench of the same spec, grouping and step counts saved "
         "(--save-serial) on this kind of GPU, instead of running serial again",
+    )
+    b.add_argument(
+        "--serial-only",
+        action="store_true",
+        help="run serial only and save it (--save-serial), so that each rollplex policy is timed later in a "
+        "process of its own (--serial-from): a schedule run after another in one process finds the shapes the "
+        "first met already cached",
     )
     b.add_argument(
         "--serial-prompts-per-chunk",

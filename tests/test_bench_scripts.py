@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,3 +23,18 @@ def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     # under rollplex the prefixes run beside decode: their befores all come before their afters
     assert {"rollout", "ref_score.prefix", "actor_score.prefix", "ref_score.suffix", "actor_backward"} <= timed
     assert "ref_score.suffix: " in out.stdout and "kernels" in out.stdout
+
+
+def test_sdpa_shapes_replays_a_steps_length_batches_and_needs_a_gpu():
+    spec = importlib.util.spec_from_file_location("sdpa_shapes", ROOT / "bench/sdpa_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt_lens, batches = module.step_shapes("llava_video", 0, prompts=8, samples=8)
+    assert len(prompt_lens) == 8 and min(prompt_lens) > 4000 and max(prompt_lens) < 8192  # ~5.9k-token videos
+    assert sum(rows for rows, _ in batches) == 64 and all(1 <= rows <= 8 for rows, _ in batches)
+    widths = [width for _, width in batches]
+    assert widths == sorted(widths, reverse=True)  # longest first, as scoring batches them
+    assert module.step_shapes("llava_video", 1, 8, 8) != (prompt_lens, batches)  # every step meets new shapes
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(ROOT / "bench/sdpa_shapes.py")], capture_output=True, text=True)
+        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr

@@ -165,10 +165,29 @@ def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_sp
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = json.loads(first.read_text()), json.loads(later.read_text())
     assert a["serial_from"] is None and b["serial_from"] == str(baseline)
+    assert a["after_another_schedule_in_process"] and not b["after_another_schedule_in_process"]
     assert b["step_s"]["serial"] == a["step_s"]["serial"] and b["phase_s"]["serial"] == a["phase_s"]["serial"]
     assert b["updates_match"] and b["first_step_grad_relative_difference"] == 0.0
     assert b["max_param_relative_difference"] is None  # final weights are not saved
     assert "serial from" in proc.stderr and "rollplex bench: serial," not in proc.stderr
+
+
+def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(tmp_path):
+    baseline, out = tmp_path / "serial.pt", tmp_path / "later.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline),
+                 "--out", str(tmp_path / "none.json"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert baseline.is_file() and not (tmp_path / "none.json").exists()
+    assert "rollplex bench: rollplex" not in proc.stderr
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["after_another_schedule_in_process"] is False
+    assert "an earlier schedule ran in this process" not in proc.stderr
+
+
+def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2():
+    proc = bench("--serial-only")
+    assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path):

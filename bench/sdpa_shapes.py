@@ -1,0 +1,163 @@
+"""What attention shapes met for the first time cost, per SDPA backend: a GRPO step's suffix and prefix calls.
+
+    python bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps 3 --out bench/results/sdpa_shapes_h200.json
+
+Every step of a video GRPO run meets attention shapes it has not met before: its prompts' lengths, its
+responses' lengths and the length batches scoring makes of them all change from step to step. cuDNN's
+attention builds an execution plan for each new shape on the host, and PyTorch caches it per process; the
+other backends have no per-shape plan. This replays the attention calls of `--steps` steps of a workload
+preset (prompt lengths of its rendered layouts, response lengths drawn from its distribution, grouped as
+`rollplex.executors.scoring.length_batches` groups them) with the runtime's shapes, once per backend, each
+backend in a process of its own (nothing cached from another backend):
+
+- suffix: per length batch, each decoder layer's joint call (queries [B, heads, T, D] over the prompt's KV
+  and their own, a [B, 1, T, S + T] mask), under no_grad (reference) and with its backward (actor);
+- prefix: per prompt, each layer's causal call [1, heads, L, D] over [1, kv_heads, L, D] (GQA), forward
+  and backward (the actor's prefix and its rerun).
+
+Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again
+(warm: kernel time and launch only), and their difference (the host's per-shape cost). `default` is torch's
+own choice. A backend that cannot run a call (flash with a mask) is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rollplex.data.presets import get_preset, sample_response_lengths
+from rollplex.executors.scoring import PADDING_WASTE, length_batches
+from rollplex.models.config import load_model_config
+
+BACKENDS = ("default", "cudnn", "efficient", "flash")
+
+
+def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """A step's prompt lengths and its length batches (rows, width) of responses, as the runtime forms them."""
+    preset = get_preset(preset_name)
+    prompt_lens = [preset.prompt_tokens(preset.layout(seed=step, index=i)) for i in range(prompts)]
+    lens = sample_response_lengths(preset, prompts * samples, seed=1000 + step).tolist()
+    batches = length_batches(lens, PADDING_WASTE, max_rows=samples)
+    return prompt_lens, [(len(b), max(lens[i] for i in b)) for b in batches]
+
+
+def backend_context(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "flash": SDPBackend.FLASH_ATTENTION}  # fmt: skip
+    return sdpa_kernel([chosen[name]]) if name in chosen else contextlib.nullcontext()
+
+
+def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool) -> None:
+    prompt_lens, batches = shapes
+    longest = max(prompt_lens)
+    for rows, width in batches:
+        q = torch.randn(rows, heads, width, dim, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+        kv = torch.randn(rows, kv_heads, longest + width, dim, device="cuda", dtype=torch.bfloat16)
+        k = kv.repeat_interleave(heads // kv_heads, dim=1).requires_grad_(train)
+        v = k.detach().clone().requires_grad_(train)
+        own = torch.ones(width, width, dtype=torch.bool, device="cuda").tril()
+        lens = torch.tensor([prompt_lens[i % len(prompt_lens)] for i in range(rows)], device="cuda")
+        prompt = torch.arange(longest, device="cuda") < lens[:, None]
+        mask = torch.cat([prompt[:, None, :].expand(rows, width, -1), own.expand(rows, -1, -1)], dim=-1)[:, None]
+        with torch.enable_grad() if train else torch.no_grad():
+            outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for _ in range(layers)]
+            if train:
+                torch.stack(outs).float().sum().backward()
+
+
+def prefix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int) -> None:
+    prompt_lens, _ = shapes
+    for length in prompt_lens:
+        q = torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) for _ in range(layers)]
+        torch.stack(outs).float().sum().backward()
+
+
+def timed(fn, *args) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(backend: str, args) -> dict:
+    """One backend's seconds per part: each step's new shapes (cold), then the last step's again (warm)."""
+    text = load_model_config(args.model).text
+    dims = (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
+    parts = {
+        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False),
+        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True),
+        "prefix": lambda s: prefix_calls(s, *dims),
+    }
+    torch.manual_seed(0)
+    suffix_calls(([64], [(1, 16)]), 1, *dims[1:], train=True)  # the CUDA context and first kernels
+    out = {}
+    for name, run in parts.items():
+        cold, warm = [], None
+        try:
+            with backend_context(backend):
+                for step in range(args.steps):
+                    shapes = step_shapes(args.preset, step, args.prompts, args.samples)
+                    cold.append(timed(run, shapes))
+                warm = timed(run, shapes)
+        except RuntimeError as e:  # e.g. no flash kernel for a masked call
+            out[name] = {"error": str(e).splitlines()[0][:160]}
+            continue
+        out[name] = {"cold_s": cold, "warm_s": warm, "per_shape_host_s": float(np.mean(cold)) - warm}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2_5_vl_3b")
+    ap.add_argument("--preset", default="llava_video")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--only", choices=BACKENDS, help=argparse.SUPPRESS)  # the child process of one backend
+    ap.add_argument("--out", help="JSON of every backend's seconds")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sdpa_shapes: needs a CUDA GPU")
+    if args.only:
+        print(json.dumps(measure(args.only, args)))
+        return
+    results = {}
+    for backend in args.backends:  # each in its own process: a backend's cache must not serve the next
+        child = [sys.executable, __file__, *sys.argv[1:], "--only", backend]
+        proc = subprocess.run(child, capture_output=True, text=True)
+        if proc.returncode != 0:
+            results[backend] = {"error": proc.stderr.strip().splitlines()[-1][:200] if proc.stderr else "failed"}
+            continue
+        results[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if args.out:
+        record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                  "model": args.model, "preset": args.preset, "steps": args.steps, "results": results}  # fmt: skip
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{'backend':<10} {'part':<13} {'cold s/step':>12} {'warm s':>8} {'host s/step':>12}")
+    for backend, parts in results.items():
+        for name, r in parts.items() if "error" not in parts else [("all", parts)]:
+            if "error" in r:
+                print(f"{backend:<10} {name:<13} {r['error']}")
+                continue
+            print(f"{backend:<10} {name:<13} {np.mean(r['cold_s']):>12.3f} {r['warm_s']:>8.3f} "
+                  f"{r['per_shape_host_s']:>12.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
