@@ -14,6 +14,12 @@ OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
+# CUDNN=off (environment): the 3B stages run a copy of the spec with run.cudnn_attention false, files tagged _nocudnn
+SPEC3B=specs/qwen2_5_vl_3b_h200.yaml; TAG=
+if [ "${CUDNN:-on}" = off ]; then
+  { cat "$SPEC3B"; printf 'run:\n  cudnn_attention: false\n'; } > specs/.qwen2_5_vl_3b_h200_nocudnn.yaml
+  SPEC3B=specs/.qwen2_5_vl_3b_h200_nocudnn.yaml; TAG=_nocudnn
+fi
 quiet() { grep -v -e USDT -e UserWarning -e "return Variable._execution_engine" -e "_warn_once"; }
 
 case "$STAGE" in
@@ -29,28 +35,28 @@ case "$STAGE" in
     SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
     KERNELS=${3:-actor_backward}
     GROUPING=${4:+--prompts-per-chunk $4}  # the prefixes' prompt grouping (default: the spec's)
-    timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --warmup 1 --top 25 \
-      --schedule "$SCHEDULE" --kernels "$KERNELS" $GROUPING 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log"
-    cat "$OUT/profile_3b_h200_${SCHEDULE}_$KERNELS.log" ;;
+    timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py "$SPEC3B" --warmup 1 --top 25 \
+      --schedule "$SCHEDULE" --kernels "$KERNELS" $GROUPING 2>&1 | quiet | tail -75 > "$OUT/profile_3b_h200${TAG}_${SCHEDULE}_$KERNELS.log"
+    cat "$OUT/profile_3b_h200${TAG}_${SCHEDULE}_$KERNELS.log" ;;
   bench3b)  # serial and rollplex each in a process of their own (a schedule run second in one process finds the
     # shapes the first met cached: cuDNN attention plans, GEMM heuristics). The serial run stays in
     # bench/baselines/ (git-ignored: it survives on a machine kept warm) for policies3b.
     POLICY=${2:-green:66}  # SERIAL_GROUPING (4th): --serial-prompts-per-chunk, e.g. all (default: the spec's)
     GROUPING=${4:+--serial-prompts-per-chunk $4}
     mkdir -p bench/baselines
-    timeout 330 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING --noise-floor \
-      --serial-only --save-serial bench/baselines/serial_3b_h200.pt 2>&1 | quiet > "$OUT/bench3b.log"
-    timeout 250 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "${3:-3}" --warmup 1 $GROUPING --noise-floor \
-      --serial-from bench/baselines/serial_3b_h200.pt --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" \
+    timeout 330 python3 -m rollplex bench "$SPEC3B" --steps "${3:-3}" --warmup 1 $GROUPING --noise-floor \
+      --serial-only --save-serial bench/baselines/serial_3b_h200$TAG.pt 2>&1 | quiet > "$OUT/bench3b.log"
+    timeout 250 python3 -m rollplex bench "$SPEC3B" --steps "${3:-3}" --warmup 1 $GROUPING --noise-floor \
+      --serial-from bench/baselines/serial_3b_h200$TAG.pt --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" \
       2>&1 | quiet >> "$OUT/bench3b.log"
     tail -12 "$OUT/bench3b.log" ;;
   policies3b)  # policies3b STEPS GROUPING POLICY...: rollplex only, one process per policy, against the serial run
     # a bench3b left in bench/baselines/ (this machine, kept warm; or carried) with the same STEPS and GROUPING
     STEPS=${2:?steps}; GROUPING=${3:?serial grouping (e.g. all)}; shift 3
     for POLICY in "$@"; do
-      timeout 280 python3 -m rollplex bench specs/qwen2_5_vl_3b_h200.yaml --steps "$STEPS" --warmup 1 \
-        --serial-prompts-per-chunk "$GROUPING" --serial-from bench/baselines/serial_3b_h200.pt --noise-floor \
-        --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_${POLICY//:/}" 2>&1 | quiet >> "$OUT/policies3b.log"
+      timeout 280 python3 -m rollplex bench "$SPEC3B" --steps "$STEPS" --warmup 1 \
+        --serial-prompts-per-chunk "$GROUPING" --serial-from bench/baselines/serial_3b_h200$TAG.pt --noise-floor \
+        --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" 2>&1 | quiet >> "$OUT/policies3b.log"
     done
     grep -e "x (ideal" -e Error -e error "$OUT/policies3b.log" | tail -12 ;;
   preset)  # as bench3b, 2 steps, for specs/qwen2_5_vl_3b_h200_NAME.yaml, serial grouping all prompts

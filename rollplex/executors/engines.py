@@ -94,6 +94,11 @@ def set_determinism(on: bool) -> None:
     torch.use_deterministic_algorithms(on)
 
 
+def set_cudnn_attention(on: bool) -> None:
+    """`run.cudnn_attention`, process-wide (torch's SDPA backend switch), set from the spec at every build."""
+    torch.backends.cuda.enable_cudnn_sdp(on)
+
+
 def set_expandable_segments(on: bool, device: torch.device) -> None:
     """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
     spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
@@ -127,6 +132,7 @@ def build_engines(
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     set_determinism(spec.run.deterministic)
+    set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     actor = _initial_model(loaded, device, tp)

@@ -196,6 +196,13 @@ class RunSpec(_Strict):
         "give bitwise the same weights. Off, the memory-efficient attention backward accumulates with atomics "
         "and weights differ at rounding level between runs. On costs some attention-backward speed.",
     )
+    cudnn_attention: bool = Field(
+        True,
+        description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
+        "build). cuDNN plans each new attention shape on the host (tens of ms) and keeps the plan for the process; "
+        "a GRPO step's prompts and length batches are new shapes at every step. false: flash and memory-efficient "
+        "kernels only, which plan nothing (bench/sdpa_shapes.py measures both on a GPU).",
+    )
 
 
 class SharingSpec(_Strict):

@@ -49,6 +49,15 @@ def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segment
     assert segment["is_expandable"] == expandable
 
 
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_resets_it(cudnn):
+    text = SPEC.format(kl=0.1, device="cpu").replace("run: {", f"run: {{cudnn_attention: {str(cudnn).lower()}, ")
+    build_engines(parse_spec(text))
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
+    build_engines(parse_spec(SPEC.format(kl=0.1, device="cpu")))  # the default: torch may choose cuDNN
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
     from rollplex.executors.engines import reference_paged_by_plan
     from rollplex.graph.plan import compile_plan
