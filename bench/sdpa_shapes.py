@@ -11,13 +11,16 @@ preset (prompt lengths of its rendered layouts, response lengths drawn from its 
 backend in a process of its own (nothing cached from another backend):
 
 - suffix: per length batch, each decoder layer's joint call (queries [B, heads, T, D] over the prompt's KV
-  and their own, a [B, 1, T, S + T] mask), under no_grad (reference) and with its backward (actor);
-- prefix: per prompt, each layer's causal call [1, heads, L, D] over [1, kv_heads, L, D] (GQA), forward
-  and backward (the actor's prefix and its rerun).
+  and their own, a [B, 1, T, S + T] mask; T is the batch's longest response less one), under no_grad
+  (reference) and checkpointed with its backward (actor: the forward runs twice, as in the runtime);
+- prefix: per prompt (rollplex's grouping), each layer's causal call [1, heads, L, D] over [1, kv_heads, L, D]
+  (GQA), forward and backward; prefix_all: the same for all prompts in one [P, heads, L_max, D] call
+  (serial's `all` grouping). The vision tower's attention is not replayed.
 
-Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again
-(warm: kernel time and launch only), and their difference (the host's per-shape cost). `default` is torch's
-own choice. A backend that cannot run a call (flash with a mask) is reported as such.
+Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again right
+after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
+own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math). A
+backend that cannot run a call (flash with a mask) is reported as such.
 """
 
 from __future__ import annotations
@@ -27,18 +30,20 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from rollplex.data.presets import get_preset, sample_response_lengths
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
 from rollplex.models.config import load_model_config
 
-BACKENDS = ("default", "cudnn", "efficient", "flash")
+BACKENDS = ("default", "nocudnn", "cudnn", "efficient", "flash")
 
 
 def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -53,71 +58,82 @@ def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tupl
 def backend_context(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "flash": SDPBackend.FLASH_ATTENTION}  # fmt: skip
-    return sdpa_kernel([chosen[name]]) if name in chosen else contextlib.nullcontext()
+    chosen = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+              "flash": [SDPBackend.FLASH_ATTENTION],
+              "nocudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}  # fmt: skip
+    return sdpa_kernel(chosen[name]) if name in chosen else contextlib.nullcontext()
 
 
-def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool) -> None:
+def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str) -> None:
     prompt_lens, batches = shapes
     longest = max(prompt_lens)
     for rows, width in batches:
-        q = torch.randn(rows, heads, width, dim, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-        kv = torch.randn(rows, kv_heads, longest + width, dim, device="cuda", dtype=torch.bfloat16)
+        tokens = max(width - 1, 1)  # the runtime scores responses[:, :-1] (token 0 comes from the boundary)
+        q = torch.randn(rows, heads, tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=train)
+        kv = torch.randn(rows, kv_heads, longest + tokens, dim, device=device, dtype=torch.bfloat16)
         k = kv.repeat_interleave(heads // kv_heads, dim=1).requires_grad_(train)
         v = k.detach().clone().requires_grad_(train)
-        own = torch.ones(width, width, dtype=torch.bool, device="cuda").tril()
-        lens = torch.tensor([prompt_lens[i % len(prompt_lens)] for i in range(rows)], device="cuda")
-        prompt = torch.arange(longest, device="cuda") < lens[:, None]
-        mask = torch.cat([prompt[:, None, :].expand(rows, width, -1), own.expand(rows, -1, -1)], dim=-1)[:, None]
-        with torch.enable_grad() if train else torch.no_grad():
-            outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for _ in range(layers)]
-            if train:
-                torch.stack(outs).float().sum().backward()
+        own = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+        lens = torch.tensor([prompt_lens[i % len(prompt_lens)] for i in range(rows)], device=device)
+        prompt = torch.arange(longest, device=device) < lens[:, None]
+        mask = torch.cat([prompt[:, None, :].expand(rows, tokens, -1), own.expand(rows, -1, -1)], dim=-1)[:, None]
+        if not train:
+            with torch.no_grad():
+                for _ in range(layers):
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            continue
+        outs = [checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, use_reentrant=False)
+                for _ in range(layers)]  # fmt: skip
+        torch.stack(outs).float().sum().backward()
 
 
-def prefix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int) -> None:
+def prefix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, device: str, grouped: bool = False) -> None:
     prompt_lens, _ = shapes
-    for length in prompt_lens:
-        q = torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    groups = [(len(prompt_lens), max(prompt_lens))] if grouped else [(1, length) for length in prompt_lens]
+    for batch, length in groups:
+        q = torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(batch, kv_heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
         outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) for _ in range(layers)]
         torch.stack(outs).float().sum().backward()
 
 
-def timed(fn, *args) -> float:
-    torch.cuda.synchronize()
+def timed(device: str, fn, *args) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn(*args)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
 def measure(backend: str, args) -> dict:
-    """One backend's seconds per part: each step's new shapes (cold), then the last step's again (warm)."""
+    """One backend's seconds per part: each step's new shapes (cold), then the same shapes again (warm)."""
     text = load_model_config(args.model).text
     dims = (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
     parts = {
-        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False),
-        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True),
-        "prefix": lambda s: prefix_calls(s, *dims),
+        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False, device=args.device),
+        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, device=args.device),
+        "prefix": lambda s: prefix_calls(s, *dims, device=args.device),
+        "prefix_all": lambda s: prefix_calls(s, *dims, device=args.device, grouped=True),
     }
     torch.manual_seed(0)
-    suffix_calls(([64], [(1, 16)]), 1, *dims[1:], train=True)  # the CUDA context and first kernels
+    tiny = ([64, 48], [(2, 17)])  # shapes no step has: the backend's first use, not a plan a step could reuse
     out = {}
     for name, run in parts.items():
-        cold, warm = [], None
+        cold, warm = [], []
         try:
             with backend_context(backend):
+                run(tiny)
                 for step in range(args.steps):
                     shapes = step_shapes(args.preset, step, args.prompts, args.samples)
-                    cold.append(timed(run, shapes))
-                warm = timed(run, shapes)
+                    cold.append(timed(args.device, run, shapes))
+                    warm.append(timed(args.device, run, shapes))
         except RuntimeError as e:  # e.g. no flash kernel for a masked call
-            out[name] = {"error": str(e).splitlines()[0][:160]}
+            out[name] = {"error": str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}
             continue
-        out[name] = {"cold_s": cold, "warm_s": warm, "per_shape_host_s": float(np.mean(cold)) - warm}
+        host = float(np.mean([c - w for c, w in zip(cold, warm, strict=True)]))
+        out[name] = {"cold_s": cold, "warm_s": warm, "per_shape_host_s": host}
     return out
 
 
@@ -130,32 +146,38 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--only", choices=BACKENDS, help=argparse.SUPPRESS)  # the child process of one backend
-    ap.add_argument("--out", help="JSON of every backend's seconds")
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)  # where that child writes its JSON
+    ap.add_argument("--out", help="JSON of every backend's seconds (written after each backend)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu: smoke run
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("sdpa_shapes: needs a CUDA GPU")
-    if args.only:
-        print(json.dumps(measure(args.only, args)))
+    if args.only:  # a child: its JSON to the parent's file, nothing to --out
+        Path(args.child_out).write_text(json.dumps(measure(args.only, args)))
         return
     results = {}
     for backend in args.backends:  # each in its own process: a backend's cache must not serve the next
-        child = [sys.executable, __file__, *sys.argv[1:], "--only", backend]
-        proc = subprocess.run(child, capture_output=True, text=True)
-        if proc.returncode != 0:
-            results[backend] = {"error": proc.stderr.strip().splitlines()[-1][:200] if proc.stderr else "failed"}
-            continue
-        results[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
-    if args.out:
-        record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-                  "model": args.model, "preset": args.preset, "steps": args.steps, "results": results}  # fmt: skip
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{'backend':<10} {'part':<13} {'cold s/step':>12} {'warm s':>8} {'host s/step':>12}")
+        with tempfile.TemporaryDirectory() as tmp:
+            child_out = Path(tmp) / "result.json"
+            child = [sys.executable, __file__, *sys.argv[1:], "--only", backend, "--child-out", str(child_out)]
+            proc = subprocess.run(child, capture_output=True, text=True)
+            try:
+                results[backend] = json.loads(child_out.read_text())
+            except (OSError, ValueError):
+                lines = proc.stderr.strip().splitlines()
+                results[backend] = {"error": (lines[-1] if lines else f"exit {proc.returncode}")[:200]}
+        if args.out:
+            gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+            record = {"gpu": gpu, "torch": torch.__version__, "command": " ".join(sys.argv), "model": args.model,
+                      "preset": args.preset, "steps": args.steps, "results": results}  # fmt: skip
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{'backend':<10} {'part':<13} {'cold s/step':>12} {'warm s/step':>12} {'host s/step':>12}")
     for backend, parts in results.items():
         for name, r in parts.items() if "error" not in parts else [("all", parts)]:
             if "error" in r:
                 print(f"{backend:<10} {name:<13} {r['error']}")
                 continue
-            print(f"{backend:<10} {name:<13} {np.mean(r['cold_s']):>12.3f} {r['warm_s']:>8.3f} "
+            print(f"{backend:<10} {name:<13} {np.mean(r['cold_s']):>12.3f} {np.mean(r['warm_s']):>12.3f} "
                   f"{r['per_shape_host_s']:>12.3f}")  # fmt: skip
 
 

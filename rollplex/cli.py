@@ -148,10 +148,10 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise SpecError("", "--save-serial / --serial-from", "one process, without --unsplit")
     if saved_baseline and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
         raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
-    if args.serial_from and not Path(args.serial_from).is_file():
-        raise SpecError("", f"--serial-from {args.serial_from}: no such file")
     if args.serial_only and (not args.save_serial or args.serial_from):
         raise SpecError("", "--serial-only", "with --save-serial PATH and without --serial-from")
+    if args.serial_from and not Path(args.serial_from).is_file():
+        raise SpecError("", f"--serial-from {args.serial_from}: no such file")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,17 @@ def test_sdpa_shapes_replays_a_steps_length_batches_and_needs_a_gpu():
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(ROOT / "bench/sdpa_shapes.py")], capture_output=True, text=True)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):
+    out = tmp_path / "sdpa.json"
+    command = [sys.executable, str(ROOT / "bench/sdpa_shapes.py"), "--device", "cpu", "--model", "tiny",
+               "--preset", "clevrer", "--steps", "1", "--prompts", "2", "--samples", "2",
+               "--backends", "default", "cudnn", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all"}
+    assert set(results["default"]) == parts
+    assert all(len(r["cold_s"]) == len(r["warm_s"]) == 1 for r in results["default"].values())
+    assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel

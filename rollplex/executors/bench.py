@@ -117,7 +117,7 @@ def run_schedule(
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
     out.params = {n: p.detach().to("cpu", copy=True) for n, p in engines.actor.named_parameters()}
-    engines.prefix_streams.close()  # while the engines' green contexts live: no allocator event may outlive them
+    engines.prefix_streams.free_allocator_events()  # while the engines' green contexts live
     return out
 
 

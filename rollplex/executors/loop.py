@@ -129,6 +129,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
             and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
         ):
             checkpointing.save(opts.out_dir, saved, engines)
+    engines.prefix_streams.free_allocator_events()  # a later run in this process may free what recorded them
     return records
 
 

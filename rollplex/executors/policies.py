@@ -36,10 +36,11 @@ class PrefixStreams:
     def beside(self, jobs: Sequence[Generator]) -> Beside:
         return Beside(jobs, self.stream, self.choose)
 
-    def close(self) -> None:
-        """Call before the last reference to the green contexts goes. A tensor that recorded one of their streams
-        leaves an event in the caching allocator when freed; an event that outlives its context makes the
-        allocator's next query fail ("context is destroyed"). This waits for and frees every such event."""
+    def free_allocator_events(self) -> None:
+        """Call before the last reference to the green contexts goes (it leaves them alive). A tensor that recorded
+        one of their streams leaves an event in the caching allocator when freed; an event that outlives its
+        context makes the allocator's next query fail ("context is destroyed"). This waits for and frees every
+        such event (on the current device: the one a process's engines use)."""
         if self.contexts:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

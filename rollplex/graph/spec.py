@@ -199,9 +199,10 @@ class RunSpec(_Strict):
     cudnn_attention: bool = Field(
         True,
         description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
-        "build). cuDNN plans each new attention shape on the host (tens of ms) and keeps the plan for the process; "
-        "a GRPO step's prompts and length batches are new shapes at every step. false: flash and memory-efficient "
-        "kernels only, which plan nothing (bench/sdpa_shapes.py measures both on a GPU).",
+        "build, and in the mps rollout process). cuDNN plans each new attention shape on the host (public reports: "
+        "tens of ms) and keeps the plan for the process; a GRPO step's prompts and length batches are new shapes at "
+        "every step. false: flash and memory-efficient kernels only, which plan nothing (bench/sdpa_shapes.py "
+        "measures both on a GPU).",
     )
 
 

@@ -6,7 +6,7 @@ keep the autograd graph back to the vision encoder; detached (reference, rollout
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +51,9 @@ class Boundary:
 def concat_boundaries(parts: list[Boundary]) -> Boundary:
     """One boundary of the prompts of every part, in order; KV right-padded (with zeros) to the longest prompt.
 
-    Autograd flows through (attached parts stay attached). KV comes out contiguous either way: a single part's
-    K and V are transposed views of the layers' projections, and the suffix of every schedule should read the
-    same layout (serial's one group of prompts and rollplex's groups of one prompt)."""
+    Autograd flows through (attached parts stay attached). A single part is returned as it is."""
     if len(parts) == 1:
-        b = parts[0]
-        return replace(b, keys=tuple(t.contiguous() for t in b.keys), values=tuple(t.contiguous() for t in b.values))
+        return parts[0]
     longest = max(p.max_prompt_len for p in parts)
 
     def cat(tensors: list[Tensor]) -> Tensor:

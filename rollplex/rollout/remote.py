@@ -74,6 +74,8 @@ class _Setup:
     storage: Tensor | None = None  # CPU: the shared-memory bytes themselves (torch's reductions share them)
     handles: str | None = None  # GPU: the socket of the `HandleServer` that sends the arena region
     num_threads: int = 1  # the parent's intra-op threads: CPU sums reduce in the same order on both sides
+    cudnn_attention: bool = True  # the parent's `run.cudnn_attention` and `run.deterministic`, as its engines set them
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class RemoteRollout:
         move_into(tensors, self.storage, slots)
         setup = _Setup(
             actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()),
-            num_threads=torch.get_num_threads(),
+            num_threads=torch.get_num_threads(), cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
         if self.device.type == "cuda":
             self._hand_over(setup, startup_timeout_s)
@@ -283,6 +286,7 @@ def _serve(conn, env: dict[str, str]) -> None:
     try:
         setup = conn.recv()
         torch.set_num_threads(setup.num_threads)  # not the inherited OMP_NUM_THREADS: the parent's own count
+        _apply_flags(setup)
         model, _arena = _attach(setup)  # the arena (GPU) must outlive the model
         rollout, stats = _engine(model)
     except Exception as error:
@@ -297,6 +301,14 @@ def _serve(conn, env: dict[str, str]) -> None:
         if isinstance(message, _Stop):
             return
         conn.send(_answer(message, rollout, stats, model.device))
+
+
+def _apply_flags(setup: _Setup) -> None:
+    """The parent's process-wide kernel choices, in the child: its prefill attends as the parent's would."""
+    torch.backends.cuda.enable_cudnn_sdp(setup.cudnn_attention)
+    if setup.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(setup.deterministic)
 
 
 def _answer(request: _Request, rollout: Callable[..., Rollout], stats: Callable[[], object | None], device) -> _Reply:

@@ -185,9 +185,23 @@ def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs
     assert "an earlier schedule ran in this process" not in proc.stderr
 
 
-def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2():
-    proc = bench("--serial-only")
-    assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path):
+    for flags in (["--serial-only"], ["--serial-only", "--save-serial", "a.pt", "--serial-from", "missing.pt"]):
+        proc = bench(*flags)
+        assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path):
+    baseline = tmp_path / "serial.pt"
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "p.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--policies", "inline", "streams",
+                 "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = (json.loads((tmp_path / f"p_{p}.json").read_text()) for p in ("inline", "streams"))
+    assert not first["after_another_schedule_in_process"] and second["after_another_schedule_in_process"]
+    assert proc.stderr.count("an earlier schedule ran in this process") == 1
 
 
 def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path):

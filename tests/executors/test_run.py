@@ -52,10 +52,13 @@ def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segment
 @pytest.mark.parametrize("cudnn", [False, True])
 def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_resets_it(cudnn):
     text = SPEC.format(kl=0.1, device="cpu").replace("run: {", f"run: {{cudnn_attention: {str(cudnn).lower()}, ")
-    build_engines(parse_spec(text))
-    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
-    build_engines(parse_spec(SPEC.format(kl=0.1, device="cpu")))  # the default: torch may choose cuDNN
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        build_engines(parse_spec(text))
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
+        build_engines(parse_spec(SPEC.format(kl=0.1, device="cpu")))  # the default: torch may choose cuDNN
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)  # whatever failed above, later tests see torch's default
 
 
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():

@@ -59,11 +59,3 @@ def test_an_attached_prefix_of_several_groups_drained_under_no_grad_stays_attach
     assert all(t.requires_grad for t in (*boundary.keys, *boundary.values, boundary.first_logprobs))
     (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
     assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
-
-
-@pytest.mark.parametrize("prompts_per_chunk", [None, 1])
-def test_the_boundary_kv_is_contiguous_whatever_the_grouping(model, prompts, prompts_per_chunk):
-    # serial's one group and rollplex's groups of one give the suffix the same layout (the layers' K and V are
-    # transposed views of their projections)
-    boundary, _ = drain(model.prefix_chunks(prompts, attached=True, prompts_per_chunk=prompts_per_chunk), True)
-    assert all(t.is_contiguous() for t in (*boundary.keys, *boundary.values))

@@ -110,7 +110,7 @@ def test_a_unit_run_on_a_green_partition_is_backpropagated_on_the_reruns_stream(
     torch.testing.assert_close(grads[1], linear.weight.grad)
     # tensors that recorded the partition's stream must go before its green context does
     del x, y, grads
-    partition.close()
+    partition.free_allocator_events()
 
 
 def prefix_gradients_beside(config, prompts, device: str, beside: bool) -> dict[str, torch.Tensor]:
@@ -146,7 +146,7 @@ def prefix_gradients_beside(config, prompts, device: str, beside: bool) -> dict[
         grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
         del boundary, loss, weights, chunks
     if side is not None:
-        side.close()  # after every tensor that recorded its stream
+        side.free_allocator_events()  # after every tensor that recorded its stream
     return grads
 
 

@@ -227,3 +227,15 @@ def test_on_a_gpu_the_child_samples_from_the_actors_vmm_pages(config, prompts):
                     for p in actor.parameters():
                         p.add_(0.5 * torch.randn_like(p))
         assert not torch.equal(outs[0].logprobs, outs[1].logprobs), "the child read the update in place"
+
+
+def test_the_child_takes_the_parents_attention_and_determinism_choices(config):
+    from rollplex.rollout.remote import _apply_flags, _Setup
+
+    setup = _Setup(config, torch.float32, "cpu", 0, (), cudnn_attention=False, deterministic=True)
+    try:
+        _apply_flags(setup)
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.use_deterministic_algorithms(False)
