@@ -61,6 +61,27 @@ def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_r
         torch.backends.cuda.enable_cudnn_sdp(True)  # whatever failed above, later tests see torch's default
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_attention_without_cudnn_runs_no_cudnn_kernel():
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    text = SPEC.format(kl=0.1, device="cuda").replace("run: {", "run: {cudnn_attention: false, ")
+    q = torch.randn(4, 16, 300, 128, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(4, 1, 300, 300, device="cuda") > 0.1  # the suffix's kind of call: a boolean mask
+    try:
+        build_engines(parse_spec(text))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            F.scaled_dot_product_attention(q, q[:, :2], q[:, :2], is_causal=True, enable_gqa=True)  # the prefix's
+            torch.cuda.synchronize()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and not [k for k in kernels if "cudnn" in k.lower()]
+
+
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
     from rollplex.executors.engines import reference_paged_by_plan
     from rollplex.graph.plan import compile_plan
