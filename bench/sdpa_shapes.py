@@ -19,7 +19,9 @@ backend in a process of its own (nothing cached from another backend):
 
 Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again right
 after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
-own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math). A
+own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math),
+`cudnn_pow2` cuDNN with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (plans keyed on power-of-2 lengths; not for calls
+with a mask, so the suffix should plan as before and the prefix once per length class). A
 backend that cannot run a call (flash with a mask) is reported as such.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +46,8 @@ from rollplex.data.presets import get_preset, sample_response_lengths
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
 from rollplex.models.config import load_model_config
 
-BACKENDS = ("default", "nocudnn", "cudnn", "efficient", "flash")
+BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "efficient", "flash")
+CHILD_ENV = {"cudnn_pow2": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}}  # cuDNN keyed on power-of-2 lengths (no mask)
 
 
 def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -58,9 +62,9 @@ def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tupl
 def backend_context(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    chosen = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-              "flash": [SDPBackend.FLASH_ATTENTION],
-              "nocudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}  # fmt: skip
+    cudnn, flash, efficient = SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
+    chosen = {"cudnn": [cudnn], "cudnn_pow2": [cudnn], "efficient": [efficient], "flash": [flash],
+              "nocudnn": [flash, efficient, SDPBackend.MATH]}  # fmt: skip
     return sdpa_kernel(chosen[name]) if name in chosen else contextlib.nullcontext()
 
 
@@ -160,7 +164,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             child_out = Path(tmp) / "result.json"
             child = [sys.executable, __file__, *sys.argv[1:], "--only", backend, "--child-out", str(child_out)]
-            proc = subprocess.run(child, capture_output=True, text=True)
+            env = {**os.environ, **CHILD_ENV.get(backend, {})}
+            proc = subprocess.run(child, capture_output=True, text=True, env=env)
             try:
                 results[backend] = json.loads(child_out.read_text())
             except (OSError, ValueError):
