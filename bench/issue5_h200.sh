@@ -43,9 +43,9 @@ serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: seria
 }
 
 case "$STAGE" in
-  start)  # one call instead of two (each call pays the machine's start-up): the GPU tests, then the prefix profile
-    TESTS_TIMEOUT=180 bash "$0" tests
-    PROFILE_TIMEOUT=380 bash "$0" profile serial prefix ;;
+  start)  # one call instead of two (each call pays the machine's start-up): the GPU tests, then sdpa
+    TESTS_TIMEOUT=130 bash "$0" tests
+    SDPA_TIMEOUT=420 bash "$0" sdpa ;;
   tests)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
@@ -82,7 +82,7 @@ case "$STAGE" in
       "$OUT/qwen2_5_vl_3b_h200_$NAME$TAG" "$OUT/bench_$NAME$TAG.log"
     tail -8 "$OUT/bench_$NAME$TAG.log" ;;
   sdpa)  # what new attention shapes cost per SDPA backend (each in its own process), the runtime's shapes
-    timeout 500 python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps 3 --out "$OUT/sdpa_shapes_3b_h200.json" 2>&1 \
+    timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps 3 --out "$OUT/sdpa_shapes_3b_h200.json" 2>&1 \
       | quiet | tail -20 | tee "$OUT/sdpa_shapes.log" ;;
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
