@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,37 @@ def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them
     assert set(results["default"]) == parts
     assert all(len(r["cold_s"]) == len(r["warm_s"]) == 1 for r in results["default"].values())
     assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel
+
+
+def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_serial_run(tmp_path):
+    # the script runs in a copy of the tree's specs with a stand-in python3 that prints its arguments
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    (tmp_path / "bench").mkdir()
+    shutil.copy(ROOT / "bench/issue5_h200.sh", tmp_path / "bench")
+    (tmp_path / "rollplex").mkdir()
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(
+        '#!/bin/bash\necho "python3 $*"\n[ "$FAIL" = 1 ] && [[ "$*" == *--serial-only* ]] && exit 1\nexit 0\n'
+    )
+    fake.chmod(0o755)
+    (tmp_path / "bench/baselines").mkdir()
+    stale = tmp_path / "bench/baselines/serial_3b_h200_nocudnn.pt"
+    stale.write_text("an earlier call's serial run")
+
+    def stage(*args: str, fail: bool = False) -> list[str]:
+        env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path),
+               "CUDNN": "off", "FAIL": "1" if fail else "0"}  # fmt: skip
+        proc = subprocess.run(["bash", "bench/issue5_h200.sh", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in (tmp_path / "bench3b.log").read_text().splitlines() if "rollplex bench" in line]
+
+    serial, rollplex = stage("bench3b", "green:33", "2", "all")
+    assert "--serial-only" in serial and "--policies green:33" in serial and "--serial-from" in rollplex
+    assert ".qwen2_5_vl_3b_h200_nocudnn.yaml" in serial and "_nocudnn_green33" in rollplex
+    assert "cudnn_attention: false" in (tmp_path / "specs/.qwen2_5_vl_3b_h200_nocudnn.yaml").read_text()
+    assert not stale.exists()  # removed before serial ran, so that no rollplex run can be compared with it
+    stale.write_text("an earlier call's serial run")
+    assert len(stage("bench3b", fail=True)) == 1 and not stale.exists()  # serial failed: no rollplex run
+    assert "no rollplex run" in (tmp_path / "bench3b.log").read_text()
