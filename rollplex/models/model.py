@@ -31,7 +31,7 @@ from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packing import pack
-from rollplex.models.rerun import Rerun
+from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
 from rollplex.models.vision import VisionEncoder, VisionMLP
@@ -275,10 +275,7 @@ class _GroupPrefix:
         with self.mode():
             for layer in layers:
                 unit = partial(_layer_kv, layer)
-                if self.rerun is None:
-                    self.x, key, value = unit(self.x, self.cos, self.sin)
-                else:
-                    self.x, key, value = self.rerun(unit, self.x, layer.parameters(), self.cos, self.sin)
+                self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin)
                 self.keys.append(key)
                 self.values.append(value)
 

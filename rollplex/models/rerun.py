@@ -50,6 +50,13 @@ class Rerun:
         return _Rerun.apply(unit, self.stream, torch.empty(0, requires_grad=True), x, *consts)
 
 
+def run_unit(
+    rerun: Rerun | None, unit: Unit, x: Tensor, params: Iterable[Tensor], *consts: Tensor
+) -> tuple[Tensor, ...]:
+    """`unit(x, *consts)`, under `rerun` when there is one (the prefix's vision blocks and decoder layers)."""
+    return unit(x, *consts) if rerun is None else rerun(unit, x, params, *consts)
+
+
 class _Rerun(torch.autograd.Function):
     @staticmethod
     def forward(

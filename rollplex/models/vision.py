@@ -19,7 +19,7 @@ from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
-from rollplex.models.rerun import Rerun
+from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import apply_rotary, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
@@ -202,8 +202,5 @@ class VisionEncoder(nn.Module):
             if index and index % blocks_per_chunk == 0:
                 yield
             groups = frames if index in self.config.fullatt_block_indexes else windows
-            if rerun is None:
-                x = block(x, cos, sin, groups)
-            else:
-                (x,) = rerun(partial(_block_unit, block), x, block.parameters(), cos, sin, *groups)
+            (x,) = run_unit(rerun, partial(_block_unit, block), x, block.parameters(), cos, sin, *groups)
         return self.merger(x)
