@@ -9,6 +9,9 @@ A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
   responses runs one masked SDPA call over [prompt KV repeated per sample for the call; own KV] (fused,
   memory-efficient kernels on a GPU); decoding with a cache computes the two parts apart and merges them
   exactly through their log-sum-exp (the cascade / merge-state trick), never expanding the prompt KV.
+Where SDPA runs on cuDNN, the fused calls pad their lengths to `attention_length` buckets: cuDNN plans every new
+shape on the host (~0.4-1.3 s per step's shapes on an H200, bench/results/sdpa_shapes_3b_h200.json) and every
+step of a run brings new lengths; padded, a run meets a few shapes per octave of length and plans them once.
 Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
 """
 
@@ -54,11 +57,64 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
 
 
+BUCKETS_PER_OCTAVE = 16  # padded lengths per power of two: at most 1/16 more tokens than the call has
+
+
+def attention_length(n: int) -> int:
+    """`n` rounded up to a multiple of 1/BUCKETS_PER_OCTAVE of the power of two at or below it (n <= 16: n)."""
+    step = max(1, (1 << (n.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+def plans_per_shape(q: Tensor) -> bool:
+    """Whether an SDPA call on q may run on cuDNN, which plans each new shape (`run.cudnn_attention`)."""
+    return q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def pad_length(x: Tensor, dim: int, length: int) -> Tensor:
+    """x with zeros appended along `dim` up to `length`."""
+    if x.shape[dim] == length:
+        return x
+    shape = list(x.shape)
+    shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, *, bucketed: bool) -> Tensor:
+    """Causal GQA attention q [B, heads, L, D] over k/v [B, kv_heads, L, D]. `bucketed`: the call runs at
+    `attention_length(L)`, zeros appended; a real query sees no appended key (they come after it), and the
+    appended queries' outputs are dropped, so the result is attention over the L tokens."""
+    length = q.shape[2]
+    padded = attention_length(length) if bucketed else length
+    q, k, v = (pad_length(x, 2, padded) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, :length]
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention q [B, heads, T, D] over k/v [B, heads, K, D] under `mask` [B, 1, T', K'] (True = may attend),
+    where T' >= T and K' >= K are the lengths the call runs at (from `padded_mask`): zeros are appended to q, k
+    and v and the appended queries' outputs dropped."""
+    num_tokens = q.shape[2]
+    q = pad_length(q, 2, mask.shape[2])
+    k, v = (pad_length(x, 2, mask.shape[3]) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, :num_tokens]
+
+
+def padded_mask(mask: Tensor) -> Tensor:
+    """A [B, 1, T, K] mask at `attention_length` lengths: appended keys masked; each appended query sees key 0
+    only (a query that sees no key may come out NaN, and a NaN's gradient would reach the real ones)."""
+    batch, _, num_tokens, num_keys = mask.shape
+    padded = mask.new_zeros(batch, 1, attention_length(num_tokens), attention_length(num_keys))
+    padded[:, :, :num_tokens, :num_keys] = mask
+    padded[:, :, num_tokens:, 0] = True
+    return padded
+
+
 class CausalAttention:
     """Causal self-attention of right-padded sequences: a real token never sees the padding after it."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return causal_sdpa(q, k, v, bucketed=plans_per_shape(q))
 
 
 class LayerKV(CausalAttention):
@@ -118,12 +174,15 @@ class SharedPrefixAttention:
             self._joint_mask = torch.cat(
                 [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
             )[:, None]  # [B, 1, T, S + T]
+            if plans_per_shape(q):
+                self._joint_mask = padded_mask(self._joint_mask)
         tensors = (q, k, v, keys, values)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return checkpoint(self._joint_sdpa, *tensors, use_reentrant=False)
         return self._joint_sdpa(*tensors)
 
     def _joint_sdpa(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """The fused call, at the mask's (perhaps padded) lengths."""
         per_head = q.shape[1] // keys.shape[1]
 
         def joined(prompt: Tensor, own: Tensor) -> Tensor:
@@ -133,7 +192,7 @@ class SharedPrefixAttention:
             whole = torch.cat([picked, own], dim=2)
             return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
 
-        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=self._joint_mask)
+        return masked_sdpa(q, joined(keys, k), joined(values, v), self._joint_mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rollplex.models.attention import SharedPrefixAttention, attend, merge_attention
+from rollplex.models import attention
+from rollplex.models.attention import SharedPrefixAttention, attend, attention_length, causal_sdpa, merge_attention
 from rollplex.models.boundary import Boundary
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -40,8 +42,33 @@ def test_shared_prefix_attention_equals_causal_attention_over_the_copied_prompt(
         assert torch.allclose(out[row], expected, atol=1e-6)
 
 
-def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gradients_are_exact():
-    num_prompts, num_tokens, prompt_lens = 2, 4, torch.tensor([5, 3])
+def test_attention_lengths_are_few_per_octave_and_waste_at_most_a_sixteenth():
+    lengths = range(1, 20000)
+    padded = [attention_length(n) for n in lengths]
+    assert all(n <= p <= n * (1 + 1 / 16) for n, p in zip(lengths, padded, strict=True))
+    assert padded == sorted(padded) and all(attention_length(p) == p for p in padded)  # monotone, idempotent
+    assert len({attention_length(n) for n in range(4097, 8193)}) == 16  # 4352, 4608, ..., 8192
+    assert attention_length(4910) == 5120 and attention_length(16) == 16
+
+
+def test_causal_attention_at_a_bucketed_length_equals_it_at_the_exact_length_gradients_included():
+    q = torch.randn(2, HEADS, 37, DIM, requires_grad=True)  # 37 tokens run as 38
+    k = torch.randn(2, KV_HEADS, 37, DIM, requires_grad=True)
+    v = torch.randn(2, KV_HEADS, 37, DIM, requires_grad=True)
+    outs = [causal_sdpa(q, k, v, bucketed=bucketed) for bucketed in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(outs[0])
+    exact, padded = (torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in outs)
+    for ours, theirs in zip(padded, exact, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gradients_are_exact(bucketed, monkeypatch):
+    if bucketed:  # as on a GPU with cuDNN attention, with buckets coarse enough to pad this call's 5 x 9
+        monkeypatch.setattr(attention, "plans_per_shape", lambda q: True)
+        monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)
+    num_prompts, num_tokens, prompt_lens = 2, 5, torch.tensor([5, 3])
     rows = torch.tensor([1, 0, 1])  # a batch mixing the prompts' responses, in any order
     keys = torch.randn(num_prompts, KV_HEADS, 5, DIM, requires_grad=True)
     values = torch.randn(num_prompts, KV_HEADS, 5, DIM, requires_grad=True)
@@ -52,7 +79,9 @@ def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gra
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         out = SharedPrefixAttention(boundary, 1, rows=rows)(0, q, k, v)
-    assert (3, HEADS, 5 + num_tokens, DIM) not in saved  # the gathered, head-repeated K and V are rebuilt
+    joint = 5 + num_tokens
+    for keys_saved in {joint, attention_length(joint)}:  # the gathered, head-repeated K and V are rebuilt
+        assert (3, HEADS, keys_saved, DIM) not in saved
     grads = torch.autograd.grad(out.square().sum(), (q, k, v, keys, values))
     rows_out = []
     for row in range(3):  # the oracle: each row over its own prompt's real keys, then its own causally
