@@ -94,3 +94,26 @@ def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gra
     oracle = torch.autograd.grad(torch.stack(rows_out).square().sum(), (q, k, v, keys, values))
     for ours, theirs in zip(grads, oracle, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_bucketed_cudnn_scoring_attention_equals_the_exact_lengths_and_stays_finite(monkeypatch):
+    torch.manual_seed(0)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    heads, kv_heads, dim, num_tokens = 16, 2, 128, 300  # 300 tokens run as 304, 700 + 300 keys as 1024
+    prompt_lens = torch.tensor([700, 650], device="cuda")
+    keys, values = (torch.randn(2, kv_heads, 700, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    boundary = Boundary((keys,), (values,), torch.zeros(2, 1, device="cuda"), prompt_lens, prompt_lens)
+    q = torch.randn(4, heads, num_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(4, kv_heads, num_tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    outs, grads = [], []
+    for bucketed in (False, True):
+        monkeypatch.setattr(attention, "plans_per_shape", lambda q, on=bucketed: on)
+        outs.append(SharedPrefixAttention(boundary, 2)(0, q, k, v))
+        grads.append(torch.autograd.grad(outs[-1].float().square().sum(), q)[0])
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grads[1], grads[0], rtol=5e-2, atol=5e-2)
+    prefix = [torch.randn(1, n, 600, dim, device="cuda", dtype=torch.bfloat16) for n in (heads, kv_heads, kv_heads)]
+    torch.testing.assert_close(causal_sdpa(*prefix, bucketed=True), causal_sdpa(*prefix, bucketed=False))
