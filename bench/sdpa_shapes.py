@@ -21,7 +21,9 @@ Per backend and part: seconds per step with new shapes (cold: what a run pays), 
 after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
 own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math),
 `cudnn_pow2` cuDNN with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (plans keyed on power-of-2 lengths; not for calls
-with a mask, so the suffix should plan as before and the prefix once per length class). A
+with a mask, so the suffix should plan as before and the prefix once per length class), `cudnn_bucketed`
+cuDNN through the runtime's calls at `attention_length` buckets (rollplex/models/attention.py: what a run on a
+GPU does), whose cold cost should fall as steps meet buckets already planned (`--steps` 6 or more). A
 backend that cannot run a call (flash with a mask) is reported as such.
 """
 
@@ -39,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rollplex.data.presets import get_preset, sample_response_lengths
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
+from rollplex.models.attention import causal_sdpa, masked_sdpa, padded_mask
 from rollplex.models.config import load_model_config
 
-BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "efficient", "flash")
+BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "cudnn_bucketed", "efficient", "flash")
 CHILD_ENV = {"cudnn_pow2": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}}  # cuDNN keyed on power-of-2 lengths (no mask)
 
 
@@ -63,12 +65,14 @@ def backend_context(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cudnn, flash, efficient = SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
-    chosen = {"cudnn": [cudnn], "cudnn_pow2": [cudnn], "efficient": [efficient], "flash": [flash],
-              "nocudnn": [flash, efficient, SDPBackend.MATH]}  # fmt: skip
+    chosen = {"cudnn": [cudnn], "cudnn_pow2": [cudnn], "cudnn_bucketed": [cudnn], "efficient": [efficient],
+              "flash": [flash], "nocudnn": [flash, efficient, SDPBackend.MATH]}  # fmt: skip
     return sdpa_kernel(chosen[name]) if name in chosen else contextlib.nullcontext()
 
 
-def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str) -> None:
+def suffix_calls(
+    shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str, bucketed: bool = False
+) -> None:
     prompt_lens, batches = shapes
     longest = max(prompt_lens)
     for rows, width in batches:
@@ -81,24 +85,26 @@ def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train
         lens = torch.tensor([prompt_lens[i % len(prompt_lens)] for i in range(rows)], device=device)
         prompt = torch.arange(longest, device=device) < lens[:, None]
         mask = torch.cat([prompt[:, None, :].expand(rows, tokens, -1), own.expand(rows, -1, -1)], dim=-1)[:, None]
+        mask = padded_mask(mask) if bucketed else mask
         if not train:
             with torch.no_grad():
                 for _ in range(layers):
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                    masked_sdpa(q, k, v, mask)
             continue
-        outs = [checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, use_reentrant=False)
-                for _ in range(layers)]  # fmt: skip
+        outs = [checkpoint(masked_sdpa, q, k, v, mask, use_reentrant=False) for _ in range(layers)]
         torch.stack(outs).float().sum().backward()
 
 
-def prefix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, device: str, grouped: bool = False) -> None:
+def prefix_calls(
+    shapes, layers: int, heads: int, kv_heads: int, dim: int, device: str, grouped: bool = False, bucketed: bool = False
+) -> None:
     prompt_lens, _ = shapes
     groups = [(len(prompt_lens), max(prompt_lens))] if grouped else [(1, length) for length in prompt_lens]
     for batch, length in groups:
         q = torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(batch, kv_heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
-        outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) for _ in range(layers)]
+        outs = [causal_sdpa(q, k, v, bucketed=bucketed) for _ in range(layers)]
         torch.stack(outs).float().sum().backward()
 
 
@@ -115,11 +121,12 @@ def measure(backend: str, args) -> dict:
     """One backend's seconds per part: each step's new shapes (cold), then the same shapes again (warm)."""
     text = load_model_config(args.model).text
     dims = (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
+    at = {"device": args.device, "bucketed": backend == "cudnn_bucketed"}
     parts = {
-        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False, device=args.device),
-        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, device=args.device),
-        "prefix": lambda s: prefix_calls(s, *dims, device=args.device),
-        "prefix_all": lambda s: prefix_calls(s, *dims, device=args.device, grouped=True),
+        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False, **at),
+        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, **at),
+        "prefix": lambda s: prefix_calls(s, *dims, **at),
+        "prefix_all": lambda s: prefix_calls(s, *dims, grouped=True, **at),
     }
     torch.manual_seed(0)
     tiny = ([64, 48], [(2, 17)])  # shapes no step has: the backend's first use, not a plan a step could reuse
