@@ -2,7 +2,7 @@
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
 #   bash bench/issue5_h200.sh STAGE
-#     start | tests | sdpa | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
+#     start | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME | naive7b
 #     | run7b [ALLOC_CONF]
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
@@ -81,9 +81,11 @@ case "$STAGE" in
     serial_then_rollplex "$(spec3b "specs/qwen2_5_vl_3b_h200_$NAME.yaml")" 2 all green:66 "/tmp/serial_$NAME.pt" \
       "$OUT/qwen2_5_vl_3b_h200_$NAME$TAG" "$OUT/bench_$NAME$TAG.log"
     tail -8 "$OUT/bench_$NAME$TAG.log" ;;
-  sdpa)  # what new attention shapes cost per SDPA backend (each in its own process), the runtime's shapes
-    timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps 3 --out "$OUT/sdpa_shapes_3b_h200.json" 2>&1 \
-      | quiet | tail -20 | tee "$OUT/sdpa_shapes.log" ;;
+  sdpa)  # sdpa [STEPS [BACKEND...]]: what new attention shapes cost per SDPA backend (each in its own process)
+    STEPS=${2:-3}; shift $(( $# < 2 ? $# : 2 ))  # the rest: backends (default: all)
+    NAME=sdpa_shapes_3b_h200${*:+_${STEPS}steps_$(echo "$*" | tr ' ' '_')}
+    timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps "$STEPS" \
+      ${*:+--backends "$@"} --out "$OUT/$NAME.json" 2>&1 | quiet | tail -20 | tee "$OUT/$NAME.log" ;;
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
       | quiet | tail -20 ;;

@@ -22,9 +22,9 @@ after (warm: kernels and launches), and the mean difference (the host's per-shap
 own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math),
 `cudnn_pow2` cuDNN with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (plans keyed on power-of-2 lengths; not for calls
 with a mask, so the suffix should plan as before and the prefix once per length class), `cudnn_bucketed`
-cuDNN through the runtime's calls at `attention_length` buckets (rollplex/models/attention.py: what a run on a
-GPU does), whose cold cost should fall as steps meet buckets already planned (`--steps` 6 or more). A
-backend that cannot run a call (flash with a mask) is reported as such.
+cuDNN with the prefix's calls at `attention_length` buckets (rollplex/models/attention.py: what a run on a GPU
+does; the suffix as `cudnn`), whose cold cost falls as steps meet buckets already planned (`--steps` 6 or more).
+A backend that cannot run a call (flash with a mask) is reported as such.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rollplex.data.presets import get_preset, sample_response_lengths
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
-from rollplex.models.attention import causal_sdpa, masked_sdpa, padded_mask
+from rollplex.models.attention import causal_sdpa
 from rollplex.models.config import load_model_config
 
 BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "cudnn_bucketed", "efficient", "flash")
@@ -70,9 +71,7 @@ def backend_context(name: str):
     return sdpa_kernel(chosen[name]) if name in chosen else contextlib.nullcontext()
 
 
-def suffix_calls(
-    shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str, bucketed: bool = False
-) -> None:
+def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str) -> None:
     prompt_lens, batches = shapes
     longest = max(prompt_lens)
     for rows, width in batches:
@@ -85,13 +84,13 @@ def suffix_calls(
         lens = torch.tensor([prompt_lens[i % len(prompt_lens)] for i in range(rows)], device=device)
         prompt = torch.arange(longest, device=device) < lens[:, None]
         mask = torch.cat([prompt[:, None, :].expand(rows, tokens, -1), own.expand(rows, -1, -1)], dim=-1)[:, None]
-        mask = padded_mask(mask) if bucketed else mask
         if not train:
             with torch.no_grad():
                 for _ in range(layers):
-                    masked_sdpa(q, k, v, mask)
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             continue
-        outs = [checkpoint(masked_sdpa, q, k, v, mask, use_reentrant=False) for _ in range(layers)]
+        outs = [checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, use_reentrant=False)
+                for _ in range(layers)]  # fmt: skip
         torch.stack(outs).float().sum().backward()
 
 
@@ -123,8 +122,8 @@ def measure(backend: str, args) -> dict:
     dims = (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
     at = {"device": args.device, "bucketed": backend == "cudnn_bucketed"}
     parts = {
-        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False, **at),
-        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, **at),
+        "ref_suffix": lambda s: suffix_calls(s, *dims, train=False, device=args.device),
+        "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, device=args.device),
         "prefix": lambda s: prefix_calls(s, *dims, **at),
         "prefix_all": lambda s: prefix_calls(s, *dims, grouped=True, **at),
     }

@@ -9,9 +9,12 @@ A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
   responses runs one masked SDPA call over [prompt KV repeated per sample for the call; own KV] (fused,
   memory-efficient kernels on a GPU); decoding with a cache computes the two parts apart and merges them
   exactly through their log-sum-exp (the cascade / merge-state trick), never expanding the prompt KV.
-Where SDPA runs on cuDNN, the fused calls pad their lengths to `attention_length` buckets: cuDNN plans every new
-shape on the host (~0.4-1.3 s per step's shapes on an H200, bench/results/sdpa_shapes_3b_h200.json) and every
-step of a run brings new lengths; padded, a run meets a few shapes per octave of length and plans them once.
+Where SDPA runs on cuDNN, the causal calls pad their length to `attention_length` buckets: cuDNN plans every
+new shape on the host and every step of a run brings new prompt lengths; padded, a run meets a few lengths per
+octave and plans each once (a 3B prefix's per-prompt calls: 1.1-1.3 s per step cold unpadded, 0.36-0.46 s from
+the third step padded, on an H200: bench/results/README.md, session 9). The scoring calls are not padded: their
+shapes (rows, response length, prompt + response length) did not repeat within 8 steps even padded, and the
+padding cost more than it saved there.
 Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
 """
 
@@ -71,43 +74,14 @@ def plans_per_shape(q: Tensor) -> bool:
     return q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
 
 
-def pad_length(x: Tensor, dim: int, length: int) -> Tensor:
-    """x with zeros appended along `dim` up to `length`."""
-    if x.shape[dim] == length:
-        return x
-    shape = list(x.shape)
-    shape[dim] = length - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, *, bucketed: bool) -> Tensor:
     """Causal GQA attention q [B, heads, L, D] over k/v [B, kv_heads, L, D]. `bucketed`: the call runs at
     `attention_length(L)`, zeros appended; a real query sees no appended key (they come after it), and the
     appended queries' outputs are dropped, so the result is attention over the L tokens."""
     length = q.shape[2]
-    padded = attention_length(length) if bucketed else length
-    q, k, v = (pad_length(x, 2, padded) for x in (q, k, v))
+    padding = (0, 0, 0, attention_length(length) - length if bucketed else 0)
+    q, k, v = (F.pad(x, padding) for x in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, :length]
-
-
-def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention q [B, heads, T, D] over k/v [B, heads, K, D] under `mask` [B, 1, T', K'] (True = may attend),
-    where T' >= T and K' >= K are the lengths the call runs at (from `padded_mask`): zeros are appended to q, k
-    and v and the appended queries' outputs dropped."""
-    num_tokens = q.shape[2]
-    q = pad_length(q, 2, mask.shape[2])
-    k, v = (pad_length(x, 2, mask.shape[3]) for x in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, :num_tokens]
-
-
-def padded_mask(mask: Tensor) -> Tensor:
-    """A [B, 1, T, K] mask at `attention_length` lengths: appended keys masked; each appended query sees key 0
-    only (a query that sees no key may come out NaN, and a NaN's gradient would reach the real ones)."""
-    batch, _, num_tokens, num_keys = mask.shape
-    padded = mask.new_zeros(batch, 1, attention_length(num_tokens), attention_length(num_keys))
-    padded[:, :, :num_tokens, :num_keys] = mask
-    padded[:, :, num_tokens:, 0] = True
-    return padded
 
 
 class CausalAttention:
@@ -174,15 +148,12 @@ class SharedPrefixAttention:
             self._joint_mask = torch.cat(
                 [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
             )[:, None]  # [B, 1, T, S + T]
-            if plans_per_shape(q):
-                self._joint_mask = padded_mask(self._joint_mask)
         tensors = (q, k, v, keys, values)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return checkpoint(self._joint_sdpa, *tensors, use_reentrant=False)
         return self._joint_sdpa(*tensors)
 
     def _joint_sdpa(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        """The fused call, at the mask's (perhaps padded) lengths."""
         per_head = q.shape[1] // keys.shape[1]
 
         def joined(prompt: Tensor, own: Tensor) -> Tensor:
@@ -192,7 +163,7 @@ class SharedPrefixAttention:
             whole = torch.cat([picked, own], dim=2)
             return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
 
-        return masked_sdpa(q, joined(keys, k), joined(values, v), self._joint_mask)
+        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=self._joint_mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""
