@@ -3,8 +3,10 @@
 
     python bench/policy_table.py bench/results/qwen2_5_vl_3b_h200*_*.json
 
-Prints a Markdown table: step times, measured speedup against Eq. 1's ideal, decode slowdown, whether the
-updates match, and the measured per-phase peak against the plan's.
+Prints a Markdown table: step times, measured speedup against Eq. 1's ideal, decode slowdown, where rollplex's
+step gained and lost against serial's (prefixes hidden / rollout longer / after the rollout longer, seconds;
+from the phase times where a result predates `step_balance_s`), whether the updates match, and the measured
+per-phase peak against the plan's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+
+def balance(result: dict) -> str:
+    """rollplex's step minus serial's in three parts, "-" where the result lacks the times."""
+    parts = result.get("step_balance_s")
+    if parts is None and "T_post_rollplex_s" in result:
+        rollout = result["phase_s"]["rollplex"]["rollout"]
+        parts = {"prefixes_hidden": -result["T_P_s"], "rollout_longer": rollout - result["T_D_s"],
+                 "after_rollout_longer": result["T_post_rollplex_s"] - result["T_post_s"]}  # fmt: skip
+    if parts is None:
+        return "-"
+    return " / ".join(f"{parts[k]:+.2f}" for k in ("prefixes_hidden", "rollout_longer", "after_rollout_longer"))
 
 
 def row(name: str, result: dict) -> str:
@@ -23,7 +37,8 @@ def row(name: str, result: dict) -> str:
     return (
         f"| {name} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | {s['rollplex']:.2f} | "
         f"{result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | "
-        f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'} | {result['updates_match']} | {memory} |"
+        f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'} | {balance(result)} | {result['updates_match']} | "
+        f"{memory} |"
     )
 
 
@@ -34,8 +49,9 @@ def main() -> None:
     results = sorted(((p.stem, json.loads(p.read_text())) for p in args.results),
                      key=lambda r: (r[1]["workload"]["dataset"], r[1]["policy"], r[0]))  # fmt: skip
     print("| file | workload | policy | serial s | rollplex s | speedup | ideal (Eq. 1) | decode slowdown |"
-          " updates match | peak GiB per phase 1 / 2 / 3 (plan) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " rollplex - serial s: prefixes / rollout / after | updates match |"
+          " peak GiB per phase 1 / 2 / 3 (plan) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results:
         print(row(name, result))
 

@@ -239,12 +239,14 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         plot_timeline(
             {k: r.timeline for k, r in runs.items()}, png, f"{Path(args.spec).stem} ({label}) on {result['gpu']}"
         )
-        s = result["step_s"]
+        s, balance = result["step_s"], result["step_balance_s"]
         slowdown = result["decode_slowdown"]
         print(
             f"{label}: step serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
             f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
-            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; updates match: {result['updates_match']} (first "
+            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; rollplex - serial: prefixes hidden "
+            f"{balance['prefixes_hidden']:+.2f} s, rollout {balance['rollout_longer']:+.2f} s, after it "
+            f"{balance['after_rollout_longer']:+.2f} s; updates match: {result['updates_match']} (first "
             f"step: same rollout {result['first_step_rollouts_match']}, gradients "
             f"{result['first_step_grad_relative_difference']:.2e} apart); "
             f"{path}, {png}",

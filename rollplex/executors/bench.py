@@ -4,7 +4,10 @@ Each schedule trains `warmup + steps` steps from the same initial weights and da
 nothing written to disk), with a device synchronisation around every op so that op times are GPU times.
 From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
 (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
-seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran.
+seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The step
+balance says where rollplex's step gained and lost against serial's: the prefixes no longer in the step
+(-T_P), the rollout's extra seconds (decode beside them), and the extra seconds after the rollout; the three
+add up to the difference of the two (median) step times.
 
 The updates match when, at the first step (the only one both schedules start from the same weights), the two
 rollouts are the same tokens and the two gradients agree within the rounding of the model dtype (a strided
@@ -139,6 +142,8 @@ def compare(
     t_p = med(t["ref_prefix"] + t["actor_prefix"] for t in serial.times)
     step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
     t_post = max(step_serial - t_d - t_p, 0.0)
+    rollout_rollplex = med(t["rollout"] for t in rollplex.times)
+    t_post_rollplex = max(step_rollplex - rollout_rollplex, 0.0)
     diff = max_relative_difference(serial.params, rollplex.params) if serial.params else None  # none saved
     rollouts_match = same_rollout(serial.first_rollout, rollplex.first_rollout)
     grad_diff = relative_difference(serial.first_grads, rollplex.first_grads)
@@ -166,7 +171,12 @@ def compare(
         "T_P_s": round(t_p, 4),
         "T_post_s": round(t_post, 4),
         # rollplex's own post-rollout seconds: were they T_post_s, the measured speedup could not pass the ideal
-        "T_post_rollplex_s": round(max(step_rollplex - med(t["rollout"] for t in rollplex.times), 0.0), 4),
+        "T_post_rollplex_s": round(t_post_rollplex, 4),
+        "step_balance_s": {  # rollplex's step minus serial's, in three parts
+            "prefixes_hidden": round(-t_p, 4),
+            "rollout_longer": round(rollout_rollplex - t_d, 4),
+            "after_rollout_longer": round(t_post_rollplex - t_post, 4),
+        },
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         # rollplex's prefix ran beside decode: its reruns move to the trainer's stream, what is outside them does not
         "prefix_backward_s": {

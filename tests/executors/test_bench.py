@@ -41,6 +41,10 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     t_d, t_p, t_post = result["T_D_s"], result["T_P_s"], result["T_post_s"]
     rollout = result["phase_s"]["rollplex"]["rollout"]
     assert abs(result["T_post_rollplex_s"] - (result["step_s"]["rollplex"] - rollout)) < 2e-3
+    balance = result["step_balance_s"]
+    assert balance["prefixes_hidden"] == -t_p and abs(balance["rollout_longer"] - (rollout - t_d)) < 2e-3
+    step_difference = result["step_s"]["rollplex"] - result["step_s"]["serial"]
+    assert abs(sum(balance.values()) - step_difference) < 2e-3  # the three parts are the whole difference
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
     assert result["prefix_beside_decode"] > 0.5
     assert 0 < result["prefix_backward_s"]["serial"] < result["step_s"]["serial"]
