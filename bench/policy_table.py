@@ -6,7 +6,7 @@
 Prints a Markdown table: step times, measured speedup against Eq. 1's ideal, decode slowdown, where rollplex's
 step gained and lost against serial's (prefixes hidden / rollout longer / after the rollout longer, seconds;
 from the phase times where a result predates `step_balance_s`), whether the updates match, and the measured
-per-phase peak against the plan's.
+per-phase peak against the plan's. A row timed after serial in one process is marked: not a fair figure.
 """
 
 from __future__ import annotations
@@ -28,14 +28,22 @@ def balance(result: dict) -> str:
     return " / ".join(f"{parts[k]:+.2f}" for k in ("prefixes_hidden", "rollout_longer", "after_rollout_longer"))
 
 
+def after_serial(result: dict) -> bool:
+    """Whether rollplex was timed in the process serial had just run in (not a fair figure: the cuDNN attention
+    plans of serial's shapes served it). Results from before the key: those that did not load serial's run."""
+    flag = result.get("after_another_schedule_in_process")
+    return flag if flag is not None else not result.get("serial_from")
+
+
 def row(name: str, result: dict) -> str:
     s = result["step_s"]
     slowdown = result.get("decode_slowdown")
     peaks = result.get("peak_gib", {}).get("rollplex", {})
     plan = result.get("plan_peak_gib", {}).get("rollplex", {})
+    marked = name + (" (after serial, in one process)" if after_serial(result) else "")
     memory = " / ".join(f"{peaks.get(p, '-')} ({plan.get(p, '-')})" for p in ("1", "2", "3"))
     return (
-        f"| {name} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | {s['rollplex']:.2f} | "
+        f"| {marked} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | {s['rollplex']:.2f} | "
         f"{result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | "
         f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'} | {balance(result)} | {result['updates_match']} | "
         f"{memory} |"

@@ -94,10 +94,10 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
 def test_policy_table_splits_each_step_difference_into_its_three_parts_old_results_included(tmp_path):
     base = {"workload": {"dataset": "synthetic:llava_video"}, "step_s": {"serial": 28.0, "rollplex": 29.0},
             "speedup": 0.9655, "ideal_speedup": 1.1, "decode_slowdown": 1.4, "updates_match": True}  # fmt: skip
-    new = {**base, "policy": "green:66", "step_balance_s": {"prefixes_hidden": -2.7, "rollout_longer": 3.5,
-                                                            "after_rollout_longer": 0.2}}  # fmt: skip
-    old = {**base, "policy": "streams", "T_D_s": 9.7, "T_P_s": 2.7, "T_post_s": 15.6, "T_post_rollplex_s": 15.8,
-           "phase_s": {"rollplex": {"rollout": 13.2}}}  # fmt: skip
+    balance = {"prefixes_hidden": -2.7, "rollout_longer": 3.5, "after_rollout_longer": 0.2}
+    new = {**base, "policy": "green:66", "after_another_schedule_in_process": False, "step_balance_s": balance}
+    old = {**base, "policy": "streams", "serial_from": "serial.pt", "T_D_s": 9.7, "T_P_s": 2.7, "T_post_s": 15.6,
+           "T_post_rollplex_s": 15.8, "phase_s": {"rollplex": {"rollout": 13.2}}}  # fmt: skip
     older = {**base, "policy": "mps"}
     for name, result in {"a_green66": new, "a_streams": old, "a_mps": older}.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(result))
@@ -106,3 +106,5 @@ def test_policy_table_splits_each_step_difference_into_its_three_parts_old_resul
     assert out.returncode == 0, out.stderr
     rows = {line.split("|")[3].strip(): line.split("|")[9].strip() for line in out.stdout.splitlines()[2:]}
     assert rows == {"green:66": "-2.70 / +3.50 / +0.20", "streams": "-2.70 / +3.50 / +0.20", "mps": "-"}
+    in_one_process = {line.split("|")[3].strip() for line in out.stdout.splitlines() if "after serial" in line}
+    assert in_one_process == {"mps"}  # no key and serial not loaded from a file: run after it
