@@ -43,8 +43,8 @@ def row(name: str, result: dict) -> str:
     marked = name + (" (after serial, in one process)" if after_serial(result) else "")
     memory = " / ".join(f"{peaks.get(p, '-')} ({plan.get(p, '-')})" for p in ("1", "2", "3"))
     return (
-        f"| {marked} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | {s['rollplex']:.2f} | "
-        f"{result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | "
+        f"| {marked} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | "
+        f"{s['rollplex']:.2f} | {result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | "
         f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'} | {balance(result)} | {result['updates_match']} | "
         f"{memory} |"
     )
