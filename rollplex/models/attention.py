@@ -79,8 +79,10 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, *, bucketed: bool) -> Tensor:
     `attention_length(L)`, zeros appended; a real query sees no appended key (they come after it), and the
     appended queries' outputs are dropped, so the result is attention over the L tokens."""
     length = q.shape[2]
-    padding = (0, 0, 0, attention_length(length) - length if bucketed else 0)
-    q, k, v = (F.pad(x, padding) for x in (q, k, v))
+    extra = attention_length(length) - length if bucketed else 0
+    if extra == 0:  # no copies of q, k and v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, :length]
 
 
