@@ -15,15 +15,19 @@ backend in a process of its own (nothing cached from another backend):
   (reference) and checkpointed with its backward (actor: the forward runs twice, as in the runtime);
 - prefix: per prompt (rollplex's grouping), each layer's causal call [1, heads, L, D] over [1, kv_heads, L, D]
   (GQA), forward and backward; prefix_all: the same for all prompts in one [P, heads, L_max, D] call
-  (serial's `all` grouping). The vision tower's attention is not replayed.
+  (serial's `all` grouping);
+- vision: per prompt's video, each vision block's calls [segments, heads, length, D], one per segment length
+  (windows in most blocks, whole frames in the full-attention ones), forward and backward; the number of
+  segments follows the video's frames and size, so it changes from step to step.
 
 Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again right
 after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
 own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math),
 `cudnn_pow2` cuDNN with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (plans keyed on power-of-2 lengths; not for calls
 with a mask, so the suffix should plan as before and the prefix once per length class), `cudnn_bucketed`
-cuDNN with the prefix's calls at `attention_length` buckets (rollplex/models/attention.py: what a run on a GPU
-does; the suffix as `cudnn`), whose cold cost falls as steps meet buckets already planned (`--steps` 6 or more).
+cuDNN with the prefix's calls at `attention_length` buckets of length and the vision calls at buckets of their
+number of segments (rollplex/models/attention.py, vision.py: what a run on a GPU does; the suffix as
+`cudnn`), whose cold cost falls as steps meet buckets already planned (`--steps` 6 or more).
 A backend that cannot run a call (flash with a mask) is reported as such.
 """
 
@@ -45,9 +49,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rollplex.data.presets import get_preset, sample_response_lengths
+from rollplex.data.video import grid_thw
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
-from rollplex.models.attention import causal_sdpa
-from rollplex.models.config import load_model_config
+from rollplex.models.attention import attention_length, causal_sdpa
+from rollplex.models.config import VisionConfig, load_model_config
+from rollplex.models.vision_layout import patch_layout, segment_groups
 
 BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "cudnn_bucketed", "efficient", "flash")
 CHILD_ENV = {"cudnn_pow2": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}}  # cuDNN keyed on power-of-2 lengths (no mask)
@@ -62,6 +68,30 @@ def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tupl
     return prompt_lens, [(len(b), max(lens[i] for i in b)) for b in batches]
 
 
+def vision_shapes(preset_name: str, step: int, prompts: int, vision: VisionConfig) -> list[tuple[list, list]]:
+    """Per prompt of a step: its video's (windows, frames) segment groups, each a list of (segments, length)."""
+    preset = get_preset(preset_name)
+    out = []
+    for i in range(prompts):
+        layout = preset.layout(seed=step, index=i)
+        patches = patch_layout([grid_thw(layout.num_frames, *preset.frame_size(layout), preset.vision)], vision)
+        out.append(tuple([tuple(g.shape) for g in segment_groups(ids)] for ids in (patches.windows, patches.frames)))
+    return out
+
+
+def vision_calls(shapes, vision: VisionConfig, device: str, bucketed: bool = False) -> None:
+    dim = vision.hidden_size // vision.num_heads
+    for windows, frames in shapes:
+        outs = []
+        for block in range(vision.depth):
+            for segments, length in frames if block in vision.fullatt_block_indexes else windows:
+                rows = attention_length(segments) if bucketed else segments
+                q, k, v = (torch.randn(rows, vision.num_heads, length, dim, device=device, dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))  # fmt: skip
+                outs.append(F.scaled_dot_product_attention(q, k, v)[:segments].float().sum())
+        torch.stack(outs).sum().backward()
+
+
 def backend_context(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -72,7 +102,7 @@ def backend_context(name: str):
 
 
 def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train: bool, device: str) -> None:
-    prompt_lens, batches = shapes
+    prompt_lens, batches = shapes[:2]
     longest = max(prompt_lens)
     for rows, width in batches:
         tokens = max(width - 1, 1)  # the runtime scores responses[:, :-1] (token 0 comes from the boundary)
@@ -97,7 +127,7 @@ def suffix_calls(shapes, layers: int, heads: int, kv_heads: int, dim: int, train
 def prefix_calls(
     shapes, layers: int, heads: int, kv_heads: int, dim: int, device: str, grouped: bool = False, bucketed: bool = False
 ) -> None:
-    prompt_lens, _ = shapes
+    prompt_lens = shapes[0]
     groups = [(len(prompt_lens), max(prompt_lens))] if grouped else [(1, length) for length in prompt_lens]
     for batch, length in groups:
         q = torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -118,7 +148,8 @@ def timed(device: str, fn, *args) -> float:
 
 def measure(backend: str, args) -> dict:
     """One backend's seconds per part: each step's new shapes (cold), then the same shapes again (warm)."""
-    text = load_model_config(args.model).text
+    config = load_model_config(args.model)
+    text, vision = config.text, config.vision
     dims = (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
     at = {"device": args.device, "bucketed": backend == "cudnn_bucketed"}
     parts = {
@@ -126,9 +157,11 @@ def measure(backend: str, args) -> dict:
         "actor_suffix": lambda s: suffix_calls(s, *dims, train=True, device=args.device),
         "prefix": lambda s: prefix_calls(s, *dims, **at),
         "prefix_all": lambda s: prefix_calls(s, *dims, grouped=True, **at),
+        "vision": lambda s: vision_calls(s[2], vision, **at),
     }
     torch.manual_seed(0)
-    tiny = ([64, 48], [(2, 17)])  # shapes no step has: the backend's first use, not a plan a step could reuse
+    # shapes no step has: the backend's first use, not a plan a step could reuse
+    tiny = ([64, 48], [(2, 17)], [([(3, 16)], [(1, 48)])])
     out = {}
     for name, run in parts.items():
         cold, warm = [], []
@@ -136,7 +169,8 @@ def measure(backend: str, args) -> dict:
             with backend_context(backend):
                 run(tiny)
                 for step in range(args.steps):
-                    shapes = step_shapes(args.preset, step, args.prompts, args.samples)
+                    shapes = (*step_shapes(args.preset, step, args.prompts, args.samples),
+                              vision_shapes(args.preset, step, args.prompts, vision))  # fmt: skip
                     cold.append(timed(args.device, run, shapes))
                     warm.append(timed(args.device, run, shapes))
         except RuntimeError as e:  # e.g. no flash kernel for a masked call

@@ -43,6 +43,30 @@ def test_sdpa_shapes_replays_a_steps_length_batches_and_needs_a_gpu():
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
 
 
+def test_sdpa_shapes_replays_each_videos_vision_segments_bucketed_only_in_their_number():
+    spec = importlib.util.spec_from_file_location("sdpa_shapes", ROOT / "bench/sdpa_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    vision = module.load_model_config("qwen2_5_vl_3b").vision
+    shapes = module.vision_shapes("llava_video", 0, 2, vision)
+    assert len(shapes) == 2
+    for windows, frames in shapes:  # every patch of the video in one window and one frame
+        assert sum(n * length for n, length in windows) == sum(n * length for n, length in frames)
+        assert len(frames) == 1  # a video's frames are all one size
+    calls = []
+    module.F = type("F", (), {"scaled_dot_product_attention": staticmethod(
+        lambda q, k, v: calls.append(tuple(q.shape)) or q)})  # fmt: skip
+    tiny = [([(3, 4)], [(5, 2)])]
+    module.vision_calls(tiny, vision, "cpu", bucketed=True)
+    dim = vision.hidden_size // vision.num_heads
+    full = len(vision.fullatt_block_indexes)
+    assert calls.count((3, vision.num_heads, 4, dim)) == vision.depth - full
+    assert calls.count((5, vision.num_heads, 2, dim)) == full  # below 16 segments: no padding
+    calls.clear()
+    module.vision_calls([([(37, 4)], [(37, 2)])], vision, "cpu", bucketed=True)
+    assert {c[0] for c in calls} == {38}
+
+
 def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):
     out = tmp_path / "sdpa.json"
     command = [sys.executable, str(ROOT / "bench/sdpa_shapes.py"), "--device", "cpu", "--model", "tiny",
@@ -51,7 +75,7 @@ def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all"}
+    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all", "vision"}
     assert set(results["default"]) == parts
     assert all(len(r["cold_s"]) == len(r["warm_s"]) == 1 for r in results["default"].values())
     assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel

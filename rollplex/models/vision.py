@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollplex.models.attention import attention_length, plans_per_shape
 from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
@@ -27,12 +28,20 @@ VISION_NORM_EPS = 1e-6
 MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight")
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
-    """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]; groups from `segment_groups`."""
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor], *, bucketed: bool = False) -> Tensor:
+    """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]; groups from `segment_groups`.
+
+    `bucketed` (where SDPA may run on cuDNN, which plans each new shape): each group's call runs on
+    `attention_length(num_segments)` segments, the extra ones all zeros. Segments do not see each other, so
+    the real ones are unchanged, and every frame count of a run's videos no longer makes its own shape."""
     out = torch.zeros_like(q)
     for members in groups:  # [num_segments, length]
         q_s, k_s, v_s = (x[members].transpose(1, 2) for x in (q, k, v))  # [num_segments, heads, length, D]
-        o = F.scaled_dot_product_attention(q_s, k_s, v_s)
+        num_segments = members.shape[0]
+        extra = attention_length(num_segments) - num_segments if bucketed else 0
+        if extra:
+            q_s, k_s, v_s = (F.pad(x, (0, 0, 0, 0, 0, 0, 0, extra)) for x in (q_s, k_s, v_s))
+        o = F.scaled_dot_product_attention(q_s, k_s, v_s)[:num_segments]
         out = out.index_copy(0, members.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out
 
@@ -60,7 +69,8 @@ class VisionAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
         num_patches, hidden = x.shape
         q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # [S, heads, D] each
-        out = segment_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, groups)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = segment_attention(q, k, v, groups, bucketed=plans_per_shape(q))
         return self.proj(out.reshape(num_patches, hidden))
 
 

@@ -11,9 +11,11 @@ import torch
 from models_testkit import hf_model_from_state
 from safetensors import safe_open
 
+from rollplex.models import attention
 from rollplex.models.checkpoint import load_pretrained, save_checkpoint
 from rollplex.models.config import CONFIG_DIR
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.vision import segment_attention
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 
@@ -25,6 +27,21 @@ def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, input
         theirs = hf_visual(torch.cat([v.pixel_values for v in visuals]), grid_thw=grids).pooler_output
         ours = model.model.visual(visuals)
     assert (ours - theirs).abs().max() <= 1e-5
+
+
+def test_segment_attention_on_a_bucketed_number_of_segments_equals_the_exact_number(monkeypatch):
+    monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)  # 5 segments run as 6, 3 as 3, 9 as 12
+    segment_ids = torch.cat([torch.arange(5).repeat_interleave(4), torch.arange(5, 8).repeat(3),
+                             torch.arange(8, 17).repeat_interleave(2)])  # fmt: skip
+    groups = segment_groups(segment_ids)
+    assert sorted(g.shape[0] for g in groups) == [3, 5, 9]
+    q, k, v = (torch.randn(segment_ids.numel(), 3, 8, requires_grad=True) for _ in range(3))
+    outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(outs[0])
+    exact, padded = (torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in outs)
+    for ours, theirs in zip(padded, exact, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_windows_partition_each_frame_into_squares_of_merge_units(config):
