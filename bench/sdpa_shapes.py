@@ -16,18 +16,18 @@ backend in a process of its own (nothing cached from another backend):
 - prefix: per prompt (rollplex's grouping), each layer's causal call [1, heads, L, D] over [1, kv_heads, L, D]
   (GQA), forward and backward; prefix_all: the same for all prompts in one [P, heads, L_max, D] call
   (serial's `all` grouping);
-- vision: per prompt's video, each vision block's calls [segments, heads, length, D], one per segment length
-  (windows in most blocks, whole frames in the full-attention ones), forward and backward; the number of
-  segments follows the video's frames and size, so it changes from step to step.
+- vision: per prompt's video, each vision block's attention as the runtime runs it (`segment_attention`:
+  windows in most blocks, whole frames in the full-attention ones), forward and backward; the segments'
+  number and lengths follow the video's frames and size, so they change from step to step.
 
 Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again right
 after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
 own choice, `nocudnn` what `run.cudnn_attention: false` leaves torch (flash, memory-efficient, math),
 `cudnn_pow2` cuDNN with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (plans keyed on power-of-2 lengths; not for calls
 with a mask, so the suffix should plan as before and the prefix once per length class), `cudnn_bucketed`
-cuDNN with the prefix's calls at `attention_length` buckets of length and the vision calls at buckets of their
-number of segments (rollplex/models/attention.py, vision.py: what a run on a GPU does; the suffix as
-`cudnn`), whose cold cost falls as steps meet buckets already planned (`--steps` 6 or more).
+cuDNN with the prefix's calls at `attention_length` buckets of length and each vision block's segments in one
+packed call (rollplex/models/attention.py, vision.py: what a run on a GPU does; the suffix as `cudnn`), whose
+cold cost falls as steps meet buckets already planned (`--steps` 6 or more).
 A backend that cannot run a call (flash with a mask) is reported as such.
 """
 
@@ -51,8 +51,9 @@ from torch.utils.checkpoint import checkpoint
 from rollplex.data.presets import get_preset, sample_response_lengths
 from rollplex.data.video import grid_thw
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
-from rollplex.models.attention import attention_length, causal_sdpa
+from rollplex.models.attention import causal_sdpa
 from rollplex.models.config import VisionConfig, load_model_config
+from rollplex.models.vision import segment_attention
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "cudnn_bucketed", "efficient", "flash")
@@ -69,26 +70,29 @@ def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tupl
 
 
 def vision_shapes(preset_name: str, step: int, prompts: int, vision: VisionConfig) -> list[tuple[list, list]]:
-    """Per prompt of a step: its video's (windows, frames) segment groups, each a list of (segments, length)."""
+    """Per prompt of a step: its video's (windows, frames) segment groups (`segment_groups`, on the CPU)."""
     preset = get_preset(preset_name)
     out = []
     for i in range(prompts):
         layout = preset.layout(seed=step, index=i)
         patches = patch_layout([grid_thw(layout.num_frames, *preset.frame_size(layout), preset.vision)], vision)
-        out.append(tuple([tuple(g.shape) for g in segment_groups(ids)] for ids in (patches.windows, patches.frames)))
+        out.append((segment_groups(patches.windows), segment_groups(patches.frames)))
     return out
 
 
 def vision_calls(shapes, vision: VisionConfig, device: str, bucketed: bool = False) -> None:
+    """Each prompt's vision blocks' attention through the runtime's `segment_attention` (one call per segment
+    length, or under `bucketed` one packed call per block), forward and backward."""
     dim = vision.hidden_size // vision.num_heads
     for windows, frames in shapes:
+        windows, frames = [g.to(device) for g in windows], [g.to(device) for g in frames]
+        num_patches = sum(g.numel() for g in windows)
         outs = []
         for block in range(vision.depth):
-            for segments, length in frames if block in vision.fullatt_block_indexes else windows:
-                rows = attention_length(segments) if bucketed else segments
-                q, k, v = (torch.randn(rows, vision.num_heads, length, dim, device=device, dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))  # fmt: skip
-                outs.append(F.scaled_dot_product_attention(q, k, v)[:segments].float().sum())
+            q, k, v = (torch.randn(num_patches, vision.num_heads, dim, device=device, dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))  # fmt: skip
+            groups = frames if block in vision.fullatt_block_indexes else windows
+            outs.append(segment_attention(q, k, v, groups, bucketed=bucketed).float().sum())
         torch.stack(outs).sum().backward()
 
 
@@ -161,7 +165,8 @@ def measure(backend: str, args) -> dict:
     }
     torch.manual_seed(0)
     # shapes no step has: the backend's first use, not a plan a step could reuse
-    tiny = ([64, 48], [(2, 17)], [([(3, 16)], [(1, 48)])])
+    first_use = (segment_groups(torch.arange(3).repeat(16)), segment_groups(torch.zeros(48, dtype=torch.long)))
+    tiny = ([64, 48], [(2, 17)], [first_use])
     out = {}
     for name, run in parts.items():
         cold, warm = [], []

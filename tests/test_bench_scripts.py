@@ -43,7 +43,7 @@ def test_sdpa_shapes_replays_a_steps_length_batches_and_needs_a_gpu():
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
 
 
-def test_sdpa_shapes_replays_each_videos_vision_segments_bucketed_only_in_their_number():
+def test_sdpa_shapes_runs_each_videos_vision_attention_through_the_runtime_packed_or_per_length():
     spec = importlib.util.spec_from_file_location("sdpa_shapes", ROOT / "bench/sdpa_shapes.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -51,20 +51,14 @@ def test_sdpa_shapes_replays_each_videos_vision_segments_bucketed_only_in_their_
     shapes = module.vision_shapes("llava_video", 0, 2, vision)
     assert len(shapes) == 2
     for windows, frames in shapes:  # every patch of the video in one window and one frame
-        assert sum(n * length for n, length in windows) == sum(n * length for n, length in frames)
+        assert sum(g.numel() for g in windows) == sum(g.numel() for g in frames)
         assert len(frames) == 1  # a video's frames are all one size
     calls = []
-    module.F = type("F", (), {"scaled_dot_product_attention": staticmethod(
-        lambda q, k, v: calls.append(tuple(q.shape)) or q)})  # fmt: skip
-    tiny = [([(3, 4)], [(5, 2)])]
+    module.segment_attention = lambda q, k, v, groups, bucketed: calls.append((len(groups), bucketed)) or q
+    tiny = [(module.segment_groups(torch.tensor([0, 0, 1, 1, 1, 2])), module.segment_groups(torch.zeros(6).long()))]
     module.vision_calls(tiny, vision, "cpu", bucketed=True)
-    dim = vision.hidden_size // vision.num_heads
     full = len(vision.fullatt_block_indexes)
-    assert calls.count((3, vision.num_heads, 4, dim)) == vision.depth - full
-    assert calls.count((5, vision.num_heads, 2, dim)) == full  # below 16 segments: no padding
-    calls.clear()
-    module.vision_calls([([(37, 4)], [(37, 2)])], vision, "cpu", bucketed=True)
-    assert {c[0] for c in calls} == {38}
+    assert calls.count((3, True)) == vision.depth - full and calls.count((1, True)) == full  # lengths 2, 3, 1
 
 
 def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):

@@ -31,19 +31,45 @@ MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.b
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor], *, bucketed: bool = False) -> Tensor:
     """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]; groups from `segment_groups`.
 
-    `bucketed` (where SDPA may run on cuDNN, which plans each new shape): each group's call runs on
-    `attention_length(num_segments)` segments, the extra ones all zeros. Segments do not see each other, so
-    the real ones are unchanged, and every frame count of a run's videos no longer makes its own shape."""
+    Exact lengths: one call per segment length. `bucketed` (where SDPA may run on cuDNN, which plans each new
+    shape): one call for all segments (`packed_segments`), so a run's videos of new sizes and frame counts
+    meet a few shapes, not new ones every step."""
+    if bucketed:
+        return packed_segment_attention(q, k, v, groups)
     out = torch.zeros_like(q)
     for members in groups:  # [num_segments, length]
         q_s, k_s, v_s = (x[members].transpose(1, 2) for x in (q, k, v))  # [num_segments, heads, length, D]
-        num_segments = members.shape[0]
-        extra = attention_length(num_segments) - num_segments if bucketed else 0
-        if extra:
-            q_s, k_s, v_s = (F.pad(x, (0, 0, 0, 0, 0, 0, 0, extra)) for x in (q_s, k_s, v_s))
-        o = F.scaled_dot_product_attention(q_s, k_s, v_s)[:num_segments]
+        o = F.scaled_dot_product_attention(q_s, k_s, v_s)
         out = out.index_copy(0, members.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out
+
+
+def packed_segments(groups: Sequence[Tensor], num_patches: int) -> Tensor:
+    """Every segment of `groups` as a row of one [rows, width] index matrix, rows and width the
+    `attention_length` of the segment count and of the longest segment; the padding holds `num_patches` (the
+    index of a zero row appended to q, k, v)."""
+    count = sum(members.shape[0] for members in groups)
+    width = attention_length(max(members.shape[1] for members in groups))
+    index = torch.full((attention_length(count), width), num_patches, dtype=torch.long, device=groups[0].device)
+    row = 0
+    for members in groups:
+        index[row : row + members.shape[0], : members.shape[1]] = members
+        row += members.shape[0]
+    return index
+
+
+def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
+    """`segment_attention` in one masked call over `packed_segments`: a query sees its segment's keys; an
+    appended segment sees the zero row once (a query that sees no key may come out NaN). Equal to the exact
+    calls but for rounding."""
+    num_patches = q.shape[0]
+    index = packed_segments(groups, num_patches)
+    real = index < num_patches  # [rows, width]
+    sees = real.clone()
+    sees[:, 0] = True  # every segment's first key: real, or the zero row of an appended segment
+    q_s, k_s, v_s = (torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index].transpose(1, 2) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=sees[:, None, None, :])  # [rows, heads, width, D]
+    return torch.zeros_like(q).index_copy(0, index[real], o.transpose(1, 2)[real])
 
 
 class PatchEmbed(nn.Module):

@@ -12,14 +12,18 @@ from models_testkit import hf_model_from_state
 from safetensors import safe_open
 
 from rollplex.models import attention
+from rollplex.models import vision as vision_module
 from rollplex.models.checkpoint import load_pretrained, save_checkpoint
 from rollplex.models.config import CONFIG_DIR
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.vision import segment_attention
+from rollplex.models.vision import packed_segments, segment_attention
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 
-def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, inputs):
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, inputs, bucketed, monkeypatch):
+    if bucketed:  # as on a GPU with cuDNN attention: each block's segments in one masked call
+        monkeypatch.setattr(vision_module, "plans_per_shape", lambda q: True)
     visuals = [inputs.image((10, 6)), inputs.video((2, 12, 8), second_per_grid_t=2.0)]
     hf_visual = hf_model_from_state(model.state_dict()).model.visual
     grids = torch.tensor([visual.grid_thw for visual in visuals])
@@ -29,12 +33,13 @@ def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, input
     assert (ours - theirs).abs().max() <= 1e-5
 
 
-def test_segment_attention_on_a_bucketed_number_of_segments_equals_the_exact_number(monkeypatch):
-    monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)  # 5 segments run as 6, 3 as 3, 9 as 12
+def test_segment_attention_in_one_bucketed_call_equals_one_call_per_length(monkeypatch):
+    monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)  # 17 segments run as 24, lengths up to 4 as 4
     segment_ids = torch.cat([torch.arange(5).repeat_interleave(4), torch.arange(5, 8).repeat(3),
                              torch.arange(8, 17).repeat_interleave(2)])  # fmt: skip
     groups = segment_groups(segment_ids)
     assert sorted(g.shape[0] for g in groups) == [3, 5, 9]
+    assert packed_segments(groups, segment_ids.numel()).shape == (24, 4)
     q, k, v = (torch.randn(segment_ids.numel(), 3, 8, requires_grad=True) for _ in range(3))
     outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
@@ -128,3 +133,20 @@ def test_checkpoints_of_a_padded_vision_mlp_hold_transformers_shapes_and_load_ba
     again.load_state_dict(model.state_dict())  # transformers' shapes are padded on the way in
     again.load_state_dict({n: p.detach() for n, p in model.named_parameters()})  # stored shapes pass as they are
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_packed_vision_attention_equals_one_call_per_length_and_stays_finite():
+    torch.manual_seed(0)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    windows = torch.cat([torch.arange(40).repeat_interleave(64), torch.arange(40, 52).repeat_interleave(24)])
+    groups = [g.cuda() for g in segment_groups(windows)]  # 40 windows of 64 patches, 12 of 24: 56 rows of 64
+    q, k, v = (torch.randn(windows.numel(), 16, 80, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0])
+    exact, packed = (torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs)
+    for ours, theirs in zip(packed, exact, strict=True):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
