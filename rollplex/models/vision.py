@@ -44,31 +44,32 @@ def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor],
     return out
 
 
-def packed_segments(groups: Sequence[Tensor], num_patches: int) -> Tensor:
+def packed_segments(groups: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """Every segment of `groups` as a row of one [rows, width] index matrix, rows and width the
-    `attention_length` of the segment count and of the longest segment; the padding holds `num_patches` (the
-    index of a zero row appended to q, k, v)."""
+    `attention_length` of the segment count and of the longest segment, and which entries are real [rows,
+    width]. The padding indexes patch 0: its keys are masked and its queries dropped."""
     count = sum(members.shape[0] for members in groups)
     width = attention_length(max(members.shape[1] for members in groups))
-    index = torch.full((attention_length(count), width), num_patches, dtype=torch.long, device=groups[0].device)
+    device = groups[0].device
+    index = torch.zeros(attention_length(count), width, dtype=torch.long, device=device)
+    real = torch.zeros(index.shape, dtype=torch.bool, device=device)
     row = 0
     for members in groups:
         index[row : row + members.shape[0], : members.shape[1]] = members
+        real[row : row + members.shape[0], : members.shape[1]] = True
         row += members.shape[0]
-    return index
+    return index, real
 
 
 def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
     """`segment_attention` in one masked call over `packed_segments`: a query sees its segment's keys; an
-    appended segment sees the zero row once (a query that sees no key may come out NaN). Equal to the exact
-    calls but for rounding."""
-    num_patches = q.shape[0]
-    index = packed_segments(groups, num_patches)
-    real = index < num_patches  # [rows, width]
+    appended segment sees patch 0 (a query that sees no key may come out NaN), and its outputs are dropped.
+    Equal to the exact calls but for rounding; the masked and dropped entries get exactly zero gradient."""
+    index, real = packed_segments(groups)
     sees = real.clone()
-    sees[:, 0] = True  # every segment's first key: real, or the zero row of an appended segment
-    q_s, k_s, v_s = (torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index].transpose(1, 2) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=sees[:, None, None, :])  # [rows, heads, width, D]
+    sees[:, 0] = True  # every segment's first key: its own, or patch 0 for an appended segment
+    q_s, k_s, v_s = (x[index].transpose(1, 2) for x in (q, k, v))  # [rows, heads, width, D]
+    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=sees[:, None, None, :])
     return torch.zeros_like(q).index_copy(0, index[real], o.transpose(1, 2)[real])
 
 

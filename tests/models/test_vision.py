@@ -39,7 +39,8 @@ def test_segment_attention_in_one_bucketed_call_equals_one_call_per_length(monke
                              torch.arange(8, 17).repeat_interleave(2)])  # fmt: skip
     groups = segment_groups(segment_ids)
     assert sorted(g.shape[0] for g in groups) == [3, 5, 9]
-    assert packed_segments(groups, segment_ids.numel()).shape == (24, 4)
+    index, real = packed_segments(groups)
+    assert index.shape == real.shape == (24, 4) and int(real.sum()) == segment_ids.numel()
     q, k, v = (torch.randn(segment_ids.numel(), 3, 8, requires_grad=True) for _ in range(3))
     outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
