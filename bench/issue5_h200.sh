@@ -83,7 +83,7 @@ case "$STAGE" in
     tail -8 "$OUT/bench_$NAME$TAG.log" ;;
   sdpa)  # sdpa [STEPS [BACKEND...]]: what new attention shapes cost per SDPA backend (each in its own process)
     STEPS=${2:-3}; shift $(( $# < 2 ? $# : 2 ))  # the rest: backends (default: all)
-    NAME=sdpa_shapes_3b_h200${*:+_${STEPS}steps_$(echo "$*" | tr ' ' '_')}
+    NAME=sdpa_shapes_3b_h200; [ "$STEPS" != 3 ] || [ $# -gt 0 ] && NAME=${NAME}_${STEPS}steps${*:+_$(echo "$*" | tr ' ' '_')}
     timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps "$STEPS" \
       ${*:+--backends "$@"} --out "$OUT/$NAME.json" 2>&1 | quiet | tail -20 | tee "$OUT/$NAME.log" ;;
   naive7b)

@@ -17,12 +17,16 @@ from pathlib import Path
 
 
 def balance(result: dict) -> str:
-    """rollplex's step minus serial's in three parts, "-" where the result lacks the times."""
+    """rollplex's step minus serial's in three parts that add up to it, "-" where the result lacks the times."""
     parts = result.get("step_balance_s")
-    if parts is None and "T_post_rollplex_s" in result:
-        rollout = result["phase_s"]["rollplex"]["rollout"]
-        parts = {"prefixes_hidden": -result["T_P_s"], "rollout_longer": rollout - result["T_D_s"],
-                 "after_rollout_longer": result["T_post_rollplex_s"] - result["T_post_s"]}  # fmt: skip
+    if parts is None and "phase_s" in result:
+        rollout, (t_d, t_p), s = (
+            result["phase_s"]["rollplex"]["rollout"],
+            (result["T_D_s"], result["T_P_s"]),
+            result["step_s"],
+        )
+        parts = {"prefixes_hidden": -t_p, "rollout_longer": rollout - t_d,
+                 "after_rollout_longer": (s["rollplex"] - rollout) - (s["serial"] - t_d - t_p)}  # fmt: skip
     if parts is None:
         return "-"
     return " / ".join(f"{parts[k]:+.2f}" for k in ("prefixes_hidden", "rollout_longer", "after_rollout_longer"))

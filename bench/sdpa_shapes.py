@@ -53,7 +53,7 @@ from rollplex.data.video import grid_thw
 from rollplex.executors.scoring import PADDING_WASTE, length_batches
 from rollplex.models.attention import causal_sdpa
 from rollplex.models.config import VisionConfig, load_model_config
-from rollplex.models.vision import segment_attention
+from rollplex.models.vision import pack_segments, segment_attention
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 BACKENDS = ("default", "nocudnn", "cudnn", "cudnn_pow2", "cudnn_bucketed", "efficient", "flash")
@@ -81,19 +81,30 @@ def vision_shapes(preset_name: str, step: int, prompts: int, vision: VisionConfi
 
 
 def vision_calls(shapes, vision: VisionConfig, device: str, bucketed: bool = False) -> None:
-    """Each prompt's vision blocks' attention through the runtime's `segment_attention` (one call per segment
-    length, or under `bucketed` one packed call per block), forward and backward."""
+    """Each prompt's vision blocks' attention through the runtime's `segment_attention`: one call per segment
+    length, or under `bucketed` the packed call (`pack_segments`, as `segment_layout` picks on a GPU with
+    cuDNN), forward and backward."""
     dim = vision.hidden_size // vision.num_heads
+
+    def layout(groups):
+        packed = pack_segments(groups) if bucketed else None
+        return [t.to(device) for t in (packed if packed is not None else groups)]
+
     for windows, frames in shapes:
-        windows, frames = [g.to(device) for g in windows], [g.to(device) for g in frames]
-        num_patches = sum(g.numel() for g in windows)
+        windows, frames = layout(windows), layout(frames)
+        num_patches = sum(g.numel() for g in segment_groups_of(windows))
         outs = []
         for block in range(vision.depth):
             q, k, v = (torch.randn(num_patches, vision.num_heads, dim, device=device, dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))  # fmt: skip
             groups = frames if block in vision.fullatt_block_indexes else windows
-            outs.append(segment_attention(q, k, v, groups, bucketed=bucketed).float().sum())
+            outs.append(segment_attention(q, k, v, groups).float().sum())
         torch.stack(outs).sum().backward()
+
+
+def segment_groups_of(layout) -> list:
+    """The tensors of a layout that list real patches: the groups, or a packed layout's patches."""
+    return [layout[3]] if layout[0].dtype == torch.bool else layout
 
 
 def backend_context(name: str):

@@ -54,11 +54,16 @@ def test_sdpa_shapes_runs_each_videos_vision_attention_through_the_runtime_packe
         assert sum(g.numel() for g in windows) == sum(g.numel() for g in frames)
         assert len(frames) == 1  # a video's frames are all one size
     calls = []
-    module.segment_attention = lambda q, k, v, groups, bucketed: calls.append((len(groups), bucketed)) or q
-    tiny = [(module.segment_groups(torch.tensor([0, 0, 1, 1, 1, 2])), module.segment_groups(torch.zeros(6).long()))]
-    module.vision_calls(tiny, vision, "cpu", bucketed=True)
+    module.segment_attention = lambda q, k, v, groups: calls.append((len(groups), groups[0].dtype, len(q))) or q
+    windows = module.segment_groups(torch.arange(6).repeat_interleave(4))  # 6 windows of 4 patches
+    frames = module.segment_groups(torch.tensor([0, 1, 2]).repeat_interleave(torch.tensor([16, 4, 4])))
     full = len(vision.fullatt_block_indexes)
-    assert calls.count((3, True)) == vision.depth - full and calls.count((1, True)) == full  # lengths 2, 3, 1
+    module.vision_calls([(windows, frames)], vision, "cpu", bucketed=False)
+    assert calls.count((1, torch.long, 24)) == vision.depth - full and calls.count((2, torch.long, 24)) == full
+    calls.clear()
+    module.vision_calls([(windows, frames)], vision, "cpu", bucketed=True)  # frames: 3 x 16 for 24 patches
+    assert calls.count((4, torch.bool, 24)) == vision.depth - full  # PackedSegments: mask, index, positions, patches
+    assert calls.count((2, torch.long, 24)) == full  # over MAX_PACKING_WASTE: per length
 
 
 def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):
@@ -114,8 +119,8 @@ def test_policy_table_splits_each_step_difference_into_its_three_parts_old_resul
             "speedup": 0.9655, "ideal_speedup": 1.1, "decode_slowdown": 1.4, "updates_match": True}  # fmt: skip
     balance = {"prefixes_hidden": -2.7, "rollout_longer": 3.5, "after_rollout_longer": 0.2}
     new = {**base, "policy": "green:66", "after_another_schedule_in_process": False, "step_balance_s": balance}
-    old = {**base, "policy": "streams", "serial_from": "serial.pt", "T_D_s": 9.7, "T_P_s": 2.7, "T_post_s": 15.6,
-           "T_post_rollplex_s": 15.8, "phase_s": {"rollplex": {"rollout": 13.2}}}  # fmt: skip
+    old = {**base, "policy": "streams", "serial_from": "serial.pt", "T_D_s": 9.7, "T_P_s": 2.7,
+           "phase_s": {"rollplex": {"rollout": 13.2}}}  # fmt: skip
     older = {**base, "policy": "mps"}
     for name, result in {"a_green66": new, "a_streams": old, "a_mps": older}.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(result))

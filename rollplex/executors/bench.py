@@ -175,7 +175,8 @@ def compare(
         "step_balance_s": {  # rollplex's step minus serial's, in three parts
             "prefixes_hidden": round(-t_p, 4),
             "rollout_longer": round(rollout_rollplex - t_d, 4),
-            "after_rollout_longer": round(t_post_rollplex - t_post, 4),
+            # unclamped (T_post is clamped at 0 for Eq. 1), so that the three parts add up exactly
+            "after_rollout_longer": round((step_rollplex - rollout_rollplex) - (step_serial - t_d - t_p), 4),
         },
         "prefix_beside_decode": round(med(rollplex.beside_fraction), 4),
         # rollplex's prefix ran beside decode: its reruns move to the trainer's stream, what is outside them does not

@@ -65,13 +65,15 @@ BUCKETS_PER_OCTAVE = 16  # padded lengths per power of two: at most 1/16 more to
 
 def attention_length(n: int) -> int:
     """`n` rounded up to a multiple of 1/BUCKETS_PER_OCTAVE of the power of two at or below it (n <= 16: n)."""
-    step = max(1, (1 << (n.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    if n <= BUCKETS_PER_OCTAVE:
+        return n
+    step = (1 << (n.bit_length() - 1)) // BUCKETS_PER_OCTAVE
     return -(-n // step) * step
 
 
-def plans_per_shape(q: Tensor) -> bool:
-    """Whether an SDPA call on q may run on cuDNN, which plans each new shape (`run.cudnn_attention`)."""
-    return q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
+def plans_per_shape(device: torch.device) -> bool:
+    """Whether SDPA on `device` may run on cuDNN, which plans each new shape (`run.cudnn_attention`)."""
+    return device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, *, bucketed: bool) -> Tensor:
@@ -90,7 +92,7 @@ class CausalAttention:
     """Causal self-attention of right-padded sequences: a real token never sees the padding after it."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return causal_sdpa(q, k, v, bucketed=plans_per_shape(q))
+        return causal_sdpa(q, k, v, bucketed=plans_per_shape(q.device))
 
 
 class LayerKV(CausalAttention):

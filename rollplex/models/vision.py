@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +29,12 @@ VISION_NORM_EPS = 1e-6
 MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight")
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor], *, bucketed: bool = False) -> Tensor:
-    """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]; groups from `segment_groups`.
-
-    Exact lengths: one call per segment length. `bucketed` (where SDPA may run on cuDNN, which plans each new
-    shape): one call for all segments (`packed_segments`), so a run's videos of new sizes and frame counts
-    meet a few shapes, not new ones every step."""
-    if bucketed:
-        return packed_segment_attention(q, k, v, groups)
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
+    """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]. `groups`: from `segment_groups` (one
+    call per segment length), or a `PackedSegments` (one masked call for all; its first tensor is a bool mask,
+    the groups' are int64), as `segment_layout` makes them."""
+    if groups[0].dtype == torch.bool:
+        return packed_segment_attention(q, k, v, PackedSegments(*groups))
     out = torch.zeros_like(q)
     for members in groups:  # [num_segments, length]
         q_s, k_s, v_s = (x[members].transpose(1, 2) for x in (q, k, v))  # [num_segments, heads, length, D]
@@ -44,33 +43,59 @@ def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor],
     return out
 
 
-def packed_segments(groups: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Every segment of `groups` as a row of one [rows, width] index matrix, rows and width the
-    `attention_length` of the segment count and of the longest segment, and which entries are real [rows,
-    width]. The padding indexes patch 0: its keys are masked and its queries dropped."""
-    count = sum(members.shape[0] for members in groups)
+MAX_PACKING_WASTE = 1.5  # packed entries per real one above which the calls stay one per segment length
+
+
+class PackedSegments(NamedTuple):
+    """All segments of a block type in one [rows, width] call, rows and width the `attention_length` of the
+    segment count and of the longest segment: a run's videos of new sizes and frame counts meet a few shapes,
+    where one call per segment length meets new ones every step (cuDNN plans each). Tensors, so that a rerun
+    unit can keep them; built on the CPU (`pack_segments`), so that using them never waits for the GPU."""
+
+    sees: Tensor  # [rows, 1, 1, width] bool: the keys a row's queries see (its segment's; a padding row: key 0)
+    index: Tensor  # [rows, width] int64: each entry's patch (padding: distinct patches, masked and dropped)
+    positions: Tensor  # [real] int64: the real entries' positions in index.flatten()
+    patches: Tensor  # [real] int64: their patches
+
+
+def pack_segments(groups: Sequence[Tensor]) -> PackedSegments | None:
+    """`PackedSegments` of CPU `segment_groups` that partition the patches, or None where padding would pass
+    MAX_PACKING_WASTE (e.g. an image's long frame beside a video's short ones)."""
+    num_patches = sum(members.numel() for members in groups)
+    rows = attention_length(sum(members.shape[0] for members in groups))
     width = attention_length(max(members.shape[1] for members in groups))
-    device = groups[0].device
-    index = torch.zeros(attention_length(count), width, dtype=torch.long, device=device)
-    real = torch.zeros(index.shape, dtype=torch.bool, device=device)
+    if rows * width > MAX_PACKING_WASTE * num_patches:
+        return None
+    index = torch.arange(rows * width).remainder(num_patches).view(rows, width)
+    real = torch.zeros(rows, width, dtype=torch.bool)
     row = 0
     for members in groups:
         index[row : row + members.shape[0], : members.shape[1]] = members
         real[row : row + members.shape[0], : members.shape[1]] = True
         row += members.shape[0]
-    return index, real
-
-
-def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
-    """`segment_attention` in one masked call over `packed_segments`: a query sees its segment's keys; an
-    appended segment sees patch 0 (a query that sees no key may come out NaN), and its outputs are dropped.
-    Equal to the exact calls but for rounding; the masked and dropped entries get exactly zero gradient."""
-    index, real = packed_segments(groups)
     sees = real.clone()
-    sees[:, 0] = True  # every segment's first key: its own, or patch 0 for an appended segment
-    q_s, k_s, v_s = (x[index].transpose(1, 2) for x in (q, k, v))  # [rows, heads, width, D]
-    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=sees[:, None, None, :])
-    return torch.zeros_like(q).index_copy(0, index[real], o.transpose(1, 2)[real])
+    sees[:, 0] = True  # a padding row sees key 0 (a query that sees no key may come out NaN)
+    positions = real.flatten().nonzero()[:, 0]
+    return PackedSegments(sees[:, None, None, :], index, positions, index.flatten()[positions])
+
+
+def segment_layout(segment_ids: Tensor, device: torch.device) -> tuple[Tensor, ...]:
+    """The `groups` of `segment_attention` on `device` for CPU segment ids: packed where SDPA may plan per shape
+    (`plans_per_shape`) and the padding stays within MAX_PACKING_WASTE, else one group per segment length."""
+    groups = segment_groups(segment_ids)
+    packed = pack_segments(groups) if plans_per_shape(device) else None
+    return tuple(to_device(t, device) for t in (packed if packed is not None else groups))
+
+
+def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSegments) -> Tensor:
+    """`segment_attention` in one masked call. Equal to the per-length calls but for rounding: masked keys get
+    zero weight and dropped queries zero gradient, so the padding adds exact zeros."""
+    rows, width = packed.index.shape
+    q_s, k_s, v_s = (x.index_select(0, packed.index.flatten()).view(rows, width, *x.shape[1:]).transpose(1, 2)
+                     for x in (q, k, v))  # fmt: skip
+    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=packed.sees)  # [rows, heads, width, D]
+    real = o.transpose(1, 2).reshape(rows * width, *q.shape[1:]).index_select(0, packed.positions)
+    return torch.zeros_like(q).index_copy(0, packed.patches, real)
 
 
 class PatchEmbed(nn.Module):
@@ -96,8 +121,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
         num_patches, hidden = x.shape
         q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # [S, heads, D] each
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = segment_attention(q, k, v, groups, bucketed=plans_per_shape(q))
+        out = segment_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, groups)
         return self.proj(out.reshape(num_patches, hidden))
 
 
@@ -232,8 +256,8 @@ class VisionEncoder(nn.Module):
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
         cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
-        frames = [to_device(members, device) for members in segment_groups(layout.frames)]
-        windows = [to_device(members, device) for members in segment_groups(layout.windows)]
+        frames = segment_layout(layout.frames, device)
+        windows = segment_layout(layout.windows, device)
         x = self.patch_embed(to_device(torch.cat([visual.pixel_values for visual in visuals]), device))
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:

@@ -16,14 +16,18 @@ from rollplex.models import vision as vision_module
 from rollplex.models.checkpoint import load_pretrained, save_checkpoint
 from rollplex.models.config import CONFIG_DIR
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.vision import packed_segments, segment_attention
+from rollplex.models.vision import pack_segments, segment_attention, segment_layout
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 
-@pytest.mark.parametrize("bucketed", [False, True])
-def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, inputs, bucketed, monkeypatch):
-    if bucketed:  # as on a GPU with cuDNN attention: each block's segments in one masked call
-        monkeypatch.setattr(vision_module, "plans_per_shape", lambda q: True)
+@pytest.mark.parametrize("packed", [False, True])
+def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, inputs, packed, monkeypatch):
+    if packed:  # as on a GPU with cuDNN attention: each block's segments in one masked call, however padded
+        monkeypatch.setattr(vision_module, "plans_per_shape", lambda device: True)
+        monkeypatch.setattr(vision_module, "MAX_PACKING_WASTE", 100.0)
+        calls = []
+        real_packed = vision_module.packed_segment_attention
+        monkeypatch.setattr(vision_module, "packed_segment_attention", lambda *a: calls.append(1) or real_packed(*a))
     visuals = [inputs.image((10, 6)), inputs.video((2, 12, 8), second_per_grid_t=2.0)]
     hf_visual = hf_model_from_state(model.state_dict()).model.visual
     grids = torch.tensor([visual.grid_thw for visual in visuals])
@@ -31,23 +35,39 @@ def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, input
         theirs = hf_visual(torch.cat([v.pixel_values for v in visuals]), grid_thw=grids).pooler_output
         ours = model.model.visual(visuals)
     assert (ours - theirs).abs().max() <= 1e-5
+    if packed:
+        assert len(calls) == model.config.vision.depth
 
 
-def test_segment_attention_in_one_bucketed_call_equals_one_call_per_length(monkeypatch):
-    monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)  # 17 segments run as 24, lengths up to 4 as 4
+def test_segment_attention_in_one_packed_call_equals_one_call_per_length(monkeypatch):
+    monkeypatch.setattr(attention, "BUCKETS_PER_OCTAVE", 2)  # 17 segments run as 24 rows, lengths up to 4 as 4
     segment_ids = torch.cat([torch.arange(5).repeat_interleave(4), torch.arange(5, 8).repeat(3),
                              torch.arange(8, 17).repeat_interleave(2)])  # fmt: skip
     groups = segment_groups(segment_ids)
     assert sorted(g.shape[0] for g in groups) == [3, 5, 9]
-    index, real = packed_segments(groups)
-    assert index.shape == real.shape == (24, 4) and int(real.sum()) == segment_ids.numel()
+    assert pack_segments(groups) is None  # 24 x 4 entries for 47 patches: over MAX_PACKING_WASTE
+    monkeypatch.setattr(vision_module, "MAX_PACKING_WASTE", 2.5)
+    packed = pack_segments(groups)
+    assert packed.index.shape == (24, 4) and packed.sees.shape == (24, 1, 1, 4)
+    assert torch.equal(packed.patches.sort().values, torch.arange(segment_ids.numel()))  # each patch once
+    assert torch.equal(packed.index.flatten()[packed.positions], packed.patches)
+    assert packed.index.flatten().bincount().max() <= 3  # the padding spreads over the patches
+    assert packed.sees.any(dim=-1).all()  # every row, padding rows too, sees a key
     q, k, v = (torch.randn(segment_ids.numel(), 3, 8, requires_grad=True) for _ in range(3))
-    outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
+    outs = [segment_attention(q, k, v, layout) for layout in (groups, tuple(packed))]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     weights = torch.randn_like(outs[0])
     exact, padded = (torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in outs)
     for ours, theirs in zip(padded, exact, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_segments_are_packed_only_where_attention_plans_per_shape(monkeypatch):
+    segment_ids = torch.arange(40).repeat_interleave(64)  # 40 windows: packed with no padding at all
+    cpu = torch.device("cpu")
+    assert segment_layout(segment_ids, cpu)[0].dtype == torch.long  # one group per length
+    monkeypatch.setattr(vision_module, "plans_per_shape", lambda device: True)
+    assert segment_layout(segment_ids, cpu)[0].dtype == torch.bool  # a PackedSegments: its mask first
 
 
 def test_windows_partition_each_frame_into_squares_of_merge_units(config):
@@ -138,14 +158,20 @@ def test_checkpoints_of_a_padded_vision_mlp_hold_transformers_shapes_and_load_ba
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_packed_vision_attention_equals_one_call_per_length_and_stays_finite():
+def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_length_and_stays_finite():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.manual_seed(0)
     torch.backends.cuda.enable_cudnn_sdp(True)
-    windows = torch.cat([torch.arange(40).repeat_interleave(64), torch.arange(40, 52).repeat_interleave(24)])
-    groups = [g.cuda() for g in segment_groups(windows)]  # 40 windows of 64 patches, 12 of 24: 56 rows of 64
+    windows = torch.cat([torch.arange(54).repeat_interleave(64), torch.arange(54, 61).repeat_interleave(48)])
+    groups = [g.cuda() for g in segment_groups(windows)]  # 54 windows of 64 and 7 of 48: 61 rows run as 62
+    layout = segment_layout(windows, torch.device("cuda"))
+    assert layout[0].dtype == torch.bool and layout[1].shape == (62, 64)  # a padding row: the NaN guard runs
     q, k, v = (torch.randn(windows.numel(), 16, 80, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))  # fmt: skip
-    outs = [segment_attention(q, k, v, groups, bucketed=bucketed) for bucketed in (False, True)]
+    outs = [segment_attention(q, k, v, groups)]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN must take the [rows, 1, 1, width] mask at head dim 80
+        outs.append(segment_attention(q, k, v, layout))
     torch.testing.assert_close(outs[1], outs[0])
     exact, packed = (torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs)
     for ours, theirs in zip(packed, exact, strict=True):
