@@ -7,6 +7,8 @@
 #     | run7b [ALLOC_CONF]
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
+#   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
+#     beside decode, and so of its prefix backward; 8 = the 3B spec's whole step, as serial's `all`); tagged _ppcN
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -23,11 +25,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
-spec3b() {  # spec3b PATH: the spec a 3B stage runs (under CUDNN=off a copy beside it without cuDNN attention)
+[ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
+spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N: a copy beside it with that changed)
   if [ -z "$TAG" ]; then echo "$1"; return; fi
-  if grep -q "^run:" "$1"; then echo "CUDNN=off: $1 has a run: section; add cudnn_attention: false to it" >&2; exit 2; fi
+  if [ "${CUDNN:-on}" = off ] && grep -q "^run:" "$1"; then
+    echo "CUDNN=off: $1 has a run: section; add cudnn_attention: false to it" >&2; exit 2
+  fi
+  if [ -n "${PPC:-}" ] && grep -q "prompts_per_chunk:" "$1"; then
+    echo "PPC: $1 sets prompts_per_chunk already; edit it there" >&2; exit 2
+  fi
   local copy; copy=$(dirname "$1")/.$(basename "$1" .yaml)$TAG.yaml
-  { cat "$1"; printf 'run:\n  cudnn_attention: false\n'; } > "$copy"
+  { if [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
+    if [ "${CUDNN:-on}" = off ]; then printf 'run:\n  cudnn_attention: false\n'; fi; } > "$copy"
   echo "$copy"
 }
 quiet() { grep -v -e USDT -e UserWarning -e "return Variable._execution_engine" -e "_warn_once" || true; }

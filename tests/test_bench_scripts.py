@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollplex.graph.load import load_spec
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,9 +98,9 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     stale = tmp_path / "bench/baselines/serial_3b_h200_nocudnn.pt"
     stale.write_text("an earlier call's serial run")
 
-    def stage(*args: str, fail: bool = False) -> list[str]:
+    def stage(*args: str, fail: bool = False, ppc: str = "") -> list[str]:
         env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path),
-               "CUDNN": "off", "FAIL": "1" if fail else "0"}  # fmt: skip
+               "CUDNN": "off", "FAIL": "1" if fail else "0", "PPC": ppc}  # fmt: skip
         proc = subprocess.run(["bash", "bench/issue5_h200.sh", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -112,6 +114,12 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     stale.write_text("an earlier call's serial run")
     assert len(stage("bench3b", fail=True)) == 1 and not stale.exists()  # serial failed: no rollplex run
     assert "no rollplex run" in (tmp_path / "bench3b.log").read_text()
+    serial, rollplex = stage("bench3b", ppc="8")  # rollplex's prefixes grouped as serial's
+    grouped = tmp_path / "specs/.qwen2_5_vl_3b_h200_nocudnn_ppc8.yaml"
+    assert grouped.name in serial and "_nocudnn_ppc8_green66" in rollplex
+    text = grouped.read_text()
+    assert "sharing:\n  prompts_per_chunk: 8\n" in text and "cudnn_attention: false" in text
+    assert load_spec(grouped).spec.sharing.prompts_per_chunk == 8  # a spec the runtime takes
 
 
 def test_policy_table_splits_each_step_difference_into_its_three_parts_old_results_included(tmp_path):

@@ -1,7 +1,9 @@
 """`rollplex bench SPEC`: serial against rollplex on the same seeds, timed phase by phase.
 
 Each schedule trains `warmup + steps` steps from the same initial weights and data (engines built afresh,
-nothing written to disk), with a device synchronisation around every op so that op times are GPU times.
+nothing written to disk), with a device synchronisation around every op so that an op's time runs until the
+GPU has done its work (`_OpClock`; results before 2026-12-01's session 9 timed each op until the host had
+launched its last kernel, up to ~1 s short for serial's batched prefixes on the 3B H200 bench).
 From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
 (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
 seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The step
@@ -41,7 +43,7 @@ import torch
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
-from rollplex.executors.runtime import run_iteration
+from rollplex.executors.runtime import run_iteration, timer_of
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
@@ -98,8 +100,9 @@ def run_schedule(
             elapsed = time.perf_counter() - begin
         if i == 0:
             out.first_rollout = (record.responses.cpu(), record.response_lens.cpu())
+        times = {k: clock.times.get(k, 0.0) for k in record.times}  # per phase, until the device is done
         if engines.is_main:  # a line per step: what a bench cut short by a time limit still tells
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in record.times.items() if v)
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if v)
             peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
             kind = "warm-up" if i < warmup else "step"
             print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases})"
@@ -112,7 +115,7 @@ def run_schedule(
             was = out.allocator_bytes.get(phase, (0, 0))
             out.allocator_bytes[phase] = (max(was[0], allocated), max(was[1], reserved))
         out.step_s.append(elapsed)
-        out.times.append(dict(record.times))
+        out.times.append(times)
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
         out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
@@ -351,20 +354,34 @@ def tolerance(dtype: str) -> float:
 
 
 class _OpClock:
-    """before/after-op hooks that time each op between device synchronisations."""
+    """before/after-op hooks that time each op between device synchronisations: `times` (per `timer_of` key)
+    from the device idle before the op to the device idle after it. The runtime's own `StepRecord.times` stop
+    when the host has launched an op's last kernel, which for an op the GPU lags behind (serial's batched
+    prefixes: ~1 s on the 3B H200 bench) is well before its work is done. An op started while another is
+    open runs beside it (rollplex's prefixes beside decode): its time is the open op's, counted once."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.started: dict[str, float] = {}
         self.spans: list[Span] = []
+        self.times: dict[str, float] = {}
+        self._open: list[str] = []
+        self._beside: set[str] = set()
 
     def before(self, o: Op) -> None:
+        if self._open:
+            self._beside.add(o.id)
+        self._open.append(o.id)
         _sync(self.device)
         self.started[o.id] = time.perf_counter()
 
     def after(self, o: Op) -> None:
         _sync(self.device)
-        self.spans.append((_lane(o), o.id, self.started[o.id], time.perf_counter()))
+        end = time.perf_counter()
+        self._open.remove(o.id)
+        self.spans.append((_lane(o), o.id, self.started[o.id], end))
+        if o.id not in self._beside:
+            self.times[timer_of(o)] = self.times.get(timer_of(o), 0.0) + end - self.started[o.id]
 
 
 def _lane(o: Op) -> str:

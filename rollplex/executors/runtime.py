@@ -92,7 +92,7 @@ def run_iteration(
                 _decode(engines, o, store, record, beside)
             else:
                 _handler(o)(engines, o, store, record)
-            record.times[_timer(o)] += time.perf_counter() - start
+            record.times[timer_of(o)] += time.perf_counter() - start  # host seconds: the GPU may still be busy
             for each in (o, *beside):
                 done.add(each.id)
                 if after_op is not None:
@@ -112,7 +112,8 @@ def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
     return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]
 
 
-def _timer(o: Op) -> str:
+def timer_of(o: Op) -> str:
+    """The `StepRecord.times` key an op's seconds count under."""
     if o.kind is NodeKind.DECODE:
         return "rollout"
     if o.kind is NodeKind.REWARD:

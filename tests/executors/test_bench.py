@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rollplex.executors import bench as bench_module
 from rollplex.executors.bench import (
     GRAD_SKETCH,
     ScheduleRun,
@@ -256,3 +257,27 @@ def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_pa
     assert proc.returncode == 0 and json.loads(later.read_text())["grad_noise_floor"] is None
     proc = bench("--steps", "1", "--warmup", "0", "--out", str(tmp_path / "plain.json"))
     assert json.loads((tmp_path / "plain.json").read_text())["grad_noise_floor"] is None
+
+
+def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside_another_once(monkeypatch):
+    from rollplex.graph.ir import NodeKind, Op, Part, Role
+
+    now = [0.0]
+    synced = []
+    monkeypatch.setattr(bench_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bench_module, "_sync", lambda device: synced.append(now[0]))
+    decode = Op("rollout", NodeKind.DECODE, Role.ROLLOUT, (), ())
+    prefix = Op("ref_score.prefix", NodeKind.FORWARD, Role.REFERENCE, (), (), part=Part.PREFIX)
+    suffix = Op("ref_score.suffix", NodeKind.FORWARD, Role.REFERENCE, (), (), part=Part.SUFFIX)
+    clock = bench_module._OpClock(torch.device("cpu"))
+    clock.before(decode)
+    clock.before(prefix)  # beside decode: rollplex's Phase 1
+    now[0] = 10.0
+    clock.after(decode)
+    clock.after(prefix)
+    clock.before(suffix)
+    now[0] = 11.0  # the host launched its last kernel here (the runtime's own time stops)...
+    monkeypatch.setattr(bench_module, "_sync", lambda device: now.__setitem__(0, 12.5))  # ...the GPU finished here
+    clock.after(suffix)
+    assert clock.times == {"rollout": 10.0, "ref_suffix": 2.5}  # the prefix beside decode is not counted again
+    assert [label for _, label, _, _ in clock.spans] == ["rollout", "ref_score.prefix", "ref_score.suffix"]
