@@ -9,6 +9,8 @@
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
 #     beside decode, and so of its prefix backward; 8 = the 3B spec's whole step, as serial's `all`); tagged _ppcN
+#   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
+#     first two or three steps, bench/results/README.md session 9)
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
@@ -44,10 +46,10 @@ serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: seria
   local spec=$1 steps=$2 grouping=$3 policy=$4 saved=$5 name=$6 log=$7
   rm -f "$saved"  # never compare with a serial run an earlier call left here
   set -o pipefail
-  timeout 330 python3 -m rollplex bench "$spec" --steps "$steps" --warmup 1 --serial-prompts-per-chunk "$grouping" \
+  timeout 330 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
     --noise-floor --policies "$policy" --serial-only --save-serial "$saved" 2>&1 | quiet > "$log" \
     || { echo "serial failed or timed out: no rollplex run" | tee -a "$log"; return 1; }
-  timeout 250 python3 -m rollplex bench "$spec" --steps "$steps" --warmup 1 --serial-prompts-per-chunk "$grouping" \
+  timeout 250 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
     --noise-floor --policies "$policy" --serial-from "$saved" --out "$name" 2>&1 | quiet >> "$log"
 }
 
@@ -80,7 +82,7 @@ case "$STAGE" in
     STEPS=${2:?steps}; GROUPING=${3:?serial grouping (e.g. all)}; shift 3
     [ -s "bench/baselines/serial_3b_h200$TAG.pt" ] || { echo "no serial run here: run bench3b first" >&2; exit 2; }
     for POLICY in "$@"; do
-      timeout 280 python3 -m rollplex bench "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" --steps "$STEPS" --warmup 1 \
+      timeout 280 python3 -m rollplex bench "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" --steps "$STEPS" --warmup "${WARMUP:-1}" \
         --serial-prompts-per-chunk "$GROUPING" --serial-from "bench/baselines/serial_3b_h200$TAG.pt" --noise-floor \
         --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" 2>&1 | quiet >> "$OUT/policies3b.log"
     done
