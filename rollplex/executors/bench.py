@@ -188,6 +188,9 @@ def compare(
             "rollplex": _median_or_none(rollplex.prefix_backward_s),
         },
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
+        # the measured steps one by one (medians hide a slow step), and the last step's timeline (the PNG's spans)
+        "per_step": {"serial": _per_step(serial), "rollplex": _per_step(rollplex)},
+        "timeline_s": {"serial": _timeline(serial), "rollplex": _timeline(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
         "allocator_peak_gib": {  # the caching allocator's share of peak_gib: live tensors, and reserved
             "serial": allocator_gib_by_phase(serial.allocator_bytes),
@@ -281,6 +284,15 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
         "unsplit_max_param_relative_difference": max_relative_difference(unsplit.params, rollplex.params),
         "unsplit_first_step_grad_relative_difference": relative_difference(unsplit.first_grads, rollplex.first_grads),
     }
+
+
+def _per_step(run: ScheduleRun) -> dict:
+    return {"step_s": [round(t, 4) for t in run.step_s],
+            "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times]}  # fmt: skip
+
+
+def _timeline(run: ScheduleRun) -> list[list]:
+    return [[lane, label, round(start, 4), round(end, 4)] for lane, label, start, end in run.timeline]
 
 
 def _phase_medians(run: ScheduleRun) -> dict[str, float]:

@@ -48,6 +48,11 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     assert abs(sum(balance.values()) - step_difference) < 2e-3  # the three parts are the whole difference
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
     assert result["prefix_beside_decode"] > 0.5
+    for name in ("serial", "rollplex"):  # the medians come from the per-step record, which the JSON keeps
+        steps = result["per_step"][name]
+        assert len(steps["step_s"]) == len(steps["phase_s"]) == 1 and steps["step_s"][0] == result["step_s"][name]
+        lanes = {lane for lane, _, start, end in result["timeline_s"][name] if 0 <= start <= end}
+        assert lanes == {"rollout", "prefix stream", "trainer"}
     assert 0 < result["prefix_backward_s"]["serial"] < result["step_s"]["serial"]
     assert 0 < result["prefix_backward_s"]["rollplex"] < result["step_s"]["rollplex"]
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
