@@ -23,7 +23,8 @@ from rollplex.executors.bench import (
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
         "ideal_speedup", "decode_slowdown",
-        "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode"}  # fmt: skip
+        "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode", "step_balance_s",
+        "per_step", "timeline_s"}  # fmt: skip
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
