@@ -59,6 +59,7 @@ class ScheduleRun:
     decode_s: list[float] = field(default_factory=list)
     beside_fraction: list[float] = field(default_factory=list)
     prefix_backward_s: list[float] = field(default_factory=list)  # the actor's backward through its prefix
+    longest_response: list[int] = field(default_factory=list)  # tokens: the step's decode steps, at most
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
@@ -105,7 +106,9 @@ def run_schedule(
             phases = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if v)
             peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
             kind = "warm-up" if i < warmup else "step"
-            print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases})"
+            longest = int(record.response_lens.max())
+            print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases}; longest "
+                  f"response {longest} tokens)"
                   + (f"; GiB per phase {peaks}" if peaks else ""), file=sys.stderr, flush=True)  # fmt: skip
         if i < warmup:
             continue
@@ -119,6 +122,7 @@ def run_schedule(
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
         out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
+        out.longest_response.append(int(record.response_lens.max()))
         beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
@@ -287,7 +291,7 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
 
 
 def _per_step(run: ScheduleRun) -> dict:
-    return {"step_s": [round(t, 4) for t in run.step_s],
+    return {"step_s": [round(t, 4) for t in run.step_s], "longest_response": run.longest_response,
             "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times]}  # fmt: skip
 
 
