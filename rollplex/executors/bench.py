@@ -194,6 +194,9 @@ def compare(
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         # the measured steps one by one (medians hide a slow step), and the last step's timeline (the PNG's spans)
         "per_step": {"serial": _per_step(serial), "rollplex": _per_step(rollplex)},
+        # a step's seconds outside its ops (phase switches, paging, host work between ops): serial's should be
+        # near 0, or the baseline pays for more than its phases
+        "unaccounted_s": {"serial": _unaccounted(serial), "rollplex": _unaccounted(rollplex)},
         "timeline_s": {"serial": _timeline(serial), "rollplex": _timeline(rollplex)},
         "peak_gib": {"serial": gib_by_phase(serial.peak_bytes), "rollplex": gib_by_phase(rollplex.peak_bytes)},
         "allocator_peak_gib": {  # the caching allocator's share of peak_gib: live tensors, and reserved
@@ -293,6 +296,11 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
 def _per_step(run: ScheduleRun) -> dict:
     return {"step_s": [round(t, 4) for t in run.step_s], "longest_response": run.longest_response,
             "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times]}  # fmt: skip
+
+
+def _unaccounted(run: ScheduleRun) -> float | None:
+    gaps = [step - sum(times.values()) for step, times in zip(run.step_s, run.times, strict=True)]
+    return round(statistics.median(gaps), 4) if gaps else None
 
 
 def _timeline(run: ScheduleRun) -> list[list]:
