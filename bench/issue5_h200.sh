@@ -2,7 +2,7 @@
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
 #   bash bench/issue5_h200.sh STAGE
-#     start | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
+#     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME | naive7b
 #     | run7b [ALLOC_CONF]
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
@@ -54,9 +54,11 @@ serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: seria
 }
 
 case "$STAGE" in
-  start)  # one call instead of two (each call pays the machine's start-up): the GPU tests, then sdpa
+  start)  # start [STEPS [BACKEND...]]: one call instead of two (each pays the machine's start-up): the GPU
+    # tests, then sdpa with these arguments (e.g. start 6 cudnn cudnn_bucketed)
+    shift
     TESTS_TIMEOUT=130 bash "$0" tests
-    SDPA_TIMEOUT=420 bash "$0" sdpa ;;
+    SDPA_TIMEOUT=${SDPA_TIMEOUT:-420} bash "$0" sdpa "$@" ;;
   tests)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
