@@ -18,7 +18,8 @@ backend in a process of its own (nothing cached from another backend):
   (serial's `all` grouping);
 - vision: per prompt's video, each vision block's attention as the runtime runs it (`segment_attention`:
   windows in most blocks, whole frames in the full-attention ones), forward and backward; the segments'
-  number and lengths follow the video's frames and size, so they change from step to step.
+  number and lengths follow the video's frames and size, so they change from step to step; vision_all: the
+  same for all the step's videos at once (serial's `all` grouping: videos of mixed sizes in one layout).
 
 Per backend and part: seconds per step with new shapes (cold: what a run pays), the same shapes again right
 after (warm: kernels and launches), and the mean difference (the host's per-shape cost). `default` is torch's
@@ -69,13 +70,17 @@ def step_shapes(preset_name: str, step: int, prompts: int, samples: int) -> tupl
     return prompt_lens, [(len(b), max(lens[i] for i in b)) for b in batches]
 
 
-def vision_shapes(preset_name: str, step: int, prompts: int, vision: VisionConfig) -> list[tuple[list, list]]:
-    """Per prompt of a step: its video's (windows, frames) segment groups (`segment_groups`, on the CPU)."""
+def vision_shapes(
+    preset_name: str, step: int, prompts: int, vision: VisionConfig, grouped: bool = False
+) -> list[tuple[list, list]]:
+    """Per prompt of a step: its video's (windows, frames) segment groups (`segment_groups`, on the CPU);
+    `grouped`: one entry for all the step's videos together (serial's `all` grouping: mixed sizes)."""
     preset = get_preset(preset_name)
+    layouts = [preset.layout(seed=step, index=i) for i in range(prompts)]
+    grids = [grid_thw(layout.num_frames, *preset.frame_size(layout), preset.vision) for layout in layouts]
     out = []
-    for i in range(prompts):
-        layout = preset.layout(seed=step, index=i)
-        patches = patch_layout([grid_thw(layout.num_frames, *preset.frame_size(layout), preset.vision)], vision)
+    for part in [grids] if grouped else [[grid] for grid in grids]:
+        patches = patch_layout(part, vision)
         out.append((segment_groups(patches.windows), segment_groups(patches.frames)))
     return out
 
@@ -173,11 +178,12 @@ def measure(backend: str, args) -> dict:
         "prefix": lambda s: prefix_calls(s, *dims, **at),
         "prefix_all": lambda s: prefix_calls(s, *dims, grouped=True, **at),
         "vision": lambda s: vision_calls(s[2], vision, **at),
+        "vision_all": lambda s: vision_calls(s[3], vision, **at),
     }
     torch.manual_seed(0)
     # shapes no step has: the backend's first use, not a plan a step could reuse
     first_use = (segment_groups(torch.arange(3).repeat(16)), segment_groups(torch.zeros(48, dtype=torch.long)))
-    tiny = ([64, 48], [(2, 17)], [first_use])
+    tiny = ([64, 48], [(2, 17)], [first_use], [first_use])
     out = {}
     for name, run in parts.items():
         cold, warm = [], []
@@ -186,7 +192,8 @@ def measure(backend: str, args) -> dict:
                 run(tiny)
                 for step in range(args.steps):
                     shapes = (*step_shapes(args.preset, step, args.prompts, args.samples),
-                              vision_shapes(args.preset, step, args.prompts, vision))  # fmt: skip
+                              vision_shapes(args.preset, step, args.prompts, vision),
+                              vision_shapes(args.preset, step, args.prompts, vision, grouped=True))  # fmt: skip
                     cold.append(timed(args.device, run, shapes))
                     warm.append(timed(args.device, run, shapes))
         except RuntimeError as e:  # e.g. no flash kernel for a masked call

@@ -52,6 +52,8 @@ def test_sdpa_shapes_runs_each_videos_vision_attention_through_the_runtime_packe
     vision = module.load_model_config("qwen2_5_vl_3b").vision
     shapes = module.vision_shapes("llava_video", 0, 2, vision)
     assert len(shapes) == 2
+    (_, frames_all), *more = module.vision_shapes("llava_video", 0, 2, vision, grouped=True)
+    assert not more and sum(g.numel() for g in frames_all) == sum(g.numel() for w, _ in shapes for g in w)
     for windows, frames in shapes:  # every patch of the video in one window and one frame
         assert sum(g.numel() for g in windows) == sum(g.numel() for g in frames)
         assert len(frames) == 1  # a video's frames are all one size
@@ -76,7 +78,7 @@ def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all", "vision"}
+    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all", "vision", "vision_all"}
     assert set(results["default"]) == parts
     assert all(len(r["cold_s"]) == len(r["warm_s"]) == 1 for r in results["default"].values())
     assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel
