@@ -96,8 +96,8 @@ def vision_calls(shapes, vision: VisionConfig, device: str, bucketed: bool = Fal
         return [t.to(device) for t in (packed if packed is not None else groups)]
 
     for windows, frames in shapes:
+        num_patches = sum(g.numel() for g in windows)  # the windows (and the frames) partition the patches
         windows, frames = layout(windows), layout(frames)
-        num_patches = sum(g.numel() for g in segment_groups_of(windows))
         outs = []
         for block in range(vision.depth):
             q, k, v = (torch.randn(num_patches, vision.num_heads, dim, device=device, dtype=torch.bfloat16,
@@ -105,11 +105,6 @@ def vision_calls(shapes, vision: VisionConfig, device: str, bucketed: bool = Fal
             groups = frames if block in vision.fullatt_block_indexes else windows
             outs.append(segment_attention(q, k, v, groups).float().sum())
         torch.stack(outs).sum().backward()
-
-
-def segment_groups_of(layout) -> list:
-    """The tensors of a layout that list real patches: the groups, or a packed layout's patches."""
-    return [layout[3]] if layout[0].dtype == torch.bool else layout
 
 
 def backend_context(name: str):

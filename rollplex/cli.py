@@ -107,13 +107,13 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     import json
 
+    from rollplex.executors.agreement import updates_match
     from rollplex.executors.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
     from rollplex.executors.bench import (
         compare,
         noise_floor_grads,
         policy_label,
         run_schedule,
-        updates_match,
         with_prompts_per_chunk,
         with_unsplit,
     )
