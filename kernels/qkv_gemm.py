@@ -4,7 +4,8 @@ Case 3 of DESIGN.md section 5 without the copy: W is stored per query group ([q 
 rows each, `rollplex.memory.sharing.qkv_megatron`); the rollout attention wants y = x W_grouped^T + b_grouped
 with columns [all q | all k | all v] (`qkv_vllm`). Each program computes, for its output column tile, which
 stored rows to load (the closed form of `qkv_layout.grouped_rows`), so the permuted weight never exists.
-The bias is stored like the weight and read through the same index. Does not split heads or apply rope.
+The bias is stored like the weight and read through the same index. Rows short of a whole wave of tiles cut K
+over several programs (`tiles.wave_parts`); the first split adds the bias. Does not split heads or apply rope.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ import triton
 import triton.language as tl
 
 from rollplex.kernels.qkv_layout import num_stored_rows
-from rollplex.kernels.tiles import Tiles, check_dtypes, num_programs, pick_tiles, tile_position, zero_tile
+from rollplex.kernels.tiles import (
+    Tiles,
+    check_dtypes,
+    k_per_split,
+    num_programs,
+    pick_tiles,
+    sm_count,
+    sum_splits,
+    tile_position,
+    wave_parts,
+    zero_tile,
+)
 
 
 @triton.jit
@@ -39,6 +51,7 @@ def qkv_gemm_kernel(
     w_ptr,  # [num_stored_rows, K] row-major, Megatron order
     b_ptr,  # [num_stored_rows] Megatron order, or a dummy when not HAS_BIAS
     y_ptr,  # [M, N] row-major, vLLM order
+    p_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
     M,
     K: tl.constexpr,  # constexpr: see transposed_gemm_kernel
     NUM_HEADS: tl.constexpr,
@@ -50,30 +63,39 @@ def qkv_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
+    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K itself when SPLIT_K == 1)
 ):
     N: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     src = stored_rows(cols, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_REP)  # [BLOCK_N] rows of W to read
+    first = tl.program_id(1) * K_SPLIT
     ks = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_tile = w_ptr + src[None, :].to(tl.int64) * K + ks[:, None]  # [BLOCK_K, BLOCK_N]: W[src]^T, K contiguous
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + (first + ks)[None, :]  # [BLOCK_M, BLOCK_K]
+    w_tile = w_ptr + src[None, :].to(tl.int64) * K + (first + ks)[:, None]  # [BLOCK_K, BLOCK_N]: W[src]^T
     acc = zero_tile(BLOCK_M, BLOCK_N)
-    for k0 in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0 and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
             a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
             b = tl.load(w_tile)
         else:
-            a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < K - k0), other=0.0)
-            b = tl.load(w_tile, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+            left = K - first - k0
+            a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
+            b = tl.load(w_tile, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + src, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y_tile = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if HAS_BIAS:  # in the first split only
+        bias = tl.load(b_ptr + src, mask=(cols < N) & (tl.program_id(1) == 0), other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        p_tile = p_ptr + tl.program_id(1).to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(p_tile, acc, mask=inside)
 
 
 def qkv_grouped_from_megatron(
@@ -85,10 +107,11 @@ def qkv_grouped_from_megatron(
     head_dim: int,
     kv_replicas: int = 1,
     tiles: Tiles | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """x: [M, H]; w: [num_stored_rows, H] and bias: [num_stored_rows] in Megatron order (heads local to the shard;
     kv_replicas > 1 when consecutive stored groups repeat a KV head) -> [M, (num_heads + 2 * num_kv_heads) * d]
-    in vLLM order."""
+    in vLLM order. `num_sms`: the SMs the waves are planned for (default: the device's)."""
     stored = num_stored_rows(num_heads, num_kv_heads, head_dim, kv_replicas)
     assert num_heads % (num_kv_heads * kv_replicas) == 0, f"{num_heads} q heads vs {num_kv_heads}x{kv_replicas} groups"
     assert x.dim() == 2 and x.is_contiguous(), f"x must be a contiguous [M, H], got {tuple(x.shape)}"
@@ -97,14 +120,17 @@ def qkv_grouped_from_megatron(
     assert bias is None or (bias.shape == (stored,) and bias.is_contiguous()), f"bias must be a contiguous [{stored}]"
     assert x.device == w.device, f"x on {x.device}, w on {w.device}"
     check_dtypes(x, w, *([] if bias is None else [bias]))
-    m, n = x.shape[0], (num_heads + 2 * num_kv_heads) * head_dim
+    (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
-    t = tiles or pick_tiles(m, n, x.shape[1])
-    assert t.split_k == 1, "the fused QKV GEMM does not split K"
-    qkv_gemm_kernel[(num_programs(m, n, t),)](
-        x, w, w if bias is None else bias, y, m, x.shape[1], num_heads, num_kv_heads, head_dim, kv_replicas,
-        bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
-    )  # fmt: skip
+    t = tiles or pick_tiles(m, n, k)
+    for first, end, split in wave_parts(m, n, k, t, num_sms or sm_count(x.device)) if m else []:
+        rows, out = x[first:end], y[first:end]
+        partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
+        qkv_gemm_kernel[(num_programs(end - first, n, t), split)](
+            rows, w, w if bias is None else bias, out, partials, end - first, k, num_heads, num_kv_heads, head_dim,
+            kv_replicas, bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, split, k_per_split(k, split, t),
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+        if split > 1:
+            sum_splits(partials, out)
     return y

@@ -2,10 +2,10 @@
 
 W is logically [O, I] (o_proj, down_proj); the trainer stores it as S = W^T = [I, O] contiguous, so that each
 training shard of the I axis is a contiguous slab and a rollout shard is q slabs back to back. This kernel reads
-S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. With `split_k` > 1
-(long K, few output columns: not enough tiles for the SMs), each tile's K is cut over that many programs whose
-fp32 partial sums meet by atomic adds in a zeroed buffer, cast once at the end. It does not shard, bind or
-all-reduce; the caller passes the slab its rank holds.
+S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. Rows that do not fill
+a wave of tiles (`tiles.wave_parts`: all of them in decode) cut K over several programs, each writing an fp32
+partial that `sum_splits` adds in order. It does not shard, bind or all-reduce; the caller passes the slab its
+rank holds.
 """
 
 from __future__ import annotations
@@ -14,7 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
-from rollplex.kernels.tiles import Tiles, check_dtypes, num_programs, pick_tiles, tile_position, zero_tile
+from rollplex.kernels.tiles import (
+    Tiles,
+    check_dtypes,
+    k_per_split,
+    num_programs,
+    pick_tiles,
+    sm_count,
+    sum_splits,
+    tile_position,
+    wave_parts,
+    zero_tile,
+)
 
 
 @triton.jit
@@ -22,6 +33,7 @@ def transposed_gemm_kernel(
     x_ptr,  # [M, K] row-major
     s_ptr,  # [K, N] row-major: W^T
     y_ptr,  # [M, N] row-major
+    p_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
     M,
     N: tl.constexpr,  # constexpr (a model's shape): tiles that divide it load without a column mask
     K: tl.constexpr,  # constexpr: the trip count is known, and triton 3.6's interpreter cannot range() a runtime int
@@ -56,24 +68,30 @@ def transposed_gemm_kernel(
     if SPLIT_K == 1:
         tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=inside)
     else:
-        tl.atomic_add(y_tile, acc, mask=inside)  # y is the fp32 sum of the splits
+        p_tile = p_ptr + tl.program_id(1).to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(p_tile, acc, mask=inside)
 
 
-def matmul_transposed(x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype."""
+def matmul_transposed(
+    x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None, num_sms: int | None = None
+) -> torch.Tensor:
+    """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype. `num_sms`:
+    the SMs the waves are planned for (default: the device's)."""
     assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
     assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
     assert x.is_contiguous() and s.is_contiguous(), "x and s must be contiguous (s is the stored [I, O] slab)"
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
     (m, k), n = x.shape, s.shape[1]
-    t = tiles or pick_tiles(m, n, x.shape[1])
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if t.split_k == 1 else x.new_zeros(m, n, dtype=torch.float32)
-    if m == 0:
-        return y.to(x.dtype)
-    k_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
-    transposed_gemm_kernel[(num_programs(m, n, t), t.split_k)](
-        x, s, y, m, n, k, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k, k_split,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )  # fmt: skip
-    return y if t.split_k == 1 else y.to(x.dtype)
+    t = tiles or pick_tiles(m, n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for first, end, split in wave_parts(m, n, k, t, num_sms or sm_count(x.device)) if m else []:
+        rows, out = x[first:end], y[first:end]
+        partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
+        transposed_gemm_kernel[(num_programs(end - first, n, t), split)](
+            rows, s, out, partials, end - first, n, k, t.block_m, t.block_n, t.block_k, t.group_m, split,
+            k_per_split(k, split, t), num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+        if split > 1:
+            sum_splits(partials, out)
+    return y

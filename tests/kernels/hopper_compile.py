@@ -22,13 +22,22 @@ HOPPER = GPUTarget("cuda", 90, 32)
 KERNELS = {
     "transposed": (
         transposed_gemm_kernel,
-        {"x_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32"},
+        {"x_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
         {"K": 5504, "N": 2048, "SPLIT_K": 1, "K_SPLIT": 5504},  # down_proj of the 3B model at TP 2
     ),
     "qkv": (
         qkv_gemm_kernel,
-        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32"},
-        {"K": 2048, "NUM_HEADS": 16, "NUM_KV_HEADS": 2, "HEAD_DIM": 128, "KV_REP": 1, "HAS_BIAS": True},
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
+        {
+            "K": 2048,
+            "NUM_HEADS": 16,
+            "NUM_KV_HEADS": 2,
+            "HEAD_DIM": 128,
+            "KV_REP": 1,
+            "HAS_BIAS": True,
+            "SPLIT_K": 1,
+            "K_SPLIT": 2048,
+        },
     ),
 }
 
@@ -49,6 +58,7 @@ def decode_kernels() -> dict:
     from rollplex.kernels import cascade as da
     from rollplex.kernels import decode_ops as ops
     from rollplex.kernels import sampling as sa
+    from rollplex.kernels import tiles
 
     ptrs = lambda *names, t="*bf16": {n: t for n in names}  # noqa: E731
     heads = {"H": 28, "HPG": 7, "D": 128}
@@ -74,6 +84,8 @@ def decode_kernels() -> dict:
         "sample_finish": (sa.sample_finish_kernel, {"partial_ptr": "*fp32", "index_ptr": "*i32", "done_ptr": "*i8",
             "logprobs_ptr": "*fp32", **ptrs("slots_ptr", "column_ptr", "stop_ptr", "tokens_ptr", "last_token_ptr",
             "max_lens_ptr", t="*i64")}, {"R": 2048, "SPLITS": 38, "SPLITS_POW2": 64, "MAX_STOP": 16}),
+        "sum_splits": (tiles.sum_splits_kernel, {"p_ptr": "*fp32", "y_ptr": "*bf16", "NUMEL": "i32"},
+            {"SPLIT_K": 4, "BLOCK": 1024}),
     }  # fmt: skip
 
 

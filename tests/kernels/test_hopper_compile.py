@@ -36,5 +36,6 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
     results = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["kernel"] for r in results] == [
         "partial", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial", "sample_finish",
+        "sum_splits",
     ]  # fmt: skip
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results

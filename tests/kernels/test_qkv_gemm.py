@@ -10,7 +10,7 @@ from kernels_testkit import assert_matches, needs_cuda, random
 pytest.importorskip("triton")
 from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
 from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows
-from rollplex.kernels.tiles import Tiles
+from rollplex.kernels.tiles import Tiles, wave_parts
 
 SMALL = Tiles(block_m=16, block_n=16, block_k=32)  # column tiles narrower than, equal to and across heads
 HIDDEN = 48
@@ -97,3 +97,16 @@ def test_tiles_that_divide_k_and_the_columns_take_the_unmasked_loads():
     x = random(19, 64, seed=18)
     y = qkv_grouped_from_megatron(x, w, b, num_heads, num_kv_heads, head_dim, tiles=Tiles(16, 16, 32))
     assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_rows_short_of_a_whole_wave_split_k_and_add_the_bias_once(with_bias):
+    """4 SMs, 37 rows x 64 columns in 16 x 32 tiles: rows 0-31 fill two waves unsplit, rows 32-36 split K in two."""
+    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 8, 520
+    w, b = stored(num_heads, num_kv_heads, head_dim, hidden=hidden)
+    bias = b if with_bias else None
+    x = random(37, hidden, seed=19)
+    tiles = Tiles(16, 32, 32)
+    assert [split for *_, split in wave_parts(37, 64, hidden, tiles, num_sms=4)] == [1, 2]
+    y = qkv_grouped_from_megatron(x, w, bias, num_heads, num_kv_heads, head_dim, tiles=tiles, num_sms=4)
+    assert_matches(y, reference(x, w, bias, num_heads, num_kv_heads, head_dim))

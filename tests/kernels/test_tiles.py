@@ -12,7 +12,18 @@ import torch
 pytest.importorskip("triton")
 import triton
 
-from rollplex.kernels.tiles import DECODE_MAX_M, MIN_COLUMN_TILES, PREFILL, SHARED_BYTES, pick_tiles
+from rollplex.kernels.tiles import (
+    DECODE_MAX_M,
+    MAX_SPLIT,
+    MIN_BLOCKS_PER_SPLIT,
+    MIN_COLUMN_TILES,
+    PREFILL,
+    SHARED_BYTES,
+    Tiles,
+    k_per_split,
+    pick_tiles,
+    wave_parts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +50,36 @@ def test_decode_tiles_take_the_deepest_pipeline_that_fits_in_shared_memory(num_r
 
 def test_prefill_rows_get_the_prefill_tile():
     assert pick_tiles(DECODE_MAX_M + 1, 2048) == pick_tiles(4096, 2048) == PREFILL
+
+
+def test_decode_rows_split_long_k_until_the_tiles_fill_the_sms():
+    decode = Tiles(block_m=16, block_n=64, block_k=256)
+    assert wave_parts(1, 2048, 11008, decode, 132) == [(0, 1, 4)]  # 32 column tiles: 4 x 32 programs
+    assert wave_parts(1, 2048, 5504, decode, 132) == [(0, 1, 2)]  # 22 K tiles: at most 2 splits of 8 tiles
+    assert MIN_BLOCKS_PER_SPLIT == 8
+    assert wave_parts(1, 2048, 2048, decode, 132) == [(0, 1, 1)]  # 8 K tiles: not worth a split
+    assert wave_parts(1, 512, 65536, decode, 132) == [(0, 1, MAX_SPLIT)]
+
+
+def test_prefill_rows_in_whole_waves_stay_unsplit_and_the_rest_split_to_fill_one_wave():
+    # 4096 x 1280 in 128 x 256 tiles: 32 x 5 = 160 tiles; 26 row tiles (130) fill a wave, 6 x 5 = 30 are left
+    assert wave_parts(4096, 1280, 2048, PREFILL, 132) == [(0, 26 * 128, 1), (26 * 128, 4096, 4)]
+    # 4096 x 2048: 32 x 8 = 256 tiles; the 128 left nearly fill the second wave: no split
+    assert wave_parts(4096, 2048, 2048, PREFILL, 132) == [(0, 4096, 1)]
+    # 4096 x 2560 (10 column tiles): 26 row tiles are two waves, 60 tiles left: two splits each
+    assert wave_parts(4096, 2560, 2048, PREFILL, 132) == [(0, 26 * 128, 1), (26 * 128, 4096, 2)]
+    # 32768 x 1280: 1280 tiles, 237 row tiles fill 9 waves, and the 95 left would fill a wave in one split
+    assert wave_parts(32768, 1280, 2048, PREFILL, 132) == [(0, 32768, 1)]
+
+
+def test_a_set_split_applies_to_every_row():
+    assert wave_parts(4096, 1280, 2048, Tiles(128, 256, 64, split_k=3), 132) == [(0, 4096, 3)]
+
+
+@pytest.mark.parametrize(("num_inner", "split"), [(2048, 4), (200, 3), (65, 4), (11008, 4)])
+def test_the_splits_cover_k_in_tile_multiples(num_inner, split):
+    per = k_per_split(num_inner, split, PREFILL)
+    assert per % PREFILL.block_k == 0 and per * split >= num_inner > (per - PREFILL.block_k) * split
 
 
 def test_importing_the_kernels_package_loads_neither_triton_nor_torch():

@@ -7,7 +7,7 @@ import torch
 from kernels_testkit import DEVICE, DTYPE, assert_matches, needs_cuda, random
 
 pytest.importorskip("triton")
-from rollplex.kernels.tiles import Tiles
+from rollplex.kernels.tiles import Tiles, pick_tiles, wave_parts
 from rollplex.kernels.transposed_gemm import matmul_transposed
 
 SMALL = Tiles(block_m=16, block_n=32, block_k=32)  # several tiles on each axis at test sizes
@@ -87,3 +87,27 @@ def test_splitting_k_over_programs_sums_to_the_same_product(split_k, num_rows):
     y = matmul_transposed(x, w.T.contiguous(), Tiles(block_m=16, block_n=32, block_k=32, split_k=split_k))
     assert y.dtype == x.dtype
     assert_matches(y, reference(x, w))
+
+
+@pytest.mark.parametrize("num_rows", [1, 37])
+def test_rows_short_of_a_whole_wave_split_k_and_the_product_is_unchanged(num_rows):
+    """4 SMs: 37 rows make 3 x 2 tiles, so rows 0-31 fill a wave and rows 32-36 run with K split in two; one
+    row makes 2 tiles, all split. K = 520 leaves the last split short and not a tile multiple."""
+    w = random(64, 520, seed=10, scale=520**-0.5)
+    x = random(num_rows, 520, seed=11)
+    assert len(wave_parts(num_rows, 64, 520, SMALL, num_sms=4)) == (2 if num_rows == 37 else 1)
+    y = matmul_transposed(x, w.T.contiguous(), SMALL, num_sms=4)
+    assert_matches(y, reference(x, w))
+    assert torch.equal(y, matmul_transposed(x, w.T.contiguous(), SMALL, num_sms=4))  # split order is fixed
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("num_rows", "in_features"), [(1, 11008), (32, 18944), (4096, 3584)])
+def test_on_a_gpu_split_products_match_torch_and_repeat_bitwise(num_rows, in_features):
+    w = random(3584, in_features, seed=1, scale=in_features**-0.5)
+    x, s = random(num_rows, in_features, seed=2), w.T.contiguous()
+    assert any(split > 1 for *_, split in wave_parts(num_rows, 3584, in_features, pick_tiles(num_rows, 3584), 132))
+    y = matmul_transposed(x, s)
+    assert_matches(y, reference(x, w))
+    assert all(torch.equal(y, matmul_transposed(x, s)) for _ in range(3))

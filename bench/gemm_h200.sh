@@ -1,0 +1,37 @@
+#!/bin/bash
+# Issue 6's layout GEMMs on one H200, one stage per device call:
+#
+#   bash bench/gemm_h200.sh tests | sweep | picked
+#     tests:  the kernels' GPU tests (tests/kernels -m gpu) -> $OUT/kernels_gpu_tests.log
+#     sweep:  bench/gemm_layouts.py --sweep (every shape, the picked tiles and the swept ones; compiled first in
+#             16 parallel processes) -> $OUT/gemm_sweep_h200.json
+#     picked: bench/gemm_layouts.py with the picked tiles only -> $OUT/gemm_layouts_h200.json
+#
+# Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
+# ../shared/tools/gpu-wheels.sh .whl pydantic). Each stage prints its table last. Move what comes back into
+# bench/results/ with the code's commit.
+set -u
+STAGE=${1:?stage: tests, sweep or picked}
+OUT=${OUT:?the device sets OUT}
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
+ln -sfn ../kernels rollplex/kernels
+case "$STAGE" in
+  tests)
+    timeout 240 python3 -m pytest -q -m gpu tests/kernels --tb=short -rfEs > "$OUT/kernels_gpu_tests.log" 2>&1
+    tail -5 "$OUT/kernels_gpu_tests.log" ;;
+  sweep)
+    for i in $(seq 0 15); do
+      timeout 200 python3 bench/gemm_layouts.py --sweep --compile-only --shard "$i/16" > /dev/null 2>&1 &
+    done
+    wait
+    timeout 360 python3 bench/gemm_layouts.py --sweep --out "$OUT/gemm_sweep_h200.json" 2>&1 | tail -64 ;;
+  picked)
+    for i in $(seq 0 15); do
+      timeout 120 python3 bench/gemm_layouts.py --compile-only --shard "$i/16" > /dev/null 2>&1 &
+    done
+    wait
+    timeout 300 python3 bench/gemm_layouts.py --out "$OUT/gemm_layouts_h200.json" 2>&1 | tail -64 ;;
+  *)
+    echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
