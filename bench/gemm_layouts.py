@@ -139,7 +139,10 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
     kernels, baselines = [k for k, _ in pairs], [b for _, b in pairs]
     torch.testing.assert_close(kernels[0]().float(), baselines[0]().float(), atol=3e-2, rtol=2e-2)
     picked = pick_tiles(num_rows, shape.out_features, shape.in_features)
-    parts = wave_parts(num_rows, shape.out_features, shape.in_features, picked, 132)
+    parts = [
+        (first, end, asdict(t))
+        for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, 132)
+    ]
     kernel_us, torch_us = time_us(kernels), time_us(baselines)
     target = DECODE_TARGET if num_rows <= 64 else PREFILL_TARGET
     row = {**asdict(shape), "rows": num_rows, "kernel_us": kernel_us, "torch_us": torch_us,

@@ -122,9 +122,9 @@ def qkv_grouped_from_megatron(
     check_dtypes(x, w, *([] if bias is None else [bias]))
     (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    t = tiles or pick_tiles(m, n, k)
-    for first, end, split in wave_parts(m, n, k, t, num_sms or sm_count(x.device)) if m else []:
-        rows, out = x[first:end], y[first:end]
+    num_sms = num_sms or sm_count(x.device)
+    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
+        rows, out, split = x[first:end], y[first:end], t.split_k
         partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
         qkv_gemm_kernel[(num_programs(end - first, n, t), split)](
             rows, w, w if bias is None else bias, out, partials, end - first, k, num_heads, num_kv_heads, head_dim,

@@ -1,22 +1,25 @@
 """Tile configurations of the layout GEMMs, one per regime, the grouped tile order they share, and how a launch
 is cut into waves.
 
-Decode (M <= 64 rows) is bound by reading W once: a short M tile, tiles narrow enough in N to give at least
-MIN_COLUMN_TILES programs, a long K tile and the deepest pipeline that fits in shared memory. Prefill (large M)
-is bound by math: the usual 128x256x64 Hopper tile with grouped ordering so that neighbouring programs reuse W
-tiles from L2. Decode tiles follow an H200 sweep of Qwen2.5-VL 3B/7B shapes at TP 1 and 2
-(`bench/gemm_layouts.py --sweep`, `bench/results/gemm_sweep_h200.json`); the prefill tile is the usual start.
+A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, the second 21 % full.
 
-Waves: a GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, the second 21 % full.
-`wave_parts` runs the rows whose tiles fill whole waves as they are, and the rows left over (all of them in
-decode, where there are fewer tiles than SMs) with K split over enough programs to fill the last wave. Each
-split writes its fp32 partial product to a buffer of its own; `sum_splits` adds them in split order, so the
-result does not depend on which program finished first (no atomics: a rollout replays bitwise).
+Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of
+the columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one
+wave (the widest tile on a tie), K split only where each part reads at least DECODE_SPLIT_MIN_K rows; 16- or
+64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest pipeline that
+fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with grouped ordering
+so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles fill whole waves
+as they are and the rows left over with narrower N tiles (and, if that is not enough, K split) so that they
+fill one more wave instead of a fraction of one. The rules follow an H200 sweep of Qwen2.5-VL 3B/7B shapes at
+TP 1 and 2 (`bench/gemm_layouts.py --sweep`; bench/results/README.md).
+
+A K split writes each part's fp32 partial product to a buffer of its own, and `sum_splits` adds them in split
+order: the result does not depend on which program finished first (no atomics: a rollout replays bitwise).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -24,10 +27,11 @@ import triton.language as tl
 
 DECODE_MAX_M = 64
 NUM_SMS_H200 = 132
-MIN_COLUMN_TILES = 64  # fewer column tiles leave most of an H200's 132 SMs without a slice of W to read
 SHARED_BYTES = 200 * 1024  # of the 228 KiB an H200 SM has, what a decode tile's pipeline may take
+DECODE_SPLIT_MIN_K = 1536  # K rows each part of a decode split reads: shorter parts lose to the partials' sum
 MAX_SPLIT = 8
-MIN_BLOCKS_PER_SPLIT = 8  # K tiles each split keeps: below that the partials' traffic and the sum outweigh the gain
+MIN_TAIL_BLOCK_N = 64  # the narrowest N tile a prefill tail takes before it splits K instead
+MIN_BLOCKS_PER_SPLIT = 8  # K tiles each part of a prefill tail's split keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,7 @@ class Tiles:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 0  # 0: `wave_parts` decides per launch; n >= 1: every row with K cut n ways (sweeps, tests)
+    split_k: int = 0  # 0: `wave_parts` cuts the launch; n >= 1: every row with K cut n ways
 
     def __post_init__(self) -> None:
         for b in (self.block_m, self.block_n, self.block_k):
@@ -49,18 +53,20 @@ class Tiles:
 PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
-def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0) -> Tiles:
-    """The tile for an [num_rows, num_inner] x [num_inner, num_cols] product: decode for short M, prefill
-    otherwise. Decode: the widest N tile (64, 32, 16) that still gives MIN_COLUMN_TILES column tiles, K in
-    256-deep steps up to 32 rows and 128-deep for 64, and the deepest pipeline (6, 4, 3 stages) that fits."""
+def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0, num_sms: int = NUM_SMS_H200) -> Tiles:
+    """The tile for an [num_rows, num_inner] x [num_inner, num_cols] product: PREFILL above DECODE_MAX_M rows,
+    else the decode tile of the module docstring (K unsplit when `num_inner` is not given)."""
     if num_rows > DECODE_MAX_M:
         return PREFILL
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    block_n = next((n for n in (64, 32) if triton.cdiv(num_cols, n) >= MIN_COLUMN_TILES), 16)
-    block_k = 256 if block_m <= 32 else 128
+    block_m = 16 if num_rows <= 16 else 64
+    block_k = 256 if block_m == 16 else 128
+    programs = lambda n, k: triton.cdiv(num_cols, n) * k  # noqa: E731
+    fits = [(n, k) for n in (16, 32, 64) for k in range(1, MAX_SPLIT + 1)
+            if programs(n, k) <= num_sms and (k == 1 or num_inner // k >= DECODE_SPLIT_MIN_K)]  # fmt: skip
+    block_n, split = max(fits, key=lambda f: (programs(*f), f[0])) if fits else (64, 1)
     stage_bytes = (block_m + block_n) * block_k * 2  # one bf16 tile of x and one of W
     stages = next(s for s in (6, 4, 3, 2) if s * stage_bytes <= SHARED_BYTES)
-    return Tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
+    return Tiles(block_m, block_n, block_k, num_warps=4, num_stages=stages, split_k=split)
 
 
 @triton.jit
@@ -93,20 +99,28 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else NUM_SMS_H200
 
 
-def wave_parts(num_rows: int, num_cols: int, num_inner: int, tiles: Tiles, num_sms: int) -> list[tuple[int, int, int]]:
-    """(first row, end row, K splits) of each launch: the rows whose tiles make whole waves unsplit, then the
-    rest with K split as many ways as fills one wave (at most MAX_SPLIT, each split MIN_BLOCKS_PER_SPLIT K tiles
-    deep). One unsplit part when splitting would not help; every row with `tiles.split_k` when that is set."""
+def wave_parts(
+    num_rows: int, num_cols: int, num_inner: int, tiles: Tiles, num_sms: int
+) -> list[tuple[int, int, Tiles]]:
+    """(first row, end row, tiles with split_k set) of each launch. Tiles with split_k set: one launch. Else the
+    rows whose tiles make whole waves, then the rest with N tiles halved (down to MIN_TAIL_BLOCK_N) while they
+    still fit in one wave, and K split as many ways as then fills it (at most MAX_SPLIT, each part
+    MIN_BLOCKS_PER_SPLIT K tiles deep); one launch when that changes nothing."""
     if tiles.split_k:
-        return [(0, num_rows, tiles.split_k)]
+        return [(0, num_rows, tiles)]
+    whole_tiles = replace(tiles, split_k=1)
     row_tiles, col_tiles = triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n)
     whole = min(row_tiles, (row_tiles * col_tiles // num_sms) * num_sms // col_tiles)  # row tiles in full waves
-    left = (row_tiles - whole) * col_tiles
-    split = min(MAX_SPLIT, num_sms // max(left, 1), triton.cdiv(num_inner, tiles.block_k) // MIN_BLOCKS_PER_SPLIT)
-    if left == 0 or split < 2:
-        return [(0, num_rows, 1)]
+    left = lambda t: (row_tiles - whole) * triton.cdiv(num_cols, t.block_n)  # noqa: E731
+    tail = whole_tiles
+    while tail.block_n > MIN_TAIL_BLOCK_N and 0 < left(replace(tail, block_n=tail.block_n // 2)) <= num_sms:
+        tail = replace(tail, block_n=tail.block_n // 2)
+    split = min(MAX_SPLIT, num_sms // max(left(tail), 1), triton.cdiv(num_inner, tail.block_k) // MIN_BLOCKS_PER_SPLIT)
+    tail = replace(tail, split_k=max(split, 1))
+    if whole == row_tiles or tail == whole_tiles:
+        return [(0, num_rows, whole_tiles)]
     first = whole * tiles.block_m
-    return ([(0, first, 1)] if first else []) + [(first, num_rows, split)]
+    return ([(0, first, whole_tiles)] if first else []) + [(first, num_rows, tail)]
 
 
 def k_per_split(num_inner: int, split: int, tiles: Tiles) -> int:

@@ -83,10 +83,10 @@ def matmul_transposed(
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
     (m, k), n = x.shape, s.shape[1]
-    t = tiles or pick_tiles(m, n, k)
+    num_sms = num_sms or sm_count(x.device)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    for first, end, split in wave_parts(m, n, k, t, num_sms or sm_count(x.device)) if m else []:
-        rows, out = x[first:end], y[first:end]
+    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
+        rows, out, split = x[first:end], y[first:end], t.split_k
         partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
         transposed_gemm_kernel[(num_programs(end - first, n, t), split)](
             rows, s, out, partials, end - first, n, k, t.block_m, t.block_n, t.block_k, t.group_m, split,

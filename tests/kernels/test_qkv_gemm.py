@@ -101,12 +101,13 @@ def test_tiles_that_divide_k_and_the_columns_take_the_unmasked_loads():
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_rows_short_of_a_whole_wave_split_k_and_add_the_bias_once(with_bias):
-    """4 SMs, 37 rows x 64 columns in 16 x 32 tiles: rows 0-31 fill two waves unsplit, rows 32-36 split K in two."""
-    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 8, 520
+    """4 SMs, 150 rows x 128 columns in 32 x 128 tiles: rows 0-127 fill a wave, rows 128-149 run in 64-wide
+    tiles with K split in two."""
+    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 16, 520
     w, b = stored(num_heads, num_kv_heads, head_dim, hidden=hidden)
     bias = b if with_bias else None
-    x = random(37, hidden, seed=19)
-    tiles = Tiles(16, 32, 32)
-    assert [split for *_, split in wave_parts(37, 64, hidden, tiles, num_sms=4)] == [1, 2]
+    x = random(150, hidden, seed=19)
+    tiles = Tiles(32, 128, 32)
+    assert [(t.block_n, t.split_k) for *_, t in wave_parts(150, 128, hidden, tiles, num_sms=4)] == [(128, 1), (64, 2)]
     y = qkv_grouped_from_megatron(x, w, bias, num_heads, num_kv_heads, head_dim, tiles=tiles, num_sms=4)
     assert_matches(y, reference(x, w, bias, num_heads, num_kv_heads, head_dim))

@@ -14,9 +14,10 @@ import triton
 
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
+    DECODE_SPLIT_MIN_K,
     MAX_SPLIT,
     MIN_BLOCKS_PER_SPLIT,
-    MIN_COLUMN_TILES,
+    NUM_SMS_H200,
     PREFILL,
     SHARED_BYTES,
     Tiles,
@@ -29,14 +30,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("num_rows", [1, 8, 16, 17, 32, 64])
-def test_decode_rows_get_the_shortest_m_tile_that_holds_them(num_rows):
-    tiles = pick_tiles(num_rows, 2048)
-    assert tiles.block_m >= num_rows and (tiles.block_m == 16 or tiles.block_m < 2 * num_rows)
+def test_decode_rows_get_a_16_row_tile_or_the_64_row_one_that_runs_on_warpgroup_mma(num_rows):
+    assert pick_tiles(num_rows, 2048).block_m == (16 if num_rows <= 16 else 64)
 
 
-def test_decode_tiles_narrow_until_there_are_enough_column_tiles_to_spread_w_over_the_sms():
-    assert [pick_tiles(8, n).block_n for n in (4608, 3584, 2048, 1280)] == [64, 32, 32, 16]
-    assert all(triton.cdiv(n, pick_tiles(1, n).block_n) >= MIN_COLUMN_TILES for n in (1280, 2048, 3584, 4608))
+def test_decode_tiles_give_the_most_programs_within_one_wave():
+    # (columns, K) -> (N tile, K split): 2048/16 = 128 programs; 2560/32 = 80 (2560/16 = 160 is two waves);
+    # 4608/64 = 72; K 11008 splits 2048/64 = 32 column tiles 4 ways (128, the widest tile of the ties)
+    cases = {(2048, 2048): (16, 1), (2560, 2048): (32, 1), (4608, 3584): (64, 1), (2048, 11008): (64, 4),
+             (3584, 18944): (64, 2), (1280, 2048): (16, 1), (2304, 3584): (64, 2)}  # fmt: skip
+    for (num_cols, num_inner), picked in cases.items():
+        t = pick_tiles(1, num_cols, num_inner)
+        assert (t.block_n, t.split_k) == picked, (num_cols, num_inner)
+        assert triton.cdiv(num_cols, t.block_n) * t.split_k <= NUM_SMS_H200
+
+
+def test_decode_splits_k_only_where_each_part_reads_enough_rows():
+    assert pick_tiles(1, 2048, 2048).split_k == 1  # 2 x 1024 rows: the partials' sum costs more than it gains
+    assert pick_tiles(1, 2048).split_k == 1  # K unknown: never split
+    assert all(pick_tiles(1, 512, k).split_k * DECODE_SPLIT_MIN_K <= k for k in (4096, 11008, 65536))
+    assert pick_tiles(1, 1 << 20, 4096) == Tiles(16, 64, 256, num_stages=4, split_k=1)  # more than a wave anyway
 
 
 @pytest.mark.parametrize("num_rows", [1, 8, 32, 64])
@@ -52,28 +65,34 @@ def test_prefill_rows_get_the_prefill_tile():
     assert pick_tiles(DECODE_MAX_M + 1, 2048) == pick_tiles(4096, 2048) == PREFILL
 
 
-def test_decode_rows_split_long_k_until_the_tiles_fill_the_sms():
-    decode = Tiles(block_m=16, block_n=64, block_k=256)
-    assert wave_parts(1, 2048, 11008, decode, 132) == [(0, 1, 4)]  # 32 column tiles: 4 x 32 programs
-    assert wave_parts(1, 2048, 5504, decode, 132) == [(0, 1, 2)]  # 22 K tiles: at most 2 splits of 8 tiles
+def parts(num_rows, num_cols, num_inner, tiles=PREFILL):
+    return [
+        (first, end, t.block_n, t.split_k) for first, end, t in wave_parts(num_rows, num_cols, num_inner, tiles, 132)
+    ]
+
+
+def test_prefill_rows_in_whole_waves_stay_as_they_are_and_the_rest_take_narrower_tiles_to_fill_one_wave():
+    # 4096 x 1280 in 128 x 256 tiles: 32 x 5 = 160 tiles; 26 row tiles (130) fill a wave; the 6 left run in
+    # 64-wide tiles, 6 x 20 = 120
+    assert parts(4096, 1280, 2048) == [(0, 26 * 128, 256, 1), (26 * 128, 4096, 64, 1)]
+    # 4096 x 2560 (10 column tiles): 26 row tiles are two waves, the 6 left make 60 tiles, 120 at 128 wide
+    assert parts(4096, 2560, 2048) == [(0, 26 * 128, 256, 1), (26 * 128, 4096, 128, 1)]
+    # 4096 x 2048: 32 x 8 = 256 tiles; the 128 left nearly fill the second wave: one launch
+    assert parts(4096, 2048, 2048) == [(0, 4096, 256, 1)]
+    # 32768 x 1280: 1280 tiles, 237 row tiles fill 9 waves, and the 95 left fill the tenth as they are
+    assert parts(32768, 1280, 2048) == [(0, 32768, 256, 1)]
+    # 200 rows x 256: 2 tiles; halving to 64 wide gives 8, and K 65536 then splits 8 ways (64 programs)
+    assert parts(200, 256, 65536) == [(0, 200, 64, MAX_SPLIT)]
+
+
+def test_a_tail_split_keeps_enough_k_tiles_per_part():
+    assert parts(200, 256, 1024) == [(0, 200, 64, 2)]  # 16 K tiles: two parts of MIN_BLOCKS_PER_SPLIT
     assert MIN_BLOCKS_PER_SPLIT == 8
-    assert wave_parts(1, 2048, 2048, decode, 132) == [(0, 1, 1)]  # 8 K tiles: not worth a split
-    assert wave_parts(1, 512, 65536, decode, 132) == [(0, 1, MAX_SPLIT)]
 
 
-def test_prefill_rows_in_whole_waves_stay_unsplit_and_the_rest_split_to_fill_one_wave():
-    # 4096 x 1280 in 128 x 256 tiles: 32 x 5 = 160 tiles; 26 row tiles (130) fill a wave, 6 x 5 = 30 are left
-    assert wave_parts(4096, 1280, 2048, PREFILL, 132) == [(0, 26 * 128, 1), (26 * 128, 4096, 4)]
-    # 4096 x 2048: 32 x 8 = 256 tiles; the 128 left nearly fill the second wave: no split
-    assert wave_parts(4096, 2048, 2048, PREFILL, 132) == [(0, 4096, 1)]
-    # 4096 x 2560 (10 column tiles): 26 row tiles are two waves, 60 tiles left: two splits each
-    assert wave_parts(4096, 2560, 2048, PREFILL, 132) == [(0, 26 * 128, 1), (26 * 128, 4096, 2)]
-    # 32768 x 1280: 1280 tiles, 237 row tiles fill 9 waves, and the 95 left would fill a wave in one split
-    assert wave_parts(32768, 1280, 2048, PREFILL, 132) == [(0, 32768, 1)]
-
-
-def test_a_set_split_applies_to_every_row():
-    assert wave_parts(4096, 1280, 2048, Tiles(128, 256, 64, split_k=3), 132) == [(0, 4096, 3)]
+def test_set_tiles_are_one_launch():
+    t = Tiles(128, 256, 64, split_k=3)
+    assert wave_parts(4096, 1280, 2048, t, 132) == [(0, 4096, t)]
 
 
 @pytest.mark.parametrize(("num_inner", "split"), [(2048, 4), (200, 3), (65, 4), (11008, 4)])

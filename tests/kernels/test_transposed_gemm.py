@@ -11,6 +11,7 @@ from rollplex.kernels.tiles import Tiles, pick_tiles, wave_parts
 from rollplex.kernels.transposed_gemm import matmul_transposed
 
 SMALL = Tiles(block_m=16, block_n=32, block_k=32)  # several tiles on each axis at test sizes
+TAIL = Tiles(block_m=32, block_n=128, block_k=32)  # rows short of a whole wave take narrower tiles, then split K
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -89,16 +90,17 @@ def test_splitting_k_over_programs_sums_to_the_same_product(split_k, num_rows):
     assert_matches(y, reference(x, w))
 
 
-@pytest.mark.parametrize("num_rows", [1, 37])
-def test_rows_short_of_a_whole_wave_split_k_and_the_product_is_unchanged(num_rows):
-    """4 SMs: 37 rows make 3 x 2 tiles, so rows 0-31 fill a wave and rows 32-36 run with K split in two; one
-    row makes 2 tiles, all split. K = 520 leaves the last split short and not a tile multiple."""
-    w = random(64, 520, seed=10, scale=520**-0.5)
+@pytest.mark.parametrize("num_rows", [1, 150])
+def test_rows_short_of_a_whole_wave_take_narrower_tiles_and_split_k_and_the_product_is_unchanged(num_rows):
+    """4 SMs, 32 x 128 tiles, 128 columns: 150 rows make 5 tiles, rows 0-127 fill a wave and rows 128-149 run
+    in two 64-wide tiles with K split in two (4 programs); one row is all tail. K = 520 (17 K tiles) leaves the
+    last part short and not a tile multiple."""
+    w = random(128, 520, seed=10, scale=520**-0.5)
     x = random(num_rows, 520, seed=11)
-    assert len(wave_parts(num_rows, 64, 520, SMALL, num_sms=4)) == (2 if num_rows == 37 else 1)
-    y = matmul_transposed(x, w.T.contiguous(), SMALL, num_sms=4)
+    parts = [(first, t.block_n, t.split_k) for first, _, t in wave_parts(num_rows, 128, 520, TAIL, num_sms=4)]
+    assert parts == ([(0, 128, 1), (128, 64, 2)] if num_rows == 150 else [(0, 64, 2)])
+    y = matmul_transposed(x, w.T.contiguous(), TAIL, num_sms=4)
     assert_matches(y, reference(x, w))
-    assert torch.equal(y, matmul_transposed(x, w.T.contiguous(), SMALL, num_sms=4))  # split order is fixed
 
 
 @pytest.mark.gpu
@@ -107,7 +109,8 @@ def test_rows_short_of_a_whole_wave_split_k_and_the_product_is_unchanged(num_row
 def test_on_a_gpu_split_products_match_torch_and_repeat_bitwise(num_rows, in_features):
     w = random(3584, in_features, seed=1, scale=in_features**-0.5)
     x, s = random(num_rows, in_features, seed=2), w.T.contiguous()
-    assert any(split > 1 for *_, split in wave_parts(num_rows, 3584, in_features, pick_tiles(num_rows, 3584), 132))
+    picked = pick_tiles(num_rows, 3584, in_features)
+    assert any(t.split_k > 1 or t != picked for *_, t in wave_parts(num_rows, 3584, in_features, picked, 132))
     y = matmul_transposed(x, s)
     assert_matches(y, reference(x, w))
     assert all(torch.equal(y, matmul_transposed(x, s)) for _ in range(3))

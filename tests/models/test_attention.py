@@ -93,6 +93,7 @@ def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gra
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("nondeterministic_kernels")
 def test_on_a_gpu_causal_cudnn_attention_at_a_bucketed_length_equals_the_exact_length():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -158,6 +158,7 @@ def test_checkpoints_of_a_padded_vision_mlp_hold_transformers_shapes_and_load_ba
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("nondeterministic_kernels")
 def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_length_and_stays_finite():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
