@@ -173,7 +173,7 @@ def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_
     outs = [segment_attention(q, k, v, groups)]
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN must take the [rows, 1, 1, width] mask at head dim 80
         outs.append(segment_attention(q, k, v, layout))
-    torch.testing.assert_close(outs[1], outs[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-3)  # cuDNN vs another kernel: 1 bf16 ulp
     exact, packed = (torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs)
     for ours, theirs in zip(packed, exact, strict=True):
         assert torch.isfinite(ours).all()
