@@ -8,7 +8,8 @@
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
-#     beside decode, and so of its prefix backward; 8 = the 3B spec's whole step, as serial's `all`); tagged _ppcN
+#     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`, since
+#     session 10; PPC=1 is the grouping before); tagged _ppcN
 #   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
 #     first two or three steps, bench/results/README.md session 9)
 #
@@ -33,11 +34,9 @@ spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N: a copy b
   if [ "${CUDNN:-on}" = off ] && grep -q "^run:" "$1"; then
     echo "CUDNN=off: $1 has a run: section; add cudnn_attention: false to it" >&2; exit 2
   fi
-  if [ -n "${PPC:-}" ] && grep -q "prompts_per_chunk:" "$1"; then
-    echo "PPC: $1 sets prompts_per_chunk already; edit it there" >&2; exit 2
-  fi
   local copy; copy=$(dirname "$1")/.$(basename "$1" .yaml)$TAG.yaml
-  { if [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
+  { if [ -n "${PPC:-}" ] && grep -q "^  prompts_per_chunk:" "$1"; then sed "s/^  prompts_per_chunk:.*/  prompts_per_chunk: $PPC/" "$1"
+    elif [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
     if [ "${CUDNN:-on}" = off ]; then printf 'run:\n  cudnn_attention: false\n'; fi; } > "$copy"
   echo "$copy"
 }
@@ -73,7 +72,7 @@ case "$STAGE" in
       --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$KERNELS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
     cat "$LOG" ;;
   bench3b)
-    POLICY=${2:-green:66}; STEPS=${3:-3}; GROUPING=${4:-1}  # GROUPING: serial's prompts per prefix group (e.g. all)
+    POLICY=${2:-green:66}; STEPS=${3:-3}; GROUPING=${4:-all}  # GROUPING: serial's prompts per prefix group (all: the fair one)
     mkdir -p bench/baselines
     serial_then_rollplex "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" "$STEPS" "$GROUPING" "$POLICY" \
       "bench/baselines/serial_3b_h200$TAG.pt" "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" "$OUT/bench3b.log"
