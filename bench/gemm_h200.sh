@@ -10,16 +10,17 @@
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Each stage prints its table last. Move what comes back into
 # bench/results/ with the code's commit.
-set -u
+set -uo pipefail  # a stage's status is its python's (through the tail), not tail's
 STAGE=${1:?stage: tests, sweep or picked}
 OUT=${OUT:?the device sets OUT}
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "gemm_h200: installing .whl/*.whl failed (made by ../shared/tools/gpu-wheels.sh .whl pydantic)" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
 case "$STAGE" in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests/kernels --tb=short -rfEs > "$OUT/kernels_gpu_tests.log" 2>&1
-    tail -5 "$OUT/kernels_gpu_tests.log" ;;
+    status=$?; tail -5 "$OUT/kernels_gpu_tests.log"; exit $status ;;
   sweep)
     for i in $(seq 0 15); do
       timeout 200 python3 bench/gemm_layouts.py --sweep --compile-only --shard "$i/16" > /dev/null 2>&1 &

@@ -100,7 +100,7 @@ def weight_copies(shape: Shape) -> int:
 def time_us(calls: list[Callable], min_ms: float = 30.0) -> float:
     """Microseconds per call, from replays of one CUDA graph that makes every call once (each on its own copy of
     the weight), repeated until a replay set lasts at least `min_ms`."""
-    for call in calls:  # compile, autotune nothing, allocate outside the graph's capture
+    for call in calls:  # compile before the capture (the captured calls allocate from the graph's pool)
         call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -133,15 +133,17 @@ def compile_only(shape: Shape, num_rows: int, sweep: bool) -> None:
 
 
 def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
-    from rollplex.kernels.tiles import pick_tiles, wave_parts
+    from rollplex.kernels.tiles import pick_tiles, sm_count, wave_parts
 
     pairs = [operands(shape, num_rows) for _ in range(weight_copies(shape))]
     kernels, baselines = [k for k, _ in pairs], [b for _, b in pairs]
-    torch.testing.assert_close(kernels[0]().float(), baselines[0]().float(), atol=3e-2, rtol=2e-2)
-    picked = pick_tiles(num_rows, shape.out_features, shape.in_features)
+    expected = baselines[0]().float()
+    torch.testing.assert_close(kernels[0]().float(), expected, atol=3e-2, rtol=2e-2)
+    num_sms = sm_count(torch.device("cuda"))  # what the launcher plans with
+    picked = pick_tiles(num_rows, shape.out_features, shape.in_features, num_sms)
     parts = [
         (first, end, asdict(t))
-        for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, 132)
+        for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, num_sms)
     ]
     kernel_us, torch_us = time_us(kernels), time_us(baselines)
     target = DECODE_TARGET if num_rows <= 64 else PREFILL_TARGET
@@ -149,7 +151,10 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
            "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked), "parts": parts,
            "copies": len(pairs)}  # fmt: skip
     if sweep:
-        timed = [(time_us([lambda k=k, t=t: k(t) for k in kernels]), t) for t in candidates(shape, num_rows)]
+        swept = candidates(shape, num_rows)
+        for t in swept:  # a config timed and never checked could set a picking rule
+            torch.testing.assert_close(kernels[0](t).float(), expected, atol=3e-2, rtol=2e-2)
+        timed = [(time_us([lambda k=k, t=t: k(t) for k in kernels]), t) for t in swept]
         best_us, best = min(timed, key=lambda p: p[0])
         row |= {"best_us": best_us, "best_speed": torch_us / best_us, "best_tiles": asdict(best),
                 "swept": [{"us": us, "tiles": asdict(t)} for us, t in timed]}  # fmt: skip

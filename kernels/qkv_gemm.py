@@ -4,8 +4,8 @@ Case 3 of DESIGN.md section 5 without the copy: W is stored per query group ([q 
 rows each, `rollplex.memory.sharing.qkv_megatron`); the rollout attention wants y = x W_grouped^T + b_grouped
 with columns [all q | all k | all v] (`qkv_vllm`). Each program computes, for its output column tile, which
 stored rows to load (the closed form of `qkv_layout.grouped_rows`), so the permuted weight never exists.
-The bias is stored like the weight and read through the same index. Rows short of a whole wave of tiles cut K
-over several programs (`tiles.wave_parts`); the first split adds the bias. Does not split heads or apply rope.
+The bias is stored like the weight and read through the same index. A launch follows `tiles.wave_parts` (as in
+`transposed_gemm`); in a K split the first part adds the bias. Does not split heads or apply rope.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def qkv_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
-    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K itself when SPLIT_K == 1)
+    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K rounded up to one when SPLIT_K == 1)
 ):
     N: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -122,7 +122,7 @@ def qkv_grouped_from_megatron(
     check_dtypes(x, w, *([] if bias is None else [bias]))
     (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    num_sms = num_sms or sm_count(x.device)
+    num_sms = sm_count(x.device) if num_sms is None else num_sms
     for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
         rows, out, split = x[first:end], y[first:end], t.split_k
         partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out

@@ -5,7 +5,7 @@ A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, th
 
 Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of
 the columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one
-wave (the widest tile on a tie), K split only where each part reads at least DECODE_SPLIT_MIN_K rows; 16- or
+wave (the widest tile on a tie), K split only where every part reads at least DECODE_SPLIT_MIN_K rows; 16- or
 64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest pipeline that
 fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with grouped ordering
 so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles fill whole waves
@@ -14,7 +14,9 @@ fill one more wave instead of a fraction of one. The rules follow an H200 sweep 
 TP 1 and 2 (`bench/gemm_layouts.py --sweep`; bench/results/README.md).
 
 A K split writes each part's fp32 partial product to a buffer of its own, and `sum_splits` adds them in split
-order: the result does not depend on which program finished first (no atomics: a rollout replays bitwise).
+order: the result does not depend on which program finished first (no atomics), so a product replays bitwise
+for the same rows on a GPU with as many SMs. It may change with the row count (a prefill tail's split) or the
+SM count (another plan); `sm_count` is the device's, not a green context's share.
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ class Tiles:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 0  # 0: `wave_parts` cuts the launch; n >= 1: every row with K cut n ways
+    split_k: int | None = None  # None: `wave_parts` plans the launch; n: every row with K cut n ways
 
     def __post_init__(self) -> None:
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"tile sides must be powers of two >= 16 (tl.dot), got {self}"
-        assert self.split_k >= 0, f"split_k must be >= 0, got {self}"
+        assert self.split_k is None or self.split_k >= 1, f"split_k must be None or >= 1, got {self}"
 
 
 PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
@@ -61,8 +63,10 @@ def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0, num_sms: int = 
     block_m = 16 if num_rows <= 16 else 64
     block_k = 256 if block_m == 16 else 128
     programs = lambda n, k: triton.cdiv(num_cols, n) * k  # noqa: E731
-    fits = [(n, k) for n in (16, 32, 64) for k in range(1, MAX_SPLIT + 1)
-            if programs(n, k) <= num_sms and (k == 1 or num_inner // k >= DECODE_SPLIT_MIN_K)]  # fmt: skip
+    long_enough = lambda k: k == 1 or shortest_part(num_inner, k, block_k) >= DECODE_SPLIT_MIN_K  # noqa: E731
+    fits = [
+        (n, k) for n in (16, 32, 64) for k in range(1, MAX_SPLIT + 1) if programs(n, k) <= num_sms and long_enough(k)
+    ]
     block_n, split = max(fits, key=lambda f: (programs(*f), f[0])) if fits else (64, 1)
     stage_bytes = (block_m + block_n) * block_k * 2  # one bf16 tile of x and one of W
     stages = next(s for s in (6, 4, 3, 2) if s * stage_bytes <= SHARED_BYTES)
@@ -104,28 +108,42 @@ def wave_parts(
 ) -> list[tuple[int, int, Tiles]]:
     """(first row, end row, tiles with split_k set) of each launch. Tiles with split_k set: one launch. Else the
     rows whose tiles make whole waves, then the rest with N tiles halved (down to MIN_TAIL_BLOCK_N) while they
-    still fit in one wave, and K split as many ways as then fills it (at most MAX_SPLIT, each part
+    still fit in one wave, and K split as many ways as then fills it (at most MAX_SPLIT, every part at least
     MIN_BLOCKS_PER_SPLIT K tiles deep); one launch when that changes nothing."""
-    if tiles.split_k:
+    if tiles.split_k is not None:
         return [(0, num_rows, tiles)]
     whole_tiles = replace(tiles, split_k=1)
     row_tiles, col_tiles = triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n)
-    whole = min(row_tiles, (row_tiles * col_tiles // num_sms) * num_sms // col_tiles)  # row tiles in full waves
-    left = lambda t: (row_tiles - whole) * triton.cdiv(num_cols, t.block_n)  # noqa: E731
-    tail = whole_tiles
-    while tail.block_n > MIN_TAIL_BLOCK_N and 0 < left(replace(tail, block_n=tail.block_n // 2)) <= num_sms:
-        tail = replace(tail, block_n=tail.block_n // 2)
-    split = min(MAX_SPLIT, num_sms // max(left(tail), 1), triton.cdiv(num_inner, tail.block_k) // MIN_BLOCKS_PER_SPLIT)
-    tail = replace(tail, split_k=max(split, 1))
-    if whole == row_tiles or tail == whole_tiles:
+    whole = (row_tiles * col_tiles // num_sms) * num_sms // col_tiles  # row tiles in full waves
+    if whole == row_tiles:
+        return [(0, num_rows, whole_tiles)]
+
+    def tail_programs(block_n: int) -> int:
+        return (row_tiles - whole) * triton.cdiv(num_cols, block_n)
+
+    block_n = tiles.block_n
+    while block_n > MIN_TAIL_BLOCK_N and tail_programs(block_n // 2) <= num_sms:
+        block_n //= 2
+    deep_enough = MIN_BLOCKS_PER_SPLIT * tiles.block_k
+    splits = range(min(MAX_SPLIT, num_sms // tail_programs(block_n)), 1, -1)  # empty: more than a wave as it is
+    split = next((k for k in splits if shortest_part(num_inner, k, tiles.block_k) >= deep_enough), 1)
+    tail = replace(tiles, block_n=block_n, split_k=split)
+    if tail == whole_tiles:
         return [(0, num_rows, whole_tiles)]
     first = whole * tiles.block_m
     return ([(0, first, whole_tiles)] if first else []) + [(first, num_rows, tail)]
 
 
 def k_per_split(num_inner: int, split: int, tiles: Tiles) -> int:
-    """K rows each split reads: a multiple of BLOCK_K; the last split takes what is left (maybe nothing)."""
+    """K rows each part of a split reads: a multiple of BLOCK_K; the last part takes what is left, which a
+    split set by hand may leave empty (the planned ones never do: `shortest_part`)."""
     return triton.cdiv(triton.cdiv(num_inner, split), tiles.block_k) * tiles.block_k
+
+
+def shortest_part(num_inner: int, split: int, block_k: int) -> int:
+    """K rows of a split's last part, its shortest (<= 0: the split has empty parts)."""
+    per = triton.cdiv(triton.cdiv(num_inner, split), block_k) * block_k
+    return num_inner - (split - 1) * per
 
 
 @triton.jit
@@ -133,9 +151,11 @@ def sum_splits_kernel(p_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.cons
     """y = sum over s of p[s] (fp32, in split order), cast to y's dtype; p is [SPLIT_K, NUMEL]."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < NUMEL
-    acc = tl.load(p_ptr + offs, mask=inside, other=0.0)
-    for s in range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * NUMEL + offs, mask=inside, other=0.0)
+    p = p_ptr + offs
+    acc = tl.load(p, mask=inside, other=0.0)
+    for _ in range(1, SPLIT_K):
+        p += NUMEL  # the pointer walks (64-bit): SPLIT_K * NUMEL may pass 2**31
+        acc += tl.load(p, mask=inside, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 

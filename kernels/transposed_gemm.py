@@ -2,10 +2,10 @@
 
 W is logically [O, I] (o_proj, down_proj); the trainer stores it as S = W^T = [I, O] contiguous, so that each
 training shard of the I axis is a contiguous slab and a rollout shard is q slabs back to back. This kernel reads
-S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. Rows that do not fill
-a wave of tiles (`tiles.wave_parts`: all of them in decode) cut K over several programs, each writing an fp32
-partial that `sum_splits` adds in order. It does not shard, bind or all-reduce; the caller passes the slab its
-rank holds.
+S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. A launch follows
+`tiles.wave_parts`: decode tiles may cut K over several programs (`pick_tiles`), and prefill rows short of a
+whole wave take narrower tiles and, if still short, a K split; each part of a split writes an fp32 partial that
+`sum_splits` adds in order. It does not shard, bind or all-reduce; the caller passes the slab its rank holds.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def transposed_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
-    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K itself when SPLIT_K == 1)
+    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K rounded up to one when SPLIT_K == 1)
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
@@ -83,7 +83,7 @@ def matmul_transposed(
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
     (m, k), n = x.shape, s.shape[1]
-    num_sms = num_sms or sm_count(x.device)
+    num_sms = sm_count(x.device) if num_sms is None else num_sms
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
         rows, out, split = x[first:end], y[first:end], t.split_k

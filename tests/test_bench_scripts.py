@@ -120,7 +120,12 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     grouped = tmp_path / "specs/.qwen2_5_vl_3b_h200_nocudnn_ppc8.yaml"
     assert grouped.name in serial and "_nocudnn_ppc8_green66" in rollplex
     text = grouped.read_text()
-    assert "sharing:\n  prompts_per_chunk: 8\n" in text and "cudnn_attention: false" in text
+    assert "\n  prompts_per_chunk: 8\n" in text and "prompts_per_chunk: null" not in text  # the spec's, replaced
+    assert "cudnn_attention: false" in text and load_spec(grouped).spec.sharing.prompts_per_chunk == 8
+    spec = tmp_path / "specs/qwen2_5_vl_3b_h200.yaml"  # a spec without the setting gets it added
+    spec.write_text("".join(line for line in spec.read_text().splitlines(True) if "prompts_per_chunk" not in line))
+    stage("bench3b", ppc="8")
+    assert "sharing:\n  prompts_per_chunk: 8\n" in grouped.read_text()
     assert load_spec(grouped).spec.sharing.prompts_per_chunk == 8  # a spec the runtime takes
 
 

@@ -50,6 +50,7 @@ from rollplex.executors.agreement import (
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration, timer_of
+from rollplex.executors.stalls import StepStalls
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
@@ -66,6 +67,7 @@ class ScheduleRun:
     beside_fraction: list[float] = field(default_factory=list)
     prefix_backward_s: list[float] = field(default_factory=list)  # the actor's backward through its prefix
     longest_response: list[int] = field(default_factory=list)  # tokens: the step's decode steps, at most
+    stalls: list[dict] = field(default_factory=list)  # `StepStalls.as_dict()` per step: gc, allocator retries
     timeline: list[Span] = field(default_factory=list)  # of the last step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # the actor's after the last step, on the CPU
     peak_bytes: dict[Phase, int] = field(default_factory=dict)  # device bytes in use, max over the measured steps
@@ -98,7 +100,7 @@ def run_schedule(
         clock = _OpClock(device)
         _sync(device)
         begin = time.perf_counter()
-        with PhaseMemory(device) as memory:
+        with PhaseMemory(device) as memory, StepStalls(device) as stalls:
             before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
             if i == 0:
                 before = chain(before, _sketch_before_update(engines.optimizer, out))
@@ -112,10 +114,10 @@ def run_schedule(
             phases = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if v)
             peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
             kind = "warm-up" if i < warmup else "step"
-            longest = int(record.response_lens.max())
+            longest, stalled = int(record.response_lens.max()), stalls.describe()
             print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases}; longest "
-                  f"response {longest} tokens)"
-                  + (f"; GiB per phase {peaks}" if peaks else ""), file=sys.stderr, flush=True)  # fmt: skip
+                  f"response {longest} tokens)" + (f"; GiB per phase {peaks}" if peaks else "")
+                  + (f"; {stalled}" if stalled else ""), file=sys.stderr, flush=True)  # fmt: skip
         if i < warmup:
             continue
         for phase, num_bytes in memory.peaks().items():
@@ -129,6 +131,7 @@ def run_schedule(
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
         out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
         out.longest_response.append(int(record.response_lens.max()))
+        out.stalls.append(stalls.as_dict())
         beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
@@ -301,7 +304,7 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
 
 def _per_step(run: ScheduleRun) -> dict:
     return {"step_s": [round(t, 4) for t in run.step_s], "longest_response": run.longest_response,
-            "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times]}  # fmt: skip
+            "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times], "stalls": run.stalls}  # fmt: skip
 
 
 def _unaccounted(run: ScheduleRun) -> float | None:

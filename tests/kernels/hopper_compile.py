@@ -42,9 +42,12 @@ KERNELS = {
 }
 
 
-def compile_for_hopper(name: str, tiles: Tiles) -> dict:
+def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = None) -> dict:
+    """`split`: (SPLIT_K, K_SPLIT) to compile the K-split variant instead of the unsplit one."""
     fn, signature, constexprs = KERNELS[name]
     blocks = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m}
+    if split is not None:
+        constexprs = {**constexprs, "SPLIT_K": split[0], "K_SPLIT": split[1]}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}  # what a launch specialises to
     src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **blocks}, attrs=aligned)
     kernel = triton.compile(src, target=HOPPER, options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
@@ -106,3 +109,4 @@ if __name__ == "__main__":
     for name in KERNELS:
         for num_rows in (1, 64, 4096):
             print(json.dumps(compile_for_hopper(name, pick_tiles(num_rows, 2048))))
+        print(json.dumps(compile_for_hopper(name, pick_tiles(1, 2048), split=(4, 1408))))  # masked parts

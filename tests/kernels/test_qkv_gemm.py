@@ -90,6 +90,19 @@ def test_qwen_sized_fused_qkv_matches_torch_in_bf16(num_rows, num_heads, num_kv_
     )
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_on_a_gpu_a_k_split_of_the_fused_qkv_adds_the_bias_once_and_repeats_bitwise(num_rows):
+    n = num_stored_rows(4, 1, 128)  # 7B at TP 8: 4 q heads, 1 kv head, hidden 3584
+    w, b = random(n, 3584, seed=1, scale=3584**-0.5), random(n, seed=2)
+    x = random(num_rows, 3584, seed=3)
+    tiles = Tiles(16 if num_rows == 1 else 64, 64, 256 if num_rows == 1 else 128, num_stages=4, split_k=4)
+    y = qkv_grouped_from_megatron(x, w, b, 4, 1, 128, tiles=tiles)
+    assert_matches(y, reference(x, w, b, 4, 1, 128))
+    assert all(torch.equal(y, qkv_grouped_from_megatron(x, w, b, 4, 1, 128, tiles=tiles)) for _ in range(5))
+
+
 def test_tiles_that_divide_k_and_the_columns_take_the_unmasked_loads():
     num_heads, num_kv_heads, head_dim = 4, 2, 8  # 64 output columns; hidden 64: both split into 16 x 32 tiles
     n = num_stored_rows(num_heads, num_kv_heads, head_dim)
@@ -103,7 +116,7 @@ def test_tiles_that_divide_k_and_the_columns_take_the_unmasked_loads():
 def test_rows_short_of_a_whole_wave_split_k_and_add_the_bias_once(with_bias):
     """4 SMs, 150 rows x 128 columns in 32 x 128 tiles: rows 0-127 fill a wave, rows 128-149 run in 64-wide
     tiles with K split in two."""
-    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 16, 520
+    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 16, 600
     w, b = stored(num_heads, num_kv_heads, head_dim, hidden=hidden)
     bias = b if with_bias else None
     x = random(150, hidden, seed=19)

@@ -23,6 +23,7 @@ from rollplex.kernels.tiles import (
     Tiles,
     k_per_split,
     pick_tiles,
+    shortest_part,
     wave_parts,
 )
 
@@ -45,10 +46,15 @@ def test_decode_tiles_give_the_most_programs_within_one_wave():
         assert triton.cdiv(num_cols, t.block_n) * t.split_k <= NUM_SMS_H200
 
 
-def test_decode_splits_k_only_where_each_part_reads_enough_rows():
+def test_decode_splits_k_only_where_every_part_reads_enough_rows():
     assert pick_tiles(1, 2048, 2048).split_k == 1  # 2 x 1024 rows: the partials' sum costs more than it gains
     assert pick_tiles(1, 2048).split_k == 1  # K unknown: never split
-    assert all(pick_tiles(1, 512, k).split_k * DECODE_SPLIT_MIN_K <= k for k in (4096, 11008, 65536))
+    t = pick_tiles(1, 1024, 12544)  # 64 wide x 8 parts of 1792 rows ties on programs but leaves the 8th part empty
+    assert (t.block_n, t.split_k) == (32, 4)
+    for num_rows in (1, 64):
+        for num_inner in range(256, 40_000, 128):
+            t = pick_tiles(num_rows, 1024, num_inner)
+            assert t.split_k == 1 or shortest_part(num_inner, t.split_k, t.block_k) >= DECODE_SPLIT_MIN_K
     assert pick_tiles(1, 1 << 20, 4096) == Tiles(16, 64, 256, num_stages=4, split_k=1)  # more than a wave anyway
 
 
@@ -85,9 +91,18 @@ def test_prefill_rows_in_whole_waves_stay_as_they_are_and_the_rest_take_narrower
     assert parts(200, 256, 65536) == [(0, 200, 64, MAX_SPLIT)]
 
 
-def test_a_tail_split_keeps_enough_k_tiles_per_part():
-    assert parts(200, 256, 1024) == [(0, 200, 64, 2)]  # 16 K tiles: two parts of MIN_BLOCKS_PER_SPLIT
-    assert MIN_BLOCKS_PER_SPLIT == 8
+def test_a_tail_split_keeps_enough_k_tiles_in_every_part():
+    assert parts(200, 256, 1024) == [(0, 200, 64, 2)]  # 16 K tiles: two parts of 8
+    # 57 K tiles: 7 parts (9 x 6 + 3 tiles) or 6 (10 x 5 + 7) would cut the last one short; 5 are 12 x 4 + 9
+    assert parts(200, 256, 57 * 64)[-1][-1] == 5
+    for num_inner in range(64, 20_000, 64):
+        for *_, t in wave_parts(200, 256, num_inner, PREFILL, 132):
+            deep = MIN_BLOCKS_PER_SPLIT * t.block_k
+            assert t.split_k == 1 or shortest_part(num_inner, t.split_k, t.block_k) >= deep, num_inner
+
+
+def test_a_product_wider_than_a_wave_never_splits():
+    assert parts(4096 + 64, 152064, 2048) == [(0, 4096 + 64, 256, 1)]  # a vocabulary: 594 column tiles
 
 
 def test_set_tiles_are_one_launch():
