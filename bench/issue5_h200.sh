@@ -3,7 +3,7 @@
 #
 #   bash bench/issue5_h200.sh STAGE
 #     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
-#     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME | naive7b
+#     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
 #     | run7b [ALLOC_CONF]
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
@@ -19,7 +19,8 @@
 # a schedule run second in one process finds the attention shapes the first met already planned (cuDNN plans
 # each new shape, and the process keeps the plan). `bench3b` (one policy, default green:66, 3 steps) takes
 # ~7-8 minutes; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept warm)
-# for `policies3b`. `preset NAME` benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star).
+# for `policies3b`. `preset NAME [POLICY...]` benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer,
+# perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit.
 set -u
 STAGE=${1:?stage: start, tests, sdpa, profile, bench3b, policies3b, preset, naive7b or run7b (see the header)}
@@ -62,7 +63,7 @@ case "$STAGE" in
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
       --tb=short -rfEs > "$OUT/gpu_tests.log" 2>&1
-    tail -8 "$OUT/gpu_tests.log" ;;
+    status=$?; tail -8 "$OUT/gpu_tests.log"; exit $status ;;
   profile)
     SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
     KERNELS=${3:-actor_backward}
@@ -88,11 +89,20 @@ case "$STAGE" in
         --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" 2>&1 | quiet >> "$OUT/policies3b.log"
     done
     grep -e "x (ideal" -e Error -e error "$OUT/policies3b.log" | tail -12 ;;
-  preset)  # as bench3b (green:66, 2 steps, serial grouping all prompts) for specs/qwen2_5_vl_3b_h200_NAME.yaml
-    NAME=${2:?preset: clevrer, perception_test or star}
-    serial_then_rollplex "$(spec3b "specs/qwen2_5_vl_3b_h200_$NAME.yaml")" 2 all green:66 "/tmp/serial_$NAME.pt" \
-      "$OUT/qwen2_5_vl_3b_h200_$NAME$TAG" "$OUT/bench_$NAME$TAG.log"
-    tail -8 "$OUT/bench_$NAME$TAG.log" ;;
+  preset)  # preset NAME [POLICY...]: as bench3b (2 steps, serial grouping all prompts) for
+    # specs/qwen2_5_vl_3b_h200_NAME.yaml, the first policy (default green:66) after serial, then each other one
+    # in a process of its own against that serial run (a preset's steps are short: ~4 policies fit in a call)
+    NAME=${2:?preset: clevrer, perception_test or star}; shift 2
+    [ $# -gt 0 ] || set -- green:66
+    SPEC=$(spec3b "specs/qwen2_5_vl_3b_h200_$NAME.yaml"); SAVED=bench/baselines/serial_3b_h200_$NAME$TAG.pt
+    mkdir -p bench/baselines
+    serial_then_rollplex "$SPEC" 2 all "$1" "$SAVED" "$OUT/qwen2_5_vl_3b_h200_$NAME${TAG}_${1//:/}" \
+      "$OUT/bench_$NAME$TAG.log" && shift && for POLICY in "$@"; do
+      timeout 250 python3 -m rollplex bench "$SPEC" --steps 2 --warmup "${WARMUP:-1}" --serial-prompts-per-chunk all \
+        --serial-from "$SAVED" --noise-floor --policies "$POLICY" --out "$OUT/qwen2_5_vl_3b_h200_$NAME${TAG}_${POLICY//:/}" \
+        2>&1 | quiet >> "$OUT/bench_$NAME$TAG.log"
+    done
+    { grep -e "x (ideal" -e Error -e error -e "failed" "$OUT/bench_$NAME$TAG.log" || true; } | tail -8 ;;
   sdpa)  # sdpa [STEPS [BACKEND...]]: what new attention shapes cost per SDPA backend (each in its own process)
     STEPS=${2:-3}; shift $(( $# < 2 ? $# : 2 ))  # the rest: backends (default: all)
     NAME=sdpa_shapes_3b_h200; [ "$STEPS" != 3 ] || [ $# -gt 0 ] && NAME=${NAME}_${STEPS}steps${*:+_$(echo "$*" | tr ' ' '_')}

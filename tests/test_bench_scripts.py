@@ -129,6 +129,41 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     assert load_spec(grouped).spec.sharing.prompts_per_chunk == 8  # a spec the runtime takes
 
 
+def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_own(tmp_path):
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    (tmp_path / "bench").mkdir()
+    shutil.copy(ROOT / "bench/issue5_h200.sh", tmp_path / "bench")
+    (tmp_path / "rollplex").mkdir()
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(
+        '#!/bin/bash\necho "python3 $*"\n[ "$FAIL" = 1 ] && [[ "$*" == *--serial-only* ]] && exit 1\nexit 0\n'
+    )
+    fake.chmod(0o755)
+
+    def preset(*policies: str, fail: bool = False) -> list[str]:
+        env = {
+            **os.environ,
+            "PATH": f"{fake.parent}:{os.environ['PATH']}",
+            "OUT": str(tmp_path),
+            "FAIL": str(int(fail)),
+        }
+        proc = subprocess.run(["bash", "bench/issue5_h200.sh", "preset", "star", *policies], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        log = (tmp_path / "bench_star.log").read_text().splitlines()
+        (tmp_path / "bench_star.log").unlink()
+        return [line for line in log if line.startswith("python3 -m rollplex bench")]
+
+    serial, *rollplex = preset("green:66", "streams", "mps:50")
+    assert "--serial-only" in serial and "specs/qwen2_5_vl_3b_h200_star.yaml" in serial
+    assert [line.split("--policies ")[1].split()[0] for line in rollplex] == ["green:66", "streams", "mps:50"]
+    assert all("--serial-from bench/baselines/serial_3b_h200_star.pt" in line for line in rollplex)
+    assert rollplex[2].endswith("--out " + str(tmp_path / "qwen2_5_vl_3b_h200_star_mps50"))
+    assert [line.split("--policies ")[1].split()[0] for line in preset()[1:]] == ["green:66"]  # the default
+    assert len(preset("green:66", "streams", fail=True)) == 1  # serial failed: no rollplex run at all
+
+
 def test_policy_table_splits_each_step_difference_into_its_three_parts_old_results_included(tmp_path):
     base = {"workload": {"dataset": "synthetic:llava_video"}, "step_s": {"serial": 28.0, "rollplex": 29.0},
             "speedup": 0.9655, "ideal_speedup": 1.1, "decode_slowdown": 1.4, "updates_match": True}  # fmt: skip

@@ -304,7 +304,8 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
 
 def _per_step(run: ScheduleRun) -> dict:
     return {"step_s": [round(t, 4) for t in run.step_s], "longest_response": run.longest_response,
-            "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times], "stalls": run.stalls}  # fmt: skip
+            "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times], "stalls": run.stalls,
+            "decode_s": [round(t, 4) for t in run.decode_s]}  # fmt: skip
 
 
 def _unaccounted(run: ScheduleRun) -> float | None:

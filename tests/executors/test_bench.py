@@ -46,6 +46,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
         assert len(steps["step_s"]) == len(steps["phase_s"]) == 1 and steps["step_s"][0] == result["step_s"][name]
         assert 1 <= steps["longest_response"][0] <= 16  # tiny spec: at most its response_tokens
         assert set(steps["stalls"][0]) == {"gc_s", "full_collections", "alloc_retries", "device_allocs"}
+        decode = steps["decode_s"]  # the rollout engine's own count, where it keeps one
+        assert len(decode) in (0, 1) and all(0 < t <= steps["phase_s"][0]["rollout"] for t in decode)
         gap = steps["step_s"][0] - sum(steps["phase_s"][0].values())
         assert abs(result["unaccounted_s"][name] - gap) < 1e-3 and -1e-3 < gap < 0.5 * steps["step_s"][0]
         lanes = {lane for lane, _, start, end in result["timeline_s"][name] if 0 <= start <= end}
