@@ -84,8 +84,9 @@ def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them
     assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel
 
 
-def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_serial_run(tmp_path):
-    # the script runs in a copy of the tree's specs with a stand-in python3 that prints its arguments
+def issue5_script_tree(tmp_path: Path) -> Path:
+    """A copy of the script and the specs in `tmp_path`, with a stand-in python3 that prints its arguments (and
+    fails a --serial-only run when FAIL=1); returns the stand-in's folder, to put first on PATH."""
     shutil.copytree(ROOT / "specs", tmp_path / "specs")
     (tmp_path / "bench").mkdir()
     shutil.copy(ROOT / "bench/issue5_h200.sh", tmp_path / "bench")
@@ -96,6 +97,11 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
         '#!/bin/bash\necho "python3 $*"\n[ "$FAIL" = 1 ] && [[ "$*" == *--serial-only* ]] && exit 1\nexit 0\n'
     )
     fake.chmod(0o755)
+    return fake.parent
+
+
+def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_serial_run(tmp_path):
+    fake = issue5_script_tree(tmp_path) / "python3"
     (tmp_path / "bench/baselines").mkdir()
     stale = tmp_path / "bench/baselines/serial_3b_h200_nocudnn.pt"
     stale.write_text("an earlier call's serial run")
@@ -130,16 +136,7 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
 
 
 def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_own(tmp_path):
-    shutil.copytree(ROOT / "specs", tmp_path / "specs")
-    (tmp_path / "bench").mkdir()
-    shutil.copy(ROOT / "bench/issue5_h200.sh", tmp_path / "bench")
-    (tmp_path / "rollplex").mkdir()
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
-    fake.write_text(
-        '#!/bin/bash\necho "python3 $*"\n[ "$FAIL" = 1 ] && [[ "$*" == *--serial-only* ]] && exit 1\nexit 0\n'
-    )
-    fake.chmod(0o755)
+    fake = issue5_script_tree(tmp_path) / "python3"
 
     def preset(*policies: str, fail: bool = False) -> list[str]:
         env = {
