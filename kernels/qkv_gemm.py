@@ -87,9 +87,9 @@ def qkv_gemm_kernel(
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    if HAS_BIAS:  # in the first split only
-        bias = tl.load(b_ptr + src, mask=(cols < N) & (tl.program_id(1) == 0), other=0.0)
-        acc += bias.to(tl.float32)[None, :]
+    if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
+        bias = tl.load(b_ptr + src, mask=cols < N, other=0.0).to(tl.float32)
+        acc += bias[None, :] * (tl.program_id(1) == 0).to(tl.float32)
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
