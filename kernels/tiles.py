@@ -147,8 +147,12 @@ def shortest_part(num_inner: int, split: int, block_k: int) -> int:
 
 
 @triton.jit
-def sum_splits_kernel(p_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum over s of p[s] (fp32, in split order), cast to y's dtype; p is [SPLIT_K, NUMEL]."""
+def sum_splits_kernel(p_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """y = sum over s of p[s] (fp32, in split order), cast to y's dtype; p is [SPLIT_K, NUMEL]. USE_GDC: see
+    `transposed_gemm_kernel`."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < NUMEL
     p = p_ptr + offs
@@ -159,11 +163,12 @@ def sum_splits_kernel(p_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.cons
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def sum_splits(partials: torch.Tensor, y: torch.Tensor) -> None:
-    """Writes the split-ordered sum of `partials` [splits, *y.shape] (fp32) into the contiguous `y`."""
+def sum_splits(partials: torch.Tensor, y: torch.Tensor, pdl: bool = False) -> None:
+    """Writes the split-ordered sum of `partials` [splits, *y.shape] (fp32) into the contiguous `y`. `pdl`: a
+    programmatic dependent launch (see `matmul_transposed`)."""
     assert partials.is_contiguous() and y.is_contiguous() and partials.shape[1:] == y.shape, "partials [S, *y]"
-    block = 1024
-    sum_splits_kernel[(triton.cdiv(y.numel(), block),)](partials, y, y.numel(), partials.shape[0], block)
+    block, launch = 1024, ({"launch_pdl": True} if pdl else {})
+    sum_splits_kernel[(triton.cdiv(y.numel(), block),)](partials, y, y.numel(), partials.shape[0], block, pdl, **launch)
 
 
 def check_dtypes(*tensors: torch.Tensor) -> None:

@@ -43,7 +43,11 @@ def transposed_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
     K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K rounded up to one when SPLIT_K == 1)
+    USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
 ):
+    if USE_GDC:  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,15 +77,20 @@ def transposed_gemm_kernel(
 
 
 def matmul_transposed(
-    x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None, num_sms: int | None = None
+    x: torch.Tensor, s: torch.Tensor, tiles: Tiles | None = None, num_sms: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype. `num_sms`:
-    the SMs the waves are planned for (default: the device's)."""
+    the SMs the waves are planned for (default: the device's). `pdl`: each launch is a programmatic dependent
+    launch (Hopper): it may start while the kernel before it drains, and waits for that kernel's writes before
+    it reads anything (every kernel of a chain must be launched so for the overlap; a GPU experiment,
+    bench/pdl_chain.py)."""
     assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
     assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
     assert x.is_contiguous() and s.is_contiguous(), "x and s must be contiguous (s is the stored [I, O] slab)"
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
+    assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
+    launch = {"launch_pdl": True} if pdl else {}  # the CPU interpreter knows no launch_pdl
     (m, k), n = x.shape, s.shape[1]
     num_sms = sm_count(x.device) if num_sms is None else num_sms
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -90,8 +99,8 @@ def matmul_transposed(
         partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
         transposed_gemm_kernel[(num_programs(end - first, n, t), split)](
             rows, s, out, partials, end - first, n, k, t.block_m, t.block_n, t.block_k, t.group_m, split,
-            k_per_split(k, split, t), num_warps=t.num_warps, num_stages=t.num_stages,
+            k_per_split(k, split, t), pdl, num_warps=t.num_warps, num_stages=t.num_stages, **launch,
         )  # fmt: skip
         if split > 1:
-            sum_splits(partials, out)
+            sum_splits(partials, out, pdl)
     return y

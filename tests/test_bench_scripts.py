@@ -178,3 +178,11 @@ def test_policy_table_splits_each_step_difference_into_its_three_parts_old_resul
     assert rows == {"green:66": "-2.70 / +3.50 / +0.20", "streams": "-2.70 / +3.50 / +0.20", "mps": "-"}
     in_one_process = {line.split("|")[3].strip() for line in out.stdout.splitlines() if "after serial" in line}
     assert in_one_process == {"mps"}  # no key and serial not loaded from a file: run after it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_the_pdl_chain_refuses_without_a_hopper_gpu_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench/pdl_chain.py"), "--out", str(tmp_path / "p.json")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and "pdl_chain: needs" in out.stderr
+    assert not (tmp_path / "p.json").exists()

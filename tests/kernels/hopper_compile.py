@@ -23,7 +23,7 @@ KERNELS = {
     "transposed": (
         transposed_gemm_kernel,
         {"x_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
-        {"K": 5504, "N": 2048, "SPLIT_K": 1, "K_SPLIT": 5504},  # down_proj of the 3B model at TP 2
+        {"K": 5504, "N": 2048, "SPLIT_K": 1, "K_SPLIT": 5504, "USE_GDC": False},  # down_proj of the 3B model at TP 2
     ),
     "qkv": (
         qkv_gemm_kernel,
@@ -42,9 +42,12 @@ KERNELS = {
 }
 
 
-def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = None) -> dict:
-    """`split`: (SPLIT_K, K_SPLIT) to compile the K-split variant instead of the unsplit one."""
+def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = None, gdc: bool = False) -> dict:
+    """`split`: (SPLIT_K, K_SPLIT) to compile the K-split variant instead of the unsplit one; `gdc`: the
+    programmatic-dependent-launch variant (USE_GDC) of the transposed GEMM."""
     fn, signature, constexprs = KERNELS[name]
+    if gdc:
+        constexprs = {**constexprs, "USE_GDC": True}
     blocks = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m}
     if split is not None:
         constexprs = {**constexprs, "SPLIT_K": split[0], "K_SPLIT": split[1]}
@@ -53,7 +56,7 @@ def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = 
     kernel = triton.compile(src, target=HOPPER, options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "block_m": tiles.block_m, "shared_bytes": kernel.metadata.shared,
-            "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx}  # fmt: skip
+            "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx, "gdc": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
 def decode_kernels() -> dict:
@@ -88,7 +91,7 @@ def decode_kernels() -> dict:
             "logprobs_ptr": "*fp32", **ptrs("slots_ptr", "column_ptr", "stop_ptr", "tokens_ptr", "last_token_ptr",
             "max_lens_ptr", t="*i64")}, {"R": 2048, "SPLITS": 38, "SPLITS_POW2": 64, "MAX_STOP": 16}),
         "sum_splits": (tiles.sum_splits_kernel, {"p_ptr": "*fp32", "y_ptr": "*bf16", "NUMEL": "i32"},
-            {"SPLIT_K": 4, "BLOCK": 1024}),
+            {"SPLIT_K": 4, "BLOCK": 1024, "USE_GDC": True}),
     }  # fmt: skip
 
 
@@ -110,3 +113,4 @@ if __name__ == "__main__":
         for num_rows in (1, 64, 4096):
             print(json.dumps(compile_for_hopper(name, pick_tiles(num_rows, 2048))))
         print(json.dumps(compile_for_hopper(name, pick_tiles(1, 2048), split=(4, 1408))))  # masked parts
+    print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True)))  # a dependent launch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testkit import DEVICE, DTYPE, assert_matches, needs_cuda, random
+from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, random
 
 pytest.importorskip("triton")
 from rollplex.kernels.tiles import Tiles, pick_tiles, wave_parts
@@ -119,3 +119,30 @@ def test_on_a_gpu_split_products_match_torch_and_repeat_bitwise(num_rows, in_fea
     y = matmul_transposed(x, s, tiles, num_sms=132)
     assert_matches(y, reference(x, w))
     assert all(torch.equal(y, matmul_transposed(x, s, tiles, num_sms=132)) for _ in range(5))
+
+
+def test_a_programmatic_dependent_launch_is_refused_off_the_gpu_in_one_line():
+    if DEVICE.type == "cuda":
+        pytest.skip("checks the refusal on a machine without a GPU")
+    with pytest.raises(AssertionError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
+        matmul_transposed(random(4, 32, seed=0), random(32, 48, seed=1), pdl=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer")
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_on_a_gpu_a_chain_of_dependent_launches_equals_plain_launches_bitwise(num_rows):
+    """Each product reads the one before: a launch that read before its predecessor's writes landed would
+    differ. Decode tiles of 11008 -> 2048 split K, so the chain also runs the partials' sum as a dependent."""
+    w = [random(2048, 2048, seed=s, scale=2048**-0.5).T.contiguous() for s in range(8)]
+    down = random(2048, 11008, seed=9, scale=11008**-0.5).T.contiguous()
+    x = random(num_rows, 11008, seed=10)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        y = matmul_transposed(x, down, pdl=pdl)
+        for s in w:
+            y = matmul_transposed(y, s, pdl=pdl)
+        return y
+
+    assert torch.equal(chain(False), chain(True))
