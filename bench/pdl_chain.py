@@ -24,28 +24,6 @@ from pathlib import Path
 import torch
 
 
-def graph_ms(fn: Callable[[], torch.Tensor], min_ms: float = 50.0) -> float:
-    """Milliseconds per replay of a CUDA graph of `fn` (compiled and warmed up first)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = 1
-    while True:
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) >= min_ms:
-            return start.elapsed_time(end) / replays
-        replays *= 4
-
-
 def chain(x: torch.Tensor, weights: list[torch.Tensor], product: Callable) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         y = x
@@ -57,6 +35,8 @@ def chain(x: torch.Tensor, weights: list[torch.Tensor], product: Callable) -> Ca
 
 
 def measure(hidden: int, rows: int, layers: int) -> dict:
+    from gemm_layouts import time_us  # bench/ is this script's folder: the same graph timing as the GEMM bench
+
     from rollplex.kernels.transposed_gemm import matmul_transposed
 
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -72,7 +52,7 @@ def measure(hidden: int, rows: int, layers: int) -> dict:
     for name, run in runs.items():
         try:  # one variant's failure (say, PDL under graph capture) is a result, not the end of the run
             outs[name] = run()
-            us = graph_ms(run) * 1e3 / layers
+            us = time_us([run]) / layers  # one CUDA graph of the chain, replayed
             row[name] = {"us_per_product": us, "tb_per_s": hidden * hidden * 2 / us / 1e6}
         except Exception as e:
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
