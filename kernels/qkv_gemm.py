@@ -19,12 +19,9 @@ from rollplex.kernels.tiles import (
     Tiles,
     check_dtypes,
     k_per_split,
+    launch_in_parts,
     num_programs,
-    pick_tiles,
-    sm_count,
-    sum_splits,
     tile_position,
-    wave_parts,
     zero_tile,
 )
 
@@ -121,16 +118,12 @@ def qkv_grouped_from_megatron(
     assert x.device == w.device, f"x on {x.device}, w on {w.device}"
     check_dtypes(x, w, *([] if bias is None else [bias]))
     (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    num_sms = sm_count(x.device) if num_sms is None else num_sms
-    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
-        rows, out, split = x[first:end], y[first:end], t.split_k
-        partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
-        qkv_gemm_kernel[(num_programs(end - first, n, t), split)](
-            rows, w, w if bias is None else bias, out, partials, end - first, k, num_heads, num_kv_heads, head_dim,
-            kv_replicas, bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, split, k_per_split(k, split, t),
-            num_warps=t.num_warps, num_stages=t.num_stages,
+
+    def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
+        qkv_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
+            rows, w, w if bias is None else bias, out, partials, rows.shape[0], k, num_heads, num_kv_heads, head_dim,
+            kv_replicas, bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k,
+            k_per_split(k, t.split_k, t), num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
-        if split > 1:
-            sum_splits(partials, out)
-    return y
+
+    return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch)

@@ -21,6 +21,7 @@ SM count (another plan); `sm_count` is the device's, not a green context's share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -144,6 +145,23 @@ def shortest_part(num_inner: int, split: int, block_k: int) -> int:
     """K rows of a split's last part, its shortest (<= 0: the split has empty parts)."""
     per = triton.cdiv(triton.cdiv(num_inner, split), block_k) * block_k
     return num_inner - (split - 1) * per
+
+
+def launch_in_parts(
+    x: torch.Tensor, y: torch.Tensor, tiles: Tiles | None, num_sms: int | None, launch: Callable, pdl: bool = False
+) -> torch.Tensor:
+    """Fills y [M, N] = a product of x [M, K]: `launch(rows, out, partials, tiles)` per part of `wave_parts` (rows
+    and out that part's row slices of x and y; partials [split, rows, N] fp32 where tiles.split_k > 1, else out),
+    then the split's sum. Tiles: `tiles`, or `pick_tiles`' for `num_sms` (default: the device's) SMs."""
+    (m, k), n = x.shape, y.shape[1]
+    num_sms = sm_count(x.device) if num_sms is None else num_sms
+    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
+        out = y[first:end]
+        partials = out.new_empty(t.split_k, end - first, n, dtype=torch.float32) if t.split_k > 1 else out
+        launch(x[first:end], out, partials, t)
+        if t.split_k > 1:
+            sum_splits(partials, out, pdl)
+    return y
 
 
 @triton.jit

@@ -18,12 +18,9 @@ from rollplex.kernels.tiles import (
     Tiles,
     check_dtypes,
     k_per_split,
+    launch_in_parts,
     num_programs,
-    pick_tiles,
-    sm_count,
-    sum_splits,
     tile_position,
-    wave_parts,
     zero_tile,
 )
 
@@ -90,17 +87,13 @@ def matmul_transposed(
     assert x.device == s.device, f"x on {x.device}, s on {s.device}"
     check_dtypes(x, s)
     assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
-    launch = {"launch_pdl": True} if pdl else {}  # the CPU interpreter knows no launch_pdl
+    pdl_launch = {"launch_pdl": True} if pdl else {}  # the CPU interpreter knows no launch_pdl
     (m, k), n = x.shape, s.shape[1]
-    num_sms = sm_count(x.device) if num_sms is None else num_sms
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
-        rows, out, split = x[first:end], y[first:end], t.split_k
-        partials = out.new_empty(split, end - first, n, dtype=torch.float32) if split > 1 else out
-        transposed_gemm_kernel[(num_programs(end - first, n, t), split)](
-            rows, s, out, partials, end - first, n, k, t.block_m, t.block_n, t.block_k, t.group_m, split,
-            k_per_split(k, split, t), pdl, num_warps=t.num_warps, num_stages=t.num_stages, **launch,
+
+    def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
+        transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
+            rows, s, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k,
+            k_per_split(k, t.split_k, t), pdl, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch,
         )  # fmt: skip
-        if split > 1:
-            sum_splits(partials, out, pdl)
-    return y
+
+    return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch, pdl)

@@ -17,10 +17,12 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture
-def nondeterministic_kernels():
-    """torch's deterministic mode off for one test, as it was after: a spec with `run.deterministic` sets it
-    process-wide (a run's engines do), and while it is on SDPA never picks cuDNN."""
-    was = torch.are_deterministic_algorithms_enabled()
+def cudnn_attention():
+    """SDPA may pick cuDNN for one test, as things were after: cuDNN's SDPA switched on, and torch's deterministic
+    mode off (a spec with `run.deterministic` sets it process-wide, and while it is on SDPA never picks cuDNN)."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
     torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_cudnn_sdp(True)
     yield
-    torch.use_deterministic_algorithms(was)
+    torch.use_deterministic_algorithms(was[0])
+    torch.backends.cuda.enable_cudnn_sdp(was[1])

@@ -194,7 +194,8 @@ class RunSpec(_Strict):
         False,
         description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
         "give bitwise the same weights. Off, the memory-efficient attention backward accumulates with atomics "
-        "and weights differ at rounding level between runs. On costs some attention-backward speed.",
+        "and weights differ at rounding level between runs. On costs some attention-backward speed, and torch then "
+        "never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process.",
     )
     cudnn_attention: bool = Field(
         True,

@@ -93,12 +93,11 @@ def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gra
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.usefixtures("nondeterministic_kernels")
+@pytest.mark.usefixtures("cudnn_attention")
 def test_on_a_gpu_causal_cudnn_attention_at_a_bucketed_length_equals_the_exact_length():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    torch.backends.cuda.enable_cudnn_sdp(True)
     shapes = [(1, n, 600, 128) for n in (16, 2, 2)]  # 600 tokens run as 608
     q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes)
     assert attention.plans_per_shape(q.device)

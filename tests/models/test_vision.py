@@ -158,12 +158,11 @@ def test_checkpoints_of_a_padded_vision_mlp_hold_transformers_shapes_and_load_ba
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.usefixtures("nondeterministic_kernels")
+@pytest.mark.usefixtures("cudnn_attention")
 def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_length_and_stays_finite():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    torch.backends.cuda.enable_cudnn_sdp(True)
     windows = torch.cat([torch.arange(54).repeat_interleave(64), torch.arange(54, 61).repeat_interleave(48)])
     groups = [g.cuda() for g in segment_groups(windows)]  # 54 windows of 64 and 7 of 48: 61 rows run as 62
     layout = segment_layout(windows, torch.device("cuda"))
