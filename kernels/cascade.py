@@ -53,6 +53,12 @@ def _attend_chunk(
 
 
 @triton.jit
+def _empty_chunk(M: tl.constexpr, D: tl.constexpr):
+    """The partial of a chunk with no keys: (out 0, lse -inf), which the combine weighs by exp(-inf) = 0."""
+    return tl.full((M, D), 0.0, dtype=tl.float32), tl.full((M,), float("-inf"), dtype=tl.float32)
+
+
+@triton.jit
 def _prompt_partial(
     p,
     g,
@@ -95,9 +101,12 @@ def _prompt_partial(
     keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
     v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
-    out, lse = _attend_chunk(
-        q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
-    )
+    if key_at < length:
+        out, lse = _attend_chunk(
+            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
+        )
+    else:  # past the prompt's end: what _attend_chunk gives an empty chunk, without its loop
+        out, lse = _empty_chunk(ROWS * HEADS, D)
     at = (split * max_rows + row).to(tl.int64) * H + head
     tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
     tl.store(lse_ptr + at, lse, mask=valid)
@@ -139,7 +148,10 @@ def _own_partial(
     base = (slot * G + g) * R
     k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
-    out, lse = _attend_chunk(q, k_ptrs, v_ptrs, D, D, key_at, length, scale, CHUNK, BLOCK, HEADS, D)
+    if key_at < length:
+        out, lse = _attend_chunk(q, k_ptrs, v_ptrs, D, D, key_at, length, scale, CHUNK, BLOCK, HEADS, D)
+    else:  # a chunk the response has not reached yet (most of them early in a long rollout)
+        out, lse = _empty_chunk(HEADS, D)
     at = (split * max_rows + row).to(tl.int64) * H + head
     tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
     tl.store(lse_ptr + at, lse, mask=valid)
@@ -234,15 +246,19 @@ def combine_kernel(
     m = tl.where(valid, m, 0.0)  # finite on valid heads: a row always sees its own token
     total = tl.full((HEADS,), 0.0, dtype=tl.float32)
     acc = tl.full((HEADS, D), 0.0, dtype=tl.float32)
-    for s in tl.static_range(PROMPT_SPLITS):
+    for s in tl.static_range(PROMPT_SPLITS):  # an empty chunk (lse -inf) weighs 0: its output is not read
         at = (s * max_rows + row).to(tl.int64) * H + head
-        w = tl.exp(tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")) - m)
-        acc += w[:, None] * tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        lse = tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf"))
+        w = tl.exp(lse - m)
+        has = (valid & (lse > float("-inf")))[:, None]
+        acc += w[:, None] * tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)
         total += w
     for s in tl.static_range(OWN_SPLITS):
         at = (s * max_rows + row).to(tl.int64) * H + head
-        w = tl.exp(tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")) - m)
-        acc += w[:, None] * tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        lse = tl.load(own_lse_ptr + at, mask=valid, other=float("-inf"))
+        w = tl.exp(lse - m)
+        has = (valid & (lse > float("-inf")))[:, None]
+        acc += w[:, None] * tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)
         total += w
     out = acc / tl.where(valid, total, 1.0)[:, None]
     dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]

@@ -56,6 +56,8 @@ class DecodeAttentionShape:
     prompt_chunk: int = 0  # keys per program; 0: the largest of 256, 128, 64 that still fills the GPU
     own_chunk: int = 0
     block: int = 64
+    num_warps: int = 4  # of the partial kernel (triton's defaults; bench/decode_attention_sweep.py)
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} heads over {self.num_kv_heads} kv heads"
@@ -123,6 +125,7 @@ class DecodeAttention:
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
+            num_warps=sh.num_warps, num_stages=sh.num_stages,
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,

@@ -25,15 +25,17 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "num_samples", "live_slots"),
+    ("heads", "kv_heads", "num_samples", "live_slots", "step"),
     [
-        (4, 2, 3, None),  # every sequence live
-        (8, 2, 2, [0, 3, 4, 5]),  # prompt 1 down to one sequence, prompt 0 to one
-        (7, 1, 4, [5, 6, 9]),  # 7 heads per group (padded), prompts 0 and 2 finished
+        (4, 2, 3, None, 37),  # every sequence live, every own chunk reached
+        (8, 2, 2, [0, 3, 4, 5], 37),  # prompt 1 down to one sequence, prompt 0 to one
+        (7, 1, 4, [5, 6, 9], 37),  # 7 heads per group (padded), prompts 0 and 2 finished
+        (4, 2, 3, None, 5),  # early in the response: own chunks 1 and 2 are empty (as prompt 2's chunks 1, 2)
+        (4, 2, 3, None, 0),  # the first decode step: one own key
     ],
 )
-def test_cascade_attention_equals_attention_over_the_concatenated_keys(heads, kv_heads, num_samples, live_slots):
-    num_prompts, head_dim, max_prompt_len, max_tokens, step = 3, 16, 80, 40, 37
+def test_cascade_attention_equals_attention_over_the_concatenated_keys(heads, kv_heads, num_samples, live_slots, step):
+    num_prompts, head_dim, max_prompt_len, max_tokens = 3, 16, 80, 40
     shape = DecodeAttentionShape(
         num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, 32, 16, block=16
     )
