@@ -1,11 +1,13 @@
-"""y = x W^T for a row-parallel weight stored transposed (DESIGN.md section 5, Case 2).
+"""y = x W^T (+ bias) reading W as it is stored: transposed (DESIGN.md section 5, Case 2) or as HF stores it.
 
-W is logically [O, I] (o_proj, down_proj); the trainer stores it as S = W^T = [I, O] contiguous, so that each
-training shard of the I axis is a contiguous slab and a rollout shard is q slabs back to back. This kernel reads
-S as it lies: y[m, o] = sum_i x[m, i] * S[i, o], bf16 in, fp32 accumulation, bf16 out. A launch follows
-`tiles.wave_parts`: decode tiles may cut K over several programs (`pick_tiles`), and prefill rows short of a
-whole wave take narrower tiles and, if still short, a K split; each part of a split writes an fp32 partial that
-`sum_splits` adds in order. It does not shard, bind or all-reduce; the caller passes the slab its rank holds.
+W is logically [O, I]. The trainer stores a row-parallel weight (o_proj, down_proj) as S = W^T = [I, O]
+contiguous, so that each training shard of the I axis is a contiguous slab and a rollout shard is q slabs back
+to back (`matmul_transposed`); a full model's projections are HF's [O, I] (`linear`, with its bias: the decode
+step's GEMMs, where a chain of our kernels can launch as programmatic dependents). One kernel reads S[i, o] at
+i * S_ROW + o * S_COL for either, bf16 in, fp32 accumulation, bf16 out. A launch follows `tiles.wave_parts`:
+decode tiles may cut K over several programs (`pick_tiles`), and prefill rows short of a whole wave take
+narrower tiles and, if still short, a K split; each part of a split writes an fp32 partial that `sum_splits`
+adds in order. It does not shard, bind or all-reduce; the caller passes the slab its rank holds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from rollplex.kernels.tiles import (
 @triton.jit
 def transposed_gemm_kernel(
     x_ptr,  # [M, K] row-major
-    s_ptr,  # [K, N] row-major: W^T
+    s_ptr,  # [K, N] = W^T, element (k, n) at k * S_ROW + n * S_COL
+    b_ptr,  # [N] bias, or a dummy when not HAS_BIAS
     y_ptr,  # [M, N] row-major
     p_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
     M,
@@ -40,6 +43,9 @@ def transposed_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
     K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K rounded up to one when SPLIT_K == 1)
+    S_ROW: tl.constexpr,  # strides of s: (N, 1) for a stored [K, N] slab, (1, K) for HF's [N, K] weight
+    S_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
 ):
     if USE_GDC:  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
@@ -51,7 +57,7 @@ def transposed_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None].to(tl.int64) * K + (first + ks)[None, :]  # [BLOCK_M, BLOCK_K]
-    s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_K, BLOCK_N]
+    s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * S_ROW + cols[None, :].to(tl.int64) * S_COL
     acc = zero_tile(BLOCK_M, BLOCK_N)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
@@ -63,7 +69,10 @@ def transposed_gemm_kernel(
             b = tl.load(s_tile, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
-        s_tile += BLOCK_K * N
+        s_tile += BLOCK_K * S_ROW
+    if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
+        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += bias[None, :] * (tl.program_id(1) == 0).to(tl.float32)
     y_tile = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
@@ -79,21 +88,52 @@ def matmul_transposed(
     """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype. `num_sms`:
     the SMs the waves are planned for (default: the device's). `pdl`: each launch is a programmatic dependent
     launch (Hopper): it may start while the kernel before it drains, and waits for that kernel's writes before
-    it reads anything (every kernel of a chain must be launched so for the overlap; a GPU experiment,
-    bench/pdl_chain.py)."""
+    it reads anything (the overlap needs the kernel before to be launched so too: bench/pdl_chain.py)."""
     assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
     assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
-    assert x.is_contiguous() and s.is_contiguous(), "x and s must be contiguous (s is the stored [I, O] slab)"
-    assert x.device == s.device, f"x on {x.device}, s on {s.device}"
-    check_dtypes(x, s)
+    assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
+    return _product(x, s, None, (s.shape[1], 1), tiles, num_sms, pdl)
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+    num_sms: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
+    `num_sms`, `pdl`: see `matmul_transposed`."""
+    assert x.dim() == 2 and w.dim() == 2, f"expected x [M, I] and w [O, I], got {tuple(x.shape)}, {tuple(w.shape)}"
+    assert x.shape[1] == w.shape[1], f"x is [M, {x.shape[1]}] but w is [O, {w.shape[1]}]"
+    assert w.is_contiguous(), "w must be a contiguous [O, I]"
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
+    return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
+
+
+def _product(
+    x: torch.Tensor,
+    s: torch.Tensor,
+    bias: torch.Tensor | None,
+    strides: tuple[int, int],
+    tiles: Tiles | None,
+    num_sms: int | None,
+    pdl: bool,
+) -> torch.Tensor:
+    """y = x @ s (+ bias) for s [K, N] at `strides` (see the kernel)."""
+    assert x.is_contiguous(), "x must be contiguous"
+    assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
+    check_dtypes(x, s, *([] if bias is None else [bias]))
     assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
     pdl_launch = {"launch_pdl": True} if pdl else {}  # the CPU interpreter knows no launch_pdl
     (m, k), n = x.shape, s.shape[1]
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
         transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
-            rows, s, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k,
-            k_per_split(k, t.split_k, t), pdl, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch,
+            rows, s, s if bias is None else bias, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k,
+            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, pdl,
+            num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch,
         )  # fmt: skip
 
     return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch, pdl)

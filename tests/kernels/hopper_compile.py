@@ -22,8 +22,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 KERNELS = {
     "transposed": (
         transposed_gemm_kernel,
-        {"x_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
-        {"K": 5504, "N": 2048, "SPLIT_K": 1, "K_SPLIT": 5504, "USE_GDC": False},  # down_proj of the 3B model at TP 2
+        {"x_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
+        {
+            "K": 5504,
+            "N": 2048,
+            "SPLIT_K": 1,
+            "K_SPLIT": 5504,
+            "S_ROW": 2048,
+            "S_COL": 1,
+            "HAS_BIAS": False,
+            "USE_GDC": False,
+        },  # down_proj of the 3B model at TP 2
     ),
     "qkv": (
         qkv_gemm_kernel,

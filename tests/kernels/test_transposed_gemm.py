@@ -1,4 +1,5 @@
-"""`matmul_transposed` reads a row-parallel weight stored as W^T and equals x @ W^T on the materialised W."""
+"""`matmul_transposed` reads a row-parallel weight stored as W^T and equals x @ W^T on the materialised W; `linear`
+reads HF's [O, I] weight with its bias through the same kernel and equals F.linear."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, r
 
 pytest.importorskip("triton")
 from rollplex.kernels.tiles import Tiles, pick_tiles, wave_parts
-from rollplex.kernels.transposed_gemm import matmul_transposed
+from rollplex.kernels.transposed_gemm import linear, matmul_transposed
 
 SMALL = Tiles(block_m=16, block_n=32, block_k=32)  # several tiles on each axis at test sizes
 TAIL = Tiles(block_m=32, block_n=128, block_k=32)  # rows short of a whole wave take narrower tiles, then split K
@@ -146,3 +147,36 @@ def test_on_a_gpu_a_chain_of_dependent_launches_equals_plain_launches_bitwise(nu
         return y
 
     assert torch.equal(chain(False), chain(True))
+
+
+@pytest.mark.parametrize("num_rows", [1, 21])
+@pytest.mark.parametrize("tiles", [SMALL, Tiles(block_m=16, block_n=32, block_k=32, split_k=3), None])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_reads_the_hf_layout_and_adds_the_bias_once_whatever_the_split(num_rows, tiles, with_bias):
+    """[O, I] = [72, 200]: O not a multiple of the 32-wide tiles, and K split three ways (bias in part 0 only)."""
+    w = random(72, 200, seed=12, scale=200**-0.5)
+    bias = random(72, seed=13) if with_bias else None
+    x = random(num_rows, 200, seed=14)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert_matches(linear(x, w, bias, tiles), expected.to(x.dtype))
+
+
+def test_linear_refuses_a_weight_that_is_not_a_contiguous_o_by_i():
+    w = random(32, 48, seed=1)  # a stored [I, O] slab's transposed view is not HF's layout
+    with pytest.raises(AssertionError, match="contiguous"):
+        linear(random(4, 32, seed=0), w.T)
+    with pytest.raises(AssertionError, match="bias must be"):
+        linear(random(4, 48, seed=0), w, random(48, seed=2))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 32, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(2560, 2048), (2048, 2048), (2048, 11008)])
+def test_on_a_gpu_linear_matches_torch_on_qwen_3b_decode_projections(num_rows, out_features, in_features):
+    """The decode step's qkv (with bias), o_proj and down_proj of the 3B model."""
+    w = random(out_features, in_features, seed=1, scale=in_features**-0.5)
+    bias = random(out_features, seed=3) if out_features == 2560 else None
+    x = random(num_rows, in_features, seed=2)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert_matches(linear(x, w, bias), expected.to(x.dtype))
