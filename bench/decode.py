@@ -55,12 +55,14 @@ def kv_bytes_per_token(model: Qwen2_5_VL) -> int:
     return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * 2
 
 
-def engine_run(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, bandwidth: float) -> dict:
+def engine_run(
+    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, bandwidth: float, kernels: dict | None = None
+) -> dict:
     num_prompts = batch // NUM_SAMPLES
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, **(kernels or {}))
     start = time.perf_counter()
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0))
     first_s = time.perf_counter() - start  # includes graph capture
@@ -126,14 +128,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hf-batches", nargs="*", type=int, default=[])
     ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--triton-gemm", action="store_true", help="qkv, o_proj, down_proj through our GEMMs")
+    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl}
     bandwidth = copy_bandwidth()
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "command": "python bench/decode.py " + " ".join(sys.argv[1:]),
+        "kernels": kernels,
         "engine": [],
         "transformers": [],
     }
@@ -141,7 +147,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{name}"), dtype=torch.bfloat16, device="cuda").eval()
         for batch in args.batches:
-            row = {"model": name, **engine_run(model, batch, args.prompt_tokens, args.tokens, bandwidth)}
+            row = {"model": name, **engine_run(model, batch, args.prompt_tokens, args.tokens, bandwidth, kernels)}
             print(json.dumps(row), flush=True)
             result["engine"].append(row)
         del model

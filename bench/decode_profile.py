@@ -110,11 +110,13 @@ def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) 
     }
 
 
-def profile_case(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float) -> dict:
+def profile_case(
+    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float, kernels: dict
+) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, **kernels)
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0))
     graphs, step = engine.graphs, engine.graphs.step
     assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
@@ -170,8 +172,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=[512])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--triton-gemm", action="store_true", help="qkv, o_proj, down_proj through our GEMMs")
+    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl}
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
@@ -181,11 +186,12 @@ def main() -> None:
         "model": args.model,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]),
+        "kernels": kernels,
         "cases": [],
     }
     for batch in args.batch:
         for prompt_tokens in args.prompt_tokens:
-            case = profile_case(model, batch, prompt_tokens, args.tokens, args.steps, bandwidth)
+            case = profile_case(model, batch, prompt_tokens, args.tokens, args.steps, bandwidth, kernels)
             result["cases"].append(case)
             torch.cuda.empty_cache()  # the case's decode buffers and graphs went with its engine
             if args.out:

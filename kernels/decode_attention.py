@@ -22,7 +22,7 @@ import torch
 import triton
 
 from rollplex.kernels.cascade import combine_kernel, partial_kernel
-from rollplex.kernels.tiles import NUM_SMS_H200
+from rollplex.kernels.tiles import NUM_SMS_H200, pdl_options
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -94,10 +94,11 @@ class DecodeAttentionShape:
 
 
 class DecodeAttention:
-    """Owns the partial-result workspaces of one decode shape and launches the three kernels."""
+    """Owns the partial-result workspaces of one decode shape and launches the two kernels (`pdl`: as
+    programmatic dependents, `tiles.pdl_options`)."""
 
-    def __init__(self, shape: DecodeAttentionShape, device: torch.device) -> None:
-        self.shape = shape
+    def __init__(self, shape: DecodeAttentionShape, device: torch.device, pdl: bool = False) -> None:
+        self.shape, self.pdl = shape, pdl
         h, d, rows = shape.num_heads, shape.head_dim, shape.max_rows
         f32 = dict(dtype=torch.float32, device=device)
         self.prompt_out = torch.zeros(shape.prompt_splits, rows, h, d, **f32)
@@ -136,10 +137,11 @@ class DecodeAttention:
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages,
+            num_warps=sh.num_warps, num_stages=sh.num_stages, USE_GDC=self.pdl, **pdl_options(self.pdl, q),
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
+            USE_GDC=self.pdl, **pdl_options(self.pdl, q),
         )  # fmt: skip
         return out

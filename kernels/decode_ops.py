@@ -6,7 +6,9 @@
   position, writes k and v into the row's slot of the response cache at the current step, q into [rows, H, D].
 - `silu_mul`: silu(gate) * up from one packed [gate up] projection, rounded after each op as eager torch does.
 
-Positions and the step come from device tensors, so a captured CUDA graph replays them step after step.
+Positions and the step come from device tensors, so a captured CUDA graph replays them step after step. Each
+takes `pdl`: launched as a programmatic dependent, it waits for the kernel before it first and lets the next
+one launch once its own stores are issued (`tiles.pdl_options`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from rollplex.kernels.tiles import pdl_options
 
 
 @triton.jit
@@ -26,7 +30,10 @@ def add_rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`tiles.pdl_options`)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -39,19 +46,27 @@ def add_rms_norm_kernel(
     normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def add_rms_norm(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+    delta: torch.Tensor | None,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype."""
+    """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype.
+    `pdl`: launched as a programmatic dependent (`tiles.pdl_options`)."""
     rows, n = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
     assert delta is None or (delta.shape == residual.shape and delta.is_contiguous())
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
     add_rms_norm_kernel[(rows,)](
         residual if delta is None else delta, residual, weight, out, eps,
-        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None,
+        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None, USE_GDC=pdl, **pdl_options(pdl, out),
     )  # fmt: skip
     return out
 
@@ -72,7 +87,10 @@ def rotary_to_cache_kernel(
     D: tl.constexpr,
     R: tl.constexpr,
     NUM_SAMPLES: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then kv heads
     slot = tl.load(slots_ptr + row)
@@ -93,6 +111,8 @@ def rotary_to_cache_kernel(
     x2 = tl.load(src + D // 2 + half).to(tl.float32)
     tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def rotary_to_cache(
@@ -106,6 +126,7 @@ def rotary_to_cache(
     k_cache: torch.Tensor,  # [SLOTS, G, R, D]
     v_cache: torch.Tensor,
     num_samples: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
@@ -114,13 +135,16 @@ def rotary_to_cache(
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
         qkv, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
-        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples,
+        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, USE_GDC=pdl,
+        **pdl_options(pdl, qkv),
     )  # fmt: skip
     return q_out
 
 
 @triton.jit
-def silu_mul_kernel(gate_up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(gate_up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -129,11 +153,14 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
     g32 = gate.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
     tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = 1024, pdl: bool = False) -> torch.Tensor:
     """out [rows, N] = silu(gate) * up, where gate_up [rows, 2N] holds gate then up (one packed projection)."""
     rows, n = out.shape
     assert gate_up.shape == (rows, 2 * n) and gate_up.is_contiguous() and out.is_contiguous()
-    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
+    launch = pdl_options(pdl, out)
+    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, USE_GDC=pdl, **launch)
     return out

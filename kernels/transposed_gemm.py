@@ -22,6 +22,7 @@ from rollplex.kernels.tiles import (
     k_per_split,
     launch_in_parts,
     num_programs,
+    pdl_options,
     tile_position,
     zero_tile,
 )
@@ -125,8 +126,7 @@ def _product(
     assert x.is_contiguous(), "x must be contiguous"
     assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
     check_dtypes(x, s, *([] if bias is None else [bias]))
-    assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
-    pdl_launch = {"launch_pdl": True} if pdl else {}  # the CPU interpreter knows no launch_pdl
+    pdl_launch = pdl_options(pdl, x)
     (m, k), n = x.shape, s.shape[1]
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:

@@ -58,9 +58,21 @@ class RolloutEngine:
     prefix chunks are on the same clock, so the decode slowdown is measured across the two processes).
     """
 
-    def __init__(self, model: Qwen2_5_VL, kv_arena=None, *, time_steps: bool = False) -> None:
+    def __init__(
+        self,
+        model: Qwen2_5_VL,
+        kv_arena=None,
+        *,
+        time_steps: bool = False,
+        triton_gemm: bool = False,
+        pdl: bool = False,
+    ) -> None:
+        """triton_gemm, pdl: the decode step's kernels (`DecodeStep`; off by default until measured faster)."""
+        if pdl and model.device.type != "cuda":
+            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU, the model is on {model.device}")
         self.model = model
         self.time_steps = time_steps
+        self.kernels = {"triton_gemm": triton_gemm, "pdl": pdl}
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -155,7 +167,7 @@ class RolloutEngine:
             fused_sampling=can_fuse_sampling(params),
         )
         self.graphs = StepGraphs(
-            DecodeStep(self.model, shape, self._kv_storage(shape)), bucket_sizes(shape.num_slots - 1)
+            DecodeStep(self.model, shape, self._kv_storage(shape), **self.kernels), bucket_sizes(shape.num_slots - 1)
         )
         return self.graphs
 

@@ -75,12 +75,22 @@ def can_fuse_sampling(params: SamplingParams) -> bool:
 class DecodeStep:
     """Static decode state of one `DecodeShape` for one model: caches, prompt KV, rotary tables, row maps."""
 
-    def __init__(self, model: Qwen2_5_VL, shape: DecodeShape, kv: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: Qwen2_5_VL,
+        shape: DecodeShape,
+        kv: Tensor | None = None,
+        *,
+        triton_gemm: bool = False,
+        pdl: bool = False,
+    ) -> None:
         """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
-        engine releases between rollouts); by default they are allocated here."""
+        engine releases between rollouts); by default they are allocated here. triton_gemm: qkv, o_proj and
+        down_proj through our GEMMs; pdl: our kernels launch as programmatic dependents (`weights.py`)."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
-        self.model, self.shape = model, shape
-        self.weights = [layer_weights(layer) for layer in model.model.language_model.layers]  # read in place
+        self.model, self.shape, self.pdl = model, shape, pdl
+        layers = model.model.language_model.layers
+        self.weights = [layer_weights(layer, triton_gemm=triton_gemm, pdl=pdl) for layer in layers]  # in place
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
         heads, d = self.weights[0].num_heads, text.head_dim
         cache, prompt = _kv_shapes(model, shape)
@@ -120,6 +130,7 @@ class DecodeStep:
                 shape.max_prompt_len, shape.max_tokens,
             ),
             device,
+            pdl,
         )  # fmt: skip
 
     def load(self, boundary: Boundary, params: SamplingParams, seed: int, max_lens: Tensor | None = None) -> None:
@@ -163,22 +174,22 @@ class DecodeStep:
         heads = self.weights[0].num_heads
         q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
         attended = torch.empty_like(q_rot)
-        delta = None
+        delta, pdl = None, self.pdl
         for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
-            add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed)
+            add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl)
             qkv = w.qkv(normed)  # [rows, (H + 2G) D]
             rotary_to_cache(
                 qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
-                self.k_cache[i], self.v_cache[i], self.shape.num_samples,
+                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl,
             )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
                 self.k_cache[i], self.v_cache[i], slots, self.step, attended,
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
-            add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed)
+            add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl)
             delta = w.mlp(normed)
-        add_rms_norm(delta, residual, lm.norm.weight, eps, normed)
+        add_rms_norm(delta, residual, lm.norm.weight, eps, normed, pdl)
         logits = self._logits(normed, rows)
         self.step += 1
         if self.shape.fused_sampling:

@@ -6,17 +6,21 @@
   else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
 Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
+With `triton_gemm`, qkv, o_proj and down_proj run through our GEMMs (`rollplex.kernels.transposed_gemm`) instead
+of cuBLAS, and with `pdl` those and silu_mul launch as programmatic dependents, so that with the step's other
+kernels they form chains in which each launches while the one before drains (gate_up stays on cuBLAS).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.kernels.decode_ops import silu_mul
+from rollplex.kernels.transposed_gemm import linear, matmul_transposed
 from rollplex.models.decoder import SelfAttention
 from rollplex.models.packing import packed_view
 from rollplex.parallel.group import SINGLE, TPGroup
@@ -39,6 +43,8 @@ class LayerWeights:
     down: Tensor
     transposed: bool
     group: TPGroup
+    triton_gemm: bool = False  # qkv, o_proj and down_proj through our GEMMs (see the module docstring)
+    pdl: bool = False
 
     def qkv(self, x: Tensor) -> Tensor:
         """[rows, (heads + 2 groups) D]: all q, then k, then v."""
@@ -47,18 +53,26 @@ class LayerWeights:
 
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
+        if self.triton_gemm:
+            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.pdl)
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
     def out(self, attended: Tensor) -> Tensor:
-        return self._reduce(attended @ self.o if self.transposed else F.linear(attended, self.o))
+        return self._reduce(self._row_parallel(attended, self.o))
 
     def mlp(self, x: Tensor) -> Tensor:
         """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
         y = F.linear(x, self.gate_up)  # [rows, blocks * 2 * I_block]
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
-        hidden = silu_mul(y.view(rows * self.num_blocks, width), y.new_empty(rows * self.num_blocks, width // 2))
-        hidden = hidden.view(rows, -1)
-        return self._reduce(hidden @ self.down if self.transposed else F.linear(hidden, self.down))
+        out = y.new_empty(rows * self.num_blocks, width // 2)
+        hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.pdl).view(rows, -1)
+        return self._reduce(self._row_parallel(hidden, self.down))
+
+    def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
+        """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
+        if self.triton_gemm:
+            return matmul_transposed(x, w, pdl=self.pdl) if self.transposed else linear(x, w, pdl=self.pdl)
+        return x @ w if self.transposed else F.linear(x, w)
 
     def _reduce(self, y: Tensor) -> Tensor:
         if self.group.size > 1:
@@ -66,7 +80,12 @@ class LayerWeights:
         return y
 
 
-def layer_weights(layer: nn.Module) -> LayerWeights:
+def layer_weights(layer: nn.Module, *, triton_gemm: bool = False, pdl: bool = False) -> LayerWeights:
+    """How a decode step reads `layer`'s projections; `triton_gemm`, `pdl`: see the module docstring."""
+    return replace(_layer_weights(layer), triton_gemm=triton_gemm, pdl=pdl)
+
+
+def _layer_weights(layer: nn.Module) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     if isinstance(attn, SelfAttention):
         qkv_w = _packed(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)

@@ -69,7 +69,8 @@ def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = 
 
 
 def decode_kernels() -> dict:
-    """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128)."""
+    """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128); those the
+    decode step can launch as programmatic dependents in that variant (USE_GDC)."""
     from rollplex.kernels import cascade as da
     from rollplex.kernels import decode_ops as ops
     from rollplex.kernels import sampling as sa
@@ -83,16 +84,16 @@ def decode_kernels() -> dict:
             **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
             **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", t="i32"),
             "scale": "fp32"}, {**heads, "P": 8, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
-            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64}),
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {**heads, "HEADS": 8, "PROMPT_SPLITS": 24,
-            "OWN_SPLITS": 8}),
+            "OWN_SPLITS": 8, "USE_GDC": True}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
-            "eps": "fp32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True}),
+            "eps": "fp32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "USE_GDC": True}),
         "rotary_to_cache": (ops.rotary_to_cache_kernel, {**ptrs("qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"),
             **ptrs("cos_ptr", "sin_ptr", t="*fp32"), **ptrs("slots_ptr", "next_positions_ptr", "step_ptr", t="*i64")},
-            {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8}),
-        "silu_mul": (ops.silu_mul_kernel, ptrs("gate_up_ptr", "out_ptr"), {"N": 18944, "BLOCK": 1024}),
+            {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8, "USE_GDC": True}),
+        "silu_mul": (ops.silu_mul_kernel, ptrs("gate_up_ptr", "out_ptr"), {"N": 18944, "BLOCK": 1024, "USE_GDC": True}),
         "sample_partial": (sa.sample_partial_kernel, {"logits_ptr": "*bf16", "temperature_ptr": "*fp32",
             "partial_ptr": "*fp32", "index_ptr": "*i32", **ptrs("slots_ptr", "column_ptr", "seed_ptr", t="*i64"),
             "num_slots": "i32"}, {"V": 152064, "SPLITS": 38, "BLOCK": 4096}),
@@ -110,7 +111,8 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
     missing = [n for n in names if n not in signature and n not in constexprs]
     assert not missing, f"{name}: no type for {missing}"
     kernel = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER)
-    return {"kernel": name, "shared_bytes": kernel.metadata.shared}
+    ptx = kernel.asm["ptx"]
+    return {"kernel": name, "shared_bytes": kernel.metadata.shared, "gdc": "griddepcontrol.wait" in ptx}
 
 
 if __name__ == "__main__":

@@ -40,3 +40,4 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
         "sum_splits",
     ]  # fmt: skip
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
+    assert [r["gdc"] for r in results] == [True] * 5 + [False, False, True]  # sampling: no dependent launch

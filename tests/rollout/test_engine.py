@@ -50,6 +50,34 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = RolloutEngine(model, triton_gemm=True)
+    out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))
+    expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
+    assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_programmatic_dependent_launch_is_refused_off_the_gpu_in_one_line(model):
+    if DEVICE.type == "cuda":
+        pytest.skip("checks the refusal on a machine without a GPU")
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
+        RolloutEngine(model, triton_gemm=True, pdl=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
+    """The same kernels launched as programmatic dependents: a kernel that read before the one before it had
+    written would change a token or a log-prob somewhere in the captured steps."""
+    params = SamplingParams(temperature=1.0, max_tokens=24)
+    plain, pdl = (RolloutEngine(model, triton_gemm=True, pdl=p) for p in (False, True))
+    a, b = (e.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)) for e in (plain, pdl))
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
+
+
 @pytest.mark.parametrize(
     ("top_p", "stop", "fused"),
     [

@@ -1,0 +1,49 @@
+#!/bin/bash
+# Rollout decode on one H200 under each kernel setting, one device call (~4 minutes):
+#
+#   bash bench/decode_h200.sh
+#
+# 1. the GPU tests of the decode path: our GEMMs (`linear`), dependent launches changing no rollout
+#    -> $OUT/decode_gpu_tests.log
+# 2. for cuBLAS GEMMs (as today), our GEMMs (--triton-gemm) and our GEMMs launched as programmatic dependents
+#    with the step's other kernels (--triton-gemm --pdl): bench/decode.py at 512-token prompts (batch 32, 64)
+#    and bench/decode_profile.py at the rollout's shapes (5,888-token prompts, a 2,048-token cache, batch 32, 64)
+#    -> $OUT/decode_3b_h200_{cublas,triton,pdl}.json, $OUT/decode_profile_3b_r2048_h200_{cublas,triton,pdl}.json
+#
+# Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
+# ../shared/tools/gpu-wheels.sh .whl pydantic). Prints a table last. Move what comes back into bench/results/
+# with the code's commit.
+set -uo pipefail
+OUT=${OUT:?the device sets OUT}
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "decode_h200: installing .whl/*.whl failed (made by ../shared/tools/gpu-wheels.sh .whl pydantic)" >&2; exit 2; }
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
+ln -sfn ../kernels rollplex/kernels
+timeout 150 python3 -m pytest -q -m gpu tests/rollout/test_engine.py tests/kernels/test_transposed_gemm.py --tb=short -rfEs \
+  > "$OUT/decode_gpu_tests.log" 2>&1
+tests=$?
+tail -3 "$OUT/decode_gpu_tests.log"
+for setting in cublas triton pdl; do
+  case $setting in cublas) flags=() ;; triton) flags=(--triton-gemm) ;; pdl) flags=(--triton-gemm --pdl) ;; esac
+  timeout 60 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 "${flags[@]}" \
+    --out "$OUT/decode_3b_h200_$setting.json" > "$OUT/decode_$setting.log" 2>&1 || echo "decode.py $setting failed"
+  timeout 90 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 "${flags[@]}" \
+    --out "$OUT/decode_profile_3b_r2048_h200_$setting.json" > "$OUT/decode_profile_$setting.log" 2>&1 \
+    || echo "decode_profile.py $setting failed"
+done
+python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"{'setting':>8} {'prompt':>6} {'batch':>5} {'step ms':>8} {'of bound':>8}")
+for setting in ("cublas", "triton", "pdl"):
+    for name, key, rows in (("decode_3b_h200", "engine", "step_ms"), ("decode_profile_3b_r2048_h200", "cases", "graph_step_ms")):
+        path = out / f"{name}_{setting}.json"
+        if not path.exists():
+            print(f"{setting:>8} {name}: no result")
+            continue
+        for r in json.loads(path.read_text())[key]:
+            prompt = r.get("prompt_tokens", "?")
+            print(f"{setting:>8} {prompt:>6} {r['batch']:>5} {r[rows]:>8.3f} {r['fraction_of_hbm_bound']:>8.1%}")
+EOF
+exit $tests
