@@ -3,7 +3,8 @@
 
     python bench/policy_table.py bench/results/qwen2_5_vl_3b_h200*_*.json
 
-Prints a Markdown table: step times, measured speedup against Eq. 1's ideal, decode slowdown, where rollplex's
+Prints a Markdown table: step times, measured speedup against Eq. 1's ideal and the speedup with the work
+after the rollout at serial's time (what the overlap alone gave), decode slowdown, where rollplex's
 step gained and lost against serial's (prefixes hidden / rollout longer / after the rollout longer, seconds;
 from the phase times where a result predates `step_balance_s`), whether the updates match, and the measured
 per-phase peak against the plan's. A row timed after serial in one process is marked: not a fair figure.
@@ -16,8 +17,9 @@ import json
 from pathlib import Path
 
 
-def balance(result: dict) -> str:
-    """rollplex's step minus serial's in three parts that add up to it, "-" where the result lacks the times."""
+def balance_parts(result: dict) -> dict | None:
+    """rollplex's step minus serial's in three parts that add up to it (from the phase times where a result
+    predates `step_balance_s`), None where the result lacks the times."""
     parts = result.get("step_balance_s")
     if parts is None and "phase_s" in result:
         rollout, (t_d, t_p), s = (
@@ -27,6 +29,11 @@ def balance(result: dict) -> str:
         )
         parts = {"prefixes_hidden": -t_p, "rollout_longer": rollout - t_d,
                  "after_rollout_longer": (s["rollplex"] - rollout) - (s["serial"] - t_d - t_p)}  # fmt: skip
+    return parts
+
+
+def balance(result: dict) -> str:
+    parts = balance_parts(result)
     if parts is None:
         return "-"
     return " / ".join(f"{parts[k]:+.2f}" for k in ("prefixes_hidden", "rollout_longer", "after_rollout_longer"))
@@ -39,6 +46,17 @@ def after_serial(result: dict) -> bool:
     return flag if flag is not None else not result.get("serial_from")
 
 
+def overlap_only(result: dict) -> str:
+    """The speedup with the work after the rollout at serial's time (`overlap_speedup`; from the balance where a
+    result predates it), "-" where the result lacks the times."""
+    if "overlap_speedup" in result:
+        return f"{result['overlap_speedup']:.3f}x"
+    parts, serial = balance_parts(result), result["step_s"]["serial"]
+    if parts is None:
+        return "-"
+    return f"{serial / (serial + parts['prefixes_hidden'] + parts['rollout_longer']):.3f}x"
+
+
 def row(name: str, result: dict) -> str:
     s = result["step_s"]
     slowdown = result.get("decode_slowdown")
@@ -48,7 +66,7 @@ def row(name: str, result: dict) -> str:
     memory = " / ".join(f"{peaks.get(p, '-')} ({plan.get(p, '-')})" for p in ("1", "2", "3"))
     return (
         f"| {marked} | {result['workload']['dataset']} | {result['policy']} | {s['serial']:.2f} | "
-        f"{s['rollplex']:.2f} | {result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | "
+        f"{s['rollplex']:.2f} | {result['speedup']:.3f}x | {result['ideal_speedup']:.3f}x | {overlap_only(result)} | "
         f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'} | {balance(result)} | {result['updates_match']} | "
         f"{memory} |"
     )
@@ -60,10 +78,10 @@ def main() -> None:
     args = ap.parse_args()
     results = sorted(((p.stem, json.loads(p.read_text())) for p in args.results),
                      key=lambda r: (r[1]["workload"]["dataset"], r[1]["policy"], r[0]))  # fmt: skip
-    print("| file | workload | policy | serial s | rollplex s | speedup | ideal (Eq. 1) | decode slowdown |"
-          " rollplex - serial s: prefixes / rollout / after | updates match |"
+    print("| file | workload | policy | serial s | rollplex s | speedup | ideal (Eq. 1) | overlap alone |"
+          " decode slowdown | rollplex - serial s: prefixes / rollout / after | updates match |"
           " peak GiB per phase 1 / 2 / 3 (plan) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results:
         print(row(name, result))
 

@@ -243,7 +243,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         slowdown = result["decode_slowdown"]
         print(
             f"{label}: step serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
-            f"(ideal {result['ideal_speedup']:.3f}x); decode slowdown "
+            f"(ideal {result['ideal_speedup']:.3f}x, overlap alone {result['overlap_speedup']:.3f}x); decode slowdown "
             f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; rollplex - serial: prefixes hidden "
             f"{balance['prefixes_hidden']:+.2f} s, rollout {balance['rollout_longer']:+.2f} s, after it "
             f"{balance['after_rollout_longer']:+.2f} s; updates match: {result['updates_match']} (first "

@@ -162,6 +162,7 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
 
 
 def test_policy_table_splits_each_step_difference_into_its_three_parts_old_results_included(tmp_path):
+    """And gives the speedup at serial's after-rollout time, the overlap's own share."""
     base = {"workload": {"dataset": "synthetic:llava_video"}, "step_s": {"serial": 28.0, "rollplex": 29.0},
             "speedup": 0.9655, "ideal_speedup": 1.1, "decode_slowdown": 1.4, "updates_match": True}  # fmt: skip
     balance = {"prefixes_hidden": -2.7, "rollout_longer": 3.5, "after_rollout_longer": 0.2}
@@ -174,8 +175,10 @@ def test_policy_table_splits_each_step_difference_into_its_three_parts_old_resul
     out = subprocess.run([sys.executable, str(ROOT / "bench/policy_table.py"), *sorted(map(str, tmp_path.iterdir()))],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    rows = {line.split("|")[3].strip(): line.split("|")[9].strip() for line in out.stdout.splitlines()[2:]}
+    rows = {line.split("|")[3].strip(): line.split("|")[10].strip() for line in out.stdout.splitlines()[2:]}
     assert rows == {"green:66": "-2.70 / +3.50 / +0.20", "streams": "-2.70 / +3.50 / +0.20", "mps": "-"}
+    overlap = {line.split("|")[3].strip(): line.split("|")[8].strip() for line in out.stdout.splitlines()[2:]}
+    assert overlap == {"green:66": "0.972x", "streams": "0.972x", "mps": "-"}  # 28 / (28 - 2.7 + 3.5)
     in_one_process = {line.split("|")[3].strip() for line in out.stdout.splitlines() if "after serial" in line}
     assert in_one_process == {"mps"}  # no key and serial not loaded from a file: run after it
 

@@ -177,6 +177,9 @@ def compare(
         "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},
         "speedup": round(step_serial / step_rollplex, 4),
         "ideal_speedup": round((t_d + t_p + t_post) / (max(t_d, t_p) + t_post), 4),
+        # the speedup with the work after the rollout at serial's time: what hiding the prefixes beside decode
+        # gave, apart from the suffix phases, which the overlap does not touch (Eq. 1 assumes them equal)
+        "overlap_speedup": round(step_serial / (step_serial - t_p + rollout_rollplex - t_d), 4),
         "decode_slowdown": round(decode, 4) if decode is not None else None,
         "updates_match": updates_match(rollouts_match, grad_diff, spec.run.dtype, floor),
         "first_step_rollouts_match": rollouts_match,

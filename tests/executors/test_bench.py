@@ -14,7 +14,7 @@ from rollplex.executors.bench import ScheduleRun, noise_floor_grads
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
-        "ideal_speedup", "decode_slowdown",
+        "ideal_speedup", "overlap_speedup", "decode_slowdown",
         "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode", "step_balance_s",
         "per_step", "timeline_s"}  # fmt: skip
 
@@ -40,6 +40,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     step_difference = result["step_s"]["rollplex"] - result["step_s"]["serial"]
     assert abs(sum(balance.values()) - step_difference) < 2e-3  # the three parts are the whole difference
     assert abs(result["ideal_speedup"] - (t_d + t_p + t_post) / (max(t_d, t_p) + t_post)) < 2e-3  # Eq. 1, rounded
+    at_equal_after = result["step_s"]["serial"] + balance["prefixes_hidden"] + balance["rollout_longer"]
+    assert abs(result["overlap_speedup"] - result["step_s"]["serial"] / at_equal_after) < 2e-3
     assert result["prefix_beside_decode"] > 0.5
     for name in ("serial", "rollplex"):  # the medians come from the per-step record, which the JSON keeps
         steps = result["per_step"][name]
