@@ -22,11 +22,12 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(results) == 9  # per GEMM: decode 1 and 64 rows, prefill, decode with K in 4 masked parts; + PDL
+    assert len(results) == 10  # per GEMM: decode 1 and 64 rows, prefill, decode with K in 4 masked parts; + PDL x 2
     for r in results:
         assert r["cp_async"] and r["shared_bytes"] <= HOPPER_SHARED_BYTES, r
         assert r["wgmma"] == (r["block_m"] >= 64), r
-    assert [r["gdc"] for r in results] == [False] * 8 + [True]  # only the dependent launch waits on the grid
+    assert [r["gdc"] for r in results] == [False] * 8 + [True] * 2  # only the dependent launches wait on the grid
+    assert [r["prefetch"] for r in results] == [False] * 9 + [True]  # and only the last asks for its weight first
 
 
 def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
