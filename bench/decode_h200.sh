@@ -1,14 +1,15 @@
 #!/bin/bash
-# Rollout decode on one H200 under each kernel setting, one device call (~4 minutes):
+# Rollout decode on one H200 under each kernel setting, one device call (~5 minutes):
 #
 #   bash bench/decode_h200.sh
 #
 # 1. the GPU tests of the decode path: our GEMMs (`linear`), dependent launches changing no rollout
 #    -> $OUT/decode_gpu_tests.log
-# 2. for cuBLAS GEMMs (as today), our GEMMs (--triton-gemm) and our GEMMs launched as programmatic dependents
-#    with the step's other kernels (--triton-gemm --pdl): bench/decode.py at 512-token prompts (batch 32, 64)
-#    and bench/decode_profile.py at the rollout's shapes (5,888-token prompts, a 2,048-token cache, batch 32, 64)
-#    -> $OUT/decode_3b_h200_{cublas,triton,pdl}.json, $OUT/decode_profile_3b_r2048_h200_{cublas,triton,pdl}.json
+# 2. for cuBLAS GEMMs (as today), our GEMMs (--triton-gemm), our GEMMs launched as programmatic dependents
+#    with the step's other kernels (--triton-gemm --pdl), and the same with our GEMMs prefetching their weights
+#    into L2 before they wait (--prefetch): bench/decode.py at 512-token prompts (batch 32, 64) and
+#    bench/decode_profile.py at the rollout's shapes (5,888-token prompts, a 2,048-token cache, batch 32, 64)
+#    -> $OUT/decode_3b_h200_SETTING.json, $OUT/decode_profile_3b_r2048_h200_SETTING.json
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Prints a table last. Move what comes back into bench/results/
@@ -23,8 +24,11 @@ timeout 150 python3 -m pytest -q -m gpu tests/rollout/test_engine.py tests/kerne
   > "$OUT/decode_gpu_tests.log" 2>&1
 tests=$?
 tail -3 "$OUT/decode_gpu_tests.log"
-for setting in cublas triton pdl; do
-  case $setting in cublas) flags=() ;; triton) flags=(--triton-gemm) ;; pdl) flags=(--triton-gemm --pdl) ;; esac
+for setting in cublas triton pdl prefetch; do
+  case $setting in
+    cublas) flags=() ;; triton) flags=(--triton-gemm) ;; pdl) flags=(--triton-gemm --pdl) ;;
+    prefetch) flags=(--triton-gemm --pdl --prefetch) ;;
+  esac
   timeout 60 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 "${flags[@]}" \
     --out "$OUT/decode_3b_h200_$setting.json" > "$OUT/decode_$setting.log" 2>&1 || echo "decode.py $setting failed"
   timeout 90 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 "${flags[@]}" \
@@ -36,7 +40,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'setting':>8} {'prompt':>6} {'batch':>5} {'step ms':>8} {'of bound':>8}")
-for setting in ("cublas", "triton", "pdl"):
+for setting in ("cublas", "triton", "pdl", "prefetch"):
     for name, key, rows in (("decode_3b_h200", "engine", "step_ms"), ("decode_profile_3b_r2048_h200", "cases", "graph_step_ms")):
         path = out / f"{name}_{setting}.json"
         if not path.exists():

@@ -174,9 +174,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--triton-gemm", action="store_true", help="qkv, o_proj, down_proj through our GEMMs")
     ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
+    ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl}
+    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl, "prefetch": args.prefetch}
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()

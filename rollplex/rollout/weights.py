@@ -45,6 +45,7 @@ class LayerWeights:
     group: TPGroup
     triton_gemm: bool = False  # qkv, o_proj and down_proj through our GEMMs (see the module docstring)
     pdl: bool = False
+    prefetch: bool = False  # with pdl: our GEMMs ask for their weights in L2 before they wait
 
     def qkv(self, x: Tensor) -> Tensor:
         """[rows, (heads + 2 groups) D]: all q, then k, then v."""
@@ -54,7 +55,7 @@ class LayerWeights:
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
         if self.triton_gemm:
-            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.pdl)
+            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.pdl, prefetch=self.prefetch)
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
     def out(self, attended: Tensor) -> Tensor:
@@ -71,7 +72,8 @@ class LayerWeights:
     def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
         """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
         if self.triton_gemm:
-            return matmul_transposed(x, w, pdl=self.pdl) if self.transposed else linear(x, w, pdl=self.pdl)
+            product = matmul_transposed if self.transposed else linear
+            return product(x, w, pdl=self.pdl, prefetch=self.prefetch)
         return x @ w if self.transposed else F.linear(x, w)
 
     def _reduce(self, y: Tensor) -> Tensor:
@@ -80,9 +82,11 @@ class LayerWeights:
         return y
 
 
-def layer_weights(layer: nn.Module, *, triton_gemm: bool = False, pdl: bool = False) -> LayerWeights:
-    """How a decode step reads `layer`'s projections; `triton_gemm`, `pdl`: see the module docstring."""
-    return replace(_layer_weights(layer), triton_gemm=triton_gemm, pdl=pdl)
+def layer_weights(
+    layer: nn.Module, *, triton_gemm: bool = False, pdl: bool = False, prefetch: bool = False
+) -> LayerWeights:
+    """How a decode step reads `layer`'s projections; `triton_gemm`, `pdl`, `prefetch`: see `LayerWeights`."""
+    return replace(_layer_weights(layer), triton_gemm=triton_gemm, pdl=pdl, prefetch=prefetch)
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights:

@@ -64,6 +64,8 @@ def test_programmatic_dependent_launch_is_refused_off_the_gpu_in_one_line(model)
         pytest.skip("checks the refusal on a machine without a GPU")
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
         RolloutEngine(model, triton_gemm=True, pdl=True)
+    with pytest.raises(ValueError, match="prefetch: our GEMMs prefetch only as dependent launches"):
+        RolloutEngine(model, triton_gemm=True, prefetch=True)
 
 
 @pytest.mark.gpu
@@ -73,9 +75,15 @@ def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
     """The same kernels launched as programmatic dependents: a kernel that read before the one before it had
     written would change a token or a log-prob somewhere in the captured steps."""
     params = SamplingParams(temperature=1.0, max_tokens=24)
-    plain, pdl = (RolloutEngine(model, triton_gemm=True, pdl=p) for p in (False, True))
-    a, b = (e.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)) for e in (plain, pdl))
-    assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
+    settings = ({}, {"pdl": True}, {"pdl": True, "prefetch": True})
+    plain, *dependent = (
+        RolloutEngine(model, triton_gemm=True, **k).generate(
+            prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
+        )
+        for k in settings
+    )
+    for other in dependent:
+        assert torch.equal(plain.responses, other.responses) and torch.equal(plain.logprobs, other.logprobs)
 
 
 @pytest.mark.parametrize(
