@@ -67,15 +67,19 @@ class RolloutEngine:
         triton_gemm: bool = False,
         pdl: bool = False,
         prefetch: bool = False,
+        gemm_sms: int | None = None,
     ) -> None:
-        """triton_gemm, pdl, prefetch: the decode step's kernels (`DecodeStep`; off until measured faster)."""
+        """triton_gemm, pdl, prefetch, gemm_sms: the decode step's kernels (`DecodeStep`; off until measured
+        faster)."""
         if pdl and model.device.type != "cuda":
             raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU, the model is on {model.device}")
         if prefetch and not (pdl and triton_gemm):
             raise ValueError("prefetch: our GEMMs prefetch only as dependent launches (triton_gemm and pdl)")
         self.model = model
         self.time_steps = time_steps
-        self.kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch}
+        if gemm_sms is not None and not triton_gemm:
+            raise ValueError("gemm_sms: only our GEMMs plan their waves for a number of SMs (triton_gemm)")
+        self.kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch, "gemm_sms": gemm_sms}
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0

@@ -84,15 +84,16 @@ class DecodeStep:
         triton_gemm: bool = False,
         pdl: bool = False,
         prefetch: bool = False,
+        gemm_sms: int | None = None,
     ) -> None:
         """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
         engine releases between rollouts); by default they are allocated here. triton_gemm: qkv, o_proj and
-        down_proj through our GEMMs; pdl: our kernels launch as programmatic dependents; prefetch: our GEMMs
-        also ask for their weights before they wait (`weights.py`)."""
+        projections through our GEMMs, planned for gemm_sms SMs (None: the device's); pdl: our kernels launch as
+        programmatic dependents; prefetch: our GEMMs also ask for their weights before they wait (`weights.py`)."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
         self.model, self.shape, self.pdl = model, shape, pdl
         layers = model.model.language_model.layers
-        kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch}
+        kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch, "num_sms": gemm_sms}
         self.weights = [layer_weights(layer, **kernels) for layer in layers]  # read in place
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
         heads, d = self.weights[0].num_heads, text.head_dim

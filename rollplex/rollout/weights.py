@@ -6,9 +6,11 @@
   else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
 Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
-With `triton_gemm`, qkv, o_proj and down_proj run through our GEMMs (`rollplex.kernels.transposed_gemm`) instead
-of cuBLAS, and with `pdl` those and silu_mul launch as programmatic dependents, so that with the step's other
-kernels they form chains in which each launches while the one before drains (gate_up stays on cuBLAS).
+With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs through our GEMMs
+(`rollplex.kernels.transposed_gemm`) instead of cuBLAS, their tiles planned for `num_sms` SMs (default: the
+device's; fewer where decode shares the GPU with a partition beside it), and with `pdl` those and silu_mul launch
+as programmatic dependents, so that with the step's other kernels a layer is one chain in which each kernel
+launches while the one before drains.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class LayerWeights:
     down: Tensor
     transposed: bool
     group: TPGroup
-    triton_gemm: bool = False  # qkv, o_proj and down_proj through our GEMMs (see the module docstring)
+    triton_gemm: bool = False  # every projection through our GEMMs (see the module docstring)
     pdl: bool = False
     prefetch: bool = False  # with pdl: our GEMMs ask for their weights in L2 before they wait
+    num_sms: int | None = None  # the SMs our GEMMs' waves are planned for (None: the device's)
 
     def qkv(self, x: Tensor) -> Tensor:
         """[rows, (heads + 2 groups) D]: all q, then k, then v."""
@@ -55,7 +58,7 @@ class LayerWeights:
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
         if self.triton_gemm:
-            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.pdl, prefetch=self.prefetch)
+            return linear(x, self.qkv_weight, self.qkv_bias, **self._ours())
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
     def out(self, attended: Tensor) -> Tensor:
@@ -63,7 +66,7 @@ class LayerWeights:
 
     def mlp(self, x: Tensor) -> Tensor:
         """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
-        y = F.linear(x, self.gate_up)  # [rows, blocks * 2 * I_block]
+        y = linear(x, self.gate_up, **self._ours()) if self.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
         out = y.new_empty(rows * self.num_blocks, width // 2)
         hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.pdl).view(rows, -1)
@@ -72,9 +75,11 @@ class LayerWeights:
     def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
         """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
         if self.triton_gemm:
-            product = matmul_transposed if self.transposed else linear
-            return product(x, w, pdl=self.pdl, prefetch=self.prefetch)
+            return (matmul_transposed if self.transposed else linear)(x, w, **self._ours())
         return x @ w if self.transposed else F.linear(x, w)
+
+    def _ours(self) -> dict:
+        return {"num_sms": self.num_sms, "pdl": self.pdl, "prefetch": self.prefetch}
 
     def _reduce(self, y: Tensor) -> Tensor:
         if self.group.size > 1:
@@ -82,11 +87,10 @@ class LayerWeights:
         return y
 
 
-def layer_weights(
-    layer: nn.Module, *, triton_gemm: bool = False, pdl: bool = False, prefetch: bool = False
-) -> LayerWeights:
-    """How a decode step reads `layer`'s projections; `triton_gemm`, `pdl`, `prefetch`: see `LayerWeights`."""
-    return replace(_layer_weights(layer), triton_gemm=triton_gemm, pdl=pdl, prefetch=prefetch)
+def layer_weights(layer: nn.Module, **kernels) -> LayerWeights:
+    """How a decode step reads `layer`'s projections; `kernels`: triton_gemm, pdl, prefetch, num_sms (see
+    `LayerWeights`)."""
+    return replace(_layer_weights(layer), **kernels)
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights:

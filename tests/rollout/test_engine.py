@@ -50,22 +50,25 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts):
+@pytest.mark.parametrize("gemm_sms", [None, 3])  # 3 SMs: other tiles and K splits than the device's plan
+def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts, gemm_sms):
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    engine = RolloutEngine(model, triton_gemm=True)
+    engine = RolloutEngine(model, triton_gemm=True, gemm_sms=gemm_sms)
     out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))
     expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_programmatic_dependent_launch_is_refused_off_the_gpu_in_one_line(model):
+def test_kernel_options_that_cannot_run_are_refused_in_one_line(model):
     if DEVICE.type == "cuda":
         pytest.skip("checks the refusal on a machine without a GPU")
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
         RolloutEngine(model, triton_gemm=True, pdl=True)
     with pytest.raises(ValueError, match="prefetch: our GEMMs prefetch only as dependent launches"):
         RolloutEngine(model, triton_gemm=True, prefetch=True)
+    with pytest.raises(ValueError, match="gemm_sms: only our GEMMs plan"):
+        RolloutEngine(model, gemm_sms=66)
 
 
 @pytest.mark.gpu
