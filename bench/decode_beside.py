@@ -124,7 +124,8 @@ def main() -> None:
             for p, hog in hogs.items():
                 beside, covered = step_ms(engine, batch, args.tokens, args.steps, hog)
                 row = {"batch": batch, "setting": name, "beside_sms": p, "alone_ms": round(alone, 4),
-                       "beside_ms": round(beside, 4), "slowdown": round(beside / alone, 4), "covered": covered}  # fmt: skip
+                       "beside_ms": round(beside, 4), "slowdown": round(beside / alone, 4),
+                       "covered": covered}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del engine
