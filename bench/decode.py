@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import DecodeKernels
 
 NUM_SAMPLES = 8
 
@@ -56,13 +58,13 @@ def kv_bytes_per_token(model: Qwen2_5_VL) -> int:
 
 
 def engine_run(
-    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, bandwidth: float, kernels: dict | None = None
+    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, bandwidth: float, kernels: DecodeKernels
 ) -> dict:
     num_prompts = batch // NUM_SAMPLES
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine = RolloutEngine(model, **(kernels or {}))
+    engine = RolloutEngine(model, kernels=kernels)
     start = time.perf_counter()
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0))
     first_s = time.perf_counter() - start  # includes graph capture
@@ -133,14 +135,14 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl, "prefetch": args.prefetch}
+    kernels = DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
     bandwidth = copy_bandwidth()
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "command": "python bench/decode.py " + " ".join(sys.argv[1:]),
-        "kernels": kernels,
+        "kernels": asdict(kernels),
         "engine": [],
         "transformers": [],
     }

@@ -31,15 +31,16 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import DecodeKernels
 
 HOG = 8192  # the stand-in's square matmul side
 
 
-def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: dict) -> RolloutEngine:
+def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: DecodeKernels) -> RolloutEngine:
     """An engine whose graphs are captured for this shape, its slots laid out for the full batch."""
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
-    engine = RolloutEngine(model, **kernels)
+    engine = RolloutEngine(model, kernels=kernels)
     lens = torch.full((len(prompts), NUM_SAMPLES), 4)  # every sequence ends together: no batch shrink
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
@@ -114,8 +115,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
     hogs = {p: Hog(p) for p in args.beside_sms}
-    settings = {"cublas": {}, "ours": {"triton_gemm": True}}
-    settings |= {f"ours planned for {total - p}": {"triton_gemm": True, "gemm_sms": total - p} for p in args.beside_sms}
+    settings = {"cublas": DecodeKernels(), "ours": DecodeKernels(triton_gemm=True)}
+    settings |= {f"ours planned for {total - p}": DecodeKernels(triton_gemm=True, gemm_sms=total - p)
+                 for p in args.beside_sms}  # fmt: skip
     rows = []
     for batch in args.batch:
         for name, kernels in settings.items():

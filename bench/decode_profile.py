@@ -22,6 +22,7 @@ import json
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import DecodeKernels
 
 TRITON = ("add_rms_norm", "rotary_to_cache", "sample_", "partial_kernel", "combine_kernel", "silu_mul")
 AFTER = {"rms_in": "qkv", "combine_kernel": "o_proj", "rms_post": "gate_up", "silu_mul": "down", "rms_final": "lm_head"}
@@ -111,12 +113,12 @@ def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) 
 
 
 def profile_case(
-    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float, kernels: dict
+    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float, kernels: DecodeKernels
 ) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine = RolloutEngine(model, **kernels)
+    engine = RolloutEngine(model, kernels=kernels)
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0))
     graphs, step = engine.graphs, engine.graphs.step
     assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
@@ -177,7 +179,7 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    kernels = {"triton_gemm": args.triton_gemm, "pdl": args.pdl, "prefetch": args.prefetch}
+    kernels = DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
@@ -187,7 +189,7 @@ def main() -> None:
         "model": args.model,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]),
-        "kernels": kernels,
+        "kernels": asdict(kernels),
         "cases": [],
     }
     for batch in args.batch:

@@ -137,11 +137,11 @@ class DecodeAttention:
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages, USE_GDC=self.pdl, **pdl_options(self.pdl, q),
+            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(self.pdl, q),
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            USE_GDC=self.pdl, **pdl_options(self.pdl, q),
+            **pdl_options(self.pdl, q),
         )  # fmt: skip
         return out

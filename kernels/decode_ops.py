@@ -66,7 +66,7 @@ def add_rms_norm(
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
     add_rms_norm_kernel[(rows,)](
         residual if delta is None else delta, residual, weight, out, eps,
-        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None, USE_GDC=pdl, **pdl_options(pdl, out),
+        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None, **pdl_options(pdl, out),
     )  # fmt: skip
     return out
 
@@ -135,8 +135,7 @@ def rotary_to_cache(
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
         qkv, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
-        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, USE_GDC=pdl,
-        **pdl_options(pdl, qkv),
+        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, **pdl_options(pdl, qkv),
     )  # fmt: skip
     return q_out
 
@@ -161,6 +160,5 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = 1024, pdl: b
     """out [rows, N] = silu(gate) * up, where gate_up [rows, 2N] holds gate then up (one packed projection)."""
     rows, n = out.shape
     assert gate_up.shape == (rows, 2 * n) and gate_up.is_contiguous() and out.is_contiguous()
-    launch = pdl_options(pdl, out)
-    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, USE_GDC=pdl, **launch)
+    silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, **pdl_options(pdl, out))
     return out

@@ -185,16 +185,19 @@ def sum_splits(partials: torch.Tensor, y: torch.Tensor, pdl: bool = False) -> No
     """Writes the split-ordered sum of `partials` [splits, *y.shape] (fp32) into the contiguous `y`. `pdl`: a
     programmatic dependent launch (see `matmul_transposed`)."""
     assert partials.is_contiguous() and y.is_contiguous() and partials.shape[1:] == y.shape, "partials [S, *y]"
-    block, launch = 1024, pdl_options(pdl, y)
-    sum_splits_kernel[(triton.cdiv(y.numel(), block),)](partials, y, y.numel(), partials.shape[0], block, pdl, **launch)
+    block = 1024
+    sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
+        partials, y, y.numel(), partials.shape[0], block, **pdl_options(pdl, y)
+    )
 
 
 def pdl_options(pdl: bool, x: torch.Tensor) -> dict:
-    """Launch options of a kernel launched as a programmatic dependent (Hopper): it may start while the kernel
-    before it drains, and waits (USE_GDC) for that kernel's writes before it reads anything. None when off: the
-    CPU interpreter knows no launch_pdl."""
+    """The launch keywords of a kernel with a USE_GDC constexpr, launched as a programmatic dependent (Hopper) or
+    not: it may start while the kernel before it drains, and waits for that kernel's writes before it touches
+    memory. Both come from here so that a kernel never launches early without waiting (the CPU interpreter knows
+    no launch_pdl, so it is absent when off)."""
     assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
-    return {"launch_pdl": True} if pdl else {}
+    return {"USE_GDC": True, "launch_pdl": True} if pdl else {"USE_GDC": False}
 
 
 def check_dtypes(*tensors: torch.Tensor) -> None:

@@ -166,14 +166,13 @@ def _product(
     assert x.is_contiguous(), "x must be contiguous"
     assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
     check_dtypes(x, s, *([] if bias is None else [bias]))
-    pdl_launch = pdl_options(pdl, x)
     (m, k), n = x.shape, s.shape[1]
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
         transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
             rows, s, s if bias is None else bias, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k,
-            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, pdl, prefetch,
-            num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch,
+            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, PREFETCH=prefetch,
+            num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
         )  # fmt: skip
 
     return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch, pdl)

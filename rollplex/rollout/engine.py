@@ -29,6 +29,7 @@ from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.slowdown import DeviceClock, StepSpan
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
+from rollplex.rollout.weights import CUBLAS, DecodeKernels
 
 PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
 POSITION_QUANTUM = 1024
@@ -59,27 +60,16 @@ class RolloutEngine:
     """
 
     def __init__(
-        self,
-        model: Qwen2_5_VL,
-        kv_arena=None,
-        *,
-        time_steps: bool = False,
-        triton_gemm: bool = False,
-        pdl: bool = False,
-        prefetch: bool = False,
-        gemm_sms: int | None = None,
+        self, model: Qwen2_5_VL, kv_arena=None, *, time_steps: bool = False, kernels: DecodeKernels = CUBLAS
     ) -> None:
-        """triton_gemm, pdl, prefetch, gemm_sms: the decode step's kernels (`DecodeStep`; off until measured
-        faster)."""
-        if pdl and model.device.type != "cuda":
-            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA GPU, the model is on {model.device}")
-        if prefetch and not (pdl and triton_gemm):
-            raise ValueError("prefetch: our GEMMs prefetch only as dependent launches (triton_gemm and pdl)")
+        """kernels: the decode step's (`weights.DecodeKernels`; cuBLAS, launched plainly, until the others are
+        measured faster)."""
+        hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
+        if kernels.pdl and not hopper:
+            raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")
         self.model = model
         self.time_steps = time_steps
-        if gemm_sms is not None and not triton_gemm:
-            raise ValueError("gemm_sms: only our GEMMs plan their waves for a number of SMs (triton_gemm)")
-        self.kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch, "gemm_sms": gemm_sms}
+        self.kernels = kernels
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -174,7 +164,7 @@ class RolloutEngine:
             fused_sampling=can_fuse_sampling(params),
         )
         self.graphs = StepGraphs(
-            DecodeStep(self.model, shape, self._kv_storage(shape), **self.kernels), bucket_sizes(shape.num_slots - 1)
+            DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels), bucket_sizes(shape.num_slots - 1)
         )
         return self.graphs
 

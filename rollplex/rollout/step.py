@@ -26,7 +26,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rotary import text_rotary
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.group import all_gather_into
-from rollplex.rollout.weights import layer_weights
+from rollplex.rollout.weights import CUBLAS, DecodeKernels, layer_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,25 +76,14 @@ class DecodeStep:
     """Static decode state of one `DecodeShape` for one model: caches, prompt KV, rotary tables, row maps."""
 
     def __init__(
-        self,
-        model: Qwen2_5_VL,
-        shape: DecodeShape,
-        kv: Tensor | None = None,
-        *,
-        triton_gemm: bool = False,
-        pdl: bool = False,
-        prefetch: bool = False,
-        gemm_sms: int | None = None,
+        self, model: Qwen2_5_VL, shape: DecodeShape, kv: Tensor | None = None, kernels: DecodeKernels = CUBLAS
     ) -> None:
         """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
-        engine releases between rollouts); by default they are allocated here. triton_gemm: qkv, o_proj and
-        projections through our GEMMs, planned for gemm_sms SMs (None: the device's); pdl: our kernels launch as
-        programmatic dependents; prefetch: our GEMMs also ask for their weights before they wait (`weights.py`)."""
+        engine releases between rollouts); by default they are allocated here. kernels: which kernels the step
+        runs (`weights.DecodeKernels`)."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
-        self.model, self.shape, self.pdl = model, shape, pdl
-        layers = model.model.language_model.layers
-        kernels = {"triton_gemm": triton_gemm, "pdl": pdl, "prefetch": prefetch, "num_sms": gemm_sms}
-        self.weights = [layer_weights(layer, **kernels) for layer in layers]  # read in place
+        self.model, self.shape, self.pdl = model, shape, kernels.pdl
+        self.weights = [layer_weights(layer, kernels) for layer in model.model.language_model.layers]  # in place
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
         heads, d = self.weights[0].num_heads, text.head_dim
         cache, prompt = _kv_shapes(model, shape)
@@ -134,7 +123,7 @@ class DecodeStep:
                 shape.max_prompt_len, shape.max_tokens,
             ),
             device,
-            pdl,
+            kernels.pdl,
         )  # fmt: skip
 
     def load(self, boundary: Boundary, params: SamplingParams, seed: int, max_lens: Tensor | None = None) -> None:

@@ -6,11 +6,11 @@
   else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
 Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
-With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs through our GEMMs
-(`rollplex.kernels.transposed_gemm`) instead of cuBLAS, their tiles planned for `num_sms` SMs (default: the
-device's; fewer where decode shares the GPU with a partition beside it), and with `pdl` those and silu_mul launch
-as programmatic dependents, so that with the step's other kernels a layer is one chain in which each kernel
-launches while the one before drains.
+`DecodeKernels` picks the kernels. With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs
+through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, their tiles planned for `gemm_sms` SMs
+(default: the device's; fewer where decode shares the GPU with a partition beside it), and with `pdl` those and
+silu_mul launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which
+each kernel launches while the one before drains.
 """
 
 from __future__ import annotations
@@ -29,6 +29,25 @@ from rollplex.parallel.group import SINGLE, TPGroup
 from rollplex.parallel.layers import ParallelSelfAttention, QKVOrder
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeKernels:
+    """Which kernels a decode step runs (see the module docstring); the default is cuBLAS, launched plainly."""
+
+    triton_gemm: bool = False  # every projection through our GEMMs
+    pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
+    prefetch: bool = False  # with pdl: our GEMMs ask for their weights in L2 before they wait
+    gemm_sms: int | None = None  # the SMs our GEMMs' waves are planned for (None: the device's)
+
+    def __post_init__(self) -> None:
+        if self.prefetch and not (self.pdl and self.triton_gemm):
+            raise ValueError("prefetch: our GEMMs prefetch only as dependent launches (triton_gemm and pdl)")
+        if self.gemm_sms is not None and not (self.triton_gemm and self.gemm_sms >= 1):
+            raise ValueError(f"gemm_sms {self.gemm_sms}: only our GEMMs plan their waves for a number of SMs >= 1")
+
+
+CUBLAS = DecodeKernels()  # the default
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer's decode projections over normed activations [rows, hidden]."""
@@ -45,10 +64,7 @@ class LayerWeights:
     down: Tensor
     transposed: bool
     group: TPGroup
-    triton_gemm: bool = False  # every projection through our GEMMs (see the module docstring)
-    pdl: bool = False
-    prefetch: bool = False  # with pdl: our GEMMs ask for their weights in L2 before they wait
-    num_sms: int | None = None  # the SMs our GEMMs' waves are planned for (None: the device's)
+    kernels: DecodeKernels = CUBLAS
 
     def qkv(self, x: Tensor) -> Tensor:
         """[rows, (heads + 2 groups) D]: all q, then k, then v."""
@@ -57,7 +73,7 @@ class LayerWeights:
 
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
-        if self.triton_gemm:
+        if self.kernels.triton_gemm:
             return linear(x, self.qkv_weight, self.qkv_bias, **self._ours())
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
@@ -66,20 +82,21 @@ class LayerWeights:
 
     def mlp(self, x: Tensor) -> Tensor:
         """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
-        y = linear(x, self.gate_up, **self._ours()) if self.triton_gemm else F.linear(x, self.gate_up)
+        y = linear(x, self.gate_up, **self._ours()) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
         out = y.new_empty(rows * self.num_blocks, width // 2)
-        hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.pdl).view(rows, -1)
+        hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.kernels.pdl).view(rows, -1)
         return self._reduce(self._row_parallel(hidden, self.down))
 
     def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
         """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
-        if self.triton_gemm:
+        if self.kernels.triton_gemm:
             return (matmul_transposed if self.transposed else linear)(x, w, **self._ours())
         return x @ w if self.transposed else F.linear(x, w)
 
     def _ours(self) -> dict:
-        return {"num_sms": self.num_sms, "pdl": self.pdl, "prefetch": self.prefetch}
+        k = self.kernels
+        return {"num_sms": k.gemm_sms, "pdl": k.pdl, "prefetch": k.prefetch}
 
     def _reduce(self, y: Tensor) -> Tensor:
         if self.group.size > 1:
@@ -87,10 +104,9 @@ class LayerWeights:
         return y
 
 
-def layer_weights(layer: nn.Module, **kernels) -> LayerWeights:
-    """How a decode step reads `layer`'s projections; `kernels`: triton_gemm, pdl, prefetch, num_sms (see
-    `LayerWeights`)."""
-    return replace(_layer_weights(layer), **kernels)
+def layer_weights(layer: nn.Module, kernels: DecodeKernels = CUBLAS) -> LayerWeights:
+    """How a decode step reads `layer`'s projections, with `kernels`."""
+    return replace(_layer_weights(layer), kernels=kernels)
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights:

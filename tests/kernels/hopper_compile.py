@@ -35,6 +35,21 @@ KERNELS = {
             "PREFETCH": False,
         },  # down_proj of the 3B model at TP 2
     ),
+    "linear": (  # the same kernel on HF's [O, I] weight with its bias: the decode step's qkv of the 3B model
+        transposed_gemm_kernel,
+        {"x_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
+        {
+            "K": 2048,
+            "N": 2560,
+            "SPLIT_K": 1,
+            "K_SPLIT": 2048,
+            "S_ROW": 1,
+            "S_COL": 2048,
+            "HAS_BIAS": True,
+            "USE_GDC": False,
+            "PREFETCH": False,
+        },
+    ),
     "qkv": (
         qkv_gemm_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
@@ -69,8 +84,8 @@ def compile_for_hopper(
     kernel = triton.compile(src, target=HOPPER, options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "block_m": tiles.block_m, "shared_bytes": kernel.metadata.shared,
-            "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx, "gdc": "griddepcontrol.wait" in ptx,
-            "prefetch": "prefetch.global.L2" in ptx}  # fmt: skip
+            "wait_first": wait_first(ptx), "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
+            "gdc": "griddepcontrol.wait" in ptx, "prefetch": "prefetch.global.L2" in ptx}  # fmt: skip
 
 
 def decode_kernels() -> dict:
@@ -117,7 +132,18 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
     assert not missing, f"{name}: no type for {missing}"
     kernel = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER)
     ptx = kernel.asm["ptx"]
-    return {"kernel": name, "shared_bytes": kernel.metadata.shared, "gdc": "griddepcontrol.wait" in ptx}
+    return {"kernel": name, "shared_bytes": kernel.metadata.shared, "gdc": "griddepcontrol.wait" in ptx,
+            "wait_first": wait_first(ptx)}  # fmt: skip
+
+
+def wait_first(ptx: str) -> bool | None:
+    """Whether griddepcontrol.wait comes before every global memory access of the kernel (None: it never waits):
+    a dependent launch that read or wrote before it could race the kernel before it."""
+    at = ptx.find("griddepcontrol.wait")
+    if at < 0:
+        return None
+    accesses = (ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global"))
+    return all(a < 0 or at < a for a in accesses)
 
 
 if __name__ == "__main__":
@@ -131,3 +157,4 @@ if __name__ == "__main__":
         print(json.dumps(compile_for_hopper(name, pick_tiles(1, 2048), split=(4, 1408))))  # masked parts
     print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True)))  # a dependent launch
     print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True, prefetch=True)))
+    print(json.dumps(compile_for_hopper("linear", pick_tiles(32, 2560, 2048), gdc=True, prefetch=True)))

@@ -16,6 +16,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.beside import Beside
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import DecodeKernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SAMPLES = 3
@@ -53,7 +54,7 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
 @pytest.mark.parametrize("gemm_sms", [None, 3])  # 3 SMs: other tiles and K splits than the device's plan
 def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts, gemm_sms):
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    engine = RolloutEngine(model, triton_gemm=True, gemm_sms=gemm_sms)
+    engine = RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, gemm_sms=gemm_sms))
     out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))
     expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
@@ -63,12 +64,14 @@ def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts,
 def test_kernel_options_that_cannot_run_are_refused_in_one_line(model):
     if DEVICE.type == "cuda":
         pytest.skip("checks the refusal on a machine without a GPU")
-    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
-        RolloutEngine(model, triton_gemm=True, pdl=True)
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a Hopper or newer GPU"):
+        RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, pdl=True))
     with pytest.raises(ValueError, match="prefetch: our GEMMs prefetch only as dependent launches"):
-        RolloutEngine(model, triton_gemm=True, prefetch=True)
-    with pytest.raises(ValueError, match="gemm_sms: only our GEMMs plan"):
-        RolloutEngine(model, gemm_sms=66)
+        DecodeKernels(triton_gemm=True, prefetch=True)
+    with pytest.raises(ValueError, match="gemm_sms 66: only our GEMMs plan"):
+        DecodeKernels(gemm_sms=66)
+    with pytest.raises(ValueError, match="gemm_sms 0"):
+        DecodeKernels(triton_gemm=True, gemm_sms=0)
 
 
 @pytest.mark.gpu
@@ -80,7 +83,7 @@ def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=24)
     settings = ({}, {"pdl": True}, {"pdl": True, "prefetch": True})
     plain, *dependent = (
-        RolloutEngine(model, triton_gemm=True, **k).generate(
+        RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, **k)).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
         )
         for k in settings
