@@ -16,6 +16,7 @@ from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout, make_groups
 from rollplex.parallel.model import materialise, parallelize
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import DecodeKernels
 
 
 def _inside(t: torch.Tensor, storage: torch.Tensor) -> bool:
@@ -61,10 +62,11 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         torch.testing.assert_close(bound.model(prompts), fresh(prompts), atol=1e-5, rtol=1e-5)
     if decode:
         greedy = dict(num_samples=2, params=SamplingParams(temperature=0.0, max_tokens=4), generator=torch.Generator())
-        ours = RolloutEngine(bound.model).generate(text_prompts(), **greedy)
         theirs = RolloutEngine(fresh).generate(text_prompts(), **greedy)
-        assert torch.equal(ours.responses, theirs.responses)
-        torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
+        for kernels in (DecodeKernels(), DecodeKernels(triton_gemm=True)):  # cuBLAS, then our GEMMs on the slabs
+            ours = RolloutEngine(bound.model, kernels=kernels).generate(text_prompts(), **greedy)
+            assert torch.equal(ours.responses, theirs.responses)
+            torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
