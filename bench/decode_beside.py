@@ -107,14 +107,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--beside-sms", nargs="+", type=int, default=[33, 66])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--capture-only", action="store_true", help="only build every setting's engine (compiles)")
     args = ap.parse_args()
+    if args.out is None and not args.capture_only:
+        sys.exit("decode_beside: --out FILE is required (or --capture-only)")
     if not torch.cuda.is_available():
         sys.exit("decode_beside: needs a CUDA GPU")
     total = torch.cuda.get_device_properties(0).multi_processor_count
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
-    hogs = {p: Hog(p) for p in args.beside_sms}
+    hogs = {} if args.capture_only else {p: Hog(p) for p in args.beside_sms}
     settings = {"cublas": DecodeKernels(), "ours": DecodeKernels(triton_gemm=True)}
     settings |= {f"ours planned for {total - p}": DecodeKernels(triton_gemm=True, gemm_sms=total - p)
                  for p in args.beside_sms}  # fmt: skip
@@ -122,6 +125,8 @@ def main() -> None:
     for batch in args.batch:
         for name, kernels in settings.items():
             engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
+            if args.capture_only:
+                continue
             alone, _ = step_ms(engine, batch, args.tokens, args.steps, None)
             for p, hog in hogs.items():
                 beside, covered = step_ms(engine, batch, args.tokens, args.steps, hog)
@@ -132,6 +137,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             del engine
             torch.cuda.empty_cache()
+    if args.capture_only:
+        return
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

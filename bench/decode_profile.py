@@ -4,10 +4,11 @@
         --out bench/results/decode_profile_3b_h200.json
 
 `bench/decode.py` gives the step's time against its HBM bound; this says which kernels take the rest. After
-one rollout (which captures the decode graphs) it replays the full-batch graph `--steps` times from the middle
-of the response (the step counter rewound there) and times it, then records the same replays and the same
-steps run eagerly under torch.profiler. Kernels are labelled by where they fall in the step: the Triton
-kernels name themselves, and a library kernel (cuBLAS) takes the label of the projection that follows the
+a rollout cut at 4 tokens (which captures the decode graphs) it replays the full-batch graph `--steps` times
+from the middle of the response cache (the step counter rewound there; past the rollout's tokens the cache holds
+zeros, which the kernels read all the same) and times it, then records the same replays and the same steps run
+eagerly under torch.profiler. Kernels are labelled by where they fall in the step: the Triton kernels name
+themselves, and a library kernel (cuBLAS, or our GEMM) takes the label of the projection that follows the
 Triton kernel before it (after the input norm: qkv; after the attention's combine: o_proj; after the
 post-attention norm: gate_up; after silu_mul: down; after the final norm: lm_head). Each label gets its
 microseconds per step, launches per step and, for the projections and attention, the HBM rate of the bytes
@@ -119,7 +120,10 @@ def profile_case(
     prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
     engine = RolloutEngine(model, kernels=kernels)
-    engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0))
+    lens = torch.full((len(prompts), NUM_SAMPLES), 4)  # a short rollout captures the graphs; the replays below
+    # read the cache up to their step all the same (zeros past the rollout's 4 tokens)
+    engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
+                    max_lens=lens)  # fmt: skip
     graphs, step = engine.graphs, engine.graphs.step
     assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
     start = (tokens - steps) // 2
