@@ -32,7 +32,7 @@ for setting in triton pdl prefetch; do
   # shellcheck disable=SC2046
   timeout 240 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 --steps 2 \
     $(flags_of $setting) > /dev/null 2>&1 &
-  timeout 240 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 8 $(flags_of $setting) \
+  timeout 240 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 $(flags_of $setting) \
     > /dev/null 2>&1 &
 done
 timeout 240 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 --capture-only > /dev/null 2>&1 &
@@ -46,7 +46,7 @@ for setting in cublas triton pdl prefetch; do
   timeout 60 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 $(flags_of $setting) \
     --out "$OUT/decode_3b_h200_$setting.json" > "$OUT/decode_$setting.log" 2>&1 || echo "decode.py $setting failed"
   # shellcheck disable=SC2046
-  timeout 60 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 \
+  timeout 90 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 \
     $(flags_of $setting) --out "$OUT/decode_profile_3b_r2048_h200_$setting.json" > "$OUT/decode_profile_$setting.log" \
     2>&1 || echo "decode_profile.py $setting failed"
 done
