@@ -125,7 +125,7 @@ def profile_case(
     engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
                     max_lens=lens)  # fmt: skip
     graphs, step = engine.graphs, engine.graphs.step
-    assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
+    assert (batch, False) in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
     start = (tokens - steps) // 2
     assert start >= 1, "--steps must leave room in the response cache"
 
@@ -134,12 +134,12 @@ def profile_case(
             run()
 
     step.step.fill_(start)
-    replay(lambda: graphs.graphs[batch].replay())  # warm
+    replay(lambda: graphs.graphs[batch, False].replay())  # warm
     step.step.fill_(start)
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    replay(lambda: graphs.graphs[batch].replay())
+    replay(lambda: graphs.graphs[batch, False].replay())
     end.record()
     torch.cuda.synchronize()
     graph_ms = begin.elapsed_time(end) / steps
@@ -157,7 +157,7 @@ def profile_case(
     }
     from torch.profiler import ProfilerActivity, profile
 
-    for mode, run in (("graph", lambda: graphs.graphs[batch].replay()), ("eager", lambda: step.forward(batch))):
+    for mode, run in (("graph", lambda: graphs.graphs[batch, False].replay()), ("eager", lambda: step.forward(batch))):
         step.step.fill_(start)
         torch.cuda.synchronize()
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -97,8 +97,8 @@ class DecodeAttention:
     """Owns the partial-result workspaces of one decode shape and launches the two kernels (`pdl`: as
     programmatic dependents, `tiles.pdl_options`)."""
 
-    def __init__(self, shape: DecodeAttentionShape, device: torch.device, pdl: bool = False) -> None:
-        self.shape, self.pdl = shape, pdl
+    def __init__(self, shape: DecodeAttentionShape, device: torch.device) -> None:
+        self.shape = shape
         h, d, rows = shape.num_heads, shape.head_dim, shape.max_rows
         f32 = dict(dtype=torch.float32, device=device)
         self.prompt_out = torch.zeros(shape.prompt_splits, rows, h, d, **f32)
@@ -119,6 +119,7 @@ class DecodeAttention:
         slots: torch.Tensor,  # [rows] int64
         step: torch.Tensor,  # [1] int64
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
+        pdl: bool = False,
     ) -> torch.Tensor:
         sh = self.shape
         rows, h, d = q.shape
@@ -137,11 +138,11 @@ class DecodeAttention:
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(self.pdl, q),
+            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q),
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            **pdl_options(self.pdl, q),
+            **pdl_options(pdl, q),
         )  # fmt: skip
         return out

@@ -31,6 +31,7 @@ from rollplex.executors.policies import PrefixStreams, make_prefix_streams, make
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.plan import Plan, compile_plan
+from rollplex.graph.spec import SharingSpec
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -109,18 +110,31 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
     setter(f"expandable_segments:{on}")
 
 
-def make_rollout(actor: Qwen2_5_VL) -> tuple[RolloutFn, Callable[[], object | None]]:
+def make_rollout(actor: Qwen2_5_VL, beside_sms: int | None = None) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
-    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV)."""
+    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV).
+    beside_sms: the SMs a green partition for prefix work leaves decode (`sharing.decode_beside_plan`): the steps
+    beside a chunk run our GEMMs planned for them."""
     if actor.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
+        from rollplex.rollout.weights import DecodeKernels
 
         device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
-        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device))  # addresses only: the KV maps per rollout
+        beside = DecodeKernels(triton_gemm=True, gemm_sms=beside_sms) if beside_sms else None
+        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device), beside_kernels=beside)  # KV maps per rollout
         return engine.generate, lambda: engine.stats
     return partial(generate, actor), lambda: None
+
+
+def _beside_sms(sharing: SharingSpec, schedule: Schedule, device: torch.device) -> int | None:
+    """The SMs decode keeps beside the prefix partition, where `sharing.decode_beside_plan` plans for them: under
+    `rollplex` on a GPU (only it runs prefixes beside decode)."""
+    if not sharing.decode_beside_plan or schedule is not Schedule.ROLLPLEX or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count - sharing.prefix_sms
 
 
 def build_engines(
@@ -161,7 +175,9 @@ def build_engines(
     plan = compile_plan(loaded, schedule)
     paged = reference is not None and reference_paged_by_plan(plan)
     reference_pager = make_reference_pager(reference) if paged else None
-    rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model)
+    rollout, rollout_stats = remote or make_rollout(
+        actor if bound is None else bound.model, _beside_sms(sharing, schedule or Schedule(spec.schedule), device)
+    )
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(

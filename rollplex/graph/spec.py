@@ -235,6 +235,19 @@ class SharingSpec(_Strict):
         description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
         "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
     )
+    decode_beside_plan: bool = Field(
+        False,
+        description="Under green with a number of prefix_sms: the decode steps launched while a prefix chunk "
+        "runs replay graphs whose projections run through rollplex's GEMMs with their waves planned for the SMs "
+        "the partition leaves (decode's GEMMs are planned for the whole GPU, and on fewer SMs take two waves); "
+        "the other steps keep cuBLAS. Experimental: not yet measured on a GPU.",
+    )
+
+    @model_validator(mode="after")
+    def _plan_needs_a_fixed_partition(self) -> SharingSpec:
+        if self.decode_beside_plan and (self.policy != "green" or self.prefix_sms == "adaptive"):
+            raise ValueError("sharing.decode_beside_plan needs policy green with a number of prefix_sms")
+        return self
 
 
 class Spec(_Strict):

@@ -26,6 +26,7 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams, sample
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
+from rollplex.rollout.beside import Beside
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.slowdown import DeviceClock, StepSpan
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
@@ -60,16 +61,23 @@ class RolloutEngine:
     """
 
     def __init__(
-        self, model: Qwen2_5_VL, kv_arena=None, *, time_steps: bool = False, kernels: DecodeKernels = CUBLAS
+        self,
+        model: Qwen2_5_VL,
+        kv_arena=None,
+        *,
+        time_steps: bool = False,
+        kernels: DecodeKernels = CUBLAS,
+        beside_kernels: DecodeKernels | None = None,
     ) -> None:
         """kernels: the decode step's (`weights.DecodeKernels`; cuBLAS, launched plainly, until the others are
-        measured faster)."""
+        measured faster). beside_kernels: those of the steps launched while a `Beside` chunk is still running
+        (say, our GEMMs planned for the SMs its green partition leaves); None: the same kernels throughout."""
         hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
-        if kernels.pdl and not hopper:
+        if any(k is not None and k.pdl for k in (kernels, beside_kernels)) and not hopper:
             raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")
         self.model = model
         self.time_steps = time_steps
-        self.kernels = kernels
+        self.kernels, self.beside_kernels = kernels, beside_kernels
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -130,7 +138,7 @@ class RolloutEngine:
         clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if timed else (None, [])
         for k in range(params.max_tokens - 1):
             start_mark = clock.mark() if clock else None
-            logits = graphs.run(rows)
+            logits = graphs.run(rows, isinstance(beside, Beside) and beside.busy)
             if clock:
                 marks.append((start_mark, clock.mark(), rows))
             run.next_token(rows, k + 1, logits)
@@ -164,7 +172,8 @@ class RolloutEngine:
             fused_sampling=can_fuse_sampling(params),
         )
         self.graphs = StepGraphs(
-            DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels), bucket_sizes(shape.num_slots - 1)
+            DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels, self.beside_kernels),
+            bucket_sizes(shape.num_slots - 1),
         )
         return self.graphs
 

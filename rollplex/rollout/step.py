@@ -76,14 +76,22 @@ class DecodeStep:
     """Static decode state of one `DecodeShape` for one model: caches, prompt KV, rotary tables, row maps."""
 
     def __init__(
-        self, model: Qwen2_5_VL, shape: DecodeShape, kv: Tensor | None = None, kernels: DecodeKernels = CUBLAS
+        self,
+        model: Qwen2_5_VL,
+        shape: DecodeShape,
+        kv: Tensor | None = None,
+        kernels: DecodeKernels = CUBLAS,
+        beside_kernels: DecodeKernels | None = None,
     ) -> None:
         """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
         engine releases between rollouts); by default they are allocated here. kernels: which kernels the step
-        runs (`weights.DecodeKernels`)."""
+        runs (`weights.DecodeKernels`); beside_kernels: those of `forward(rows, beside=True)`, the steps that
+        run while prefix work holds part of the GPU (e.g. our GEMMs planned for the SMs it leaves)."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
-        self.model, self.shape, self.pdl = model, shape, kernels.pdl
-        self.weights = [layer_weights(layer, kernels) for layer in model.model.language_model.layers]  # in place
+        self.model, self.shape = model, shape
+        layers = model.model.language_model.layers
+        self.weights = [layer_weights(layer, kernels) for layer in layers]  # read in place
+        self.beside_weights = [layer_weights(layer, beside_kernels) for layer in layers] if beside_kernels else None
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
         heads, d = self.weights[0].num_heads, text.head_dim
         cache, prompt = _kv_shapes(model, shape)
@@ -123,7 +131,6 @@ class DecodeStep:
                 shape.max_prompt_len, shape.max_tokens,
             ),
             device,
-            kernels.pdl,
         )  # fmt: skip
 
     def load(self, boundary: Boundary, params: SamplingParams, seed: int, max_lens: Tensor | None = None) -> None:
@@ -156,8 +163,11 @@ class DecodeStep:
             self.last_token, self.done, self.max_lens,
         )  # fmt: skip
 
-    def forward(self, rows: int) -> Tensor:
-        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token."""
+    def forward(self, rows: int, beside: bool = False) -> Tensor:
+        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token.
+        beside: with the beside kernels (the step runs while prefix work holds part of the GPU)."""
+        weights = self.beside_weights if beside else self.weights
+        assert weights is not None, "this step has no beside kernels"
         lm = self.model.model.language_model
         text = self.model.config.text
         eps = text.rms_norm_eps
@@ -167,8 +177,8 @@ class DecodeStep:
         heads = self.weights[0].num_heads
         q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
         attended = torch.empty_like(q_rot)
-        delta, pdl = None, self.pdl
-        for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
+        delta, pdl = None, weights[0].kernels.pdl
+        for i, (layer, w) in enumerate(zip(lm.layers, weights, strict=True)):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl)
             qkv = w.qkv(normed)  # [rows, (H + 2G) D]
             rotary_to_cache(
@@ -177,7 +187,7 @@ class DecodeStep:
             )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
-                self.k_cache[i], self.v_cache[i], slots, self.step, attended,
+                self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl,
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl)

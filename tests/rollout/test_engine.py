@@ -61,6 +61,34 @@ def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts,
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
+class AlwaysBusy(Beside):
+    """A `Beside` without jobs whose chunk never finishes: every decode step runs beside it."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.asked = 0
+
+    @property
+    def busy(self) -> bool:
+        self.asked += 1
+        return True
+
+
+def test_steps_beside_a_running_chunk_use_the_beside_kernels_and_the_rollout_is_unchanged(model, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    beside_kernels = DecodeKernels(triton_gemm=True, gemm_sms=3)
+    engine, beside = RolloutEngine(model, beside_kernels=beside_kernels), AlwaysBusy()
+    out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0), beside=beside)
+    expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
+    assert torch.equal(out.responses, expected.responses)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
+    assert beside.asked == engine.stats.num_steps  # asked before every step
+    step = engine.graphs.step
+    assert step.beside_weights[0].kernels == beside_kernels and step.weights[0].kernels == DecodeKernels()
+    if DEVICE.type == "cuda":  # a graph of each kind per captured size
+        assert set(engine.graphs.graphs) == {(rows, b) for rows in engine.graphs.sizes for b in (False, True)}
+
+
 def test_kernel_options_that_cannot_run_are_refused_in_one_line(model):
     if DEVICE.type == "cuda":
         pytest.skip("checks the refusal on a machine without a GPU")
