@@ -130,8 +130,10 @@ def make_rollout(actor: Qwen2_5_VL, beside_sms: int | None = None) -> tuple[Roll
 
 def _beside_sms(sharing: SharingSpec, schedule: Schedule, device: torch.device) -> int | None:
     """The SMs decode keeps beside the prefix partition, where `sharing.decode_beside_plan` plans for them: under
-    `rollplex` on a GPU (only it runs prefixes beside decode)."""
-    if not sharing.decode_beside_plan or schedule is not Schedule.ROLLPLEX or device.type != "cuda":
+    `rollplex` (only it runs prefixes beside decode) on a GPU, with a green partition of a fixed size (a bench's
+    `--policies` may have set another policy)."""
+    planned = sharing.decode_beside_plan and sharing.policy == "green" and isinstance(sharing.prefix_sms, int)
+    if not planned or schedule is not Schedule.ROLLPLEX or device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count - sharing.prefix_sms

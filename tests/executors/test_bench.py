@@ -264,3 +264,20 @@ def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside
     clock.after(suffix)
     assert clock.times == {"rollout": 10.0, "ref_suffix": 2.5}  # the prefix beside decode is not counted again
     assert [label for _, label, _, _ in clock.spans] == ["rollout", "ref_score.prefix", "ref_score.suffix"]
+
+
+def test_the_policy_label_marks_decode_planned_beside_the_partition():
+    from rollplex.executors.engines import _beside_sms
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.spec import SharingSpec
+
+    class Spec:  # policy_label reads only `sharing`
+        def __init__(self, **sharing) -> None:
+            self.sharing = SharingSpec(**sharing)
+
+    assert bench_module.policy_label(Spec(policy="green", prefix_sms=66)) == "green:66"
+    assert bench_module.policy_label(Spec(policy="green", prefix_sms=33, decode_beside_plan=True)) == "green:33+plan"
+    planned = SharingSpec(decode_beside_plan=True)
+    assert _beside_sms(planned, Schedule.ROLLPLEX, torch.device("cpu")) is None  # no GPU: nothing to plan for
+    streams = planned.model_copy(update={"policy": "streams"})  # a bench's --policies skips validation
+    assert _beside_sms(streams, Schedule.ROLLPLEX, torch.device("cpu")) is None
