@@ -32,6 +32,31 @@ from rollplex.rollout.weights import DecodeKernels
 NUM_SAMPLES = 8
 
 
+def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
+    """The decode kernel settings a decode bench takes (`DecodeKernels`); `decode_kernels` reads them back."""
+    ap.add_argument("--triton-gemm", action="store_true", help="every projection through our GEMMs")
+    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
+    ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
+
+
+def decode_kernels(args: argparse.Namespace) -> DecodeKernels:
+    return DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
+
+
+def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: DecodeKernels) -> RolloutEngine:
+    """An engine whose decode graphs are captured for batch // 8 prompts of `prompt_tokens` x 8 samples and a
+    `tokens` response cache, by a rollout cut at 4 tokens (every sequence ends together: the slots stay laid out
+    for the full batch). Replays from a rewound step counter read the cache all the same (zeros past token 4)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
+    engine = RolloutEngine(model, kernels=kernels)
+    lens = torch.full((len(prompts), NUM_SAMPLES), 4)
+    params = SamplingParams(temperature=1.0, max_tokens=tokens)
+    engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
+                    max_lens=lens)  # fmt: skip
+    return engine
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting both the read and the write."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -130,12 +155,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hf-batches", nargs="*", type=int, default=[])
     ap.add_argument("--hf-tokens", type=int, default=64)
-    ap.add_argument("--triton-gemm", action="store_true", help="qkv, o_proj, down_proj through our GEMMs")
-    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
-    ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
+    add_kernel_flags(ap)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    kernels = DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
+    kernels = decode_kernels(args)
     bandwidth = copy_bandwidth()
     result = {
         "gpu": torch.cuda.get_device_name(),

@@ -24,28 +24,14 @@ import time
 from pathlib import Path
 
 import torch
-from decode import NUM_SAMPLES  # bench/ is this script's folder
+from decode import captured  # bench/ is this script's folder
 
 from rollplex.models.config import load_model_config
-from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.engine import RolloutEngine
 from rollplex.rollout.weights import DecodeKernels
 
 HOG = 8192  # the stand-in's square matmul side
-
-
-def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: DecodeKernels) -> RolloutEngine:
-    """An engine whose graphs are captured for this shape, its slots laid out for the full batch."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
-    engine = RolloutEngine(model, kernels=kernels)
-    lens = torch.full((len(prompts), NUM_SAMPLES), 4)  # every sequence ends together: no batch shrink
-    params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
-                    max_lens=lens)  # fmt: skip
-    return engine
 
 
 class Hog:

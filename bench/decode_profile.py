@@ -27,13 +27,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from decode import NUM_SAMPLES, copy_bandwidth  # bench/ is this script's folder
+from decode import NUM_SAMPLES, add_kernel_flags, captured, copy_bandwidth, decode_kernels  # bench/: this folder
 
 from rollplex.models.config import load_model_config
-from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.sampling import SamplingParams
-from rollplex.rollout.engine import RolloutEngine
 from rollplex.rollout.weights import DecodeKernels
 
 TRITON = ("add_rms_norm", "rotary_to_cache", "sample_", "partial_kernel", "combine_kernel", "silu_mul")
@@ -116,14 +113,7 @@ def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) 
 def profile_case(
     model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float, kernels: DecodeKernels
 ) -> dict:
-    g = torch.Generator().manual_seed(0)
-    prompts = [Prompt(torch.randint(100, 10_000, (prompt_tokens,), generator=g)) for _ in range(batch // NUM_SAMPLES)]
-    params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    engine = RolloutEngine(model, kernels=kernels)
-    lens = torch.full((len(prompts), NUM_SAMPLES), 4)  # a short rollout captures the graphs; the replays below
-    # read the cache up to their step all the same (zeros past the rollout's 4 tokens)
-    engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator("cuda").manual_seed(0),
-                    max_lens=lens)  # fmt: skip
+    engine = captured(model, batch, prompt_tokens, tokens, kernels)
     graphs, step = engine.graphs, engine.graphs.step
     assert (batch, False) in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
     start = (tokens - steps) // 2
@@ -178,12 +168,10 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=[512])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--triton-gemm", action="store_true", help="qkv, o_proj, down_proj through our GEMMs")
-    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
-    ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
+    add_kernel_flags(ap)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    kernels = DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
+    kernels = decode_kernels(args)
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()

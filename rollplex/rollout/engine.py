@@ -135,10 +135,11 @@ class RolloutEngine:
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
         timed = beside is not None or self.time_steps
+        planned = self.beside_kernels is not None and isinstance(beside, Beside)  # steps beside a chunk differ
         clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if timed else (None, [])
         for k in range(params.max_tokens - 1):
             start_mark = clock.mark() if clock else None
-            logits = graphs.run(rows, isinstance(beside, Beside) and beside.busy)
+            logits = graphs.run(rows, planned and beside.busy)
             if clock:
                 marks.append((start_mark, clock.mark(), rows))
             run.next_token(rows, k + 1, logits)
