@@ -12,7 +12,8 @@ After a short rollout that captures the graphs (one engine per kernel setting; s
 full-batch graph is replayed `--steps` times from the middle of a `--tokens` response cache, alone and while a
 stand-in for the prefix runs on a green context of P SMs: back-to-back bf16 matmuls [8192 x 8192], enough to
 outlast the replays (`covered` says whether they did). Settings: cuBLAS (today's decode), our GEMMs planned for the
-whole GPU, and our GEMMs planned for the SMs left (132 - P). Needs a CUDA GPU with green contexts (torch >= 2.9).
+whole GPU, our GEMMs planned for the SMs left (132 - P), and our GEMMs as programmatic dependent launches (with
+or without an L2 prefetch of their weights before they wait) (`--settings`). Needs a CUDA GPU with green contexts (torch >= 2.9).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--beside-sms", nargs="+", type=int, default=[33, 66])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--settings", nargs="+", default=["cublas", "ours", "planned"],
+                    choices=["cublas", "ours", "planned", "pdl", "prefetch"],
+                    help="cublas, ours (132 SMs), planned (ours for 132 - P), pdl (ours as dependent launches), "
+                         "prefetch (pdl with an L2 prefetch of the weights)")  # fmt: skip
     ap.add_argument("--capture-only", action="store_true", help="only build every setting's engine (compiles)")
     args = ap.parse_args()
     if args.out is None and not args.capture_only:
@@ -104,9 +109,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
     hogs = {} if args.capture_only else {p: Hog(p) for p in args.beside_sms}
-    settings = {"cublas": DecodeKernels(), "ours": DecodeKernels(triton_gemm=True)}
-    settings |= {f"ours planned for {total - p}": DecodeKernels(triton_gemm=True, gemm_sms=total - p)
-                 for p in args.beside_sms}  # fmt: skip
+    settings = {"cublas": DecodeKernels(), "ours": DecodeKernels(triton_gemm=True),
+                "pdl": DecodeKernels(triton_gemm=True, pdl=True),
+                "prefetch": DecodeKernels(triton_gemm=True, pdl=True, prefetch=True)}  # fmt: skip
+    settings = {name: kernels for name, kernels in settings.items() if name in args.settings}
+    if "planned" in args.settings:
+        settings |= {f"ours planned for {total - p}": DecodeKernels(triton_gemm=True, gemm_sms=total - p)
+                     for p in args.beside_sms}  # fmt: skip
     rows = []
     for batch in args.batch:
         for name, kernels in settings.items():

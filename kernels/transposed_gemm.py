@@ -99,18 +99,24 @@ def prefetch_slice(
     S_COL: tl.constexpr,
 ):
     """prefetch.global.L2 of every 128-byte line of s[first : first + K_SPLIT, col0 : col0 + BLOCK_N] (bf16: 64
-    elements a line along the contiguous axis; addresses past K or N fall back to s_ptr, never outside s)."""
+    elements a line along the contiguous axis), 256 lines a pass; a line past K or N is not asked for."""
     K_STEP: tl.constexpr = 64 if S_ROW == 1 else 1
     N_STEP: tl.constexpr = 64 if S_COL == 1 else 1
-    N_POINTS: tl.constexpr = max(BLOCK_N // N_STEP, 1)
-    CHUNK: tl.constexpr = 256
-    ns = col0 + tl.arange(0, N_POINTS) * N_STEP
-    for k0 in range(0, K_SPLIT // K_STEP, CHUNK):
-        ks = first + (k0 + tl.arange(0, CHUNK)) * K_STEP
-        inside = ((ks < K) & (ks < first + K_SPLIT))[:, None] & (ns < N)[None, :]
-        at = tl.where(inside, ks[:, None].to(tl.int64) * S_ROW + ns[None, :].to(tl.int64) * S_COL, 0)
+    N_LINES: tl.constexpr = (BLOCK_N + N_STEP - 1) // N_STEP
+    LINES: tl.constexpr = (K_SPLIT + K_STEP - 1) // K_STEP * N_LINES
+    for i0 in range(0, LINES, 256):
+        line = i0 + tl.arange(0, 256)
+        ks = first + (line // N_LINES) * K_STEP
+        ns = col0 + (line % N_LINES) * N_STEP
+        inside = (line < LINES) & (ks < K) & (ns < N)
+        at = ks.to(tl.int64) * S_ROW + ns.to(tl.int64) * S_COL
         tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [s_ptr + at], dtype=tl.int32, is_pure=False, pack=1
+            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r",
+            [s_ptr + at, inside.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 
