@@ -27,20 +27,18 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.engine import RolloutEngine
-from rollplex.rollout.weights import DecodeKernels
+from rollplex.rollout.weights import BY_NAME, DecodeKernels
 
 NUM_SAMPLES = 8
 
 
 def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
     """The decode kernel settings a decode bench takes (`DecodeKernels`); `decode_kernels` reads them back."""
-    ap.add_argument("--triton-gemm", action="store_true", help="every projection through our GEMMs")
-    ap.add_argument("--pdl", action="store_true", help="our decode kernels as programmatic dependent launches")
-    ap.add_argument("--prefetch", action="store_true", help="with --pdl: our GEMMs prefetch their weights first")
+    ap.add_argument("--kernels", choices=list(BY_NAME), default="cublas", help="as the spec's run.decode_kernels")
 
 
 def decode_kernels(args: argparse.Namespace) -> DecodeKernels:
-    return DecodeKernels(triton_gemm=args.triton_gemm, pdl=args.pdl, prefetch=args.prefetch)
+    return BY_NAME[args.kernels]
 
 
 def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: DecodeKernels) -> RolloutEngine:

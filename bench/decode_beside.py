@@ -1,19 +1,19 @@
-"""Decode beside a compute-bound neighbour on a partition of the SMs: how much it slows a decode step, and how much
-of that the decode GEMMs win back when their waves are planned for the SMs the neighbour leaves.
+"""Decode beside a compute-bound neighbour on a partition of the SMs: how much it slows a decode step under each
+setting of the decode kernels (`run.decode_kernels`).
 
     python bench/decode_beside.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 --beside-sms 33 66 \
         --out bench/results/decode_beside_3b_h200.json
 
 Under `sharing.policy: green` the prefixes run on a green context of `prefix_sms` SMs while decode keeps the
-default context; a prefill kernel holds its SMs, so decode's kernels run on the rest. Their tiles are planned for
-the whole GPU (one wave of programs on 132 SMs), and on fewer SMs a wave becomes two: session 10 measured decode
-1.36-1.40x slower beside the prefixes with 33 or 66 SMs for them. This measures that on the decode step alone.
+default context; a prefill kernel holds its SMs, so decode's kernels run on the rest. Session 10 measured decode
+1.36-1.40x slower beside the prefixes with 33 or 66 SMs for them; this measures the decode step alone. (Session 12
+also timed our GEMMs with their waves planned for the SMs left, `gemm_sms`, since removed: no better than
+cuBLAS beside the neighbour; bench/results/decode_beside_3b_h200.json.)
 After a short rollout that captures the graphs (one engine per kernel setting; sequences end after 4 tokens), the
 full-batch graph is replayed `--steps` times from the middle of a `--tokens` response cache, alone and while a
 stand-in for the prefix runs on a green context of P SMs: back-to-back bf16 matmuls [8192 x 8192], enough to
-outlast the replays (`covered` says whether they did). Settings: cuBLAS (today's decode), our GEMMs planned for the
-whole GPU, our GEMMs planned for the SMs left (132 - P), and our GEMMs as programmatic dependent launches (with
-or without an L2 prefetch of their weights before they wait) (`--settings`). Needs a CUDA GPU with green contexts (torch >= 2.9).
+outlast the replays (`covered` says whether they did). `--settings`: names of `run.decode_kernels`. Needs a
+CUDA GPU with green contexts (torch >= 2.9).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from decode import captured  # bench/ is this script's folder
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.rollout.engine import RolloutEngine
-from rollplex.rollout.weights import DecodeKernels
+from rollplex.rollout.weights import BY_NAME
 
 HOG = 8192  # the stand-in's square matmul side
 
@@ -95,27 +95,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--beside-sms", nargs="+", type=int, default=[33, 66])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--settings", nargs="+", default=["cublas", "ours", "planned"],
-                    choices=["cublas", "ours", "planned", "pdl", "prefetch"],
-                    help="cublas, ours (132 SMs), planned (ours for 132 - P), pdl (ours as dependent launches), "
-                         "prefetch (pdl with an L2 prefetch of the weights)")  # fmt: skip
+    ap.add_argument("--settings", nargs="+", default=list(BY_NAME), choices=list(BY_NAME))
     ap.add_argument("--capture-only", action="store_true", help="only build every setting's engine (compiles)")
     args = ap.parse_args()
     if args.out is None and not args.capture_only:
         sys.exit("decode_beside: --out FILE is required (or --capture-only)")
     if not torch.cuda.is_available():
         sys.exit("decode_beside: needs a CUDA GPU")
-    total = torch.cuda.get_device_properties(0).multi_processor_count
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
     hogs = {} if args.capture_only else {p: Hog(p) for p in args.beside_sms}
-    settings = {"cublas": DecodeKernels(), "ours": DecodeKernels(triton_gemm=True),
-                "pdl": DecodeKernels(triton_gemm=True, pdl=True),
-                "prefetch": DecodeKernels(triton_gemm=True, pdl=True, prefetch=True)}  # fmt: skip
-    settings = {name: kernels for name, kernels in settings.items() if name in args.settings}
-    if "planned" in args.settings:
-        settings |= {f"ours planned for {total - p}": DecodeKernels(triton_gemm=True, gemm_sms=total - p)
-                     for p in args.beside_sms}  # fmt: skip
+    settings = {name: BY_NAME[name] for name in args.settings}
     rows = []
     for batch in args.batch:
         for name, kernels in settings.items():

@@ -10,8 +10,8 @@
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
 #     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`, since
 #     session 10; PPC=1 is the grouping before); tagged _ppcN
-#   PLAN=1 bash bench/issue5_h200.sh STAGE: the same with sharing.decode_beside_plan true (decode beside a prefix
-#     chunk replays graphs of our GEMMs planned for the SMs the green partition leaves); tagged _plan
+#   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (rollplex, rollplex_pdl;
+#     both schedules decode with them); tagged _NAME
 #   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
 #     first two or three steps, bench/results/README.md session 9)
 #
@@ -32,17 +32,18 @@ export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
 [ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
-[ -n "${PLAN:-}" ] && TAG=${TAG}_plan
-spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N: a copy beside it with that changed)
+[ -n "${KERNELS:-}" ] && TAG=${TAG}_$KERNELS
+spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME: a copy beside it, changed)
   if [ -z "$TAG" ]; then echo "$1"; return; fi
-  if [ "${CUDNN:-on}" = off ] && grep -q "^run:" "$1"; then
-    echo "CUDNN=off: $1 has a run: section; add cudnn_attention: false to it" >&2; exit 2
+  if { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ]; } && grep -q "^run:" "$1"; then
+    echo "CUDNN=off / KERNELS: $1 has a run: section; set cudnn_attention / decode_kernels in it" >&2; exit 2
   fi
   local copy; copy=$(dirname "$1")/.$(basename "$1" .yaml)$TAG.yaml
   { if [ -n "${PPC:-}" ] && grep -q "^  prompts_per_chunk:" "$1"; then sed "s/^  prompts_per_chunk:.*/  prompts_per_chunk: $PPC/" "$1"
     elif [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
-    if [ "${CUDNN:-on}" = off ]; then printf 'run:\n  cudnn_attention: false\n'; fi; } \
-    | if [ -n "${PLAN:-}" ]; then sed "/^sharing:\$/a\\  decode_beside_plan: true"; else cat; fi > "$copy"
+    if [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ]; then echo "run:"; fi
+    if [ "${CUDNN:-on}" = off ]; then echo "  cudnn_attention: false"; fi
+    if [ -n "${KERNELS:-}" ]; then echo "  decode_kernels: $KERNELS"; fi; } > "$copy"
   echo "$copy"
 }
 quiet() { grep -v -e USDT -e UserWarning -e "return Variable._execution_engine" -e "_warn_once" || true; }

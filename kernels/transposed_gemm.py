@@ -48,12 +48,9 @@ def transposed_gemm_kernel(
     S_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
-    PREFETCH: tl.constexpr = False,  # with USE_GDC: the program's weight slice into L2 before the wait
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
-    if PREFETCH:  # W does not depend on the kernel before: fetch it while that one drains
-        prefetch_slice(s_ptr, first, pid_n * BLOCK_N, K, N, K_SPLIT, BLOCK_N, S_ROW, S_COL)
     if USE_GDC:  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -86,57 +83,21 @@ def transposed_gemm_kernel(
         tl.store(p_tile, acc, mask=inside)
 
 
-@triton.jit
-def prefetch_slice(
-    s_ptr,
-    first,
-    col0,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    K_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    S_ROW: tl.constexpr,
-    S_COL: tl.constexpr,
-):
-    """prefetch.global.L2 of every 128-byte line of s[first : first + K_SPLIT, col0 : col0 + BLOCK_N] (bf16: 64
-    elements a line along the contiguous axis), 256 lines a pass; a line past K or N is not asked for."""
-    K_STEP: tl.constexpr = 64 if S_ROW == 1 else 1
-    N_STEP: tl.constexpr = 64 if S_COL == 1 else 1
-    N_LINES: tl.constexpr = (BLOCK_N + N_STEP - 1) // N_STEP
-    LINES: tl.constexpr = (K_SPLIT + K_STEP - 1) // K_STEP * N_LINES
-    for i0 in range(0, LINES, 256):
-        line = i0 + tl.arange(0, 256)
-        ks = first + (line // N_LINES) * K_STEP
-        ns = col0 + (line % N_LINES) * N_STEP
-        inside = (line < LINES) & (ks < K) & (ns < N)
-        at = ks.to(tl.int64) * S_ROW + ns.to(tl.int64) * S_COL
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r",
-            [s_ptr + at, inside.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
 def matmul_transposed(
     x: torch.Tensor,
     s: torch.Tensor,
     tiles: Tiles | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype. `num_sms`:
     the SMs the waves are planned for (default: the device's). `pdl`: each launch is a programmatic dependent
     launch (Hopper): it may start while the kernel before it drains, and waits for that kernel's writes before
-    it reads anything (the overlap needs the kernel before to be launched so too: bench/pdl_chain.py).
-    `prefetch` (with `pdl`): before that wait, each program asks for its weight slice in L2."""
+    it reads anything (the overlap needs the kernel before to be launched so too: bench/pdl_chain.py)."""
     assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
     assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
     assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
-    return _product(x, s, None, (s.shape[1], 1), tiles, num_sms, pdl, prefetch)
+    return _product(x, s, None, (s.shape[1], 1), tiles, num_sms, pdl)
 
 
 def linear(
@@ -146,15 +107,14 @@ def linear(
     tiles: Tiles | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
-    `num_sms`, `pdl`, `prefetch`: see `matmul_transposed`."""
+    `num_sms`, `pdl`: see `matmul_transposed`."""
     assert x.dim() == 2 and w.dim() == 2, f"expected x [M, I] and w [O, I], got {tuple(x.shape)}, {tuple(w.shape)}"
     assert x.shape[1] == w.shape[1], f"x is [M, {x.shape[1]}] but w is [O, {w.shape[1]}]"
     assert w.is_contiguous(), "w must be a contiguous [O, I]"
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
-    return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl, prefetch)
+    return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 
 def _product(
@@ -165,10 +125,8 @@ def _product(
     tiles: Tiles | None,
     num_sms: int | None,
     pdl: bool,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """y = x @ s (+ bias) for s [K, N] at `strides` (see the kernel)."""
-    assert pdl or not prefetch, "prefetch: only before a programmatic dependent launch's wait (pdl=True)"
     assert x.is_contiguous(), "x must be contiguous"
     assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
     check_dtypes(x, s, *([] if bias is None else [bias]))
@@ -177,7 +135,7 @@ def _product(
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
         transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
             rows, s, s if bias is None else bias, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k,
-            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, PREFETCH=prefetch,
+            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None,
             num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
         )  # fmt: skip
 

@@ -286,8 +286,7 @@ def _with_sharing(loaded: LoadedSpec, update: dict) -> LoadedSpec:
 def policy_label(spec) -> str:
     s = spec.sharing
     if s.policy == "green":
-        planned = s.decode_beside_plan and isinstance(s.prefix_sms, int)
-        return f"green:{s.prefix_sms}" + ("+plan" if planned else "")
+        return f"green:{s.prefix_sms}"
     if s.policy == "mps" and s.mps_trainer_percent is not None:
         return f"mps:{s.mps_trainer_percent}"
     return s.policy

@@ -27,11 +27,10 @@ from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
-from rollplex.executors.policies import PrefixStreams, make_prefix_streams, make_remote_rollout
+from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.plan import Plan, compile_plan
-from rollplex.graph.spec import SharingSpec
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -110,33 +109,21 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
     setter(f"expandable_segments:{on}")
 
 
-def make_rollout(actor: Qwen2_5_VL, beside_sms: int | None = None) -> tuple[RolloutFn, Callable[[], object | None]]:
+def make_rollout(actor: Qwen2_5_VL, kernels: str = "cublas") -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
-    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV).
-    beside_sms: the SMs a green partition for prefix work leaves decode (`sharing.decode_beside_plan`): the steps
-    beside a chunk run our GEMMs planned for them."""
+    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV), and
+    decode runs `kernels` (`run.decode_kernels`; the CPU runs the plain loop)."""
     if actor.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
-        from rollplex.rollout.weights import DecodeKernels
+        from rollplex.rollout.weights import BY_NAME
 
+        check_decode_kernels(kernels, actor.device)
         device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
-        beside = DecodeKernels(triton_gemm=True, gemm_sms=beside_sms) if beside_sms else None
-        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device), beside_kernels=beside)  # KV maps per rollout
+        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device), kernels=BY_NAME[kernels])  # KV maps per rollout
         return engine.generate, lambda: engine.stats
     return partial(generate, actor), lambda: None
-
-
-def _beside_sms(sharing: SharingSpec, schedule: Schedule, device: torch.device) -> int | None:
-    """The SMs decode keeps beside the prefix partition, where `sharing.decode_beside_plan` plans for them: under
-    `rollplex` (only it runs prefixes beside decode) on a GPU, with a green partition of a fixed size (a bench's
-    `--policies` may have set another policy)."""
-    planned = sharing.decode_beside_plan and sharing.policy == "green" and isinstance(sharing.prefix_sms, int)
-    if not planned or schedule is not Schedule.ROLLPLEX or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count - sharing.prefix_sms
 
 
 def build_engines(
@@ -164,7 +151,8 @@ def build_engines(
     a = spec.algorithm
     sharing = spec.sharing
     # under mps the actor's weights move into shared storage: before the optimizer sees them
-    remote = make_remote_rollout(actor, sharing.mps_rollout_percent) if sharing.policy == "mps" else None
+    kernels = spec.run.decode_kernels
+    remote = make_remote_rollout(actor, sharing.mps_rollout_percent, kernels) if sharing.policy == "mps" else None
     optimizer = make_optimizer(actor, a, tp, bound)
     tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
@@ -177,9 +165,7 @@ def build_engines(
     plan = compile_plan(loaded, schedule)
     paged = reference is not None and reference_paged_by_plan(plan)
     reference_pager = make_reference_pager(reference) if paged else None
-    rollout, rollout_stats = remote or make_rollout(
-        actor if bound is None else bound.model, _beside_sms(sharing, schedule or Schedule(spec.schedule), device)
-    )
+    rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model, kernels)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(

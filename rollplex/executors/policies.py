@@ -93,11 +93,12 @@ def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
 
 
 def make_remote_rollout(
-    actor: Qwen2_5_VL, percent: int | None
+    actor: Qwen2_5_VL, percent: int | None, kernels: str = "cublas"
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The `mps` policy's rollout: a child process reading the actor's weights in place
-    (`rollplex.rollout.remote`), with its own MPS active-thread percentage on a GPU. On a GPU this process
-    must be an MPS client already (`mps_session`, before CUDA starts)."""
+    (`rollplex.rollout.remote`), with its own MPS active-thread percentage and decode `kernels`
+    (`run.decode_kernels`) on a GPU. On a GPU this process must be an MPS client already (`mps_session`, before
+    CUDA starts)."""
     from rollplex.memory.mps import ACTIVE_THREAD_PERCENTAGE, CONTROL, PIPE_DIRECTORY
     from rollplex.rollout.remote import RemoteRollout
 
@@ -109,5 +110,13 @@ def make_remote_rollout(
             )
             raise SpecError("sharing.policy", f"mps: this process is not an MPS client ({why})", "use green or streams")
         env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
-    remote = RemoteRollout(actor, env=env)
+        check_decode_kernels(kernels, actor.device)
+    remote = RemoteRollout(actor, env=env, kernels=kernels)
     return remote, remote.stats
+
+
+def check_decode_kernels(kernels: str, device: torch.device) -> None:
+    """A SpecError where `run.decode_kernels` cannot run on this GPU (dependent launches need Hopper)."""
+    if kernels == "rollplex_pdl" and torch.cuda.get_device_capability(device)[0] < 9:
+        name = torch.cuda.get_device_name(device)
+        raise SpecError("run.decode_kernels", f"rollplex_pdl needs a Hopper or newer GPU, not {name}", "use rollplex")

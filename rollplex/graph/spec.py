@@ -206,6 +206,14 @@ class RunSpec(_Strict):
         "shapes. false: flash and memory-efficient kernels only, which plan nothing but run the actor suffix 4x "
         "slower than warm cuDNN (bench/sdpa_shapes.py measures both on a GPU).",
     )
+    decode_kernels: Literal["cublas", "rollplex", "rollplex_pdl"] = Field(
+        "cublas",
+        description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
+        "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
+        "launched as programmatic dependents: Hopper or newer). A 3B H200 step, alone: 3.35 ms under rollplex_pdl "
+        "against 3.46 under cublas; beside a compute-bound neighbour on 33 or 66 SMs, 4.37 / 6.39 ms against "
+        "4.17 / 5.62 (bench/results/README.md, session 12).",
+    )
 
 
 class SharingSpec(_Strict):
@@ -235,19 +243,6 @@ class SharingSpec(_Strict):
         description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
         "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
     )
-    decode_beside_plan: bool = Field(
-        False,
-        description="Under green with a number of prefix_sms: the decode steps launched while a prefix chunk "
-        "runs replay graphs whose projections run through rollplex's GEMMs with their waves planned for the SMs "
-        "the partition leaves (decode's GEMMs are planned for the whole GPU, and on fewer SMs take two waves); "
-        "the other steps keep cuBLAS. Experimental: not yet measured on a GPU.",
-    )
-
-    @model_validator(mode="after")
-    def _plan_needs_a_fixed_partition(self) -> SharingSpec:
-        if self.decode_beside_plan and (self.policy != "green" or self.prefix_sms == "adaptive"):
-            raise ValueError("sharing.decode_beside_plan needs policy green with a number of prefix_sms")
-        return self
 
 
 class Spec(_Strict):

@@ -46,11 +46,6 @@ class Beside:
     def done(self) -> bool:
         return self.next_job == len(self.jobs)
 
-    @property
-    def busy(self) -> bool:
-        """Whether a chunk it enqueued is still running on the GPU (never without CUDA: chunks run in line)."""
-        return self.in_flight is not None and not self.in_flight.query()
-
     def __call__(self, rows: int = 0) -> None:
         """Enqueues one chunk if the previous one has finished (the hook between decode steps; `rows`: the
         live decode batch, which picks the stream under `choose`)."""

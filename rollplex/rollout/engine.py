@@ -26,7 +26,6 @@ from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams, sample
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
-from rollplex.rollout.beside import Beside
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.slowdown import DeviceClock, StepSpan
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
@@ -67,17 +66,15 @@ class RolloutEngine:
         *,
         time_steps: bool = False,
         kernels: DecodeKernels = CUBLAS,
-        beside_kernels: DecodeKernels | None = None,
     ) -> None:
         """kernels: the decode step's (`weights.DecodeKernels`; cuBLAS, launched plainly, until the others are
-        measured faster). beside_kernels: those of the steps launched while a `Beside` chunk is still running
-        (say, our GEMMs planned for the SMs its green partition leaves); None: the same kernels throughout."""
+        measured faster)."""
         hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
-        if any(k is not None and k.pdl for k in (kernels, beside_kernels)) and not hopper:
+        if kernels.pdl and not hopper:
             raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")
         self.model = model
         self.time_steps = time_steps
-        self.kernels, self.beside_kernels = kernels, beside_kernels
+        self.kernels = kernels
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -135,11 +132,10 @@ class RolloutEngine:
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
         timed = beside is not None or self.time_steps
-        planned = self.beside_kernels is not None and isinstance(beside, Beside)  # steps beside a chunk differ
         clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if timed else (None, [])
         for k in range(params.max_tokens - 1):
             start_mark = clock.mark() if clock else None
-            logits = graphs.run(rows, planned and beside.busy)
+            logits = graphs.run(rows)
             if clock:
                 marks.append((start_mark, clock.mark(), rows))
             run.next_token(rows, k + 1, logits)
@@ -173,8 +169,7 @@ class RolloutEngine:
             fused_sampling=can_fuse_sampling(params),
         )
         self.graphs = StepGraphs(
-            DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels, self.beside_kernels),
-            bucket_sizes(shape.num_slots - 1),
+            DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels), bucket_sizes(shape.num_slots - 1)
         )
         return self.graphs
 

@@ -18,20 +18,17 @@ class StepGraphs:
     def __init__(self, step: DecodeStep, sizes: tuple[int, ...]) -> None:
         self.step = step
         self.sizes = sizes
-        self.variants = (False, True) if step.beside_weights is not None else (False,)  # `beside` of each
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Tensor] = {}
         if step.logits.is_cuda:
             self._capture()
 
-    def run(self, rows: int, beside: bool = False) -> Tensor:
-        """Logits [rows, V] of one decode step over batch rows [0, rows); rows must be a captured size. beside:
-        the step's beside kernels (`DecodeStep`), where it has them."""
-        beside = beside and self.step.beside_weights is not None
+    def run(self, rows: int) -> Tensor:
+        """Logits [rows, V] of one decode step over batch rows [0, rows); rows must be a captured size."""
         if not self.graphs:
-            return self.step.forward(rows, beside)
-        self.graphs[rows, beside].replay()
-        return self.outputs[rows, beside]
+            return self.step.forward(rows)
+        self.graphs[rows].replay()
+        return self.outputs[rows]
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -39,11 +36,10 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for rows in reversed(self.sizes):
-                for beside in self.variants:
-                    self.step.forward(rows, beside)  # warm-up: triton compiles, cuBLAS picks its kernels
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.outputs[rows, beside] = self.step.forward(rows, beside)
-                    self.graphs[rows, beside] = graph
+                self.step.forward(rows)  # warm-up: triton compiles, cuBLAS picks its kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[rows] = self.step.forward(rows)
+                self.graphs[rows] = graph
         torch.cuda.current_stream().wait_stream(stream)
         self.step.step.zero_()

@@ -76,6 +76,7 @@ class _Setup:
     num_threads: int = 1  # the parent's intra-op threads: CPU sums reduce in the same order on both sides
     cudnn_attention: bool = True  # the parent's `run.cudnn_attention` and `run.deterministic`, as its engines set them
     deterministic: bool = False
+    decode_kernels: str = "cublas"  # `run.decode_kernels` (GPU)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class RemoteRollout:
         self,
         actor: Qwen2_5_VL,
         env: dict[str, str] | None = None,
+        kernels: str = "cublas",
         startup_timeout_s: float = 600.0,
         close_timeout_s: float = 30.0,
     ) -> None:
@@ -126,7 +128,7 @@ class RemoteRollout:
         setup = _Setup(
             actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()),
             num_threads=torch.get_num_threads(), cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=torch.are_deterministic_algorithms_enabled(), decode_kernels=kernels,
         )  # fmt: skip
         if self.device.type == "cuda":
             self._hand_over(setup, startup_timeout_s)
@@ -288,7 +290,7 @@ def _serve(conn, env: dict[str, str]) -> None:
         torch.set_num_threads(setup.num_threads)  # not the inherited OMP_NUM_THREADS: the parent's own count
         _apply_flags(setup)
         model, _arena = _attach(setup)  # the arena (GPU) must outlive the model
-        rollout, stats = _engine(model)
+        rollout, stats = _engine(model, setup.decode_kernels)
     except Exception as error:
         conn.send(_Reply(error=_one_line(error)))
         return
@@ -338,15 +340,16 @@ def _attach(setup: _Setup) -> tuple[Qwen2_5_VL, object]:
     return shared_model(setup.config, setup.dtype, storage, setup.slots), arena
 
 
-def _engine(model: Qwen2_5_VL) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
+def _engine(model: Qwen2_5_VL, kernels: str) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The child's rollout and its stats, as `rollplex.executors.engines.make_rollout` builds them."""
     if model.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
+        from rollplex.rollout.weights import BY_NAME
 
         device = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory
         # addresses only: the KV maps per rollout; steps timed for the decode slowdown the trainer's chunks cause
-        engine = RolloutEngine(model, kv_arena=VmmArena(total, device), time_steps=True)
+        engine = RolloutEngine(model, kv_arena=VmmArena(total, device), time_steps=True, kernels=BY_NAME[kernels])
         return engine.generate, lambda: engine.stats
     return partial(generate, model), lambda: None

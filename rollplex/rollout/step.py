@@ -81,17 +81,13 @@ class DecodeStep:
         shape: DecodeShape,
         kv: Tensor | None = None,
         kernels: DecodeKernels = CUBLAS,
-        beside_kernels: DecodeKernels | None = None,
     ) -> None:
         """kv: optional uint8 storage of at least `kv_bytes(model, shape)` for the caches (a VMM region the
         engine releases between rollouts); by default they are allocated here. kernels: which kernels the step
-        runs (`weights.DecodeKernels`); beside_kernels: those of `forward(rows, beside=True)`, the steps that
-        run while prefix work holds part of the GPU (e.g. our GEMMs planned for the SMs it leaves)."""
+        runs (`weights.DecodeKernels`)."""
         text, device, dtype = model.config.text, model.device, model.lm_head.weight.dtype
         self.model, self.shape = model, shape
-        layers = model.model.language_model.layers
-        self.weights = [layer_weights(layer, kernels) for layer in layers]  # read in place
-        self.beside_weights = [layer_weights(layer, beside_kernels) for layer in layers] if beside_kernels else None
+        self.weights = [layer_weights(layer, kernels) for layer in model.model.language_model.layers]  # in place
         self.group = self.weights[0].group  # the rollout replica's TP group (size 1 for a full model)
         heads, d = self.weights[0].num_heads, text.head_dim
         cache, prompt = _kv_shapes(model, shape)
@@ -163,11 +159,8 @@ class DecodeStep:
             self.last_token, self.done, self.max_lens,
         )  # fmt: skip
 
-    def forward(self, rows: int, beside: bool = False) -> Tensor:
-        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token.
-        beside: with the beside kernels (the step runs while prefix work holds part of the GPU)."""
-        weights = self.beside_weights if beside else self.weights
-        assert weights is not None, "this step has no beside kernels"
+    def forward(self, rows: int) -> Tensor:
+        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token."""
         lm = self.model.model.language_model
         text = self.model.config.text
         eps = text.rms_norm_eps
@@ -177,8 +170,8 @@ class DecodeStep:
         heads = self.weights[0].num_heads
         q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
         attended = torch.empty_like(q_rot)
-        delta, pdl = None, weights[0].kernels.pdl
-        for i, (layer, w) in enumerate(zip(lm.layers, weights, strict=True)):
+        delta, pdl = None, self.weights[0].kernels.pdl
+        for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl)
             qkv = w.qkv(normed)  # [rows, (H + 2G) D]
             rotary_to_cache(

@@ -7,10 +7,9 @@
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
 Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
 `DecodeKernels` picks the kernels. With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs
-through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, their tiles planned for `gemm_sms` SMs
-(default: the device's; fewer where decode shares the GPU with a partition beside it), and with `pdl` those and
-silu_mul launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which
-each kernel launches while the one before drains.
+through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
+launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
+kernel launches while the one before drains. `BY_NAME` maps the spec's `run.decode_kernels` to these.
 """
 
 from __future__ import annotations
@@ -35,17 +34,14 @@ class DecodeKernels:
 
     triton_gemm: bool = False  # every projection through our GEMMs
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
-    prefetch: bool = False  # with pdl: our GEMMs ask for their weights in L2 before they wait
-    gemm_sms: int | None = None  # the SMs our GEMMs' waves are planned for (None: the device's)
-
-    def __post_init__(self) -> None:
-        if self.prefetch and not (self.pdl and self.triton_gemm):
-            raise ValueError("prefetch: our GEMMs prefetch only as dependent launches (triton_gemm and pdl)")
-        if self.gemm_sms is not None and not (self.triton_gemm and self.gemm_sms >= 1):
-            raise ValueError(f"gemm_sms {self.gemm_sms}: only our GEMMs plan their waves for a number of SMs >= 1")
 
 
 CUBLAS = DecodeKernels()  # the default
+BY_NAME = {  # `run.decode_kernels`
+    "cublas": CUBLAS,
+    "rollplex": DecodeKernels(triton_gemm=True),
+    "rollplex_pdl": DecodeKernels(triton_gemm=True, pdl=True),
+}
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class LayerWeights:
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
         if self.kernels.triton_gemm:
-            return linear(x, self.qkv_weight, self.qkv_bias, **self._ours())
+            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
     def out(self, attended: Tensor) -> Tensor:
@@ -82,7 +78,7 @@ class LayerWeights:
 
     def mlp(self, x: Tensor) -> Tensor:
         """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
-        y = linear(x, self.gate_up, **self._ours()) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
+        y = linear(x, self.gate_up, pdl=self.kernels.pdl) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
         out = y.new_empty(rows * self.num_blocks, width // 2)
         hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.kernels.pdl).view(rows, -1)
@@ -91,12 +87,8 @@ class LayerWeights:
     def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
         """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
         if self.kernels.triton_gemm:
-            return (matmul_transposed if self.transposed else linear)(x, w, **self._ours())
+            return (matmul_transposed if self.transposed else linear)(x, w, pdl=self.kernels.pdl)
         return x @ w if self.transposed else F.linear(x, w)
-
-    def _ours(self) -> dict:
-        k = self.kernels
-        return {"num_sms": k.gemm_sms, "pdl": k.pdl, "prefetch": k.prefetch}
 
     def _reduce(self, y: Tensor) -> Tensor:
         if self.group.size > 1:

@@ -266,9 +266,7 @@ def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside
     assert [label for _, label, _, _ in clock.spans] == ["rollout", "ref_score.prefix", "ref_score.suffix"]
 
 
-def test_the_policy_label_marks_decode_planned_beside_the_partition():
-    from rollplex.executors.engines import _beside_sms
-    from rollplex.graph.ir import Schedule
+def test_the_policy_label_names_the_partition_or_the_trainer_percentage():
     from rollplex.graph.spec import SharingSpec
 
     class Spec:  # policy_label reads only `sharing`
@@ -276,8 +274,6 @@ def test_the_policy_label_marks_decode_planned_beside_the_partition():
             self.sharing = SharingSpec(**sharing)
 
     assert bench_module.policy_label(Spec(policy="green", prefix_sms=66)) == "green:66"
-    assert bench_module.policy_label(Spec(policy="green", prefix_sms=33, decode_beside_plan=True)) == "green:33+plan"
-    planned = SharingSpec(decode_beside_plan=True)
-    assert _beside_sms(planned, Schedule.ROLLPLEX, torch.device("cpu")) is None  # no GPU: nothing to plan for
-    streams = planned.model_copy(update={"policy": "streams"})  # a bench's --policies skips validation
-    assert _beside_sms(streams, Schedule.ROLLPLEX, torch.device("cpu")) is None
+    assert bench_module.policy_label(Spec(policy="green", prefix_sms="adaptive")) == "green:adaptive"
+    assert bench_module.policy_label(Spec(policy="mps", mps_trainer_percent=50)) == "mps:50"
+    assert bench_module.policy_label(Spec(policy="mps")) == "mps"

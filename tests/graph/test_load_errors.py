@@ -76,9 +76,9 @@ CASES = {
         .replace("prompts_per_step: 2", "prompts_per_step: 4"),
         ["parallel.train_tp", "not a multiple of rollout_tp 4", ":3:"],
     ),
-    "decode planned beside an adaptive partition": (
-        BASE + "sharing: {prefix_sms: adaptive, decode_beside_plan: true}\n",
-        ["sharing", "decode_beside_plan needs policy green with a number of prefix_sms"],
+    "decode kernels not known": (
+        BASE + "run: {decode_kernels: fastest}\n",
+        ["run.decode_kernels", "cublas", "rollplex_pdl"],
     ),
     "reward with a role": (
         GRAPH_HEAD + DECODE + "    - {id: r, kind: reward, role: actor, inputs: [responses], outputs: [rw]}\n",

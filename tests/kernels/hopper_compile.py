@@ -32,7 +32,6 @@ KERNELS = {
             "S_COL": 1,
             "HAS_BIAS": False,
             "USE_GDC": False,
-            "PREFETCH": False,
         },  # down_proj of the 3B model at TP 2
     ),
     "linear": (  # the same kernel on HF's [O, I] weight with its bias: the decode step's qkv of the 3B model
@@ -47,7 +46,6 @@ KERNELS = {
             "S_COL": 2048,
             "HAS_BIAS": True,
             "USE_GDC": False,
-            "PREFETCH": False,
         },
     ),
     "qkv": (
@@ -67,15 +65,12 @@ KERNELS = {
 }
 
 
-def compile_for_hopper(
-    name: str, tiles: Tiles, split: tuple[int, int] | None = None, gdc: bool = False, prefetch: bool = False
-) -> dict:
+def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = None, gdc: bool = False) -> dict:
     """`split`: (SPLIT_K, K_SPLIT) to compile the K-split variant instead of the unsplit one; `gdc`: the
-    programmatic-dependent-launch variant (USE_GDC) of the transposed GEMM; `prefetch`: its L2 prefetch of the
-    weight before the wait."""
+    programmatic-dependent-launch variant (USE_GDC) of the transposed GEMM."""
     fn, signature, constexprs = KERNELS[name]
     if gdc:
-        constexprs = {**constexprs, "USE_GDC": True, "PREFETCH": prefetch}
+        constexprs = {**constexprs, "USE_GDC": True}
     blocks = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m}
     if split is not None:
         constexprs = {**constexprs, "SPLIT_K": split[0], "K_SPLIT": split[1]}
@@ -85,7 +80,7 @@ def compile_for_hopper(
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "block_m": tiles.block_m, "shared_bytes": kernel.metadata.shared,
             "wait_first": wait_first(ptx), "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
-            "gdc": "griddepcontrol.wait" in ptx, "prefetch": "prefetch.global.L2" in ptx}  # fmt: skip
+            "gdc": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
 def decode_kernels() -> dict:
@@ -156,5 +151,4 @@ if __name__ == "__main__":
             print(json.dumps(compile_for_hopper(name, pick_tiles(num_rows, 2048))))
         print(json.dumps(compile_for_hopper(name, pick_tiles(1, 2048), split=(4, 1408))))  # masked parts
     print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True)))  # a dependent launch
-    print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True, prefetch=True)))
-    print(json.dumps(compile_for_hopper("linear", pick_tiles(32, 2560, 2048), gdc=True, prefetch=True)))
+    print(json.dumps(compile_for_hopper("linear", pick_tiles(32, 2560, 2048), gdc=True)))  # HF's layout, a bias

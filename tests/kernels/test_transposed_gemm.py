@@ -127,16 +127,13 @@ def test_a_programmatic_dependent_launch_is_refused_off_the_gpu_in_one_line():
         pytest.skip("checks the refusal on a machine without a GPU")
     with pytest.raises(AssertionError, match="pdl: programmatic dependent launch needs a CUDA GPU"):
         matmul_transposed(random(4, 32, seed=0), random(32, 48, seed=1), pdl=True)
-    with pytest.raises(AssertionError, match="prefetch: only before a programmatic dependent launch"):
-        matmul_transposed(random(4, 32, seed=0), random(32, 48, seed=1), prefetch=True)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer")
 @pytest.mark.parametrize("num_rows", [1, 64])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_on_a_gpu_a_chain_of_dependent_launches_equals_plain_launches_bitwise(num_rows, prefetch):
+def test_on_a_gpu_a_chain_of_dependent_launches_equals_plain_launches_bitwise(num_rows):
     """Each product reads the one before: a launch that read before its predecessor's writes landed would
     differ. Decode tiles of 11008 -> 2048 split K, so the chain also runs the partials' sum as a dependent."""
     w = [random(2048, 2048, seed=s, scale=2048**-0.5).T.contiguous() for s in range(8)]
@@ -144,9 +141,9 @@ def test_on_a_gpu_a_chain_of_dependent_launches_equals_plain_launches_bitwise(nu
     x = random(num_rows, 11008, seed=10)
 
     def chain(pdl: bool) -> torch.Tensor:
-        y = matmul_transposed(x, down, pdl=pdl, prefetch=pdl and prefetch)
+        y = matmul_transposed(x, down, pdl=pdl)
         for s in w:
-            y = matmul_transposed(y, s, pdl=pdl, prefetch=pdl and prefetch)
+            y = matmul_transposed(y, s, pdl=pdl)
         return y
 
     assert torch.equal(chain(False), chain(True))

@@ -16,7 +16,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.beside import Beside
 from rollplex.rollout.engine import RolloutEngine
-from rollplex.rollout.weights import DecodeKernels
+from rollplex.rollout.weights import BY_NAME, DecodeKernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SAMPLES = 3
@@ -51,55 +51,29 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("gemm_sms", [None, 3])  # 3 SMs: other tiles and K splits than the device's plan
-def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts, gemm_sms):
+def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    engine = RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, gemm_sms=gemm_sms))
+    engine = RolloutEngine(model, kernels=BY_NAME["rollplex"])
     out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))
     expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-class AlwaysBusy(Beside):
-    """A `Beside` without jobs whose chunk never finishes: every decode step runs beside it."""
-
-    def __init__(self) -> None:
-        super().__init__([])
-        self.asked = 0
-
-    @property
-    def busy(self) -> bool:
-        self.asked += 1
-        return True
-
-
-def test_steps_beside_a_running_chunk_use_the_beside_kernels_and_the_rollout_is_unchanged(model, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=6)
-    beside_kernels = DecodeKernels(triton_gemm=True, gemm_sms=3)
-    engine, beside = RolloutEngine(model, beside_kernels=beside_kernels), AlwaysBusy()
-    out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0), beside=beside)
-    expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
-    assert torch.equal(out.responses, expected.responses)
-    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
-    assert beside.asked == engine.stats.num_steps  # asked before every step
-    step = engine.graphs.step
-    assert step.beside_weights[0].kernels == beside_kernels and step.weights[0].kernels == DecodeKernels()
-    if DEVICE.type == "cuda":  # a graph of each kind per captured size
-        assert set(engine.graphs.graphs) == {(rows, b) for rows in engine.graphs.sizes for b in (False, True)}
-
-
 def test_kernel_options_that_cannot_run_are_refused_in_one_line(model):
     if DEVICE.type == "cuda":
         pytest.skip("checks the refusal on a machine without a GPU")
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a Hopper or newer GPU"):
-        RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, pdl=True))
-    with pytest.raises(ValueError, match="prefetch: our GEMMs prefetch only as dependent launches"):
-        DecodeKernels(triton_gemm=True, prefetch=True)
-    with pytest.raises(ValueError, match="gemm_sms 66: only our GEMMs plan"):
-        DecodeKernels(gemm_sms=66)
-    with pytest.raises(ValueError, match="gemm_sms 0"):
-        DecodeKernels(triton_gemm=True, gemm_sms=0)
+        RolloutEngine(model, kernels=BY_NAME["rollplex_pdl"])
+
+
+def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
+    from typing import get_args
+
+    from rollplex.graph.spec import RunSpec
+
+    assert set(get_args(RunSpec.model_fields["decode_kernels"].annotation)) == set(BY_NAME)
+    assert BY_NAME["cublas"] == DecodeKernels() and BY_NAME["rollplex_pdl"].pdl and BY_NAME["rollplex"].triton_gemm
 
 
 @pytest.mark.gpu
@@ -109,15 +83,13 @@ def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
     """The same kernels launched as programmatic dependents: a kernel that read before the one before it had
     written would change a token or a log-prob somewhere in the captured steps."""
     params = SamplingParams(temperature=1.0, max_tokens=24)
-    settings = ({}, {"pdl": True}, {"pdl": True, "prefetch": True})
-    plain, *dependent = (
-        RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, **k)).generate(
+    plain, dependent = (
+        RolloutEngine(model, kernels=BY_NAME[name]).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
         )
-        for k in settings
+        for name in ("rollplex", "rollplex_pdl")
     )
-    for other in dependent:
-        assert torch.equal(plain.responses, other.responses) and torch.equal(plain.logprobs, other.logprobs)
+    assert torch.equal(plain.responses, dependent.responses) and torch.equal(plain.logprobs, dependent.logprobs)
 
 
 @pytest.mark.parametrize(
