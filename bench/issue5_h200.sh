@@ -21,7 +21,8 @@
 # a schedule run second in one process finds the attention shapes the first met already planned (cuDNN plans
 # each new shape, and the process keeps the plan). `bench3b` (one policy, default green:66, 3 steps) takes
 # ~7-8 minutes; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept warm)
-# for `policies3b`. `preset NAME [POLICY...]` benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer,
+# for `policies3b`. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process, 2
+# warm-ups, 3 steps and the noise floor overran the serial run's 330 s (session 12). `preset NAME [POLICY...]` benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer,
 # perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit.
 set -u

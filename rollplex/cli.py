@@ -100,7 +100,8 @@ def _bench(args: argparse.Namespace) -> int:
         variants = [with_policy(loaded, p) for p in args.policies] if args.policies else [loaded]
     except ValueError as e:
         raise SpecError("", f"--policies: {e}") from None
-    with mps_session([v.spec for v in variants]):  # under the mps policy: before anything touches the GPU
+    # under the mps policy: before anything touches the GPU; a serial-only process runs its trainer uncapped
+    with mps_session([v.spec for v in variants], cap_trainer=not args.serial_only):
         return _bench_variants(args, loaded, variants)
 
 

@@ -65,11 +65,12 @@ def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device
 
 
 @contextmanager
-def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
+def mps_session(specs: Sequence[Spec], cap_trainer: bool = True) -> Iterator[None]:
     """Under `sharing.policy: mps` on a GPU machine: a private MPS daemon for the run, and this process its
     client with the trainer's active-thread percentage, set before CUDA starts (call it before anything
     touches the GPU). Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the
-    rollout then refuses to start: `make_remote_rollout`)."""
+    rollout then refuses to start: `make_remote_rollout`). cap_trainer False: no cap on this process (a
+    process that runs only serial, where nothing runs beside the trainer: the cap would only slow it)."""
     from rollplex.memory.mps import CONTROL, MpsDaemon
 
     percents = {s.sharing.mps_trainer_percent for s in specs if s.sharing.policy == "mps"}
@@ -83,7 +84,7 @@ def mps_session(specs: Sequence[Spec]) -> Iterator[None]:
         daemon.start()
     except RuntimeError as e:
         raise SpecError("sharing.policy", f"mps: {e}") from None
-    os.environ.update(daemon.client_env(percents.pop()))
+    os.environ.update(daemon.client_env(percents.pop() if cap_trainer else None))
     try:
         yield
     finally:

@@ -314,16 +314,21 @@ def _apply_flags(setup: _Setup) -> None:
 
 
 def _answer(request: _Request, rollout: Callable[..., Rollout], stats: Callable[[], object | None], device) -> _Reply:
-    """One rollout, its tensors on the CPU; or the error it raised, on one line."""
+    """One rollout, its tensors on the CPU; or the error it raised, on one line. On a GPU the child's cached
+    blocks then go back to the driver: the trainer's phases plan for that memory (the in-process engine shares
+    the trainer's allocator, which empties its cache between phases)."""
     try:
         generator = torch.Generator(device).manual_seed(request.seed)
         out = rollout(
             list(request.prompts), num_samples=request.num_samples, params=request.params, generator=generator,
             max_lens=request.max_lens,
         )  # fmt: skip
-        return _Reply(rollout=_moved(out, torch.device("cpu")), stats=stats())
+        reply = _Reply(rollout=_moved(out, torch.device("cpu")), stats=stats())
     except Exception as error:
-        return _Reply(error=_one_line(error))
+        reply = _Reply(error=_one_line(error))
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return reply
 
 
 def _attach(setup: _Setup) -> tuple[Qwen2_5_VL, object]:

@@ -47,6 +47,14 @@ def test_the_process_is_a_client_inside_the_session_and_the_daemon_quits_after_i
     assert record.read_text().splitlines() == [f"-d {pipe}"] and Path(pipe).exists()
 
 
+def test_a_session_without_the_trainer_cap_is_a_client_at_the_full_share(tmp_path, monkeypatch):
+    fake_control(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    with mps_session([spec()], cap_trainer=False):
+        assert "CUDA_MPS_PIPE_DIRECTORY" in os.environ and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in os.environ
+
+
 @pytest.mark.parametrize("specs", [[spec("green")], [spec(device="cpu")]])
 def test_no_daemon_for_other_policies_or_on_the_cpu(tmp_path, monkeypatch, specs):
     record = fake_control(tmp_path)

@@ -205,17 +205,19 @@ def test_close_stops_a_live_child_and_the_actor_keeps_its_weights(shared, prompt
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_child_samples_from_the_actors_vmm_pages(config, prompts):
+@pytest.mark.parametrize("kernels", ["cublas", "rollplex"])  # the child decodes with the parent's setting
+def test_on_a_gpu_the_child_samples_from_the_actors_vmm_pages(config, prompts, kernels):
     from rollplex.rollout.engine import RolloutEngine
+    from rollplex.rollout.weights import BY_NAME
 
     torch.manual_seed(0)
     actor = Qwen2_5_VL(config, device="cuda")
-    with RemoteRollout(actor) as remote:
+    with RemoteRollout(actor, kernels=kernels) as remote:
         outs = []
         for step in range(2):
             seeded = torch.Generator("cuda").manual_seed
             outs.append(remote(prompts, num_samples=NUM_SAMPLES, params=PARAMS, generator=seeded(7)))
-            here = RolloutEngine(actor).generate(
+            here = RolloutEngine(actor, kernels=BY_NAME[kernels]).generate(
                 prompts, num_samples=NUM_SAMPLES, params=PARAMS, generator=seeded(draw_seed(seeded(7)))
             )
             assert torch.equal(outs[-1].responses, here.responses)
