@@ -241,11 +241,12 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             {k: r.timeline for k, r in runs.items()}, png, f"{Path(args.spec).stem} ({label}) on {result['gpu']}"
         )
         s, balance = result["step_s"], result["step_balance_s"]
-        slowdown = result["decode_slowdown"]
+        slowdown, on_device = result["decode_slowdown"], result["decode_slowdown_on_device"]
         print(
             f"{label}: step serial {s['serial']:.3f} s, rollplex {s['rollplex']:.3f} s, {result['speedup']:.3f}x "
             f"(ideal {result['ideal_speedup']:.3f}x, overlap alone {result['overlap_speedup']:.3f}x); decode slowdown "
-            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}; rollplex - serial: prefixes hidden "
+            f"{'n/a' if slowdown is None else f'{slowdown:.3f}x'}"
+            f"{'' if on_device is None else f' ({on_device:.3f}x on the device)'}; rollplex - serial: prefixes hidden "
             f"{balance['prefixes_hidden']:+.2f} s, rollout {balance['rollout_longer']:+.2f} s, after it "
             f"{balance['after_rollout_longer']:+.2f} s; updates match: {result['updates_match']} (first "
             f"step: same rollout {result['first_step_rollouts_match']}, gradients "

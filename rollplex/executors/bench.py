@@ -5,8 +5,10 @@ nothing written to disk), with a device synchronisation around every op so that 
 GPU has done its work (`_OpClock`; results before 2026-12-01's session 9 timed each op until the host had
 launched its last kernel, up to ~1 s short for serial's batched prefixes on the 3B H200 bench).
 From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
-(T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (decode
-seconds beside the prefixes over decode seconds alone, GPU only) and where the prefix chunks ran. The step
+(T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (the decode
+loop's wall seconds over serial's, GPU only: it counts the host's time launching prefix chunks between decode
+steps too), its part on the device (`rollout.slowdown`: decode steps beside a chunk against steps alone, timed
+with CUDA events) and where the prefix chunks ran. The step
 balance says where rollplex's step gained and lost against serial's: the prefixes no longer in the step
 (-T_P), the rollout's extra seconds (decode beside them), and the extra seconds after the rollout; the three
 add up to the difference of the two (median) step times.
@@ -64,6 +66,7 @@ class ScheduleRun:
     step_s: list[float] = field(default_factory=list)
     times: list[dict[str, float]] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+    device_slowdown: list[float] = field(default_factory=list)  # per step: decode beside chunks, on the device
     beside_fraction: list[float] = field(default_factory=list)
     prefix_backward_s: list[float] = field(default_factory=list)  # the actor's backward through its prefix
     longest_response: list[int] = field(default_factory=list)  # tokens: the step's decode steps, at most
@@ -128,6 +131,7 @@ def run_schedule(
         out.step_s.append(elapsed)
         out.times.append(times)
         out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
+        out.device_slowdown.extend([record.stats["decode_slowdown"]] if "decode_slowdown" in record.stats else [])
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
         out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
         out.longest_response.append(int(record.response_lens.max()))
@@ -181,6 +185,9 @@ def compare(
         # gave, apart from the suffix phases, which the overlap does not touch (Eq. 1 assumes them equal)
         "overlap_speedup": round(step_serial / (step_serial - t_p + rollout_rollplex - t_d), 4),
         "decode_slowdown": round(decode, 4) if decode is not None else None,
+        # the GPU's part of it: decode steps beside a chunk against steps of their batch size alone, timed with
+        # CUDA events (`rollout.slowdown`); decode_slowdown is host wall time and also counts launching the chunks
+        "decode_slowdown_on_device": round(med(rollplex.device_slowdown), 4) if rollplex.device_slowdown else None,
         "updates_match": updates_match(rollouts_match, grad_diff, spec.run.dtype, floor),
         "first_step_rollouts_match": rollouts_match,
         "first_step_grad_relative_difference": grad_diff,
@@ -308,7 +315,8 @@ def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> d
 def _per_step(run: ScheduleRun) -> dict:
     return {"step_s": [round(t, 4) for t in run.step_s], "longest_response": run.longest_response,
             "phase_s": [{k: round(v, 4) for k, v in t.items()} for t in run.times], "stalls": run.stalls,
-            "decode_s": [round(t, 4) for t in run.decode_s]}  # fmt: skip
+            "decode_s": [round(t, 4) for t in run.decode_s],
+            "decode_slowdown_on_device": [round(t, 4) for t in run.device_slowdown]}  # fmt: skip
 
 
 def _unaccounted(run: ScheduleRun) -> float | None:

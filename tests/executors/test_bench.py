@@ -14,7 +14,7 @@ from rollplex.executors.bench import ScheduleRun, noise_floor_grads
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
-        "ideal_speedup", "overlap_speedup", "decode_slowdown",
+        "ideal_speedup", "overlap_speedup", "decode_slowdown", "decode_slowdown_on_device",
         "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode", "step_balance_s",
         "per_step", "timeline_s"}  # fmt: skip
 
@@ -43,6 +43,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     at_equal_after = result["step_s"]["serial"] + balance["prefixes_hidden"] + balance["rollout_longer"]
     assert abs(result["overlap_speedup"] - result["step_s"]["serial"] / at_equal_after) < 2e-3
     assert result["prefix_beside_decode"] > 0.5
+    on_device = result["per_step"]["rollplex"]["decode_slowdown_on_device"]  # the engine times steps on a GPU only
+    assert len(on_device) in (0, 1) and result["decode_slowdown_on_device"] == (on_device[0] if on_device else None)
     for name in ("serial", "rollplex"):  # the medians come from the per-step record, which the JSON keeps
         steps = result["per_step"][name]
         assert len(steps["step_s"]) == len(steps["phase_s"]) == 1 and steps["step_s"][0] == result["step_s"][name]
