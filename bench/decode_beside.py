@@ -68,7 +68,7 @@ class Hog:
 def step_ms(engine: RolloutEngine, batch: int, tokens: int, steps: int, hog: Hog | None) -> tuple[float, bool]:
     """Milliseconds per replay of the full-batch graph (alone, or beside the hog), and whether the hog outlasted
     the replays."""
-    graph, step = engine.graphs.graphs[batch, False], engine.graphs.step
+    graph, step = engine.graphs.graphs[batch], engine.graphs.step
     start_at = (tokens - steps) // 2
     step.step.fill_(start_at)
     for _ in range(3):

@@ -124,12 +124,12 @@ def profile_case(
             run()
 
     step.step.fill_(start)
-    replay(lambda: graphs.graphs[batch, False].replay())  # warm
+    replay(lambda: graphs.graphs[batch].replay())  # warm
     step.step.fill_(start)
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    replay(lambda: graphs.graphs[batch, False].replay())
+    replay(lambda: graphs.graphs[batch].replay())
     end.record()
     torch.cuda.synchronize()
     graph_ms = begin.elapsed_time(end) / steps
@@ -147,7 +147,7 @@ def profile_case(
     }
     from torch.profiler import ProfilerActivity, profile
 
-    for mode, run in (("graph", lambda: graphs.graphs[batch, False].replay()), ("eager", lambda: step.forward(batch))):
+    for mode, run in (("graph", lambda: graphs.graphs[batch].replay()), ("eager", lambda: step.forward(batch))):
         step.step.fill_(start)
         torch.cuda.synchronize()
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:

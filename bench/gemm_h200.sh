@@ -1,11 +1,13 @@
 #!/bin/bash
 # Issue 6's layout GEMMs on one H200, one stage per device call:
 #
-#   bash bench/gemm_h200.sh tests | sweep | picked
+#   bash bench/gemm_h200.sh tests | sweep | picked | focus
 #     tests:  the kernels' GPU tests (tests/kernels -m gpu) -> $OUT/kernels_gpu_tests.log
 #     sweep:  bench/gemm_layouts.py --sweep (every shape, the picked tiles and the swept ones; compiled first in
 #             16 parallel processes) -> $OUT/gemm_sweep_h200.json
 #     picked: bench/gemm_layouts.py with the picked tiles only -> $OUT/gemm_layouts_h200.json
+#     focus:  the sweep where the picked tiles missed (session 10): 7B decode at 32 and 64 rows, 3B at 64 rows,
+#             and the QKV prefill -> $OUT/gemm_focus_{7b_decode,3b_decode,qkv_prefill}_h200.json
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Each stage prints its table last. Move what comes back into
@@ -27,6 +29,17 @@ case "$STAGE" in
     done
     wait
     timeout 360 python3 bench/gemm_layouts.py --sweep --out "$OUT/gemm_sweep_h200.json" 2>&1 | tail -64 ;;
+  focus)
+    sweep_set() {  # NAME ARGS...: compile in 16 processes, then time
+      for i in $(seq 0 15); do
+        timeout 150 python3 bench/gemm_layouts.py --sweep --compile-only --shard "$i/16" "${@:2}" > /dev/null 2>&1 &
+      done
+      wait
+      timeout 150 python3 bench/gemm_layouts.py --sweep "${@:2}" --out "$OUT/gemm_focus_$1_h200.json" 2>&1 | tail -14
+    }
+    sweep_set 7b_decode --models 7b --rows 32 64
+    sweep_set 3b_decode --models 3b --rows 64
+    sweep_set qkv_prefill --ops qkv --rows 4096 ;;
   picked)
     for i in $(seq 0 15); do
       timeout 120 python3 bench/gemm_layouts.py --compile-only --shard "$i/16" > /dev/null 2>&1 &

@@ -54,18 +54,32 @@ def shapes(model: str, tp: int) -> list[Shape]:
 
 
 def candidates(shape: Shape, num_rows: int):
-    """Tile configs the sweep tries besides the picked one. Decode: each column tile width with the deepest
-    pipeline that fits, K unsplit or split 2, 4 or 8 ways on every row. Prefill: other tile shapes, with the
-    launcher's wave rule."""
-    from rollplex.kernels.tiles import PREFILL, SHARED_BYTES, Tiles, pick_tiles
+    """Tile configs the sweep tries besides the picked one. Decode: each column tile width (16-128) times K
+    unsplit or split 2, 3, 4 or 8 ways on every row (no part left empty), each with the deepest pipeline that
+    fits one program per SM and the deepest that fits two. Prefill: other tile shapes and orderings, each with
+    the launcher's wave rule and as one launch."""
+    from rollplex.kernels.tiles import PREFILL, SHARED_BYTES, Tiles, pick_tiles, shortest_part
 
     if num_rows > 64:
-        return [replace(PREFILL, block_n=128, num_warps=w, num_stages=4) for w in (4, 8)] + [
-            Tiles(128, 128, 128, 8, 8, 3), Tiles(64, 256, 64, 8, 4, 4), Tiles(256, 128, 64, 8, 8, 3),
-        ]  # fmt: skip
+        shapes = [replace(PREFILL, num_stages=4), replace(PREFILL, group_m=4), replace(PREFILL, group_m=16)]
+        shapes += [replace(PREFILL, block_n=128, num_warps=w, num_stages=4) for w in (4, 8)]
+        shapes += [Tiles(128, 128, 128, 8, 8, 3), Tiles(64, 256, 64, 8, 4, 4), Tiles(256, 128, 64, 8, 8, 3)]
+        return [replace(t, split_k=k) for t in [PREFILL, *shapes] for k in (None, 1)][1:]  # PREFILL itself: picked
     base = pick_tiles(num_rows, 1 << 20)
-    stages = lambda n: next(s for s in (6, 4, 3, 2) if (base.block_m + n) * base.block_k * 2 * s <= SHARED_BYTES)  # noqa: E731
-    return [replace(base, block_n=n, num_stages=stages(n), split_k=k) for n in (16, 32, 64) for k in (1, 2, 4, 8)]
+
+    def deepest(n: int, budget: int) -> int | None:
+        fitting = [s for s in (6, 4, 3, 2) if (base.block_m + n) * base.block_k * 2 * s <= budget]
+        return fitting[0] if fitting else None
+
+    found = []
+    for n in (16, 32, 64, 128):
+        for k in (1, 2, 3, 4, 8):
+            if shortest_part(shape.in_features, k, base.block_k) <= 0:
+                continue
+            for stages in dict.fromkeys(deepest(n, b) for b in (SHARED_BYTES, SHARED_BYTES // 2)):
+                if stages is not None:
+                    found.append(replace(base, block_n=n, num_stages=stages, split_k=k))
+    return found
 
 
 def operands(shape: Shape, num_rows: int) -> tuple[Callable, Callable]:
@@ -178,6 +192,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["3b", "7b"], choices=["3b", "7b", "32b", "72b"])
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2])
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    p.add_argument("--ops", nargs="+", default=["o_proj", "down_proj", "qkv"], choices=["o_proj", "down_proj", "qkv"])
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     p.add_argument("--compile-only", action="store_true", help="only compile (warm triton's cache); no --out")
     p.add_argument("--shard", default="0/1", help="I/N: only every N-th (shape, rows) case from the I-th")
@@ -188,7 +203,8 @@ def main() -> None:
         sys.exit("gemm_layouts: --out FILE is required (or --compile-only)")
     torch.manual_seed(0)
     first, every = (int(v) for v in args.shard.split("/"))
-    cases = [(s, m) for model in args.models for tp in args.tp for s in shapes(model, tp) for m in args.rows]
+    cases = [(s, m) for model in args.models for tp in args.tp for s in shapes(model, tp) for m in args.rows
+             if s.op in args.ops]  # fmt: skip
     cases = cases[first::every]
     if args.compile_only:
         for s, m in cases:

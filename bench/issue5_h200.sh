@@ -4,7 +4,7 @@
 #   bash bench/issue5_h200.sh STAGE
 #     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
-#     | run7b [ALLOC_CONF]
+#     | run7b [ALLOC_CONF] | share
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
@@ -114,6 +114,14 @@ case "$STAGE" in
     NAME=sdpa_shapes_3b_h200; [ "$STEPS" != 3 ] || [ $# -gt 0 ] && NAME=${NAME}_${STEPS}steps${*:+_$(echo "$*" | tr ' ' '_')}
     timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps "$STEPS" \
       ${*:+--backends "$@"} --out "$OUT/$NAME.json" 2>&1 | quiet | tail -20 | tee "$OUT/$NAME.log" ;;
+  share)  # what decode and a compute-bound neighbour each keep of the GPU, per way of sharing it
+    # (bench/share_efficiency.py): in-process ways; MPS ways with this process uncapped; decode capped at 70 %
+    timeout 150 python3 bench/share_efficiency.py --ways stream green:33 green:66 \
+      --out "$OUT/share_inprocess_3b_h200.json" 2>&1 | quiet | tail -8
+    timeout 170 python3 bench/share_efficiency.py --ways mps:25 mps:50 mps:100 green:66 \
+      --out "$OUT/share_mps_3b_h200.json" 2>&1 | quiet | tail -10
+    timeout 120 python3 bench/share_efficiency.py --self-percent 70 --ways mps:100 mps:50 --batch 32 \
+      --out "$OUT/share_mps_self70_3b_h200.json" 2>&1 | quiet | tail -4 ;;
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
       | quiet | tail -20 ;;
