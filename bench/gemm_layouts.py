@@ -19,6 +19,7 @@ Needs a CUDA GPU: the CPU interpreter times nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -53,11 +54,12 @@ def shapes(model: str, tp: int) -> list[Shape]:
     ]
 
 
-def candidates(shape: Shape, num_rows: int):
+def candidates(shape: Shape, num_rows: int, wide: bool = False):
     """Tile configs the sweep tries besides the picked one. Decode: each column tile width (16-128) times K
     unsplit or split 2, 3, 4 or 8 ways on every row (no part left empty), each with the deepest pipeline that
-    fits one program per SM and the deepest that fits two. Prefill: other tile shapes and orderings, each with
-    the launcher's wave rule and as one launch."""
+    fits one program per SM and the deepest that fits two; `wide` adds 8 warps and K tiles of 64 and 256 (for
+    32-128 wide tiles split at most 3 ways). Prefill: other tile shapes and orderings, each with the
+    launcher's wave rule and as one launch."""
     from rollplex.kernels.tiles import PREFILL, SHARED_BYTES, Tiles, pick_tiles, shortest_part
 
     if num_rows > 64:
@@ -79,6 +81,13 @@ def candidates(shape: Shape, num_rows: int):
             for stages in dict.fromkeys(deepest(n, b) for b in (SHARED_BYTES, SHARED_BYTES // 2)):
                 if stages is not None:
                     found.append(replace(base, block_n=n, num_stages=stages, split_k=k))
+    if wide:
+        for n, k, block_k, warps in itertools.product((32, 64, 128), (1, 2, 3), (64, 128, 256), (4, 8)):
+            stage = (base.block_m + n) * block_k * 2
+            stages = next((s for s in (8, 6, 4, 3, 2) if s * stage <= SHARED_BYTES), None)
+            config = replace(base, block_n=n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=k)
+            if stages is not None and shortest_part(shape.in_features, k, block_k) > 0 and config not in found:
+                found.append(config)
     return found
 
 
@@ -136,17 +145,17 @@ def time_us(calls: list[Callable], min_ms: float = 30.0) -> float:
         replays *= 4
 
 
-def compile_only(shape: Shape, num_rows: int, sweep: bool) -> None:
+def compile_only(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> None:
     """Runs every tile config once: fills triton's on-disk cache, so that parallel `--compile-only --shard`
     processes can compile what one timing process then only times."""
     kernel, _ = operands(shape, num_rows)
     kernel()
-    for tiles in candidates(shape, num_rows) if sweep else []:
+    for tiles in candidates(shape, num_rows, wide) if sweep else []:
         kernel(tiles)
     torch.cuda.synchronize()
 
 
-def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
+def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> dict:
     from rollplex.kernels.tiles import pick_tiles, sm_count, wave_parts
 
     pairs = [operands(shape, num_rows) for _ in range(weight_copies(shape))]
@@ -154,7 +163,7 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
     expected = baselines[0]().float()
     torch.testing.assert_close(kernels[0]().float(), expected, atol=3e-2, rtol=2e-2)
     num_sms = sm_count(torch.device("cuda"))  # what the launcher plans with
-    picked = pick_tiles(num_rows, shape.out_features, shape.in_features, num_sms)
+    picked = pick_tiles(num_rows, shape.out_features, shape.in_features, num_sms, n_contiguous=shape.heads is None)
     parts = [
         (first, end, asdict(t))
         for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, num_sms)
@@ -165,7 +174,7 @@ def measure(shape: Shape, num_rows: int, sweep: bool) -> dict:
            "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked), "parts": parts,
            "copies": len(pairs)}  # fmt: skip
     if sweep:
-        swept = candidates(shape, num_rows)
+        swept = candidates(shape, num_rows, wide)
         for t in swept:  # a config timed and never checked could set a picking rule
             torch.testing.assert_close(kernels[0](t).float(), expected, atol=3e-2, rtol=2e-2)
         timed = [(time_us([lambda k=k, t=t: k(t) for k in kernels]), t) for t in swept]
@@ -194,6 +203,7 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--ops", nargs="+", default=["o_proj", "down_proj", "qkv"], choices=["o_proj", "down_proj", "qkv"])
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    p.add_argument("--wide", action="store_true", help="with --sweep: decode also over warps and K tile sizes")
     p.add_argument("--compile-only", action="store_true", help="only compile (warm triton's cache); no --out")
     p.add_argument("--shard", default="0/1", help="I/N: only every N-th (shape, rows) case from the I-th")
     args = p.parse_args()
@@ -208,9 +218,9 @@ def main() -> None:
     cases = cases[first::every]
     if args.compile_only:
         for s, m in cases:
-            compile_only(s, m, args.sweep)
+            compile_only(s, m, args.sweep, args.wide)
         return
-    results = [measure(s, m, args.sweep) for s, m in cases]
+    results = [measure(s, m, args.sweep, args.wide) for s, m in cases]
     print_table(results)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 #   bash bench/issue5_h200.sh STAGE
 #     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
-#     | run7b [ALLOC_CONF] | share
+#     | run7b [ALLOC_CONF] | share | split
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
@@ -122,6 +122,9 @@ case "$STAGE" in
       --out "$OUT/share_mps_3b_h200.json" 2>&1 | quiet | tail -10
     timeout 120 python3 bench/share_efficiency.py --self-percent 70 --ways mps:100 mps:50 --batch 32 \
       --out "$OUT/share_mps_self70_3b_h200.json" 2>&1 | quiet | tail -4 ;;
+  split)  # decode on a disjoint green partition of D SMs (our GEMMs planned for D), the neighbour on the rest
+    timeout "${SPLIT_TIMEOUT:-220}" python3 bench/share_efficiency.py --decode-sms 96 64 48 --decode-kernels rollplex \
+      --ways rest --out "$OUT/share_split_rollplex_3b_h200.json" 2>&1 | quiet | tail -16 ;;
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
       | quiet | tail -20 ;;

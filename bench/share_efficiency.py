@@ -15,6 +15,12 @@ on the whole GPU (what serial's prefixes get) and beside decode, counted over th
 matmul's completion time. `kept` = decode alone / beside + neighbour beside / whole GPU: 1.0 is what time
 slicing gives (the serial sum), above it the share saves time. Session 12 measured decode's slowdown beside
 green partitions (`decode_beside.py`); this adds what the neighbour got and the MPS ways.
+
+`--decode-sms D` splits the device into two disjoint green contexts (cuDevSmResourceSplitByCount through
+cuda.bindings: torch's `GreenContext.create` takes the same first SMs every time, and the primary context,
+where decode runs under the `green` policy, is not partitioned at all): decode replays on a stream of the
+D-SM one, with `--decode-kernels rollplex*` our GEMMs planned for D SMs, and the way `rest` runs the
+neighbour on the other. Its rows also give decode alone on its partition (`decode_partition_ms`).
 """
 
 from __future__ import annotations
@@ -67,12 +73,40 @@ def neighbour_child(conn, env: dict[str, str]) -> None:
     conn.send(done)
 
 
-class InProcess:
-    """The `stream` and `green:P` neighbours: matmuls enqueued on a stream of this process, an event after each."""
+def disjoint_streams(decode_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream, int, int]:
+    """(decode stream, rest stream, their SM counts): two green contexts over disjoint SMs of device 0."""
+    from cuda.bindings import driver
 
-    def __init__(self, way: str) -> None:
+    def check(result):
+        error, *values = result if isinstance(result, tuple) else (result,)
+        assert int(error) == 0, f"CUDA driver call failed: {error}"
+        return values[0] if len(values) == 1 else values
+
+    torch.cuda.init()
+    device = check(driver.cuDeviceGet(torch.cuda.current_device()))
+    whole = check(driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = check(driver.cuDevSmResourceSplitByCount(1, whole, 0, decode_sms))
+    streams = []
+    for resource in (groups[0], rest):
+        desc = check(driver.cuDevResourceGenerateDesc([resource], 1))
+        context = check(
+            driver.cuGreenCtxCreate(desc, device, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+        )
+        raw = check(driver.cuGreenCtxStreamCreate(context, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        streams.append(torch.cuda.ExternalStream(int(raw.getPtr()) if hasattr(raw, "getPtr") else int(raw)))
+    return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
+
+
+class InProcess:
+    """The `stream`, `green:P` and `rest` neighbours: matmuls enqueued on a stream of this process (`rest`: the
+    partition left beside decode's, `rest_stream`), an event after each."""
+
+    def __init__(self, way: str, rest_stream: torch.cuda.Stream | None = None) -> None:
         self.context = None
-        if way == "stream":
+        if way == "rest":
+            assert rest_stream is not None, "the way rest needs --decode-sms"
+            self.stream = rest_stream
+        elif way == "stream":
             self.stream = torch.cuda.Stream()
         else:
             from torch.cuda.green_contexts import GreenContext
@@ -101,14 +135,17 @@ class InProcess:
         return sum(0 < t <= window_ms for t in times), max(times) >= window_ms
 
 
-def decode_window(graph, step, start_at: int, steps: int) -> tuple[torch.cuda.Event, float]:
-    """Replays `steps` decode steps; (begin event, window ms)."""
-    step.step.fill_(start_at)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
+def decode_window(graph, step, start_at: int, steps: int, stream=None) -> tuple[torch.cuda.Event, float]:
+    """Replays `steps` decode steps on `stream` (default: the current one); (begin event, window ms)."""
+    stream = stream or torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step.step.fill_(start_at)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
     end.synchronize()
     return begin, begin.elapsed_time(end)
 
@@ -125,16 +162,28 @@ def mps_neighbour(percent: str):
     return proc, parent, parent.recv()
 
 
-def measure(way: str, graph, step, start_at: int, steps: int, alone_ms: float, whole_tflops: float, keep: list) -> dict:
+def measure(
+    way: str,
+    graph,
+    step,
+    start_at: int,
+    steps: int,
+    alone_ms: float,
+    whole_tflops: float,
+    keep: list,
+    split: tuple | None = None,
+) -> dict:
     """One way's row. keep: holds the in-process neighbours to the end (a green context freed while torch still
-    caches its stream's cuBLAS workspace could break a later call)."""
+    caches its stream's cuBLAS workspace could break a later call). split: (decode stream, rest stream) of
+    `--decode-sms`: decode then replays on its partition."""
+    decode_stream, rest_stream = split or (None, None)
     if way.startswith("mps:"):
         proc, parent, own_alone = mps_neighbour(way.split(":")[1])
         parent.send("go")
         time.sleep(0.3)  # the neighbour is running
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _, window_ms = decode_window(graph, step, start_at, steps)
+        _, window_ms = decode_window(graph, step, start_at, steps, decode_stream)
         t1 = time.perf_counter()
         parent.send("stop")
         done = parent.recv()
@@ -142,11 +191,11 @@ def measure(way: str, graph, step, start_at: int, steps: int, alone_ms: float, w
         count, covered = sum(t0 < t <= t1 for t in done), bool(done) and done[-1] >= t1
         neighbour_s = t1 - t0
     else:
-        hog = InProcess(way)
+        hog = InProcess(way, rest_stream)
         own_alone = hog.alone_tflops
         hog.start(2.0 * steps * alone_ms / 1e3 + 0.3)
         time.sleep(0.05)
-        begin, window_ms = decode_window(graph, step, start_at, steps)
+        begin, window_ms = decode_window(graph, step, start_at, steps, decode_stream)
         count, covered = hog.completed_in(begin, window_ms)
         neighbour_s = window_ms / 1e3
         keep.append(hog)
@@ -158,6 +207,34 @@ def measure(way: str, graph, step, start_at: int, steps: int, alone_ms: float, w
         "neighbour_whole_gpu_tflops": round(whole_tflops, 1), "neighbour_beside_tflops": round(beside_tflops, 1),
         "kept": round(alone_ms / beside_ms + beside_tflops / whole_tflops, 4), "covered": covered,
     }  # fmt: skip
+
+
+def measure_batch(args, model, batch: int, whole: float, keep: list, split, split_sms, kernels) -> list[dict]:
+    """Every way's row at one batch size (decode on `split`'s partition when given)."""
+    from decode import captured
+
+    engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
+    graph, step = engine.graphs.graphs[batch], engine.graphs.step
+    start_at = args.tokens // 2
+    _, warm_ms = decode_window(graph, step, start_at, 20)
+    steps = max(20, int(WINDOW_S * 1e3 / (warm_ms / 20)))
+    _, alone_window = decode_window(graph, step, start_at, steps)
+    extra = {}
+    if split is not None:
+        _, part_window = decode_window(graph, step, start_at, steps, split[0])
+        extra = {"decode_partition_ms": round(part_window / steps, 4), "partition_sms": split_sms}
+    rows = []
+    for way in args.ways:
+        try:
+            one = measure(way, graph, step, start_at, steps, alone_window / steps, whole, keep, split)
+            row = {"batch": batch, **one, **extra}
+        except Exception as error:  # e.g. a green context inside an MPS client: recorded, not fatal
+            row = {"batch": batch, "way": way, "error": " ".join(str(error).split())[:300], **extra}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    return rows
 
 
 def start_mps(self_percent: int | None):
@@ -178,20 +255,23 @@ def main() -> None:
     ap.add_argument("--batch", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--prompt-tokens", type=int, default=5888)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--decode-sms", nargs="+", type=int, help="decode on a disjoint green partition of D SMs, per D")
+    ap.add_argument("--decode-kernels", default="cublas", help="run.decode_kernels: cublas, rollplex, rollplex_pdl")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    bad = [w for w in args.ways if not (w == "stream" or (w.split(":")[0] in ("green", "mps") and ":" in w))]
+    bad = [w for w in args.ways if not (w in ("stream", "rest") or (w.split(":")[0] in ("green", "mps") and ":" in w))]
     if bad:
-        sys.exit(f"share_efficiency: unknown ways {bad}: use stream, green:P or mps:P")
+        sys.exit(f"share_efficiency: unknown ways {bad}: use stream, rest, green:P or mps:P")
+    if "rest" in args.ways and args.decode_sms is None:
+        sys.exit("share_efficiency: the way rest is the partition beside --decode-sms D: give D")
     daemon = start_mps(args.self_percent) if any(w.startswith("mps:") for w in args.ways) else None
     if not torch.cuda.is_available():
         sys.exit("share_efficiency: needs a CUDA GPU")
     sys.path.insert(0, str(Path(__file__).parent))
-    from decode import captured
-
+    from rollplex.kernels import tiles
     from rollplex.models.config import load_model_config
     from rollplex.models.model import Qwen2_5_VL
-    from rollplex.rollout.weights import CUBLAS
+    from rollplex.rollout.weights import BY_NAME
 
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
@@ -199,26 +279,22 @@ def main() -> None:
     if daemon is not None and args.self_percent is not None:  # this process is capped: an uncapped child's rate
         proc, parent, whole = mps_neighbour("100")
         parent.send("go"), parent.send("stop"), parent.recv(), proc.join(30)
-    rows, keep = [], []
-    for batch in args.batch:
-        engine = captured(model, batch, args.prompt_tokens, args.tokens, CUBLAS)
-        graph, step = engine.graphs.graphs[batch], engine.graphs.step
-        start_at = args.tokens // 2
-        _, warm_ms = decode_window(graph, step, start_at, 20)
-        steps = max(20, int(WINDOW_S * 1e3 / (warm_ms / 20)))
-        _, alone_window = decode_window(graph, step, start_at, steps)
-        for way in args.ways:
-            try:
-                row = {"batch": batch, **measure(way, graph, step, start_at, steps, alone_window / steps, whole, keep)}
-            except Exception as error:  # e.g. a green context inside an MPS client: recorded, not fatal
-                row = {"batch": batch, "way": way, "error": " ".join(str(error).split())[:300]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del engine
-        torch.cuda.empty_cache()
+    rows, keep, planned = [], [], tiles.sm_count
+    for requested in args.decode_sms or [None]:
+        split, split_sms = None, None
+        if requested is not None:
+            decode_stream, rest_stream, decode_sms, rest_sms = disjoint_streams(requested)
+            split, split_sms = (decode_stream, rest_stream), (decode_sms, rest_sms)
+            keep.append(split)
+            # our GEMMs plan their waves for decode's partition (a bench-only override, read at capture)
+            tiles.sm_count = lambda device, n=decode_sms: n if device.type == "cuda" else planned(device)
+        for batch in args.batch:
+            rows += measure_batch(args, model, batch, whole, keep, split, split_sms, BY_NAME[args.decode_kernels])
+        tiles.sm_count = planned
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-        "mps_self_percent": args.self_percent if daemon else None,
+        "mps_self_percent": args.self_percent if daemon else None, "decode_kernels": args.decode_kernels,
+        "decode_sms_requested": args.decode_sms,
         "command": "python bench/share_efficiency.py " + " ".join(sys.argv[1:]), "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +302,9 @@ def main() -> None:
     print(f"\n{'batch':>5} {'way':>10} {'alone ms':>8} {'beside ms':>9} {'slowdown':>8} {'nb TF/s':>7} "
           f"{'whole':>6} {'beside':>6} {'kept':>6}")  # fmt: skip
     for r in rows:
+        if "partition_sms" in r:
+            print(f"{r['batch']:>5} decode on {r['partition_sms'][0]} SMs alone: {r['decode_partition_ms']:.3f} ms, "
+                  f"neighbour on {r['partition_sms'][1]}")  # fmt: skip
         if "error" in r:
             print(f"{r['batch']:>5} {r['way']:>10} error: {r['error']}")
             continue

@@ -5,13 +5,16 @@ A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, th
 
 Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of
 the columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one
-wave (the widest tile on a tie), K split only where every part reads at least DECODE_SPLIT_MIN_K rows; 16- or
-64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest pipeline that
-fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with grouped ordering
-so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles fill whole waves
-as they are and the rows left over with narrower N tiles (and, if that is not enough, K split) so that they
-fill one more wave instead of a fraction of one. The rules follow an H200 sweep of Qwen2.5-VL 3B/7B shapes at
-TP 1 and 2 (`bench/gemm_layouts.py --sweep`; bench/results/README.md).
+wave, K split only where every part reads at least DECODE_SPLIT_MIN_K rows. On a tie it takes the widest tile,
+except for a W stored [K, N] (N contiguous, `n_contiguous`) with K <= SHORT_K, where it takes the fewest K parts
+among tiles at least 32 wide: there the partials and their sum cost more than a wider tile gains (7B o_proj,
+3584 x 3584: 32 wide unsplit 10.0 us against 64 wide in two parts 11.3 us at 64 rows, session 13's sweep).
+16- or 64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest
+pipeline that fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with
+grouped ordering so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles
+fill whole waves as they are and the rows left over with narrower N tiles (and, if that is not enough, K split)
+so that they fill one more wave instead of a fraction of one. The rules follow H200 sweeps of Qwen2.5-VL 3B/7B
+shapes at TP 1 and 2 (`bench/gemm_layouts.py --sweep`; bench/results/README.md).
 
 A K split writes each part's fp32 partial product to a buffer of its own, and `sum_splits` adds them in split
 order: the result does not depend on which program finished first (no atomics), so a product replays bitwise
@@ -35,6 +38,7 @@ DECODE_SPLIT_MIN_K = 1536  # K rows each part of a decode split reads: shorter p
 MAX_SPLIT = 8
 MIN_TAIL_BLOCK_N = 64  # the narrowest N tile a prefill tail takes before it splits K instead
 MIN_BLOCKS_PER_SPLIT = 8  # K tiles each part of a prefill tail's split keeps
+SHORT_K = 4096  # an N-contiguous W with K up to this prefers unsplit tiles on a tie (see the module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +57,16 @@ class Tiles:
         assert self.split_k is None or self.split_k >= 1, f"split_k must be None or >= 1, got {self}"
 
 
-PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# 4 stages (192 KiB of shared memory): +5 % on 3B TP-2 QKV, +3 % on 7B TP-2 QKV against 3 (session 13's sweep)
+PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
 
 
-def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0, num_sms: int = NUM_SMS_H200) -> Tiles:
+def pick_tiles(
+    num_rows: int, num_cols: int, num_inner: int = 0, num_sms: int = NUM_SMS_H200, n_contiguous: bool = False
+) -> Tiles:
     """The tile for an [num_rows, num_inner] x [num_inner, num_cols] product: PREFILL above DECODE_MAX_M rows,
-    else the decode tile of the module docstring (K unsplit when `num_inner` is not given)."""
+    else the decode tile of the module docstring (K unsplit when `num_inner` is not given). n_contiguous: W is
+    stored [K, N] with N contiguous (a row-parallel slab), which changes the tie-break."""
     if num_rows > DECODE_MAX_M:
         return PREFILL
     block_m = 16 if num_rows <= 16 else 64
@@ -68,7 +76,11 @@ def pick_tiles(num_rows: int, num_cols: int, num_inner: int = 0, num_sms: int = 
     fits = [
         (n, k) for n in (16, 32, 64) for k in range(1, MAX_SPLIT + 1) if programs(n, k) <= num_sms and long_enough(k)
     ]
-    block_n, split = max(fits, key=lambda f: (programs(*f), f[0])) if fits else (64, 1)
+    if n_contiguous and num_inner <= SHORT_K:
+        tie = lambda f: (programs(*f), f[0] >= 32, -f[1], f[0])  # noqa: E731
+    else:
+        tie = lambda f: (programs(*f), f[0])  # noqa: E731
+    block_n, split = max(fits, key=tie) if fits else (64, 1)
     stage_bytes = (block_m + block_n) * block_k * 2  # one bf16 tile of x and one of W
     stages = next(s for s in (6, 4, 3, 2) if s * stage_bytes <= SHARED_BYTES)
     return Tiles(block_m, block_n, block_k, num_warps=4, num_stages=stages, split_k=split)
@@ -148,14 +160,22 @@ def shortest_part(num_inner: int, split: int, block_k: int) -> int:
 
 
 def launch_in_parts(
-    x: torch.Tensor, y: torch.Tensor, tiles: Tiles | None, num_sms: int | None, launch: Callable, pdl: bool = False
+    x: torch.Tensor,
+    y: torch.Tensor,
+    tiles: Tiles | None,
+    num_sms: int | None,
+    launch: Callable,
+    pdl: bool = False,
+    n_contiguous: bool = False,
 ) -> torch.Tensor:
     """Fills y [M, N] = a product of x [M, K]: `launch(rows, out, partials, tiles)` per part of `wave_parts` (rows
     and out that part's row slices of x and y; partials [split, rows, N] fp32 where tiles.split_k > 1, else out),
-    then the split's sum. Tiles: `tiles`, or `pick_tiles`' for `num_sms` (default: the device's) SMs."""
+    then the split's sum. Tiles: `tiles`, or `pick_tiles`' for `num_sms` (default: the device's) SMs and W's
+    layout (`n_contiguous`)."""
     (m, k), n = x.shape, y.shape[1]
     num_sms = sm_count(x.device) if num_sms is None else num_sms
-    for first, end, t in wave_parts(m, n, k, tiles or pick_tiles(m, n, k, num_sms), num_sms) if m else []:
+    picked = tiles or pick_tiles(m, n, k, num_sms, n_contiguous)
+    for first, end, t in wave_parts(m, n, k, picked, num_sms) if m else []:
         out = y[first:end]
         partials = out.new_empty(t.split_k, end - first, n, dtype=torch.float32) if t.split_k > 1 else out
         launch(x[first:end], out, partials, t)

@@ -139,4 +139,5 @@ def _product(
             num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
         )  # fmt: skip
 
-    return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch, pdl)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return launch_in_parts(x, y, tiles, num_sms, launch, pdl, n_contiguous=strides[1] == 1)

@@ -46,6 +46,21 @@ def test_decode_tiles_give_the_most_programs_within_one_wave():
         assert triton.cdiv(num_cols, t.block_n) * t.split_k <= NUM_SMS_H200
 
 
+def test_an_n_contiguous_weight_with_short_k_takes_the_fewest_k_parts_on_a_tie():
+    # 3584 x 3584 stored [K, N] (a row-parallel slab): 32 wide unsplit and 64 wide in two parts are both 112
+    # programs; the sweep measured the unsplit faster at every row count. K-contiguous (HF's [O, I], the QKV
+    # kernel) and long K keep the widest tile; a tie never falls to 16 wide when 32 ties too.
+    def pick(rows, num_cols, num_inner, n_contiguous):
+        t = pick_tiles(rows, num_cols, num_inner, n_contiguous=n_contiguous)
+        return t.block_n, t.split_k
+
+    for rows in (1, 8, 32, 64):
+        assert pick(rows, 3584, 3584, True) == (32, 1)
+        assert pick(rows, 3584, 3584, False) == (64, 2)
+        assert pick(rows, 3584, 18944, True) == pick(rows, 3584, 18944, False) == (64, 2)
+    assert pick(8, 2048, 5504, True) == (32, 2)  # (16, 1) ties at 128 programs too
+
+
 def test_decode_splits_k_only_where_every_part_reads_enough_rows():
     assert pick_tiles(1, 2048, 2048).split_k == 1  # 2 x 1024 rows: the partials' sum costs more than it gains
     assert pick_tiles(1, 2048).split_k == 1  # K unknown: never split
