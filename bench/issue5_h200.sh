@@ -123,8 +123,10 @@ case "$STAGE" in
     timeout 120 python3 bench/share_efficiency.py --self-percent 70 --ways mps:100 mps:50 --batch 32 \
       --out "$OUT/share_mps_self70_3b_h200.json" 2>&1 | quiet | tail -4 ;;
   split)  # decode on a disjoint green partition of D SMs (our GEMMs planned for D), the neighbour on the rest
-    timeout "${SPLIT_TIMEOUT:-220}" python3 bench/share_efficiency.py --decode-sms 96 64 48 --decode-kernels rollplex \
-      --ways rest --out "$OUT/share_split_rollplex_3b_h200.json" 2>&1 | quiet | tail -16 ;;
+    timeout "${SPLIT_TIMEOUT:-220}" python3 -X faulthandler bench/share_efficiency.py --decode-sms 96 64 48 \
+      --decode-kernels "${SPLIT_KERNELS:-rollplex}" --ways rest --out "$OUT/share_split_3b_h200.json" \
+      > "$OUT/split_full.log" 2>&1
+    echo "share_efficiency exit $?"; quiet < "$OUT/split_full.log" | tail -20 ;;
   naive7b)
     timeout 300 python3 bench/naive_oom.py specs/qwen2_5_vl_7b_h200.yaml --out "$OUT/naive_oom_7b_h200.json" 2>&1 \
       | quiet | tail -20 ;;

@@ -83,6 +83,7 @@ def disjoint_streams(decode_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Str
         return values[0] if len(values) == 1 else values
 
     torch.cuda.init()
+    print(f"splitting the device: {decode_sms} SMs for decode", file=sys.stderr, flush=True)
     device = check(driver.cuDeviceGet(torch.cuda.current_device()))
     whole = check(driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
     groups, _, rest = check(driver.cuDevSmResourceSplitByCount(1, whole, 0, decode_sms))
@@ -94,6 +95,7 @@ def disjoint_streams(decode_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Str
         )
         raw = check(driver.cuGreenCtxStreamCreate(context, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
         streams.append(torch.cuda.ExternalStream(int(raw.getPtr()) if hasattr(raw, "getPtr") else int(raw)))
+    print(f"split: {groups[0].sm.smCount} + {rest.sm.smCount} SMs", file=sys.stderr, flush=True)
     return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
 
 
@@ -221,6 +223,7 @@ def measure_batch(args, model, batch: int, whole: float, keep: list, split, spli
     _, alone_window = decode_window(graph, step, start_at, steps)
     extra = {}
     if split is not None:
+        print(f"batch {batch}: decode alone on its partition", file=sys.stderr, flush=True)
         _, part_window = decode_window(graph, step, start_at, steps, split[0])
         extra = {"decode_partition_ms": round(part_window / steps, 4), "partition_sms": split_sms}
     rows = []

@@ -5,10 +5,13 @@ A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, th
 
 Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of
 the columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one
-wave, K split only where every part reads at least DECODE_SPLIT_MIN_K rows. On a tie it takes the widest tile,
-except for a W stored [K, N] (N contiguous, `n_contiguous`) with K <= SHORT_K, where it takes the fewest K parts
-among tiles at least 32 wide: there the partials and their sum cost more than a wider tile gains (7B o_proj,
-3584 x 3584: 32 wide unsplit 10.0 us against 64 wide in two parts 11.3 us at 64 rows, session 13's sweep).
+wave, K split only where every part reads at least DECODE_SPLIT_MIN_K rows, or SHORT_SPLIT_MIN_K for a
+K-contiguous W (HF's [O, I], the fused QKV) where that gives strictly more programs (7B TP-2 QKV, 2304 x 3584:
+64 wide in three parts of 1280/1280/1024 rows, 108 programs, 9.5 against 10.0 us for two parts at 64 rows).
+On a tie it takes the widest tile, except for a W stored [K, N] (N contiguous, `n_contiguous`) with K <=
+SHORT_K, where it takes the fewest K parts among tiles at least 32 wide: there the partials and their sum cost
+more than a wider tile gains (7B o_proj, 3584 x 3584: 32 wide unsplit 10.0 us against 64 wide in two parts 11.3
+us at 64 rows, session 13's sweep).
 16- or 64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest
 pipeline that fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with
 grouped ordering so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles
@@ -39,6 +42,7 @@ MAX_SPLIT = 8
 MIN_TAIL_BLOCK_N = 64  # the narrowest N tile a prefill tail takes before it splits K instead
 MIN_BLOCKS_PER_SPLIT = 8  # K tiles each part of a prefill tail's split keeps
 SHORT_K = 4096  # an N-contiguous W with K up to this prefers unsplit tiles on a tie (see the module docstring)
+SHORT_SPLIT_MIN_K = 1024  # a K-contiguous W's parts may be this short where that gives more programs
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +76,16 @@ def pick_tiles(
     block_m = 16 if num_rows <= 16 else 64
     block_k = 256 if block_m == 16 else 128
     programs = lambda n, k: triton.cdiv(num_cols, n) * k  # noqa: E731
-    long_enough = lambda k: k == 1 or shortest_part(num_inner, k, block_k) >= DECODE_SPLIT_MIN_K  # noqa: E731
-    fits = [
-        (n, k) for n in (16, 32, 64) for k in range(1, MAX_SPLIT + 1) if programs(n, k) <= num_sms and long_enough(k)
-    ]
+
+    def fitting(min_k: int) -> list[tuple[int, int]]:
+        """(N tile, K parts) within one wave whose parts read at least min_k rows each."""
+        splits = [k for k in range(1, MAX_SPLIT + 1) if k == 1 or shortest_part(num_inner, k, block_k) >= min_k]
+        return [(n, k) for n in (16, 32, 64) for k in splits if programs(n, k) <= num_sms]
+
+    fits = fitting(DECODE_SPLIT_MIN_K)
+    shorter = [] if n_contiguous else fitting(SHORT_SPLIT_MIN_K)
+    if shorter and max(programs(*f) for f in shorter) > max((programs(*f) for f in fits), default=0):
+        fits = shorter  # a K-contiguous W: parts of 1024+ rows where they give strictly more programs
     if n_contiguous and num_inner <= SHORT_K:
         tie = lambda f: (programs(*f), f[0] >= 32, -f[1], f[0])  # noqa: E731
     else:

@@ -20,6 +20,7 @@ from rollplex.kernels.tiles import (
     NUM_SMS_H200,
     PREFILL,
     SHARED_BYTES,
+    SHORT_SPLIT_MIN_K,
     Tiles,
     k_per_split,
     pick_tiles,
@@ -37,13 +38,23 @@ def test_decode_rows_get_a_16_row_tile_or_the_64_row_one_that_runs_on_warpgroup_
 
 def test_decode_tiles_give_the_most_programs_within_one_wave():
     # (columns, K) -> (N tile, K split): 2048/16 = 128 programs; 2560/32 = 80 (2560/16 = 160 is two waves);
-    # 4608/64 = 72; K 11008 splits 2048/64 = 32 column tiles 4 ways (128, the widest tile of the ties)
+    # 4608/64 = 72; K 11008 splits 2048/64 = 32 column tiles 4 ways (128, the widest tile of the ties);
+    # 2304/64 = 36 tiles split 3 ways (108) into parts of 1280, 1280 and 1024 rows (K-contiguous: see below)
     cases = {(2048, 2048): (16, 1), (2560, 2048): (32, 1), (4608, 3584): (64, 1), (2048, 11008): (64, 4),
-             (3584, 18944): (64, 2), (1280, 2048): (16, 1), (2304, 3584): (64, 2)}  # fmt: skip
+             (3584, 18944): (64, 2), (1280, 2048): (16, 1), (2304, 3584): (64, 3)}  # fmt: skip
     for (num_cols, num_inner), picked in cases.items():
         t = pick_tiles(1, num_cols, num_inner)
         assert (t.block_n, t.split_k) == picked, (num_cols, num_inner)
         assert triton.cdiv(num_cols, t.block_n) * t.split_k <= NUM_SMS_H200
+
+
+def test_a_k_contiguous_weight_splits_into_shorter_parts_only_for_more_programs():
+    # 2304 x 3584: 1536-row parts allow two (72 programs); 1024-row parts three (108): taken. 2560 x 2048: two
+    # parts of 1024 give 80 programs at 64 wide, no more than 32 wide unsplit: not taken. An N-contiguous
+    # slab keeps the 1536-row rule.
+    assert pick_tiles(64, 2304, 3584).split_k == 3 and pick_tiles(64, 2304, 3584).block_n == 64
+    assert (pick_tiles(64, 2560, 2048).block_n, pick_tiles(64, 2560, 2048).split_k) == (32, 1)
+    assert pick_tiles(64, 2304, 3584, n_contiguous=True).split_k < 3  # (32, 1): the tie of the test below
 
 
 def test_an_n_contiguous_weight_with_short_k_takes_the_fewest_k_parts_on_a_tie():
@@ -68,8 +79,13 @@ def test_decode_splits_k_only_where_every_part_reads_enough_rows():
     assert (t.block_n, t.split_k) == (32, 4)
     for num_rows in (1, 64):
         for num_inner in range(256, 40_000, 128):
-            t = pick_tiles(num_rows, 1024, num_inner)
+            t = pick_tiles(num_rows, 1024, num_inner, n_contiguous=True)
             assert t.split_k == 1 or shortest_part(num_inner, t.split_k, t.block_k) >= DECODE_SPLIT_MIN_K
+            k_contiguous = pick_tiles(num_rows, 1024, num_inner)
+            shortest = shortest_part(num_inner, k_contiguous.split_k, k_contiguous.block_k)
+            assert k_contiguous.split_k == 1 or shortest >= SHORT_SPLIT_MIN_K
+            if k_contiguous.split_k > 1 and shortest < DECODE_SPLIT_MIN_K:  # only for strictly more programs
+                assert k_contiguous.split_k * 1024 // k_contiguous.block_n > t.split_k * 1024 // t.block_n
     assert pick_tiles(1, 1 << 20, 4096) == Tiles(16, 64, 256, num_stages=4, split_k=1)  # more than a wave anyway
 
 
