@@ -94,7 +94,7 @@ def disjoint_streams(decode_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Str
             driver.cuGreenCtxCreate(desc, device, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
         )
         raw = check(driver.cuGreenCtxStreamCreate(context, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
-        streams.append(torch.cuda.ExternalStream(int(raw.getPtr()) if hasattr(raw, "getPtr") else int(raw)))
+        streams.append(torch.cuda.ExternalStream(int(raw)))  # int(): the handle (getPtr() is its address)
     print(f"split: {groups[0].sm.smCount} + {rest.sm.smCount} SMs", file=sys.stderr, flush=True)
     return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
 
