@@ -31,13 +31,16 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 SIDE = 8192
 MATMUL_FLOP = 2 * SIDE**3
 WINDOW_S = 1.5  # decode replays per measurement: about this long
+PENDING = 4  # matmuls an in-process neighbour keeps queued
 
 
 def matrices(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,10 +124,11 @@ class InProcess:
             self.alone_tflops = rate_alone(self.a, self.b, self.c)
         self.events: list[torch.cuda.Event] = []
 
-    def start(self, seconds: float) -> None:
-        count = int(seconds * self.alone_tflops * 1e12 / MATMUL_FLOP) + 1
+    def top_up(self, pending: int = PENDING) -> None:
+        """Keeps `pending` matmuls queued (the host must not enqueue seconds of them ahead: CUDA's launch queue
+        then blocks it until most have run, alone, before the window opens)."""
         with torch.cuda.stream(self.stream):
-            for _ in range(count):
+            while sum(not e.query() for e in self.events[-pending:]) < pending:
                 torch.matmul(self.a, self.b, out=self.c)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
@@ -137,8 +141,9 @@ class InProcess:
         return sum(0 < t <= window_ms for t in times), max(times) >= window_ms
 
 
-def decode_window(graph, step, start_at: int, steps: int, stream=None) -> tuple[torch.cuda.Event, float]:
-    """Replays `steps` decode steps on `stream` (default: the current one); (begin event, window ms)."""
+def decode_window(graph, step, start_at: int, steps: int, stream=None, between=None) -> tuple[torch.cuda.Event, float]:
+    """Replays `steps` decode steps on `stream` (default: the current one), calling `between` after each
+    launch; (begin event, window ms)."""
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -147,6 +152,8 @@ def decode_window(graph, step, start_at: int, steps: int, stream=None) -> tuple[
         begin.record()
         for _ in range(steps):
             graph.replay()
+            if between is not None:
+                between()
         end.record()
     end.synchronize()
     return begin, begin.elapsed_time(end)
@@ -195,9 +202,9 @@ def measure(
     else:
         hog = InProcess(way, rest_stream)
         own_alone = hog.alone_tflops
-        hog.start(2.0 * steps * alone_ms / 1e3 + 0.3)
-        time.sleep(0.05)
-        begin, window_ms = decode_window(graph, step, start_at, steps, decode_stream)
+        hog.top_up()
+        begin, window_ms = decode_window(graph, step, start_at, steps, decode_stream, hog.top_up)
+        hog.top_up()  # still busy as the window closes
         count, covered = hog.completed_in(begin, window_ms)
         neighbour_s = window_ms / 1e3
         keep.append(hog)
@@ -215,7 +222,11 @@ def measure_batch(args, model, batch: int, whole: float, keep: list, split, spli
     """Every way's row at one batch size (decode on `split`'s partition when given)."""
     from decode import captured
 
-    engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
+    # under a split, the decode graphs are captured on decode's partition stream (StepGraphs captures on a
+    # `torch.cuda.Stream()` of its own; a graph captured on the primary context ignores the stream it replays on)
+    on_partition = mock.patch("torch.cuda.Stream", lambda *a, **k: split[0]) if split else nullcontext()
+    with on_partition:
+        engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
     graph, step = engine.graphs.graphs[batch], engine.graphs.step
     start_at = args.tokens // 2
     _, warm_ms = decode_window(graph, step, start_at, 20)
