@@ -1,8 +1,9 @@
 """How much of the GPU decode and a compute-bound neighbour each keep when they share it, per way of sharing.
 
-    python bench/share_efficiency.py --ways stream green:33 green:66 --out bench/results/share_green_3b_h200.json
+    python bench/share_efficiency.py --ways stream green:33 green:66 --out bench/results/share_inprocess_3b_h200.json
     python bench/share_efficiency.py --ways mps:25 mps:50 mps:100 green:66 --out .../share_mps_3b_h200.json
     python bench/share_efficiency.py --self-percent 70 --ways mps:100 --out .../share_mps_self70_3b_h200.json
+    python bench/share_efficiency.py --decode-sms 96 64 --ways rest --out .../share_split_cublas_3b_h200.json
 
 The decode step is the 3B rollout's full-batch CUDA graph (5,888-token prompts, replayed from the middle of a
 2,048-token cache, as `decode_beside.py`); the neighbour stands in for the prefix work: back-to-back bf16
@@ -17,10 +18,12 @@ slicing gives (the serial sum), above it the share saves time. Session 12 measur
 green partitions (`decode_beside.py`); this adds what the neighbour got and the MPS ways.
 
 `--decode-sms D` splits the device into two disjoint green contexts (cuDevSmResourceSplitByCount through
-cuda.bindings: torch's `GreenContext.create` takes the same first SMs every time, and the primary context,
-where decode runs under the `green` policy, is not partitioned at all): decode replays on a stream of the
-D-SM one, with `--decode-kernels rollplex*` our GEMMs planned for D SMs, and the way `rest` runs the
-neighbour on the other. Its rows also give decode alone on its partition (`decode_partition_ms`).
+cuda.bindings: torch's `GreenContext.create` makes one partition at a time, with no say in which SMs, and the
+primary context, where decode runs under the `green` policy, is not partitioned at all): decode replays on a
+stream of the D-SM one (its graphs captured on that stream: a graph captured on the primary context runs on
+every SM, whatever stream replays it), with `--decode-kernels rollplex*` our GEMMs planned for D SMs, and the way `rest`
+runs the neighbour on the other. Its rows give decode alone on its partition (`decode_partition_ms`), and
+their `kept` is against that; against the whole GPU, take decode alone from a run without a split.
 """
 
 from __future__ import annotations
