@@ -189,3 +189,39 @@ def test_the_pdl_chain_refuses_without_a_hopper_gpu_in_one_line(tmp_path):
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and "pdl_chain: needs" in out.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ways", "bogus"], "unknown ways ['bogus']"),
+        (["--ways", "rest"], "the way rest is the partition beside --decode-sms D"),
+        (["--ways", "stream", "green:33"], "needs a CUDA GPU"),
+    ],
+)
+def test_share_efficiency_refuses_bad_ways_and_a_machine_without_a_gpu_in_one_line(tmp_path, args, message):
+    if torch.cuda.is_available() and message == "needs a CUDA GPU":
+        pytest.skip("checks the refusal on a machine without a GPU")
+    command = [sys.executable, str(ROOT / "bench/share_efficiency.py"), *args, "--out", str(tmp_path / "out.json")]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_gemm_sweep_candidates_fit_in_shared_memory_and_never_leave_a_k_part_empty(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gemm_layouts", ROOT / "bench/gemm_layouts.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gemm_layouts", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    from rollplex.kernels.tiles import SHARED_BYTES, shortest_part
+
+    for model, tp in (("3b", 1), ("7b", 2)):
+        for shape in module.shapes(model, tp):
+            for rows in (1, 32, 64):
+                found = module.candidates(shape, rows, wide=True)
+                assert len(found) == len(set(found)) > 24
+                for t in found:
+                    assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= SHARED_BYTES
+                    assert shortest_part(shape.in_features, t.split_k, t.block_k) > 0
+            prefill = module.candidates(shape, 4096)
+            assert {t.split_k for t in prefill} == {None, 1}  # each tile with the wave plan and as one launch
