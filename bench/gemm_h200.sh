@@ -9,8 +9,6 @@
 #     focus:  the sweep where the picked tiles missed (session 10): 7B decode at 32 and 64 rows, 3B at 64 rows,
 #             and the QKV prefill -> $OUT/gemm_focus_{7b_decode,3b_decode,qkv_prefill}_h200.json
 #     wide:   7B TP-1 QKV decode (32, 64 rows) over warps and K tiles too -> $OUT/gemm_wide_7b_qkv_h200.json
-#     fill:   7B QKV decode tiles whose programs write fewer columns than the tile is wide, so that they fill one
-#             wave (`Tiles.cols`) -> $OUT/gemm_fill_7b_qkv_h200.json
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Each stage prints its table last. Move what comes back into
@@ -51,14 +49,6 @@ case "$STAGE" in
     wait
     timeout 120 python3 bench/gemm_layouts.py --sweep --wide --models 7b --tp 1 --ops qkv --rows 32 64 \
       --out "$OUT/gemm_wide_7b_qkv_h200.json" 2>&1 | tail -4 ;;
-  fill)
-    for i in $(seq 0 15); do
-      timeout 120 python3 bench/gemm_layouts.py --sweep --fill --models 7b --ops qkv --rows 1 8 32 64 \
-        --compile-only --shard "$i/16" > /dev/null 2>&1 &
-    done
-    wait
-    timeout 120 python3 bench/gemm_layouts.py --sweep --fill --models 7b --ops qkv --rows 1 8 32 64 \
-      --out "$OUT/gemm_fill_7b_qkv_h200.json" 2>&1 | tail -12 ;;
   picked)
     for i in $(seq 0 15); do
       timeout 120 python3 bench/gemm_layouts.py --compile-only --shard "$i/16" > /dev/null 2>&1 &

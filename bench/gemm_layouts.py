@@ -54,38 +54,14 @@ def shapes(model: str, tp: int) -> list[Shape]:
     ]
 
 
-def fill_candidates(shape: Shape, num_rows: int, num_sms: int = 132) -> list:
-    """QKV decode tiles that write fewer columns than they are wide (`Tiles.cols`), the width chosen so that the
-    programs (columns over width, times K parts) just fill one wave: widths rounded up to 4 or 8 columns, 1-3
-    K parts."""
-    import triton
-
-    from rollplex.kernels.tiles import SHARED_BYTES, pick_tiles, shortest_part
-
-    if shape.heads is None or num_rows > 64:
-        return []
-    base, found = pick_tiles(num_rows, 1 << 20), []
-    for k, quantum in itertools.product((1, 2, 3), (4, 8)):
-        cols = -(-triton.cdiv(shape.out_features * k, num_sms) // quantum) * quantum
-        block_n = max(16, triton.next_power_of_2(cols))
-        stage = (base.block_m + block_n) * base.block_k * 2
-        stages = next((s for s in (6, 4, 3, 2) if s * stage <= SHARED_BYTES), None)
-        if cols < block_n and stages and shortest_part(shape.in_features, k, base.block_k) > 0:
-            config = replace(base, block_n=block_n, num_stages=stages, split_k=k, cols=cols)
-            found += [config] if config not in found else []
-    return found
-
-
-def candidates(shape: Shape, num_rows: int, wide: bool = False, fill: bool = False):
+def candidates(shape: Shape, num_rows: int, wide: bool = False):
     """Tile configs the sweep tries besides the picked one. Decode: each column tile width (16-128) times K
     unsplit or split 2, 3, 4 or 8 ways on every row (no part left empty), each with the deepest pipeline that
     fits one program per SM and the deepest that fits two; `wide` adds 8 warps and K tiles of 64 and 256 (for
-    32-128 wide tiles split at most 3 ways); `fill`: only `fill_candidates`. Prefill: other tile shapes and
-    orderings, each with the launcher's wave rule and as one launch."""
+    32-128 wide tiles split at most 3 ways). Prefill: other tile shapes and orderings, each with the
+    launcher's wave rule and as one launch."""
     from rollplex.kernels.tiles import PREFILL, SHARED_BYTES, Tiles, pick_tiles, shortest_part
 
-    if fill:
-        return fill_candidates(shape, num_rows)
     if num_rows > 64:
         shapes = [replace(PREFILL, num_stages=4), replace(PREFILL, group_m=4), replace(PREFILL, group_m=16)]
         shapes += [replace(PREFILL, block_n=128, num_warps=w, num_stages=4) for w in (4, 8)]
@@ -169,17 +145,17 @@ def time_us(calls: list[Callable], min_ms: float = 30.0) -> float:
         replays *= 4
 
 
-def compile_only(shape: Shape, num_rows: int, sweep: bool, wide: bool = False, fill: bool = False) -> None:
+def compile_only(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> None:
     """Runs every tile config once: fills triton's on-disk cache, so that parallel `--compile-only --shard`
     processes can compile what one timing process then only times."""
     kernel, _ = operands(shape, num_rows)
     kernel()
-    for tiles in candidates(shape, num_rows, wide, fill) if sweep else []:
+    for tiles in candidates(shape, num_rows, wide) if sweep else []:
         kernel(tiles)
     torch.cuda.synchronize()
 
 
-def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False, fill: bool = False) -> dict:
+def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> dict:
     from rollplex.kernels.tiles import pick_tiles, sm_count, wave_parts
 
     pairs = [operands(shape, num_rows) for _ in range(weight_copies(shape))]
@@ -198,7 +174,7 @@ def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False, fill: 
            "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked), "parts": parts,
            "copies": len(pairs)}  # fmt: skip
     if sweep:
-        swept = candidates(shape, num_rows, wide, fill)
+        swept = candidates(shape, num_rows, wide)
         for t in swept:  # a config timed and never checked could set a picking rule
             torch.testing.assert_close(kernels[0](t).float(), expected, atol=3e-2, rtol=2e-2)
         timed = [(time_us([lambda k=k, t=t: k(t) for k in kernels]), t) for t in swept]
@@ -228,7 +204,6 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", default=["o_proj", "down_proj", "qkv"], choices=["o_proj", "down_proj", "qkv"])
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     p.add_argument("--wide", action="store_true", help="with --sweep: decode also over warps and K tile sizes")
-    p.add_argument("--fill", action="store_true", help="with --sweep: only QKV decode tiles that fill one wave")
     p.add_argument("--compile-only", action="store_true", help="only compile (warm triton's cache); no --out")
     p.add_argument("--shard", default="0/1", help="I/N: only every N-th (shape, rows) case from the I-th")
     args = p.parse_args()
@@ -243,9 +218,9 @@ def main() -> None:
     cases = cases[first::every]
     if args.compile_only:
         for s, m in cases:
-            compile_only(s, m, args.sweep, args.wide, args.fill)
+            compile_only(s, m, args.sweep, args.wide)
         return
-    results = [measure(s, m, args.sweep, args.wide, args.fill) for s, m in cases]
+    results = [measure(s, m, args.sweep, args.wide) for s, m in cases]
     print_table(results)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,7 @@ rows each, `rollplex.memory.sharing.qkv_megatron`); the rollout attention wants 
 with columns [all q | all k | all v] (`qkv_vllm`). Each program computes, for its output column tile, which
 stored rows to load (the closed form of `qkv_layout.grouped_rows`), so the permuted weight never exists.
 The bias is stored like the weight and read through the same index. A launch follows `tiles.wave_parts` (as in
-`transposed_gemm`); in a K split the first part adds the bias. A program may write fewer columns than its tile
-is wide (`Tiles.cols`: the last lanes masked, their W rows never read), so that a wave can be filled with tiles
-of any width. Does not split heads or apply rope.
+`transposed_gemm`); in a K split the first part adds the bias. Does not split heads or apply rope.
 """
 
 from __future__ import annotations
@@ -64,14 +62,11 @@ def qkv_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per output tile along K (axis 1 of the grid)
     K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K (K rounded up to one when SPLIT_K == 1)
-    COLS: tl.constexpr,  # output columns per program, <= BLOCK_N (fewer: the tile's last lanes are masked)
 ):
     N: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    pid_m, pid_n = tile_position(M, N, BLOCK_M, COLS, GROUP_M)
+    pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lanes = tl.arange(0, BLOCK_N)
-    cols = pid_n * COLS + lanes
-    col_ok = (lanes < COLS) & (cols < N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     src = stored_rows(cols, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_REP)  # [BLOCK_N] rows of W to read
     first = tl.program_id(1) * K_SPLIT
     ks = tl.arange(0, BLOCK_K)
@@ -79,20 +74,20 @@ def qkv_gemm_kernel(
     w_tile = w_ptr + src[None, :].to(tl.int64) * K + (first + ks)[:, None]  # [BLOCK_K, BLOCK_N]: W[src]^T
     acc = zero_tile(BLOCK_M, BLOCK_N)
     for k0 in range(0, K_SPLIT, BLOCK_K):
-        if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0 and COLS == BLOCK_N:  # compile-time: the row mask only
+        if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
             a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
             b = tl.load(w_tile)
         else:
             left = K - first - k0
             a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
-            b = tl.load(w_tile, mask=(ks[:, None] < left) & col_ok[None, :], other=0.0)
+            b = tl.load(w_tile, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
     if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
-        bias = tl.load(b_ptr + src, mask=col_ok, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + src, mask=cols < N, other=0.0).to(tl.float32)
         acc += bias[None, :] * (tl.program_id(1) == 0).to(tl.float32)
-    inside = (rows[:, None] < M) & col_ok[None, :]
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
     else:
@@ -128,7 +123,7 @@ def qkv_grouped_from_megatron(
         qkv_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
             rows, w, w if bias is None else bias, out, partials, rows.shape[0], k, num_heads, num_kv_heads, head_dim,
             kv_replicas, bias is not None, t.block_m, t.block_n, t.block_k, t.group_m, t.split_k,
-            k_per_split(k, t.split_k, t), t.width, num_warps=t.num_warps, num_stages=t.num_stages,
+            k_per_split(k, t.split_k, t), num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
 
     return launch_in_parts(x, torch.empty(m, n, dtype=x.dtype, device=x.device), tiles, num_sms, launch)

@@ -54,18 +54,11 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int | None = None  # None: `wave_parts` plans the launch; n: every row with K cut n ways
-    cols: int | None = None  # output columns a program writes, when fewer than block_n (the last lanes masked)
 
     def __post_init__(self) -> None:
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"tile sides must be powers of two >= 16 (tl.dot), got {self}"
         assert self.split_k is None or self.split_k >= 1, f"split_k must be None or >= 1, got {self}"
-        assert self.cols is None or 1 <= self.cols < self.block_n, f"cols must be None or below block_n: {self}"
-
-    @property
-    def width(self) -> int:
-        """Output columns per program."""
-        return self.block_n if self.cols is None else self.cols
 
 
 # 4 stages (192 KiB of shared memory): +5 % on 3B TP-2 QKV, +3 % on 7B TP-2 QKV against 3 (session 13's sweep)
@@ -125,7 +118,7 @@ def zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 def num_programs(num_rows: int, num_cols: int, tiles: Tiles) -> int:
-    return triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.width)
+    return triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.block_n)
 
 
 def sm_count(device: torch.device) -> int:
@@ -142,7 +135,6 @@ def wave_parts(
     MIN_BLOCKS_PER_SPLIT K tiles deep); one launch when that changes nothing."""
     if tiles.split_k is not None:
         return [(0, num_rows, tiles)]
-    assert tiles.cols is None, f"a wave plan narrows whole tiles: give tiles with cols a split_k, not {tiles}"
     whole_tiles = replace(tiles, split_k=1)
     row_tiles, col_tiles = triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n)
     whole = (row_tiles * col_tiles // num_sms) * num_sms // col_tiles  # row tiles in full waves

@@ -133,7 +133,6 @@ def _product(
     (m, k), n = x.shape, s.shape[1]
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
-        assert t.cols is None, f"the transposed GEMM writes whole tiles, not {t.cols} of {t.block_n} columns"
         transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
             rows, s, s if bias is None else bias, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k,
             t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None,

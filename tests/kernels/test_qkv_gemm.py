@@ -47,32 +47,6 @@ def test_picked_tiles_wider_than_a_head_give_the_grouped_projection(num_rows):
     assert_matches(qkv_grouped_from_megatron(x, w, b, 8, 2, 16), reference(x, w, b, 8, 2, 16))
 
 
-@pytest.mark.parametrize(
-    "tiles",
-    [
-        Tiles(16, 16, 32, split_k=1, cols=12),
-        Tiles(16, 32, 32, split_k=2, cols=20),
-        Tiles(16, 64, 32, split_k=1, cols=40),
-    ],
-    ids=["12-of-16", "20-of-32-split", "40-of-64"],
-)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 16), (6, 3, 32)])
-def test_programs_writing_fewer_columns_than_their_tile_give_the_grouped_projection(
-    tiles, num_heads, num_kv_heads, head_dim
-):
-    w, b = stored(num_heads, num_kv_heads, head_dim)
-    x = random(19, HIDDEN, seed=16)
-    y = qkv_grouped_from_megatron(x, w, b, num_heads, num_kv_heads, head_dim, tiles=tiles)
-    assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, head_dim))
-
-
-def test_tiles_cannot_write_more_columns_than_they_are_wide_nor_be_narrowed_by_a_wave_plan():
-    with pytest.raises(AssertionError, match="cols must be"):
-        Tiles(16, 16, 32, cols=16)
-    with pytest.raises(AssertionError, match="a wave plan narrows whole tiles"):
-        wave_parts(4096, 1280, 2048, Tiles(128, 256, 64, cols=200), 132)
-
-
 def test_bound_shards_that_repeat_a_kv_head_read_its_first_copy():
     w, b = stored(8, 1, 16, kv_replicas=4)  # 4 training shards of one KV head each, bound into one rollout shard
     x = random(21, HIDDEN, seed=15)
