@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 6's layout GEMMs on one H200, one stage per device call:
 #
-#   bash bench/gemm_h200.sh tests | sweep | picked | focus
+#   bash bench/gemm_h200.sh tests | sweep | picked | focus | wide
 #     tests:  the kernels' GPU tests (tests/kernels -m gpu) -> $OUT/kernels_gpu_tests.log
 #     sweep:  bench/gemm_layouts.py --sweep (every shape, the picked tiles and the swept ones; compiled first in
 #             16 parallel processes) -> $OUT/gemm_sweep_h200.json

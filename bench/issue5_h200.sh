@@ -4,7 +4,7 @@
 #   bash bench/issue5_h200.sh STAGE
 #     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
-#     | run7b [ALLOC_CONF] | share | split
+#     | run7b [ALLOC_CONF] | share | inprocess | split (SPLIT_SMS, SPLIT_KERNELS, SPLIT_TIMEOUT)
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping

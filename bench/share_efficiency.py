@@ -177,6 +177,14 @@ def mps_neighbour(percent: str):
     return proc, parent, parent.recv()
 
 
+def stop_neighbour(proc, parent) -> list[float]:
+    """Stops a running `mps:P` neighbour; the host times of its completed matmuls."""
+    parent.send("stop")
+    done = parent.recv()
+    proc.join(30)
+    return done
+
+
 def measure(
     way: str,
     graph,
@@ -200,9 +208,7 @@ def measure(
         t0 = time.perf_counter()
         _, window_ms = decode_window(graph, step, start_at, steps, decode_stream)
         t1 = time.perf_counter()
-        parent.send("stop")
-        done = parent.recv()
-        proc.join(30)
+        done = stop_neighbour(proc, parent)
         count, covered = sum(t0 < t <= t1 for t in done), bool(done) and done[-1] >= t1
         neighbour_s = t1 - t0
     else:
@@ -298,7 +304,8 @@ def main() -> None:
     whole = rate_alone(*matrices(3))
     if daemon is not None and args.self_percent is not None:  # this process is capped: an uncapped child's rate
         proc, parent, whole = mps_neighbour("100")
-        parent.send("go"), parent.send("stop"), parent.recv(), proc.join(30)
+        parent.send("go")
+        stop_neighbour(proc, parent)
     rows, keep, planned = [], [], tiles.sm_count
     for requested in args.decode_sms or [None]:
         split, split_sms = None, None
