@@ -4,12 +4,13 @@
 #
 #   bash bench/decode_h200.sh
 #
-# 1. the GPU tests of the decode path: our GEMMs (`linear`), dependent launches changing no rollout
-# 2. for cublas, rollplex (our GEMMs) and rollplex_pdl (those and our other decode kernels launched as programmatic
-#    dependents): bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the
-#    rollout's shapes (5,888-token prompts, a 2,048-token cache, batch 32, 64)
-# 3. bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix on 33 or 66
-#    SMs, under each setting
+# 1. the GPU tests of the decode path: our GEMMs (`linear`, the fused variants), dependent launches and fused
+#    kernels changing no rollout
+# 2. for each setting of SETTINGS (default: cublas, rollplex_pdl and rollplex_fused, the run.decode_kernels names):
+#    bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the rollout's shapes
+#    (5,888-token prompts, a 2,048-token cache, batch 32, 64)
+# 3. with BESIDE=1, bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix
+#    on 33 or 66 SMs, under each setting
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Every file goes into $OUT/decode_h200.tgz (the device returns 8
@@ -22,18 +23,22 @@ export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
 R=$(mktemp -d)
 trap 'tar czf "$OUT/decode_h200.tgz" -C "$R" .' EXIT
-SETTINGS="cublas rollplex rollplex_pdl"
+SETTINGS=${SETTINGS:-cublas rollplex_pdl rollplex_fused}
 # compile first, in parallel (triton compiles on the host; a cold cache would eat the timed runs' time limits)
-for k in rollplex rollplex_pdl; do
+for k in $SETTINGS; do
+  [ "$k" = cublas ] && continue
   timeout 240 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 --steps 2 \
     --kernels $k > /dev/null 2>&1 &
   timeout 240 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 --kernels $k \
     > /dev/null 2>&1 &
 done
-timeout 240 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 --capture-only > /dev/null 2>&1 &
+[ "${BESIDE:-0}" = 1 ] && timeout 240 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 \
+  --capture-only > /dev/null 2>&1 &
 timeout 150 python3 -m pytest -q -m gpu tests/rollout/test_engine.py tests/kernels/test_transposed_gemm.py --tb=short -rfEs \
   > "$R/decode_gpu_tests.log" 2>&1
 tests=$?
+timeout 60 python3 -m pytest -q tests/kernels/test_decode_ops.py --tb=short -rfEs >> "$R/decode_gpu_tests.log" 2>&1 \
+  || tests=1  # not marked gpu: on a GPU they run in bf16
 tail -3 "$R/decode_gpu_tests.log"
 wait
 for k in $SETTINGS; do
@@ -42,10 +47,12 @@ for k in $SETTINGS; do
   timeout 90 python3 bench/decode_profile.py --model 3b --batch 32 64 --prompt-tokens 5888 --tokens 2048 --kernels $k \
     --out "$R/decode_profile_3b_r2048_h200_$k.json" > "$R/decode_profile_$k.log" 2>&1 || echo "decode_profile.py $k failed"
 done
-# shellcheck disable=SC2086
-timeout 150 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 --settings $SETTINGS \
-  --out "$R/decode_beside_3b_h200.json" > "$R/decode_beside.log" 2>&1 || echo "decode_beside.py failed"
-tail -14 "$R/decode_beside.log"
+if [ "${BESIDE:-0}" = 1 ]; then
+  # shellcheck disable=SC2086
+  timeout 150 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 --settings $SETTINGS \
+    --out "$R/decode_beside_3b_h200.json" > "$R/decode_beside.log" 2>&1 || echo "decode_beside.py failed"
+  tail -14 "$R/decode_beside.log"
+fi
 python3 - "$R" $SETTINGS <<'EOF2'
 import json, sys
 from pathlib import Path

@@ -10,7 +10,8 @@ zeros, which the kernels read all the same) and times it, then records the same 
 eagerly under torch.profiler. Kernels are labelled by where they fall in the step: the Triton kernels name
 themselves, and a library kernel (cuBLAS, or our GEMM) takes the label of the projection that follows the
 Triton kernel before it (after the input norm: qkv; after the attention's combine: o_proj; after the
-post-attention norm: gate_up; after silu_mul: down; after the final norm: lm_head). Each label gets its
+post-attention norm: gate_up, and down for the second product there, which the fused gate_up leaves; after
+silu_mul: down; after the final norm: lm_head), and a split's sum that of its product. Each label gets its
 microseconds per step, launches per step and, for the projections and attention, the HBM rate of the bytes
 it must read. `gap_us` is the time in the captured graph between one kernel's end and the next one's start.
 """
@@ -34,12 +35,18 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.rollout.weights import DecodeKernels
 
 TRITON = ("add_rms_norm", "rotary_to_cache", "sample_", "partial_kernel", "combine_kernel", "silu_mul")
-AFTER = {"rms_in": "qkv", "combine_kernel": "o_proj", "rms_post": "gate_up", "silu_mul": "down", "rms_final": "lm_head"}
+AFTER = {  # the projections that follow a Triton kernel, in order (fused kernels: gate_up, then down)
+    "rms_in": ("qkv",),
+    "combine_kernel": ("o_proj",),
+    "rms_post": ("gate_up", "down"),
+    "silu_mul": ("down",),
+    "rms_final": ("lm_head",),
+}
 
 
 def label_kernels(names: list[str], num_layers: int) -> list[str]:
     """A label per kernel of whole steps, in launch order (see the module docstring)."""
-    labels, norms, last = [], 0, "embed"
+    labels, norms, last, products = [], 0, "embed", 0
     for name in names:
         triton = next((t for t in TRITON if t in name), None)
         if triton == "add_rms_norm":
@@ -50,8 +57,15 @@ def label_kernels(names: list[str], num_layers: int) -> list[str]:
         elif triton is not None:
             last = triton
             labels.append("sample" if triton == "sample_" else triton.removesuffix("_kernel"))
+        elif "sum_splits" in name and labels:  # a split's sum belongs to the product before it
+            labels.append(labels[-1])
+            continue
         else:
-            labels.append(AFTER.get(last, f"other after {last}"))
+            after = AFTER.get(last)
+            labels.append(after[min(products, len(after) - 1)] if after else f"other after {last}")
+            products += 1
+            continue
+        products = 0
     return labels
 
 

@@ -6,6 +6,9 @@
   position, writes k and v into the row's slot of the response cache at the current step, q into [rows, H, D].
 - `silu_mul`: silu(gate) * up from one packed [gate up] projection, rounded after each op as eager torch does.
 
+`add_rms_norm` and `rotary_to_cache` read the projection before them as parts [S, rows, N]: the fp32 partials of a
+K split, which they add in split order and round to the model dtype as `tiles.sum_splits` would (so the split
+needs no launch of its own: `transposed_gemm.linear_parts`), or one part in the model dtype (any product, [None]).
 Positions and the step come from device tensors, so a captured CUDA graph replays them step after step. Each
 takes `pdl`: launched as a programmatic dependent, it waits for the kernel before it first and lets the next
 one launch once its own stores are issued (`tiles.pdl_options`).
@@ -21,15 +24,27 @@ from rollplex.kernels.tiles import pdl_options
 
 
 @triton.jit
+def summed(ptr, offsets, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """The PARTS parts at ptr + offsets (each part_stride elements after the one before) added in order in fp32,
+    rounded to DTYPE, then widened to fp32 again: the value the unsplit product would hold."""
+    total = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    for part in range(1, PARTS):
+        total += tl.load(ptr + part * part_stride + offsets, mask=mask, other=0.0).to(tl.float32)
+    return total.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def add_rms_norm_kernel(
-    delta_ptr,  # [rows, N] or unused
+    delta_ptr,  # [PARTS, rows, N] or unused
     residual_ptr,  # [rows, N], updated in place
     weight_ptr,  # [N]
     out_ptr,  # [rows, N]
     eps,
+    part_stride,  # rows * N: elements from one part of delta to the next
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    PARTS: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`tiles.pdl_options`)
 ):
     if USE_GDC:
@@ -39,8 +54,8 @@ def add_rms_norm_kernel(
     mask = cols < N
     x = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        delta = tl.load(delta_ptr + row * N + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+        delta = summed(delta_ptr, row * N + cols, mask, part_stride, PARTS, residual_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + delta).to(x.dtype)
         tl.store(residual_ptr + row * N + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
@@ -58,22 +73,24 @@ def add_rms_norm(
     out: torch.Tensor,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype.
-    `pdl`: launched as a programmatic dependent (`tiles.pdl_options`)."""
+    """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype. delta:
+    [rows, N] in that dtype, or parts [S, rows, N] (see the module docstring). `pdl`: launched as a programmatic
+    dependent (`tiles.pdl_options`)."""
     rows, n = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
-    assert delta is None or (delta.shape == residual.shape and delta.is_contiguous())
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
+    parts = None if delta is None else _parts(delta, residual.shape, residual.dtype)
     add_rms_norm_kernel[(rows,)](
-        residual if delta is None else delta, residual, weight, out, eps,
-        N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None, **pdl_options(pdl, out),
+        residual if parts is None else parts, residual, weight, out, eps, rows * n, N=n,
+        BLOCK=triton.next_power_of_2(n), HAS_DELTA=parts is not None, PARTS=1 if parts is None else parts.shape[0],
+        **pdl_options(pdl, out),
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def rotary_to_cache_kernel(
-    qkv_ptr,  # [rows, (H + 2G) * D]: q, k, v of each row side by side (one packed projection)
+    qkv_ptr,  # [PARTS, rows, (H + 2G) * D]: q, k, v of each row side by side (one packed projection)
     cos_ptr,  # [positions, D] fp32
     sin_ptr,  # [positions, D] fp32
     slots_ptr,  # [rows] int64
@@ -82,11 +99,13 @@ def rotary_to_cache_kernel(
     q_out_ptr,  # [rows, H, D]
     k_cache_ptr,  # [SLOTS, G, R, D]
     v_cache_ptr,  # [SLOTS, G, R, D]
+    part_stride,  # rows * (H + 2G) * D: elements from one part of qkv to the next
     H: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
     NUM_SAMPLES: tl.constexpr,
+    PARTS: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
 ):
     if USE_GDC:
@@ -99,16 +118,19 @@ def rotary_to_cache_kernel(
     half = tl.arange(0, D // 2)
     cos = tl.load(cos_ptr + position * D + half)  # both halves of the table are equal
     sin = tl.load(sin_ptr + position * D + half)
-    src = qkv_ptr + (row * (H + 2 * G) + head) * D
+    src = (row * (H + 2 * G) + head) * D  # offset in each part
+    dtype = q_out_ptr.dtype.element_ty
+    everywhere = half < D // 2
     if head < H:
         dst = q_out_ptr + (row * H + head) * D
     else:
         g = head - H
         dst = k_cache_ptr + ((slot * G + g) * R + step) * D
-        v = tl.load(src + G * D + tl.arange(0, D))
-        tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + tl.arange(0, D), v)
-    x1 = tl.load(src + half).to(tl.float32)
-    x2 = tl.load(src + D // 2 + half).to(tl.float32)
+        full = tl.arange(0, D)
+        v = summed(qkv_ptr, src + G * D + full, full < D, part_stride, PARTS, dtype)
+        tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + full, v.to(dtype))
+    x1 = summed(qkv_ptr, src + half, everywhere, part_stride, PARTS, dtype)
+    x2 = summed(qkv_ptr, src + D // 2 + half, everywhere, part_stride, PARTS, dtype)
     tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
     if USE_GDC:
@@ -116,7 +138,7 @@ def rotary_to_cache_kernel(
 
 
 def rotary_to_cache(
-    qkv: torch.Tensor,  # [rows, (H + 2G) * D]
+    qkv: torch.Tensor,  # [rows, (H + 2G) * D], or parts [S, rows, (H + 2G) * D] (see the module docstring)
     cos: torch.Tensor,  # [positions, D] fp32
     sin: torch.Tensor,
     slots: torch.Tensor,  # [rows] int64
@@ -130,14 +152,25 @@ def rotary_to_cache(
 ) -> torch.Tensor:
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
-    assert qkv.shape == (rows, (num_heads + 2 * num_groups) * head_dim), f"qkv {tuple(qkv.shape)}"
-    assert all(t.is_contiguous() for t in (qkv, q_out, k_cache, v_cache, cos, sin))
+    width = (num_heads + 2 * num_groups) * head_dim
+    parts = _parts(qkv, (rows, width), q_out.dtype)
+    assert all(t.is_contiguous() for t in (q_out, k_cache, v_cache, cos, sin))
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
-        qkv, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache,
-        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, **pdl_options(pdl, qkv),
+        parts, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache, rows * width,
+        H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, PARTS=parts.shape[0],
+        **pdl_options(pdl, q_out),
     )  # fmt: skip
     return q_out
+
+
+def _parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """product as parts [S, *shape]: a [*shape] product in `dtype` is one part; fp32 partials must be [S, *shape]."""
+    parts = product[None] if product.dim() == len(shape) else product
+    assert tuple(parts.shape[1:]) == tuple(shape), f"product {tuple(product.shape)}, expected [S, *{tuple(shape)}]"
+    assert parts.is_contiguous(), "the product must be contiguous"
+    assert parts.dtype == (dtype if parts.shape[0] == 1 else torch.float32), f"{parts.shape[0]} parts of {parts.dtype}"
+    return parts
 
 
 @triton.jit

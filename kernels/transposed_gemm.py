@@ -8,21 +8,33 @@ i * S_ROW + o * S_COL for either, bf16 in, fp32 accumulation, bf16 out. A launch
 decode tiles may cut K over several programs (`pick_tiles`), and prefill rows short of a whole wave take
 narrower tiles and, if still short, a K split; each part of a split writes an fp32 partial that `sum_splits`
 adds in order. It does not shard, bind or all-reduce; the caller passes the slab its rank holds.
+
+Two decode variants save the step a launch each (`rollplex.rollout.weights`, fused kernels):
+- `linear_parts` / `matmul_transposed_parts` leave a K split's partials unsummed, for the kernel that reads the
+  product next to add in split order (`rollplex.kernels.decode_ops`), bitwise what `sum_splits` would give it;
+- `gate_up_silu` computes silu(gate) * up of a packed [gate; up] projection: each program accumulates an output
+  tile's gate columns and its up columns side by side and applies the activation before it stores, rounded
+  after each op as `decode_ops.silu_mul` does.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from rollplex.kernels.tiles import (
+    DECODE_MAX_M,
     Tiles,
     check_dtypes,
     k_per_split,
     launch_in_parts,
     num_programs,
     pdl_options,
+    pick_tiles,
+    sm_count,
     tile_position,
     zero_tile,
 )
@@ -48,6 +60,7 @@ def transposed_gemm_kernel(
     S_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
+    PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, output column c from W rows g(c) and g(c) + PAIR (below)
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
@@ -56,21 +69,34 @@ def transposed_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # PAIR > 0: W holds blocks of PAIR gate rows then PAIR up rows; column c's gate row is g(c), its up row g(c) + PAIR
+    w_cols = (cols // PAIR) * (2 * PAIR) + cols % PAIR if PAIR > 0 else cols
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None].to(tl.int64) * K + (first + ks)[None, :]  # [BLOCK_M, BLOCK_K]
-    s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * S_ROW + cols[None, :].to(tl.int64) * S_COL
+    s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * S_ROW + w_cols[None, :].to(tl.int64) * S_COL
     acc = zero_tile(BLOCK_M, BLOCK_N)
+    up = zero_tile(BLOCK_M, BLOCK_N)  # the up columns' sums (PAIR > 0)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         if K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # compile-time: no K or column masks, only the row one
             a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
             b = tl.load(s_tile)
+            if PAIR > 0:
+                b_up = tl.load(s_tile + PAIR * S_COL)
         else:
             left = K - first - k0
             a = tl.load(x_tile, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
             b = tl.load(s_tile, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
+            if PAIR > 0:
+                b_up = tl.load(s_tile + PAIR * S_COL, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
+        if PAIR > 0:
+            up = tl.dot(a, b_up, up)
         x_tile += BLOCK_K
         s_tile += BLOCK_K * S_ROW
+    if PAIR > 0:  # silu(gate) * up, each op rounded to the output dtype as `decode_ops.silu_mul` rounds it
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * up.to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
         bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         acc += bias[None, :] * (tl.program_id(1) == 0).to(tl.float32)
@@ -117,6 +143,97 @@ def linear(
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 
+def linear_parts(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, num_sms: int | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """`linear` left unsummed for the kernel that reads it next: [S, M, O] fp32 partials of a K split (S > 1, in
+    split order, the bias in the first) or [1, M, O] in x's dtype, one launch at decode rows (M <= DECODE_MAX_M;
+    more rows give `linear`'s product as [1, M, O])."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
+    assert w.is_contiguous(), "w must be a contiguous [O, I]"
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
+    return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl)
+
+
+def matmul_transposed_parts(
+    x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """`matmul_transposed` left unsummed (see `linear_parts`)."""
+    assert x.dim() == 2 and s.dim() == 2 and x.shape[1] == s.shape[0], f"x {tuple(x.shape)}, s {tuple(s.shape)}"
+    assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
+    return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl)
+
+
+def gate_up_silu(
+    x: torch.Tensor, w: torch.Tensor, block_rows: int, num_sms: int | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
+    rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
+    -> [M, blocks * block_rows]. The tile is the one `linear` would take for w, half as wide on each half, and K
+    is never split (a program must hold both sums whole before the activation)."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
+    assert w.is_contiguous() and w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
+    _check(x, w)
+    (m, k), n = x.shape, w.shape[0] // 2
+    tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows)
+    return y
+
+
+def gate_up_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> Tiles:
+    """`gate_up_silu`'s tile for num_cols output columns: `pick_tiles`' for the 2 * num_cols rows of W, half as wide
+    (each program reads as many W rows as there), K unsplit."""
+    whole = pick_tiles(num_rows, 2 * num_cols, num_inner, num_sms)
+    return replace(whole, block_n=max(16, whole.block_n // 2), split_k=1)
+
+
+def _check(x: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    assert x.is_contiguous(), "x must be contiguous"
+    assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
+    check_dtypes(x, s, *([] if bias is None else [bias]))
+
+
+def _launch(
+    x: torch.Tensor,
+    s: torch.Tensor,
+    bias: torch.Tensor | None,
+    strides: tuple[int, int],
+    out: torch.Tensor,
+    partials: torch.Tensor,
+    t: Tiles,
+    pdl: bool,
+    pair: int = 0,
+) -> None:
+    """One launch over x's rows: out = x @ s (+ bias), or its split's partials (t.split_k > 1)."""
+    (m, k), n = x.shape, out.shape[-1]
+    transposed_gemm_kernel[(num_programs(m, n, t), t.split_k)](
+        x, s, s if bias is None else bias, out, partials, m, n, k, t.block_m, t.block_n, t.block_k,
+        t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, PAIR=pair,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
+    )  # fmt: skip
+
+
+def _parts(
+    x: torch.Tensor,
+    s: torch.Tensor,
+    bias: torch.Tensor | None,
+    strides: tuple[int, int],
+    num_sms: int | None,
+    pdl: bool,
+) -> torch.Tensor:
+    """x @ s (+ bias) for s [K, N] at `strides`, unsummed (see `linear_parts`)."""
+    (m, k), n = x.shape, s.shape[1]
+    if m > DECODE_MAX_M or m == 0:
+        return _product(x, s, bias, strides, None, num_sms, pdl)[None]
+    _check(x, s, bias)
+    t = pick_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms, n_contiguous=strides[1] == 1)
+    parts = torch.empty(t.split_k, m, n, dtype=x.dtype if t.split_k == 1 else torch.float32, device=x.device)
+    _launch(x, s, bias, strides, parts[0], parts, t, pdl)
+    return parts
+
+
 def _product(
     x: torch.Tensor,
     s: torch.Tensor,
@@ -127,17 +244,10 @@ def _product(
     pdl: bool,
 ) -> torch.Tensor:
     """y = x @ s (+ bias) for s [K, N] at `strides` (see the kernel)."""
-    assert x.is_contiguous(), "x must be contiguous"
-    assert x.device == s.device, f"x on {x.device}, the weight on {s.device}"
-    check_dtypes(x, s, *([] if bias is None else [bias]))
-    (m, k), n = x.shape, s.shape[1]
+    _check(x, s, bias)
+    y = torch.empty(x.shape[0], s.shape[1], dtype=x.dtype, device=x.device)
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
-        transposed_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](
-            rows, s, s if bias is None else bias, out, partials, rows.shape[0], n, k, t.block_m, t.block_n, t.block_k,
-            t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None,
-            num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
-        )  # fmt: skip
+        _launch(rows, s, bias, strides, out, partials, t, pdl)
 
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     return launch_in_parts(x, y, tiles, num_sms, launch, pdl, n_contiguous=strides[1] == 1)

@@ -225,3 +225,19 @@ def test_gemm_sweep_candidates_fit_in_shared_memory_and_never_leave_a_k_part_emp
                     assert shortest_part(shape.in_features, t.split_k, t.block_k) > 0
             prefill = module.candidates(shape, 4096)
             assert {t.split_k for t in prefill} == {None, 1}  # each tile with the wave plan and as one launch
+
+
+def test_the_decode_profile_labels_the_fused_steps_products_and_a_splits_sum_as_its_product(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # decode_profile imports decode from its folder
+    spec = importlib.util.spec_from_file_location("decode_profile", ROOT / "bench/decode_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layer = ["add_rms_norm", "gemm", "sum_splits", "rotary_to_cache", "partial_kernel", "combine_kernel", "gemm"]
+    unfused = [*layer, "sum_splits", "add_rms_norm", "gemm", "silu_mul", "gemm", "sum_splits"]
+    fused = [*layer, "add_rms_norm", "gemm", "gemm"]
+    tail = ["add_rms_norm", "gemm", "sample_partial", "sample_finish"]
+    projections = ["qkv", "o_proj", "gate_up", "down", "lm_head"]
+    for names in (unfused, fused):
+        labels = module.label_kernels([*names, *tail], num_layers=1)
+        assert [x for i, x in enumerate(labels) if x in projections and labels[i - 1] != x] == projections
+    assert module.label_kernels([*unfused, *tail], 1)[1:3] == ["qkv", "qkv"]  # the split's sum: its product's

@@ -118,6 +118,8 @@ def make_remote_rollout(
 
 def check_decode_kernels(kernels: str, device: torch.device) -> None:
     """A SpecError where `run.decode_kernels` cannot run on this GPU (dependent launches need Hopper)."""
-    if kernels == "rollplex_pdl" and torch.cuda.get_device_capability(device)[0] < 9:
+    from rollplex.rollout.weights import BY_NAME
+
+    if BY_NAME[kernels].pdl and torch.cuda.get_device_capability(device)[0] < 9:
         name = torch.cuda.get_device_name(device)
-        raise SpecError("run.decode_kernels", f"rollplex_pdl needs a Hopper or newer GPU, not {name}", "use rollplex")
+        raise SpecError("run.decode_kernels", f"{kernels} needs a Hopper or newer GPU, not {name}", "use rollplex")

@@ -173,7 +173,7 @@ class DecodeStep:
         delta, pdl = None, self.weights[0].kernels.pdl
         for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl)
-            qkv = w.qkv(normed)  # [rows, (H + 2G) D]
+            qkv = w.qkv(normed)  # parts [S, rows, (H + 2G) D]
             rotary_to_cache(
                 qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
                 self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl,
@@ -184,7 +184,7 @@ class DecodeStep:
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl)
-            delta = w.mlp(normed)
+            delta = w.mlp(normed)  # parts [S, rows, hidden], added by the next norm
         add_rms_norm(delta, residual, lm.norm.weight, eps, normed, pdl)
         logits = self._logits(normed, rows)
         self.step += 1

@@ -6,10 +6,14 @@
   else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
 Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
+The projections the step's fused kernels read next (qkv, o_proj, down_proj) come as parts [S, rows, N]
+(`rollplex.kernels.decode_ops`): one part, or with `fused` a K split's partials for that kernel to add.
 `DecodeKernels` picks the kernels. With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs
 through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
-kernel launches while the one before drains. `BY_NAME` maps the spec's `run.decode_kernels` to these.
+kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
+after it and silu inside the gate_up GEMM: four launches fewer per layer. `BY_NAME` maps the spec's
+`run.decode_kernels` to these.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.kernels.decode_ops import silu_mul
-from rollplex.kernels.transposed_gemm import linear, matmul_transposed
+from rollplex.kernels.transposed_gemm import (
+    gate_up_silu,
+    linear,
+    linear_parts,
+    matmul_transposed,
+    matmul_transposed_parts,
+)
 from rollplex.models.decoder import SelfAttention
 from rollplex.models.packing import packed_view
 from rollplex.parallel.group import SINGLE, TPGroup
@@ -34,6 +44,10 @@ class DecodeKernels:
 
     triton_gemm: bool = False  # every projection through our GEMMs
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
+    fused: bool = False  # splits summed by the kernel after them, silu inside the gate_up GEMM (our GEMMs only)
+
+    def __post_init__(self) -> None:
+        assert self.triton_gemm or not self.fused, "fused decode kernels run on our GEMMs: set triton_gemm"
 
 
 CUBLAS = DecodeKernels()  # the default
@@ -41,6 +55,7 @@ BY_NAME = {  # `run.decode_kernels`
     "cublas": CUBLAS,
     "rollplex": DecodeKernels(triton_gemm=True),
     "rollplex_pdl": DecodeKernels(triton_gemm=True, pdl=True),
+    "rollplex_fused": DecodeKernels(triton_gemm=True, pdl=True, fused=True),
 }
 
 
@@ -63,37 +78,46 @@ class LayerWeights:
     kernels: DecodeKernels = CUBLAS
 
     def qkv(self, x: Tensor) -> Tensor:
-        """[rows, (heads + 2 groups) D]: all q, then k, then v."""
+        """Parts [S, rows, (heads + 2 groups) D]: all q, then k, then v."""
         if self.interleaved_groups > 1:
             from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
 
             w, b = self.qkv_weight, self.qkv_bias
-            return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)
+            return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)[None]
+        if self.kernels.fused:
+            return linear_parts(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)
         if self.kernels.triton_gemm:
-            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)
-        return F.linear(x, self.qkv_weight, self.qkv_bias)
+            return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)[None]
+        return F.linear(x, self.qkv_weight, self.qkv_bias)[None]
 
     def out(self, attended: Tensor) -> Tensor:
-        return self._reduce(self._row_parallel(attended, self.o))
+        """Parts [S, rows, hidden] of o_proj."""
+        return self._row_parallel(attended, self.o)
 
     def mlp(self, x: Tensor) -> Tensor:
-        """down(silu(gate) * up) with each [gate; up] block paired through a view of one GEMM's output."""
+        """Parts [S, rows, hidden] of down(silu(gate) * up), each [gate; up] block paired inside the gate_up GEMM
+        (`fused`) or through a view of its output."""
+        if self.kernels.fused:
+            hidden = gate_up_silu(x, self.gate_up, self.gate_up.shape[0] // (2 * self.num_blocks), pdl=self.kernels.pdl)
+            return self._row_parallel(hidden, self.down)
         y = linear(x, self.gate_up, pdl=self.kernels.pdl) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
         out = y.new_empty(rows * self.num_blocks, width // 2)
         hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.kernels.pdl).view(rows, -1)
-        return self._reduce(self._row_parallel(hidden, self.down))
+        return self._row_parallel(hidden, self.down)
 
     def _row_parallel(self, x: Tensor, w: Tensor) -> Tensor:
-        """x W^T for o_proj / down_proj: w is the stored [I, O] slab (transposed) or HF's [O, I]."""
+        """Parts of x W^T for o_proj / down_proj, summed over the rollout group (one part) when it has several ranks:
+        w is the stored [I, O] slab (transposed) or HF's [O, I]."""
+        if self.kernels.fused and self.group.size == 1:
+            return (matmul_transposed_parts if self.transposed else linear_parts)(x, w, pdl=self.kernels.pdl)
         if self.kernels.triton_gemm:
-            return (matmul_transposed if self.transposed else linear)(x, w, pdl=self.kernels.pdl)
-        return x @ w if self.transposed else F.linear(x, w)
-
-    def _reduce(self, y: Tensor) -> Tensor:
+            y = (matmul_transposed if self.transposed else linear)(x, w, pdl=self.kernels.pdl)
+        else:
+            y = x @ w if self.transposed else F.linear(x, w)
         if self.group.size > 1:
             dist.all_reduce(y, group=self.group.group)
-        return y
+        return y[None]
 
 
 def layer_weights(layer: nn.Module, kernels: DecodeKernels = CUBLAS) -> LayerWeights:

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from rollplex.kernels.qkv_gemm import qkv_gemm_kernel
 from rollplex.kernels.tiles import Tiles, pick_tiles
-from rollplex.kernels.transposed_gemm import transposed_gemm_kernel
+from rollplex.kernels.transposed_gemm import gate_up_tiles, transposed_gemm_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 KERNELS = {
@@ -32,6 +32,7 @@ KERNELS = {
             "S_COL": 1,
             "HAS_BIAS": False,
             "USE_GDC": False,
+            "PAIR": 0,
         },  # down_proj of the 3B model at TP 2
     ),
     "linear": (  # the same kernel on HF's [O, I] weight with its bias: the decode step's qkv of the 3B model
@@ -46,6 +47,22 @@ KERNELS = {
             "S_COL": 2048,
             "HAS_BIAS": True,
             "USE_GDC": False,
+            "PAIR": 0,
+        },
+    ),
+    "gate_up": (  # the same kernel's silu(gate) * up: the fused decode step's gate_up of the 3B model
+        transposed_gemm_kernel,
+        {"x_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"},
+        {
+            "K": 2048,
+            "N": 11008,
+            "SPLIT_K": 1,
+            "K_SPLIT": 2048,
+            "S_ROW": 1,
+            "S_COL": 2048,
+            "HAS_BIAS": False,
+            "USE_GDC": False,
+            "PAIR": 11008,
         },
     ),
     "qkv": (
@@ -104,10 +121,12 @@ def decode_kernels() -> dict:
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {**heads, "HEADS": 8, "PROMPT_SPLITS": 24,
             "OWN_SPLITS": 8, "USE_GDC": True}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
-            "eps": "fp32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "USE_GDC": True}),
+            "eps": "fp32", "part_stride": "i32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "PARTS": 4,
+            "USE_GDC": True}),
         "rotary_to_cache": (ops.rotary_to_cache_kernel, {**ptrs("qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"),
-            **ptrs("cos_ptr", "sin_ptr", t="*fp32"), **ptrs("slots_ptr", "next_positions_ptr", "step_ptr", t="*i64")},
-            {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8, "USE_GDC": True}),
+            **ptrs("cos_ptr", "sin_ptr", t="*fp32"), **ptrs("slots_ptr", "next_positions_ptr", "step_ptr", t="*i64"),
+            "part_stride": "i32"}, {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8, "PARTS": 2,
+            "USE_GDC": True}),
         "silu_mul": (ops.silu_mul_kernel, ptrs("gate_up_ptr", "out_ptr"), {"N": 18944, "BLOCK": 1024, "USE_GDC": True}),
         "sample_partial": (sa.sample_partial_kernel, {"logits_ptr": "*bf16", "temperature_ptr": "*fp32",
             "partial_ptr": "*fp32", "index_ptr": "*i32", **ptrs("slots_ptr", "column_ptr", "seed_ptr", t="*i64"),
@@ -146,9 +165,10 @@ if __name__ == "__main__":
         for name, (fn, signature, constexprs) in decode_kernels().items():
             print(json.dumps(compile_decode_kernel(name, fn, signature, constexprs)))
         sys.exit()
-    for name in KERNELS:
+    for name in (n for n in KERNELS if n != "gate_up"):
         for num_rows in (1, 64, 4096):
             print(json.dumps(compile_for_hopper(name, pick_tiles(num_rows, 2048))))
         print(json.dumps(compile_for_hopper(name, pick_tiles(1, 2048), split=(4, 1408))))  # masked parts
     print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True)))  # a dependent launch
     print(json.dumps(compile_for_hopper("linear", pick_tiles(32, 2560, 2048), gdc=True)))  # HF's layout, a bias
+    print(json.dumps(compile_for_hopper("gate_up", gate_up_tiles(32, 11008, 2048, 132), gdc=True)))  # fused silu

@@ -1,12 +1,15 @@
-"""The fused decode kernels equal the eager torch ops of the model they replace."""
+"""The fused decode kernels equal the eager torch ops of the model they replace, and read a split product's parts
+as its sum."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from kernels_testkit import DEVICE, DTYPE, assert_matches, random
+from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, random
 
 from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
+from rollplex.kernels.tiles import sum_splits
 from rollplex.models.config import load_model_config
 from rollplex.models.layers import RMSNorm
 from rollplex.models.rotary import apply_rotary, text_rotary
@@ -53,3 +56,54 @@ def test_rotary_to_cache_rotates_q_and_k_by_the_text_position_and_writes_the_row
     others = torch.ones(7, dtype=torch.bool)
     others[slots] = False
     assert not k_cache[others].any() and not k_cache[:, :, :step].any()
+
+
+def split(product: torch.Tensor, num_parts: int, seed: int) -> torch.Tensor:
+    """fp32 parts [S, *product.shape] that add up to `product` (random, so that the order of adding them shows)."""
+    parts = random(num_parts, *product.shape, seed=seed).float()
+    parts[-1] = product.float() - parts[:-1].sum(0)
+    return parts
+
+
+def sum_of(parts: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(parts.shape[1:], dtype=DTYPE, device=DEVICE)
+    sum_splits(parts, y)
+    return y
+
+
+def test_add_rms_norm_adds_a_splits_parts_as_sum_splits_does():
+    residual, parts = random(4, 96, seed=1), split(random(4, 96, seed=2), 3, seed=4)
+    weight = random(96, seed=3)
+    fused, unfused = residual.clone(), residual.clone()
+    out_fused, out_unfused = torch.empty_like(residual), torch.empty_like(residual)
+    add_rms_norm(parts, fused, weight, 1e-6, out_fused)
+    add_rms_norm(sum_of(parts), unfused, weight, 1e-6, out_unfused)
+    assert torch.equal(fused, unfused) and torch.equal(out_fused, out_unfused)
+
+
+def test_fused_kernels_refuse_parts_of_another_shape_or_a_low_precision_split():
+    residual, out = random(4, 96, seed=1), random(4, 96, seed=2)
+    weight = random(96, seed=3)
+    with pytest.raises(AssertionError, match="expected \\[S, \\*\\(4, 96\\)\\]"):
+        add_rms_norm(random(2, 4, 48, seed=4), residual, weight, 1e-6, out)
+    if ON_GPU:  # bf16: partials must be fp32
+        with pytest.raises(AssertionError, match=r"2 parts of torch\.bfloat16"):
+            add_rms_norm(random(2, 4, 96, seed=4), residual, weight, 1e-6, out)
+
+
+def test_rotary_to_cache_reads_a_splits_parts_as_their_sum():
+    text = load_model_config("tiny").text
+    heads, groups, d = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    slots, next_positions, step = torch.tensor([0, 3], device=DEVICE), torch.tensor([5, 9, 0], device=DEVICE), 2
+    qkv = random(2, (heads + 2 * groups) * d, seed=1)
+    parts = split(qkv, 2, seed=2)
+    cos, sin = (t[0, 0].contiguous().to(DEVICE) for t in text_rotary(torch.arange(32).expand(3, 1, 32), text))
+    results = []
+    for product in (parts, sum_of(parts)):
+        k_cache = torch.zeros(5, groups, 4, d, dtype=DTYPE, device=DEVICE)
+        v_cache, q_out = torch.zeros_like(k_cache), torch.empty(2, heads, d, dtype=DTYPE, device=DEVICE)
+        rotary_to_cache(
+            product, cos, sin, slots, next_positions, torch.tensor([step], device=DEVICE), q_out, k_cache, v_cache, 2
+        )
+        results.append((q_out, k_cache, v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

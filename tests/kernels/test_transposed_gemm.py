@@ -1,5 +1,6 @@
 """`matmul_transposed` reads a row-parallel weight stored as W^T and equals x @ W^T on the materialised W; `linear`
-reads HF's [O, I] weight with its bias through the same kernel and equals F.linear."""
+reads HF's [O, I] weight with its bias through the same kernel and equals F.linear; the decode variants (parts left
+unsummed, silu(gate) * up in one launch) equal their unfused products."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import torch
 from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, random
 
 pytest.importorskip("triton")
-from rollplex.kernels.tiles import Tiles, pick_tiles, wave_parts
-from rollplex.kernels.transposed_gemm import linear, matmul_transposed
+from rollplex.kernels.decode_ops import silu_mul
+from rollplex.kernels.tiles import Tiles, pick_tiles, sum_splits, wave_parts
+from rollplex.kernels.transposed_gemm import (
+    gate_up_silu,
+    linear,
+    linear_parts,
+    matmul_transposed,
+    matmul_transposed_parts,
+)
 
 SMALL = Tiles(block_m=16, block_n=32, block_k=32)  # several tiles on each axis at test sizes
 TAIL = Tiles(block_m=32, block_n=128, block_k=32)  # rows short of a whole wave take narrower tiles, then split K
@@ -180,3 +188,79 @@ def test_on_a_gpu_linear_matches_torch_on_qwen_3b_decode_projections(num_rows, o
     x = random(num_rows, in_features, seed=2)
     expected = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
     assert_matches(linear(x, w, bias), expected.to(x.dtype))
+
+
+def summed(parts: torch.Tensor) -> torch.Tensor:
+    """What `sum_splits` makes of a split's partials (one part in the model dtype is the product itself)."""
+    if parts.shape[0] == 1:
+        return parts[0]
+    y = torch.empty(parts.shape[1:], dtype=DTYPE, device=parts.device)
+    sum_splits(parts, y)
+    return y
+
+
+@pytest.mark.parametrize(
+    ("in_features", "num_parts"),
+    [(200, 1), (2048, 2)],  # a K-contiguous W splits into 1,024-row parts where that gives more programs
+)
+@pytest.mark.parametrize("num_rows", [3, 64, 65])
+def test_linear_parts_add_up_to_the_product_and_leave_a_split_unsummed(in_features, num_parts, num_rows):
+    w = random(48, in_features, seed=1, scale=in_features**-0.5)
+    bias, x = random(48, seed=2), random(num_rows, in_features, seed=3)
+    parts = linear_parts(x, w, bias)
+    expected = num_parts if num_rows <= 64 else 1  # prefill rows: the summed product as one part
+    assert parts.shape == (expected, num_rows, 48)
+    assert parts.dtype == (DTYPE if expected == 1 else torch.float32)
+    assert_matches(summed(parts), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(DTYPE))
+
+
+def test_transposed_parts_of_a_long_slab_split_and_add_up_to_the_product():
+    w = random(32, 3072, seed=4, scale=3072**-0.5)  # K 3072: two parts of 1,536 rows
+    x = random(5, 3072, seed=5)
+    parts = matmul_transposed_parts(x, w.T.contiguous())
+    assert parts.shape == (2, 5, 32) and parts.dtype == torch.float32
+    assert_matches(summed(parts), reference(x, w))
+
+
+@pytest.mark.parametrize(("blocks", "block_rows"), [(1, 96), (2, 40), (4, 24)])  # 40, 24: column masks
+@pytest.mark.parametrize("num_rows", [2, 33, 70])
+def test_gate_up_silu_equals_silu_of_gate_times_up_per_block(blocks, block_rows, num_rows):
+    """w holds per block its gate rows then its up rows (HF's packed [gate; up] is one block, a TP layer's
+    gate_up one per training rank): the output's block b is silu(x G_b^T) * (x U_b^T)."""
+    w = random(blocks * 2 * block_rows, 64, seed=6, scale=64**-0.5)
+    x = random(num_rows, 64, seed=7)
+    y = reference(x, w).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
+    expected = silu_mul(y.contiguous(), torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
+    out = gate_up_silu(x, w, block_rows)
+    assert out.shape == (num_rows, blocks * block_rows)
+    assert_matches(out, expected.view(num_rows, -1))
+
+
+def test_gate_up_silu_refuses_a_weight_that_is_not_whole_gate_up_blocks():
+    with pytest.raises(AssertionError, match="not \\[gate; up\\] blocks"):
+        gate_up_silu(random(4, 32, seed=0), random(100, 32, seed=1), 30)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 32, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(2560, 2048), (2048, 2048), (2048, 11008)])
+def test_on_a_gpu_parts_summed_as_sum_splits_sums_them_equal_linear_bitwise(num_rows, out_features, in_features):
+    """The fused decode step adds a split's parts itself: it must get what `linear` would have stored."""
+    w = random(out_features, in_features, seed=1, scale=in_features**-0.5)
+    x = random(num_rows, in_features, seed=2)
+    assert torch.equal(summed(linear_parts(x, w)), linear(x, w))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 32, 64, 200])
+@pytest.mark.parametrize(("blocks", "intermediate", "hidden"), [(1, 11008, 2048), (2, 9472, 3584)])
+def test_on_a_gpu_gate_up_silu_equals_the_gemm_then_silu_mul_bitwise(num_rows, blocks, intermediate, hidden):
+    """3B's packed [gate; up] and 7B's at TP 2 bound for rollout TP 1 (two blocks): the fused epilogue rounds as
+    the unfused path does, so the rollout does not change."""
+    w = random(blocks * 2 * intermediate, hidden, seed=1, scale=hidden**-0.5)
+    x = random(num_rows, hidden, seed=2)
+    y = linear(x, w).view(num_rows * blocks, 2 * intermediate)
+    unfused = silu_mul(y, torch.empty(num_rows * blocks, intermediate, dtype=DTYPE, device=DEVICE))
+    assert torch.equal(gate_up_silu(x, w, intermediate), unfused.view(num_rows, -1))

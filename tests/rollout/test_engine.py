@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -51,9 +52,12 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts):
+@pytest.mark.parametrize(
+    "kernels", [BY_NAME["rollplex"], DecodeKernels(triton_gemm=True, fused=True)], ids=["rollplex", "fused"]
+)
+def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts, kernels):
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    engine = RolloutEngine(model, kernels=BY_NAME["rollplex"])
+    engine = RolloutEngine(model, kernels=kernels)
     out = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))
     expected = generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, expected.response_lens)
@@ -74,6 +78,9 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
 
     assert set(get_args(RunSpec.model_fields["decode_kernels"].annotation)) == set(BY_NAME)
     assert BY_NAME["cublas"] == DecodeKernels() and BY_NAME["rollplex_pdl"].pdl and BY_NAME["rollplex"].triton_gemm
+    assert BY_NAME["rollplex_fused"] == DecodeKernels(triton_gemm=True, pdl=True, fused=True)
+    with pytest.raises(AssertionError, match="fused decode kernels run on our GEMMs"):
+        DecodeKernels(fused=True)
 
 
 @pytest.mark.gpu
@@ -90,6 +97,27 @@ def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
         for name in ("rollplex", "rollplex_pdl")
     )
     assert torch.equal(plain.responses, dependent.responses) and torch.equal(plain.logprobs, dependent.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+@pytest.mark.parametrize("shapes", ["tiny", "3b"])
+def test_on_a_gpu_fused_kernels_change_no_rollout(model, prompts, shapes):
+    """Splits summed by the norm and rotary kernels and silu inside the gate_up GEMM round as the unfused kernels
+    do: the sampled rollout is bitwise the same. At 3B shapes (two layers, bf16) qkv, o_proj and down_proj split K."""
+    if shapes == "3b":
+        config = load_model_config("3b")
+        torch.manual_seed(0)
+        model = Qwen2_5_VL(replace(config, text=replace(config.text, num_hidden_layers=2)), torch.bfloat16, DEVICE)
+    params = SamplingParams(temperature=1.0, max_tokens=24)
+    unfused, fused = (
+        RolloutEngine(model, kernels=BY_NAME[name]).generate(
+            prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
+        )
+        for name in ("rollplex_pdl", "rollplex_fused")
+    )
+    assert torch.equal(unfused.responses, fused.responses) and torch.equal(unfused.logprobs, fused.logprobs)
 
 
 @pytest.mark.parametrize(
