@@ -9,6 +9,12 @@ own cuda-bindings 13.3, and a second copy in /tmp/site would shadow it. Then on 
       && export PYTHONPATH=/tmp/site:$PWD \
       && torchrun --nproc-per-node 2 bench/megatron_trial.py --model 3b --out $OUT/megatron_trial_3b_h200x2.json
 
+`--device cpu` runs the same trial on CPU processes over gloo (megatron draws its weights on the CPU:
+use_cpu_initialization; there is no CUDA RNG tracker to seed): agreement and the binding questions mean the
+same there, the times only that it ran (`pip install --target DIR megatron-core`, then PYTHONPATH=DIR):
+
+    torchrun --nproc-per-node 2 bench/megatron_trial.py --device cpu --model 3b --tokens 64 --out trial_cpu.json
+
 The issue prefers megatron-core for the training side's TP layers; rollplex has its own (`rollplex.parallel`).
 At TP = the number of processes (1 works too), bf16, per linear of a Qwen2.5-VL decoder layer (QKV, [gate; up]:
 ColumnParallelLinear; o_proj, down_proj: RowParallelLinear; no Transformer Engine): megatron's layer against
@@ -28,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,7 +50,7 @@ from rollplex.models.config import TextConfig, load_model_config, shipped_model_
 from rollplex.parallel.group import TPGroup, copy_to, reduce_from
 from rollplex.parallel.layout import check_train_tp
 
-NEEDS = "megatron_trial: needs CUDA GPUs and megatron-core (see the header)"
+NEEDS = "megatron_trial: needs CUDA GPUs and megatron-core (see the header; --device cpu runs it on gloo)"
 TOLERANCE = 1e-2  # relative (Frobenius) error two bf16 GEMMs of the same product may differ by
 PAD = 4096  # zero elements around a bound weight in its buffer: a write outside the weight would show there
 
@@ -121,7 +128,8 @@ def run_once(layer: nn.Module, x: Tensor, grad: Tensor) -> dict[str, Tensor]:
 
 
 def fwd_bwd_ms(layer: nn.Module, x: Tensor, grad: Tensor, reps: int = 20, warmup: int = 5) -> float:
-    """Median forward+backward time (CUDA events), ranks lined up by a barrier before each rep."""
+    """Median forward+backward time (CUDA events; on the CPU, 3 reps of wall time), ranks lined up by a barrier
+    before each rep."""
     x = x.detach().requires_grad_()
 
     def step() -> None:
@@ -129,6 +137,14 @@ def fwd_bwd_ms(layer: nn.Module, x: Tensor, grad: Tensor, reps: int = 20, warmup
         layer.zero_grad(set_to_none=True)
         layer(x)[0].backward(grad)
 
+    if x.device.type == "cpu":
+        walls = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(walls)
     for _ in range(warmup):
         step()
     times = []
@@ -153,19 +169,19 @@ def guarded(check: Callable[..., dict], *args) -> dict:
         return {"answer": False, "reason": f"{type(e).__name__}: {first}"}
 
 
-def megatron_config(tp: int, *, initialise: bool):
-    """All megatron's linears read: TP size, bf16 parameters, and whether megatron draws the weights itself."""
+def megatron_config(tp: int, *, initialise: bool, device: str):
+    """All megatron's linears read: TP size, bf16 parameters, whether megatron draws the weights itself, and where."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     return ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=torch.bfloat16,
-                               perform_initialization=initialise)  # fmt: skip
+                               perform_initialization=initialise, use_cpu_initialization=device == "cpu")  # fmt: skip
 
 
-def megatron_layer(op: Op, group: TPGroup, *, initialise: bool = True) -> nn.Module:
+def megatron_layer(op: Op, group: TPGroup, device: str, *, initialise: bool = True) -> nn.Module:
     """megatron's layer for `op` on `group`, weights drawn by megatron; the QKV bias drawn here (megatron zeroes it)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    config = megatron_config(group.size, initialise=initialise)
+    config = megatron_config(group.size, initialise=initialise, device=device)
     common = {"config": config, "init_method": partial(nn.init.normal_, std=0.02), "tp_group": group.group}
     if not op.column:
         return RowParallelLinear(op.in_features, op.out_features, bias=False, input_is_parallel=True,
@@ -221,13 +237,13 @@ def bound_check(layer: nn.Module, x: Tensor, grad: Tensor, how: str) -> dict:
     return {"answer": answer, "reason": f"{reason}; weight grad laid out {layout}", "grad_strides": list(g.stride())}
 
 
-def binding_checks(ops: list[Op], group: TPGroup, device: str) -> dict:
+def binding_checks(ops: list[Op], group: TPGroup, device: str, tokens: int = 512) -> dict:
     column, row = ops[0], ops[1]  # qkv (with its bias), o_proj
     questions = {"i_column_view_parameter": (column, "parameter"), "i_column_view_data": (column, "data"),
                  "ii_row_view_parameter": (row, "parameter"), "ii_row_view_data": (row, "data"),
                  "iii_row_weight_is_slab_transpose": (row, "slab")}  # fmt: skip
     return {
-        name: guarded(bound_check, megatron_layer(op, group), *inputs(op, 512, group, device), how)
+        name: guarded(bound_check, megatron_layer(op, group, device), *inputs(op, tokens, group, device), how)
         for name, (op, how) in questions.items()
     }
 
@@ -235,7 +251,7 @@ def binding_checks(ops: list[Op], group: TPGroup, device: str) -> dict:
 def bare_run(group: TPGroup, ops: list[Op], device: str, initialise: bool) -> dict:
     """A column and a row layer on an explicit tp_group, forward and backward, before parallel_state exists."""
     for op in ops[:2]:
-        layer = megatron_layer(op, group, initialise=initialise)
+        layer = megatron_layer(op, group, device, initialise=initialise)
         nn.init.normal_(layer.weight.data, std=0.02)
         run_once(layer, *inputs(op, 64, group, device))
     return {"answer": True, "reason": "ran"}
@@ -258,23 +274,25 @@ INITIALISED = ["torch.distributed.init_process_group('nccl')", "parallel_state.i
                "ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=bf16)"]  # fmt: skip
 
 
-def init_megatron(tp: int) -> list[str]:
+def init_megatron(tp: int, device: str) -> list[str]:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    if device == "cpu":  # weights drawn on the CPU (use_cpu_initialization) from torch's own generator
+        return [INITIALISED[0].replace("nccl", "gloo"), INITIALISED[1], INITIALISED[3]]
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return INITIALISED
 
 
 def slab_ms(op: Op, group: TPGroup, x: Tensor, grad: Tensor) -> dict:
     """Forward+backward of megatron's row layer with its weight the transpose of our stored slab (Case 2)."""
-    layer = megatron_layer(op, group)
+    layer = megatron_layer(op, group, x.device.type)
     rebind(layer, "slab")
     return {"answer": True, "ms": fwd_bwd_ms(layer, x, grad)}
 
 
 def one_op(op: Op, group: TPGroup, tokens: int, device: str) -> dict:
-    megatron = megatron_layer(op, group)
+    megatron = megatron_layer(op, group, device)
     ours = Ours(megatron, op.column, group)
     x, grad = inputs(op, tokens, group, device)
     theirs, mine = run_once(megatron, x, grad), run_once(ours, x, grad)
@@ -286,9 +304,9 @@ def one_op(op: Op, group: TPGroup, tokens: int, device: str) -> dict:
             "rel_err": errors, "agree": max(errors.values()) < TOLERANCE}  # fmt: skip
 
 
-def missing_requirement() -> str | None:
-    """The one line to exit with when this machine cannot run the trial, or None."""
-    if not torch.cuda.is_available():
+def missing_requirement(device: str = "cuda") -> str | None:
+    """The one line to exit with when this machine cannot run the trial on `device`, or None."""
+    if device == "cuda" and not torch.cuda.is_available():
         return NEEDS
     try:
         with warnings.catch_warnings():  # megatron warns at import that TE and Apex are absent
@@ -314,9 +332,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="3b", help="3b, 7b, ... (qwen2_5_vl_<model>) or a shipped config name")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per forward (prefill-like)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: processes over gloo")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if (missing := missing_requirement()) is not None:
+    if (missing := missing_requirement(args.device)) is not None:
         sys.exit(missing)  # the line on stderr, exit status 1, no traceback
     name = f"qwen2_5_vl_{args.model}"
     text = load_model_config(name if name in shipped_model_names() else args.model).text
@@ -328,22 +347,26 @@ def main() -> None:
         check_train_tp(text, world)
     except ValueError as e:
         sys.exit(f"megatron_trial: {e}")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    rank, device, ops = dist.get_rank(), "cuda", decoder_ops(text)
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank, ops = dist.get_rank(), decoder_ops(text)
     needs_global = probe_global_state(ops, TPGroup(world, rank, dist.new_group(list(range(world)))), device)
-    initialised = init_megatron(world)
+    initialised = init_megatron(world, device)
     from megatron.core import __version__, parallel_state
 
     group = TPGroup(world, rank, parallel_state.get_tensor_model_parallel_group())
     results = {op.name: one_op(op, group, args.tokens, device) for op in ops}
-    binding = binding_checks(ops, group, device)
+    binding = binding_checks(ops, group, device, min(512, args.tokens))
     binding["iv_needs_global_state"] = {**needs_global, "initialised": initialised}
     if rank == 0:
-        out = {"gpu": torch.cuda.get_device_name(), "world_size": world, "model": args.model, "tokens": args.tokens,
+        where = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, gloo)"
+        out = {"gpu": where, "device": device, "world_size": world, "model": args.model, "tokens": args.tokens,
                "dtype": "bfloat16", "torch": torch.__version__, "megatron_core": __version__,
                "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]), "tolerance": TOLERANCE,
+               "times": "CUDA events" if device == "cuda" else "CPU wall time (3 reps): not GPU figures",
                "ops": results, "binding": binding}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,18 @@ def test_decoder_ops_split_into_rollplexs_training_shards(name):
         for rank in range(tp):  # ColumnParallelLinear's even split of megatron's QKV is rollplex's shard: copied as is
             assert torch.equal(megatron_order[rank * rows : (rank + 1) * rows], qkv_rows(t, tp, rank))
             assert len(gate_up_rows(t, tp, rank)) == ops["gate_up"].out_features // tp
+
+
+def test_on_cpu_processes_over_gloo_megatrons_layers_agree_with_ours_and_bind_to_a_buffer(tmp_path):
+    """Runs where megatron-core is importable (not in CI: the suite must not depend on it)."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "trial.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29547",
+               str(ROOT / "bench/megatron_trial.py"), "--device", "cpu", "--model", "tiny", "--tokens", "32",
+               "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["world_size"] == 2
+    assert all(op["agree"] for op in result["ops"].values())
+    assert all(result["binding"][q]["answer"] for q in ("i_column_view_parameter", "ii_row_view_data"))
