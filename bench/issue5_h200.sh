@@ -114,8 +114,8 @@ case "$STAGE" in
     NAME=sdpa_shapes_3b_h200; [ "$STEPS" != 3 ] || [ $# -gt 0 ] && NAME=${NAME}_${STEPS}steps${*:+_$(echo "$*" | tr ' ' '_')}
     timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps "$STEPS" \
       ${*:+--backends "$@"} --out "$OUT/$NAME.json" 2>&1 | quiet | tail -20 | tee "$OUT/$NAME.log" ;;
-  inprocess)  # share's in-process ways only
-    timeout 150 python3 bench/share_efficiency.py --ways stream green:33 green:66 \
+  inprocess)  # share's in-process ways only, with the SM clock and power over each window
+    timeout 150 python3 bench/share_efficiency.py --clocks --ways stream green:33 green:66 \
       --out "$OUT/share_inprocess_3b_h200.json" 2>&1 | quiet | tail -8 ;;
   share)  # what decode and a compute-bound neighbour each keep of the GPU, per way of sharing it
     # (bench/share_efficiency.py): in-process ways; MPS ways with this process uncapped; decode capped at 70 %
@@ -127,7 +127,7 @@ case "$STAGE" in
       --out "$OUT/share_mps_self70_3b_h200.json" 2>&1 | quiet | tail -4 ;;
   split)  # decode on a disjoint green partition of D SMs (our GEMMs planned for D), the neighbour on the rest
     # shellcheck disable=SC2086
-    timeout "${SPLIT_TIMEOUT:-220}" python3 -X faulthandler bench/share_efficiency.py --decode-sms ${SPLIT_SMS:-96 64 48} \
+    timeout "${SPLIT_TIMEOUT:-220}" python3 -X faulthandler bench/share_efficiency.py --clocks --decode-sms ${SPLIT_SMS:-96 64 48} \
       --decode-kernels "${SPLIT_KERNELS:-rollplex}" --ways rest --out "$OUT/share_split_3b_h200.json" \
       > "$OUT/split_full.log" 2>&1
     echo "share_efficiency exit $?"; quiet < "$OUT/split_full.log" | tail -20 ;;

@@ -24,6 +24,10 @@ stream of the D-SM one (its graphs captured on that stream: a graph captured on 
 every SM, whatever stream replays it), with `--decode-kernels rollplex*` our GEMMs planned for D SMs, and the way `rest`
 runs the neighbour on the other. Its rows give decode alone on its partition (`decode_partition_ms`), and
 their `kept` is against that; against the whole GPU, take decode alone from a run without a split.
+
+`--clocks`: nvidia-smi samples the SM clock, memory clock and power draw meanwhile (`gpu_clocks.py`), and each
+row gets their medians over decode's window alone (`clocks_alone`) and beside the neighbour (`clocks_beside`):
+whether decode slows beside the neighbour on SMs of its own because the clock drops under the power limit.
 """
 
 from __future__ import annotations
@@ -195,11 +199,13 @@ def measure(
     whole_tflops: float,
     keep: list,
     split: tuple | None = None,
+    clocks=None,
 ) -> dict:
     """One way's row. keep: holds the in-process neighbours to the end (a green context freed while torch still
     caches its stream's cuBLAS workspace could break a later call). split: (decode stream, rest stream) of
-    `--decode-sms`: decode then replays on its partition."""
+    `--decode-sms`: decode then replays on its partition. clocks: a `gpu_clocks.ClockLog` (`--clocks`) or None."""
     decode_stream, rest_stream = split or (None, None)
+    wall0 = time.time()
     if way.startswith("mps:"):
         proc, parent, own_alone = mps_neighbour(way.split(":")[1])
         parent.send("go")
@@ -220,6 +226,7 @@ def measure(
         count, covered = hog.completed_in(begin, window_ms)
         neighbour_s = window_ms / 1e3
         keep.append(hog)
+    wall1 = time.time()
     beside_ms = window_ms / steps
     beside_tflops = count * MATMUL_FLOP / neighbour_s / 1e12
     return {
@@ -227,10 +234,19 @@ def measure(
         "decode_slowdown": round(beside_ms / alone_ms, 4), "neighbour_alone_tflops": round(own_alone, 1),
         "neighbour_whole_gpu_tflops": round(whole_tflops, 1), "neighbour_beside_tflops": round(beside_tflops, 1),
         "kept": round(alone_ms / beside_ms + beside_tflops / whole_tflops, 4), "covered": covered,
+        **({} if clocks is None else {"clocks_beside": settled(clocks, wall0, wall1)}),
     }  # fmt: skip
 
 
-def measure_batch(args, model, batch: int, whole: float, keep: list, split, split_sms, kernels) -> list[dict]:
+def settled(clocks, t0: float, t1: float) -> dict | None:
+    """The clocks' medians over [t0, t1], once nvidia-smi has written the window's last sample."""
+    time.sleep(0.2)
+    return clocks.window(t0, t1)
+
+
+def measure_batch(
+    args, model, batch: int, whole: float, keep: list, split, split_sms, kernels, clocks=None
+) -> list[dict]:
     """Every way's row at one batch size (decode on `split`'s partition when given)."""
     from decode import captured
 
@@ -243,16 +259,17 @@ def measure_batch(args, model, batch: int, whole: float, keep: list, split, spli
     start_at = args.tokens // 2
     _, warm_ms = decode_window(graph, step, start_at, 20)
     steps = max(20, int(WINDOW_S * 1e3 / (warm_ms / 20)))
+    wall0 = time.time()
     _, alone_window = decode_window(graph, step, start_at, steps)
-    extra = {}
+    extra = {} if clocks is None else {"clocks_alone": settled(clocks, wall0, time.time())}
     if split is not None:
         print(f"batch {batch}: decode alone on its partition", file=sys.stderr, flush=True)
         _, part_window = decode_window(graph, step, start_at, steps, split[0])
-        extra = {"decode_partition_ms": round(part_window / steps, 4), "partition_sms": split_sms}
+        extra |= {"decode_partition_ms": round(part_window / steps, 4), "partition_sms": split_sms}
     rows = []
     for way in args.ways:
         try:
-            one = measure(way, graph, step, start_at, steps, alone_window / steps, whole, keep, split)
+            one = measure(way, graph, step, start_at, steps, alone_window / steps, whole, keep, split, clocks)
             row = {"batch": batch, **one, **extra}
         except Exception as error:  # e.g. a green context inside an MPS client: recorded, not fatal
             row = {"batch": batch, "way": way, "error": " ".join(str(error).split())[:300], **extra}
@@ -283,6 +300,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--decode-sms", nargs="+", type=int, help="decode on a disjoint green partition of D SMs, per D")
     ap.add_argument("--decode-kernels", default="cublas", help="run.decode_kernels: cublas, rollplex, rollplex_pdl")
+    ap.add_argument("--clocks", action="store_true", help="nvidia-smi's SM clock and power over each window")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     bad = [w for w in args.ways if not (w in ("stream", "rest") or (w.split(":")[0] in ("green", "mps") and ":" in w))]
@@ -306,18 +324,23 @@ def main() -> None:
         proc, parent, whole = mps_neighbour("100")
         parent.send("go")
         stop_neighbour(proc, parent)
+    from gpu_clocks import ClockLog
+
     rows, keep, planned = [], [], tiles.sm_count
-    for requested in args.decode_sms or [None]:
-        split, split_sms = None, None
-        if requested is not None:
-            decode_stream, rest_stream, decode_sms, rest_sms = disjoint_streams(requested)
-            split, split_sms = (decode_stream, rest_stream), (decode_sms, rest_sms)
-            keep.append(split)
-            # our GEMMs plan their waves for decode's partition (a bench-only override, read at capture)
-            tiles.sm_count = lambda device, n=decode_sms: n if device.type == "cuda" else planned(device)
-        for batch in args.batch:
-            rows += measure_batch(args, model, batch, whole, keep, split, split_sms, BY_NAME[args.decode_kernels])
-        tiles.sm_count = planned
+    clocks = ClockLog() if args.clocks else None
+    with clocks or nullcontext():
+        for requested in args.decode_sms or [None]:
+            split, split_sms = None, None
+            if requested is not None:
+                decode_stream, rest_stream, decode_sms, rest_sms = disjoint_streams(requested)
+                split, split_sms = (decode_stream, rest_stream), (decode_sms, rest_sms)
+                keep.append(split)
+                # our GEMMs plan their waves for decode's partition (a bench-only override, read at capture)
+                tiles.sm_count = lambda device, n=decode_sms: n if device.type == "cuda" else planned(device)
+            kernels = BY_NAME[args.decode_kernels]
+            for batch in args.batch:
+                rows += measure_batch(args, model, batch, whole, keep, split, split_sms, kernels, clocks)
+            tiles.sm_count = planned
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
         "mps_self_percent": args.self_percent if daemon else None, "decode_kernels": args.decode_kernels,

@@ -241,3 +241,20 @@ def test_the_decode_profile_labels_the_fused_steps_products_and_a_splits_sum_as_
         labels = module.label_kernels([*names, *tail], num_layers=1)
         assert [x for i, x in enumerate(labels) if x in projections and labels[i - 1] != x] == projections
     assert module.label_kernels([*unfused, *tail], 1)[1:3] == ["qkv", "qkv"]  # the split's sum: its product's
+
+
+def test_gpu_clocks_parses_nvidia_smis_samples_and_takes_medians_over_a_window(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_clocks
+
+    lines = ["2026/12/01 21:00:00.000, 1980, 3201, 690.5", "2026/12/01 21:00:00.050, 1755, 3201, 700.1",
+             "2026/12/01 21:00:00.100, 1650, 3201, 699.0", "[N/A], 1, 2", "2026/12/01 21:00:00.150, 19"]  # fmt: skip
+    samples = gpu_clocks.parse(lines)
+    assert [s[1] for s in samples] == [1980, 1755, 1650]
+    t0 = samples[0][0]
+    assert gpu_clocks.medians(samples, t0 + 0.04, t0 + 0.2) == {
+        "sm_mhz": 1702.5, "mem_mhz": 3201, "power_w": 699.5, "samples": 2
+    }  # fmt: skip
+    assert gpu_clocks.medians(samples, t0 + 1, t0 + 2) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
+    assert gpu_clocks.first_visible() == "GPU-abc"
