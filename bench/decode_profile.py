@@ -129,7 +129,7 @@ def profile_case(
 ) -> dict:
     engine = captured(model, batch, prompt_tokens, tokens, kernels)
     graphs, step = engine.graphs, engine.graphs.step
-    assert (batch, False) in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
+    assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
     start = (tokens - steps) // 2
     assert start >= 1, "--steps must leave room in the response cache"
 
