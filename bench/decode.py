@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,27 +32,13 @@ from rollplex.rollout.weights import BY_NAME, DecodeKernels
 NUM_SAMPLES = 8
 
 
-PREFETCH = "+prefetch"  # a bench-only setting: NAME+prefetch is NAME with DecodeKernels.prefetch
-
-
-def kernel_settings() -> list[str]:
-    """The names a decode bench takes: the spec's run.decode_kernels, and NAME+prefetch for those with fused GEMMs."""
-    return [*BY_NAME, *(name + PREFETCH for name, k in BY_NAME.items() if k.fused)]
-
-
 def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
     """The decode kernel settings a decode bench takes (`DecodeKernels`); `decode_kernels` reads them back."""
-    ap.add_argument("--kernels", choices=kernel_settings(), default="cublas", help="as the spec's run.decode_kernels")
+    ap.add_argument("--kernels", choices=list(BY_NAME), default="cublas", help="as the spec's run.decode_kernels")
 
 
 def decode_kernels(args: argparse.Namespace) -> DecodeKernels:
-    return setting(args.kernels)
-
-
-def setting(name: str) -> DecodeKernels:
-    if name.endswith(PREFETCH):
-        return replace(BY_NAME[name.removesuffix(PREFETCH)], prefetch=True)
-    return BY_NAME[name]
+    return BY_NAME[args.kernels]
 
 
 def captured(model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, kernels: DecodeKernels) -> RolloutEngine:

@@ -12,8 +12,8 @@ cuBLAS beside the neighbour; bench/results/decode_beside_3b_h200.json.)
 After a short rollout that captures the graphs (one engine per kernel setting; sequences end after 4 tokens), the
 full-batch graph is replayed `--steps` times from the middle of a `--tokens` response cache, alone and while a
 stand-in for the prefix runs on a green context of P SMs: back-to-back bf16 matmuls [8192 x 8192], enough to
-outlast the replays (`covered` says whether they did). `--settings`: names of `run.decode_kernels` (or
-NAME+prefetch: `decode.kernel_settings`). Needs a CUDA GPU with green contexts (torch >= 2.9).
+outlast the replays (`covered` says whether they did). `--settings`: names of `run.decode_kernels`. Needs a
+CUDA GPU with green contexts (torch >= 2.9).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-from decode import captured, kernel_settings, setting  # bench/ is this script's folder
+from decode import captured  # bench/ is this script's folder
 
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.weights import BY_NAME
 
 HOG = 8192  # the stand-in's square matmul side
 
@@ -94,7 +95,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--beside-sms", nargs="+", type=int, default=[33, 66])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--settings", nargs="+", default=kernel_settings(), choices=kernel_settings())
+    ap.add_argument("--settings", nargs="+", default=list(BY_NAME), choices=list(BY_NAME))
     ap.add_argument("--capture-only", action="store_true", help="only build every setting's engine (compiles)")
     args = ap.parse_args()
     if args.out is None and not args.capture_only:
@@ -104,7 +105,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config(f"qwen2_5_vl_{args.model}"), dtype=torch.bfloat16, device="cuda").eval()
     hogs = {} if args.capture_only else {p: Hog(p) for p in args.beside_sms}
-    settings = {name: setting(name) for name in args.settings}
+    settings = {name: BY_NAME[name] for name in args.settings}
     rows = []
     for batch in args.batch:
         for name, kernels in settings.items():

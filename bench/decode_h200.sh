@@ -6,8 +6,7 @@
 #
 # 1. the GPU tests of the decode path: our GEMMs (`linear`, the fused variants), dependent launches and fused
 #    kernels changing no rollout
-# 2. for each setting of SETTINGS (default: cublas, rollplex_pdl, rollplex_fused, run.decode_kernels names, and
-#    rollplex_fused+prefetch, a bench-only variant: bench/decode.py's kernel_settings):
+# 2. for each setting of SETTINGS (default: cublas, rollplex_pdl and rollplex_fused, the run.decode_kernels names):
 #    bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the rollout's shapes
 #    (5,888-token prompts, a 2,048-token cache, batch 32, 64)
 # 3. with BESIDE=1, bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix
@@ -24,7 +23,7 @@ export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 ln -sfn ../kernels rollplex/kernels
 R=$(mktemp -d)
 trap 'tar czf "$OUT/decode_h200.tgz" -C "$R" .' EXIT
-SETTINGS=${SETTINGS:-cublas rollplex_pdl rollplex_fused rollplex_fused+prefetch}
+SETTINGS=${SETTINGS:-cublas rollplex_pdl rollplex_fused}
 # compile first, in parallel (triton compiles on the host; a cold cache would eat the timed runs' time limits)
 for k in $SETTINGS; do
   [ "$k" = cublas ] && continue

@@ -61,19 +61,16 @@ def transposed_gemm_kernel(
     HAS_BIAS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
     PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, output column c from W rows g(c) and g(c) + PAIR (below)
-    PREFETCH: tl.constexpr = 0,  # with USE_GDC: K tiles of W asked into L2 before the wait (`prefetch_depth`)
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # PAIR > 0: W holds blocks of PAIR gate rows then PAIR up rows; column c's gate row is g(c), its up row g(c) + PAIR
-    w_cols = (cols // PAIR) * (2 * PAIR) + cols % PAIR if PAIR > 0 else cols
     if USE_GDC:  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
-        if PREFETCH > 0 and K == K_SPLIT * SPLIT_K and N % BLOCK_N == 0:  # unmasked tiles: every line inside s
-            prefetch_tiles(s_ptr, first, pid_n * BLOCK_N, w_cols, PAIR, BLOCK_K, BLOCK_N, S_ROW, S_COL, PREFETCH)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # PAIR > 0: W holds blocks of PAIR gate rows then PAIR up rows; column c's gate row is g(c), its up row g(c) + PAIR
+    w_cols = (cols // PAIR) * (2 * PAIR) + cols % PAIR if PAIR > 0 else cols
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None].to(tl.int64) * K + (first + ks)[None, :]  # [BLOCK_M, BLOCK_K]
     s_tile = s_ptr + (first + ks)[:, None].to(tl.int64) * S_ROW + w_cols[None, :].to(tl.int64) * S_COL
@@ -112,48 +109,6 @@ def transposed_gemm_kernel(
         tl.store(p_tile, acc, mask=inside)
 
 
-@triton.jit
-def prefetch_tiles(
-    s_ptr,
-    first,
-    col0,
-    w_cols,
-    PAIR: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    S_ROW: tl.constexpr,
-    S_COL: tl.constexpr,
-    TILES: tl.constexpr,
-):
-    """prefetch.global.L2 of each 128-byte line (64 bf16 along the contiguous axis) of the program's first TILES K
-    tiles of W: the weight does not depend on the kernel before, so a dependent launch may ask for it while that
-    kernel drains, and its pipeline's first loads then hit L2. A bounded start (session 12 asked for a program's
-    whole slice, which overran L2 and slowed the step 13 %)."""
-    if S_ROW == 1:  # K contiguous (HF's [N, K]): lines along K for each W row of the tile
-        ks = first + tl.arange(0, TILES * BLOCK_K // 64) * 64
-        at = ks[:, None].to(tl.int64) + w_cols[None, :].to(tl.int64) * S_COL
-        _prefetch(s_ptr + at)
-        if PAIR > 0:
-            _prefetch(s_ptr + at + PAIR * S_COL)
-    else:  # N contiguous (a stored [K, N] slab): lines along N for each K row
-        ks = first + tl.arange(0, TILES * BLOCK_K)
-        ns = col0 + tl.arange(0, (BLOCK_N + 63) // 64) * 64
-        _prefetch(s_ptr + ks[:, None].to(tl.int64) * S_ROW + ns[None, :].to(tl.int64))
-
-
-@triton.jit
-def _prefetch(ptrs):
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-def prefetch_depth(tiles: Tiles, k_split: int) -> int:
-    """K tiles a decode program asks into L2 before its wait: as many as its pipeline's stages, at most 4 (a power of
-    two, within its K part)."""
-    return next((d for d in (4, 2, 1) if d <= tiles.num_stages and d * tiles.block_k <= k_split), 0)
-
-
 def matmul_transposed(
     x: torch.Tensor,
     s: torch.Tensor,
@@ -189,44 +144,33 @@ def linear(
 
 
 def linear_parts(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    num_sms: int | None = None,
-    pdl: bool = False,
-    prefetch: bool = False,
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, num_sms: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """`linear` left unsummed for the kernel that reads it next: [S, M, O] fp32 partials of a K split (S > 1, in
     split order, the bias in the first) or [1, M, O] in x's dtype, one launch at decode rows (M <= DECODE_MAX_M;
-    more rows give `linear`'s product as [1, M, O]). `prefetch` (with `pdl`): before its wait, each decode program
-    asks for its first K tiles of W in L2 (`prefetch_tiles`)."""
+    more rows give `linear`'s product as [1, M, O])."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     assert w.is_contiguous(), "w must be a contiguous [O, I]"
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
-    return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl, prefetch)
+    return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl)
 
 
 def matmul_transposed_parts(
-    x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False, prefetch: bool = False
+    x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """`matmul_transposed` left unsummed (see `linear_parts`)."""
     assert x.dim() == 2 and s.dim() == 2 and x.shape[1] == s.shape[0], f"x {tuple(x.shape)}, s {tuple(s.shape)}"
     assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
-    return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl, prefetch)
+    return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl)
 
 
 def gate_up_silu(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    block_rows: int,
-    num_sms: int | None = None,
-    pdl: bool = False,
-    prefetch: bool = False,
+    x: torch.Tensor, w: torch.Tensor, block_rows: int, num_sms: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
     rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
-    -> [M, blocks * block_rows]. Tiles: `gate_up_tiles` (K never split: a program must hold both sums whole
-    before the activation). `prefetch`: see `linear_parts` (both halves' first tiles)."""
+    -> [M, blocks * block_rows]. The tile is the one `linear` would take for w, half as wide on each half, and K
+    is never split (a program must hold both sums whole before the activation)."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     assert w.is_contiguous() and w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
@@ -234,7 +178,7 @@ def gate_up_silu(
     tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows, prefetch=prefetch and m <= DECODE_MAX_M)
+        _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows)
     return y
 
 
@@ -261,17 +205,12 @@ def _launch(
     t: Tiles,
     pdl: bool,
     pair: int = 0,
-    prefetch: bool = False,
 ) -> None:
-    """One launch over x's rows: out = x @ s (+ bias), or its split's partials (t.split_k > 1). `prefetch`: the
-    first K tiles of W into L2 before the wait (a dependent launch only)."""
-    assert pdl or not prefetch, "prefetch: only before a programmatic dependent launch's wait (pdl=True)"
+    """One launch over x's rows: out = x @ s (+ bias), or its split's partials (t.split_k > 1)."""
     (m, k), n = x.shape, out.shape[-1]
-    k_split = k_per_split(k, t.split_k, t)
     transposed_gemm_kernel[(num_programs(m, n, t), t.split_k)](
         x, s, s if bias is None else bias, out, partials, m, n, k, t.block_m, t.block_n, t.block_k,
-        t.group_m, t.split_k, k_split, *strides, bias is not None, PAIR=pair,
-        PREFETCH=prefetch_depth(t, k_split) if prefetch else 0,
+        t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, PAIR=pair,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
     )  # fmt: skip
 
@@ -283,17 +222,15 @@ def _parts(
     strides: tuple[int, int],
     num_sms: int | None,
     pdl: bool,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """x @ s (+ bias) for s [K, N] at `strides`, unsummed (see `linear_parts`)."""
     (m, k), n = x.shape, s.shape[1]
-    assert pdl or not prefetch, "prefetch: only before a programmatic dependent launch's wait (pdl=True)"
     if m > DECODE_MAX_M or m == 0:
         return _product(x, s, bias, strides, None, num_sms, pdl)[None]
     _check(x, s, bias)
     t = pick_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms, n_contiguous=strides[1] == 1)
     parts = torch.empty(t.split_k, m, n, dtype=x.dtype if t.split_k == 1 else torch.float32, device=x.device)
-    _launch(x, s, bias, strides, parts[0], parts, t, pdl, prefetch=prefetch)
+    _launch(x, s, bias, strides, parts[0], parts, t, pdl)
     return parts
 
 

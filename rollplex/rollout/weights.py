@@ -12,9 +12,8 @@ The projections the step's fused kernels read next (qkv, o_proj, down_proj) come
 through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
 kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
-after it and silu inside the gate_up GEMM: four launches fewer per layer; with `prefetch` as well, each of those
-GEMMs asks for its first tiles of W in L2 before it waits for the kernel before it (a bench option, unmeasured as
-yet). `BY_NAME` maps the spec's `run.decode_kernels` to these.
+after it and silu inside the gate_up GEMM: four launches fewer per layer. `BY_NAME` maps the spec's
+`run.decode_kernels` to these.
 """
 
 from __future__ import annotations
@@ -46,11 +45,9 @@ class DecodeKernels:
     triton_gemm: bool = False  # every projection through our GEMMs
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
     fused: bool = False  # splits summed by the kernel after them, silu inside the gate_up GEMM (our GEMMs only)
-    prefetch: bool = False  # fused GEMMs ask for their first W tiles in L2 before their dependent launch waits
 
     def __post_init__(self) -> None:
         assert self.triton_gemm or not self.fused, "fused decode kernels run on our GEMMs: set triton_gemm"
-        assert not self.prefetch or (self.fused and self.pdl), "prefetch: only with fused kernels and pdl"
 
 
 CUBLAS = DecodeKernels()  # the default
@@ -88,8 +85,7 @@ class LayerWeights:
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)[None]
         if self.kernels.fused:
-            k = self.kernels
-            return linear_parts(x, self.qkv_weight, self.qkv_bias, pdl=k.pdl, prefetch=k.prefetch)
+            return linear_parts(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)
         if self.kernels.triton_gemm:
             return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)[None]
         return F.linear(x, self.qkv_weight, self.qkv_bias)[None]
@@ -102,8 +98,7 @@ class LayerWeights:
         """Parts [S, rows, hidden] of down(silu(gate) * up), each [gate; up] block paired inside the gate_up GEMM
         (`fused`) or through a view of its output."""
         if self.kernels.fused:
-            k, block_rows = self.kernels, self.gate_up.shape[0] // (2 * self.num_blocks)
-            hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=k.pdl, prefetch=k.prefetch)
+            hidden = gate_up_silu(x, self.gate_up, self.gate_up.shape[0] // (2 * self.num_blocks), pdl=self.kernels.pdl)
             return self._row_parallel(hidden, self.down)
         y = linear(x, self.gate_up, pdl=self.kernels.pdl) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
@@ -115,8 +110,7 @@ class LayerWeights:
         """Parts of x W^T for o_proj / down_proj, summed over the rollout group (one part) when it has several ranks:
         w is the stored [I, O] slab (transposed) or HF's [O, I]."""
         if self.kernels.fused and self.group.size == 1:
-            parts = matmul_transposed_parts if self.transposed else linear_parts
-            return parts(x, w, pdl=self.kernels.pdl, prefetch=self.kernels.prefetch)
+            return (matmul_transposed_parts if self.transposed else linear_parts)(x, w, pdl=self.kernels.pdl)
         if self.kernels.triton_gemm:
             y = (matmul_transposed if self.transposed else linear)(x, w, pdl=self.kernels.pdl)
         else:

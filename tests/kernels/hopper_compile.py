@@ -33,7 +33,6 @@ KERNELS = {
             "HAS_BIAS": False,
             "USE_GDC": False,
             "PAIR": 0,
-            "PREFETCH": 0,
         },  # down_proj of the 3B model at TP 2
     ),
     "linear": (  # the same kernel on HF's [O, I] weight with its bias: the decode step's qkv of the 3B model
@@ -49,7 +48,6 @@ KERNELS = {
             "HAS_BIAS": True,
             "USE_GDC": False,
             "PAIR": 0,
-            "PREFETCH": 0,
         },
     ),
     "gate_up": (  # the same kernel's silu(gate) * up: the fused decode step's gate_up of the 3B model
@@ -65,7 +63,6 @@ KERNELS = {
             "HAS_BIAS": False,
             "USE_GDC": False,
             "PAIR": 11008,
-            "PREFETCH": 0,
         },
     ),
     "qkv": (
@@ -85,15 +82,12 @@ KERNELS = {
 }
 
 
-def compile_for_hopper(
-    name: str, tiles: Tiles, split: tuple[int, int] | None = None, gdc: bool = False, prefetch: int = 0
-) -> dict:
+def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = None, gdc: bool = False) -> dict:
     """`split`: (SPLIT_K, K_SPLIT) to compile the K-split variant instead of the unsplit one; `gdc`: the
-    programmatic-dependent-launch variant (USE_GDC) of the transposed GEMM; `prefetch`: its K tiles of W asked
-    into L2 before the wait."""
+    programmatic-dependent-launch variant (USE_GDC) of the transposed GEMM."""
     fn, signature, constexprs = KERNELS[name]
     if gdc:
-        constexprs = {**constexprs, "USE_GDC": True, "PREFETCH": prefetch}
+        constexprs = {**constexprs, "USE_GDC": True}
     blocks = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m}
     if split is not None:
         constexprs = {**constexprs, "SPLIT_K": split[0], "K_SPLIT": split[1]}
@@ -103,7 +97,7 @@ def compile_for_hopper(
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "block_m": tiles.block_m, "shared_bytes": kernel.metadata.shared,
             "wait_first": wait_first(ptx), "cp_async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
-            "gdc": "griddepcontrol.wait" in ptx, "prefetch": prefetch_first(ptx)}  # fmt: skip
+            "gdc": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
 def decode_kernels() -> dict:
@@ -156,12 +150,6 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
             "wait_first": wait_first(ptx)}  # fmt: skip
 
 
-def prefetch_first(ptx: str) -> bool | None:
-    """Whether the kernel asks for L2 lines before it waits on the grid (None: no prefetch)."""
-    at = ptx.find("prefetch.global.L2")
-    return None if at < 0 else at < ptx.find("griddepcontrol.wait")
-
-
 def wait_first(ptx: str) -> bool | None:
     """Whether griddepcontrol.wait comes before every global memory access of the kernel (None: it never waits):
     a dependent launch that read or wrote before it could race the kernel before it."""
@@ -184,5 +172,3 @@ if __name__ == "__main__":
     print(json.dumps(compile_for_hopper("transposed", pick_tiles(1, 2048), gdc=True)))  # a dependent launch
     print(json.dumps(compile_for_hopper("linear", pick_tiles(32, 2560, 2048), gdc=True)))  # HF's layout, a bias
     print(json.dumps(compile_for_hopper("gate_up", gate_up_tiles(32, 11008, 2048, 132), gdc=True)))  # fused silu
-    print(json.dumps(compile_for_hopper("gate_up", gate_up_tiles(32, 11008, 2048, 132), gdc=True, prefetch=4)))
-    print(json.dumps(compile_for_hopper("transposed", pick_tiles(32, 2048, 5504, 132, True), gdc=True, prefetch=2)))
