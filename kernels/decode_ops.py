@@ -79,7 +79,7 @@ def add_rms_norm(
     rows, n = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
-    parts = None if delta is None else _parts(delta, residual.shape, residual.dtype)
+    parts = None if delta is None else _as_parts(delta, residual.shape, residual.dtype)
     add_rms_norm_kernel[(rows,)](
         residual if parts is None else parts, residual, weight, out, eps, rows * n, N=n,
         BLOCK=triton.next_power_of_2(n), HAS_DELTA=parts is not None, PARTS=1 if parts is None else parts.shape[0],
@@ -120,7 +120,7 @@ def rotary_to_cache_kernel(
     sin = tl.load(sin_ptr + position * D + half)
     src = (row * (H + 2 * G) + head) * D  # offset in each part
     dtype = q_out_ptr.dtype.element_ty
-    everywhere = half < D // 2
+    whole_half = half < D // 2  # every lane: `summed` takes a mask
     if head < H:
         dst = q_out_ptr + (row * H + head) * D
     else:
@@ -129,8 +129,8 @@ def rotary_to_cache_kernel(
         full = tl.arange(0, D)
         v = summed(qkv_ptr, src + G * D + full, full < D, part_stride, PARTS, dtype)
         tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + full, v.to(dtype))
-    x1 = summed(qkv_ptr, src + half, everywhere, part_stride, PARTS, dtype)
-    x2 = summed(qkv_ptr, src + D // 2 + half, everywhere, part_stride, PARTS, dtype)
+    x1 = summed(qkv_ptr, src + half, whole_half, part_stride, PARTS, dtype)
+    x2 = summed(qkv_ptr, src + D // 2 + half, whole_half, part_stride, PARTS, dtype)
     tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
     if USE_GDC:
@@ -153,7 +153,7 @@ def rotary_to_cache(
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
     width = (num_heads + 2 * num_groups) * head_dim
-    parts = _parts(qkv, (rows, width), q_out.dtype)
+    parts = _as_parts(qkv, (rows, width), q_out.dtype)
     assert all(t.is_contiguous() for t in (q_out, k_cache, v_cache, cos, sin))
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
@@ -164,7 +164,7 @@ def rotary_to_cache(
     return q_out
 
 
-def _parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _as_parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """product as parts [S, *shape]: a [*shape] product in `dtype` is one part; fp32 partials must be [S, *shape]."""
     parts = product[None] if product.dim() == len(shape) else product
     assert tuple(parts.shape[1:]) == tuple(shape), f"product {tuple(product.shape)}, expected [S, *{tuple(shape)}]"

@@ -169,8 +169,10 @@ def gate_up_silu(
 ) -> torch.Tensor:
     """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
     rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
-    -> [M, blocks * block_rows]. The tile is the one `linear` would take for w, half as wide on each half, and K
-    is never split (a program must hold both sums whole before the activation)."""
+    -> [M, blocks * block_rows]. Tiles: `gate_up_tiles` (K never split: a program must hold both sums whole
+    before the activation). Bitwise what `linear` then `silu_mul` give where `linear` does not split K either,
+    which holds for every shipped model's decode shapes at the TP degrees it allows (a test checks that); where
+    it would split, the two round differently (within bf16 rounding)."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
     assert w.is_contiguous() and w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
@@ -184,7 +186,7 @@ def gate_up_silu(
 
 def gate_up_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> Tiles:
     """`gate_up_silu`'s tile for num_cols output columns: `pick_tiles`' for the 2 * num_cols rows of W, half as wide
-    (each program reads as many W rows as there), K unsplit."""
+    (each program reads as many W rows as there, but at least 16 columns of each half), K unsplit."""
     whole = pick_tiles(num_rows, 2 * num_cols, num_inner, num_sms)
     return replace(whole, block_n=max(16, whole.block_n // 2), split_k=1)
 

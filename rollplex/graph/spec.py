@@ -210,8 +210,9 @@ class RunSpec(_Strict):
         "cublas",
         description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
         "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
-        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with four launches "
-        "fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up GEMM). "
+        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
+        "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
+        "GEMM; as fast as rollplex_pdl on the H200, session 14). "
         "A 3B H200 step, alone: 3.35 ms under rollplex_pdl "
         "against 3.46 under cublas; beside a compute-bound neighbour on 33 or 66 SMs, 4.37 / 6.39 ms against "
         "4.17 / 5.62 (bench/results/README.md, session 12).",

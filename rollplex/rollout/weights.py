@@ -12,7 +12,8 @@ The projections the step's fused kernels read next (qkv, o_proj, down_proj) come
 through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
 kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
-after it and silu inside the gate_up GEMM: four launches fewer per layer. `BY_NAME` maps the spec's
+after it and silu inside the gate_up GEMM: up to four launches fewer per layer (two at 3B, where only down_proj
+splits; measured no faster on the H200, session 14). `BY_NAME` maps the spec's
 `run.decode_kernels` to these.
 """
 
@@ -98,7 +99,8 @@ class LayerWeights:
         """Parts [S, rows, hidden] of down(silu(gate) * up), each [gate; up] block paired inside the gate_up GEMM
         (`fused`) or through a view of its output."""
         if self.kernels.fused:
-            hidden = gate_up_silu(x, self.gate_up, self.gate_up.shape[0] // (2 * self.num_blocks), pdl=self.kernels.pdl)
+            block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
+            hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=self.kernels.pdl)
             return self._row_parallel(hidden, self.down)
         y = linear(x, self.gate_up, pdl=self.kernels.pdl) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks

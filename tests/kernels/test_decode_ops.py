@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, random
+from kernels_testkit import DEVICE, DTYPE, assert_matches, random
 
 from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache, silu_mul
 from rollplex.kernels.tiles import sum_splits
@@ -58,6 +58,13 @@ def test_rotary_to_cache_rotates_q_and_k_by_the_text_position_and_writes_the_row
     assert not k_cache[others].any() and not k_cache[:, :, :step].any()
 
 
+BF16 = torch.bfloat16  # the parts tests run in bf16 even in the interpreter (no tl.dot here): the rounding shows
+
+
+def bf16(*shape: int, seed: int) -> torch.Tensor:
+    return random(*shape, seed=seed).to(BF16)
+
+
 def split(product: torch.Tensor, num_parts: int, seed: int) -> torch.Tensor:
     """fp32 parts [S, *product.shape] that add up to `product` (random, so that the order of adding them shows)."""
     parts = random(num_parts, *product.shape, seed=seed).float()
@@ -66,42 +73,41 @@ def split(product: torch.Tensor, num_parts: int, seed: int) -> torch.Tensor:
 
 
 def sum_of(parts: torch.Tensor) -> torch.Tensor:
-    y = torch.empty(parts.shape[1:], dtype=DTYPE, device=DEVICE)
+    """What the split's own sum kernel stores: the parts added in order, rounded to bf16."""
+    y = torch.empty(parts.shape[1:], dtype=BF16, device=DEVICE)
     sum_splits(parts, y)
     return y
 
 
 def test_add_rms_norm_adds_a_splits_parts_as_sum_splits_does():
-    residual, parts = random(4, 96, seed=1), split(random(4, 96, seed=2), 3, seed=4)
-    weight = random(96, seed=3)
+    residual, parts, weight = bf16(4, 96, seed=1), split(random(4, 96, seed=2), 3, seed=4), bf16(96, seed=3)
     fused, unfused = residual.clone(), residual.clone()
     out_fused, out_unfused = torch.empty_like(residual), torch.empty_like(residual)
     add_rms_norm(parts, fused, weight, 1e-6, out_fused)
     add_rms_norm(sum_of(parts), unfused, weight, 1e-6, out_unfused)
     assert torch.equal(fused, unfused) and torch.equal(out_fused, out_unfused)
+    unrounded = residual.float() + parts.sum(0)  # without the sum's rounding to bf16 the result differs
+    assert not torch.equal(fused, unrounded.to(BF16))
 
 
 def test_fused_kernels_refuse_parts_of_another_shape_or_a_low_precision_split():
-    residual, out = random(4, 96, seed=1), random(4, 96, seed=2)
-    weight = random(96, seed=3)
+    residual, out, weight = bf16(4, 96, seed=1), bf16(4, 96, seed=2), bf16(96, seed=3)
     with pytest.raises(AssertionError, match="expected \\[S, \\*\\(4, 96\\)\\]"):
-        add_rms_norm(random(2, 4, 48, seed=4), residual, weight, 1e-6, out)
-    if ON_GPU:  # bf16: partials must be fp32
-        with pytest.raises(AssertionError, match=r"2 parts of torch\.bfloat16"):
-            add_rms_norm(random(2, 4, 96, seed=4), residual, weight, 1e-6, out)
+        add_rms_norm(bf16(2, 4, 48, seed=4), residual, weight, 1e-6, out)
+    with pytest.raises(AssertionError, match=r"2 parts of torch\.bfloat16"):
+        add_rms_norm(bf16(2, 4, 96, seed=4), residual, weight, 1e-6, out)
 
 
 def test_rotary_to_cache_reads_a_splits_parts_as_their_sum():
     text = load_model_config("tiny").text
     heads, groups, d = text.num_attention_heads, text.num_key_value_heads, text.head_dim
     slots, next_positions, step = torch.tensor([0, 3], device=DEVICE), torch.tensor([5, 9, 0], device=DEVICE), 2
-    qkv = random(2, (heads + 2 * groups) * d, seed=1)
-    parts = split(qkv, 2, seed=2)
+    parts = split(random(2, (heads + 2 * groups) * d, seed=1), 2, seed=2)
     cos, sin = (t[0, 0].contiguous().to(DEVICE) for t in text_rotary(torch.arange(32).expand(3, 1, 32), text))
     results = []
     for product in (parts, sum_of(parts)):
-        k_cache = torch.zeros(5, groups, 4, d, dtype=DTYPE, device=DEVICE)
-        v_cache, q_out = torch.zeros_like(k_cache), torch.empty(2, heads, d, dtype=DTYPE, device=DEVICE)
+        k_cache = torch.zeros(5, groups, 4, d, dtype=BF16, device=DEVICE)
+        v_cache, q_out = torch.zeros_like(k_cache), torch.empty(2, heads, d, dtype=BF16, device=DEVICE)
         rotary_to_cache(
             product, cos, sin, slots, next_positions, torch.tensor([step], device=DEVICE), q_out, k_cache, v_cache, 2
         )

@@ -222,18 +222,48 @@ def test_transposed_parts_of_a_long_slab_split_and_add_up_to_the_product():
     assert_matches(summed(parts), reference(x, w))
 
 
-@pytest.mark.parametrize(("blocks", "block_rows"), [(1, 96), (2, 40), (4, 24)])  # 40, 24: column masks
-@pytest.mark.parametrize("num_rows", [2, 33, 70])
-def test_gate_up_silu_equals_silu_of_gate_times_up_per_block(blocks, block_rows, num_rows):
+@pytest.mark.parametrize(
+    ("blocks", "block_rows", "in_features", "num_rows"),
+    [
+        (1, 96, 64, 2),  # K shorter than one K tile: the masked loads
+        (2, 40, 64, 33),
+        (4, 24, 64, 70),  # prefill rows: the prefill tile, masked columns
+        (1, 64, 256, 5),  # whole K tiles and 16-wide tiles that divide N: the unmasked loads
+        (2, 20, 512, 9),  # 20 columns a block: the 16-wide tiles mask a tail
+    ],
+)
+def test_gate_up_silu_equals_the_gemm_then_silu_mul_per_block(blocks, block_rows, in_features, num_rows):
     """w holds per block its gate rows then its up rows (HF's packed [gate; up] is one block, a TP layer's
-    gate_up one per training rank): the output's block b is silu(x G_b^T) * (x U_b^T)."""
-    w = random(blocks * 2 * block_rows, 64, seed=6, scale=64**-0.5)
-    x = random(num_rows, 64, seed=7)
-    y = reference(x, w).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
-    expected = silu_mul(y.contiguous(), torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
+    gate_up one per training rank): the output's block b is silu(x G_b^T) * (x U_b^T), at decode rows bitwise
+    what `linear` (unsplit here) then `silu_mul` give."""
+    w = random(blocks * 2 * block_rows, in_features, seed=6, scale=in_features**-0.5)
+    x = random(num_rows, in_features, seed=7)
+    y = linear(x, w).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
+    expected = silu_mul(y, torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
     out = gate_up_silu(x, w, block_rows)
     assert out.shape == (num_rows, blocks * block_rows)
-    assert_matches(out, expected.view(num_rows, -1))
+    if num_rows <= 64:  # decode rows; prefill tiles differ in width, and the interpreter's sums with them
+        assert torch.equal(out, expected.view(num_rows, -1))
+    exact = reference(x, w).view(num_rows * blocks, 2 * block_rows)
+    gate, up = exact[:, :block_rows], exact[:, block_rows:]
+    assert_matches(out.view(-1, block_rows), (torch.nn.functional.silu(gate.float()) * up.float()).to(DTYPE))
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"])
+def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is_bitwise_the_same(name):
+    """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` does not either."""
+    from rollplex.models.config import load_model_config
+    from rollplex.parallel.layout import check_train_tp
+
+    t = load_model_config(name).text
+    for tp in (1, 2, 4, 8):
+        try:
+            check_train_tp(t, tp)
+        except ValueError:
+            continue
+        rows, k = 2 * t.intermediate_size // tp, t.hidden_size  # a rollout rank's [gate; up] blocks
+        for m in range(1, 65):
+            assert [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)] == [1], (tp, m)
 
 
 def test_gate_up_silu_refuses_a_weight_that_is_not_whole_gate_up_blocks():

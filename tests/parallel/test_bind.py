@@ -63,7 +63,8 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
     if decode:
         greedy = dict(num_samples=2, params=SamplingParams(temperature=0.0, max_tokens=4), generator=torch.Generator())
         theirs = RolloutEngine(fresh).generate(text_prompts(), **greedy)
-        for kernels in (DecodeKernels(), DecodeKernels(triton_gemm=True)):  # cuBLAS, then our GEMMs on the slabs
+        for kernels in (DecodeKernels(), DecodeKernels(triton_gemm=True), DecodeKernels(triton_gemm=True, fused=True)):
+            # cuBLAS, then our GEMMs on the slabs, unfused and fused
             ours = RolloutEngine(bound.model, kernels=kernels).generate(text_prompts(), **greedy)
             assert torch.equal(ours.responses, theirs.responses)
             torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
