@@ -120,9 +120,7 @@ def matmul_transposed(
     the SMs the waves are planned for (default: the device's). `pdl`: each launch is a programmatic dependent
     launch (Hopper): it may start while the kernel before it drains, and waits for that kernel's writes before
     it reads anything (the overlap needs the kernel before to be launched so too: bench/pdl_chain.py)."""
-    assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
-    assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
-    assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
+    _check_slab(x, s)
     return _product(x, s, None, (s.shape[1], 1), tiles, num_sms, pdl)
 
 
@@ -136,10 +134,7 @@ def linear(
 ) -> torch.Tensor:
     """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
     `num_sms`, `pdl`: see `matmul_transposed`."""
-    assert x.dim() == 2 and w.dim() == 2, f"expected x [M, I] and w [O, I], got {tuple(x.shape)}, {tuple(w.shape)}"
-    assert x.shape[1] == w.shape[1], f"x is [M, {x.shape[1]}] but w is [O, {w.shape[1]}]"
-    assert w.is_contiguous(), "w must be a contiguous [O, I]"
-    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
+    _check_hf(x, w, bias)
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 
@@ -149,9 +144,7 @@ def linear_parts(
     """`linear` left unsummed for the kernel that reads it next: [S, M, O] fp32 partials of a K split (S > 1, in
     split order, the bias in the first) or [1, M, O] in x's dtype, one launch at decode rows (M <= DECODE_MAX_M;
     more rows give `linear`'s product as [1, M, O])."""
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
-    assert w.is_contiguous(), "w must be a contiguous [O, I]"
-    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
+    _check_hf(x, w, bias)
     return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl)
 
 
@@ -159,8 +152,7 @@ def matmul_transposed_parts(
     x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """`matmul_transposed` left unsummed (see `linear_parts`)."""
-    assert x.dim() == 2 and s.dim() == 2 and x.shape[1] == s.shape[0], f"x {tuple(x.shape)}, s {tuple(s.shape)}"
-    assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
+    _check_slab(x, s)
     return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl)
 
 
@@ -173,8 +165,8 @@ def gate_up_silu(
     before the activation). Bitwise what `linear` then `silu_mul` give where `linear` does not split K either,
     which holds for every shipped model's decode shapes at the TP degrees it allows (a test checks that); where
     it would split, the two round differently (within bf16 rounding)."""
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"x {tuple(x.shape)}, w {tuple(w.shape)}"
-    assert w.is_contiguous() and w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
+    _check_hf(x, w)
+    assert w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
     (m, k), n = x.shape, w.shape[0] // 2
     tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
@@ -189,6 +181,21 @@ def gate_up_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) ->
     (each program reads as many W rows as there, but at least 16 columns of each half), K unsplit."""
     whole = pick_tiles(num_rows, 2 * num_cols, num_inner, num_sms)
     return replace(whole, block_n=max(16, whole.block_n // 2), split_k=1)
+
+
+def _check_slab(x: torch.Tensor, s: torch.Tensor) -> None:
+    """x [M, I] and a stored [I, O] slab."""
+    assert x.dim() == 2 and s.dim() == 2, f"expected x [M, I] and s [I, O], got {tuple(x.shape)}, {tuple(s.shape)}"
+    assert x.shape[1] == s.shape[0], f"x is [M, {x.shape[1]}] but s is [{s.shape[0]}, O]: pass W^T stored [I, O]"
+    assert s.is_contiguous(), "s must be the contiguous stored [I, O] slab"
+
+
+def _check_hf(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """x [M, I], HF's contiguous [O, I] weight and its bias [O]."""
+    assert x.dim() == 2 and w.dim() == 2, f"expected x [M, I] and w [O, I], got {tuple(x.shape)}, {tuple(w.shape)}"
+    assert x.shape[1] == w.shape[1], f"x is [M, {x.shape[1]}] but w is [O, {w.shape[1]}]"
+    assert w.is_contiguous(), "w must be a contiguous [O, I]"
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
 
 
 def _check(x: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -13,8 +13,7 @@ through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and wi
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
 kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
 after it and silu inside the gate_up GEMM: up to four launches fewer per layer (two at 3B, where only down_proj
-splits; measured no faster on the H200, session 14). `BY_NAME` maps the spec's
-`run.decode_kernels` to these.
+splits; measured no faster on the H200, session 14). `BY_NAME` maps the spec's `run.decode_kernels` to these.
 """
 
 from __future__ import annotations

@@ -86,38 +86,25 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
-def test_on_a_gpu_dependent_launches_change_no_rollout(model, prompts):
-    """The same kernels launched as programmatic dependents: a kernel that read before the one before it had
-    written would change a token or a log-prob somewhere in the captured steps."""
-    params = SamplingParams(temperature=1.0, max_tokens=24)
-    plain, dependent = (
-        RolloutEngine(model, kernels=BY_NAME[name]).generate(
-            prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
-        )
-        for name in ("rollplex", "rollplex_pdl")
-    )
-    assert torch.equal(plain.responses, dependent.responses) and torch.equal(plain.logprobs, dependent.logprobs)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
 @pytest.mark.parametrize("shapes", ["tiny", "3b"])
-def test_on_a_gpu_fused_kernels_change_no_rollout(model, prompts, shapes):
-    """Splits summed by the norm and rotary kernels and silu inside the gate_up GEMM round as the unfused kernels
-    do: the sampled rollout is bitwise the same. At 3B shapes (two layers, bf16) down_proj splits K."""
+def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, prompts, shapes):
+    """Our kernels launched plainly, as programmatic dependents (a kernel that read before the one before it had
+    written would change a token or a log-prob), and fused (splits summed by the norm and rotary kernels, silu
+    inside the gate_up GEMM, rounded as the unfused kernels round): the sampled rollout is bitwise the same. At 3B
+    shapes (two layers, bf16) down_proj splits K."""
     if shapes == "3b":
         config = load_model_config("qwen2_5_vl_3b")
         torch.manual_seed(0)
         model = Qwen2_5_VL(replace(config, text=replace(config.text, num_hidden_layers=2)), torch.bfloat16, DEVICE)
     params = SamplingParams(temperature=1.0, max_tokens=24)
-    unfused, fused = (
+    plain, *others = (
         RolloutEngine(model, kernels=BY_NAME[name]).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
         )
-        for name in ("rollplex_pdl", "rollplex_fused")
+        for name in ("rollplex", "rollplex_pdl", "rollplex_fused")
     )
-    assert torch.equal(unfused.responses, fused.responses) and torch.equal(unfused.logprobs, fused.logprobs)
+    for other in others:
+        assert torch.equal(plain.responses, other.responses) and torch.equal(plain.logprobs, other.logprobs)
 
 
 @pytest.mark.parametrize(
