@@ -9,6 +9,8 @@
 #     focus:  the sweep where the picked tiles missed (session 10): 7B decode at 32 and 64 rows, 3B at 64 rows,
 #             and the QKV prefill -> $OUT/gemm_focus_{7b_decode,3b_decode,qkv_prefill}_h200.json
 #     wide:   7B TP-1 QKV decode (32, 64 rows) over warps and K tiles too -> $OUT/gemm_wide_7b_qkv_h200.json
+#     swap:   the swap_gemm and qkv GPU tests -> $OUT/swap_gpu_tests.log, swap_gemm's tiles swept on every fused QKV
+#             at decode rows -> $OUT/gemm_swap_sweep_h200.json, then the picked stage
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Each stage prints its table last. Move what comes back into
@@ -49,6 +51,18 @@ case "$STAGE" in
     wait
     timeout 120 python3 bench/gemm_layouts.py --sweep --wide --models 7b --tp 1 --ops qkv --rows 32 64 \
       --out "$OUT/gemm_wide_7b_qkv_h200.json" 2>&1 | tail -4 ;;
+  swap)
+    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_swap_gemm.py tests/kernels/test_qkv_gemm.py --tb=short \
+      -rfEs > "$OUT/swap_gpu_tests.log" 2>&1
+    tail -3 "$OUT/swap_gpu_tests.log"
+    for i in $(seq 0 15); do
+      timeout 100 python3 bench/gemm_layouts.py --sweep --swap --ops qkv --rows 1 8 32 64 --compile-only \
+        --shard "$i/16" > /dev/null 2>&1 &
+    done
+    wait
+    timeout 100 python3 bench/gemm_layouts.py --sweep --swap --ops qkv --rows 1 8 32 64 \
+      --out "$OUT/gemm_swap_sweep_h200.json" 2>&1 | tail -18
+    exec bash "$0" picked ;;
   picked)
     for i in $(seq 0 15); do
       timeout 120 python3 bench/gemm_layouts.py --compile-only --shard "$i/16" > /dev/null 2>&1 &

@@ -54,6 +54,23 @@ def shapes(model: str, tp: int) -> list[Shape]:
     ]
 
 
+def swap_candidates(shape: Shape, num_rows: int):
+    """`swap_gemm`'s tiles for a fused QKV at decode rows: K split 1-8 ways (no part left empty), K tiles of 128
+    and 256 rows, each with the deepest pipeline (up to 8 stages) that fits."""
+    from rollplex.kernels.swap_gemm import SWAP_BLOCK_N, swap_tiles
+    from rollplex.kernels.tiles import SHARED_BYTES, shortest_part
+
+    if shape.heads is None or num_rows > 64:
+        return []
+    base = swap_tiles(num_rows, shape.out_features, shape.in_features, 132)
+    found = []
+    for block_k, k in itertools.product((128, 256), (1, 2, 3, 4, 6, 8)):
+        stages = min(8, SHARED_BYTES // ((base.block_m + SWAP_BLOCK_N) * block_k * 2))
+        if shortest_part(shape.in_features, k, block_k) > 0 and stages >= 2:
+            found.append(replace(base, block_k=block_k, num_stages=stages, split_k=k))
+    return found
+
+
 def candidates(shape: Shape, num_rows: int, wide: bool = False):
     """Tile configs the sweep tries besides the picked one. Decode: each column tile width (16-128) times K
     unsplit or split 2, 3, 4 or 8 ways on every row (no part left empty), each with the deepest pipeline that
@@ -92,7 +109,8 @@ def candidates(shape: Shape, num_rows: int, wide: bool = False):
 
 
 def operands(shape: Shape, num_rows: int) -> tuple[Callable, Callable]:
-    """(kernel(tiles), torch()) closures over random bf16 operands in the stored and the materialised layout."""
+    """(kernel(tiles, swap), torch()) closures over random bf16 operands in the stored and the materialised layout
+    (`swap`: the fused QKV through `swap_gemm` with `tiles`)."""
     from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
     from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows
     from rollplex.kernels.transposed_gemm import matmul_transposed
@@ -104,13 +122,13 @@ def operands(shape: Shape, num_rows: int) -> tuple[Callable, Callable]:
     if shape.heads is None:
         w = rand(shape.out_features, shape.in_features, scale=shape.in_features**-0.5)  # [O, I]
         s = w.T.contiguous()  # as stored: [I, O]
-        return (lambda tiles=None: matmul_transposed(x, s, tiles)), (lambda: torch.matmul(x, w.T))
+        return (lambda tiles=None, swap=False: matmul_transposed(x, s, tiles)), (lambda: torch.matmul(x, w.T))
     nh, kv, d = shape.heads
     n = num_stored_rows(nh, kv, d)
     w, b = rand(n, shape.in_features, scale=shape.in_features**-0.5), rand(n)  # as stored: Megatron order
     rows = grouped_rows(nh, kv, d).cuda()
     w_grouped, b_grouped = w[rows].contiguous(), b[rows].contiguous()  # as vLLM would hold them
-    kernel = lambda tiles=None: qkv_grouped_from_megatron(x, w, b, nh, kv, d, tiles=tiles)  # noqa: E731
+    kernel = lambda tiles=None, swap=None: qkv_grouped_from_megatron(x, w, b, nh, kv, d, tiles=tiles, swap=swap)  # noqa: E731
     return kernel, (lambda: torch.addmm(b_grouped, x, w_grouped.T))
 
 
@@ -145,40 +163,48 @@ def time_us(calls: list[Callable], min_ms: float = 30.0) -> float:
         replays *= 4
 
 
-def compile_only(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> None:
+def compile_only(shape: Shape, num_rows: int, sweep: bool, wide: bool = False, swap: bool = False) -> None:
     """Runs every tile config once: fills triton's on-disk cache, so that parallel `--compile-only --shard`
     processes can compile what one timing process then only times."""
     kernel, _ = operands(shape, num_rows)
     kernel()
-    for tiles in candidates(shape, num_rows, wide) if sweep else []:
-        kernel(tiles)
+    for tiles in (swap_candidates(shape, num_rows) if swap else candidates(shape, num_rows, wide)) if sweep else []:
+        kernel(tiles, swap or None)
     torch.cuda.synchronize()
 
 
-def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False) -> dict:
-    from rollplex.kernels.tiles import pick_tiles, sm_count, wave_parts
+def measure(shape: Shape, num_rows: int, sweep: bool, wide: bool = False, swap: bool = False) -> dict:
+    from rollplex.kernels.swap_gemm import SWAP_BLOCK_N, swap_tiles
+    from rollplex.kernels.tiles import DECODE_MAX_M, pick_tiles, sm_count, wave_parts
 
     pairs = [operands(shape, num_rows) for _ in range(weight_copies(shape))]
     kernels, baselines = [k for k, _ in pairs], [b for _, b in pairs]
     expected = baselines[0]().float()
     torch.testing.assert_close(kernels[0]().float(), expected, atol=3e-2, rtol=2e-2)
     num_sms = sm_count(torch.device("cuda"))  # what the launcher plans with
-    picked = pick_tiles(num_rows, shape.out_features, shape.in_features, num_sms, n_contiguous=shape.heads is None)
-    parts = [
-        (first, end, asdict(t))
-        for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, num_sms)
-    ]
+    swapped = shape.heads is not None and num_rows <= DECODE_MAX_M and shape.heads[2] % SWAP_BLOCK_N == 0
+    if swapped:  # what qkv_grouped_from_megatron launches (swap_fits holds for these operands)
+        picked = swap_tiles(num_rows, shape.out_features, shape.in_features, num_sms)
+        parts = [(0, num_rows, asdict(picked))]
+    else:
+        picked = pick_tiles(num_rows, shape.out_features, shape.in_features, num_sms, n_contiguous=shape.heads is None)
+        parts = [
+            (first, end, asdict(t))
+            for first, end, t in wave_parts(num_rows, shape.out_features, shape.in_features, picked, num_sms)
+        ]
     kernel_us, torch_us = time_us(kernels), time_us(baselines)
     target = DECODE_TARGET if num_rows <= 64 else PREFILL_TARGET
     row = {**asdict(shape), "rows": num_rows, "kernel_us": kernel_us, "torch_us": torch_us,
            "speed": torch_us / kernel_us, "target": target, "tiles": asdict(picked), "parts": parts,
-           "copies": len(pairs)}  # fmt: skip
+           "copies": len(pairs), "kernel": "swap_gemm" if swapped else "pointer"}  # fmt: skip
     if sweep:
-        swept = candidates(shape, num_rows, wide)
+        swept, use_swap = (
+            (swap_candidates(shape, num_rows), True) if swap else (candidates(shape, num_rows, wide), None)
+        )
         for t in swept:  # a config timed and never checked could set a picking rule
-            torch.testing.assert_close(kernels[0](t).float(), expected, atol=3e-2, rtol=2e-2)
-        timed = [(time_us([lambda k=k, t=t: k(t) for k in kernels]), t) for t in swept]
-        best_us, best = min(timed, key=lambda p: p[0])
+            torch.testing.assert_close(kernels[0](t, use_swap).float(), expected, atol=3e-2, rtol=2e-2)
+        timed = [(time_us([lambda k=k, t=t: k(t, use_swap) for k in kernels]), t) for t in swept]
+        best_us, best = min(timed, key=lambda p: p[0]) if timed else (kernel_us, picked)
         row |= {"best_us": best_us, "best_speed": torch_us / best_us, "best_tiles": asdict(best),
                 "swept": [{"us": us, "tiles": asdict(t)} for us, t in timed]}  # fmt: skip
     row["meets_target"] = row["speed"] >= target
@@ -204,6 +230,7 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", default=["o_proj", "down_proj", "qkv"], choices=["o_proj", "down_proj", "qkv"])
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     p.add_argument("--wide", action="store_true", help="with --sweep: decode also over warps and K tile sizes")
+    p.add_argument("--swap", action="store_true", help="with --sweep: sweep swap_gemm's tiles (fused QKV, decode)")
     p.add_argument("--compile-only", action="store_true", help="only compile (warm triton's cache); no --out")
     p.add_argument("--shard", default="0/1", help="I/N: only every N-th (shape, rows) case from the I-th")
     args = p.parse_args()
@@ -218,9 +245,9 @@ def main() -> None:
     cases = cases[first::every]
     if args.compile_only:
         for s, m in cases:
-            compile_only(s, m, args.sweep, args.wide)
+            compile_only(s, m, args.sweep, args.wide, args.swap)
         return
-    results = [measure(s, m, args.sweep, args.wide) for s, m in cases]
+    results = [measure(s, m, args.sweep, args.wide, args.swap) for s, m in cases]
     print_table(results)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

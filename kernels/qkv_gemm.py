@@ -4,8 +4,10 @@ Case 3 of DESIGN.md section 5 without the copy: W is stored per query group ([q 
 rows each, `rollplex.memory.sharing.qkv_megatron`); the rollout attention wants y = x W_grouped^T + b_grouped
 with columns [all q | all k | all v] (`qkv_vllm`). Each program computes, for its output column tile, which
 stored rows to load (the closed form of `qkv_layout.grouped_rows`), so the permuted weight never exists.
-The bias is stored like the weight and read through the same index. A launch follows `tiles.wave_parts` (as in
-`transposed_gemm`); in a K split the first part adds the bias. Does not split heads or apply rope.
+The bias is stored like the weight and read through the same index. Decode rows take `swap_gemm`'s kernel where
+it fits (whole 64-column tiles within a head), which applies the same map to each tile's first row; other rows,
+and tiles given by hand, take this module's kernel, whose launch follows `tiles.wave_parts` (as in
+`transposed_gemm`). In a K split the first part adds the bias. Does not split heads or apply rope.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 from rollplex.kernels.qkv_layout import num_stored_rows
+from rollplex.kernels.swap_gemm import stored_rows, swap_fits, swap_product
 from rollplex.kernels.tiles import (
     Tiles,
     check_dtypes,
@@ -24,22 +27,6 @@ from rollplex.kernels.tiles import (
     tile_position,
     zero_tile,
 )
-
-
-@triton.jit
-def stored_rows(
-    cols, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_REP: tl.constexpr
-):
-    """Stored (Megatron) row of each grouped (vLLM) output column; the same formula as `grouped_rows`."""
-    PER_GROUP: tl.constexpr = NUM_HEADS // (NUM_KV_HEADS * KV_REP)
-    head = cols // HEAD_DIM
-    offset = cols % HEAD_DIM
-    is_q = head < NUM_HEADS
-    is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
-    kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
-    group = tl.where(is_q, head // PER_GROUP, kv_head * KV_REP)
-    slot = tl.where(is_q, head % PER_GROUP, tl.where(is_k, PER_GROUP, PER_GROUP + 1))
-    return (group * (PER_GROUP + 2) + slot) * HEAD_DIM + offset
 
 
 @triton.jit
@@ -105,10 +92,13 @@ def qkv_grouped_from_megatron(
     kv_replicas: int = 1,
     tiles: Tiles | None = None,
     num_sms: int | None = None,
+    swap: bool | None = None,
 ) -> torch.Tensor:
     """x: [M, H]; w: [num_stored_rows, H] and bias: [num_stored_rows] in Megatron order (heads local to the shard;
     kv_replicas > 1 when consecutive stored groups repeat a KV head) -> [M, (num_heads + 2 * num_kv_heads) * d]
-    in vLLM order. `num_sms`: the SMs the waves are planned for (default: the device's)."""
+    in vLLM order. `num_sms`: the SMs the waves are planned for (default: the device's). `swap`: True takes
+    `swap_gemm`'s kernel (with `tiles`, if given, as its tiles), False this module's (with `tiles`), None the
+    former where it fits (`swap_fits`) unless `tiles` are given."""
     stored = num_stored_rows(num_heads, num_kv_heads, head_dim, kv_replicas)
     assert num_heads % (num_kv_heads * kv_replicas) == 0, f"{num_heads} q heads vs {num_kv_heads}x{kv_replicas} groups"
     assert x.dim() == 2 and x.is_contiguous(), f"x must be a contiguous [M, H], got {tuple(x.shape)}"
@@ -118,6 +108,9 @@ def qkv_grouped_from_megatron(
     assert x.device == w.device, f"x on {x.device}, w on {w.device}"
     check_dtypes(x, w, *([] if bias is None else [bias]))
     (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
+    if swap or (swap is None and tiles is None and swap_fits(x, w, n, head_dim)):
+        heads = (num_heads, num_kv_heads, head_dim, kv_replicas)
+        return swap_product(x, w, bias, n, heads, tiles, num_sms)
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:
         qkv_gemm_kernel[(num_programs(rows.shape[0], n, t), t.split_k)](

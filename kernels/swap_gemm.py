@@ -1,0 +1,178 @@
+"""Decode products y = x W^T (+ bias) of a K-contiguous weight, computed as y^T = W x^T, W loaded through TMA.
+
+At decode (M <= DECODE_MAX_M rows) a tile of 64 rows of x is mostly padding, and Hopper's warpgroup MMA wants 64
+rows on its first side. Swapping the operands puts 64 weight rows there and the few tokens (16, 32 or 64, the
+next power of two) on the other: no MMA row is padding, and each program streams one [BLOCK_N, BLOCK_K] block of
+W per step through a tensor descriptor (TMA), which keeps more bytes in flight per SM than per-thread loads. On
+an H200 this turned 7B TP-1 QKV at 32 rows from 13.3 us (the pointer kernel's best tile) into 10.8 us against
+cuBLAS's 10.6 (bench/tma_trial.py, bench/results/README.md, session 15).
+
+W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatron's interleaved fused QKV
+(`QKV`: column c reads row `stored_rows(c)`). A tile of BLOCK_N consecutive columns reads BLOCK_N consecutive
+stored rows when BLOCK_N divides head_dim (the row map keeps a head's rows together), so one descriptor load
+fetches it; `swap_fits` checks that and TMA's 16-byte alignment. A K split writes fp32 partials [SPLIT_K, M, N]
+in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollplex.kernels.tiles import (
+    DECODE_MAX_M,
+    DECODE_SPLIT_MIN_K,
+    MAX_SPLIT,
+    SHARED_BYTES,
+    Tiles,
+    check_dtypes,
+    k_per_split,
+    pdl_options,
+    shortest_part,
+    sm_count,
+    sum_splits,
+    zero_tile,
+)
+
+SWAP_BLOCK_N = 64  # weight rows per program: one warpgroup MMA's side
+SWAP_BLOCK_K = 128
+SWAP_MAX_STAGES = 6
+
+
+@triton.jit
+def stored_rows(
+    cols, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_REP: tl.constexpr
+):
+    """Stored (Megatron) row of each grouped (vLLM) output column; the same formula as `qkv_layout.grouped_rows`."""
+    PER_GROUP: tl.constexpr = NUM_HEADS // (NUM_KV_HEADS * KV_REP)
+    head = cols // HEAD_DIM
+    offset = cols % HEAD_DIM
+    is_q = head < NUM_HEADS
+    is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
+    group = tl.where(is_q, head // PER_GROUP, kv_head * KV_REP)
+    slot = tl.where(is_q, head % PER_GROUP, tl.where(is_k, PER_GROUP, PER_GROUP + 1))
+    return (group * (PER_GROUP + 2) + slot) * HEAD_DIM + offset
+
+
+@triton.jit
+def swap_gemm_kernel(
+    x_desc,  # [M, K], blocks [BLOCK_M, BLOCK_K] (rows past M read as zeros)
+    w_desc,  # [rows, K], blocks [BLOCK_N, BLOCK_K]
+    b_ptr,  # [rows] bias, stored like W's rows, or a dummy when not HAS_BIAS
+    y_ptr,  # [M, N] row-major
+    p_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    QKV: tl.constexpr,  # read column c from stored row stored_rows(c) (else row c)
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_REP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # tokens per program: the MMA's short side
+    BLOCK_N: tl.constexpr,  # output columns (weight rows) per program
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per column tile along K (axis 1 of the grid)
+    K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K
+    USE_GDC: tl.constexpr = False,  # see `transposed_gemm_kernel`
+):
+    first_col = tl.program_id(0) * BLOCK_N
+    first_k = tl.program_id(1) * K_SPLIT
+    first_row = stored_rows(first_col, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_REP) if QKV else first_col
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = zero_tile(BLOCK_N, BLOCK_M)  # y^T's tile
+    for k0 in range(first_k, tl.minimum(first_k + K_SPLIT, K), BLOCK_K):  # past K, TMA reads zeros
+        acc = tl.dot(w_desc.load([first_row, k0]), x_desc.load([0, k0]).T, acc)
+    acc = acc.T  # [BLOCK_M, BLOCK_N]
+    cols = first_col + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
+        bias = tl.load(b_ptr + first_row + tl.arange(0, BLOCK_N)).to(tl.float32)
+        acc += bias[None, :] * (tl.program_id(1) == 0).to(tl.float32)
+    inside = rows[:, None] < M
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        p_tile = p_ptr + tl.program_id(1).to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(p_tile, acc, mask=inside)
+
+
+def swap_fits(x: torch.Tensor, w: torch.Tensor, num_cols: int, head_dim: int | None = None) -> bool:
+    """Whether x [M, K] by w [rows, K] can take the swapped kernel: decode rows, whole 64-column tiles (within a
+    head for the QKV map), rows of 16-byte multiples and 16-byte aligned bases (TMA), on a GPU or the CPU
+    interpreter."""
+    k, size = x.shape[1], x.element_size()
+    return (
+        0 < x.shape[0] <= DECODE_MAX_M
+        and num_cols % SWAP_BLOCK_N == 0
+        and (head_dim is None or head_dim % SWAP_BLOCK_N == 0)
+        and (k * size) % 16 == 0
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
+
+
+def swap_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> Tiles:
+    """The swapped kernel's tile: tokens rounded up to a power of two (16-64), 64 weight rows, K in 128-row
+    blocks, split as many ways as still fits one wave with parts of at least DECODE_SPLIT_MIN_K rows, and the
+    deepest pipeline (up to 6 stages) that fits in shared memory."""
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    col_tiles = triton.cdiv(num_cols, SWAP_BLOCK_N)
+    splits = [
+        s
+        for s in range(1, MAX_SPLIT + 1)
+        if col_tiles * s <= num_sms and (s == 1 or shortest_part(num_inner, s, SWAP_BLOCK_K) >= DECODE_SPLIT_MIN_K)
+    ]
+    stage_bytes = (block_m + SWAP_BLOCK_N) * SWAP_BLOCK_K * 2
+    stages = min(SWAP_MAX_STAGES, SHARED_BYTES // stage_bytes)
+    return Tiles(block_m, SWAP_BLOCK_N, SWAP_BLOCK_K, num_stages=stages, split_k=max(splits, default=1))
+
+
+def swap_product(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_cols: int,
+    heads: tuple[int, int, int, int] | None = None,
+    tiles: Tiles | None = None,
+    num_sms: int | None = None,
+    pdl: bool = False,
+    unsummed: bool = False,
+) -> torch.Tensor:
+    """x [M, K] by w [rows, K] (`swap_fits`) -> y [M, num_cols] = x W^T (+ bias), W's column c at row c, or at
+    Megatron's stored row of grouped column c when `heads` = (num_heads, num_kv_heads, head_dim, kv_replicas).
+    `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. Tiles: `tiles`
+    (split_k set) or `swap_tiles`' for `num_sms` (default: the device's)."""
+    assert swap_fits(x, w, num_cols, heads and heads[2]), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
+    assert w.shape[1] == x.shape[1], f"x is [M, {x.shape[1]}] but w is [rows, {w.shape[1]}]"
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
+    assert x.device == w.device, f"x on {x.device}, w on {w.device}"
+    check_dtypes(x, w, *([] if bias is None else [bias]))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (m, k), n = x.shape, num_cols
+    t = tiles or swap_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
+    assert t.block_m >= m and t.split_k is not None, f"{t}: tokens must fit one tile, split_k set"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device) if t.split_k > 1 else y
+    nh, kv, d, rep = heads or (1, 1, 1, 1)
+    x_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [t.block_n, t.block_k])
+    swap_gemm_kernel[(triton.cdiv(n, t.block_n), t.split_k)](
+        x_desc, w_desc,
+        w if bias is None else bias, y, partials, m, n, k, heads is not None, nh, kv, d, rep, bias is not None,
+        t.block_m, t.block_n, t.block_k, t.split_k, k_per_split(k, t.split_k, t),
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
+    )  # fmt: skip
+    if unsummed:
+        return partials if t.split_k > 1 else y[None]
+    if t.split_k > 1:
+        sum_splits(partials, y, pdl)
+    return y
