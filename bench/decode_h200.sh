@@ -34,7 +34,7 @@ for k in $SETTINGS; do
 done
 [ "${BESIDE:-0}" = 1 ] && timeout 240 python3 bench/decode_beside.py --model 3b --batch 32 64 --beside-sms 33 66 \
   --capture-only > /dev/null 2>&1 &
-timeout 150 python3 -m pytest -q -m gpu tests/rollout/test_engine.py tests/kernels/test_transposed_gemm.py --tb=short -rfEs \
+timeout 200 python3 -m pytest -q -m gpu tests/rollout/test_engine.py tests/kernels/test_transposed_gemm.py tests/kernels/test_swap_gemm.py --tb=short -rfEs \
   > "$R/decode_gpu_tests.log" 2>&1
 tests=$?
 timeout 60 python3 -m pytest -q tests/kernels/test_decode_ops.py --tb=short -rfEs >> "$R/decode_gpu_tests.log" 2>&1 \

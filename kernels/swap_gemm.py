@@ -78,17 +78,31 @@ def swap_gemm_kernel(
     SPLIT_K: tl.constexpr,  # programs per column tile along K (axis 1 of the grid)
     K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K
     USE_GDC: tl.constexpr = False,  # see `transposed_gemm_kernel`
+    PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, as `transposed_gemm_kernel`'s PAIR (K unsplit)
 ):
     first_col = tl.program_id(0) * BLOCK_N
     first_k = tl.program_id(1) * K_SPLIT
-    first_row = stored_rows(first_col, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_REP) if QKV else first_col
+    if QKV:
+        first_row = stored_rows(first_col, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_REP)
+    elif PAIR > 0:  # blocks of PAIR gate rows then PAIR up rows; a tile lies in one block's gate half
+        first_row = (first_col // PAIR) * (2 * PAIR) + first_col % PAIR
+    else:
+        first_row = first_col
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = zero_tile(BLOCK_N, BLOCK_M)  # y^T's tile
+    up = zero_tile(BLOCK_N, BLOCK_M)  # the up rows' sums (PAIR > 0)
     for k0 in range(first_k, tl.minimum(first_k + K_SPLIT, K), BLOCK_K):  # past K, TMA reads zeros
-        acc = tl.dot(w_desc.load([first_row, k0]), x_desc.load([0, k0]).T, acc)
+        x_t = x_desc.load([0, k0]).T
+        acc = tl.dot(w_desc.load([first_row, k0]), x_t, acc)
+        if PAIR > 0:
+            up = tl.dot(w_desc.load([first_row + PAIR, k0]), x_t, up)
     acc = acc.T  # [BLOCK_M, BLOCK_N]
+    if PAIR > 0:  # silu(gate) * up, each op rounded to the output dtype as `decode_ops.silu_mul` rounds it
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * up.T.to(y_ptr.dtype.element_ty).to(tl.float32)
     cols = first_col + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     if HAS_BIAS:  # in the first part of a split only (times 1 or 0: exact for a finite bias)
@@ -102,15 +116,15 @@ def swap_gemm_kernel(
         tl.store(p_tile, acc, mask=inside)
 
 
-def swap_fits(x: torch.Tensor, w: torch.Tensor, num_cols: int, head_dim: int | None = None) -> bool:
-    """Whether x [M, K] by w [rows, K] can take the swapped kernel: decode rows, whole 64-column tiles (within a
-    head for the QKV map), rows of 16-byte multiples and 16-byte aligned bases (TMA), on a GPU or the CPU
-    interpreter."""
+def swap_fits(x: torch.Tensor, w: torch.Tensor, num_cols: int, run: int | None = None) -> bool:
+    """Whether x [M, K] by w [rows, K] can take the swapped kernel: decode rows, whole 64-column tiles, each
+    within a `run` of consecutive stored rows (a head for the QKV map, a gate half for PAIR), rows of 16-byte
+    multiples and 16-byte aligned bases (TMA), on a GPU or the CPU interpreter."""
     k, size = x.shape[1], x.element_size()
     return (
         0 < x.shape[0] <= DECODE_MAX_M
         and num_cols % SWAP_BLOCK_N == 0
-        and (head_dim is None or head_dim % SWAP_BLOCK_N == 0)
+        and (run is None or run % SWAP_BLOCK_N == 0)
         and (k * size) % 16 == 0
         and x.is_contiguous()
         and w.is_contiguous()
@@ -119,18 +133,22 @@ def swap_fits(x: torch.Tensor, w: torch.Tensor, num_cols: int, head_dim: int | N
     )
 
 
-def swap_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> Tiles:
+def swap_tiles(
+    num_rows: int, num_cols: int, num_inner: int, num_sms: int, paired: bool = False, element_size: int = 2
+) -> Tiles:
     """The swapped kernel's tile: tokens rounded up to a power of two (16-64), 64 weight rows, K in 128-row
     blocks, split as many ways as still fits one wave with parts of at least DECODE_SPLIT_MIN_K rows, and the
-    deepest pipeline (up to 6 stages) that fits in shared memory."""
+    deepest pipeline (up to 6 stages) that fits in shared memory (`element_size`: bytes per element, 4 for the
+    fp32 the tests may run in). `paired` (gate/up pairs): K unsplit, two weight blocks a stage."""
     block_m = max(16, triton.next_power_of_2(num_rows))
     col_tiles = triton.cdiv(num_cols, SWAP_BLOCK_N)
     splits = [
         s
         for s in range(1, MAX_SPLIT + 1)
-        if col_tiles * s <= num_sms and (s == 1 or shortest_part(num_inner, s, SWAP_BLOCK_K) >= DECODE_SPLIT_MIN_K)
+        if s == 1
+        or (not paired and col_tiles * s <= num_sms and shortest_part(num_inner, s, SWAP_BLOCK_K) >= DECODE_SPLIT_MIN_K)
     ]
-    stage_bytes = (block_m + SWAP_BLOCK_N) * SWAP_BLOCK_K * 2
+    stage_bytes = (block_m + SWAP_BLOCK_N * (2 if paired else 1)) * SWAP_BLOCK_K * element_size
     stages = min(SWAP_MAX_STAGES, SHARED_BYTES // stage_bytes)
     return Tiles(block_m, SWAP_BLOCK_N, SWAP_BLOCK_K, num_stages=stages, split_k=max(splits, default=1))
 
@@ -145,12 +163,16 @@ def swap_product(
     num_sms: int | None = None,
     pdl: bool = False,
     unsummed: bool = False,
+    pair: int = 0,
 ) -> torch.Tensor:
     """x [M, K] by w [rows, K] (`swap_fits`) -> y [M, num_cols] = x W^T (+ bias), W's column c at row c, or at
     Megatron's stored row of grouped column c when `heads` = (num_heads, num_kv_heads, head_dim, kv_replicas).
-    `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. Tiles: `tiles`
-    (split_k set) or `swap_tiles`' for `num_sms` (default: the device's)."""
-    assert swap_fits(x, w, num_cols, heads and heads[2]), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
+    `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. `pair` > 0:
+    y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
+    or `swap_tiles`' for `num_sms` (default: the device's)."""
+    run = heads[2] if heads else pair or None
+    assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
+    assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
     assert w.shape[1] == x.shape[1], f"x is [M, {x.shape[1]}] but w is [rows, {w.shape[1]}]"
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
     assert x.device == w.device, f"x on {x.device}, w on {w.device}"
@@ -158,8 +180,10 @@ def swap_product(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), n = x.shape, num_cols
-    t = tiles or swap_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
+    num_sms = sm_count(x.device) if num_sms is None else num_sms
+    t = tiles or swap_tiles(m, n, k, num_sms, paired=pair > 0, element_size=x.element_size())
     assert t.block_m >= m and t.split_k is not None, f"{t}: tokens must fit one tile, split_k set"
+    assert not pair or t.split_k == 1, "gate/up pairs need K unsplit (the activation needs whole sums)"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device) if t.split_k > 1 else y
     nh, kv, d, rep = heads or (1, 1, 1, 1)
@@ -169,7 +193,7 @@ def swap_product(
         x_desc, w_desc,
         w if bias is None else bias, y, partials, m, n, k, heads is not None, nh, kv, d, rep, bias is not None,
         t.block_m, t.block_n, t.block_k, t.split_k, k_per_split(k, t.split_k, t),
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
+        PAIR=pair, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
     )  # fmt: skip
     if unsummed:
         return partials if t.split_k > 1 else y[None]

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollplex.kernels.swap_gemm import swap_fits, swap_product
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
     Tiles,
@@ -133,8 +134,11 @@ def linear(
     pdl: bool = False,
 ) -> torch.Tensor:
     """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
-    `num_sms`, `pdl`: see `matmul_transposed`."""
+    `num_sms`, `pdl`: see `matmul_transposed`. Decode rows take `swap_gemm`'s kernel where it fits, unless
+    `tiles` are given (this module's kernel)."""
     _check_hf(x, w, bias)
+    if tiles is None and swap_fits(x, w, w.shape[0]):
+        return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl)
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 
@@ -143,8 +147,10 @@ def linear_parts(
 ) -> torch.Tensor:
     """`linear` left unsummed for the kernel that reads it next: [S, M, O] fp32 partials of a K split (S > 1, in
     split order, the bias in the first) or [1, M, O] in x's dtype, one launch at decode rows (M <= DECODE_MAX_M;
-    more rows give `linear`'s product as [1, M, O])."""
+    more rows give `linear`'s product as [1, M, O]). Through `swap_gemm` where `linear` takes it."""
     _check_hf(x, w, bias)
+    if swap_fits(x, w, w.shape[0]):
+        return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl, unsummed=True)
     return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl)
 
 
@@ -164,11 +170,13 @@ def gate_up_silu(
     -> [M, blocks * block_rows]. Tiles: `gate_up_tiles` (K never split: a program must hold both sums whole
     before the activation). Bitwise what `linear` then `silu_mul` give where `linear` does not split K either,
     which holds for every shipped model's decode shapes at the TP degrees it allows (a test checks that); where
-    it would split, the two round differently (within bf16 rounding)."""
+    it would split, the two round differently (within bf16 rounding). Through `swap_gemm` where it fits."""
     _check_hf(x, w)
     assert w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
     (m, k), n = x.shape, w.shape[0] // 2
+    if swap_fits(x, w, n, block_rows):
+        return swap_product(x, w, None, n, num_sms=num_sms, pdl=pdl, pair=block_rows)
     tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:

@@ -72,15 +72,32 @@ def test_unsplit_unsummed_is_the_product_as_one_part():
 
 def test_what_fits_the_swapped_kernel():
     w, x = random(128, 256, seed=15), random(64, 256, seed=16)
-    assert swap_fits(x, w, 128) and swap_fits(x[:1], w, 128, head_dim=128)
+    assert swap_fits(x, w, 128) and swap_fits(x[:1], w, 128, run=128)
     assert not swap_fits(random(65, 256, seed=0), w, 128)  # prefill rows
     assert not swap_fits(x[:0], w, 128)
     assert not swap_fits(x, w[:96], 96)  # not whole 64-column tiles
-    assert not swap_fits(x, w, 128, head_dim=32)  # a tile would cross heads
+    assert not swap_fits(x, w, 128, run=32)  # a tile would cross heads (or gate/up halves)
     assert not swap_fits(random(4, 257, seed=0), random(128, 257, seed=0), 128)  # rows not 16-byte multiples
     assert not swap_fits(x[:, 4:], w[:, 4:], 128)  # not contiguous
     with pytest.raises(AssertionError, match="not for swap"):
         swap_product(x, w[:96], None, 96)
+
+
+@pytest.mark.parametrize(("blocks", "block_rows"), [(1, 64), (2, 128)])
+def test_gate_up_pairs_give_silu_of_gate_times_up_as_the_product_then_silu_mul(blocks, block_rows):
+    from rollplex.kernels.decode_ops import silu_mul
+
+    w = random(blocks * 2 * block_rows, 256, seed=17, scale=256**-0.5)
+    x = random(6, 256, seed=18)
+    out = swap_product(x, w, None, blocks * block_rows, pair=block_rows)
+    y = swap_product(x, w, None, 2 * blocks * block_rows).view(6 * blocks, 2 * block_rows)
+    unfused = silu_mul(y, torch.empty(6 * blocks, block_rows, dtype=y.dtype, device=y.device))
+    assert torch.equal(out, unfused.view(6, -1))
+    exact = linear_reference(x, w).float().view(6 * blocks, 2 * block_rows)
+    gate, up = exact[:, :block_rows], exact[:, block_rows:]
+    assert_matches(out.view(-1, block_rows), (torch.nn.functional.silu(gate) * up).to(x.dtype))
+    with pytest.raises(AssertionError, match="K unsplit"):
+        swap_product(x, w, None, blocks * block_rows, tiles=Tiles(16, 64, 128, split_k=2), pair=block_rows)
 
 
 def test_tiles_split_k_to_fill_the_wave_and_cover_the_tokens():
@@ -91,6 +108,8 @@ def test_tiles_split_k_to_fill_the_wave_and_cover_the_tokens():
     assert swap_tiles(64, 1280, 2048, NUM_SMS_H200).split_k == 1
     assert swap_tiles(64, 1280, 2048, NUM_SMS_H200).num_stages * (64 + 64) * 128 * 2 <= 200 * 1024
     assert swap_tiles(17, 512, 18944, NUM_SMS_H200) == Tiles(32, 64, 128, num_stages=6, split_k=8)
+    paired = swap_tiles(64, 512, 18944, NUM_SMS_H200, paired=True)  # gate/up: never split, two blocks a stage
+    assert paired.split_k == 1 and paired.num_stages == 200 * 1024 // ((64 + 128) * 128 * 2)
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, r
 
 pytest.importorskip("triton")
 from rollplex.kernels.decode_ops import silu_mul
+from rollplex.kernels.swap_gemm import SWAP_BLOCK_N, swap_tiles
 from rollplex.kernels.tiles import Tiles, pick_tiles, sum_splits, wave_parts
 from rollplex.kernels.transposed_gemm import (
     gate_up_silu,
@@ -242,16 +243,25 @@ def test_gate_up_silu_equals_the_gemm_then_silu_mul_per_block(blocks, block_rows
     expected = silu_mul(y, torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
     out = gate_up_silu(x, w, block_rows)
     assert out.shape == (num_rows, blocks * block_rows)
-    if num_rows <= 64:  # decode rows; prefill tiles differ in width, and the interpreter's sums with them
+    if num_rows <= 64 and same_family(blocks * block_rows, block_rows):  # decode rows, the same kernel family
         assert torch.equal(out, expected.view(num_rows, -1))
     exact = reference(x, w).view(num_rows * blocks, 2 * block_rows)
     gate, up = exact[:, :block_rows], exact[:, block_rows:]
     assert_matches(out.view(-1, block_rows), (torch.nn.functional.silu(gate.float()) * up.float()).to(DTYPE))
 
 
+def same_family(num_cols: int, block_rows: int) -> bool:
+    """Whether `linear` on the [gate; up] weight and `gate_up_silu` on it take the same kernel at decode rows
+    (`swap_gemm` for both, or the pointer kernel for both): only then can they agree bitwise."""
+    return (2 * num_cols % SWAP_BLOCK_N == 0) == (num_cols % SWAP_BLOCK_N == 0 and block_rows % SWAP_BLOCK_N == 0)
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"])
 def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is_bitwise_the_same(name):
-    """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` does not either."""
+    """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` takes the same
+    kernel family and does not split either. The one exception: 72B at TP 4, whose 7,392 gate rows a rank are
+    not whole 64-row tiles (the fused kernel reads them through the pointer kernel, `linear` the packed 14,784
+    rows through `swap_gemm`): there the two round differently, within bf16 rounding."""
     from rollplex.models.config import load_model_config
     from rollplex.parallel.layout import check_train_tp
 
@@ -262,8 +272,12 @@ def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is
         except ValueError:
             continue
         rows, k = 2 * t.intermediate_size // tp, t.hidden_size  # a rollout rank's [gate; up] blocks
+        assert same_family(rows // 2, rows // 2) == ((name, tp) != ("qwen2_5_vl_72b", 4)), (name, tp)
         for m in range(1, 65):
-            assert [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)] == [1], (tp, m)
+            if rows % SWAP_BLOCK_N == 0:
+                assert swap_tiles(m, rows, k, 132).split_k == 1, (tp, m)
+            else:
+                assert [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)] == [1], (tp, m)
 
 
 def test_gate_up_silu_refuses_a_weight_that_is_not_whole_gate_up_blocks():
