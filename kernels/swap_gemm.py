@@ -4,7 +4,7 @@ At decode (M <= DECODE_MAX_M rows) a tile of 64 rows of x is mostly padding, and
 rows on its first side. Swapping the operands puts 64 weight rows there and the few tokens (16, 32 or 64, the
 next power of two) on the other: no MMA row is padding, and each program streams one [BLOCK_N, BLOCK_K] block of
 W per step through a tensor descriptor (TMA), which keeps more bytes in flight per SM than per-thread loads. On
-an H200 this turned 7B TP-1 QKV at 32 rows from 13.3 us (the pointer kernel's best tile) into 10.8 us against
+an H200 this turned 7B TP-1 QKV at 32 rows from 13.3 us (the pointer kernel's picked tile) into 10.8 us against
 cuBLAS's 10.6 (bench/tma_trial.py, bench/results/README.md, session 15).
 
 W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatron's interleaved fused QKV
@@ -119,17 +119,16 @@ def swap_gemm_kernel(
 def swap_fits(x: torch.Tensor, w: torch.Tensor, num_cols: int, run: int | None = None) -> bool:
     """Whether x [M, K] by w [rows, K] can take the swapped kernel: decode rows, whole 64-column tiles, each
     within a `run` of consecutive stored rows (a head for the QKV map, a gate half for PAIR), rows of 16-byte
-    multiples and 16-byte aligned bases (TMA), on a GPU or the CPU interpreter."""
-    k, size = x.shape[1], x.element_size()
+    multiples and 16-byte aligned bases (TMA: the row strides are checked too, since a one-row view counts as
+    contiguous whatever its stride), on a GPU or the CPU interpreter."""
+    size = x.element_size()
     return (
         0 < x.shape[0] <= DECODE_MAX_M
         and num_cols % SWAP_BLOCK_N == 0
         and (run is None or run % SWAP_BLOCK_N == 0)
-        and (k * size) % 16 == 0
         and x.is_contiguous()
         and w.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
+        and all(t.stride(0) * size % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
     )
 
 
@@ -173,6 +172,7 @@ def swap_product(
     run = heads[2] if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
     assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
+    assert not (pair and bias is not None), "a gate/up pair takes no bias (it would land after the activation)"
     assert w.shape[1] == x.shape[1], f"x is [M, {x.shape[1]}] but w is [rows, {w.shape[1]}]"
     assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous()), f"bias must be [{w.shape[0]}]"
     assert x.device == w.device, f"x on {x.device}, w on {w.device}"
@@ -183,6 +183,7 @@ def swap_product(
     num_sms = sm_count(x.device) if num_sms is None else num_sms
     t = tiles or swap_tiles(m, n, k, num_sms, paired=pair > 0, element_size=x.element_size())
     assert t.block_m >= m and t.split_k is not None, f"{t}: tokens must fit one tile, split_k set"
+    assert t.block_n == SWAP_BLOCK_N, f"{t}: swap_fits checked {SWAP_BLOCK_N}-row tiles"
     assert not pair or t.split_k == 1, "gate/up pairs need K unsplit (the activation needs whole sums)"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device) if t.split_k > 1 else y

@@ -3,6 +3,11 @@ is cut into waves.
 
 A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, the second 21 % full.
 
+These are the pointer kernels' tiles (`transposed_gemm`, `qkv_gemm`). Since session 15 a K-contiguous W at
+decode rows takes `swap_gemm` wherever its tiles fit, with tiles of its own (`swap_tiles`); the decode rules
+below then serve the transposed slabs, and the K-contiguous weights only where `swap_gemm` does not fit. The
+examples are the sweeps' shapes as the pointer kernels ran them.
+
 Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of the
 columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one wave, K
 split only where every part reads at least DECODE_SPLIT_MIN_K rows, or SHORT_SPLIT_MIN_K for a K-contiguous W (HF's

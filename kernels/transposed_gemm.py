@@ -3,8 +3,10 @@
 W is logically [O, I]. The trainer stores a row-parallel weight (o_proj, down_proj) as S = W^T = [I, O]
 contiguous, so that each training shard of the I axis is a contiguous slab and a rollout shard is q slabs back
 to back (`matmul_transposed`); a full model's projections are HF's [O, I] (`linear`, with its bias: the decode
-step's GEMMs, where a chain of our kernels can launch as programmatic dependents). One kernel reads S[i, o] at
-i * S_ROW + o * S_COL for either, bf16 in, fp32 accumulation, bf16 out. A launch follows `tiles.wave_parts`:
+step's GEMMs, where a chain of our kernels can launch as programmatic dependents). At decode rows an HF weight
+goes to `swap_gemm` where it fits (y^T = W x^T from TMA-loaded tiles); everything else takes this module's
+kernel, which reads S[i, o] at i * S_ROW + o * S_COL for either layout, bf16 in, fp32 accumulation, bf16 out.
+A launch of it follows `tiles.wave_parts`:
 decode tiles may cut K over several programs (`pick_tiles`), and prefill rows short of a whole wave take
 narrower tiles and, if still short, a K split; each part of a split writes an fp32 partial that `sum_splits`
 adds in order. It does not shard, bind or all-reduce; the caller passes the slab its rank holds.
@@ -132,12 +134,14 @@ def linear(
     tiles: Tiles | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
+    swap: bool = True,
 ) -> torch.Tensor:
     """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
     `num_sms`, `pdl`: see `matmul_transposed`. Decode rows take `swap_gemm`'s kernel where it fits, unless
-    `tiles` are given (this module's kernel)."""
+    `tiles` are given or `swap` is off (this module's kernel: a [gate; up] weight whose `gate_up_silu` cannot
+    swap, `gate_up_swaps`)."""
     _check_hf(x, w, bias)
-    if tiles is None and swap_fits(x, w, w.shape[0]):
+    if swap and tiles is None and swap_fits(x, w, w.shape[0]):
         return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl)
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
@@ -168,20 +172,28 @@ def gate_up_silu(
     """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
     rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
     -> [M, blocks * block_rows]. Tiles: `gate_up_tiles` (K never split: a program must hold both sums whole
-    before the activation). Bitwise what `linear` then `silu_mul` give where `linear` does not split K either,
-    which holds for every shipped model's decode shapes at the TP degrees it allows (a test checks that); where
-    it would split, the two round differently (within bf16 rounding). Through `swap_gemm` where it fits."""
+    before the activation). Bitwise what `linear(..., swap=gate_up_swaps(...))` then `silu_mul` give where
+    `linear` does not split K either, which holds for every shipped model's decode shapes at the TP degrees it
+    allows (a test checks that); where it would split, the two round differently (within bf16 rounding).
+    Through `swap_gemm` where `gate_up_swaps`."""
     _check_hf(x, w)
     assert w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
     (m, k), n = x.shape, w.shape[0] // 2
-    if swap_fits(x, w, n, block_rows):
+    if gate_up_swaps(x, w, block_rows):
         return swap_product(x, w, None, n, num_sms=num_sms, pdl=pdl, pair=block_rows)
     tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows)
     return y
+
+
+def gate_up_swaps(x: torch.Tensor, w: torch.Tensor, block_rows: int) -> bool:
+    """Whether `gate_up_silu` reads [gate; up] blocks of `block_rows` rows through `swap_gemm` (each 64-row tile
+    within one gate or up half). The unfused path passes it to `linear` as `swap`, so that both products come
+    from the same kernel and agree bitwise."""
+    return swap_fits(x, w, w.shape[0] // 2, block_rows)
 
 
 def gate_up_tiles(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> Tiles:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from rollplex.kernels.decode_ops import silu_mul
 from rollplex.kernels.transposed_gemm import (
     gate_up_silu,
+    gate_up_swaps,
     linear,
     linear_parts,
     matmul_transposed,
@@ -101,7 +102,12 @@ class LayerWeights:
             block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
             hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=self.kernels.pdl)
             return self._row_parallel(hidden, self.down)
-        y = linear(x, self.gate_up, pdl=self.kernels.pdl) if self.kernels.triton_gemm else F.linear(x, self.gate_up)
+        if self.kernels.triton_gemm:  # the kernel `gate_up_silu` would take: the fused step gives the same bits
+            block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
+            swap = gate_up_swaps(x, self.gate_up, block_rows)
+            y = linear(x, self.gate_up, pdl=self.kernels.pdl, swap=swap)
+        else:
+            y = F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks
         out = y.new_empty(rows * self.num_blocks, width // 2)
         hidden = silu_mul(y.view(rows * self.num_blocks, width), out, pdl=self.kernels.pdl).view(rows, -1)

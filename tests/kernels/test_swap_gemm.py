@@ -43,6 +43,14 @@ def test_the_megatron_row_map_gives_the_grouped_projection(num_heads, num_kv_hea
     assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, head_dim, kv_replicas))
 
 
+def test_a_k_split_of_the_qkv_row_map_adds_the_stored_bias_once():
+    n = num_stored_rows(4, 1, 64, 2)
+    w, b = random(n, 896, seed=19, scale=896**-0.5), random(n, seed=20)
+    x = random(11, 896, seed=21)
+    y = swap_product(x, w, b, 6 * 64, (4, 1, 64, 2), tiles=Tiles(16, 64, 128, num_stages=2, split_k=3))
+    assert_matches(y, reference(x, w, b, 4, 1, 64, 2))
+
+
 def test_qkv_at_decode_rows_takes_the_swapped_kernel_where_it_fits():
     n = num_stored_rows(4, 2, 64)
     w, b = random(n, 256, seed=7, scale=256**-0.5), random(n, seed=8)
@@ -63,6 +71,12 @@ def test_a_k_split_adds_the_bias_once_and_its_parts_add_up(split):
     assert_matches(parts.sum(0).to(x.dtype), linear_reference(x, w, b))
 
 
+def test_hand_given_tiles_must_be_the_width_swap_fits_checked():
+    w, x = random(128, 256, seed=22), random(4, 256, seed=23)
+    with pytest.raises(AssertionError, match="64-row tiles"):
+        swap_product(x, w, None, 128, tiles=Tiles(16, 128, 128, split_k=1))
+
+
 def test_unsplit_unsummed_is_the_product_as_one_part():
     w = random(64, 256, seed=13, scale=256**-0.5)
     x = random(3, 256, seed=14)
@@ -79,6 +93,9 @@ def test_what_fits_the_swapped_kernel():
     assert not swap_fits(x, w, 128, run=32)  # a tile would cross heads (or gate/up halves)
     assert not swap_fits(random(4, 257, seed=0), random(128, 257, seed=0), 128)  # rows not 16-byte multiples
     assert not swap_fits(x[:, 4:], w[:, 4:], 128)  # not contiguous
+    one_row = random(1, 257, seed=0)[:, :256]  # one row counts as contiguous whatever its stride: it is checked
+    assert one_row.is_contiguous() and not swap_fits(one_row, w, 128)
+    assert not swap_fits(x.flatten()[1:257].view(1, 256), w, 128)  # a base off 16 bytes (TMA)
     with pytest.raises(AssertionError, match="not for swap"):
         swap_product(x, w[:96], None, 96)
 
@@ -96,13 +113,15 @@ def test_gate_up_pairs_give_silu_of_gate_times_up_as_the_product_then_silu_mul(b
     exact = linear_reference(x, w).float().view(6 * blocks, 2 * block_rows)
     gate, up = exact[:, :block_rows], exact[:, block_rows:]
     assert_matches(out.view(-1, block_rows), (torch.nn.functional.silu(gate) * up).to(x.dtype))
+    with pytest.raises(AssertionError, match="no bias"):
+        swap_product(x, w, random(w.shape[0], seed=0), blocks * block_rows, pair=block_rows)
     with pytest.raises(AssertionError, match="K unsplit"):
         swap_product(x, w, None, blocks * block_rows, tiles=Tiles(16, 64, 128, split_k=2), pair=block_rows)
 
 
 def test_tiles_split_k_to_fill_the_wave_and_cover_the_tokens():
     """7B TP-1 QKV: 72 column tiles, a split would pass 132 SMs; 7B TP-2 QKV: 36, split in two (1792-row parts);
-    3B TP-1 o_proj-sized K 2048 never splits (1024-row parts are too short)."""
+    3B TP-2 QKV (1280 x 2048) never splits (1024-row parts are too short)."""
     assert swap_tiles(32, 4608, 3584, NUM_SMS_H200) == Tiles(32, 64, 128, num_stages=6, split_k=1)
     assert swap_tiles(1, 2304, 3584, NUM_SMS_H200) == Tiles(16, 64, 128, num_stages=6, split_k=2)
     assert swap_tiles(64, 1280, 2048, NUM_SMS_H200).split_k == 1

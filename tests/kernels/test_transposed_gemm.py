@@ -10,10 +10,11 @@ from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, r
 
 pytest.importorskip("triton")
 from rollplex.kernels.decode_ops import silu_mul
-from rollplex.kernels.swap_gemm import SWAP_BLOCK_N, swap_tiles
+from rollplex.kernels.swap_gemm import swap_tiles
 from rollplex.kernels.tiles import Tiles, pick_tiles, sum_splits, wave_parts
 from rollplex.kernels.transposed_gemm import (
     gate_up_silu,
+    gate_up_swaps,
     linear,
     linear_parts,
     matmul_transposed,
@@ -215,6 +216,15 @@ def test_linear_parts_add_up_to_the_product_and_leave_a_split_unsummed(in_featur
     assert_matches(summed(parts), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(DTYPE))
 
 
+def test_linear_parts_at_decode_rows_through_swap_gemm_sum_to_linear_bitwise():
+    w = random(128, 3200, seed=8, scale=3200**-0.5)  # 2 column tiles of 64 rows, K split in two 1,664-row parts
+    bias, x = random(128, seed=9), random(5, 3200, seed=10)
+    parts = linear_parts(x, w, bias)
+    assert parts.shape == (2, 5, 128) and parts.dtype == torch.float32
+    assert torch.equal(summed(parts), linear(x, w, bias))
+    assert_matches(summed(parts), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(DTYPE))
+
+
 def test_transposed_parts_of_a_long_slab_split_and_add_up_to_the_product():
     w = random(32, 3072, seed=4, scale=3072**-0.5)  # K 3072: two parts of 1,536 rows
     x = random(5, 3072, seed=5)
@@ -226,10 +236,11 @@ def test_transposed_parts_of_a_long_slab_split_and_add_up_to_the_product():
 @pytest.mark.parametrize(
     ("blocks", "block_rows", "in_features", "num_rows"),
     [
-        (1, 96, 64, 2),  # K shorter than one K tile: the masked loads
+        (1, 96, 64, 2),  # K shorter than one K tile: the masked loads (96 rows: `linear` could swap, is told not to)
         (2, 40, 64, 33),
         (4, 24, 64, 70),  # prefill rows: the prefill tile, masked columns
-        (1, 64, 256, 5),  # whole K tiles and 16-wide tiles that divide N: the unmasked loads
+        (1, 32, 256, 5),  # whole K tiles and 16-wide tiles that divide N: the pointer kernel's unmasked loads
+        (1, 64, 256, 5),  # whole 64-row gate and up tiles: both through swap_gemm
         (2, 20, 512, 9),  # 20 columns a block: the 16-wide tiles mask a tail
     ],
 )
@@ -239,29 +250,23 @@ def test_gate_up_silu_equals_the_gemm_then_silu_mul_per_block(blocks, block_rows
     what `linear` (unsplit here) then `silu_mul` give."""
     w = random(blocks * 2 * block_rows, in_features, seed=6, scale=in_features**-0.5)
     x = random(num_rows, in_features, seed=7)
-    y = linear(x, w).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
+    swap = gate_up_swaps(x, w, block_rows)  # the kernel family both products take (the unfused step's rule)
+    y = linear(x, w, swap=swap).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
     expected = silu_mul(y, torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
     out = gate_up_silu(x, w, block_rows)
     assert out.shape == (num_rows, blocks * block_rows)
-    if num_rows <= 64 and same_family(blocks * block_rows, block_rows):  # decode rows, the same kernel family
+    if num_rows <= 64:  # decode rows; prefill tiles differ in width, and the interpreter's sums with them
         assert torch.equal(out, expected.view(num_rows, -1))
     exact = reference(x, w).view(num_rows * blocks, 2 * block_rows)
     gate, up = exact[:, :block_rows], exact[:, block_rows:]
     assert_matches(out.view(-1, block_rows), (torch.nn.functional.silu(gate.float()) * up.float()).to(DTYPE))
 
 
-def same_family(num_cols: int, block_rows: int) -> bool:
-    """Whether `linear` on the [gate; up] weight and `gate_up_silu` on it take the same kernel at decode rows
-    (`swap_gemm` for both, or the pointer kernel for both): only then can they agree bitwise."""
-    return (2 * num_cols % SWAP_BLOCK_N == 0) == (num_cols % SWAP_BLOCK_N == 0 and block_rows % SWAP_BLOCK_N == 0)
-
-
 @pytest.mark.parametrize("name", ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"])
 def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is_bitwise_the_same(name):
-    """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` takes the same
-    kernel family and does not split either. The one exception: 72B at TP 4, whose 7,392 gate rows a rank are
-    not whole 64-row tiles (the fused kernel reads them through the pointer kernel, `linear` the packed 14,784
-    rows through `swap_gemm`): there the two round differently, within bf16 rounding."""
+    """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` (told the same
+    kernel family, `gate_up_swaps`) does not split either: at every training TP and every rollout TP dividing
+    it, with blocks = train / rollout blocks of intermediate / train gate rows each."""
     from rollplex.models.config import load_model_config
     from rollplex.parallel.layout import check_train_tp
 
@@ -271,13 +276,16 @@ def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is
             check_train_tp(t, tp)
         except ValueError:
             continue
-        rows, k = 2 * t.intermediate_size // tp, t.hidden_size  # a rollout rank's [gate; up] blocks
-        assert same_family(rows // 2, rows // 2) == ((name, tp) != ("qwen2_5_vl_72b", 4)), (name, tp)
-        for m in range(1, 65):
-            if rows % SWAP_BLOCK_N == 0:
-                assert swap_tiles(m, rows, k, 132).split_k == 1, (tp, m)
-            else:
-                assert [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)] == [1], (tp, m)
+        for rollout_tp in (r for r in (1, 2, 4, 8) if tp % r == 0):
+            block_rows, k = t.intermediate_size // tp, t.hidden_size
+            rows = 2 * block_rows * (tp // rollout_tp)  # a rollout rank's [gate; up] blocks
+            w, x = (torch.empty(*shape, device="meta", dtype=torch.bfloat16) for shape in ((rows, k), (1, k)))
+            for m in range(1, 65):
+                if gate_up_swaps(x.expand(m, k).contiguous(), w, block_rows):
+                    assert swap_tiles(m, rows, k, 132).split_k == 1, (tp, rollout_tp, m)
+                else:
+                    splits = [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)]
+                    assert splits == [1], (tp, rollout_tp, m)
 
 
 def test_gate_up_silu_refuses_a_weight_that_is_not_whole_gate_up_blocks():
