@@ -5,13 +5,15 @@ rows on its first side. Swapping the operands puts 64 weight rows there and the 
 next power of two) on the other: no MMA row is padding, and each program streams one [BLOCK_N, BLOCK_K] block of
 W per step through a tensor descriptor (TMA), which keeps more bytes in flight per SM than per-thread loads. On
 an H200 this turned 7B TP-1 QKV at 32 rows from 13.3 us (the pointer kernel's picked tile) into 10.8 us against
-cuBLAS's 10.6 (bench/tma_trial.py, bench/results/README.md, session 15).
+cuBLAS's 10.6 (bench/results/README.md, session 15; the trial script is in b5de36b).
 
 W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatron's interleaved fused QKV
 (`QKV`: column c reads row `stored_rows(c)`). A tile of BLOCK_N consecutive columns reads BLOCK_N consecutive
 stored rows when BLOCK_N divides head_dim (the row map keeps a head's rows together), so one descriptor load
 fetches it; `swap_fits` checks that and TMA's 16-byte alignment. A K split writes fp32 partials [SPLIT_K, M, N]
-in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel.
+in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel. With
+`PAIR` (gate/up blocks, `transposed_gemm.gate_up_silu`) a program also accumulates the up rows PAIR below its
+gate rows and stores silu(gate) * up, K unsplit.
 """
 
 from __future__ import annotations
