@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rollplex.kernels.qkv_layout import num_stored_rows
-from rollplex.kernels.swap_gemm import stored_rows, swap_fits, swap_product
+from rollplex.kernels.swap_gemm import QKVHeads, stored_rows, swap_fits, swap_product
 from rollplex.kernels.tiles import (
     Tiles,
     check_dtypes,
@@ -109,7 +109,7 @@ def qkv_grouped_from_megatron(
     check_dtypes(x, w, *([] if bias is None else [bias]))
     (m, k), n = x.shape, (num_heads + 2 * num_kv_heads) * head_dim
     if swap or (swap is None and tiles is None and swap_fits(x, w, n, head_dim)):
-        heads = (num_heads, num_kv_heads, head_dim, kv_replicas)
+        heads = QKVHeads(num_heads, num_kv_heads, head_dim, kv_replicas)
         return swap_product(x, w, bias, n, heads, tiles, num_sms)
 
     def launch(rows: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, t: Tiles) -> None:

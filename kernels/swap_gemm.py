@@ -18,6 +18,8 @@ gate rows and stores silu(gate) * up, K unsplit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,17 @@ from rollplex.kernels.tiles import (
 SWAP_BLOCK_N = 64  # weight rows per program: one warpgroup MMA's side
 SWAP_BLOCK_K = 128
 SWAP_MAX_STAGES = 6
+
+
+@dataclass(frozen=True, slots=True)
+class QKVHeads:
+    """The heads of a fused QKV stored in Megatron's order (`qkv_layout`), local to the shard: the row map's
+    constants."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_replicas: int = 1
 
 
 @triton.jit
@@ -159,7 +172,7 @@ def swap_product(
     w: torch.Tensor,
     bias: torch.Tensor | None,
     num_cols: int,
-    heads: tuple[int, int, int, int] | None = None,
+    heads: QKVHeads | None = None,
     tiles: Tiles | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
@@ -167,11 +180,11 @@ def swap_product(
     pair: int = 0,
 ) -> torch.Tensor:
     """x [M, K] by w [rows, K] (`swap_fits`) -> y [M, num_cols] = x W^T (+ bias), W's column c at row c, or at
-    Megatron's stored row of grouped column c when `heads` = (num_heads, num_kv_heads, head_dim, kv_replicas).
+    Megatron's stored row of grouped column c when `heads` are given.
     `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. `pair` > 0:
     y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
     or `swap_tiles`' for `num_sms` (default: the device's)."""
-    run = heads[2] if heads else pair or None
+    run = heads.head_dim if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
     assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
     assert not (pair and bias is not None), "a gate/up pair takes no bias (it would land after the activation)"
@@ -189,12 +202,12 @@ def swap_product(
     assert not pair or t.split_k == 1, "gate/up pairs need K unsplit (the activation needs whole sums)"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device) if t.split_k > 1 else y
-    nh, kv, d, rep = heads or (1, 1, 1, 1)
+    h = heads or QKVHeads(1, 1, 1)
     x_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [t.block_n, t.block_k])
     swap_gemm_kernel[(triton.cdiv(n, t.block_n), t.split_k)](
-        x_desc, w_desc,
-        w if bias is None else bias, y, partials, m, n, k, heads is not None, nh, kv, d, rep, bias is not None,
+        x_desc, w_desc, w if bias is None else bias, y, partials, m, n, k,
+        heads is not None, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_replicas, bias is not None,
         t.block_m, t.block_n, t.block_k, t.split_k, k_per_split(k, t.split_k, t),
         PAIR=pair, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
     )  # fmt: skip

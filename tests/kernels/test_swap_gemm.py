@@ -12,7 +12,7 @@ from test_qkv_gemm import reference
 pytest.importorskip("triton")
 from rollplex.kernels.qkv_gemm import qkv_grouped_from_megatron
 from rollplex.kernels.qkv_layout import num_stored_rows
-from rollplex.kernels.swap_gemm import swap_fits, swap_product, swap_tiles
+from rollplex.kernels.swap_gemm import QKVHeads, swap_fits, swap_product, swap_tiles
 from rollplex.kernels.tiles import NUM_SMS_H200, Tiles
 
 
@@ -39,7 +39,7 @@ def test_the_megatron_row_map_gives_the_grouped_projection(num_heads, num_kv_hea
     w, b = random(n, 256, seed=4, scale=256**-0.5), random(n, seed=5)
     x = random(7, 256, seed=6)
     cols = (num_heads + 2 * num_kv_heads) * head_dim
-    y = swap_product(x, w, b, cols, (num_heads, num_kv_heads, head_dim, kv_replicas))
+    y = swap_product(x, w, b, cols, QKVHeads(num_heads, num_kv_heads, head_dim, kv_replicas))
     assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, head_dim, kv_replicas))
 
 
@@ -47,7 +47,7 @@ def test_a_k_split_of_the_qkv_row_map_adds_the_stored_bias_once():
     n = num_stored_rows(4, 1, 64, 2)
     w, b = random(n, 896, seed=19, scale=896**-0.5), random(n, seed=20)
     x = random(11, 896, seed=21)
-    y = swap_product(x, w, b, 6 * 64, (4, 1, 64, 2), tiles=Tiles(16, 64, 128, num_stages=2, split_k=3))
+    y = swap_product(x, w, b, 6 * 64, QKVHeads(4, 1, 64, 2), tiles=Tiles(16, 64, 128, num_stages=2, split_k=3))
     assert_matches(y, reference(x, w, b, 4, 1, 64, 2))
 
 
@@ -56,7 +56,7 @@ def test_qkv_at_decode_rows_takes_the_swapped_kernel_where_it_fits():
     w, b = random(n, 256, seed=7, scale=256**-0.5), random(n, seed=8)
     x = random(20, 256, seed=9)
     y = qkv_grouped_from_megatron(x, w, b, 4, 2, 64)
-    assert torch.equal(y, swap_product(x, w, b, 8 * 64, (4, 2, 64, 1)))
+    assert torch.equal(y, swap_product(x, w, b, 8 * 64, QKVHeads(4, 2, 64)))
     assert_matches(y, reference(x, w, b, 4, 2, 64))
 
 
@@ -142,9 +142,9 @@ def test_on_a_gpu_qwen_sized_qkv_matches_torch_and_repeats_bitwise(num_rows, num
     w, b = random(n, hidden, seed=1, scale=hidden**-0.5), random(n, seed=2)
     x = random(num_rows, hidden, seed=3)
     assert swap_fits(x, w, n, 128)
-    y = swap_product(x, w, b, n, (num_heads, num_kv_heads, 128, 1))
+    y = swap_product(x, w, b, n, QKVHeads(num_heads, num_kv_heads, 128))
     assert_matches(y, reference(x, w, b, num_heads, num_kv_heads, 128))
-    assert all(torch.equal(y, swap_product(x, w, b, n, (num_heads, num_kv_heads, 128, 1))) for _ in range(3))
+    assert all(torch.equal(y, swap_product(x, w, b, n, QKVHeads(num_heads, num_kv_heads, 128))) for _ in range(3))
 
 
 @pytest.mark.gpu
