@@ -13,7 +13,9 @@ through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and wi
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
 kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
 after it and silu inside the gate_up GEMM: up to four launches fewer per layer (two at 3B, where only down_proj
-splits; measured no faster on the H200, session 14). `BY_NAME` maps the spec's `run.decode_kernels` to these.
+splits). At decode rows the HF-layout products run on `rollplex.kernels.swap_gemm` where it fits; the unfused
+gate_up takes the kernel the fused one would (`gate_up_swaps`), so both give the same bits. `BY_NAME` maps the
+spec's `run.decode_kernels` to these.
 """
 
 from __future__ import annotations
@@ -98,12 +100,11 @@ class LayerWeights:
     def mlp(self, x: Tensor) -> Tensor:
         """Parts [S, rows, hidden] of down(silu(gate) * up), each [gate; up] block paired inside the gate_up GEMM
         (`fused`) or through a view of its output."""
+        block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
         if self.kernels.fused:
-            block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
             hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=self.kernels.pdl)
             return self._row_parallel(hidden, self.down)
         if self.kernels.triton_gemm:  # the kernel `gate_up_silu` would take: the fused step gives the same bits
-            block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
             swap = gate_up_swaps(x, self.gate_up, block_rows)
             y = linear(x, self.gate_up, pdl=self.kernels.pdl, swap=swap)
         else:
