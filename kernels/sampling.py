@@ -1,9 +1,9 @@
 """Fused sampling for rollout decode: one pass over each row's logits draws the next token and records it.
 
 Per block of a row's vocabulary (one program each, so that even one row fills the GPU): the block's
-log-sum-exp terms (temperature 1: the log-prob that GRPO's ratio needs) and, in the same pass, its best
-Gumbel key logits_v / T + G_v, G_v = -log(-log U_v). The argmax of the keys samples softmax(logits / T)
-exactly (temperature 0: the argmax of the logits). U comes from Philox keyed by (seed, column, slot), so a
+log-sum-exp terms of logits / T (the log-prob the trainer scores the token with, at the same temperature;
+T = 1 when greedy) and, in the same pass, its best Gumbel key logits_v / T + G_v, G_v = -log(-log U_v).
+The argmax of the keys samples softmax(logits / T) exactly (temperature 0: the argmax of the logits). U comes from Philox keyed by (seed, column, slot), so a
 seed gives one rollout whatever the batch layout. A second kernel merges each row's blocks, writes the token
 and its log-prob at [slot, column] and the slot's last token, and marks the slot done on a stop token or
 at its length budget.
@@ -27,7 +27,7 @@ def sample_partial_kernel(
     column_ptr,  # [1] int64: which token of each response this is
     seed_ptr,  # [1] int64
     temperature_ptr,  # [1] fp32; 0 = greedy
-    partial_ptr,  # [rows, SPLITS, 4] fp32: max logit, sum of exp(logit - max), best key, its logit
+    partial_ptr,  # [rows, SPLITS, 4] fp32: max logit / T, sum of exp(logit / T - max), best key, its logit / T
     index_ptr,  # [rows, SPLITS] int32: the best key's token
     num_slots,
     V: tl.constexpr,
@@ -45,12 +45,12 @@ def sample_partial_kernel(
     seed = (tl.load(seed_ptr) + column * num_slots + slot).to(tl.uint32)
     v = split * BLOCK + tl.arange(0, BLOCK)
     live = v < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * V + v, mask=live, other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row.to(tl.int64) * V + v, mask=live, other=-float("inf")).to(tl.float32) * inv_t
     m = tl.max(x, axis=0)
     s = tl.sum(tl.exp(x - m), axis=0)
     u = tl.rand(seed, v)
     gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-    key = tl.where(live, tl.where(greedy, x, x * inv_t + gumbel), -float("inf"))
+    key = tl.where(live, tl.where(greedy, x, x + gumbel), -float("inf"))
     best = tl.max(key, axis=0)
     at = tl.argmax(key, axis=0)
     logit = tl.sum(tl.where(tl.arange(0, BLOCK) == at, x, 0.0), axis=0)
@@ -79,7 +79,7 @@ def sample_finish_kernel(
     SPLITS_POW2: tl.constexpr,
     MAX_STOP: tl.constexpr,
 ):
-    """Merges a row's blocks: the token with the best key, its temperature-1 log-prob, its stop flag."""
+    """Merges a row's blocks: the token with the best key, its log-prob at temperature T, its stop flag."""
     row = tl.program_id(0)
     i = tl.arange(0, SPLITS_POW2)
     live = i < SPLITS

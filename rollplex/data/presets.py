@@ -13,6 +13,10 @@ resolutions, so the numbers below are OUR CHOICE, shaped on those figures and on
 | star            | 12-24  | 270-480  | 4/3 16/9 | 192*28^2 | 200-350  | ~1.8k      | 200 / 0.7 / 1536       |
 | llava_video     | 40-56  | 360-1080 | 16/9 4/3 | 256*28^2 | 150-300  | ~5.9k      | 150 / 1.0 / 2048       |
 
+`colour` is shaped on no paper task: one object per clip, asked its colour among four options in a fixed
+order (chance 0.25), so that the answer depends on the video and a random-weight tiny model learns it on a
+CPU (`specs/tiny_cpu.yaml`, the learning check).
+
 Prompt fraction at the median: clevrer ~0.80, perception_test ~0.92, star ~0.90, llava_video ~0.98
 (medians of 400 sampled layouts; prompt = text + 2 + visual tokens).
 Response lengths are log-normal (median, sigma) clipped to [min, max]: a long tail, as in rollout.
@@ -25,12 +29,23 @@ This module only describes workloads; `synthetic` renders them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 import numpy as np
 
 from rollplex.data.video import VisionSpec, grid_thw, output_size
 
 _PX = 28 * 28
+
+
+class QuestionKind(StrEnum):
+    """What a synthetic example asks (`rollplex.data.synthetic.ask` writes the question and its answer)."""
+
+    FASTEST_COLOUR = "fastest_colour"  # choice among shuffled colours
+    COUNT_SHAPE = "count_shape"  # number
+    FASTEST_SHAPE = "fastest_shape"  # exact: circle or square
+    COUNT_BOUNCES = "count_bounces"  # number
+    COLOUR = "colour"  # choice: the colour of the scene's one object, options in palette order
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,9 @@ class Preset:
     response: LengthDistribution
     fps: float = 2.0
     num_options: int = 4
+    questions: tuple[QuestionKind, ...] = tuple(k for k in QuestionKind if k is not QuestionKind.COLOUR)
+    objects: tuple[int, int] = (3, 6)  # moving objects per scene
+    palette: int = 8  # the scene's colours come from the first `palette` of `scene.COLOURS`
 
     def __post_init__(self) -> None:
         for label, (lo, hi) in (
@@ -84,8 +102,10 @@ class Preset:
         ):
             if not 0 < lo <= hi:
                 raise ValueError(f"preset {self.name}: {label} range {(lo, hi)} must satisfy 0 < low <= high")
-        if not self.aspects or self.num_options < 2:
-            raise ValueError(f"preset {self.name}: needs at least one aspect ratio and two options")
+        if not self.aspects or self.num_options < 2 or not self.questions:
+            raise ValueError(f"preset {self.name}: needs an aspect ratio, two options and a question kind")
+        if not 0 < self.objects[0] <= self.objects[1] <= self.palette:
+            raise ValueError(f"preset {self.name}: objects {self.objects} need 0 < low <= high <= palette")
 
     def layout(self, seed: int, index: int) -> Layout:
         """The sizes of example `index`: a pure function of (seed, index)."""
@@ -168,6 +188,18 @@ PRESETS: dict[str, Preset] = {
         vision=_video(256),
         text_tokens=(150, 300),
         response=LengthDistribution(median=150, sigma=1.0, low=8, high=2048),
+    ),
+    "colour": Preset(
+        name="colour",
+        frames=(8, 16),
+        height=(320, 320),
+        aspects=(1.5,),
+        vision=_video(128),
+        text_tokens=(1, 1),
+        response=LengthDistribution(median=16, sigma=0.3, low=8, high=64),
+        questions=(QuestionKind.COLOUR,),
+        objects=(1, 1),
+        palette=4,
     ),
 }
 

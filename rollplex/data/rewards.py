@@ -1,12 +1,16 @@
 """Rewards: `(response_text, example) -> float`, found by name in a registry or imported by path.
 
-Built in:
-    format      1.0 iff the response is `<think>...</think><answer>...</answer>` (whitespace around and
-                between the blocks allowed, nothing else), else 0.0
-    tags        0.25 per tag among <think> </think> <answer> </answer> that appear in that order (the most
-                such tags in any order-respecting choice): partial credit a random-weight policy can climb
-    accuracy    the last `<answer>` block against `example.answer`: the option letter (choice), numeric
-                equality within a tolerance (number), or equality after normalisation (exact)
+The text is what a grader sees: the sampled tokens decoded without the stop token and without special
+tokens (`rollplex.data.tokenizer.response_text`), so a response that stops scores as one cut at the same
+text. Built in:
+
+    format      1.0 iff the text is one `<think>...</think>` block then one `<answer>...</answer>` block, with
+                only whitespace before, between and after them and no tag inside either block; else 0.0
+    accuracy    the first `<answer>` block's content, stripped ("" without a block), as Video-R1 reads it,
+                against `example.answer` by `example.answer_kind` (`accuracy_reward` says how each kind scores)
+    tags        0.25 per tag of the longest run of <think> </think> <answer> </answer> in that order, less 0.25
+                per other tag in the text, floored at 0: 1.0 for the four tags once each, in order, whatever
+                else the text holds; partial credit a random-weight policy can climb, and none for tag soup
     brevity     1 / (1 + characters / 1000): differs between responses of different lengths, so that a
                 random-weight benchmark (`workload.replay_lengths`) has non-zero advantages and a real update
 Names joined by `+` sum their rewards (`get_reward("format+accuracy")`, Video-R1's reward); `combine`
@@ -20,7 +24,8 @@ import importlib
 import math
 import re
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from rollplex.data.types import AnswerKind, Example
 
@@ -30,12 +35,14 @@ REWARDS: dict[str, RewardFn] = {}
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 NUMBER_REL_TOL = 1e-4
 NUMBER_ABS_TOL = 1e-6
-_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+_NO_TAG = r"(?:(?!</?think>|</?answer>).)*"
+_FORMAT = re.compile(rf"\s*<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>\s*", re.DOTALL)
 _TAG = re.compile("|".join(map(re.escape, TAGS)))
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _LETTER = re.compile(r"^\(?([A-Z])(?:[.):]|\s|$)|^\(?([a-z])\)?\.?$")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ROUGE_TOKEN = re.compile(r"[a-z0-9]+")
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -86,37 +93,91 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+@dataclass(frozen=True)
+class RewardTerms:
+    """The spec's rewards: each term scored on its own (the per-reward metrics) and their weighted sum."""
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    fns: tuple[RewardFn, ...]
+
+    def scores(self, text: str, example: Example) -> tuple[float, ...]:
+        """Every term's unweighted score of one response."""
+        return tuple(float(fn(text, example)) for fn in self.fns)
+
+    def total(self, scores: Sequence[float]) -> float:
+        return sum(w * s for w, s in zip(self.weights, scores, strict=True))
+
+
+def reward_terms(terms: Sequence[tuple[str, float]]) -> RewardTerms:
+    """(name, weight) pairs -> their functions: a registered name, or a `package.module:function` path."""
+    fns = tuple(load_reward(name) if ":" in name else get_reward(name) for name, _ in terms)
+    return RewardTerms(tuple(n for n, _ in terms), tuple(w for _, w in terms), fns)
+
+
+def is_correct(text: str, example: Example) -> bool:
+    """Whether the response's answer earns full accuracy (the `accuracy` metric counts these)."""
+    return accuracy_reward(text, example) >= 1.0
+
+
 @register("format")
 def format_reward(text: str, example: Example) -> float:
+    """1.0 iff `text` is `<think>...</think><answer>...</answer>` and nothing else but whitespace; no block may
+    hold a tag (so repeated or nested tags score 0)."""
     return 1.0 if _FORMAT.fullmatch(text) else 0.0
 
 
 @register("brevity")
 def brevity_reward(text: str, example: Example) -> float:
+    """1 / (1 + characters / 1000)."""
     return 1.0 / (1.0 + len(text) / 1000)
 
 
 @register("tags")
 def tags_reward(text: str, example: Example) -> float:
-    """0.25 x the longest run of tags, in text order, whose kinds go strictly up <think> ... </answer>."""
+    """0.25 x (the longest run of tags, in text order, whose kinds go strictly up <think> ... </answer>, less
+    every tag outside it), floored at 0."""
     best = [0] * len(TAGS)  # best[k]: longest such run ending with tag kind k
+    num_tags = 0
     for match in _TAG.finditer(text):
         k = TAGS.index(match.group())
         best[k] = max(best[k], 1 + max(best[:k], default=0))
-    return 0.25 * max(best)
+        num_tags += 1
+    run = max(best)
+    return 0.25 * max(0, run - (num_tags - run))
 
 
 @register("accuracy")
 def accuracy_reward(text: str, example: Example) -> float:
-    answers = _ANSWER.findall(text)
-    if not answers:
-        return 0.0
-    given = answers[-1].strip()
-    if example.answer_kind is AnswerKind.CHOICE:
-        return 1.0 if _choice(given) == example.answer.strip().upper() else 0.0
-    if example.answer_kind is AnswerKind.NUMBER:
-        return 1.0 if _numbers_equal(given, example.answer) else 0.0
-    return 1.0 if normalize_text(given) == normalize_text(example.answer) else 0.0
+    """The answer (`answer_of`) against `example.answer`, by kind, in [0, 1]:
+
+    choice      1.0 iff its option letter ('B', '(B)', 'B.', 'B) red', a lone 'b') is the reference letter
+    number      1.0 iff its first number equals the reference's within NUMBER_REL_TOL (relative)
+    ocr         1 - word error rate (word-level edit distance / reference words), floored at 0
+    free_form   ROUGE-L F1 over lower-case alphanumeric words
+    regression  1 - |answer - reference| / |reference|, floored at 0 (0 without a number; a reference of 0
+                scores 1 for an answer of exactly 0)
+    exact       1.0 iff equal after `normalize_text`
+    """
+    given, reference = answer_of(text), example.answer.strip()
+    kind = example.answer_kind
+    if kind is AnswerKind.CHOICE:
+        return 1.0 if _choice(given) == reference.upper() else 0.0
+    if kind is AnswerKind.NUMBER:
+        return 1.0 if _numbers_equal(given, reference) else 0.0
+    if kind is AnswerKind.OCR:
+        return max(0.0, 1.0 - word_error_rate(reference, given))
+    if kind is AnswerKind.FREE_FORM:
+        return rouge_l_f1(reference, given)
+    if kind is AnswerKind.REGRESSION:
+        return _regression(given, reference)
+    return 1.0 if normalize_text(given) == normalize_text(reference) else 0.0
+
+
+def answer_of(text: str) -> str:
+    """The content of the first `<answer>...</answer>` block, stripped; "" when there is none."""
+    found = _ANSWER.search(text)
+    return found.group(1).strip() if found else ""
 
 
 def _choice(given: str) -> str | None:
@@ -131,14 +192,62 @@ def parse_number(text: str) -> float | None:
     if not found:
         return None
     try:
-        return float(found.group().replace(",", ""))
+        value = float(found.group().replace(",", ""))
     except ValueError:
         return None
+    return value if math.isfinite(value) else None
 
 
 def _numbers_equal(given: str, reference: str) -> bool:
     a, b = parse_number(given), parse_number(reference)
     return a is not None and b is not None and math.isclose(a, b, rel_tol=NUMBER_REL_TOL, abs_tol=NUMBER_ABS_TOL)
+
+
+def _regression(given: str, reference: str) -> float:
+    a, b = parse_number(given), parse_number(reference)
+    if a is None or b is None:
+        return 0.0
+    relative = abs(a - b) / abs(b) if b != 0 else float(a != b)
+    return max(0.0, 1.0 - relative)
+
+
+def edit_distance(a: Sequence[str], b: Sequence[str]) -> int:
+    """Levenshtein distance between two word sequences (insertions, deletions, substitutions cost 1)."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, start=1):
+        current = [i]
+        for j, y in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Word-level edit distance over the reference's word count (whitespace words, case kept), as Video-R1."""
+    ref, hyp = reference.split(), hypothesis.split()
+    return edit_distance(ref, hyp) / max(1, len(ref))
+
+
+def rouge_l_f1(reference: str, hypothesis: str) -> float:
+    """ROUGE-L F1: the longest common subsequence of lower-case alphanumeric words, as F1 of its precision
+    (over the hypothesis) and recall (over the reference); 0 when either has no words."""
+    ref, hyp = _ROUGE_TOKEN.findall(reference.lower()), _ROUGE_TOKEN.findall(hypothesis.lower())
+    lcs = longest_common_subsequence(ref, hyp)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(hyp), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def longest_common_subsequence(a: Sequence[str], b: Sequence[str]) -> int:
+    """The length of the longest sequence of words found, in order, in both `a` and `b`."""
+    previous = [0] * (len(b) + 1)  # over b[:j], for the words of a so far
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b, start=1):
+            current.append(previous[j - 1] + 1 if x == y else max(previous[j], current[j - 1]))
+        previous = current
+    return previous[-1]
 
 
 def normalize_text(text: str) -> str:

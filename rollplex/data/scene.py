@@ -52,10 +52,11 @@ class Scene:
     background: tuple[int, int, int]
 
 
-def sample_scene(rng: np.random.Generator, num_things: tuple[int, int] = (3, 6)) -> Scene:
-    """A random scene: distinct colours, distinct speeds, random shapes, directions and starts."""
+def sample_scene(rng: np.random.Generator, num_things: tuple[int, int] = (3, 6), palette: int = len(COLOURS)) -> Scene:
+    """A random scene: distinct colours (among the first `palette` of COLOURS), distinct speeds, random shapes,
+    directions and starts."""
     n = int(rng.integers(num_things[0], num_things[1] + 1))
-    colours = rng.choice(list(COLOURS), size=n, replace=False)
+    colours = rng.choice(list(COLOURS)[:palette], size=n, replace=False)
     speeds = rng.choice(SPEEDS, size=n, replace=False)
     things = []
     for colour, speed in zip(colours, speeds, strict=True):

@@ -4,10 +4,11 @@ Example `i` of `SyntheticVideoQA(preset, tokenizer, seed)` is a pure function of
 run resumes at any data position and two processes agree on every example. The preset fixes the sizes
 (frames, resolution, text tokens; see `presets`); the scene and the question come from the seed:
 
-    fastest_colour  choice  "Which colour is the object that moves fastest?" + lettered options
+    fastest_colour  choice  "Which colour is the object that moves fastest?" + shuffled lettered options
     count_shape     number  "How many squares are in the video?"
     fastest_shape   exact   "What shape is the object that moves fastest?"  -> "circle" | "square"
     count_bounces   number  "How many times does the red circle bounce off the edges of the frame?"
+    colour          choice  "Which colour is the object?" + the palette's colours as options, in order
 
 The question is preceded by scene-description filler words until the prompt's text reaches the layout's
 text-token count (one word over at most). Frames are rendered at the preset's post-resize size, so the
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 
 from rollplex.data.chat import DEFAULT_SYSTEM, R1_INSTRUCTION, build_prompt, num_text_tokens
-from rollplex.data.presets import Preset
+from rollplex.data.presets import Preset, QuestionKind
 from rollplex.data.scene import COLOURS, Scene, Shape, render, sample_scene, trajectories
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import AnswerKind, Example
@@ -38,13 +38,6 @@ FILLER = (
 )
 
 
-class QuestionKind(StrEnum):
-    FASTEST_COLOUR = "fastest_colour"
-    COUNT_SHAPE = "count_shape"
-    FASTEST_SHAPE = "fastest_shape"
-    COUNT_BOUNCES = "count_bounces"
-
-
 @dataclass(frozen=True)
 class Question:
     kind: QuestionKind
@@ -57,6 +50,8 @@ class Question:
 def ask(kind: QuestionKind, scene: Scene, bounces: np.ndarray, rng: np.random.Generator, num_options: int) -> Question:
     """One question about `scene` with its answer (`bounces` from `trajectories` on the rendered size)."""
     fastest = max(scene.things, key=lambda thing: thing.speed)
+    if kind is QuestionKind.COLOUR:
+        return _colour(scene.things[0].colour, num_options)
     if kind is QuestionKind.FASTEST_COLOUR:
         return _fastest_colour(scene, fastest.colour, rng, num_options)
     if kind is QuestionKind.COUNT_SHAPE:
@@ -84,6 +79,14 @@ def _fastest_colour(scene: Scene, answer: str, rng: np.random.Generator, num_opt
     text = "Which colour is the object that moves fastest?\nOptions:\n" + "\n".join(lines)
     text += "\nGive only the option letter."
     return Question(QuestionKind.FASTEST_COLOUR, text, letters[options.index(answer)], AnswerKind.CHOICE, tuple(lines))
+
+
+def _colour(answer: str, num_options: int) -> Question:
+    """The one object's colour among the first `num_options` colours, always in the same order and letters."""
+    options = list(COLOURS)[:num_options]
+    lines = tuple(f"{chr(ord('A') + j)}. {colour}" for j, colour in enumerate(options))
+    text = "Which colour is the object?\nOptions:\n" + "\n".join(lines) + "\nGive only the option letter."
+    return Question(QuestionKind.COLOUR, text, chr(ord("A") + options.index(answer)), AnswerKind.CHOICE, lines)
 
 
 def fill_question(
@@ -141,11 +144,11 @@ class SyntheticVideoQA:
         preset = self.preset
         layout = preset.layout(self.seed, index)
         rng = np.random.default_rng([self.seed, index, 0x5CE7E])
-        scene = sample_scene(rng)
+        scene = sample_scene(rng, preset.objects, preset.palette)
         height, width = preset.frame_size(layout)
         frames = render(scene, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
-        question = ask(QuestionKind(rng.choice(list(QuestionKind))), scene, bounces, rng, preset.num_options)
+        question = ask(QuestionKind(rng.choice(list(preset.questions))), scene, bounces, rng, preset.num_options)
         text = fill_question(
             self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.num_text_tokens, rng, self.system
         )

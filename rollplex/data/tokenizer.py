@@ -76,7 +76,14 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """`skip_special`: leave out the special tokens (`<|im_end|>`, the vision tokens...), as a grader reads."""
+        ...
+
+
+def response_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """What the rewards score: a response's tokens decoded without special tokens, its stop token among them."""
+    return tokenizer.decode(ids, skip_special=True)
 
 
 class CharTokenizer:
@@ -91,6 +98,7 @@ class CharTokenizer:
         if len(set(self._id_of.values())) != len(self._id_of):
             raise ValueError(f"special-token ids {dict(overrides or {})} collide with the default layout")
         self._token_of = {i: tok for tok, i in self._id_of.items()}
+        self._special_ids = frozenset(self._id_of[t] for t in CHAR_SPECIALS if t not in R1_TAGS)
         specials = sorted(CHAR_SPECIALS, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
         self._special = SpecialIds(
@@ -136,9 +144,11 @@ class CharTokenizer:
                 ids.extend(self._id_of.get(ch, self._id_of[UNKNOWN_CHAR]) for ch in piece)
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Ids the model's vocabulary has beyond this tokenizer's (padding rows) decode to nothing."""
-        return "".join(self._token_of.get(int(i), "") for i in ids)
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Ids the model's vocabulary has beyond this tokenizer's (padding rows) decode to nothing. The R1 tags are
+        text, as in a real Qwen tokenizer: `skip_special` keeps them."""
+        skipped = self._special_ids if skip_special else frozenset()
+        return "".join(self._token_of.get(int(i), "") for i in ids if int(i) not in skipped)
 
 
 class HFTokenizer:
@@ -186,5 +196,5 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

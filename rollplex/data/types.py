@@ -13,11 +13,15 @@ from rollplex.models.inputs import Prompt
 
 
 class AnswerKind(StrEnum):
-    """How a response's `<answer>` is compared with the reference answer."""
+    """How a response's `<answer>` is compared with the reference answer (Video-R1's problem types, and
+    `exact` for short synthetic answers); `rollplex.data.rewards.accuracy_reward` says how each one scores."""
 
-    CHOICE = "choice"  # an option letter: "B"
-    NUMBER = "number"  # a number, equal within a tolerance
-    EXACT = "exact"  # a string, equal after normalisation (case, punctuation, articles, spaces)
+    CHOICE = "choice"  # multiple choice: the option letter, "B"
+    NUMBER = "number"  # numerical: a number, equal within a relative tolerance
+    OCR = "ocr"  # text read off the video: 1 - word error rate
+    FREE_FORM = "free_form"  # a sentence: ROUGE-L F1
+    REGRESSION = "regression"  # a measured quantity: 1 - relative error, floored at 0
+    EXACT = "exact"  # a short string, equal after normalisation (case, punctuation, articles, spaces)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ The Video-R1 format (Video-R1-260k.json and friends), one row:
 
 Accepted aliases: media `path` | `video` | `videos` | `image` | `images` (a string or a one-item list);
 question `problem` | `question`; answer `solution` | `answer` (an `<answer>` wrapper is removed). Problem
-types: `multiple choice` -> choice; `numerical`, `regression` -> number; `free-form`, `open-ended`, `OCR`
--> exact; without one, options mean choice. Media paths are relative to `media_root` (default: the data
-file's folder). Rows are read and checked when the dataset is built (a malformed row or a missing file is a
-ValueError naming the file and line); frames are decoded when an example is asked for.
+types: `multiple choice` -> choice, `numerical` -> number, `regression` -> regression, `OCR` -> ocr,
+`free-form` and `open-ended` -> free_form; without one, options mean choice and none mean exact. Media
+paths are relative to `media_root` (default: the data file's folder). Rows are read and checked when the
+dataset is built (a malformed row or a missing file is a ValueError naming the file and line); frames are
+decoded when an example is asked for.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ from rollplex.models.inputs import Visual
 PROBLEM_TYPES = {
     "multiple choice": AnswerKind.CHOICE,
     "numerical": AnswerKind.NUMBER,
-    "regression": AnswerKind.NUMBER,
-    "free-form": AnswerKind.EXACT,
-    "open-ended": AnswerKind.EXACT,
-    "ocr": AnswerKind.EXACT,
+    "regression": AnswerKind.REGRESSION,
+    "free-form": AnswerKind.FREE_FORM,
+    "open-ended": AnswerKind.FREE_FORM,
+    "ocr": AnswerKind.OCR,
 }
 ANSWER_HINTS = {
     AnswerKind.CHOICE: "Give only the option letter.",
     AnswerKind.NUMBER: "Give only the number.",
+    AnswerKind.OCR: "Give the text exactly as it appears.",
+    AnswerKind.FREE_FORM: "Give a short text answer.",
+    AnswerKind.REGRESSION: "Give only the number.",
     AnswerKind.EXACT: "Give a short text answer.",
 }
 MEDIA_KEYS = ("path", "video", "videos", "image", "images")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rollplex.data.presets import LengthDistribution
-from rollplex.data.rewards import RewardFn, get_reward, load_reward
+from rollplex.data.rewards import RewardTerms, reward_terms
 from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.executors.distributed import TPSetup, init_tp
@@ -57,7 +57,7 @@ class Engines:
     sampling: SamplingParams
     generator: torch.Generator
     tokenizer: Tokenizer
-    reward: RewardFn
+    reward: RewardTerms
     grpo: GrpoConfig
     group_size: int
     layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
@@ -70,6 +70,11 @@ class Engines:
     microbatch_memory: Callable[[], AbstractContextManager] = nullcontext  # each training microbatch's forward
     response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
+
+    @property
+    def temperature(self) -> float:
+        """The temperature of every log-prob the trainer computes: rollout's (`SamplingParams.logprob_temperature`)."""
+        return self.sampling.logprob_temperature
 
     @property
     def is_main(self) -> bool:
@@ -304,9 +309,6 @@ def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:
     return CharTokenizer.for_model(t.eos, t.vision_start, t.vision_end, t.image, t.video)
 
 
-def make_reward(loaded: LoadedSpec) -> RewardFn:
-    """The spec's rewards, summed with their weights; a `module:function` name is imported."""
-    terms = [
-        (r.weight, load_reward(r.name) if ":" in r.name else get_reward(r.name)) for r in loaded.spec.algorithm.rewards
-    ]
-    return lambda text, example: sum(w * fn(text, example) for w, fn in terms)
+def make_reward(loaded: LoadedSpec) -> RewardTerms:
+    """The spec's rewards, each with its weight; a `module:function` name is imported."""
+    return reward_terms([(r.name, r.weight) for r in loaded.spec.algorithm.rewards])

@@ -56,7 +56,7 @@ class GroupLoss:
     loss: Tensor  # scalar, this microbatch's share of the step's loss
     kl: Tensor  # scalar sums over real tokens (detached), for metrics
     entropy: Tensor
-    clipped: Tensor
+    clipped: Tensor  # tokens where the clip binds (`_binding_clip`)
 
 
 def grpo_loss(
@@ -84,8 +84,14 @@ def grpo_loss(
         loss=_aggregate(cfg, scale, per_token, mask),
         kl=(kl * mask).sum().detach(),
         entropy=(entropy * mask).sum().detach(),
-        clipped=((ratio != clipped_ratio).to(mask.dtype) * mask).sum().detach(),
+        clipped=(_binding_clip(ratio, adv, cfg.clip_ratio).to(mask.dtype) * mask).sum().detach(),
     )
+
+
+def _binding_clip(ratio: Tensor, adv: Tensor, clip_ratio: float) -> Tensor:
+    """Where the clip decides the loss (TRL's rule): the ratio below 1 - eps with a negative advantage, or above
+    1 + eps with a positive one; elsewhere the unclipped term is the minimum and the clip changes nothing."""
+    return ((ratio < 1 - clip_ratio) & (adv < 0)) | ((ratio > 1 + clip_ratio) & (adv > 0))
 
 
 def _aggregate(cfg: GrpoConfig, scale: LossScale, per_token: Tensor, mask: Tensor) -> Tensor:

@@ -140,7 +140,12 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         "schedule": schedule.value,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        **{k: record.stats.get(k, 0.0) for k in ("loss", "kl", "entropy", "clip_frac", "grad_norm")},
+        **{f"rewards/{name}": value for name, value in record.reward_terms.items()},
+        "accuracy": record.stats.get("accuracy", 0.0),
+        **{
+            k: record.stats.get(k, 0.0)
+            for k in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "logprob_diff_mean", "logprob_diff_max")
+        },
         "response_len_mean": float(lens.mean()),
         "prefix_beside_decode": record.stats.get("prefix_chunks_during_decode", 0.0),
         "decode_slowdown": record.stats.get("decode_slowdown"),

@@ -1,8 +1,9 @@
 """The runtime: executes one iteration by walking a compiled graph's steps, op by op.
 
 Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store
-and writes its outputs there. The actor's suffix and its backward run fused, one prompt group per
-microbatch, inside the backward handler (the suffix op only marks where its outputs will come from).
+and writes its outputs there. The actor's suffix and its backward run fused, in length batches of responses,
+inside the backward handler (`training`; the suffix op only marks where its outputs will come from); with
+several mini-batches (`split_minibatches`) each has its own backward and update, and its prefix rerun.
 Under `rollplex`, the prefixes that share Phase-1 steps with decode run beside it: chunk by chunk between
 decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk in flight at most.
 """
@@ -16,15 +17,17 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
+from rollplex.data.rewards import is_correct
+from rollplex.data.tokenizer import response_text
 from rollplex.executors.engines import Engines
-from rollplex.executors.grpo import group_advantages, grpo_loss, loss_scale
-from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
-from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
+from rollplex.executors.scoring import LeafBoundary, score_all
+from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
+from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
 from rollplex.models.scores import SuffixOut
-from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
+from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
@@ -39,8 +42,10 @@ class StepRecord:
     rewards: torch.Tensor | None = None
     response_lens: torch.Tensor | None = None
     responses: torch.Tensor | None = None  # [P, N, R] token ids of the rollout
+    reward_terms: dict[str, float] = field(default_factory=dict)  # each reward's mean over the step's responses
     chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
     prefix_backward_s: float | None = None  # device seconds of the actor's backward through its prefix (split)
+    train: TrainTotals = field(default_factory=TrainTotals)  # the training sums over the step's mini-batches
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,13 @@ class Gradients:
     """The backward's output: gradients now sit in the actor's `.grad`s, ready for the update."""
 
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class OldLogprobs:
+    """Every response's log-probs [P, N, R] under the weights the step began with (later mini-batches' ratios)."""
+
+    logprobs: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -169,16 +181,24 @@ def _length_budgets(e: Engines, num_prompts: int) -> torch.Tensor | None:
 
 
 def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    """Each response's text as a grader reads it (`response_text`), scored by every reward term; the summed
+    reward goes on, the terms' means and the accuracy to the metrics."""
     rollout = _input(store, o, Rollout)
     rewards = torch.zeros(rollout.response_lens.shape)
+    terms, correct = torch.zeros(len(e.reward.names), dtype=torch.float64), 0
     responses, lens = rollout.responses.cpu(), rollout.response_lens.cpu()
     for p, example in enumerate(store["examples"]):
         for n in range(responses.shape[1]):
-            ids = responses[p, n, : int(lens[p, n])].tolist()
-            rewards[p, n] = e.reward(e.tokenizer.decode(ids), example)
+            text = response_text(e.tokenizer, responses[p, n, : int(lens[p, n])].tolist())
+            scores = e.reward.scores(text, example)
+            rewards[p, n] = e.reward.total(scores)
+            terms += torch.tensor(scores, dtype=torch.float64)
+            correct += is_correct(text, example)
     rewards = rewards.to(rollout.responses.device)
     store[o.outputs[0]] = rewards
     record.rewards = rewards
+    record.reward_terms = dict(zip(e.reward.names, (terms / rewards.numel()).tolist(), strict=True))
+    record.stats["accuracy"] = correct / rewards.numel()
 
 
 def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -188,16 +208,21 @@ def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     boundary = _input(store, o, Boundary)
     with torch.no_grad():
-        store[o.outputs[0]] = score_all(e.reference, store["prompts"], boundary, _input(store, o, Rollout))
+        rollout = _input(store, o, Rollout)
+        store[o.outputs[0]] = score_all(e.reference, store["prompts"], boundary, rollout, e.temperature)
 
 
 def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     with torch.no_grad():
-        store[o.outputs[0]] = score_all(e.reference, store["prompts"], None, _input(store, o, Rollout))
+        rollout = _input(store, o, Rollout)
+        store[o.outputs[0]] = score_all(e.reference, store["prompts"], None, rollout, e.temperature)
 
 
 def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = drain(_actor_prefix_job(e, store["prompts"]))
+    prompts = store["prompts"]
+    if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
+        prompts = prompts[o.minibatch.prompts(len(prompts))]
+    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts))
 
 
 def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boundary]:
@@ -220,56 +245,28 @@ def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    """Per microbatch: suffix (or unsplit) forward, GRPO loss, backward; then the prefix backward once. Split,
-    a microbatch is a batch of responses of similar lengths across prompts (`row_batches`, at most N rows);
-    unsplit, one prompt group."""
+    """One mini-batch's (or the whole step's) suffix forward, loss and backward, fused (`training`)."""
     scores = _input(store, o, _ActorScores)
-    split = scores.op.part is Part.SUFFIX
     rollout = _input(store, scores.op, Rollout)
-    ref = _input(store, o, SuffixOut, required=False)
-    advantages = group_advantages(_input(store, o, torch.Tensor))
-    mask = torch.arange(rollout.responses.shape[2], device=rollout.responses.device) < rollout.response_lens[..., None]
-    scale = loss_scale(mask)
-    totals = dict.fromkeys(("loss", "kl", "entropy", "clipped"), 0.0)  # device scalars: one host sync, at the end
-
-    def step(out: SuffixOut, rows: tuple, width: int) -> None:
-        """The loss of the responses at `rows` (an index into [P, N]) and its backward."""
-        ref_lp = ref.logprobs[rows][..., :width] if ref is not None else None
-        lp = out.logprobs
-        g = grpo_loss(e.grpo, scale, lp, lp.detach(), ref_lp, advantages[rows], out.entropy, mask[rows][..., :width])
-        g.loss.backward()
-        for k in totals:
-            totals[k] = totals[k] + getattr(g, k).detach()
-
-    if split:
-        leaf = _input(store, scores.op, LeafBoundary)
-        num_samples = rollout.responses.shape[1]
-        for batch in row_batches(rollout, max_rows=e.group_size):
-            with e.microbatch_memory():
-                out = score_batch(e.actor, leaf.leaf, rollout, batch)
-            step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)
-        # autograd makes this stream wait for the backward's other streams (a prefix op outside the rerun units is
-        # backpropagated on the stream it ran on, a green partition's beside decode): two marks here bracket it all
-        cuda = rollout.responses.device.type == "cuda"
-        start = device_mark(cuda)
-        leaf.backward_through_prefix()
-        end = device_mark(cuda)
-    else:
-        for p, prompt in enumerate(store["prompts"]):
-            with e.microbatch_memory():
-                out = score_group_unsplit(e.actor, prompt, rollout.responses[p], rollout.response_lens[p])
-            step(out, (slice(p, p + 1),), rollout.responses.shape[2])
-    n, totals = max(scale.num_tokens, 1), {k: float(v) for k, v in totals.items()}
-    record.stats.update(
-        loss=totals["loss"], kl=totals["kl"] / n, entropy=totals["entropy"] / n, clip_frac=totals["clipped"] / n
+    x = MiniBatchInputs(
+        prompts=store["prompts"],
+        rollout=rollout,
+        rewards=_input(store, o, torch.Tensor),
+        ref=_input(store, o, SuffixOut, required=False),
+        boundary=_input(store, scores.op, LeafBoundary) if scores.op.part is Part.SUFFIX else None,
+        old_logprobs=getattr(_input(store, o, OldLogprobs, required=False), "logprobs", None),
     )
-    if split:  # read after the host sync above: the device time of the backward through the prefix
-        record.prefix_backward_s = seconds_between(start, end)
-    store[o.outputs[0]] = Gradients(scale.num_tokens)
+    every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
+    if every is not None:
+        store[scores.op.outputs[1]] = OldLogprobs(every)
+    record.stats.update(record.train.stats())  # one host sync
+    record.prefix_backward_s = record.train.prefix_backward_s()
+    store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
 
 
 def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    record.stats["grad_norm"] = float(e.optimizer.step())
+    record.train.grad_norms.append(float(e.optimizer.step()))
+    record.stats["grad_norm"] = record.train.stats()["grad_norm"]
     e.optimizer.zero_grad()
     e.publish()
 

@@ -80,12 +80,14 @@ def row_batches(rollout: Rollout, max_rows: int, max_waste: float = PADDING_WAST
     ]
 
 
-def score_batch(model: Qwen2_5_VL, boundary: Boundary, rollout: Rollout, batch: RowBatch) -> SuffixOut:
+def score_batch(
+    model: Qwen2_5_VL, boundary: Boundary, rollout: Rollout, batch: RowBatch, temperature: float = 1.0
+) -> SuffixOut:
     """Log-probs and entropy [B, width] of one batch of responses, each attending to its prompt's boundary."""
     num_samples = rollout.responses.shape[1]
     responses = rollout.responses.flatten(0, 1).index_select(0, batch.index)[:, : batch.width]
     lens = rollout.response_lens.flatten().index_select(0, batch.index)
-    return model.suffix_rows(boundary, batch.index // num_samples, responses, lens)
+    return model.suffix_rows(boundary, batch.index // num_samples, responses, lens, temperature)
 
 
 def length_batches(
@@ -107,7 +109,9 @@ def length_batches(
     return batches
 
 
-def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> SuffixOut:
+def score_group_unsplit(
+    model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor, temperature: float = 1.0
+) -> SuffixOut:
     """The oracle: each of the N responses [N, R] scored over prompt ++ response, the prompt recomputed."""
     num, width = responses.shape
     ids = [torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)]
@@ -117,7 +121,7 @@ def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, le
     rows = (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)  # the position before each token
     tokens = responses.to(hidden.device)
     logprobs, entropies = token_scores(
-        hidden[:, rows].flatten(0, 1), model.lm_head, tokens.flatten(), model.config.text.vocab_size
+        hidden[:, rows].flatten(0, 1), model.lm_head, tokens.flatten(), model.config.text.vocab_size, temperature
     )
     mask = idx < lens.to(hidden.device)[:, None]
     return SuffixOut(
@@ -126,18 +130,24 @@ def score_group_unsplit(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, le
     )
 
 
-def score_all(model: Qwen2_5_VL, prompts: Sequence[Prompt], boundary: Boundary | None, rollout: Rollout) -> SuffixOut:
+def score_all(
+    model: Qwen2_5_VL,
+    prompts: Sequence[Prompt],
+    boundary: Boundary | None,
+    rollout: Rollout,
+    temperature: float = 1.0,
+) -> SuffixOut:
     """Every response's scores [P, N, R] (reference scoring): from the boundary in length batches across
     prompts, or unsplit, group by group, without one."""
     if boundary is None:
-        outs = [score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p])
+        outs = [score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p], temperature)
                 for p, prompt in enumerate(prompts)]  # fmt: skip
         return SuffixOut(torch.cat([o.logprobs for o in outs]), torch.cat([o.entropy for o in outs]))
     num_prompts, num_samples, width = rollout.responses.shape
     logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
     entropy = torch.zeros_like(logprobs)
     for batch in row_batches(rollout, max_rows=num_samples):
-        out = score_batch(model, boundary, rollout, batch)
+        out = score_batch(model, boundary, rollout, batch, temperature)
         logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
         entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))
     return SuffixOut(logprobs.view(num_prompts, num_samples, width), entropy.view(num_prompts, num_samples, width))

@@ -77,6 +77,18 @@ class Executor(Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class MiniBatch:
+    """The share of the step's prompt groups an op trains on: the `index`-th (from 0) of `count` equal shares."""
+
+    index: int
+    count: int
+
+    def prompts(self, num_prompts: int) -> slice:
+        size = num_prompts // self.count
+        return slice(self.index * size, (self.index + 1) * size)
+
+
+@dataclass(frozen=True, slots=True)
 class Op:
     id: str
     kind: NodeKind
@@ -88,6 +100,7 @@ class Op:
     index: int | None = None  # position of that node in the spec's `graph.nodes`, for error messages
     phase: Phase | None = None
     executor: Executor | None = None
+    minibatch: MiniBatch | None = None  # set on the ops `split_minibatches` repeats; None: the whole step
 
 
 @dataclass(frozen=True, slots=True)

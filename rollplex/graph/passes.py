@@ -1,6 +1,7 @@
 """Compiler passes, each a pure function Graph -> Graph. `pipeline.run_passes` owns their order.
 
-build -> split_at_response -> assign_phases -> assign_executors -> order_steps -> (memory) lower_residency
+build -> split_at_response -> split_minibatches -> assign_phases -> assign_executors -> order_steps
+-> (memory) lower_residency
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rollplex.graph.ir import (
     DATASET,
     Executor,
     Lifetime,
+    MiniBatch,
     NodeKind,
     Op,
     Part,
@@ -72,10 +74,82 @@ def _attach(o: Op, boundaries: dict[str, tuple[Role | None, str]]) -> Op:
     return replace(o, inputs=(*o.inputs, *extra)) if extra else o
 
 
+def split_minibatches(g: nx.DiGraph, num_minibatches: int) -> nx.DiGraph:
+    """Requires: split_at_response (or, for the unsplit oracle, a built graph); `num_minibatches` divides the
+    step's prompts. Ensures, with more than one mini-batch: each trained role's scoring forward, backward and
+    update repeated per mini-batch k (ops `<id>@k`, k from 1, with `Op.minibatch`); mini-batch k > 1 first reruns
+    the role's prefix on its prompts (split graphs) with the weights update k-1 wrote (`<role>.weights@k`, the
+    tensor that orders them); the scoring forward of mini-batch 1 also writes `<role>.old_logprobs`, every
+    response's log-prob under the rollout's weights, which the later backwards read (their ratio's
+    denominator). With one mini-batch the graph is returned as it is.
+    """
+    if num_minibatches == 1:
+        return g
+    infos = dict(tensors(g))
+    chains = [_chain(g, u) for u in ops(g) if u.kind is NodeKind.UPDATE]
+    repeated = {o.id for chain in chains for o in (*chain[1], chain[2], chain[3])}
+    new_ops = [o for o in ops(g) if o.id not in repeated]
+    for prefixes, scores, backward, update in chains:
+        role = update.role.value if update.role else update.id
+        old = f"{role}.old_logprobs"
+        infos[old] = TensorInfo(old, TensorClass.PHASE_LOCAL, response_dependent=True)
+        for k in range(1, num_minibatches + 1):
+            mb, weights = MiniBatch(k - 1, num_minibatches), f"{role}.weights@{k}"
+            names = {t: f"{t}@{k}" for o in (*scores, backward, update) for t in o.outputs}
+            if k > 1:
+                names |= {t: f"{t}@{k}" for p in prefixes for t in p.outputs}
+                new_ops += [_repeat(p, k, names, mb, extra_in=(weights,)) for p in prefixes]
+            first = (weights,) if k > 1 and not prefixes else ()
+            new_ops += [_repeat(f, k, names, mb, extra_in=first, extra_out=(old,) if k == 1 else ()) for f in scores]
+            new_ops.append(_repeat(backward, k, names, mb, extra_in=(old,) if k > 1 else ()))
+            last = k == num_minibatches
+            new_ops.append(_repeat(update, k, names, mb, outputs=None if last else (f"{role}.weights@{k + 1}",)))
+            for t, name in names.items():
+                infos[name] = replace(infos[t], name=name)
+            if not last:
+                infos[f"{role}.weights@{k + 1}"] = TensorInfo(f"{role}.weights@{k + 1}", TensorClass.REGENERABLE)
+    used = {DATASET} | {t for o in new_ops for t in (*o.inputs, *o.outputs)}
+    return make_graph(new_ops, {n: i for n, i in infos.items() if n in used})
+
+
+def _chain(g: nx.DiGraph, update: Op) -> tuple[list[Op], list[Op], Op, Op]:
+    """The trained role's prefixes, scoring forwards, backward and `update`, as `split_minibatches` repeats them."""
+    backward = next(p for p in (g.nodes[n]["op"] for n in g.predecessors(update.id)) if p.kind is NodeKind.BACKWARD)
+    scores = [
+        p
+        for p in (g.nodes[n]["op"] for n in g.predecessors(backward.id))
+        if p.kind is NodeKind.FORWARD and p.role is update.role and p.part is not Part.PREFIX
+    ]
+    prefixes = [
+        p
+        for f in scores
+        for p in (g.nodes[n]["op"] for n in g.predecessors(f.id))
+        if p.kind is NodeKind.FORWARD and p.role is update.role and p.part is Part.PREFIX
+    ]
+    return prefixes, scores, backward, update
+
+
+def _repeat(
+    o: Op,
+    k: int,
+    names: dict[str, str],
+    mb: MiniBatch,
+    *,
+    extra_in: tuple[str, ...] = (),
+    extra_out: tuple[str, ...] = (),
+    outputs: tuple[str, ...] | None = None,
+) -> Op:
+    """Op `o` of mini-batch k: renamed tensors, and any extra inputs and outputs."""
+    inputs = tuple(names.get(t, t) for t in o.inputs) + extra_in
+    outputs = tuple(names.get(t, t) for t in o.outputs) if outputs is None else outputs
+    return replace(o, id=f"{o.id}@{k}", inputs=inputs, outputs=outputs + extra_out, minibatch=mb)
+
+
 def assign_phases(g: nx.DiGraph) -> nx.DiGraph:
     """Requires: split_at_response (or, for the unsplit oracle, a built graph).
-    Ensures: decode and prompt-side forwards in Phase 1, updates in Phase 3, the rest in Phase 2; no op
-    runs in an earlier phase than a producer of its inputs; no Phase-1 op reads a response.
+    Ensures: decode and prompt-side forwards in Phase 1, the last updates in Phase 3 (a mini-batch's update,
+    whose weights the next one reads, in Phase 2), the rest in Phase 2; no op runs in an earlier phase than a
+    producer of its inputs; no Phase-1 op reads a response.
     """
     dep = response_dependent(g)
     info = {n: replace(i, response_dependent=n in dep) for n, i in tensors(g).items()}
@@ -84,7 +158,7 @@ def assign_phases(g: nx.DiGraph) -> nx.DiGraph:
     out.graph["tensors"] = info
     for o in ops(g):
         reads_response = any(info[t].response_dependent for t in o.inputs)
-        base = _base_phase(o, reads_response)
+        base = Phase.TRAIN if o.kind is NodeKind.UPDATE and any(g.successors(o.id)) else _base_phase(o, reads_response)
         after = max((phase_of[p] for p in g.predecessors(o.id)), default=Phase.ROLLOUT)
         if o.kind is NodeKind.DECODE and (reads_response or after > Phase.ROLLOUT):
             late = [t for t in o.inputs if info[t].response_dependent] or [t for t in o.inputs if t != DATASET]

@@ -9,18 +9,19 @@ import networkx as nx
 
 from rollplex.graph.build import build, graph_spec_of
 from rollplex.graph.ir import Schedule
-from rollplex.graph.passes import assign_executors, assign_phases, order_steps, split_at_response
+from rollplex.graph.passes import assign_executors, assign_phases, order_steps, split_at_response, split_minibatches
 from rollplex.graph.spec import Spec
 from rollplex.graph.verify import VerifyError, verify
 
 Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
 
-def graph_passes(schedule: Schedule) -> list[tuple[str, Pass]]:
+def graph_passes(schedule: Schedule, num_minibatches: int = 1) -> list[tuple[str, Pass]]:
     """`unsplit` (the textbook oracle) skips the split: every score runs over prompt ++ response."""
     split = [] if schedule is Schedule.UNSPLIT else [("split_at_response", split_at_response)]
     return [
         *split,
+        ("split_minibatches", partial(split_minibatches, num_minibatches=num_minibatches)),
         ("assign_phases", assign_phases),
         ("assign_executors", assign_executors),
         ("order_steps", partial(order_steps, schedule=schedule)),
@@ -46,4 +47,4 @@ def compile_graph(spec: Spec, *, schedule: Schedule | None = None, check: bool =
     g = build(graph_spec_of(spec))
     if check:
         verify(g)
-    return run_passes(g, graph_passes(schedule), check=check)
+    return run_passes(g, graph_passes(schedule, spec.algorithm.minibatches_per_step), check=check)

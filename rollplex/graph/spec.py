@@ -114,10 +114,22 @@ class AlgorithmSpec(_Strict):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: PositiveFloat = Field(1e-8, description="AdamW epsilon.")
     max_grad_norm: PositiveFloat | None = Field(1.0, description="Global gradient-norm clip; null disables it.")
-    temperature: float = Field(1.0, ge=0, description="Rollout sampling temperature (0 = greedy).")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Rollout sampling temperature (0 = greedy). The trainer's log-probs, KL and entropy are of the "
+        "logits divided by it too (by 1 when greedy), so that each token is scored as it was sampled.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling threshold.")
     rewards: tuple[RewardSpec, ...] = Field(
         (RewardSpec(name="format"), RewardSpec(name="accuracy")), description="Rewards summed per response."
+    )
+    minibatches_per_step: PositiveInt = Field(
+        1,
+        description="Optimizer updates per step: the step's prompt groups are split into this many mini-batches "
+        "(verl's ppo_mini_batch_size = prompts_per_step / this), each trained and applied in turn; later "
+        "mini-batches rerun their actor prefixes on the updated weights and their ratio to the rollout's "
+        "policy is clipped. Must divide the prompts of each training rank.",
     )
 
 
@@ -276,5 +288,11 @@ class Spec(_Strict):
             raise ValueError(
                 f"workload.prompts_per_step {self.workload.prompts_per_step} is not a multiple of the {dp} "
                 "training data-parallel ranks; use a multiple of it"
+            )
+        per_rank, mbs = self.workload.prompts_per_step // dp, self.algorithm.minibatches_per_step
+        if per_rank % mbs:
+            raise ValueError(
+                f"algorithm.minibatches_per_step {mbs} does not divide the {per_rank} prompts of each training "
+                "rank; use a divisor of it"
             )
         return self

@@ -178,7 +178,10 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + out + layer
     else:
         per_token = t.num_hidden_layers * layer + out
-    live = span(suffix | backward) if split else span(role_steps(c, role, kinds=(NodeKind.FORWARD,)) | backward)
+    # the steps that score and backpropagate (not a mini-batch's update or prefix rerun between them)
+    live = (
+        frozenset(suffix | backward) if split else frozenset(role_steps(c, role, kinds=(NodeKind.FORWARD,)) | backward)
+    )
     yield MemObject(
         role.value,
         "activations (one microbatch)",
@@ -250,11 +253,15 @@ def _boundary(c: Context, role: Role) -> Iterator[MemObject]:
             continue
         life = lifetimes(c.g)[name]
         live = frozenset(range(life.first, life.last + 1))
-        kv = g.prompts_per_rank * g.prompt_tokens * S.kv_bytes_per_token(t, g.train_tp)
+        prompts = g.prompts_per_rank // (prod.minibatch.count if prod.minibatch else 1)  # a mini-batch's rerun: its own
+        kv = prompts * g.prompt_tokens * S.kv_bytes_per_token(t, g.train_tp)
         yield MemObject(role.value, "boundary KV", TensorClass.BOUNDARY, kv, live, Residency.ABSENT)
-        lp = g.prompts_per_rank * (t.vocab_size // g.train_tp) * S.FP32
+        lp = prompts * (t.vocab_size // g.train_tp) * S.FP32
         yield MemObject(role.value, "boundary log-probs", TensorClass.BOUNDARY, lp, live, Residency.ABSENT)
-        backward = frozenset(role_steps(c, role, kinds=(NodeKind.BACKWARD,)))
+        backward = frozenset(
+            s.index for s in steps(c.g) for n in s.ops if c.g.nodes[n]["op"].kind is NodeKind.BACKWARD
+            and name in c.g.nodes[n]["op"].inputs
+        )  # fmt: skip
         if backward:  # the suffix backwards sum into a gradient as large as the KV, until the prefix backward reads it
             yield MemObject(role.value, "boundary KV gradient", TensorClass.PHASE_LOCAL, kv, backward, Residency.ABSENT)
 

@@ -17,14 +17,14 @@ from torch import Tensor
 from rollplex.models.cache import ResponseCache
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.sampling import SamplingParams, sample
+from rollplex.models.sampling import SamplingParams, sample, tempered
 
 
 @dataclass(frozen=True)
 class Rollout:
     responses: Tensor  # [P, N, R] int64, 0 after each response's end; R = the longest response
     response_lens: Tensor  # [P, N] int64, stop token included
-    logprobs: Tensor  # [P, N, R] float32: the model's log-prob of each token (temperature 1, no top-p), 0 after end
+    logprobs: Tensor  # [P, N, R] float32: each token's log-prob at the sampling temperature (no top-p), 0 after end
 
 
 @torch.no_grad()
@@ -50,7 +50,8 @@ def generate(
     dtype = boundary.keys[0].dtype
     cache = ResponseCache(model.config.text, batch, params.max_tokens, dtype=dtype, device=model.device)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=model.device)
-    dist = boundary.first_logprobs.repeat_interleave(num_samples, dim=0)  # [P*N, V]
+    temperature = params.logprob_temperature
+    dist = tempered(boundary.first_logprobs, temperature).repeat_interleave(num_samples, dim=0)  # [P*N, V]
     tokens, logprobs = [], []
     lens = torch.zeros(batch, dtype=torch.long, device=model.device)
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
@@ -66,7 +67,7 @@ def generate(
         if bool(done.all()) or step + 1 == params.max_tokens:
             break
         logits = model.response_logits(boundary, token.view(num_prompts, num_samples, 1), cache)
-        dist = torch.log_softmax(logits.float(), dim=-1).view(batch, -1)
+        dist = tempered(logits, temperature).view(batch, -1)
         if beside is not None:
             beside(int((~done).sum()))
     return collect_rollout(torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1), lens, num_prompts)

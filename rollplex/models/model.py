@@ -161,18 +161,23 @@ class Qwen2_5_VL(nn.Module):
         with torch.enable_grad() if attached else torch.no_grad():  # the caller may drain it under no_grad (decode)
             return concat_boundaries(parts)
 
-    def suffix(self, boundary: Boundary, responses: Tensor, response_lens: Tensor) -> SuffixOut:
-        """Scores responses [P, N, R] int64 of lengths [P, N]; padding may hold any valid token id."""
+    def suffix(
+        self, boundary: Boundary, responses: Tensor, response_lens: Tensor, temperature: float = 1.0
+    ) -> SuffixOut:
+        """Scores responses [P, N, R] int64 of lengths [P, N] at `temperature` (`rollplex.models.scores`);
+        padding may hold any valid token id."""
         if responses.ndim != 3 or responses.shape[0] != boundary.num_prompts or responses.shape[2] == 0:
             expected = f"[num_prompts={boundary.num_prompts}, N, R >= 1]"
             raise ValueError(f"responses must be {expected}, got {tuple(responses.shape)}")
         num_prompts, num_samples, _ = responses.shape
         rows = torch.arange(num_prompts, device=self.device).repeat_interleave(num_samples)
-        out = self.suffix_rows(boundary, rows, responses.flatten(0, 1), response_lens.flatten())
+        out = self.suffix_rows(boundary, rows, responses.flatten(0, 1), response_lens.flatten(), temperature)
         return SuffixOut(out.logprobs.unflatten(0, (num_prompts, num_samples)),
                          out.entropy.unflatten(0, (num_prompts, num_samples)))  # fmt: skip
 
-    def suffix_rows(self, boundary: Boundary, rows: Tensor, responses: Tensor, response_lens: Tensor) -> SuffixOut:
+    def suffix_rows(
+        self, boundary: Boundary, rows: Tensor, responses: Tensor, response_lens: Tensor, temperature: float = 1.0
+    ) -> SuffixOut:
         """Scores [B, R] of responses [B, R] of lengths [B], row b a response to prompt rows[b] of the boundary:
         a batch may mix the responses of several prompts (scoring batches them by length, not by prompt)."""
         if responses.ndim != 2 or rows.shape != responses.shape[:1] or responses.shape[1] == 0:
@@ -180,7 +185,9 @@ class Qwen2_5_VL(nn.Module):
                              f"{tuple(rows.shape)}")  # fmt: skip
         hidden = self.rows_hidden(boundary, rows, responses[:, :-1])  # [B, R-1, hidden]
         first = boundary.first_logprobs.index_select(0, rows)
-        out = score_hidden(first, hidden[:, None], self.lm_head, responses[:, None], response_lens[:, None])
+        out = score_hidden(
+            first, hidden[:, None], self.lm_head, responses[:, None], response_lens[:, None], temperature
+        )
         return SuffixOut(out.logprobs[:, 0], out.entropy[:, 0])
 
     def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:

@@ -1,6 +1,8 @@
 """Token sampling for rollout: temperature and top-p (nucleus) over a batch of next-token distributions.
 
-Not here: the decode loop (`generate.py`).
+One rule holds for every log-prob rollplex computes, in rollout and in training alike: it is the log-prob under
+softmax(logits / T), T the sampling temperature (1 when sampling is greedy), so that the trainer scores a
+token under the distribution it was drawn from (`tempered`). Not here: the decode loop (`generate.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of every log-prob (module docstring): the sampling temperature, or 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """log softmax(logits / temperature) over the last dimension, in float32. Logits may be shifted by any
+    constant per row (log-probs at temperature 1 work as well)."""
+    logits = logits.float()
+    return torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+
 
 def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     """probs [B, V] -> the same with every token outside the top-p nucleus set to 0 (not renormalised)."""
@@ -43,10 +57,11 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
 
 
 def sample(logprobs: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
-    """One token id [B] from each next-token distribution logprobs [B, V] (float32)."""
+    """One token id [B] from each next-token distribution logprobs [B, V] (float32), already at
+    `params.logprob_temperature` (`tempered`): the most likely token when greedy, else a draw, within top-p."""
     if params.temperature == 0:
         return logprobs.argmax(dim=-1)
-    probs = torch.softmax(logprobs / params.temperature, dim=-1)
+    probs = logprobs.exp()
     if params.top_p < 1:
         probs = top_p_filter(probs, params.top_p)
     return race(probs, generator)

@@ -1,6 +1,7 @@
 """Per-token scores of sampled responses: the log-probability of each token and the entropy of the
 distribution it was drawn from, masked past each response's length, from final hidden states and the LM head
-(`score_hidden`, `token_scores`: in chunks of tokens, never all the FP32 logits at once).
+(`score_hidden`, `token_scores`: in chunks of tokens, never all the FP32 logits at once). Both are of
+softmax(logits / temperature), the sampling temperature (`rollplex.models.sampling.tempered`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from functools import partial
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from rollplex.models.sampling import tempered
 
 LOGIT_CHUNK_BYTES = 1 << 30  # FP32 logits of one chunk of response tokens in `score_hidden`
 
@@ -28,12 +31,21 @@ def entropy(logprobs: Tensor) -> Tensor:
 
 
 def score_hidden(
-    first_logprobs: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor], responses: Tensor, response_lens: Tensor
+    first_logprobs: Tensor,
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    responses: Tensor,
+    response_lens: Tensor,
+    temperature: float = 1.0,
 ) -> SuffixOut:
-    """Scores [P, N, R] of responses [P, N, R] int64 of lengths [P, N]: first_logprobs [P, V] predict token 0,
-    hidden [P, N, R-1, H] (after tokens 0..R-2) predict 1..R-1 through the LM head `head` (`token_scores`)."""
+    """Scores [P, N, R] of responses [P, N, R] int64 of lengths [P, N]: first_logprobs [P, V] (at temperature 1)
+    predict token 0, hidden [P, N, R-1, H] (after tokens 0..R-2) predict 1..R-1 through the LM head `head`
+    (`token_scores`); all at `temperature`."""
     num_prompts, num_samples, num_tokens = responses.shape
-    rest_lp, rest_ent = token_scores(hidden.flatten(0, 2), head, responses[..., 1:].flatten(), first_logprobs.shape[-1])
+    targets, vocab_size = responses[..., 1:].flatten(), first_logprobs.shape[-1]
+    rest_lp, rest_ent = token_scores(hidden.flatten(0, 2), head, targets, vocab_size, temperature)
+    if temperature != 1:
+        first_logprobs = tempered(first_logprobs, temperature)
     rest_lp = rest_lp.view(num_prompts, num_samples, num_tokens - 1)
     rest_ent = rest_ent.view(num_prompts, num_samples, num_tokens - 1)
     first = first_logprobs.gather(-1, responses[:, :, 0])[..., None]
@@ -45,12 +57,12 @@ def score_hidden(
 
 
 def token_scores(
-    hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, vocab_size: int
+    hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, vocab_size: int, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of each target and the entropy at each of hidden [M, H]: the head runs on chunks of tokens
-    (LOGIT_CHUNK_BYTES of FP32 logits), each checkpointed when autograd records. [M] and [M], float32."""
+    """Log-prob of each target and the entropy at each of hidden [M, H], at `temperature`: the head runs on chunks
+    of tokens (LOGIT_CHUNK_BYTES of FP32 logits), each checkpointed when autograd records. [M] and [M], float32."""
     step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
-    score = partial(_token_scores, head)
+    score = partial(_token_scores, head, temperature)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
     parts = [
         checkpoint(score, hidden[i : i + step], targets[i : i + step], use_reentrant=False)
@@ -61,8 +73,10 @@ def token_scores(
     return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts])
 
 
-def _token_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [M, V]
+def _token_scores(
+    head: Callable[[Tensor], Tensor], temperature: float, hidden: Tensor, targets: Tensor
+) -> tuple[Tensor, Tensor]:
+    logprobs = tempered(head(hidden), temperature)  # [M, V]
     return logprobs.gather(-1, targets[:, None])[:, 0], entropy(logprobs)
 
 

@@ -24,7 +24,7 @@ from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout, collect_rollout
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.sampling import SamplingParams, sample
+from rollplex.models.sampling import SamplingParams, sample, tempered
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.slowdown import DeviceClock, StepSpan
@@ -203,16 +203,16 @@ class _Run:
     def first_token(self, dist: Tensor) -> None:
         """Token 0 of every sequence, from its prompt's next-token distribution dist [P * N, V]."""
         slots = torch.arange(self.num_sequences, device=dist.device)
-        if self.step.shape.fused_sampling:
+        if self.step.shape.fused_sampling:  # the kernel divides by the temperature itself
             self.step.sample(dist, slots, torch.zeros(1, dtype=torch.long, device=dist.device))
         else:
-            self._record(slots, 0, dist)
+            self._record(slots, 0, tempered(dist, self.params.logprob_temperature))
         self._columns_done(1)
 
     def next_token(self, rows: int, column: int, logits: Tensor) -> None:
         """After a step's replay: token `column` was sampled in-graph, or is sampled here (top-p)."""
         if not self.step.shape.fused_sampling:
-            self._record(self.step.slots[:rows], column, torch.log_softmax(logits.float(), dim=-1))
+            self._record(self.step.slots[:rows], column, tempered(logits, self.params.logprob_temperature))
         self._columns_done(column + 1)
 
     def _record(self, slots: Tensor, column: int, dist: Tensor) -> None:

@@ -5,7 +5,18 @@ import pytest
 import torch
 
 from rollplex.data import rewards
-from rollplex.data.rewards import TAGS, combine, get_reward, load_reward, register
+from rollplex.data.rewards import (
+    TAGS,
+    combine,
+    get_reward,
+    is_correct,
+    load_reward,
+    register,
+    reward_terms,
+    rouge_l_f1,
+    word_error_rate,
+)
+from rollplex.data.tokenizer import CharTokenizer, response_text
 from rollplex.data.types import Example
 from rollplex.models.inputs import Prompt
 
@@ -38,6 +49,12 @@ def test_format_gives_one_to_think_then_answer(text):
         "so <think>x</think><answer>B</answer>",
         "<think>x</think><answer>B</answer> done",
         "<think>x<answer>B</answer>",
+        "<think><think>x</think><answer>B</answer>",
+        "<think>x</think><answer>B</answer></answer>",
+        "<think>x</think><answer><answer>B</answer>",
+        "<think>x</think><think>y</think><answer>B</answer>",
+        "<think>x</think><answer>B</answer><answer>C</answer>",
+        "<think>x</think><answer>B</answer><|im_end|>",
         "",
     ],
 )
@@ -45,8 +62,27 @@ def test_format_gives_zero_to_anything_else(text):
     assert get_reward("format")(text, CHOICE) == 0.0
 
 
+@pytest.mark.parametrize("name", ["format", "accuracy", "tags"])
+def test_a_response_that_stops_scores_as_the_same_text_cut_at_max_tokens(name):
+    tokenizer = CharTokenizer()
+    fn = get_reward(name)
+    for text in ("<think>x</think><answer>B</answer>", " <think></think>\n<answer> B </answer> ", "<answer>B</answer>"):
+        stopped = tokenizer.encode(text) + [tokenizer.special.eos]
+        assert response_text(tokenizer, stopped) == text
+        assert fn(response_text(tokenizer, stopped), CHOICE) == fn(text, CHOICE)
+    assert get_reward("format")(response_text(tokenizer, stopped[:-3]), CHOICE) == 0.0  # cut inside the answer
+
+
+def test_the_response_text_leaves_out_special_tokens_but_keeps_the_r1_tags():
+    tokenizer = CharTokenizer()
+    sp = tokenizer.special
+    ids = [sp.vision_start, *tokenizer.encode("<think>a</think>"), sp.pad, sp.im_start, *tokenizer.encode("b"), sp.eos]
+    assert response_text(tokenizer, ids) == "<think>a</think>b"
+    assert tokenizer.decode(ids).endswith("b<|im_end|>")  # the plain decode keeps everything
+
+
 def brute_force_tags(text: str) -> float:
-    """Oracle: the most tag occurrences, taken in text order, whose kinds strictly increase."""
+    """Oracle: the most tag occurrences, taken in text order, whose kinds strictly increase, less the others."""
     found = []
     for k, tag in enumerate(TAGS):
         start = text.find(tag)
@@ -60,10 +96,10 @@ def brute_force_tags(text: str) -> float:
             kinds = [k for _, k in subset]
             if all(a < b for a, b in itertools.pairwise(kinds)):
                 best = max(best, size)
-    return 0.25 * best
+    return 0.25 * max(0, best - (len(found) - best))
 
 
-def test_tags_equal_the_brute_force_longest_ordered_run_of_tags():
+def test_tags_equal_the_brute_force_longest_ordered_run_of_tags_less_the_rest():
     rng = random.Random(0)
     tags = get_reward("tags")
     for _ in range(300):
@@ -71,12 +107,15 @@ def test_tags_equal_the_brute_force_longest_ordered_run_of_tags():
         assert tags(text, CHOICE) == brute_force_tags(text), text
 
 
-def test_tags_credit_partial_formats():
+def test_tags_credit_partial_formats_and_not_tag_soup():
     tags = get_reward("tags")
     assert tags("<think>x</think><answer>B</answer>", CHOICE) == 1.0
+    assert tags("<think>x</think><answer>B</answer> and more text", CHOICE) == 1.0
     assert tags("<think> hmm", CHOICE) == 0.25
-    assert tags("</answer><answer></think><think>", CHOICE) == 0.25
-    assert tags("</think><answer></answer><think>", CHOICE) == 0.75
+    assert tags("</think><answer></answer>", CHOICE) == 0.75
+    assert tags("</think><answer></answer><think>", CHOICE) == 0.5
+    assert tags("<answer></think></think><think></answer>", CHOICE) == 0.0  # two in order, three others
+    assert tags("<think><think></think><answer></answer>", CHOICE) == 0.75
     assert tags("no tags", CHOICE) == 0.0
 
 
@@ -89,7 +128,11 @@ def test_tags_credit_partial_formats():
         ("B", "choice", "<answer>b</answer>", 1.0),
         ("B", "choice", "<answer>A</answer>", 0.0),
         ("B", "choice", "<answer>Blue</answer>", 0.0),
-        ("B", "choice", "<answer>A</answer> wait <answer>B</answer>", 1.0),
+        ("B", "choice", "<answer>A</answer> wait <answer>B</answer>", 0.0),
+        ("B", "choice", "<answer>B</answer> wait <answer>A</answer>", 1.0),
+        ("B", "choice", "<answer>\n B \n</answer>", 1.0),
+        ("B", "choice", "<answer>B", 0.0),
+        ("B", "choice", "</answer>B<answer>", 0.0),
         ("B", "choice", "B", 0.0),
         ("3", "number", "<answer>3</answer>", 1.0),
         ("3", "number", "<answer>3.0 squares</answer>", 1.0),
@@ -100,10 +143,45 @@ def test_tags_credit_partial_formats():
         ("circle", "exact", "<answer> The Circle. </answer>", 1.0),
         ("to the right", "exact", "<answer>To  the right!</answer>", 1.0),
         ("circle", "exact", "<answer>square</answer>", 0.0),
+        ("STOP HERE", "ocr", "<answer>STOP HERE</answer>", 1.0),
+        ("STOP HERE NOW", "ocr", "<answer>STOP THERE NOW</answer>", 1 - 1 / 3),
+        ("STOP HERE", "ocr", "<answer>a b c d e</answer>", 0.0),  # 5 edits over 2 words: floored at 0
+        ("STOP HERE", "ocr", "<answer></answer>", 0.0),
+        ("the cat sat on the mat", "free_form", "<answer>The cat sat on the mat.</answer>", 1.0),
+        ("the cat sat", "free_form", "<answer>a cat sat down</answer>", 2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3)),
+        ("the cat sat", "free_form", "<answer>dogs bark</answer>", 0.0),
+        ("10", "regression", "<answer>10</answer>", 1.0),
+        ("10", "regression", "<answer>about 12 metres</answer>", 0.8),
+        ("10", "regression", "<answer>-30</answer>", 0.0),
+        ("10", "regression", "<answer>none</answer>", 0.0),
+        ("0", "regression", "<answer>0</answer>", 1.0),
     ],
 )
-def test_accuracy_compares_the_last_answer_by_kind(answer, kind, text, expected):
-    assert get_reward("accuracy")(text, example(answer, kind)) == expected
+def test_accuracy_compares_the_first_answer_by_kind(answer, kind, text, expected):
+    assert get_reward("accuracy")(text, example(answer, kind)) == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["choice", "number", "ocr", "free_form", "regression", "exact"])
+def test_accuracy_of_a_response_without_an_answer_block_is_zero_and_of_the_reference_one(kind):
+    answer = {"choice": "B", "number": "3", "regression": "3"}.get(kind, "red ball")
+    ex = example(answer, kind)
+    for text in ("", "B", "3", "red ball", "<think>red ball</think>", "<answer>red ball", "<|im_end|>"):
+        assert get_reward("accuracy")(text, ex) == 0.0, text
+    assert get_reward("accuracy")(f"<think>x</think><answer>{answer}</answer>", ex) == 1.0
+    assert is_correct(f"<answer> {answer} </answer>", ex) and not is_correct("<answer>-1</answer>", ex)
+
+
+def test_word_error_rate_and_rouge_l_match_hand_counts():
+    assert word_error_rate("a b c d", "a x c") == 2 / 4  # one substitution, one deletion
+    assert word_error_rate("a b", "a b c d") == 1.0  # two insertions over two words
+    assert rouge_l_f1("a b c d", "a c d e") == pytest.approx(2 * 0.75 * 0.75 / 1.5)  # LCS a c d
+    assert rouge_l_f1("", "a") == rouge_l_f1("a", "") == 0.0
+
+
+def test_reward_terms_score_each_term_and_sum_them_with_their_weights():
+    terms = reward_terms([("format", 0.5), ("accuracy", 2.0)])
+    scores = terms.scores("<think>x</think><answer>B</answer>", CHOICE)
+    assert terms.names == ("format", "accuracy") and scores == (1.0, 1.0) and terms.total(scores) == 2.5
 
 
 def test_names_joined_by_plus_sum_their_rewards():

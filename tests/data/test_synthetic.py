@@ -41,8 +41,8 @@ def test_another_seed_gives_other_examples(dataset):
 
 def test_every_question_kind_and_answer_kind_occurs(dataset):
     examples = [dataset[i] for i in range(len(dataset))]
-    assert {e.meta["question_kind"] for e in examples} == {k.value for k in QuestionKind}
-    assert {e.answer_kind for e in examples} == set(AnswerKind)
+    assert {e.meta["question_kind"] for e in examples} == set(dataset.preset.questions)
+    assert {e.answer_kind for e in examples} == {AnswerKind.CHOICE, AnswerKind.NUMBER, AnswerKind.EXACT}
 
 
 def test_answers_have_the_form_their_kind_promises(dataset):
@@ -66,6 +66,18 @@ def test_the_fastest_colour_option_names_the_fastest_thing():
         fastest = max(scene.things, key=lambda t: np.hypot(*t.velocity))
         assert chosen == f"{q.answer}. {fastest.colour}"
         assert len(set(q.options)) == 4
+
+
+def test_the_colour_preset_asks_the_one_objects_colour_with_fixed_letters_and_balanced_answers():
+    ds = SyntheticVideoQA(PRESETS["colour"].tiny(), CharTokenizer(), seed=0, num_examples=200)
+    examples = [ds[i] for i in range(len(ds))]
+    assert {e.meta["options"] for e in examples} == {("A. red", "B. green", "C. blue", "D. yellow")}
+    counts = [sum(e.answer == letter for e in examples) for letter in "ABCD"]
+    assert min(counts) >= 40  # chance is 0.25 whatever a policy answers
+    for i, e in enumerate(examples[:20]):
+        (thing,) = sample_scene(np.random.default_rng([0, i, 0x5CE7E]), (1, 1), 4).things
+        assert e.answer == "ABCD"[["red", "green", "blue", "yellow"].index(thing.colour)]
+        assert e.meta["question_kind"] == QuestionKind.COLOUR
 
 
 def test_the_prompt_holds_one_video_whose_pixels_are_the_rendered_scene(dataset):

@@ -13,7 +13,9 @@ def test_an_answer_kind_given_as_a_string_becomes_the_enum():
 
 
 def test_an_unknown_answer_kind_is_rejected_with_the_known_ones():
-    with pytest.raises(ValueError, match="answer_kind 'essay' is not one of: choice, number, exact"):
+    with pytest.raises(
+        ValueError, match="answer_kind 'essay' is not one of: choice, number, ocr, free_form, regression, exact"
+    ):
         Example(prompt=PROMPT, answer="1", answer_kind="essay")
 
 

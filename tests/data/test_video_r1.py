@@ -53,6 +53,19 @@ def make(path, **kwargs) -> VideoR1Dataset:
     return VideoR1Dataset(path, CharTokenizer(), sampling=FrameSampling(num_frames=4), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("problem_type", "kind"),
+    [("multiple choice", AnswerKind.CHOICE), ("numerical", AnswerKind.NUMBER), ("OCR", AnswerKind.OCR),
+     ("free-form", AnswerKind.FREE_FORM), ("open-ended", AnswerKind.FREE_FORM),
+     ("regression", AnswerKind.REGRESSION)],
+)  # fmt: skip
+def test_each_video_r1_problem_type_is_scored_by_its_own_rule(data_dir, tmp_path, problem_type, kind):
+    row = {"problem": "q", "problem_type": problem_type, "solution": "<answer>A</answer>", "path": "clips/a.mp4"}
+    row["options"] = ["A. x", "B. y"]
+    (data_dir / f"{kind}.jsonl").write_text(json.dumps(row) + "\n")
+    assert make(data_dir / f"{kind}.jsonl").rows[0].answer_kind is kind
+
+
 def test_video_r1_rows_become_examples_with_their_answers_and_kinds(data_dir):
     ds = make(data_dir / "rows.jsonl")
     assert len(ds) == 4
@@ -60,7 +73,7 @@ def test_video_r1_rows_become_examples_with_their_answers_and_kinds(data_dir):
         ("B", AnswerKind.CHOICE),
         ("1", AnswerKind.NUMBER),
         ("to the right", AnswerKind.EXACT),
-        ("Yes", AnswerKind.EXACT),
+        ("Yes", AnswerKind.FREE_FORM),
     ]
     e = ds[0]
     text = CharTokenizer().decode(e.prompt.input_ids.tolist())

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from run_testkit import SPEC, char_share, cli, run
+from run_testkit import char_share, cli, run, spec_text
 from safetensors import safe_open
 
 from rollplex.data.rewards import REWARDS
@@ -44,7 +44,7 @@ def test_checkpoints_hold_optimizer_state_in_transformers_shapes_and_resume_exac
     config = json.loads((CONFIG_DIR / "tiny.json").read_text())
     config["vision_config"]["intermediate_size"] = 60  # stored 64 wide (`VisionMLP`)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = parse_spec(SPEC.format(kl=0.1, device="cpu").replace("model: tiny", f"model: {tmp_path / 'config.json'}"))
+    spec = parse_spec(spec_text(kl=0.1, device="cpu", model=str(tmp_path / "config.json")))
 
     def go(name: str, steps: int, resume: bool = False) -> list[dict]:
         return train(spec, RunOptions(steps, Schedule("rollplex"), tmp_path / name, resume=resume, progress=False,

@@ -1,5 +1,5 @@
-"""The fused sampler: greedy is the argmax, draws follow softmax(logits / T), log-probs are at temperature 1,
-and each token lands at its slot and column with the slot's stop flag."""
+"""The fused sampler: greedy is the argmax, draws follow softmax(logits / T), log-probs are at the sampling
+temperature (1 when greedy), and each token lands at its slot and column with the slot's stop flag."""
 
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def test_draws_follow_softmax_of_logits_over_temperature_and_a_seed_repeats_them
     again, *_ = draw(logits[:64], list(range(64)), temperature=2.0, seed=7)
     other, *_ = draw(logits[:64], list(range(64)), temperature=2.0, seed=8)
     assert torch.equal(tokens[:64], again) and not torch.equal(tokens[:64], other)
+
+
+def test_a_draws_logprob_is_at_the_sampling_temperature():
+    logits = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 3
+    tokens, logprobs, *_ = draw(logits, [0, 1, 2, 3], temperature=0.5, seed=3)
+    expected = (logits / 0.5).log_softmax(-1).gather(-1, tokens[:, :1])[:, 0]
+    torch.testing.assert_close(logprobs[:, 0], expected)
 
 
 def test_a_sequence_is_done_once_it_reaches_its_length_budget():

@@ -62,10 +62,15 @@ def test_greedy_decoding_follows_the_argmax_of_the_full_forward(model, prompts):
             assert torch.equal(greedy, response)
 
 
-def test_sampling_logprobs_equal_suffix_logprobs(model, prompts):
-    out = rollout(model, prompts, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=6))
-    scored = model.suffix(model.prefix(prompts, attached=False), out.responses, out.response_lens)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampling_logprobs_equal_suffix_logprobs_at_the_sampling_temperature(model, prompts, temperature):
+    out = rollout(model, prompts, SamplingParams(temperature=temperature, top_p=1.0, max_tokens=6))
+    boundary = model.prefix(prompts, attached=False)
+    scored = model.suffix(boundary, out.responses, out.response_lens, temperature=temperature)
     assert (out.logprobs - scored.logprobs).abs().max() <= 1e-5 * scored.logprobs.abs().max()
+    if temperature != 1.0:
+        at_one = model.suffix(boundary, out.responses, out.response_lens)
+        assert (out.logprobs - at_one.logprobs).abs().max() > 0.01
 
 
 def test_a_vanishing_top_p_samples_the_greedy_token(model, prompts):

@@ -123,8 +123,11 @@ def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model,
     assert engine.stats.batch_sizes[0] == len(prompts) * NUM_SAMPLES
     assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)
     assert engine.stats.batch_sizes[-1] < engine.stats.batch_sizes[0]
-    scores = model.suffix(model.prefix(prompts, attached=False), out.responses, out.response_lens)
+    boundary = model.prefix(prompts, attached=False)
+    scores = model.suffix(boundary, out.responses, out.response_lens, temperature=1.5)  # the sampling temperature's
     torch.testing.assert_close(out.logprobs, scores.logprobs, atol=1e-4, rtol=1e-4)
+    at_one = model.suffix(boundary, out.responses, out.response_lens)
+    assert (out.logprobs - at_one.logprobs).abs().max() > 0.05
     for response, length in zip(out.responses.flatten(0, 1), out.response_lens.flatten(), strict=True):
         assert (response[length:] == 0).all() and (length == 10 or response[length - 1] in stop)
         assert not torch.isin(response[: length - 1], torch.tensor(stop, device=DEVICE)).any()
