@@ -3,10 +3,10 @@
 Per block of a row's vocabulary (one program each, so that even one row fills the GPU): the block's
 log-sum-exp terms of logits / T (the log-prob the trainer scores the token with, at the same temperature;
 T = 1 when greedy) and, in the same pass, its best Gumbel key logits_v / T + G_v, G_v = -log(-log U_v).
-The argmax of the keys samples softmax(logits / T) exactly (temperature 0: the argmax of the logits). U comes from Philox keyed by (seed, column, slot), so a
-seed gives one rollout whatever the batch layout. A second kernel merges each row's blocks, writes the token
-and its log-prob at [slot, column] and the slot's last token, and marks the slot done on a stop token or
-at its length budget.
+The argmax of the keys samples softmax(logits / T) exactly (temperature 0: the argmax of the logits). U
+comes from Philox keyed by (seed, column, slot), so a seed gives one rollout whatever the batch layout. A
+second kernel merges each row's blocks, writes the token and its log-prob at [slot, column] and the slot's
+last token, and marks the slot done on a stop token or at its length budget.
 No top-p: the caller samples top-p < 1 with torch (`rollplex.models.sampling`). Every input is a device
 tensor, so a CUDA graph can replay it.
 """

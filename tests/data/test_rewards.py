@@ -67,7 +67,7 @@ def test_a_response_that_stops_scores_as_the_same_text_cut_at_max_tokens(name):
     tokenizer = CharTokenizer()
     fn = get_reward(name)
     for text in ("<think>x</think><answer>B</answer>", " <think></think>\n<answer> B </answer> ", "<answer>B</answer>"):
-        stopped = tokenizer.encode(text) + [tokenizer.special.eos]
+        stopped = [*tokenizer.encode(text), tokenizer.special.eos]
         assert response_text(tokenizer, stopped) == text
         assert fn(response_text(tokenizer, stopped), CHOICE) == fn(text, CHOICE)
     assert get_reward("format")(response_text(tokenizer, stopped[:-3]), CHOICE) == 0.0  # cut inside the answer
