@@ -13,9 +13,10 @@ resolutions, so the numbers below are OUR CHOICE, shaped on those figures and on
 | star            | 12-24  | 270-480  | 4/3 16/9 | 192*28^2 | 200-350  | ~1.8k      | 200 / 0.7 / 1536       |
 | llava_video     | 40-56  | 360-1080 | 16/9 4/3 | 256*28^2 | 150-300  | ~5.9k      | 150 / 1.0 / 2048       |
 
-`colour` is shaped on no paper task: one object per clip, asked its colour among four options in a fixed
-order (chance 0.25), so that the answer depends on the video and a random-weight tiny model learns it on a
-CPU (`specs/tiny_cpu.yaml`, the learning check).
+`colour` is shaped on no paper task: one large object per clip, asked its colour among four options in a
+fixed order (chance 0.25), so that the answer depends on the video and a random-weight tiny model learns it
+on a CPU (`specs/tiny_cpu.yaml`, the learning check; objects of the other presets' size fill one patch of a
+tiny frame, too little of the prompt for the tiny model to find in minutes).
 
 Prompt fraction at the median: clevrer ~0.80, perception_test ~0.92, star ~0.90, llava_video ~0.98
 (medians of 400 sampled layouts; prompt = text + 2 + visual tokens).
@@ -93,6 +94,7 @@ class Preset:
     questions: tuple[QuestionKind, ...] = tuple(k for k in QuestionKind if k is not QuestionKind.COLOUR)
     objects: tuple[int, int] = (3, 6)  # moving objects per scene
     palette: int = 8  # the scene's colours come from the first `palette` of `scene.COLOURS`
+    radius: tuple[float, float] = (0.06, 0.12)  # of each object, a fraction of the shorter frame side
 
     def __post_init__(self) -> None:
         for label, (lo, hi) in (
@@ -200,6 +202,7 @@ PRESETS: dict[str, Preset] = {
         questions=(QuestionKind.COLOUR,),
         objects=(1, 1),
         palette=4,
+        radius=(0.3, 0.4),
     ),
 }
 

@@ -52,9 +52,14 @@ class Scene:
     background: tuple[int, int, int]
 
 
-def sample_scene(rng: np.random.Generator, num_things: tuple[int, int] = (3, 6), palette: int = len(COLOURS)) -> Scene:
+def sample_scene(
+    rng: np.random.Generator,
+    num_things: tuple[int, int] = (3, 6),
+    palette: int = len(COLOURS),
+    radius: tuple[float, float] = (0.06, 0.12),
+) -> Scene:
     """A random scene: distinct colours (among the first `palette` of COLOURS), distinct speeds, random shapes,
-    directions and starts."""
+    directions and starts, radii in `radius` (fractions of the shorter frame side)."""
     n = int(rng.integers(num_things[0], num_things[1] + 1))
     colours = rng.choice(list(COLOURS)[:palette], size=n, replace=False)
     speeds = rng.choice(SPEEDS, size=n, replace=False)
@@ -65,7 +70,7 @@ def sample_scene(rng: np.random.Generator, num_things: tuple[int, int] = (3, 6),
             Thing(
                 shape=Shape(rng.choice([s.value for s in Shape])),
                 colour=str(colour),
-                radius=float(rng.uniform(0.06, 0.12)),
+                radius=float(rng.uniform(*radius)),
                 start=(float(rng.uniform(0.2, 0.8)), float(rng.uniform(0.2, 0.8))),
                 velocity=(float(speed * np.cos(angle)), float(speed * np.sin(angle))),
             )

@@ -32,9 +32,15 @@ def synthetic_preset(name: str) -> Preset:
     return preset.tiny() if scale else preset
 
 
-def open_dataset(name: str, tokenizer: Tokenizer, seed: int, base: Path | None = None) -> Dataset:
+def open_dataset(
+    name: str, tokenizer: Tokenizer, seed: int, base: Path | None = None, mismatch_videos: bool = False
+) -> Dataset:
+    """`mismatch_videos` (synthetic only): the control whose questions are shown another example's video."""
     if name.startswith("synthetic:"):
-        return SyntheticVideoQA(synthetic_preset(name), tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE)
+        preset = synthetic_preset(name)
+        return SyntheticVideoQA(
+            preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE, mismatch_videos=mismatch_videos
+        )
     path = Path(name).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path

@@ -11,7 +11,8 @@ run resumes at any data position and two processes agree on every example. The p
     colour          choice  "Which colour is the object?" + the palette's colours as options, in order
 
 The question is preceded by scene-description filler words until the prompt's text reaches the layout's
-text-token count (one word over at most). Frames are rendered at the preset's post-resize size, so the
+text-token count (one word over at most). `mismatch_videos` (a control run) shows example i's question and
+answer with the video of example i + 1, so that the answer cannot be read from what the model sees. Frames are rendered at the preset's post-resize size, so the
 pixel path costs no resampling. This module does not score responses (see `rewards`).
 """
 
@@ -120,12 +121,14 @@ class SyntheticVideoQA:
         seed: int = 0,
         num_examples: int = 1024,
         system: str | None = DEFAULT_SYSTEM,
+        mismatch_videos: bool = False,
     ) -> None:
         self.preset = preset
         self.tokenizer = tokenizer
         self.seed = seed
         self.num_examples = num_examples
         self.system = system
+        self.mismatch_videos = mismatch_videos
 
     def __len__(self) -> int:
         return self.num_examples
@@ -140,13 +143,19 @@ class SyntheticVideoQA:
         for index in range(start, self.num_examples):
             yield self._example(index)
 
+    def _scene(self, index: int) -> Scene:
+        """The scene example `index` asks about (the first draw of its generator)."""
+        rng = np.random.default_rng([self.seed, index, 0x5CE7E])
+        return sample_scene(rng, self.preset.objects, self.preset.palette, self.preset.radius)
+
     def _example(self, index: int) -> Example:
         preset = self.preset
         layout = preset.layout(self.seed, index)
         rng = np.random.default_rng([self.seed, index, 0x5CE7E])
-        scene = sample_scene(rng, preset.objects, preset.palette)
+        scene = sample_scene(rng, preset.objects, preset.palette, preset.radius)
         height, width = preset.frame_size(layout)
-        frames = render(scene, layout.num_frames, height, width)
+        shown = self._scene((index + 1) % self.num_examples) if self.mismatch_videos else scene
+        frames = render(shown, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
         question = ask(QuestionKind(rng.choice(list(preset.questions))), scene, bounces, rng, preset.num_options)
         text = fill_question(
@@ -163,5 +172,6 @@ class SyntheticVideoQA:
             "options": question.options,
             "num_frames": layout.num_frames,
             "frame_size": (height, width),
+            "mismatched_video": self.mismatch_videos,
         }
         return Example(prompt=prompt, answer=question.answer, answer_kind=question.answer_kind, meta=meta)

@@ -68,8 +68,9 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
     g = compile_graph(loaded.spec, schedule=opts.schedule)
     engines = build_engines(loaded, schedule=opts.schedule)
     try:
+        w = loaded.spec.workload
         dataset = open_dataset(
-            loaded.spec.workload.dataset, engines.tokenizer, loaded.spec.run.seed, loaded.path.parent
+            w.dataset, engines.tokenizer, loaded.spec.run.seed, loaded.path.parent, w.mismatch_videos
         )
     except ValueError as e:
         raise loaded.locate(SpecError("workload.dataset", str(e))) from None

@@ -77,10 +77,17 @@ class WorkloadSpec(_Strict):
         "preset's distribution (seeded from the run), so that decode follows the workload, not max tokens.",
     )
 
+    mismatch_videos: bool = Field(
+        False,
+        description="A control run: each synthetic question and answer is shown the video of the next example, so "
+        "the answer cannot be read from the video (accuracy should stay at chance).",
+    )
+
     @model_validator(mode="after")
     def _visual(self) -> WorkloadSpec:
-        if self.replay_lengths and not self.dataset.startswith("synthetic:"):
-            raise ValueError(f"replay_lengths needs a synthetic:<preset> dataset (its lengths), not '{self.dataset}'")
+        for key in ("replay_lengths", "mismatch_videos"):
+            if getattr(self, key) and not self.dataset.startswith("synthetic:"):
+                raise ValueError(f"{key} needs a synthetic:<preset> dataset, not '{self.dataset}'")
         if self.video is not None and self.visual_tokens is not None:
             raise ValueError("give either `video` or `visual_tokens`, not both")
         if self.num_visual_tokens > self.prompt_tokens:

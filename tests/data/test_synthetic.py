@@ -75,7 +75,7 @@ def test_the_colour_preset_asks_the_one_objects_colour_with_fixed_letters_and_ba
     counts = [sum(e.answer == letter for e in examples) for letter in "ABCD"]
     assert min(counts) >= 40  # chance is 0.25 whatever a policy answers
     for i, e in enumerate(examples[:20]):
-        (thing,) = sample_scene(np.random.default_rng([0, i, 0x5CE7E]), (1, 1), 4).things
+        (thing,) = sample_scene(np.random.default_rng([0, i, 0x5CE7E]), (1, 1), 4, (0.3, 0.4)).things
         assert e.answer == "ABCD"[["red", "green", "blue", "yellow"].index(thing.colour)]
         assert e.meta["question_kind"] == QuestionKind.COLOUR
 
@@ -127,3 +127,19 @@ def test_a_bpe_tokenizer_builds_the_same_questions(tokenizer_json):
 def test_an_index_past_the_end_is_an_index_error(dataset):
     with pytest.raises(IndexError, match="out of range"):
         dataset[40]
+
+
+def test_mismatched_videos_keep_each_question_and_answer_and_show_the_next_examples_scene():
+    preset = PRESETS["colour"].tiny()
+    matched = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=200)
+    shown = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=200, mismatch_videos=True)
+    for i in (0, 5, 199):
+        a, b = matched[i], shown[i]
+        assert torch.equal(a.prompt.input_ids, b.prompt.input_ids) and a.answer == b.answer
+        layout = preset.layout(1, i)
+        next_scene = sample_scene(np.random.default_rng([1, (i + 1) % 200, 0x5CE7E]), (1, 1), 4, (0.3, 0.4))
+        frames = render(next_scene, layout.num_frames, *preset.frame_size(layout))
+        expected = preprocess_video(frames, preset.vision, size=preset.frame_size(layout)).pixel_values
+        assert torch.equal(b.prompt.visuals[0].pixel_values, expected)
+    agree = sum(shown[i].answer == matched[(i + 1) % 200].answer for i in range(200)) / 200
+    assert agree < 0.4  # what the video shows answers the question at about chance (0.25)
