@@ -12,8 +12,9 @@ run resumes at any data position and two processes agree on every example. The p
 
 The question is preceded by scene-description filler words until the prompt's text reaches the layout's
 text-token count (one word over at most). `mismatch_videos` (a control run) shows example i's question and
-answer with the video of example i + 1, so that the answer cannot be read from what the model sees. Frames are rendered at the preset's post-resize size, so the
-pixel path costs no resampling. This module does not score responses (see `rewards`).
+answer with the video of example i + 1, so that the answer cannot be read from what the model sees. Frames
+are rendered at the preset's post-resize size, so the pixel path costs no resampling. This module does not
+score responses (see `rewards`).
 """
 
 from __future__ import annotations
