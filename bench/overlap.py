@@ -25,6 +25,7 @@ import torch
 
 from rollplex.executors.bench import parse_policy
 from rollplex.executors.policies import PrefixStreams, make_prefix_streams
+from rollplex.graph.decisions import Sharing
 from rollplex.models.config import load_model_config
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
@@ -44,7 +45,7 @@ def policy_streams(policy: str, keep: list) -> PrefixStreams:
     """`inline`, `streams`, `green:<SMs>` or `green:adaptive` (`rollplex bench --policies`); `keep` holds the
     green contexts alive."""
     name, sms = parse_policy(policy)
-    streams = make_prefix_streams(name, sms, torch.device("cuda"))
+    streams = make_prefix_streams(Sharing.of(name, sms), torch.device("cuda"))
     keep.append(streams)
     return streams
 

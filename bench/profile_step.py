@@ -30,7 +30,7 @@ from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Op, Schedule
 from rollplex.graph.load import load_spec
-from rollplex.graph.pipeline import compile_graph
+from rollplex.graph.plan import compile_plan
 from rollplex.models import model as model_module
 from rollplex.models.model import Qwen2_5_VL
 
@@ -55,8 +55,8 @@ def main() -> None:
     loaded = load_spec(args.spec)
     if args.prompts_per_chunk:
         loaded = with_prompts_per_chunk(loaded, args.prompts_per_chunk)
-    engines = build_engines(loaded, schedule=Schedule(args.schedule))
-    g = compile_graph(loaded.spec, schedule=Schedule(args.schedule))
+    plan = compile_plan(loaded, Schedule(args.schedule))
+    engines, g = build_engines(plan), plan.graph
     spec = loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     size = spec.workload.prompts_per_step

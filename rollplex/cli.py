@@ -43,17 +43,32 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _plan_to_run(args: argparse.Namespace):
+    """The plan `rollplex run` executes: a `plan.json` as it is, or the spec compiled (once) for its schedule."""
     from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
+    from rollplex.graph.plan import compile_plan
 
-    loaded = load_spec(args.spec)
+    if Path(args.spec).suffix == ".json":
+        from rollplex.graph.planfile import read_plan
+
+        if args.schedule:
+            raise SpecError("", "--schedule with a plan: a plan has its schedule", "compile the spec with --schedule")
+        return read_plan(args.spec)
+    return compile_plan(load_spec(args.spec), Schedule(args.schedule) if args.schedule else None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every)):
+        if value is not None and value < 1:
+            raise SpecError("", f"{flag} {value}", f"use {flag} 1 or more")
+    plan = _plan_to_run(args)
+    loaded = plan.loaded
     spec = loaded.spec
     from rollplex.executors.loop import RunOptions, train
 
     opts = RunOptions(
         steps=args.steps or spec.run.steps,
-        schedule=Schedule(args.schedule or spec.schedule),
         out_dir=Path(args.out or f"runs/{Path(args.spec).stem}"),
         resume=args.resume,
         checkpoint_every=args.checkpoint_every or spec.run.checkpoint_every,
@@ -68,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     from rollplex.executors.engines import resolve_device
     from rollplex.executors.policies import mps_session
 
-    with mps_session([spec]):  # under the mps policy: before anything touches the GPU
+    with mps_session([plan]):  # under the mps policy: before anything touches the GPU
         try:
             resolve_device(spec.run.device)
         except ValueError as e:
@@ -77,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
             check_launch(spec.parallel.train_tp)
         except ValueError as e:
             raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
-        records = train(loaded, opts)
+        records = train(plan, opts)
     from rollplex.executors.distributed import finish, is_main_process
 
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
@@ -101,7 +116,10 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SpecError("", f"--policies: {e}") from None
     # under the mps policy: before anything touches the GPU; a serial-only process runs its trainer uncapped
-    with mps_session([v.spec for v in variants], cap_trainer=not args.serial_only):
+    from rollplex.graph.plan import compile_plan
+
+    plans = [compile_plan(v) for v in variants]
+    with mps_session(plans, cap_trainer=not args.serial_only):
         return _bench_variants(args, loaded, variants)
 
 
@@ -276,7 +294,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)
     r = sub.add_parser("run", help="train: GRPO steps executing the compiled plan")
-    r.add_argument("spec", help="the YAML spec")
+    r.add_argument("spec", help="the YAML spec, or a plan.json written by `rollplex compile`")
     r.add_argument("--steps", type=int, help="steps to run in all (default: run.steps)")
     r.add_argument("--schedule", choices=["unsplit", "serial", "rollplex"], help="default: the spec's schedule")
     r.add_argument("--out", help="run directory: metrics.jsonl, tb/, checkpoints/ (default runs/<spec name>)")

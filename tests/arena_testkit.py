@@ -11,8 +11,9 @@ from rollplex.memory.vmm import RegionState
 
 
 class PoisoningArena:
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", num_bytes: int = 1 << 40) -> None:
         self.device, self.bytes, self.states, self.calls = device, {}, {}, []
+        self.num_bytes = num_bytes  # the arena's size, as `VmmArena.num_bytes`
 
     def allocate(self, num_bytes: int, name: str) -> str:
         self.bytes[name] = torch.full((num_bytes,), 0xFF, dtype=torch.uint8, device=self.device)

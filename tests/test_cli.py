@@ -51,7 +51,7 @@ def test_without_dry_run_the_plan_is_written_for_run(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["compile", str(SPECS / "tiny_cpu.yaml"), "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
-    assert plan["schedule"] == "rollplex" and plan["graph"]["steps"]
+    assert plan["schedule"] == "rollplex" and plan["steps"] and plan["rollplex_plan_version"] == 1
 
 
 def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():

@@ -55,7 +55,6 @@ from rollplex.executors.runtime import run_iteration, timer_of
 from rollplex.executors.stalls import StepStalls
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
-from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
 
 Span = tuple[str, str, float, float]  # (lane, label, start s, end s) from the iteration's start
@@ -90,9 +89,8 @@ def run_schedule(
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    engines = build_engines(loaded, schedule=schedule)
-    g = compile_graph(loaded.spec, schedule=schedule)
-    spec = loaded.spec
+    plan = compile_plan(loaded, schedule)
+    engines, g, spec = build_engines(plan), plan.graph, loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     device, out = engines.actor.device, ScheduleRun()
     batches = {} if batches is None else batches

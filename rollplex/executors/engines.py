@@ -1,5 +1,5 @@
 """The engines one process runs: actor (trained; rollout reads its weights), frozen reference, optimizer,
-sampling, tokenizer and reward. Built from a spec by `build_engines`; the runtime only uses them.
+sampling, tokenizer and reward. Built from a compiled plan by `build_engines`; the runtime only uses them.
 
 Rollout always reads the actor's own parameters, so training and rollout share every weight: on the CPU
 through the plain decode loop (`rollplex.models.generate`), on a GPU through the graph-captured engine
@@ -25,12 +25,15 @@ from rollplex.data.presets import LengthDistribution
 from rollplex.data.rewards import RewardTerms, reward_terms
 from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rollplex.errors import SpecError
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
-from rollplex.graph.ir import Schedule
+from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
+from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
-from rollplex.graph.plan import Plan, compile_plan
+from rollplex.graph.plan import Plan
+from rollplex.memory.objects import Residency
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -43,8 +46,6 @@ from rollplex.parallel.model import parallelize, sharded_parameters
 from rollplex.parallel.replicas import split_rollout
 
 RolloutFn = Callable[..., Rollout]  # (prompts, *, num_samples, params, generator) -> Rollout
-
-OPTIMIZER_CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -114,10 +115,13 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
     setter(f"expandable_segments:{on}")
 
 
-def make_rollout(actor: Qwen2_5_VL, kernels: str = "cublas") -> tuple[RolloutFn, Callable[[], object | None]]:
+def make_rollout(
+    actor: Qwen2_5_VL, kernels: str = "cublas", kv_bytes: int | None = None
+) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
-    On a GPU the rollout KV lives in a VMM region released after each rollout (the plan's phase-local KV), and
-    decode runs `kernels` (`run.decode_kernels`; the CPU runs the plain loop)."""
+    On a GPU the rollout KV lives in a VMM arena of the plan's `kv_bytes` whose region is released when a rollout
+    ends (the plan's phase-local rollout KV), and decode runs `kernels` (`run.decode_kernels`; the CPU runs the
+    plain loop)."""
     if actor.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
@@ -125,52 +129,58 @@ def make_rollout(actor: Qwen2_5_VL, kernels: str = "cublas") -> tuple[RolloutFn,
 
         check_decode_kernels(kernels, actor.device)
         device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(device).total_memory
-        engine = RolloutEngine(actor, kv_arena=VmmArena(total, device), kernels=BY_NAME[kernels])  # KV maps per rollout
+        kv_bytes = kv_bytes or torch.cuda.get_device_properties(device).total_memory
+        engine = RolloutEngine(actor, kv_arena=VmmArena(kv_bytes, device), kernels=BY_NAME[kernels])
         return engine.generate, lambda: engine.stats
     return partial(generate, actor), lambda: None
 
 
-def build_engines(
-    loaded: LoadedSpec, device: torch.device | str | None = None, schedule: Schedule | None = None
-) -> Engines:
-    """The engines of a spec, on `device` (default: the spec's `run.device`), with the memory decisions of
-    `schedule`'s plan (default: the spec's schedule): where the prefix's saved tensors and the reference's
-    weights wait."""
+def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engines:
+    """The engines of a compiled plan, on `device` (default: the spec's `run.device`): the models its graph's roles
+    need, and every memory and sharing decision as `plan.decisions` has it."""
+    loaded, d = plan.loaded, plan.decisions
     spec, config = loaded.spec, loaded.model
     device = torch.device(device) if device is not None else resolve_device(spec.run.device)
     set_determinism(spec.run.deterministic)
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
+    if not d.weight_sharing and tp is not None:
+        raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
     reference = None
-    if spec.algorithm.kl_coef > 0 and tp is None:
+    if Role.REFERENCE in roles(plan.graph) and tp is None:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
-    elif spec.algorithm.kl_coef > 0:  # built again rather than copied: one full model on the device at a time
+    elif Role.REFERENCE in roles(plan.graph):  # built again rather than copied: one full model on the device at a time
         reference = _initial_model(loaded, device, tp).requires_grad_(False)
     bound = None
     if tp is not None:
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
     a = spec.algorithm
-    sharing = spec.sharing
-    # under mps the actor's weights move into shared storage: before the optimizer sees them
-    kernels = spec.run.decode_kernels
-    remote = make_remote_rollout(actor, sharing.mps_rollout_percent, kernels) if sharing.policy == "mps" else None
-    optimizer = make_optimizer(actor, a, tp, bound)
-    tokenizer = make_tokenizer(loaded)
+    rollout_model, publish = actor, (lambda: None) if bound is None else bound.publish
+    if bound is not None:
+        rollout_model = bound.model
+    elif not d.weight_sharing:  # rollout samples from its own copy, refreshed after each update
+        rollout_model = copy.deepcopy(actor).requires_grad_(False)
+        rollout_model.pack_projections()
+        publish = partial(copy_weights, actor, rollout_model)
+    # under mps the rollout's weights move into shared storage: before the optimizer sees the actor's
+    kernels, sharing = spec.run.decode_kernels, d.sharing
+    remote = None
+    if sharing.policy is SharingPolicy.MPS:
+        remote = make_remote_rollout(rollout_model, sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
+    optimizer = make_optimizer(actor, a, tp, bound, d.optimizer_chunk_bytes)
     sampling = SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,
         max_tokens=spec.workload.response_tokens,
         stop_token_ids=(config.tokens.eos,),
     )
-    prefix_streams = make_prefix_streams(sharing.policy, sharing.prefix_sms, device)
-    plan = compile_plan(loaded, schedule)
-    paged = reference is not None and reference_paged_by_plan(plan)
-    reference_pager = make_reference_pager(reference) if paged else None
-    rollout, rollout_stats = remote or make_rollout(actor if bound is None else bound.model, kernels)
+    reference_pager = None
+    if reference is not None and d.reference_weights is Residency.HOST:
+        reference_pager = make_reference_pager(reference)
+    rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
     return Engines(
@@ -181,21 +191,29 @@ def build_engines(
         optimizer=optimizer,
         sampling=sampling,
         generator=torch.Generator(device).manual_seed(spec.run.seed),
-        tokenizer=tokenizer,
+        tokenizer=make_tokenizer(loaded),
         reward=make_reward(loaded),
         grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
         group_size=spec.workload.group_size,
-        layers_per_chunk=spec.sharing.layers_per_chunk,
-        prompts_per_chunk=spec.sharing.prompts_per_chunk,
-        prefix_streams=prefix_streams,
+        layers_per_chunk=sharing.layers_per_chunk,
+        prompts_per_chunk=sharing.prompts_per_chunk,
+        prefix_streams=make_prefix_streams(sharing, device),
         tp=tp,
-        publish=(lambda: None) if bound is None else bound.publish,
+        publish=publish,
         reference_pager=reference_pager,
-        prefix_memory=make_prefix_memory(loaded, actor, plan),
-        prefix_rerun=make_prefix_rerun(loaded, device),
-        microbatch_memory=make_microbatch_memory(loaded, actor),
+        prefix_memory=make_prefix_memory(d, actor),
+        prefix_rerun=make_prefix_rerun(d, device),
+        microbatch_memory=make_microbatch_memory(d, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
     )
+
+
+@torch.no_grad()
+def copy_weights(source: Qwen2_5_VL, target: Qwen2_5_VL) -> None:
+    """Every parameter of `source` into `target`'s (same shapes and names), in place: the addresses a captured
+    rollout reads stay valid."""
+    for p, q in zip(source.parameters(), target.parameters(), strict=True):
+        q.copy_(p)
 
 
 def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL:
@@ -209,10 +227,11 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     return model if tp is None else parallelize(model, tp.train)
 
 
-def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAdamW:
+def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound, chunk_bytes: int) -> ChunkedAdamW:
     """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
-    gradients, the paper's Table 1); under tensor parallelism its grad norm counts the shards over the group,
-    and it streams each bound parameter's exchange as soon as it has written it."""
+    gradients, the paper's Table 1), its FP32 state streamed in the plan's chunks; under tensor parallelism its
+    grad norm counts the shards over the group, and it streams each bound parameter's exchange as soon as it has
+    written it."""
     params = [p for p in actor.parameters() if p.requires_grad]
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
@@ -222,7 +241,7 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
         eps=a.eps,
         weight_decay=a.weight_decay,
         max_grad_norm=a.max_grad_norm,
-        chunk_bytes=OPTIMIZER_CHUNK_BYTES,
+        chunk_bytes=chunk_bytes,
         tp=None if tp is None else tp.train,
         sharded=[id(p) in sharded for p in params],
         write=None if bound is None else bound.writer(params),
@@ -230,41 +249,37 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound) -> ChunkedAd
     )
 
 
-def make_prefix_memory(loaded: LoadedSpec, actor: Qwen2_5_VL, plan: Plan) -> Callable[[], AbstractContextManager]:
+def make_prefix_memory(d: Decisions, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
     """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward, as the plan
-    places them: what autograd keeps (everything under `memory.prefix_activations: offload`, the inputs of the
-    checkpointed units under `recompute`, see `make_prefix_rerun`) goes to a host pool (pinned on a GPU) when
-    the plan puts the prefix saved tensors on the host, sized from the plan's figure or `memory.host_pool_gib`,
-    and stays in HBM when the plan keeps it there. None of it changes a gradient."""
+    places them: what autograd keeps (everything under `PrefixActivations.OFFLOAD`, the inputs of the
+    checkpointed units under `RECOMPUTE`, see `make_prefix_rerun`) goes to a host pool of the plan's size (pinned
+    on a GPU) when the plan puts them on the host, and stays in HBM when it keeps them there. None of it changes a
+    gradient."""
     from rollplex.memory.host_pool import HostPool
     from rollplex.memory.offload import SavedTensorOffload
 
-    memory = loaded.spec.memory
-    objects = plan.residency.objects
-    planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component == "prefix saved tensors")
-    if not planned and memory.host_pool_gib is None:  # the plan keeps them in HBM
+    if d.prefix_saved is not Residency.HOST:
         return nullcontext
-    num_bytes = int(memory.host_pool_gib * 2**30) if memory.host_pool_gib is not None else planned + planned // 4
-    offload = SavedTensorOffload(HostPool(max(64 << 20, num_bytes), pin=actor.device.type == "cuda"),
-                                 keep=actor.parameters())  # fmt: skip
+    pool = HostPool(d.host_pool_bytes, pin=actor.device.type == "cuda")
+    offload = SavedTensorOffload(pool, keep=actor.parameters())
     return lambda: offload
 
 
-def make_prefix_rerun(loaded: LoadedSpec, device: torch.device) -> Rerun | None:
-    """`memory.prefix_activations: recompute`: each vision block and decoder layer of the actor prefix keeps only
-    its input and backward reruns it, on this (the trainer's) stream even where the prefix ran beside decode on a
-    partition of the SMs (`rollplex.models.rerun`); `offload` keeps every activation (None)."""
-    if loaded.spec.memory.prefix_activations != "recompute":
+def make_prefix_rerun(d: Decisions, device: torch.device) -> Rerun | None:
+    """`PrefixActivations.RECOMPUTE`: each vision block and decoder layer of the actor prefix keeps only its input
+    and backward reruns it, on this (the trainer's) stream even where the prefix ran beside decode on a partition
+    of the SMs (`rollplex.models.rerun`); `OFFLOAD` keeps every activation (None)."""
+    if d.prefix_activations is not PrefixActivations.RECOMPUTE:
         return None
     return Rerun(torch.cuda.current_stream(device) if device.type == "cuda" else None)
 
 
-def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
-    """`memory.recompute`: under `full` the training microbatch's forward checkpoints every decoder layer and
-    vision block (inputs kept, backward reruns them), as the plan counts it; `none` keeps every activation."""
+def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
+    """The plan's `recompute_microbatch`: the training microbatch's forward checkpoints every decoder layer and
+    vision block (inputs kept, backward reruns them), as the plan counts it; otherwise every activation stays."""
     from rollplex.memory.offload import recompute
 
-    if loaded.spec.memory.recompute == "none":
+    if not d.recompute_microbatch:
         return nullcontext
     layers = recomputed_modules(actor)
     return lambda: recompute(layers)
@@ -273,14 +288,6 @@ def make_microbatch_memory(loaded: LoadedSpec, actor: Qwen2_5_VL) -> Callable[[]
 def recomputed_modules(actor: Qwen2_5_VL) -> list:
     """What recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
     return [*actor.model.visual.blocks, *actor.model.language_model.layers]
-
-
-def reference_paged_by_plan(plan: Plan) -> bool:
-    """Whether the plan keeps the reference's weights (decoder and vision encoder: one pager moves them together)
-    in the host pool between their steps (`page_reference`, and room in the pool): the runtime then pages them,
-    and otherwise keeps them in HBM, as the plan counts."""
-    weights = [o for o in plan.residency.objects if o.role == "reference" and o.component == "weights (BF16)"]
-    return bool(weights) and all(o.host_bytes > 0 for o in weights)
 
 
 def make_reference_pager(reference: Qwen2_5_VL):

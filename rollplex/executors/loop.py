@@ -1,5 +1,5 @@
-"""`rollplex run`: the training loop. Compiles the spec's graph for the chosen schedule, then per step
-takes a batch at the data position, runs the iteration, logs metrics, and checkpoints.
+"""`rollplex run`: the training loop. Builds the engines of a compiled plan, then per step takes a batch at
+the data position, walks the plan's steps, logs metrics, and checkpoints.
 
 Stopping: Ctrl-C or an error before a step's update loses that step only (the last completed step is
 saved on the way out); Ctrl-C during the update waits until the step is complete; weights of half an
@@ -22,14 +22,12 @@ from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, cha
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
-from rollplex.graph.load import LoadedSpec
-from rollplex.graph.pipeline import compile_graph
+from rollplex.graph.plan import Plan
 
 
 @dataclass(frozen=True)
 class RunOptions:
     steps: int
-    schedule: Schedule
     out_dir: Path
     resume: bool = False
     checkpoint_every: int | None = None
@@ -63,10 +61,11 @@ class InterruptGate:
             raise KeyboardInterrupt
 
 
-def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
+def train(plan: Plan, opts: RunOptions) -> list[dict]:
+    """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    g = compile_graph(loaded.spec, schedule=opts.schedule)
-    engines = build_engines(loaded, schedule=opts.schedule)
+    loaded, g = plan.loaded, plan.graph
+    engines = build_engines(plan)
     try:
         w = loaded.spec.workload
         dataset = open_dataset(
@@ -81,6 +80,9 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
         except ValueError as e:
             raise SpecError("", str(e)) from None
         start, position = resumed.step, resumed.data_position
+        if start >= opts.steps:
+            raise SpecError("", f"--resume: {found} is step {start}, and the run has {opts.steps} steps",
+                            f"raise --steps above {start} to train on")  # fmt: skip
     main = engines.is_main  # under tensor parallelism the other ranks compute and write nothing but their state
     log = (
         MetricsLog(opts.out_dir, resume_step=start if opts.resume else None, tensorboard=opts.tensorboard)
@@ -108,7 +110,7 @@ def train(loaded: LoadedSpec, opts: RunOptions) -> list[dict]:
                 hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after)}
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
-            records.append(_metrics(record, engines, step, opts.schedule, time.perf_counter() - begin))
+            records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin))
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())

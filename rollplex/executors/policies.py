@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from rollplex.errors import SpecError
-from rollplex.graph.spec import Spec
+from rollplex.graph.decisions import Sharing, SharingPolicy
+from rollplex.graph.plan import Plan
 from rollplex.models.generate import Rollout
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.rollout.beside import AdaptivePartition, Beside
@@ -46,16 +47,16 @@ class PrefixStreams:
             torch.cuda.empty_cache()
 
 
-def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device) -> PrefixStreams:
-    if device.type != "cuda" or policy == "inline":
+def make_prefix_streams(sharing: Sharing, device: torch.device) -> PrefixStreams:
+    if device.type != "cuda" or sharing.policy is SharingPolicy.INLINE:
         return PrefixStreams()
-    if policy in ("streams", "mps"):  # under mps, decode is another process: the prefixes get a plain stream
+    if sharing.policy in (SharingPolicy.STREAMS, SharingPolicy.MPS):  # under mps decode is another process
         return PrefixStreams(torch.cuda.Stream(device))
     from torch.cuda.green_contexts import GreenContext
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if prefix_sms != "adaptive":
-        context = GreenContext.create(num_sms=prefix_sms, device_id=index)
+    if not sharing.adaptive:
+        context = GreenContext.create(num_sms=sharing.prefix_sms, device_id=index)
         return PrefixStreams(context.Stream(), contexts=(context,))
     total = torch.cuda.get_device_properties(index).multi_processor_count
     contexts = {round(total * f): GreenContext.create(num_sms=round(total * f), device_id=index)
@@ -65,7 +66,7 @@ def make_prefix_streams(policy: str, prefix_sms: int | str, device: torch.device
 
 
 @contextmanager
-def mps_session(specs: Sequence[Spec], cap_trainer: bool = True) -> Iterator[None]:
+def mps_session(plans: Sequence[Plan], cap_trainer: bool = True) -> Iterator[None]:
     """Under `sharing.policy: mps` on a GPU machine: a private MPS daemon for the run, and this process its
     client with the trainer's active-thread percentage, set before CUDA starts (call it before anything
     touches the GPU). Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the
@@ -73,10 +74,11 @@ def mps_session(specs: Sequence[Spec], cap_trainer: bool = True) -> Iterator[Non
     process that runs only serial, where nothing runs beside the trainer: the cap would only slow it)."""
     from rollplex.memory.mps import CONTROL, MpsDaemon
 
-    percents = {s.sharing.mps_trainer_percent for s in specs if s.sharing.policy == "mps"}
+    sharings = [p.decisions.sharing for p in plans]
+    percents = {s.mps_trainer_percent for s in sharings if s.policy is SharingPolicy.MPS}
     if len(percents) > 1:
         raise SpecError("sharing.mps_trainer_percent", "one process has one MPS percentage", "bench one at a time")
-    if not percents or all(s.run.device == "cpu" for s in specs) or shutil.which(CONTROL) is None:
+    if not percents or all(p.loaded.spec.run.device == "cpu" for p in plans) or shutil.which(CONTROL) is None:
         yield
         return
     daemon, saved = MpsDaemon(), dict(os.environ)
@@ -94,12 +96,12 @@ def mps_session(specs: Sequence[Spec], cap_trainer: bool = True) -> Iterator[Non
 
 
 def make_remote_rollout(
-    actor: Qwen2_5_VL, percent: int | None, kernels: str = "cublas"
+    actor: Qwen2_5_VL, percent: int | None, kernels: str = "cublas", kv_bytes: int | None = None
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The `mps` policy's rollout: a child process reading the actor's weights in place
-    (`rollplex.rollout.remote`), with its own MPS active-thread percentage and decode `kernels`
-    (`run.decode_kernels`) on a GPU. On a GPU this process must be an MPS client already (`mps_session`, before
-    CUDA starts)."""
+    (`rollplex.rollout.remote`), with its own MPS active-thread percentage, decode `kernels`
+    (`run.decode_kernels`) and KV arena of `kv_bytes` (the plan's) on a GPU. On a GPU this process must be an
+    MPS client already (`mps_session`, before CUDA starts)."""
     from rollplex.memory.mps import ACTIVE_THREAD_PERCENTAGE, CONTROL, PIPE_DIRECTORY
     from rollplex.rollout.remote import RemoteRollout
 
@@ -112,7 +114,7 @@ def make_remote_rollout(
             raise SpecError("sharing.policy", f"mps: this process is not an MPS client ({why})", "use green or streams")
         env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
         check_decode_kernels(kernels, actor.device)
-    remote = RemoteRollout(actor, env=env, kernels=kernels)
+    remote = RemoteRollout(actor, env=env, kernels=kernels, kv_bytes=kv_bytes)
     return remote, remote.stats
 
 

@@ -1,7 +1,10 @@
-"""The compiled plan: the phased graph, the per-GPU residency plan, the naive footprint and weight sharing.
+"""The compiled plan: the phased graph, the per-GPU residency plan, the runtime's decisions, the naive
+footprint and weight sharing. The runtime's only input: it walks `graph`'s steps and builds its engines from
+`decisions`, the spec's algorithm, workload and run settings and the model config.
 
 `compile_plan` is the whole compiler from a loaded spec; `check_fits` turns an infeasible plan into the
-one error a user sees (phase, peak, capacity, largest objects, what would make it fit).
+one error a user sees (phase, peak, capacity, largest objects, what would make it fit). `planfile` writes and
+reads it as `plan.json`.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from dataclasses import dataclass
 import networkx as nx
 
 from rollplex.errors import PlanDoesNotFit, SpecError
+from rollplex.graph.decisions import Decisions, decide
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
 from rollplex.memory.naive import NaiveRow, naive_rows
-from rollplex.memory.objects import GIB, Context, MemObject, make_context, memory_objects
+from rollplex.memory.objects import GIB, Component, Context, MemObject, make_context, memory_objects
 from rollplex.memory.residency import ResidencyPlan, lower_residency
 from rollplex.memory.sharing import SharingReport
 
@@ -28,6 +32,7 @@ class Plan:
     context: Context
     residency: ResidencyPlan
     naive: tuple[NaiveRow, ...]
+    decisions: Decisions
 
     @property
     def sharing(self) -> SharingReport:
@@ -40,21 +45,27 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
         g = compile_graph(loaded.spec, schedule=schedule, check=check)
     except SpecError as e:
         raise loaded.locate(e) from None
+    return plan_of(loaded, schedule, g)
+
+
+def plan_of(loaded: LoadedSpec, schedule: Schedule, g: nx.DiGraph, decisions: Decisions | None = None) -> Plan:
+    """The plan of a compiled graph: its memory lowered, and the decisions (`decide`'s, unless given)."""
     c = make_context(g, loaded.spec, loaded.model)
     residency = lower_residency(c, memory_objects(c))
-    return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)))
+    decisions = decisions if decisions is not None else decide(c, residency)
+    return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)), decisions)
 
 
 _REMEDIES = {
-    "activations (one microbatch)": "set memory.recompute: full",
-    "KV cache": "lower memory.rollout_kv_gib",
-    "FP32 gradients": "raise parallel.train_tp",
-    "weights (BF16)": "raise parallel.train_tp",
-    "boundary KV": "lower workload.prompts_per_step or add GPUs (more data-parallel ranks)",
-    "Case-3 buffer": "raise parallel.rollout_tp",
-    "runtime reserve": "lower memory.runtime_reserve_gib",
-    "streamed chunks": "set memory.optimizer_chunk_mib lower",
-    "prefix, one layer in flight": "lower workload.prompt_tokens",
+    Component.ACTIVATIONS: "set memory.recompute: full",
+    Component.KV_CACHE: "lower memory.rollout_kv_gib",
+    Component.GRADIENTS: "raise parallel.train_tp",
+    Component.WEIGHTS: "raise parallel.train_tp",
+    Component.BOUNDARY_KV: "lower workload.prompts_per_step or add GPUs (more data-parallel ranks)",
+    Component.CASE3_BUFFER: "raise parallel.rollout_tp",
+    Component.RESERVE: "lower memory.runtime_reserve_gib",
+    Component.OPTIMIZER_CHUNKS: "set memory.optimizer_chunk_mib lower",
+    Component.PREFIX_LAYER: "lower workload.prompt_tokens",
 }
 
 
@@ -80,5 +91,5 @@ def check_fits(plan: Plan) -> None:
 
 
 def _name(o: MemObject) -> str:
-    role = "" if o.component.startswith(o.role) else f"{o.role} "
-    return f"{role}{'vision ' if o.vision else ''}{o.component}"
+    role = "" if o.label.startswith(o.role) else f"{o.role} "
+    return f"{role}{'vision ' if o.vision else ''}{o.label}"

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import TensorClass
-from rollplex.memory.objects import Context, MemObject, memory_objects
+from rollplex.memory.objects import Component, Context, MemObject, memory_objects
 
 
 @dataclass(frozen=True, slots=True)
 class NaiveRow:
     role: str
-    component: str
+    component: str  # how the plan prints it
     bytes: int
     vision: bool
 
@@ -26,7 +26,7 @@ def naive_rows(c: Context) -> list[NaiveRow]:
         update={"memory": c.spec.memory.model_copy(update={"weight_sharing": False, "recompute": "none"})}
     )
     objects = memory_objects(replace(c, spec=spec))
-    return [NaiveRow(o.role, o.component, o.bytes, o.vision) for o in objects if _counted(o)]
+    return [NaiveRow(o.role, o.label, o.bytes, o.vision) for o in objects if _counted(o)]
 
 
 def _counted(o: MemObject) -> bool:
@@ -34,11 +34,12 @@ def _counted(o: MemObject) -> bool:
     the offloaded prefix state, the in-flight layer, our scoring attention's per-row prompt KV or the boundary
     KV's gradient, which the paper's table does not list either (its implementation attends without repeating
     the prompt's KV, and it lists the boundary once)."""
-    if o.role == "data" or o.component in (
-        "prefix saved tensors",
-        "prefix, one layer in flight",
-        "suffix attention KV",
-        "boundary KV gradient",
-    ):
-        return False
-    return o.component != "boundary log-probs" and (o.cls is not TensorClass.PHASE_LOCAL or o.bytes > 0)
+    left_out = (
+        Component.DATA,
+        Component.PREFIX_SAVED,
+        Component.PREFIX_LAYER,
+        Component.SUFFIX_ATTENTION,
+        Component.BOUNDARY_GRADIENT,
+        Component.BOUNDARY_LOGPROBS,
+    )
+    return o.component not in left_out and (o.cls is not TensorClass.PHASE_LOCAL or o.bytes > 0)

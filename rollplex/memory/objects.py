@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 
 import networkx as nx
 
@@ -30,10 +30,31 @@ class Residency(Enum):
     ABSENT = "-"  # not produced yet or released
 
 
+class Component(StrEnum):
+    """What an object is (its value is how the plan prints it)."""
+
+    RESERVE = "runtime reserve"
+    WEIGHTS = "weights (BF16)"
+    GRADIENTS = "FP32 gradients"
+    MASTER = "FP32 master weights"
+    MOMENTS = "Adam moments (FP32)"
+    ACTIVATIONS = "activations (one microbatch)"
+    SUFFIX_ATTENTION = "suffix attention KV"
+    PREFIX_SAVED = "prefix saved tensors"
+    PREFIX_LAYER = "prefix, one layer in flight"
+    BOUNDARY_KV = "boundary KV"
+    BOUNDARY_LOGPROBS = "boundary log-probs"
+    BOUNDARY_GRADIENT = "boundary KV gradient"
+    KV_CACHE = "KV cache"
+    CASE3_BUFFER = "Case-3 buffer"
+    OPTIMIZER_CHUNKS = "streamed chunks"
+    DATA = "data"  # a tensor the graph passes between nodes (`MemObject.name` says which)
+
+
 @dataclass(frozen=True, slots=True)
 class MemObject:
     role: str
-    component: str
+    component: Component
     cls: TensorClass
     bytes: int
     live: frozenset[int]  # steps in which the bytes are in HBM
@@ -41,6 +62,11 @@ class MemObject:
     vision: bool = False
     host_bytes: int = 0  # bytes it occupies in the pinned host pool (per GPU)
     window: frozenset[int] = frozenset()  # steps it exists in, when that is not every step
+    name: str = ""  # the tensor's name, for `Component.DATA`
+
+    @property
+    def label(self) -> str:
+        return self.name or self.component.value
 
     @property
     def movable(self) -> bool:
@@ -83,7 +109,7 @@ def span(indices: set[int]) -> frozenset[int]:
 
 
 def memory_objects(c: Context) -> list[MemObject]:
-    objects = [MemObject("runtime", "runtime reserve", TensorClass.PHASE_LOCAL, _reserve(c), _all(c), Residency.ABSENT)]
+    objects = [MemObject("runtime", Component.RESERVE, TensorClass.PHASE_LOCAL, _reserve(c), _all(c), Residency.ABSENT)]
     trained = {o.role for o in ops(c.g) if o.kind is NodeKind.UPDATE}
     for role in sorted({o.role for o in ops(c.g) if o.role not in (None, Role.ROLLOUT)}, key=lambda r: r.value):
         objects += list(_model_state(c, role, role in trained))
@@ -124,12 +150,12 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     host = llm_bytes if paged else 0
     window = _all(c)  # weights outlive the iteration
     yield MemObject(
-        role.value, "weights (BF16)", TensorClass.REGENERABLE, llm_bytes, live, outside, False, host, window
+        role.value, Component.WEIGHTS, TensorClass.REGENERABLE, llm_bytes, live, outside, False, host, window
     )
     vhost = vision * S.BF16 if paged else 0
     yield MemObject(
         role.value,
-        "weights (BF16)",
+        Component.WEIGHTS,
         TensorClass.REGENERABLE,
         vision * S.BF16,
         live,
@@ -147,7 +173,7 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
         grads_live = span(backward | update)
         yield MemObject(
             role.value,
-            "FP32 gradients",
+            Component.GRADIENTS,
             TensorClass.PHASE_LOCAL,
             n * S.FP32,
             grads_live,
@@ -162,7 +188,7 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
 def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[MemObject]:
     shard = c.gpu.train_dp if c.spec.parallel.distributed_optimizer else 1
     for n, is_vision in ((llm, False), (vision, True)):
-        for comp, per_param in (("FP32 master weights", S.FP32), ("Adam moments (FP32)", 2 * S.FP32)):
+        for comp, per_param in ((Component.MASTER, S.FP32), (Component.MOMENTS, 2 * S.FP32)):
             b = -(-n // shard) * per_param
             yield MemObject(role.value, comp, TensorClass.PERMANENT, b, frozenset(), Residency.HOST, is_vision, b)
 
@@ -184,7 +210,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     )
     yield MemObject(
         role.value,
-        "activations (one microbatch)",
+        Component.ACTIVATIONS,
         TensorClass.PHASE_LOCAL,
         tokens * per_token,
         live,
@@ -203,7 +229,7 @@ def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject
     t, g = c.model.text, c.gpu
     unit = g.group_size * (g.prompt_tokens + g.response_tokens) * (t.num_attention_heads // g.train_tp)
     unit *= t.head_dim * S.BF16
-    return MemObject(role.value, "suffix attention KV", TensorClass.PHASE_LOCAL, 4 * unit, live, Residency.ABSENT)
+    return MemObject(role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, 4 * unit, live, Residency.ABSENT)
 
 
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
@@ -224,7 +250,7 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         host = b * g.prompts_per_rank
         yield MemObject(
             role.value,
-            "prefix saved tensors",
+            Component.PREFIX_SAVED,
             TensorClass.PHASE_LOCAL,
             host,
             frozenset(),
@@ -237,7 +263,7 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     one_layer = in_flight * (P * full_llm + patches * full_vis)
     yield MemObject(
         role.value,
-        "prefix, one layer in flight",
+        Component.PREFIX_LAYER,
         TensorClass.PHASE_LOCAL,
         one_layer,
         frozenset(prefix | backward),
@@ -255,15 +281,17 @@ def _boundary(c: Context, role: Role) -> Iterator[MemObject]:
         live = frozenset(range(life.first, life.last + 1))
         prompts = g.prompts_per_rank // (prod.minibatch.count if prod.minibatch else 1)  # a mini-batch's rerun: its own
         kv = prompts * g.prompt_tokens * S.kv_bytes_per_token(t, g.train_tp)
-        yield MemObject(role.value, "boundary KV", TensorClass.BOUNDARY, kv, live, Residency.ABSENT)
+        yield MemObject(role.value, Component.BOUNDARY_KV, TensorClass.BOUNDARY, kv, live, Residency.ABSENT)
         lp = prompts * (t.vocab_size // g.train_tp) * S.FP32
-        yield MemObject(role.value, "boundary log-probs", TensorClass.BOUNDARY, lp, live, Residency.ABSENT)
+        yield MemObject(role.value, Component.BOUNDARY_LOGPROBS, TensorClass.BOUNDARY, lp, live, Residency.ABSENT)
         backward = frozenset(
             s.index for s in steps(c.g) for n in s.ops if c.g.nodes[n]["op"].kind is NodeKind.BACKWARD
             and name in c.g.nodes[n]["op"].inputs
         )  # fmt: skip
         if backward:  # the suffix backwards sum into a gradient as large as the KV, until the prefix backward reads it
-            yield MemObject(role.value, "boundary KV gradient", TensorClass.PHASE_LOCAL, kv, backward, Residency.ABSENT)
+            yield MemObject(
+                role.value, Component.BOUNDARY_GRADIENT, TensorClass.PHASE_LOCAL, kv, backward, Residency.ABSENT
+            )
 
 
 def _shares(c: Context) -> bool:
@@ -275,28 +303,34 @@ def _rollout(c: Context) -> Iterator[MemObject]:
     if not decode:
         return
     t, g = c.model.text, c.gpu
-    yield MemObject("rollout", "KV cache", TensorClass.PHASE_LOCAL, rollout_kv_bytes(c), decode, Residency.ABSENT)
+    yield MemObject(
+        "rollout", Component.KV_CACHE, TensorClass.PHASE_LOCAL, rollout_kv_bytes(c), decode, Residency.ABSENT
+    )
     update = role_steps(c, Role.ACTOR, kinds=(NodeKind.UPDATE,))
     if _shares(c):
         buf = c.sharing.case3_buffer_bytes_per_gpu
         if buf:  # the paper's copy path; read in place, the Case-3 tensors are part of the shared storage
             yield MemObject(
-                "rollout", "Case-3 buffer", TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED
+                "rollout", Component.CASE3_BUFFER, TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED
             )
         return
     llm = S.llm_params_per_rank(t, g.rollout_tp) * S.BF16
     vision = S.vision_params(c.model.vision, stored=True) * S.BF16
-    yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, llm, decode, Residency.DROPPED)
-    yield MemObject("rollout", "weights (BF16)", TensorClass.REGENERABLE, vision, decode, Residency.DROPPED, True)
+    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, llm, decode, Residency.DROPPED)
+    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, vision, decode, Residency.DROPPED, True)
 
 
 def rollout_kv_bytes(c: Context) -> int:
-    """The spec's budget, or what the replica's sequences need with each prompt's KV stored once."""
+    """The spec's budget, or the rollout engine's caches for the replica's sequences, laid out as the engine lays
+    them out: each prompt's KV once (its capacity rounded up, `shapes.prompt_capacity`), each sequence's response
+    KV, one spare slot, in the run's dtype."""
     if c.spec.memory.rollout_kv_gib is not None:
         return int(c.spec.memory.rollout_kv_gib * GIB)
     g = c.gpu
-    tokens = g.prompts_per_replica * (g.prompt_tokens + g.group_size * g.response_tokens)
-    return tokens * S.kv_bytes_per_token(c.model.text, g.rollout_tp)
+    slots = g.prompts_per_replica * g.group_size + 1
+    tokens = g.prompts_per_replica * S.prompt_capacity(g.prompt_tokens) + slots * g.response_tokens
+    itemsize = S.FP32 if c.spec.run.dtype == "float32" else S.BF16
+    return tokens * S.kv_bytes_per_token(c.model.text, g.rollout_tp) // S.BF16 * itemsize
 
 
 def _data(c: Context) -> Iterator[MemObject]:
@@ -310,8 +344,10 @@ def _data(c: Context) -> Iterator[MemObject]:
             v = c.model.vision
             pixels = g.patches_per_prompt * v.in_channels * v.temporal_patch_size * v.patch_size**2 * S.FP32
             b = g.prompts_per_rank * (pixels + g.prompt_tokens * 8)
-            yield MemObject("data", name, info.cls, b, frozenset(), Residency.HOST, host_bytes=b)
+            yield MemObject("data", Component.DATA, info.cls, b, frozenset(), Residency.HOST, host_bytes=b, name=name)
             continue
         per_seq = S.FP32 if prod.kind is NodeKind.REWARD else g.response_tokens * S.FP32
         live = frozenset(range(life[name].first, life[name].last + 1))
-        yield MemObject("data", name, info.cls, g.sequences_per_rank * per_seq, live, Residency.ABSENT)
+        yield MemObject(
+            "data", Component.DATA, info.cls, g.sequences_per_rank * per_seq, live, Residency.ABSENT, name=name
+        )

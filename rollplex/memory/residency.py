@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Phase, TensorClass, steps
-from rollplex.memory.objects import GIB, Context, MemObject, Residency
+from rollplex.memory.objects import GIB, Component, Context, MemObject, Residency
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
@@ -93,7 +93,7 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
             *objects,
             MemObject(
                 "optimizer",
-                "streamed chunks",
+                Component.OPTIMIZER_CHUNKS,
                 TensorClass.PHASE_LOCAL,
                 optimizer.workspace_bytes,
                 live,

@@ -93,6 +93,16 @@ def vision_params(v: VisionConfig, *, stored: bool = False) -> int:
     return patch + v.depth * block + merger
 
 
+PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
+
+
+def prompt_capacity(tokens: int) -> int:
+    """The rollout engine's prompt KV capacity for prompts of up to `tokens`: a multiple of 1024 or of the next
+    power of two below it, so that a few capacities serve every batch."""
+    quantum = min(PROMPT_LEN_QUANTUM, 1 << max(tokens - 1, 0).bit_length())
+    return -(-tokens // quantum) * quantum
+
+
 def kv_bytes_per_token(t: TextConfig, tp: int) -> int:
     """K and V of every layer for one token on one TP rank, BF16."""
     return 2 * t.num_hidden_layers * kv_heads_per_rank(t, tp) * t.head_dim * BF16

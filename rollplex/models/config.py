@@ -99,6 +99,13 @@ class ModelConfig:
     vision: VisionConfig
     tokens: TokenIds
 
+    @staticmethod
+    def from_dict(d: dict) -> ModelConfig:
+        """The inverse of `dataclasses.asdict` through JSON (lists back to tuples)."""
+        text = {**d["text"], "mrope_section": tuple(d["text"]["mrope_section"])}
+        vision = {**d["vision"], "fullatt_block_indexes": tuple(d["vision"]["fullatt_block_indexes"])}
+        return ModelConfig(d["name"], TextConfig(**text), VisionConfig(**vision), TokenIds(**d["tokens"]))
+
 
 def _text_from_hf(d: dict) -> TextConfig:
     rope = d.get("rope_scaling") or d.get("rope_parameters") or {}

@@ -1,9 +1,10 @@
-"""The plan as JSON (`rollplex compile --format json`, and the file `rollplex run` executes)."""
+"""The plan as JSON (`rollplex compile --format json`, and `plan.json`): the runtime's part
+(`graph.planfile.plan_dict`) and the memory report."""
 
 from __future__ import annotations
 
-from rollplex.graph.ir import ops, steps
 from rollplex.graph.plan import Plan
+from rollplex.graph.planfile import plan_dict
 from rollplex.memory.objects import GIB, MemObject, Residency
 
 
@@ -12,14 +13,12 @@ def _gib(b: int) -> float:
 
 
 def plan_to_json(plan: Plan) -> dict:
-    r, sh, spec = plan.residency, plan.sharing, plan.loaded.spec
+    r, sh = plan.residency, plan.sharing
     naive_llm = [x for x in plan.naive if not x.vision]
     return {
-        "spec": spec.model_dump(mode="json", by_alias=True),
+        **plan_dict(plan),  # what `rollplex run plan.json` reads; the rest is the memory report
         "model": plan.loaded.model.name,
-        "schedule": plan.schedule.value,
         "per_gpu": {k: getattr(plan.context.gpu, k) for k in plan.context.gpu.__slots__},
-        "graph": _graph(plan),
         "naive": {
             "total_gib": _gib(sum(x.bytes for x in naive_llm)),
             "vision_gib": _gib(sum(x.bytes for x in plan.naive if x.vision)),
@@ -74,26 +73,6 @@ def plan_to_json(plan: Plan) -> dict:
     }
 
 
-def _graph(plan: Plan) -> dict:
-    g = plan.graph
-    return {
-        "ops": [
-            {
-                "id": o.id,
-                "kind": o.kind.value,
-                "role": o.role.value if o.role else None,
-                "part": o.part.value,
-                "phase": int(o.phase),
-                "executor": o.executor.value,
-                "inputs": list(o.inputs),
-                "outputs": list(o.outputs),
-            }
-            for o in ops(g)
-        ],
-        "steps": [{"index": s.index, "phase": int(s.phase), "ops": list(s.ops)} for s in steps(g)],
-    }
-
-
 def _present(o: MemObject, idx: tuple[int, ...]) -> bool:
     return any(o.residency(i) is not Residency.ABSENT for i in idx)
 
@@ -105,7 +84,7 @@ def _object(o: MemObject, idx: tuple[int, ...]) -> dict:
     )
     return {
         "role": o.role,
-        "component": o.component,
+        "component": o.label,
         "class": o.cls.value,
         "vision": o.vision,
         "gib": _gib(o.bytes),

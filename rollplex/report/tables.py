@@ -55,7 +55,7 @@ def memory_table(plan: Plan) -> str:
         for o in (o for o in r.objects if o.vision is vision):
             cells = [_cell(o, p.peak_step, p.steps) for p in r.phases]
             if any(c != "-" for c in cells):
-                rows.append([o.role, ("vision " if vision else "") + o.component, o.cls.value, *cells])
+                rows.append([o.role, ("vision " if vision else "") + o.label, o.cls.value, *cells])
     rows.append(["", "peak", "", *[gib(p.peak_bytes) for p in r.phases]])
     heads = ["role", "object", "class", *[f"P{int(p.phase)} GiB" for p in r.phases]]
     note = "HBM GiB at each phase's peak step; host = pinned pool, dropped = rebuilt when needed"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollplex.memory.shapes import prompt_capacity
 from rollplex.memory.vmm import RegionState
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout, collect_rollout
@@ -31,7 +32,6 @@ from rollplex.rollout.slowdown import DeviceClock, StepSpan
 from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
 from rollplex.rollout.weights import CUBLAS, DecodeKernels
 
-PROMPT_LEN_QUANTUM = 1024  # prompt KV capacity grows in steps of this (or the next power of two below it)
 POSITION_QUANTUM = 1024
 
 
@@ -163,7 +163,7 @@ class RolloutEngine:
         shape = DecodeShape(
             num_prompts=boundary.num_prompts,
             num_samples=num_samples,
-            max_prompt_len=_round_up(boundary.max_prompt_len, min(PROMPT_LEN_QUANTUM, _pow2(boundary.max_prompt_len))),
+            max_prompt_len=prompt_capacity(boundary.max_prompt_len),
             max_tokens=params.max_tokens,
             max_position=_round_up(int(boundary.next_positions.max()) + params.max_tokens + 1, POSITION_QUANTUM),
             fused_sampling=can_fuse_sampling(params),
@@ -174,12 +174,18 @@ class RolloutEngine:
         return self.graphs
 
     def _kv_storage(self, shape: DecodeShape) -> Tensor | None:
-        """A fresh arena region for this shape's caches (the previous shape's region is freed), or None."""
+        """A fresh arena region for this shape's caches (the previous shape's region is freed), or None. The arena's
+        size is the plan's rollout KV: a shape that needs more is refused."""
         if self.kv_arena is None:
             return None
+        num_bytes = kv_bytes(self.model, shape)
+        if num_bytes > self.kv_arena.num_bytes:
+            raise ValueError(
+                f"this rollout's KV caches need {num_bytes / 2**30:.2f} GiB, more than the plan's "
+                f"{self.kv_arena.num_bytes / 2**30:.2f} GiB: raise memory.rollout_kv_gib or leave it unset"
+            )
         if self.kv_region is not None:
             self.kv_arena.free(self.kv_region)
-        num_bytes = kv_bytes(self.model, shape)
         self._regions += 1
         self.kv_region = self.kv_arena.allocate(num_bytes, f"rollout KV {self._regions}")
         return self.kv_arena.tensor(self.kv_region, torch.uint8, (num_bytes,))
@@ -263,10 +269,6 @@ class _Run:
             event = torch.cuda.Event()
             event.record()
         self.flags.append((flags, event))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _round_up(n: int, quantum: int) -> int:

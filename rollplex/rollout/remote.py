@@ -77,6 +77,7 @@ class _Setup:
     cudnn_attention: bool = True  # the parent's `run.cudnn_attention` and `run.deterministic`, as its engines set them
     deterministic: bool = False
     decode_kernels: str = "cublas"  # `run.decode_kernels` (GPU)
+    kv_bytes: int | None = None  # the plan's rollout KV, the child's arena (GPU); None: the device's memory
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class RemoteRollout:
         actor: Qwen2_5_VL,
         env: dict[str, str] | None = None,
         kernels: str = "cublas",
+        kv_bytes: int | None = None,
         startup_timeout_s: float = 600.0,
         close_timeout_s: float = 30.0,
     ) -> None:
@@ -128,7 +130,7 @@ class RemoteRollout:
         setup = _Setup(
             actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()),
             num_threads=torch.get_num_threads(), cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
-            deterministic=torch.are_deterministic_algorithms_enabled(), decode_kernels=kernels,
+            deterministic=torch.are_deterministic_algorithms_enabled(), decode_kernels=kernels, kv_bytes=kv_bytes,
         )  # fmt: skip
         if self.device.type == "cuda":
             self._hand_over(setup, startup_timeout_s)
@@ -290,7 +292,7 @@ def _serve(conn, env: dict[str, str]) -> None:
         torch.set_num_threads(setup.num_threads)  # not the inherited OMP_NUM_THREADS: the parent's own count
         _apply_flags(setup)
         model, _arena = _attach(setup)  # the arena (GPU) must outlive the model
-        rollout, stats = _engine(model, setup.decode_kernels)
+        rollout, stats = _engine(model, setup.decode_kernels, setup.kv_bytes)
     except Exception as error:
         conn.send(_Reply(error=_one_line(error)))
         return
@@ -345,16 +347,18 @@ def _attach(setup: _Setup) -> tuple[Qwen2_5_VL, object]:
     return shared_model(setup.config, setup.dtype, storage, setup.slots), arena
 
 
-def _engine(model: Qwen2_5_VL, kernels: str) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
+def _engine(
+    model: Qwen2_5_VL, kernels: str, kv_bytes: int | None
+) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The child's rollout and its stats, as `rollplex.executors.engines.make_rollout` builds them."""
     if model.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
         from rollplex.rollout.weights import BY_NAME
 
+        # the KV maps per rollout; steps timed for the decode slowdown the trainer's chunks cause
         device = torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(device).total_memory
-        # addresses only: the KV maps per rollout; steps timed for the decode slowdown the trainer's chunks cause
-        engine = RolloutEngine(model, kv_arena=VmmArena(total, device), time_steps=True, kernels=BY_NAME[kernels])
+        arena = VmmArena(kv_bytes or torch.cuda.get_device_properties(device).total_memory, device)
+        engine = RolloutEngine(model, kv_arena=arena, time_steps=True, kernels=BY_NAME[kernels])
         return engine.generate, lambda: engine.stats
     return partial(generate, model), lambda: None

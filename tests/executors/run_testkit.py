@@ -22,6 +22,7 @@ from rollplex.data.tokenizer import CharTokenizer
 from rollplex.executors.loop import RunOptions, train
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
 from rollplex.models.checkpoint import save_checkpoint
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -89,8 +90,8 @@ def loaded(kl: float = 0.1, device: str = "cpu"):
 
 
 def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, device: str = "cpu", **kw):
-    opts = RunOptions(steps, Schedule(schedule), tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
-    return train(loaded(device=device), opts)
+    opts = RunOptions(steps, tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
+    return train(compile_plan(loaded(device=device), Schedule(schedule)), opts)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

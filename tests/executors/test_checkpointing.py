@@ -14,6 +14,7 @@ from rollplex.errors import SpecError
 from rollplex.executors.loop import RunOptions, train
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.config import CONFIG_DIR
 
@@ -47,8 +48,8 @@ def test_checkpoints_hold_optimizer_state_in_transformers_shapes_and_resume_exac
     spec = parse_spec(spec_text(kl=0.1, device="cpu", model=str(tmp_path / "config.json")))
 
     def go(name: str, steps: int, resume: bool = False) -> list[dict]:
-        return train(spec, RunOptions(steps, Schedule("rollplex"), tmp_path / name, resume=resume, progress=False,
-                                      tensorboard=False))  # fmt: skip
+        opts = RunOptions(steps, tmp_path / name, resume=resume, progress=False, tensorboard=False)
+        return train(compile_plan(spec, Schedule("rollplex")), opts)
 
     whole = go("whole", 3)
     first, rest = go("split", 2), go("split", 3, resume=True)

@@ -11,6 +11,7 @@ import pytest
 from rollplex.errors import SpecError
 from rollplex.executors.policies import mps_session
 from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
 
 SPEC = """
 model: tiny
@@ -32,7 +33,8 @@ def fake_control(directory: Path, stop: str = "true") -> Path:
 
 
 def spec(policy: str = "mps", percent: str = "50", device: str = "auto"):
-    return parse_spec(SPEC.format(policy=policy, percent=percent, device=device)).spec
+    """The compiled plan of a spec with this policy (what `mps_session` reads)."""
+    return compile_plan(parse_spec(SPEC.format(policy=policy, percent=percent, device=device)))
 
 
 def test_the_process_is_a_client_inside_the_session_and_the_daemon_quits_after_it_exits(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
+from rollplex.memory.objects import Residency
 from rollplex.memory.offload import SavedTensorOffload, recompute
 from rollplex.models.chunks import drain
 from rollplex.models.config import load_model_config
@@ -75,14 +76,14 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
     for mode in ("offload", "recompute"):
         memory = base.spec.memory.model_copy(update={"prefix_activations": mode})
         loaded = replace(base, spec=base.spec.model_copy(update={"memory": memory}))
-        objects = compile_plan(loaded).residency.objects
-        assert any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)  # the plan: host
+        decisions = compile_plan(loaded).decisions
+        assert decisions.prefix_saved is Residency.HOST and decisions.host_pool_bytes > 0  # the plan: host
         torch.manual_seed(0)
         model = Qwen2_5_VL(load_model_config("tiny"))
         packed.clear()
-        rerun = make_prefix_rerun(loaded, torch.device("cpu"))
+        rerun = make_prefix_rerun(decisions, torch.device("cpu"))
         assert (rerun is not None) == (mode == "recompute")
-        with make_prefix_memory(loaded, model, compile_plan(loaded))():
+        with make_prefix_memory(decisions, model)():
             boundary = drain(model.prefix_chunks(tiny_prompts(), attached=True, rerun=rerun))
         assert boundary.keys[0].requires_grad
         saved_bytes[mode] = sum(t.numel() * t.element_size() for t in packed)
@@ -94,14 +95,14 @@ def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch)
     made = []
     monkeypatch.setattr(offload_module, "SavedTensorOffload", lambda *a, **k: made.append(a))
     loaded = load_spec(ROOT / "specs/qwen2_5_vl_7b_h200.yaml")  # its host pool is too small: the plan keeps them
-    objects = compile_plan(loaded).residency.objects
-    assert not any(o.component == "prefix saved tensors" and o.host_bytes for o in objects)
+    decisions = compile_plan(loaded).decisions
+    assert decisions.prefix_saved is Residency.HBM and decisions.host_pool_bytes == 0
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config("tiny"))
-    with make_prefix_memory(loaded, model, compile_plan(loaded))():
+    with make_prefix_memory(decisions, model)():
         pass
     assert not made
-    assert make_prefix_rerun(loaded, torch.device("cpu")) is not None  # the units still keep only their inputs
+    assert make_prefix_rerun(decisions, torch.device("cpu")) is not None  # the units still keep only their inputs
 
 
 def test_a_prefix_under_torch_checkpoint_keeps_one_kv_per_layer_and_its_gradients():

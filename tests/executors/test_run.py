@@ -18,6 +18,7 @@ from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
 from rollplex.graph.pipeline import compile_graph
+from rollplex.graph.plan import compile_plan
 
 
 def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path):
@@ -44,7 +45,9 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
 def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segments(expandable):
     text = spec_text(kl=0.1, device="cuda") + f"memory: {{expandable_segments: {str(expandable).lower()}}}\n"
     torch.cuda.empty_cache()
-    weight = build_engines(parse_spec(text)).actor.lm_head.weight  # in segments made under the spec's setting
+    weight = build_engines(
+        compile_plan(parse_spec(text))
+    ).actor.lm_head.weight  # in segments made under the spec's setting
     (segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
                   if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]  # fmt: skip
     assert segment["is_expandable"] == expandable
@@ -54,9 +57,9 @@ def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segment
 def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_resets_it(cudnn):
     text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{cudnn_attention: {str(cudnn).lower()}, ")
     try:
-        build_engines(parse_spec(text))
+        build_engines(compile_plan(parse_spec(text)))
         assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
-        build_engines(parse_spec(spec_text(kl=0.1, device="cpu")))  # the default: torch may choose cuDNN
+        build_engines(compile_plan(parse_spec(spec_text(kl=0.1, device="cpu"))))  # the default: torch may choose cuDNN
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)  # whatever failed above, later tests see torch's default
@@ -72,7 +75,7 @@ def test_on_a_gpu_attention_without_cudnn_runs_no_cudnn_kernel():
     q = torch.randn(4, 16, 300, 128, device="cuda", dtype=torch.bfloat16)
     mask = torch.rand(4, 1, 300, 300, device="cuda") > 0.1  # the suffix's kind of call: a boolean mask
     try:
-        build_engines(parse_spec(text))
+        build_engines(compile_plan(parse_spec(text)))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
             F.scaled_dot_product_attention(q, q[:, :2], q[:, :2], is_causal=True, enable_gqa=True)  # the prefix's
@@ -84,11 +87,10 @@ def test_on_a_gpu_attention_without_cudnn_runs_no_cudnn_kernel():
 
 
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
-    from rollplex.executors.engines import reference_paged_by_plan
-    from rollplex.graph.plan import compile_plan
+    from rollplex.memory.objects import Residency
 
     def paged(text: str) -> bool:
-        return reference_paged_by_plan(compile_plan(parse_spec(text)))
+        return compile_plan(parse_spec(text)).decisions.reference_weights is Residency.HOST
 
     assert not paged(spec_text(kl=0.1, device="cpu"))  # memory.page_reference is off by default
     text = spec_text(kl=0.1, device="cpu") + "memory: {page_reference: true}\n"
@@ -101,8 +103,8 @@ def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
 def test_on_a_gpu_a_paged_reference_changes_no_number_of_serial_or_rollplex(tmp_path):
     text = spec_text(kl=0.1, device="cuda").replace("cuda,", "cuda, deterministic: true,")
     paged = parse_spec(text + "memory: {page_reference: true}\n")
-    assert build_engines(paged).reference_pager is not None
-    a, b = (train(paged, RunOptions(2, Schedule(s), tmp_path / s, progress=False, tensorboard=False))
+    assert build_engines(compile_plan(paged)).reference_pager is not None
+    a, b = (train(compile_plan(paged, Schedule(s)), RunOptions(2, tmp_path / s, progress=False, tensorboard=False))
             for s in ("serial", "rollplex"))  # fmt: skip
     c = run(tmp_path, "rollplex", 2, name="resident", device="cuda")
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b] == [r["param_digest"] for r in c]
@@ -111,7 +113,7 @@ def test_on_a_gpu_a_paged_reference_changes_no_number_of_serial_or_rollplex(tmp_
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
     runs = [
-        train(spec, RunOptions(2, Schedule(s), tmp_path / s, progress=False, tensorboard=False))
+        train(compile_plan(spec, Schedule(s)), RunOptions(2, tmp_path / s, progress=False, tensorboard=False))
         for s in ("serial", "rollplex")
     ]
     assert [r["param_digest"] for r in runs[0]] == [r["param_digest"] for r in runs[1]]
@@ -143,9 +145,11 @@ def test_split_with_prefix_sharing_gives_every_parameter_the_unsplit_gradient():
 
 
 def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
-    engines = build_engines(loaded(kl=0.0))
+    engines = build_engines(compile_plan(loaded(kl=0.0)))
     assert engines.reference is None
-    records = train(loaded(kl=0.0), RunOptions(1, Schedule.ROLLPLEX, tmp_path, progress=False, tensorboard=False))
+    records = train(
+        compile_plan(loaded(kl=0.0), Schedule.ROLLPLEX), RunOptions(1, tmp_path, progress=False, tensorboard=False)
+    )
     assert records[0]["time_s"]["ref_prefix"] == 0.0 and records[0]["kl"] == 0.0
 
 
@@ -199,7 +203,7 @@ def test_run_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
 def test_reward_rises_from_random_weights_on_a_small_synthetic_task(tmp_path):
     text = (ROOT / "specs/learning_check_tiny.yaml").read_text()
     spec = parse_spec(text)
-    records = train(spec, RunOptions(25, Schedule.ROLLPLEX, tmp_path, progress=False, tensorboard=False))
+    records = train(compile_plan(spec, Schedule.ROLLPLEX), RunOptions(25, tmp_path, progress=False, tensorboard=False))
     early = sum(r["reward_mean"] for r in records[:5]) / 5
     late = sum(r["reward_mean"] for r in records[-5:]) / 5
     assert late > early + 0.15, (early, late)
@@ -214,7 +218,7 @@ def test_the_paged_reference_is_resident_in_its_steps_only_and_gives_the_same_st
 
     spec = loaded()
     g = compile_graph(spec.spec, schedule=schedule)
-    plain, paged = build_engines(spec), build_engines(spec)
+    plain, paged = build_engines(compile_plan(spec)), build_engines(compile_plan(spec))
     paged.reference_pager = WeightPager(paged.reference, PoisoningArena())  # paged-out bytes read back as NaN
     paged.reference_pager.page_out()  # as the previous step left it
     dataset = open_dataset(spec.spec.workload.dataset, plain.tokenizer, 3)
@@ -235,7 +239,7 @@ def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
 
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{prefix_activations: {mode}}}\n")
     g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
-    kept, given_back = build_engines(spec), build_engines(spec)
+    kept, given_back = build_engines(compile_plan(spec)), build_engines(compile_plan(spec))
     kept.prefix_memory = nullcontext  # every saved tensor stays where autograd put it
     dataset = open_dataset(spec.spec.workload.dataset, kept.tokenizer, 3)
     a = run_iteration(g, kept, batch_at(dataset, 0, 2))
@@ -255,7 +259,7 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
     g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
     lens = []
     for _ in range(2):  # the same seed draws the same budgets
-        engines = build_engines(spec)
+        engines = build_engines(compile_plan(spec))
         dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
         lens.append(run_iteration(g, engines, batch_at(dataset, 0, 2)).response_lens)
     assert torch.equal(lens[0], lens[1])
@@ -267,7 +271,7 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
 def test_recomputing_the_training_microbatch_changes_no_number(schedule):
     specs = [parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{recompute: {r}}}\n") for r in ("none", "full")]
     g = compile_graph(specs[0].spec, schedule=schedule)
-    kept, recomputed = build_engines(specs[0]), build_engines(specs[1])
+    kept, recomputed = build_engines(compile_plan(specs[0])), build_engines(compile_plan(specs[1]))
     with recomputed.microbatch_memory() as wrapped:
         assert wrapped == len(recomputed.actor.model.language_model.layers) + len(recomputed.actor.model.visual.blocks)
     dataset = open_dataset(specs[0].spec.workload.dataset, kept.tokenizer, 3)
@@ -281,8 +285,8 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule):
 def test_under_mps_rollout_runs_in_its_own_process_and_both_schedules_train_identically(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {policy: mps}\n")
     opts = {"progress": False, "tensorboard": False}
-    a = train(spec, RunOptions(2, Schedule.SERIAL, tmp_path / "serial", **opts))
-    b = train(spec, RunOptions(2, Schedule.ROLLPLEX, tmp_path / "rollplex", **opts))
+    a = train(compile_plan(spec, Schedule.SERIAL), RunOptions(2, tmp_path / "serial", **opts))
+    b = train(compile_plan(spec, Schedule.ROLLPLEX), RunOptions(2, tmp_path / "rollplex", **opts))
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b]
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
     assert len({r["param_digest"] for r in a}) == 2 and b[0]["prefix_beside_decode"] > 0
@@ -296,7 +300,7 @@ def test_mps_under_tensor_parallelism_is_a_spec_error():
 
 def test_deterministic_kernels_train_the_same_on_the_cpu_and_the_setting_does_not_leak(tmp_path):
     on = parse_spec(spec_text(kl=0.1, device="cpu").replace("device: cpu,", "device: cpu, deterministic: true,"))
-    a = train(on, RunOptions(1, Schedule("rollplex"), tmp_path / "on", progress=False, tensorboard=False))
+    a = train(compile_plan(on, Schedule("rollplex")), RunOptions(1, tmp_path / "on", progress=False, tensorboard=False))
     assert torch.are_deterministic_algorithms_enabled()
     b = run(tmp_path, "rollplex", 1, name="off")
     assert not torch.are_deterministic_algorithms_enabled()

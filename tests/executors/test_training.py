@@ -88,9 +88,10 @@ def minibatch_text(num: int, schedule: str = "rollplex") -> str:
 def run_text(tmp_path, text: str, schedule: str, steps: int = 2) -> list[dict]:
     from rollplex.executors.loop import RunOptions, train
     from rollplex.graph.load import parse_spec
+    from rollplex.graph.plan import compile_plan
 
-    opts = RunOptions(steps, Schedule(schedule), tmp_path / schedule, progress=False, tensorboard=False)
-    return train(parse_spec(text), opts)
+    opts = RunOptions(steps, tmp_path / schedule, progress=False, tensorboard=False)
+    return train(compile_plan(parse_spec(text), Schedule(schedule)), opts)
 
 
 def test_mini_batches_update_once_each_and_serial_equals_rollplex_bitwise(tmp_path):

@@ -11,7 +11,7 @@ from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
-from rollplex.graph.pipeline import compile_graph
+from rollplex.graph.plan import compile_plan
 
 
 class GradRecorder:
@@ -41,11 +41,12 @@ def recorded_iteration(schedule: Schedule, text: str | None = None) -> tuple[Eng
     """Engines (reference perturbed, optimizer recording), the step's record and its examples, of the tests' spec
     or of the spec `text`."""
     spec = loaded() if text is None else parse_spec(text)
-    engines = build_engines(spec)
+    plan = compile_plan(spec, schedule)
+    engines = build_engines(plan)
     perturb_reference(engines)
     engines.optimizer = GradRecorder(engines.actor, engines.optimizer)
     examples = batch_at(open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3), 0, 2)
-    record = run_iteration(compile_graph(spec.spec, schedule=schedule), engines, examples)
+    record = run_iteration(plan.graph, engines, examples)
     return engines, record, examples
 
 

@@ -85,12 +85,13 @@ def test_under_no_grad_a_unit_just_runs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_unit_run_on_a_green_partition_is_backpropagated_on_the_reruns_stream():
     from rollplex.executors.policies import make_prefix_streams
+    from rollplex.graph.decisions import Sharing
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 256, device="cuda")
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
     trainer = torch.cuda.current_stream()
-    partition = make_prefix_streams("green", 66, torch.device("cuda"))
+    partition = make_prefix_streams(Sharing.of("green", 66), torch.device("cuda"))
     streams = []
 
     def unit(t):
@@ -124,8 +125,9 @@ def prefix_gradients_beside(config, prompts, device: str, beside: bool) -> dict[
     side = None
     if beside and cuda:
         from rollplex.executors.policies import make_prefix_streams
+        from rollplex.graph.decisions import Sharing
 
-        side = make_prefix_streams("green", 66, torch.device("cuda"))
+        side = make_prefix_streams(Sharing.of("green", 66), torch.device("cuda"))
     with HostPool(64 << 20, pin=cuda) as pool:
         offload = SavedTensorOffload(pool, keep=model.parameters()) if beside else nullcontext()
         rerun = Rerun(trainer) if beside else None

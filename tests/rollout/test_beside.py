@@ -45,8 +45,9 @@ def test_inline_beside_runs_jobs_in_order_whatever_the_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunks_moving_between_green_partitions_stay_in_order():
     from rollplex.executors.policies import make_prefix_streams
+    from rollplex.graph.decisions import Sharing
 
-    streams = make_prefix_streams("green", "adaptive", torch.device("cuda"))
+    streams = make_prefix_streams(Sharing.of("green", "adaptive"), torch.device("cuda"))
     x = torch.ones(1 << 20, device="cuda")
 
     def job():
@@ -67,8 +68,9 @@ def test_chunks_moving_between_green_partitions_stay_in_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_what_is_left_after_decode_runs_on_the_callers_stream_after_the_chunk_in_flight():
     from rollplex.executors.policies import make_prefix_streams
+    from rollplex.graph.decisions import Sharing
 
-    streams = make_prefix_streams("green", 66, torch.device("cuda"))
+    streams = make_prefix_streams(Sharing.of("green", 66), torch.device("cuda"))
     x, seen = torch.ones(1 << 22, device="cuda"), []
 
     def job():

@@ -186,6 +186,27 @@ def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(m
     assert arena.state(region) is RegionState.RELEASED  # nothing of the KV stays resident after a rollout
 
 
+def test_the_plans_rollout_kv_holds_the_engines_caches_and_a_smaller_arena_refuses_the_rollout(model, prompts):
+    from rollplex.graph.load import parse_spec
+    from rollplex.graph.plan import compile_plan
+
+    text = f"""
+model: tiny
+cluster: {{hbm_gib: 16, host_gib: 8}}
+workload: {{prompts_per_step: 3, group_size: {NUM_SAMPLES}, prompt_tokens: 12, response_tokens: 6, visual_tokens: 1}}
+run: {{dtype: float32}}
+"""
+    planned = compile_plan(parse_spec(text)).decisions.rollout_kv_bytes
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned)).generate(
+        prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
+    )
+    with pytest.raises(ValueError, match="more than the plan's .* raise memory.rollout_kv_gib or leave it unset"):
+        RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned - 1)).generate(
+            prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_not_change(model, prompts):

@@ -1,0 +1,127 @@
+"""What the runtime does, decided by the compiler: the engines are built from these and from nothing else.
+
+`decide` lowers the residency plan and the spec's settings into typed decisions: where the reference's
+weights and the actor prefix's saved tensors wait between their steps, how the prefix gives its activations
+back, whether the training microbatch recomputes, the pinned pool's size, the streamed optimizer's chunk, the
+rollout KV arena's capacity, whether rollout reads the actor's own weights, and how prefix work shares the GPU
+with decode. `as_dict` / `from_dict` carry them through `plan.json`. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from rollplex.graph.spec import Spec
+from rollplex.memory.objects import GIB, Component, Context, Residency, rollout_kv_bytes
+from rollplex.memory.residency import ResidencyPlan
+
+MIN_HOST_POOL = 64 << 20
+HOST_POOL_MARGIN = 4  # a pool sized from the plan holds its figure plus a quarter (allocation rounding)
+NO_UPDATE_CHUNK = 64 << 20  # the optimizer's chunk when the plan has no update to size one for
+
+
+class PrefixActivations(Enum):
+    OFFLOAD = "offload"  # every saved tensor of the attached prefix goes where `prefix_saved` says
+    RECOMPUTE = "recompute"  # each vision block and decoder layer keeps its input; backward reruns it
+
+
+class SharingPolicy(Enum):
+    INLINE = "inline"
+    STREAMS = "streams"
+    GREEN = "green"
+    MPS = "mps"
+
+
+@dataclass(frozen=True, slots=True)
+class Sharing:
+    """How `rollplex` runs prefix work beside decode on a GPU (`sharing.*` of the spec)."""
+
+    policy: SharingPolicy
+    prefix_sms: int  # the green partition's SMs (unused when `adaptive`)
+    adaptive: bool = False  # green partitions sized by the live decode batch
+    layers_per_chunk: int = 1
+    prompts_per_chunk: int | None = None  # None: all the step's prompts in one group
+    mps_trainer_percent: int | None = None  # None: no cap
+    mps_rollout_percent: int | None = None
+
+    @staticmethod
+    def of(policy: str, prefix_sms: int | str = 0) -> Sharing:
+        """A policy by the spec's names (`green`, 66 or "adaptive"), other settings at their defaults."""
+        adaptive = prefix_sms == "adaptive"
+        return Sharing(SharingPolicy(policy), 0 if adaptive else int(prefix_sms), adaptive)
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    reference_weights: Residency  # HBM, or HOST: paged in for the steps that use them
+    prefix_saved: Residency  # HBM: kept where autograd put them; HOST: offloaded to the pinned pool
+    prefix_activations: PrefixActivations
+    recompute_microbatch: bool  # the training microbatch checkpoints every decoder layer and vision block
+    host_pool_bytes: int  # the pinned pool for the prefix's saved tensors (0 when they stay in HBM)
+    optimizer_chunk_bytes: int  # FP32 state (master + moments) per streamed chunk
+    rollout_kv_bytes: int  # the rollout KV arena's capacity: a rollout that needs more is refused
+    weight_sharing: bool  # rollout reads the actor's weights; False: a copy, refreshed after each update
+    sharing: Sharing
+
+    def as_dict(self) -> dict:
+        return _plain(asdict(self))
+
+    @staticmethod
+    def from_dict(d: dict) -> Decisions:
+        s = d["sharing"]
+        sharing = Sharing(**{**s, "policy": SharingPolicy(s["policy"])})
+        return Decisions(
+            **{
+                **d,
+                "reference_weights": Residency(d["reference_weights"]),
+                "prefix_saved": Residency(d["prefix_saved"]),
+                "prefix_activations": PrefixActivations(d["prefix_activations"]),
+                "sharing": sharing,
+            }
+        )
+
+
+def decide(c: Context, r: ResidencyPlan) -> Decisions:
+    """Requires: the residency plan of `c`'s graph. Ensures: every decision the runtime takes."""
+    spec, objects = c.spec, r.objects
+    reference = [o for o in objects if o.role == "reference" and o.component is Component.WEIGHTS]
+    paged = bool(reference) and all(o.host_bytes > 0 for o in reference)
+    planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component is Component.PREFIX_SAVED)
+    pool = spec.memory.host_pool_gib
+    offloaded = planned > 0 or pool is not None
+    pool_bytes = int(pool * GIB) if pool is not None else planned + planned // HOST_POOL_MARGIN
+    return Decisions(
+        reference_weights=Residency.HOST if paged else Residency.HBM,
+        prefix_saved=Residency.HOST if offloaded else Residency.HBM,
+        prefix_activations=PrefixActivations(spec.memory.prefix_activations),
+        recompute_microbatch=spec.memory.recompute == "full",
+        host_pool_bytes=max(MIN_HOST_POOL, pool_bytes) if offloaded else 0,
+        optimizer_chunk_bytes=r.optimizer.chunk_bytes if r.optimizer is not None else NO_UPDATE_CHUNK,
+        rollout_kv_bytes=rollout_kv_bytes(c),
+        weight_sharing=spec.memory.weight_sharing,
+        sharing=_sharing(spec),
+    )
+
+
+def _sharing(spec: Spec) -> Sharing:
+    s = spec.sharing
+    adaptive = s.prefix_sms == "adaptive"
+    return Sharing(
+        policy=SharingPolicy(s.policy),
+        prefix_sms=0 if adaptive else s.prefix_sms,
+        adaptive=adaptive,
+        layers_per_chunk=s.layers_per_chunk,
+        prompts_per_chunk=s.prompts_per_chunk,
+        mps_trainer_percent=s.mps_trainer_percent,
+        mps_rollout_percent=s.mps_rollout_percent,
+    )
+
+
+def _plain(value):
+    """Enums as their values, recursively: what JSON holds."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

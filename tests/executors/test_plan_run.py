@@ -1,0 +1,87 @@
+"""The compiled plan is what runs: `rollplex run plan.json` trains as `rollplex run SPEC` does, the engines follow
+the plan's decisions (an edited decision included), and the run's flags are checked in one line each."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from run_testkit import ROOT, run, spec_text
+
+from rollplex.cli import main
+from rollplex.executors.engines import build_engines
+from rollplex.graph.decisions import PrefixActivations
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.memory.objects import Residency
+
+TINY = str(ROOT / "specs/tiny_cpu.yaml")
+
+
+def digests(out: Path) -> list[str]:
+    return [json.loads(line)["param_digest"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_running_a_plan_file_trains_digest_for_digest_as_running_its_spec(tmp_path, capsys):
+    common = ["--steps", "2", "--quiet", "--no-checkpoints"]
+    assert main(["run", TINY, "--out", str(tmp_path / "spec"), *common]) == 0
+    assert main(["compile", TINY, "-o", str(tmp_path / "plan.json")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["run", str(tmp_path / "plan.json"), "--out", str(tmp_path / "plan"), *common]) == 0
+    assert digests(tmp_path / "spec") == digests(tmp_path / "plan") and len(digests(tmp_path / "plan")) == 2
+
+
+def test_the_engines_follow_the_plans_decisions():
+    plan = compile_plan(parse_spec(spec_text()))
+    assert plan.decisions.prefix_saved is Residency.HOST  # the tiny plan offloads the prefix's saved tensors
+    engines = build_engines(plan)
+    assert len(engines.optimizer.chunks) == 1 and engines.prefix_memory().__class__.__name__ == "SavedTensorOffload"
+    edited = replace(
+        plan.decisions,
+        optimizer_chunk_bytes=12 * 4096,  # the state of 4,096 elements per chunk
+        prefix_saved=Residency.HBM,
+        prefix_activations=PrefixActivations.RECOMPUTE,
+        recompute_microbatch=True,
+    )
+    engines = build_engines(replace(plan, decisions=edited))
+    numel = sum(p.numel() for p in engines.actor.parameters())
+    assert len(engines.optimizer.chunks) == -(-numel // 4096)
+    assert engines.prefix_rerun is not None and engines.prefix_memory().__class__.__name__ == "nullcontext"
+    with engines.microbatch_memory() as wrapped:
+        assert wrapped > 0
+
+
+def test_rollout_from_a_copy_refreshed_after_each_update_trains_as_rollout_from_the_actor(tmp_path):
+    shared = run(tmp_path, "rollplex", 3, name="shared")
+    from rollplex.executors.loop import RunOptions, train
+
+    text = spec_text() + "memory: {weight_sharing: false}\n"
+    plan = compile_plan(parse_spec(text))
+    assert not plan.decisions.weight_sharing
+    copied = train(plan, RunOptions(3, tmp_path / "copied", progress=False, tensorboard=False))
+    assert [r["param_digest"] for r in copied] == [r["param_digest"] for r in shared]
+    assert [r["reward_mean"] for r in copied] == [r["reward_mean"] for r in shared]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps 0; use --steps 1 or more"),
+        (["--checkpoint-every", "-2"], "--checkpoint-every -2; use --checkpoint-every 1 or more"),
+    ],
+)
+def test_bad_run_flags_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert main(["run", TINY, "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_schedule_with_a_plan_file_and_a_resume_past_the_last_step_are_one_line(tmp_path, capsys):
+    assert main(["compile", TINY, "-o", str(tmp_path / "plan.json")]) == 0
+    assert main(["run", str(tmp_path / "plan.json"), "--schedule", "serial"]) == 2
+    assert "a plan has its schedule" in capsys.readouterr().err
+    assert main(["run", TINY, "--out", str(tmp_path / "run"), "--steps", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["run", TINY, "--out", str(tmp_path / "run"), "--steps", "1", "--quiet", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "is step 1, and the run has 1 steps" in err and len(err.strip().splitlines()) == 1
