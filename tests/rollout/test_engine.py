@@ -201,7 +201,7 @@ run: {{dtype: float32}}
     RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned)).generate(
         prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
     )
-    with pytest.raises(ValueError, match="more than the plan's .* raise memory.rollout_kv_gib or leave it unset"):
+    with pytest.raises(ValueError, match=r"more than the plan's .* raise memory.rollout_kv_gib or leave it unset"):
         RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned - 1)).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
         )
