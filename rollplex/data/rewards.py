@@ -6,6 +6,8 @@ text. Built in:
 
     format      1.0 iff the text is one `<think>...</think>` block then one `<answer>...</answer>` block, with
                 only whitespace before, between and after them and no tag inside either block; else 0.0
+    answer_format  the answer-only form `<answer>X</answer>`, step by step (`answer_format_reward`): credit a
+                random-weight policy can climb towards a well-formed answer for the example's kind
     accuracy    the first `<answer>` block's content, stripped ("" without a block), as Video-R1 reads it,
                 against `example.answer` by `example.answer_kind` (`accuracy_reward` says how each kind scores)
     tags        0.25 per tag of the longest run of <think> </think> <answer> </answer> in that order, less 0.25
@@ -38,6 +40,7 @@ NUMBER_ABS_TOL = 1e-6
 _NO_TAG = r"(?:(?!</?think>|</?answer>).)*"
 _FORMAT = re.compile(rf"\s*<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>\s*", re.DOTALL)
 _TAG = re.compile("|".join(map(re.escape, TAGS)))
+_TAG_SPLIT = re.compile("(" + "|".join(map(re.escape, TAGS)) + ")")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _LETTER = re.compile(r"^\(?([A-Z])(?:[.):]|\s|$)|^\(?([a-z])\)?\.?$")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -125,6 +128,39 @@ def format_reward(text: str, example: Example) -> float:
     """1.0 iff `text` is `<think>...</think><answer>...</answer>` and nothing else but whitespace; no block may
     hold a tag (so repeated or nested tags score 0)."""
     return 1.0 if _FORMAT.fullmatch(text) else 0.0
+
+
+@register("answer_format")
+def answer_format_reward(text: str, example: Example) -> float:
+    """The answer-only form, a step at a time: 0.25 when the text opens with `<answer>` (after whitespace), 0.5
+    when a well-formed answer starts the block (an option letter for multiple choice, a number for numerical
+    and regression, anything for the rest), 0.75 when the block closes around that answer alone, 1.0 when
+    nothing but whitespace follows it."""
+    pieces = [p for p in _TAG_SPLIT.split(text) if p]
+    if pieces and not pieces[0].strip():
+        pieces = pieces[1:]
+    if not pieces or pieces[0] != "<answer>":
+        return 0.0
+    content = pieces[1] if len(pieces) > 1 and pieces[1] not in TAGS else ""
+    answer = _well_formed(content.lstrip(), example)
+    if not answer:
+        return 0.25
+    rest = pieces[2:] if content else pieces[1:]
+    if not rest or rest[0] != "</answer>" or content.strip() != answer:
+        return 0.5
+    return 1.0 if not "".join(rest[1:]).strip() else 0.75
+
+
+def _well_formed(content: str, example: Example) -> str:
+    """The well-formed answer `content` starts with ('' if none): an option letter, a number, or the text."""
+    kind = example.answer_kind
+    if kind is AnswerKind.CHOICE:
+        letters = {str(o).split(".")[0].strip() for o in example.meta.get("options", ())} or set(string.ascii_uppercase)
+        return content[:1] if content[:1] in letters else ""
+    if kind in (AnswerKind.NUMBER, AnswerKind.REGRESSION):
+        found = _NUMBER.match(content)
+        return found.group() if found else ""
+    return content.strip()
 
 
 @register("brevity")

@@ -197,7 +197,9 @@ def test_combine_weights_each_reward():
 
 
 def test_an_unknown_reward_name_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="unknown reward 'speed'; registered: accuracy, brevity, format, tags"):
+    with pytest.raises(
+        ValueError, match="unknown reward .speed.; registered: accuracy, answer_format, brevity, format, tags"
+    ):
         get_reward("format+speed")
 
 
@@ -240,3 +242,45 @@ def test_brevity_falls_with_length_and_stays_in_zero_one():
     brevity = get_reward("brevity")
     scores = [brevity("x" * n, None) for n in (0, 10, 1000, 100_000)]
     assert scores[0] == 1.0 and scores[2] == 0.5 and all(a > b > 0 for a, b in itertools.pairwise(scores))
+
+
+OPTIONS = Example(
+    prompt=Prompt(input_ids=torch.zeros(1, dtype=torch.int64)),
+    answer="B",
+    answer_kind="choice",
+    meta={"options": ("A. red", "B. green", "C. blue", "D. yellow")},
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<answer>B</answer>", 1.0),
+        (" \n<answer> C </answer>\n", 1.0),  # well formed, and wrong: accuracy's business
+        ("<answer>B</answer>x", 0.75),
+        ("<answer>B</answer></answer>", 0.75),
+        ("<answer>B green</answer>", 0.5),
+        ("<answer>B", 0.5),
+        ("<answer>B<answer>", 0.5),
+        ("<answer>E</answer>", 0.25),  # not an option
+        ("<answer></answer>", 0.25),
+        ("<answer>", 0.25),
+        ("x<answer>B</answer>", 0.0),
+        ("<think></think><answer>B</answer>", 0.0),
+        ("B", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_answer_format_climbs_one_step_per_well_placed_piece(text, expected):
+    assert get_reward("answer_format")(text, OPTIONS) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "good", "bad"),
+    [("number", "<answer>-3.5</answer>", "<answer>three</answer>"),
+     ("regression", "<answer>12</answer>", "<answer>n/a</answer>"),
+     ("free_form", "<answer>a red ball</answer>", "<answer> </answer>")],
+)  # fmt: skip
+def test_answer_format_asks_each_kind_for_its_own_form(kind, good, bad):
+    ex = example("3", kind)
+    assert get_reward("answer_format")(good, ex) == 1.0 and get_reward("answer_format")(bad, ex) == 0.25
