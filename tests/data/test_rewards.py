@@ -198,7 +198,7 @@ def test_combine_weights_each_reward():
 
 def test_an_unknown_reward_name_lists_the_registered_ones():
     with pytest.raises(
-        ValueError, match="unknown reward .speed.; registered: accuracy, answer_format, brevity, format, tags"
+        ValueError, match=r"unknown reward .speed.; registered: accuracy, answer_format, brevity, format, tags"
     ):
         get_reward("format+speed")
 
