@@ -170,7 +170,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     remote = None
     if sharing.policy is SharingPolicy.MPS:
         remote = make_remote_rollout(rollout_model, sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
-    optimizer = make_optimizer(actor, a, tp, bound, d.optimizer_chunk_bytes)
+    optimizer = make_optimizer(actor, a, tp, bound, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM)
     sampling = SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,
@@ -227,11 +227,13 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     return model if tp is None else parallelize(model, tp.train)
 
 
-def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound, chunk_bytes: int) -> ChunkedAdamW:
+def make_optimizer(
+    actor: Qwen2_5_VL, a, tp: TPSetup | None, bound, chunk_bytes: int, state_on_device: bool
+) -> ChunkedAdamW:
     """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
-    gradients, the paper's Table 1), its FP32 state streamed in the plan's chunks; under tensor parallelism its
-    grad norm counts the shards over the group, and it streams each bound parameter's exchange as soon as it has
-    written it."""
+    gradients, the paper's Table 1), its FP32 state in HBM or in the pinned pool as the plan has it, in the
+    plan's chunks; under tensor parallelism its grad norm counts the shards over the group, and it streams each
+    bound parameter's exchange as soon as it has written it."""
     params = [p for p in actor.parameters() if p.requires_grad]
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
@@ -246,6 +248,7 @@ def make_optimizer(actor: Qwen2_5_VL, a, tp: TPSetup | None, bound, chunk_bytes:
         sharded=[id(p) in sharded for p in params],
         write=None if bound is None else bound.writer(params),
         fp32_grads=True,
+        state_on_device=state_on_device,
     )
 
 

@@ -56,6 +56,7 @@ class Sharing:
 class Decisions:
     reference_weights: Residency  # HBM, or HOST: paged in for the steps that use them
     prefix_saved: Residency  # HBM: kept where autograd put them; HOST: offloaded to the pinned pool
+    optimizer_state: Residency  # HBM: the FP32 state updated in place; HOST: streamed from the pinned pool
     prefix_activations: PrefixActivations
     recompute_microbatch: bool  # the training microbatch checkpoints every decoder layer and vision block
     host_pool_bytes: int  # the pinned pool for the prefix's saved tensors (0 when they stay in HBM)
@@ -76,6 +77,7 @@ class Decisions:
                 **d,
                 "reference_weights": Residency(d["reference_weights"]),
                 "prefix_saved": Residency(d["prefix_saved"]),
+                "optimizer_state": Residency(d["optimizer_state"]),
                 "prefix_activations": PrefixActivations(d["prefix_activations"]),
                 "sharing": sharing,
             }
@@ -88,12 +90,14 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
     reference = [o for o in objects if o.role == "reference" and o.component is Component.WEIGHTS]
     paged = bool(reference) and all(o.host_bytes > 0 for o in reference)
     planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component is Component.PREFIX_SAVED)
+    state = [o for o in objects if o.role == "actor" and o.component in (Component.MASTER, Component.MOMENTS)]
     pool = spec.memory.host_pool_gib
-    offloaded = planned > 0 or pool is not None
+    offloaded = planned > 0
     pool_bytes = int(pool * GIB) if pool is not None else planned + planned // HOST_POOL_MARGIN
     return Decisions(
         reference_weights=Residency.HOST if paged else Residency.HBM,
         prefix_saved=Residency.HOST if offloaded else Residency.HBM,
+        optimizer_state=Residency.HOST if any(o.host_bytes for o in state) else Residency.HBM,
         prefix_activations=PrefixActivations(spec.memory.prefix_activations),
         recompute_microbatch=spec.memory.recompute == "full",
         host_pool_bytes=max(MIN_HOST_POOL, pool_bytes) if offloaded else 0,

@@ -164,6 +164,17 @@ class MemorySpec(_Strict):
         "`expandable_segments` of PYTORCH_CUDA_ALLOC_CONF), so that blocks freed in one phase are reused by the next "
         "phase's other sizes: without it the 3B step's Phase 2 reserved 46 GiB around a 37 GiB peak on an H200.",
     )
+    optimizer_state: Literal["auto", "hbm", "host"] = Field(
+        "auto",
+        description="Where the FP32 master weights and Adam moments live: hbm (updated in place, no host traffic), "
+        "host (the pinned pool, streamed through HBM in chunks at each update), or auto: hbm when every step still "
+        "fits, else host.",
+    )
+    prefix_saved: Literal["auto", "hbm", "host"] = Field(
+        "auto",
+        description="Where the actor prefix's saved tensors wait for its backward: hbm, host (the pinned pool: "
+        "copied out and back each step), or auto: hbm when every step still fits, else host.",
+    )
     page_reference: bool = Field(
         False,
         description="Let the plan keep the reference's weights in the pinned host pool outside the steps that use "

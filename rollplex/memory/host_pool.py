@@ -147,11 +147,17 @@ class HostPool:
     nothing else fits).
     """
 
-    def __init__(self, num_bytes: int, *, pin: bool = False, alignment: int = ALIGNMENT) -> None:
+    def __init__(
+        self, num_bytes: int, *, pin: bool = False, alignment: int = ALIGNMENT, device: torch.device | None = None
+    ) -> None:
+        """`device`: where the buffer lives; the host by default, a GPU where the plan keeps the state in HBM
+        (the same blocks and copies then stay on the device; nothing is pinned)."""
         if num_bytes <= 0:
             raise ValueError(f"a host pool needs a positive size, got num_bytes={num_bytes}")
+        if pin and device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"pin a host buffer only, not one on {device}")
         self._placement = FirstFit(num_bytes, alignment)
-        self.buffer = torch.empty(self._placement.capacity, dtype=torch.uint8)  # [capacity] bytes
+        self.buffer = torch.empty(self._placement.capacity, dtype=torch.uint8, device=device)  # [capacity] bytes
         self.pinned = pin
         self._pending: list[tuple[Block, torch.cuda.Event]] = []
         if pin:

@@ -170,7 +170,10 @@ class ChunkedAdamW:
         tp: TPGroup | None = None,
         sharded: Sequence[bool] | None = None,
         fp32_grads: bool = False,
+        state_on_device: bool = False,
     ) -> None:
+        """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits) and the chunks are
+        copied device to device; by default it lives in pinned host memory."""
         self.params = list(params)
         self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
         fold = _weak_fold(self)
@@ -185,7 +188,10 @@ class ChunkedAdamW:
         self.device = self.params[0].device
         self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes)
         self.capacity = max(chunk.numel for chunk in self.chunks)
-        self.pool = pool or HostPool(self._pool_bytes(), pin=self.device.type == "cuda")
+        on_host = not state_on_device or self.device.type == "cpu"
+        self.pool = pool or HostPool(
+            self._pool_bytes(), pin=on_host and self.device.type == "cuda", device=None if on_host else self.device
+        )
         self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
         self._segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]  # (chunk, segment)

@@ -85,6 +85,7 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     optimizer = None
     update = _update_steps(c)
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
+    objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room)
     if update:
         optimizer = plan_optimizer(c, objects, update, capacity)
@@ -104,6 +105,31 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     return ResidencyPlan(
         tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity
     )
+
+
+def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory) -> list[MemObject]:
+    """HBM for what would otherwise cross the host link every step, while every step still fits: the actor
+    prefix's saved tensors (out in Phase 1, back in its backward), then the FP32 optimizer state (streamed at
+    each update). `memory.prefix_saved` / `memory.optimizer_state` force either way; `auto` decides by fit."""
+    objects = list(objects)
+    room = {s: capacity - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
+    everywhere = frozenset(room)
+    families = (
+        (memory.prefix_saved, lambda o: o.component is Component.PREFIX_SAVED, None),
+        (memory.optimizer_state, lambda o: o.component in (Component.MASTER, Component.MOMENTS), everywhere),
+    )
+    for choice, member, live in families:
+        if choice == "host":
+            continue
+        trial = [
+            replace(o, live=live or o.window, host_bytes=0, outside=Residency.ABSENT)
+            if member(o) and o.host_bytes
+            else o
+            for o in objects
+        ]
+        if choice == "hbm" or all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
+            objects = trial
+    return objects
 
 
 def keep_in_hbm_when_room(objects: list[MemObject], capacity: int, update: set[int], host_room: int) -> list[MemObject]:

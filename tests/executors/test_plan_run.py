@@ -32,8 +32,8 @@ def test_running_a_plan_file_trains_digest_for_digest_as_running_its_spec(tmp_pa
 
 
 def test_the_engines_follow_the_plans_decisions():
-    plan = compile_plan(parse_spec(spec_text()))
-    assert plan.decisions.prefix_saved is Residency.HOST  # the tiny plan offloads the prefix's saved tensors
+    plan = compile_plan(parse_spec(spec_text() + "memory: {prefix_saved: host}\n"))
+    assert plan.decisions.prefix_saved is Residency.HOST
     engines = build_engines(plan)
     assert len(engines.optimizer.chunks) == 1 and engines.prefix_memory().__class__.__name__ == "SavedTensorOffload"
     edited = replace(

@@ -74,7 +74,7 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
     base = load_spec(ROOT / "specs/tiny_cpu.yaml")
     saved_bytes = {}
     for mode in ("offload", "recompute"):
-        memory = base.spec.memory.model_copy(update={"prefix_activations": mode})
+        memory = base.spec.memory.model_copy(update={"prefix_activations": mode, "prefix_saved": "host"})
         loaded = replace(base, spec=base.spec.model_copy(update={"memory": memory}))
         decisions = compile_plan(loaded).decisions
         assert decisions.prefix_saved is Residency.HOST and decisions.host_pool_bytes > 0  # the plan: host

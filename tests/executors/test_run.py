@@ -95,7 +95,7 @@ def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
     assert not paged(spec_text(kl=0.1, device="cpu"))  # memory.page_reference is off by default
     text = spec_text(kl=0.1, device="cpu") + "memory: {page_reference: true}\n"
     assert paged(text)
-    assert not paged(text.replace("page_reference: true", "page_reference: true, host_pool_gib: 0.001"))
+    assert not paged(text.replace("page_reference: true", "page_reference: true, host_pool_gib: 0.000001"))
 
 
 @pytest.mark.gpu
@@ -237,7 +237,8 @@ def test_the_paged_reference_is_resident_in_its_steps_only_and_gives_the_same_st
 def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
     from contextlib import nullcontext
 
-    spec = parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{prefix_activations: {mode}}}\n")
+    memory = f"memory: {{prefix_activations: {mode}, prefix_saved: host}}\n"
+    spec = parse_spec(spec_text(kl=0.1, device="cpu") + memory)
     g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
     kept, given_back = build_engines(compile_plan(spec)), build_engines(compile_plan(spec))
     kept.prefix_memory = nullcontext  # every saved tensor stays where autograd put it

@@ -236,6 +236,23 @@ def test_on_the_gpu_a_bf16_model_steps_like_torch_adamw_on_an_fp32_copy_within_t
 
 @pytest.mark.gpu
 @needs_cuda
+def test_on_the_gpu_state_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_host_and_moves_nothing_over_it():
+    host, device = make_params(GPU_SHAPES[1:6], device="cuda"), make_params(GPU_SHAPES[1:6], device="cuda")
+    a = ChunkedAdamW(host, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001)
+    b = ChunkedAdamW(device, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001, state_on_device=True)
+    assert a.pool.buffer.device.type == "cpu" and a.pool.pinned
+    assert b.pool.buffer.device.type == "cuda" and not b.pool.pinned
+    for step in range(3):
+        set_grads(host, seed=step)
+        set_grads(device, seed=step)
+        a.step(), b.step()
+    for x, y in zip(host, device, strict=True):
+        assert torch.equal(x, y)
+    assert a.state_dict()["state"][0]["exp_avg"].equal(b.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 def test_on_the_gpu_the_three_stream_pipeline_over_many_chunks_equals_torch_adamw(max_grad_norm):
     ours = make_params(GPU_SHAPES[1:6], device="cuda")

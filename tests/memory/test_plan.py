@@ -200,3 +200,30 @@ workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_to
 """
     loaded = parse_spec(text)
     assert per_gpu(loaded.spec, loaded.model).prompts_per_replica == expected  # 2 replicas of TP 2 on 4 GPUs
+
+
+def _in_hbm(plan, component: str) -> bool:
+    return all(o.host_bytes == 0 for o in plan.residency.objects if o.role == "actor" and o.component == component)
+
+
+def test_the_planner_spends_free_hbm_on_what_would_cross_the_host_link_every_step():
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # 139 GiB and a 3B model: room for both
+    assert _in_hbm(three, "prefix saved tensors") and _in_hbm(three, "Adam moments (FP32)")
+    d = three.decisions
+    assert d.prefix_saved is Residency.HBM and d.optimizer_state is Residency.HBM and three.residency.fits
+    seven = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))  # 85 GiB of FP32 state does not fit beside
+    assert seven.decisions.optimizer_state is Residency.HOST and not _in_hbm(seven, "Adam moments (FP32)")
+    assert seven.residency.fits and seven.residency.peak_bytes <= seven.residency.capacity_bytes
+    for plan in (three, seven):  # every step still fits with the smallest optimizer pipeline beside it
+        assert max(plan.residency.step_bytes) <= plan.residency.capacity_bytes
+
+
+@pytest.mark.parametrize("choice", ["host", "hbm"])
+def test_the_spec_forces_where_the_optimizer_state_and_the_prefix_saved_tensors_live(choice):
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    text = text.replace("memory:\n", f"memory:\n  optimizer_state: {choice}\n  prefix_saved: {choice}\n")
+    plan = compile_plan(parse_spec(text))
+    assert _in_hbm(plan, "FP32 master weights") == _in_hbm(plan, "prefix saved tensors") == (choice == "hbm")
+    assert plan.decisions.optimizer_state is Residency(choice)
+    forced = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 80")))
+    assert not forced.residency.fits_hbm or choice == "host"  # hbm is obeyed even where it cannot fit
