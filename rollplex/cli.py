@@ -18,6 +18,7 @@ def _compile(args: argparse.Namespace) -> int:
 
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
+    efficiencies = _efficiencies(args.efficiency, plan.schedule.value) if args.efficiency else None
     if args.check_data:
         from rollplex.executors.datacheck import check_data
 
@@ -28,11 +29,11 @@ def _compile(args: argparse.Namespace) -> int:
         plot_memory(plan, args.plot)
     if args.dry_run:
         if args.format == "json":
-            print(json.dumps(plan_to_json(plan), indent=1))
+            print(json.dumps(plan_to_json(plan, efficiencies), indent=1))
         else:
             from rollplex.report.tables import report
 
-            print(report(plan, naive=args.naive))
+            print(report(plan, naive=args.naive, efficiencies=efficiencies))
         check_fits(plan)
         return 0
     check_fits(plan)
@@ -41,6 +42,16 @@ def _compile(args: argparse.Namespace) -> int:
         f"wrote {args.output}: peak {plan.residency.peak_bytes / 2**30:.1f} GiB per GPU, schedule {plan.schedule.value}"
     )
     return 0
+
+
+def _efficiencies(path: str, schedule: str) -> dict[str, float]:
+    """Each phase's efficiency (bound over measured) as a `rollplex bench` result recorded it, for `schedule`."""
+    try:
+        result = json.loads(Path(path).read_text())
+        by_schedule = result["efficiency"]
+        return {k: float(v) for k, v in by_schedule.get(schedule, by_schedule["serial"]).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None
 
 
 def _plan_to_run(args: argparse.Namespace):
@@ -291,6 +302,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE.png", help="plot HBM by role over the phases")
     c.add_argument("--format", choices=["text", "json"], default="text", help="dry-run output format")
     c.add_argument("--schedule", choices=["serial", "rollplex"], help="override the spec's schedule")
+    c.add_argument(
+        "--efficiency",
+        metavar="BENCH.json",
+        help="predict each phase's seconds at the efficiencies a `rollplex bench` result recorded (bound / measured)",
+    )
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)
     r = sub.add_parser("run", help="train: GRPO steps executing the compiled plan")

@@ -4,6 +4,7 @@ Modules, one job each (import them directly; this package imports nothing, so it
     types       `Example`, `AnswerKind`: one prompt with its verifiable answer
     tokenizer   `Tokenizer` protocol, `CharTokenizer` (tiny models), `HFTokenizer` (real checkpoints)
     chat        the Qwen chat prompt with the vision pad tokens in place -> `rollplex.models.inputs.Prompt`
+    sizes       Qwen2.5-VL's pixel geometry (smart resize, patch grids): pure arithmetic
     video       Qwen2.5-VL pixel preprocessing (smart resize, CLIP normalisation, patches) -> `Visual`
     scene       moving coloured shapes: simulation (straight lines, bounces) and numpy rendering
     synthetic   seeded synthetic video QA over those scenes, with verifiable answers

@@ -34,7 +34,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from rollplex.data.video import VisionSpec, grid_thw, output_size
+from rollplex.data.sizes import VisionSpec, grid_thw, output_size
 
 _PX = 28 * 28
 

@@ -49,6 +49,7 @@ from rollplex.executors.agreement import (
     same_rollout,
     updates_match,
 )
+from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration, timer_of
@@ -76,6 +77,7 @@ class ScheduleRun:
     allocator_bytes: dict[Phase, tuple[int, int]] = field(default_factory=dict)  # (allocated, reserved) maxima
     first_rollout: tuple[torch.Tensor, torch.Tensor] | None = None  # (responses, lengths) of step 1, on the CPU
     first_grads: torch.Tensor | None = None  # `grad_sketch` of step 1's gradients, FP32 on the CPU
+    bounds: list[dict[str, float]] = field(default_factory=list)  # per measured step: each phase's bound, s
 
 
 def run_schedule(
@@ -133,6 +135,7 @@ def run_schedule(
         out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
         out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
         out.longest_response.append(int(record.response_lens.max()))
+        out.bounds.append(step_bounds(plan, examples, record.response_lens))
         out.stalls.append(stalls.as_dict())
         beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
@@ -209,6 +212,10 @@ def compare(
             "rollplex": _median_or_none(rollplex.prefix_backward_s),
         },
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
+        # the cost model's bound of each phase on the spec's GPU, from the steps' real token counts, and the
+        # efficiency each phase reached (bound over measured): `rollplex compile --efficiency` predicts with it
+        "bound_s": {"serial": _bound_medians(serial), "rollplex": _bound_medians(rollplex)},
+        "efficiency": {"serial": _efficiency(serial), "rollplex": _efficiency(rollplex)},
         # the measured steps one by one (medians hide a slow step), and the last step's timeline (the PNG's spans)
         "per_step": {"serial": _per_step(serial), "rollplex": _per_step(rollplex)},
         # a step's seconds outside its ops (phase switches, paging, host work between ops): serial's should be
@@ -230,6 +237,17 @@ def compare(
         },
         "steps": len(serial.step_s),
     }
+
+
+def _bound_medians(run: ScheduleRun) -> dict[str, float]:
+    keys = run.bounds[0] if run.bounds else {}
+    return {k: round(statistics.median(b[k] for b in run.bounds), 4) for k in keys}
+
+
+def _efficiency(run: ScheduleRun) -> dict[str, float]:
+    """Bound over measured seconds per phase (phases the schedule spent no time in are left out)."""
+    bounds, measured = _bound_medians(run), _phase_medians(run)
+    return {k: round(b / measured[k], 4) for k, b in bounds.items() if measured.get(k) and b > 0}
 
 
 def gpu_name() -> str:

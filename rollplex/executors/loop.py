@@ -16,6 +16,7 @@ from pathlib import Path
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
+from rollplex.executors.bounds import step_bounds
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
@@ -111,6 +112,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
             records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin))
+            records[-1]["bound_s"] = step_bounds(plan, examples, record.response_lens)
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())

@@ -24,6 +24,9 @@ class ClusterSpec(_Strict):
     gpus_per_node: PositiveInt = Field(1, description="GPUs per node.")
     hbm_gib: PositiveFloat = Field(description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
     host_gib: PositiveFloat = Field(description="Host memory per node that may be pinned, GiB.")
+    gpu: Literal["H200", "H100", "H800", "A100"] = Field(
+        "H200", description="The GPU model, whose peaks (FLOP/s, HBM and host-link bandwidth) bound the time plan."
+    )
 
     @property
     def num_gpus(self) -> int:

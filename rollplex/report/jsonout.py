@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from rollplex.graph.cost import time_plan
 from rollplex.graph.plan import Plan
 from rollplex.graph.planfile import plan_dict
 from rollplex.memory.objects import GIB, MemObject, Residency
@@ -12,7 +13,7 @@ def _gib(b: int) -> float:
     return round(b / GIB, 3)
 
 
-def plan_to_json(plan: Plan) -> dict:
+def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> dict:
     r, sh = plan.residency, plan.sharing
     naive_llm = [x for x in plan.naive if not x.vision]
     return {
@@ -40,6 +41,18 @@ def plan_to_json(plan: Plan) -> dict:
             "step_gib": [_gib(b) for b in r.step_bytes],
             "peak_gib": _gib(r.peak_bytes),
         },
+        "time_plan": [
+            {
+                "phase": t.timer,
+                "tflop": round(t.cost.flops / 1e12, 3),
+                "hbm_gb": round(t.cost.hbm_bytes / 1e9, 3),
+                "host_gb": round(t.cost.host_bytes / 1e9, 3),
+                "bound_s": round(t.bound_s, 4),
+                "efficiency": t.efficiency,
+                "predicted_s": None if t.predicted_s is None else round(t.predicted_s, 4),
+            }
+            for t in time_plan(plan, efficiencies)
+        ],
         "capacity_gib": _gib(r.capacity_bytes),
         "fits": r.fits,
         "sharing": {

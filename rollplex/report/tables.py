@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from rollplex.graph.cost import KNOWN_PEAKS, time_plan
 from rollplex.graph.ir import op, steps
 from rollplex.graph.plan import Plan
-from rollplex.memory.objects import GIB, MemObject, Residency
+from rollplex.memory.objects import GIB, Component, MemObject, Residency
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -136,8 +137,60 @@ def naive_table(plan: Plan) -> str:
     )
 
 
-def report(plan: Plan, *, naive: bool) -> str:
-    parts = [header(plan), graph_table(plan), memory_table(plan), peak_table(plan), sharing_table(plan)]
+def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
+    """Each phase's work for the planned step, its bound on the spec's GPU, and (given efficiencies) the
+    predicted seconds; then what each residency choice costs on the host link."""
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
+    rows, bound, predicted = [], 0.0, 0.0
+    for r in time_plan(plan, efficiencies):
+        if not (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes):
+            continue
+        cells = [
+            r.timer,
+            f"{r.cost.flops / 1e12:.1f}",
+            f"{r.cost.hbm_bytes / 1e9:.1f}",
+            f"{r.cost.host_bytes / 1e9:.1f}",
+        ]
+        cells += [f"{r.bound_s:.3f}", "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
+        rows.append([*cells, "-" if r.predicted_s is None else f"{r.predicted_s:.2f}"])
+        bound += r.bound_s
+        predicted += r.predicted_s or 0.0
+    rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if efficiencies else "-"])
+    heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
+    title = (
+        f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
+        f"TB/s HBM, {peaks.host_bytes_s / 1e9:.0f} GB/s host link each way; phases one after another)"
+    )
+    return f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
+
+
+def residency_choices(plan: Plan, peaks) -> str:
+    """Where the objects that could cross the host link every step were put, and what that costs per step."""
+    d = plan.decisions
+    lines = []
+    for label, component, where in (
+        ("actor prefix saved tensors", Component.PREFIX_SAVED, d.prefix_saved),
+        ("FP32 optimizer state", (Component.MASTER, Component.MOMENTS), d.optimizer_state),
+        ("reference weights", Component.WEIGHTS, d.reference_weights),
+    ):
+        members = component if isinstance(component, tuple) else (component,)
+        role = "reference" if component is Component.WEIGHTS else "actor"
+        size = sum(o.bytes for o in plan.residency.objects if o.role == role and o.component in members)
+        moved = 2 * size if where is Residency.HOST else 0
+        lines.append(
+            f"{label}: {gib(size)} GiB in {where.value.upper()}"
+            + (
+                f", {moved / 1e9:.1f} GB over the host link per step ({moved / peaks.host_bytes_s:.2f} s)"
+                if moved
+                else ""
+            )
+        )
+    return "residency choices: " + "; ".join(lines)
+
+
+def report(plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = None) -> str:
+    parts = [header(plan), graph_table(plan), memory_table(plan), peak_table(plan), time_table(plan, efficiencies)]
+    parts.append(sharing_table(plan))
     if naive:
         parts.append(naive_table(plan))
     verdict = "FITS" if plan.residency.fits else "DOES NOT FIT"

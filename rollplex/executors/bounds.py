@@ -1,0 +1,32 @@
+"""A step's bound from its real token counts: the cost model (`rollplex.graph.cost`) on the prompts, videos and
+response lengths the step actually had, for `rollplex run`'s metrics and `rollplex bench`'s efficiencies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rollplex.graph.cost import KNOWN_PEAKS, StepTokens, phase_bounds, plan_phase_costs
+from rollplex.graph.plan import Plan
+
+
+def step_tokens(examples: Sequence, response_lens: torch.Tensor) -> StepTokens:
+    """The token counts of a step: each example's prompt tokens, vision patches and temporal patches, and each
+    response's length ([P, N])."""
+    prompts = [e.prompt for e in examples]
+    return StepTokens(
+        prompt_tokens=tuple(p.num_tokens for p in prompts),
+        patches=tuple(sum(v.num_patches for v in p.visuals) for p in prompts),
+        frames=tuple(max([v.grid_thw[0] for v in p.visuals], default=1) for p in prompts),
+        response_lens=tuple(tuple(int(x) for x in row) for row in response_lens.cpu().tolist()),
+    )
+
+
+def step_bounds(plan: Plan, examples: Sequence, response_lens: torch.Tensor) -> dict[str, float]:
+    """Seconds at the bound of each phase timer of this step, on the spec's GPU (`cluster.gpu`)."""
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
+    return {
+        k: round(v, 4)
+        for k, v in phase_bounds(plan_phase_costs(plan, step_tokens(examples, response_lens)), peaks).items()
+    }

@@ -1,0 +1,327 @@
+"""The cost model: each phase's FLOPs and bytes for one step of a compiled plan, and its bound on a device.
+
+bound = max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth, host bytes / host-link bandwidth) for each part of
+an op (rollout's prefill and its decode are two parts, one after the other), summed per phase timer (the keys
+of `time_s`: `rollout`, `ref_prefix`, ...). The counts follow the model config, the
+step's token counts (`StepTokens`: each prompt's tokens and patches, each response's length) and the plan's
+choices (recompute, where the prefix's saved tensors and the optimizer state live). Conventions: a matmul pass
+costs 2 x parameters x tokens, its backward twice that, a recompute one forward more; attention 4 x width x
+queries x keys per layer, half of it when causal; decode reads every weight and every live KV once per step.
+Per GPU: training counts divide by the train TP degree, rollout's by the rollout TP degree. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollplex.graph.decisions import Decisions, PrefixActivations
+from rollplex.graph.ir import NodeKind, Op, Part, Role, ops
+from rollplex.memory import shapes as S
+from rollplex.memory.objects import Residency
+from rollplex.memory.workload import PerGpu
+from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
+
+STATE_BYTES = 12  # FP32 master weight and two Adam moments per parameter
+UPDATE_HBM_BYTES = 30  # per parameter: state read and written, FP32 gradient read, BF16 weight written
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePeaks:
+    """What one GPU does at best: dense bf16 matmul FLOP/s, HBM copy bandwidth, pinned host link (one way)."""
+
+    name: str
+    flops: float
+    hbm_bytes_s: float
+    host_bytes_s: float
+
+
+# Measured on the machines rollplex has run on (docs/results.md); others are the vendors' figures.
+KNOWN_PEAKS = {
+    "H200": DevicePeaks("NVIDIA H200", 796e12, 4.27e12, 55.3e9),
+    "H100": DevicePeaks("NVIDIA H100 SXM", 989e12 * 0.8, 3.35e12 * 0.9, 55e9),
+    "H800": DevicePeaks("NVIDIA H800", 989e12 * 0.8, 3.35e12 * 0.9, 25e9),
+    "A100": DevicePeaks("NVIDIA A100 80GB", 312e12 * 0.8, 2.0e12 * 0.9, 25e9),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepTokens:
+    """The token counts of one step on one training rank: per prompt, its tokens and vision patches (with the
+    temporal patches of its video); per prompt and sample, the response's length."""
+
+    prompt_tokens: tuple[int, ...]
+    patches: tuple[int, ...]
+    frames: tuple[int, ...]  # temporal patches (grid_t) of each prompt's video
+    response_lens: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_responses(self) -> int:
+        return sum(len(r) for r in self.response_lens)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(sum(r) for r in self.response_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    host_bytes: float = 0.0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, self.host_bytes + other.host_bytes)
+
+    def scaled(self, k: float) -> Cost:
+        return Cost(self.flops * k, self.hbm_bytes * k, self.host_bytes * k)
+
+    def bound_s(self, peaks: DevicePeaks) -> float:
+        return max(self.flops / peaks.flops, self.hbm_bytes / peaks.hbm_bytes_s, self.host_bytes / peaks.host_bytes_s)
+
+
+def planned_tokens(gpu: PerGpu, frames: int, lengths: Sequence[int] = ()) -> StepTokens:
+    """The step the plan is made for: every prompt at its budget, videos of `frames` temporal patches, the
+    responses of `lengths` in order (repeated as needed; default: every one at the budget)."""
+    n, group = gpu.prompts_per_rank, gpu.group_size
+    lengths = list(lengths) or [gpu.response_tokens]
+    lens = [min(lengths[i % len(lengths)], gpu.response_tokens) for i in range(n * group)]
+    return StepTokens(
+        prompt_tokens=(gpu.prompt_tokens,) * n,
+        patches=(gpu.patches_per_prompt,) * n,
+        frames=(max(1, frames),) * n,
+        response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
+    )
+
+
+def phase_costs(
+    ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens
+) -> dict[str, tuple[Cost, ...]]:
+    """{timer: the parts of its ops, in order} of one step."""
+    split = any(o.part is Part.SUFFIX for o in ops_)
+    out: dict[str, tuple[Cost, ...]] = {}
+    for o in ops_:
+        key = timer_of(o)
+        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split)
+    return out
+
+
+def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
+    """`phase_costs` of a compiled plan."""
+    return phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, plan.decisions, tokens)
+
+
+def phase_bounds(costs: dict[str, tuple[Cost, ...]], peaks: DevicePeaks) -> dict[str, float]:
+    """Seconds at the bound of each timer: its parts one after another."""
+    return {k: sum(part.bound_s(peaks) for part in parts) for k, parts in costs.items()}
+
+
+def total(parts: Sequence[Cost]) -> Cost:
+    out = Cost()
+    for part in parts:
+        out = out + part
+    return out
+
+
+def timer_of(o: Op) -> str:
+    """The `time_s` key an op's seconds count under (as the runtime's `timer_of`)."""
+    if o.kind is NodeKind.DECODE:
+        return "rollout"
+    if o.kind in (NodeKind.REWARD, NodeKind.UPDATE):
+        return o.kind.value
+    who = "ref" if o.role is Role.REFERENCE else "actor"
+    if o.part is Part.PREFIX:
+        return f"{who}_prefix"
+    return "ref_suffix" if who == "ref" else "actor_suffix_backward"
+
+
+def op_parts(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool) -> tuple[Cost, ...]:
+    """An op's parts, one after another: rollout's prefill then its decode; one part for any other op."""
+    if o.kind is NodeKind.DECODE:
+        t, v = model.text, model.vision
+        return prefix_forward(t, v, tokens, gpu.rollout_tp), decode(t, tokens, gpu.rollout_tp)
+    return (op_cost(o, model, gpu, d, tokens, split),)
+
+
+def op_cost(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool) -> Cost:
+    """One op's cost (parts summed); `split`: the graph is split at the response (the actor's backward has a
+    prefix)."""
+    t, v, tp = model.text, model.vision, gpu.train_tp
+    share = _share(o, tokens)
+    if o.kind is NodeKind.DECODE:
+        return total(op_parts(o, model, gpu, d, tokens, split))
+    if o.kind is NodeKind.UPDATE:
+        return update(t, v, tp, d)
+    if o.kind is NodeKind.REWARD:
+        return Cost()
+    if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
+        cost = prefix_forward(t, v, tokens, tp).scaled(share)
+        if o.role is Role.ACTOR and d.prefix_saved is Residency.HOST:
+            cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d))
+        return cost
+    if o.kind is NodeKind.FORWARD:
+        if o.role is Role.ACTOR:
+            return Cost()  # the actor's scoring runs fused with its backward (the backward op counts it)
+        return (suffix_forward(t, tokens, tp) if o.part is Part.SUFFIX else whole_forward(t, v, tokens, tp)).scaled(
+            share
+        )
+    return backward(split, t, v, tokens, tp, d).scaled(share)
+
+
+def _share(o: Op, tokens: StepTokens) -> float:
+    """The part of the step's prompts an op works on: a mini-batch's, or all."""
+    return 1.0 if o.minibatch is None else 1.0 / o.minibatch.count
+
+
+def layer_params(t: TextConfig) -> int:
+    """Matmul parameters of one decoder layer: q, k, v, o, gate, up and down."""
+    h, kv = t.hidden_size, t.num_key_value_heads * t.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * t.intermediate_size
+
+
+def _llm_flops(t: TextConfig, tokens: float, tp: int) -> float:
+    return 2 * t.num_hidden_layers * layer_params(t) * tokens / tp
+
+
+def _head_flops(t: TextConfig, tokens: float, tp: int) -> float:
+    return 2 * t.hidden_size * t.vocab_size * tokens / tp
+
+
+def _attention_flops(t: TextConfig, queries: float, keys: float, tp: int, causal: bool) -> float:
+    return 4 * t.hidden_size * queries * keys * t.num_hidden_layers / tp / (2 if causal else 1)
+
+
+def vision_forward(v: VisionConfig, patches: int, frames: int, tp: int) -> float:
+    """FLOPs of the vision encoder over one video: the patch embedding, its blocks' matmuls, window attention
+    (windows of (window_size / patch_size)^2 patches) and full attention within each temporal patch, and the
+    merger."""
+    hv, iv = v.hidden_size, v.intermediate_size
+    embed = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * hv * patches
+    block = 2 * (4 * hv * hv + 3 * hv * iv) * patches
+    window = (v.window_size // v.patch_size) ** 2
+    per_frame = patches / max(frames, 1)
+    full = len(v.fullatt_block_indexes)
+    attention = 4 * hv * patches * (full * per_frame + (v.depth - full) * min(window, per_frame))
+    merged = hv * v.merge_unit
+    merger = 2 * (merged * merged + merged * v.out_hidden_size) * patches / v.merge_unit
+    return (embed + v.depth * block + attention + merger) / tp
+
+
+def prefix_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -> Cost:
+    """Vision encoder and prompt prefill of every prompt, and the last position's logits."""
+    flops = 0.0
+    for length, patches, frames in zip(tokens.prompt_tokens, tokens.patches, tokens.frames, strict=True):
+        flops += vision_forward(v, patches, frames, 1) + _llm_flops(t, length, tp)
+        flops += _attention_flops(t, length, length, tp, causal=True) + _head_flops(t, 1, tp)
+    return Cost(flops=flops)
+
+
+def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
+    """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself, the LM head."""
+    flops = 0.0
+    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
+        for r in lens:
+            flops += _llm_flops(t, r, tp) + _head_flops(t, r, tp)
+            flops += _attention_flops(t, r, length, tp, causal=False) + _attention_flops(t, r, r, tp, causal=True)
+    return Cost(flops=flops)
+
+
+def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -> Cost:
+    """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time."""
+    flops = 0.0
+    for length, patches, frames, lens in zip(
+        tokens.prompt_tokens, tokens.patches, tokens.frames, tokens.response_lens, strict=True
+    ):
+        for r in lens:
+            flops += vision_forward(v, patches, frames, 1) + _llm_flops(t, length + r, tp)
+            flops += _attention_flops(t, length + r, length + r, tp, causal=True) + _head_flops(t, r, tp)
+    return Cost(flops=flops)
+
+
+def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions) -> Cost:
+    """The actor's scoring forward, its backward (twice the forward), a recomputed forward where the plan
+    recomputes; split, also the backward through the prefix (and its rerun under recompute) and the saved
+    tensors' way back from the host."""
+    scoring = suffix_forward(t, tokens, tp) if split else whole_forward(t, v, tokens, tp)
+    cost = scoring.scaled(4 if d.recompute_microbatch else 3)
+    if split:
+        prefix = prefix_forward(t, v, tokens, tp)
+        rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
+        cost = cost + prefix.scaled(3 if rerun else 2)
+        if d.prefix_saved is Residency.HOST:
+            cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d))
+    return cost
+
+
+def _prefix_saved_bytes(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions) -> float:
+    """What the attached prefix keeps for its backward (all of it, or the layer inputs under recompute)."""
+    prompt, patches = sum(tokens.prompt_tokens), sum(tokens.patches)
+    if d.prefix_activations is PrefixActivations.RECOMPUTE:
+        return prompt * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + patches * v.depth * (
+            v.hidden_size * S.BF16
+        )
+    llm = prompt * t.num_hidden_layers * S.layer_activation_bytes_per_token(t, tp)
+    return llm + patches * v.depth * S.vision_activation_bytes_per_patch(v, tp)
+
+
+def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
+    """Decode to the longest response: each step reads every weight and each live sequence's KV so far, and
+    each prompt's KV once (shared by its samples)."""
+    weights = S.llm_params_per_rank(t, tp) * S.BF16
+    kv = S.kv_bytes_per_token(t, tp)
+    lens = [r for group in tokens.response_lens for r in group]
+    steps = max(lens, default=0)
+    own = sum(r * (r + 1) / 2 for r in lens)  # each sequence reads 1, 2, ..., r of its own tokens
+    live_prompts = sum(  # a prompt's KV is read while any of its samples is live
+        length * max(group, default=0) for length, group in zip(tokens.prompt_tokens, tokens.response_lens, strict=True)
+    )
+    hbm = steps * weights + kv * (own + live_prompts)
+    flops = 2 * S.llm_params_per_rank(t, tp) * sum(lens)
+    return Cost(flops=flops, hbm_bytes=hbm)
+
+
+def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
+    """The AdamW step: its state and gradients read and written in HBM; over the host link both ways when the
+    state lives in the pinned pool."""
+    params = S.llm_params_per_rank(t, tp) + S.vision_params(v, stored=True)
+    host = 2 * STATE_BYTES * params if d.optimizer_state is Residency.HOST else 0.0
+    return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTime:
+    timer: str
+    cost: Cost
+    bound_s: float
+    efficiency: float | None  # bound over measured seconds, where known
+    predicted_s: float | None  # bound / efficiency
+
+
+def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
+    """Each phase timer's cost and bound for the step the plan is made for (`planned_step`), and its predicted
+    seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`)."""
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
+    costs = plan_phase_costs(plan, planned_step(plan))
+    rows = []
+    for timer, parts in costs.items():
+        bound = sum(p.bound_s(peaks) for p in parts)
+        e = (efficiencies or {}).get(timer)
+        rows.append(PhaseTime(timer, total(parts), bound, e, bound / e if e else None))
+    return tuple(rows)
+
+
+def planned_step(plan) -> StepTokens:
+    """The step's token counts as the plan sees them: prompts at their budget; videos of the spec's frames or
+    the synthetic preset's typical count; responses drawn from the synthetic preset's length distribution
+    (what `workload.replay_lengths` replays), else at the budget."""
+    from rollplex.data.presets import get_preset
+
+    spec, gpu = plan.loaded.spec, plan.context.gpu
+    w = spec.workload
+    preset = None
+    if w.dataset.startswith("synthetic:"):
+        name, _, scale = w.dataset.removeprefix("synthetic:").partition("@")
+        preset = get_preset(name).tiny() if scale else get_preset(name)
+    frames = -(-w.video.frames // 2) if w.video else (-(-sum(preset.frames) // 4) if preset else 1)
+    lengths = preset.response.sample(gpu.prompts_per_rank * gpu.group_size, spec.run.seed) if preset else ()
+    return planned_tokens(gpu, frames, [int(x) for x in lengths])

@@ -1,0 +1,124 @@
+"""The cost model against torch's own FLOP count of our model's matmuls, the attention terms counted by hand,
+and the bound's rules (the slowest of compute, HBM and host link; parts one after another)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rollplex.data.source import batch_at, open_dataset
+from rollplex.data.tokenizer import CharTokenizer
+from rollplex.executors.bounds import step_tokens
+from rollplex.graph import cost
+from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
+from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.models.config import load_model_config
+from rollplex.models.model import Qwen2_5_VL
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+PEAKS = DevicePeaks("test", flops=1e12, hbm_bytes_s=1e9, host_bytes_s=1e8)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = load_model_config("tiny")
+    examples = batch_at(open_dataset("synthetic:clevrer@tiny", CharTokenizer(), 0), 0, 3)
+    return config, Qwen2_5_VL(config), examples
+
+
+def counted(fn) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def counted_linears(fn) -> int:
+    """FLOPs of the decoder's projections and the LM head alone (the suffix's attention runs partly as matmuls)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    counts = counter.get_flop_counts()
+    linears = [k for k in counts if re.search(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj$", k)] + ["Linear"]
+    return sum(sum(counts[k].values()) for k in linears if k in counts)
+
+
+def without_attention(monkeypatch):
+    """torch's counter leaves out scaled_dot_product_attention on the CPU: compare the matmuls alone."""
+    monkeypatch.setattr(cost, "_attention_flops", lambda *a, **k: 0.0)
+    monkeypatch.setattr(cost, "vision_forward", _vision_matmuls)
+
+
+_vision_forward = cost.vision_forward
+
+
+def _vision_matmuls(v, patches, frames, tp):
+    return _vision_forward(v, patches, frames, tp) - 4 * v.hidden_size * patches * (
+        len(v.fullatt_block_indexes) * patches / frames
+        + (v.depth - len(v.fullatt_block_indexes)) * min((v.window_size // v.patch_size) ** 2, patches / frames)
+    )
+
+
+def test_the_prefix_and_suffix_matmuls_are_the_flops_torch_counts_in_our_model(tiny, monkeypatch):
+    config, model, examples = tiny
+    lens = torch.tensor([[7, 3], [5, 7], [1, 6]])
+    responses = torch.randint(13, 100, (3, 2, 7), generator=torch.Generator().manual_seed(1))
+    tokens = step_tokens(examples, lens)
+    boundary = model.prefix([e.prompt for e in examples], attached=False)
+    prefix = counted(lambda: model.prefix([examples[0].prompt], attached=False))  # one prompt: no padding
+    one_row = counted_linears(lambda: model.suffix_rows(boundary, torch.tensor([0]), responses[0, :1], lens[0, :1]))
+    without_attention(monkeypatch)
+    single = StepTokens(tokens.prompt_tokens[:1], tokens.patches[:1], tokens.frames[:1], ((7,),))
+    assert cost.prefix_forward(config.text, config.vision, single, 1).flops == pytest.approx(prefix, rel=1e-6)
+    # the suffix's LM head scores token 0 from the boundary: its row of R-1 hidden states, plus the head on them
+    suffix = cost.suffix_forward(config.text, single, 1).flops
+    head_on_first = 2 * config.text.hidden_size * config.text.vocab_size
+    assert suffix - cost._llm_flops(config.text, 1, 1) - head_on_first == pytest.approx(one_row, rel=1e-6)
+
+
+def test_attention_is_four_widths_per_query_key_pair_and_layer_halved_when_causal():
+    t = load_model_config("qwen2_5_vl_3b").text
+    one = StepTokens((1000,), (0,), (1,), ((10,),))
+    attention = prefix_forward(t, load_model_config("qwen2_5_vl_3b").vision, one, 1).flops - (
+        cost._llm_flops(t, 1000, 1) + cost._head_flops(t, 1, 1)
+    )
+    assert attention == pytest.approx(4 * t.hidden_size * 1000 * 1000 / 2 * t.num_hidden_layers)
+    s = suffix_forward(t, one, 1).flops - cost._llm_flops(t, 10, 1) - cost._head_flops(t, 10, 1)
+    assert s == pytest.approx(4 * t.hidden_size * t.num_hidden_layers * (10 * 1000 + 10 * 10 / 2))
+
+
+def test_tensor_parallelism_divides_each_ranks_work_and_decode_reads_each_live_kv_once_per_step():
+    t, v = (lambda c: (c.text, c.vision))(load_model_config("qwen2_5_vl_7b"))
+    tokens = StepTokens((4000, 4000), (0, 0), (1, 1), ((100, 300), (50, 50)))
+    assert prefix_forward(t, v, tokens, 2).flops == pytest.approx(prefix_forward(t, v, tokens, 1).flops / 2)
+    longer = StepTokens((4000, 4000), (0, 0), (1, 1), ((100, 301), (50, 50)))
+    one_more = decode(t, longer, 1).hbm_bytes - decode(t, tokens, 1).hbm_bytes
+    from rollplex.memory import shapes as S
+
+    kv = S.kv_bytes_per_token(t, 1)
+    assert one_more == pytest.approx(S.llm_params_per_rank(t, 1) * S.BF16 + kv * (301 + 4000))
+
+
+def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
+    assert Cost(flops=2e12, hbm_bytes=1e9, host_bytes=1e7).bound_s(PEAKS) == 2.0
+    assert Cost(flops=1e9, hbm_bytes=3e9).bound_s(PEAKS) == 3.0
+    assert Cost(host_bytes=5e8).bound_s(PEAKS) == 5.0
+    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
+    costs = cost.plan_phase_costs(plan, cost.planned_step(plan))
+    prefill, decoding = costs["rollout"]
+    assert cost.phase_bounds(costs, PEAKS)["rollout"] == prefill.bound_s(PEAKS) + decoding.bound_s(PEAKS)
+    assert decoding.hbm_bytes / PEAKS.hbm_bytes_s > decoding.flops / PEAKS.flops  # decode reads, prefill computes
+
+
+def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_efficiencies():
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+
+    hbm = compile_plan(parse_spec(text))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
+    by = {r.timer: r for r in cost.time_plan(host, {"update": 0.5})}
+    assert {r.timer: r for r in cost.time_plan(hbm)}["update"].cost.host_bytes == 0
+    assert by["update"].cost.host_bytes == pytest.approx(2 * 12 * (by["update"].cost.hbm_bytes / 30))
+    assert by["update"].predicted_s == pytest.approx(by["update"].bound_s / 0.5)
+    assert by["rollout"].predicted_s is None
