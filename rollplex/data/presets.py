@@ -14,9 +14,10 @@ resolutions, so the numbers below are OUR CHOICE, shaped on those figures and on
 | llava_video     | 40-56  | 360-1080 | 16/9 4/3 | 256*28^2 | 150-300  | ~5.9k      | 150 / 1.0 / 2048       |
 
 `colour` is shaped on no paper task: one large object per clip, asked its colour among four options in a
-fixed order (chance 0.25), so that the answer depends on the video and a random-weight tiny model learns it
-on a CPU (`specs/tiny_cpu.yaml`, the learning check; objects of the other presets' size fill one patch of a
-tiny frame, too little of the prompt for the tiny model to find in minutes).
+fixed order (chance 0.25), the colours taken in turn so that every step asks each option equally often (a
+policy gains nothing from a favourite letter). The answer depends on the video alone, and a random-weight
+tiny model learns it on a CPU (`specs/tiny_cpu.yaml`, the learning check); objects of the other presets'
+size fill one patch of a tiny frame, too little of the prompt for the tiny model to find in minutes.
 
 Prompt fraction at the median: clevrer ~0.80, perception_test ~0.92, star ~0.90, llava_video ~0.98
 (medians of 400 sampled layouts; prompt = text + 2 + visual tokens).
@@ -95,6 +96,7 @@ class Preset:
     objects: tuple[int, int] = (3, 6)  # moving objects per scene
     palette: int = 8  # the scene's colours come from the first `palette` of `scene.COLOURS`
     radius: tuple[float, float] = (0.06, 0.12)  # of each object, a fraction of the shorter frame side
+    balanced: bool = False  # one object, its colour the palette's in turn: every `palette` examples ask each once
 
     def __post_init__(self) -> None:
         for label, (lo, hi) in (
@@ -108,6 +110,8 @@ class Preset:
             raise ValueError(f"preset {self.name}: needs an aspect ratio, two options and a question kind")
         if not 0 < self.objects[0] <= self.objects[1] <= self.palette:
             raise ValueError(f"preset {self.name}: objects {self.objects} need 0 < low <= high <= palette")
+        if self.balanced and self.objects != (1, 1):
+            raise ValueError(f"preset {self.name}: a balanced preset has one object per scene")
 
     def layout(self, seed: int, index: int) -> Layout:
         """The sizes of example `index`: a pure function of (seed, index)."""
@@ -203,6 +207,7 @@ PRESETS: dict[str, Preset] = {
         objects=(1, 1),
         palette=4,
         radius=(0.3, 0.4),
+        balanced=True,
     ),
 }
 

@@ -12,7 +12,8 @@ run resumes at any data position and two processes agree on every example. The p
 
 The question is preceded by scene-description filler words until the prompt's text reaches the layout's
 text-token count (one word over at most). `mismatch_videos` (a control run) shows example i's question and
-answer with the video of example i + 1, so that the answer cannot be read from what the model sees. Frames
+answer with the video of another example drawn from (seed, i), so that the answer cannot be read from what the
+model sees. Frames
 are rendered at the preset's post-resize size, so the pixel path costs no resampling. This module does not
 score responses (see `rewards`).
 """
@@ -20,7 +21,7 @@ score responses (see `rewards`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -144,18 +145,34 @@ class SyntheticVideoQA:
         for index in range(start, self.num_examples):
             yield self._example(index)
 
-    def _scene(self, index: int) -> Scene:
-        """The scene example `index` asks about (the first draw of its generator)."""
-        rng = np.random.default_rng([self.seed, index, 0x5CE7E])
-        return sample_scene(rng, self.preset.objects, self.preset.palette, self.preset.radius)
+    def _scene(self, index: int, rng: np.random.Generator) -> Scene:
+        """The scene example `index` asks about, drawn first from its generator `rng`; under a balanced preset its
+        one object takes the palette's colours in turn (example i the (i mod palette)-th)."""
+        scene = sample_scene(rng, self.preset.objects, self.preset.palette, self.preset.radius)
+        if not self.preset.balanced:
+            return scene
+        (thing,) = scene.things
+        return replace(scene, things=(replace(thing, colour=list(COLOURS)[index % self.preset.palette]),))
+
+    def _shown(self, index: int) -> int:
+        """The example whose video example `index` shows: itself, or (mismatched) another drawn from its seed."""
+        if not self.mismatch_videos:
+            return index
+        offset = int(np.random.default_rng([self.seed, index, 0xD15]).integers(1, self.num_examples))
+        return (index + offset) % self.num_examples
 
     def _example(self, index: int) -> Example:
         preset = self.preset
         layout = preset.layout(self.seed, index)
         rng = np.random.default_rng([self.seed, index, 0x5CE7E])
-        scene = sample_scene(rng, preset.objects, preset.palette, preset.radius)
+        scene = self._scene(index, rng)
         height, width = preset.frame_size(layout)
-        shown = self._scene((index + 1) % self.num_examples) if self.mismatch_videos else scene
+        shown_index = self._shown(index)
+        shown = (
+            scene
+            if shown_index == index
+            else self._scene(shown_index, np.random.default_rng([self.seed, shown_index, 0x5CE7E]))
+        )
         frames = render(shown, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
         question = ask(QuestionKind(rng.choice(list(preset.questions))), scene, bounces, rng, preset.num_options)

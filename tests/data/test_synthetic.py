@@ -6,7 +6,7 @@ import torch
 
 from rollplex.data.chat import num_text_tokens
 from rollplex.data.presets import PRESETS
-from rollplex.data.scene import render, sample_scene
+from rollplex.data.scene import COLOURS, render, sample_scene
 from rollplex.data.synthetic import QuestionKind, SyntheticVideoQA, ask
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer
 from rollplex.data.types import AnswerKind
@@ -68,16 +68,21 @@ def test_the_fastest_colour_option_names_the_fastest_thing():
         assert len(set(q.options)) == 4
 
 
-def test_the_colour_preset_asks_the_one_objects_colour_with_fixed_letters_and_balanced_answers():
+def test_the_colour_preset_asks_the_one_objects_colour_with_fixed_letters_each_in_turn():
     ds = SyntheticVideoQA(PRESETS["colour"].tiny(), CharTokenizer(), seed=0, num_examples=200)
     examples = [ds[i] for i in range(len(ds))]
     assert {e.meta["options"] for e in examples} == {("A. red", "B. green", "C. blue", "D. yellow")}
-    counts = [sum(e.answer == letter for e in examples) for letter in "ABCD"]
-    assert min(counts) >= 40  # chance is 0.25 whatever a policy answers
-    for i, e in enumerate(examples[:20]):
-        (thing,) = sample_scene(np.random.default_rng([0, i, 0x5CE7E]), (1, 1), 4, (0.3, 0.4)).things
-        assert e.answer == "ABCD"[["red", "green", "blue", "yellow"].index(thing.colour)]
-        assert e.meta["question_kind"] == QuestionKind.COLOUR
+    assert [e.answer for e in examples[:8]] == list("ABCDABCD")  # any 4 consecutive examples ask each once
+    assert {e.meta["question_kind"] for e in examples} == {QuestionKind.COLOUR}
+    for i, e in enumerate(examples[:8]):  # the video shows that colour: the object's pixels
+        (thing,) = ds._scene(i, np.random.default_rng([0, i, 0x5CE7E])).things
+        assert thing.colour == ["red", "green", "blue", "yellow"][i % 4] and thing.radius >= 0.3
+        layout = ds.preset.layout(0, i)
+        frames = render(ds._scene(i, np.random.default_rng([0, i, 0x5CE7E])), layout.num_frames,
+                        *ds.preset.frame_size(layout))  # fmt: skip
+        expected = preprocess_video(frames, ds.preset.vision, size=ds.preset.frame_size(layout)).pixel_values
+        assert torch.equal(e.prompt.visuals[0].pixel_values, expected)
+        assert (frames == np.array(COLOURS[thing.colour], dtype=np.uint8)).all(-1).mean() > 0.1  # a large object
 
 
 def test_the_prompt_holds_one_video_whose_pixels_are_the_rendered_scene(dataset):
@@ -129,17 +134,22 @@ def test_an_index_past_the_end_is_an_index_error(dataset):
         dataset[40]
 
 
-def test_mismatched_videos_keep_each_question_and_answer_and_show_the_next_examples_scene():
+def test_mismatched_videos_keep_each_question_and_answer_and_show_another_examples_video():
     preset = PRESETS["colour"].tiny()
-    matched = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=200)
-    shown = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=200, mismatch_videos=True)
-    for i in (0, 5, 199):
+    matched = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=400)
+    shown = SyntheticVideoQA(preset, CharTokenizer(), seed=1, num_examples=400, mismatch_videos=True)
+    others = []
+    for i in range(200):
         a, b = matched[i], shown[i]
         assert torch.equal(a.prompt.input_ids, b.prompt.input_ids) and a.answer == b.answer
-        layout = preset.layout(1, i)
-        next_scene = sample_scene(np.random.default_rng([1, (i + 1) % 200, 0x5CE7E]), (1, 1), 4, (0.3, 0.4))
-        frames = render(next_scene, layout.num_frames, *preset.frame_size(layout))
-        expected = preprocess_video(frames, preset.vision, size=preset.frame_size(layout)).pixel_values
-        assert torch.equal(b.prompt.visuals[0].pixel_values, expected)
-    agree = sum(shown[i].answer == matched[(i + 1) % 200].answer for i in range(200)) / 200
-    assert agree < 0.4  # what the video shows answers the question at about chance (0.25)
+        j = shown._shown(i)
+        assert j != i
+        others.append(matched[j].answer)
+        if i < 5:
+            layout = preset.layout(1, i)
+            scene = shown._scene(j, np.random.default_rng([1, j, 0x5CE7E]))
+            frames = render(scene, layout.num_frames, *preset.frame_size(layout))
+            expected = preprocess_video(frames, preset.vision, size=preset.frame_size(layout)).pixel_values
+            assert torch.equal(b.prompt.visuals[0].pixel_values, expected)
+    agree = sum(o == matched[i].answer for i, o in enumerate(others)) / 200
+    assert 0.15 < agree < 0.35  # what the video shows answers the question at chance (0.25)
