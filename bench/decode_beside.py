@@ -5,10 +5,9 @@ setting of the decode kernels (`run.decode_kernels`).
         --out bench/results/decode_beside_3b_h200.json
 
 Under `sharing.policy: green` the prefixes run on a green context of `prefix_sms` SMs while decode keeps the
-default context; a prefill kernel holds its SMs, so decode's kernels run on the rest. Session 10 measured decode
-1.36-1.40x slower beside the prefixes with 33 or 66 SMs for them; this measures the decode step alone. (Session 12
-also timed our GEMMs with their waves planned for the SMs left, `gemm_sms`, since removed: no better than
-cuBLAS beside the neighbour; bench/results/decode_beside_3b_h200.json.)
+default context; a prefill kernel holds its SMs, so decode's kernels run on the rest, and decode slows down beside
+the prefixes. This measures the decode step alone. (Our GEMMs are not planned for the SMs left: waves planned
+that way did no better than cuBLAS beside the neighbour.)
 After a short rollout that captures the graphs (one engine per kernel setting; sequences end after 4 tokens), the
 full-batch graph is replayed `--steps` times from the middle of a `--tokens` response cache, alone and while a
 stand-in for the prefix runs on a green context of P SMs: back-to-back bf16 matmuls [8192 x 8192], enough to

@@ -6,7 +6,7 @@
 #     sweep:  bench/gemm_layouts.py --sweep (every shape, the picked tiles and the swept ones; compiled first in
 #             16 parallel processes) -> $OUT/gemm_sweep_h200.json
 #     picked: bench/gemm_layouts.py with the picked tiles only -> $OUT/gemm_layouts_h200.json
-#     focus:  the sweep where the picked tiles missed (session 10): 7B decode at 32 and 64 rows, 3B at 64 rows,
+#     focus:  the sweep where the picked tiles can miss their targets: 7B decode at 32 and 64 rows, 3B at 64 rows,
 #             and the QKV prefill -> $OUT/gemm_focus_{7b_decode,3b_decode,qkv_prefill}_h200.json
 #     wide:   7B TP-1 QKV decode (32, 64 rows) over warps and K tiles too -> $OUT/gemm_wide_7b_qkv_h200.json
 #     swap:   the swap_gemm and qkv GPU tests -> $OUT/swap_gpu_tests.log, swap_gemm's tiles swept on every fused QKV

@@ -8,22 +8,22 @@
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
 #     their spec with run.cudnn_attention false; their files are tagged _nocudnn
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
-#     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`, since
-#     session 10; PPC=1 is the grouping before); tagged _ppcN
+#     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`; PPC=1
+#     puts one prompt in each chunk); tagged _ppcN
 #   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (rollplex, rollplex_pdl;
 #     both schedules decode with them); tagged _NAME
 #   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
-#     first two or three steps, bench/results/README.md session 9)
+#     first few steps)
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
 # ../shared/tools/gpu-wheels.sh .whl pydantic). Logs and result JSON/PNG go to $OUT (the folder the device
 # returns); each stage prints its short summary last. Serial and rollplex are timed in processes of their own:
 # a schedule run second in one process finds the attention shapes the first met already planned (cuDNN plans
 # each new shape, and the process keeps the plan). `bench3b` (one policy, default green:66, 3 steps) takes
-# ~7-8 minutes; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept warm)
-# for `policies3b`. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process, 2
-# warm-ups, 3 steps and the noise floor overran the serial run's 330 s (session 12). `preset NAME [POLICY...]` benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer,
-# perception_test, star) under each policy.
+# most of a device call; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept
+# warm) for `policies3b`. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
+# 2 warm-ups, 3 steps and the noise floor do not fit in the serial run's 330 s timeout. `preset NAME [POLICY...]`
+# benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit.
 set -u
 STAGE=${1:?stage: start, tests, sdpa, profile, bench3b, policies3b, preset, naive7b or run7b (see the header)}

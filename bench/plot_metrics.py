@@ -1,30 +1,40 @@
-"""Plot reward (and its spread) per step from a run's metrics.jsonl: `python bench/plot_metrics.py IN OUT.png`."""
+"""Plot runs' accuracy and reward per step from their metrics.jsonl:
+`python bench/plot_metrics.py OUT.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]` (a moving mean over 20 steps)."""
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-with open(sys.argv[1]) as f:
-    records = [json.loads(line) for line in f]
-steps = [r["step"] for r in records]
-mean = [r["reward_mean"] for r in records]
-std = [r["reward_std"] for r in records]
-fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(steps, mean, label="reward_mean")
-ax.fill_between(
-    steps,
-    [m - s for m, s in zip(mean, std, strict=True)],
-    [m + s for m, s in zip(mean, std, strict=True)],
-    alpha=0.2,
-    label="± std",
-)
-ax.set_xlabel("step")
-ax.set_ylabel("reward")
-ax.set_title("tiny Qwen2.5-VL, GRPO from random weights (CPU)")
-ax.legend()
-fig.tight_layout()
-fig.savefig(sys.argv[2], dpi=120)
+WINDOW = 20
+
+
+def moving_mean(values: list[float]) -> list[float]:
+    return [sum(values[max(0, i - WINDOW + 1) : i + 1]) / len(values[max(0, i - WINDOW + 1) : i + 1])
+            for i in range(len(values))]  # fmt: skip
+
+
+def main(out: str, runs: list[str]) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run in runs:
+        label, _, directory = run.partition("=")
+        records = [json.loads(line) for line in (Path(directory) / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records]
+        left.plot(steps, moving_mean([r["accuracy"] for r in records]), label=label)
+        right.plot(steps, moving_mean([r["reward_mean"] for r in records]), label=label)
+    left.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance")
+    left.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy (moving mean of 20 steps)")
+    right.set(xlabel="step", ylabel="reward", title="reward_mean (moving mean of 20 steps)")
+    left.legend(loc="upper left")
+    right.legend(loc="lower right")
+    fig.suptitle("tiny Qwen2.5-VL, GRPO from random weights on the CPU (synthetic:colour@tiny)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -14,8 +14,8 @@ process an MPS client of a private daemon too, capped at `--self-percent` (defau
 rollout). For each way: decode's step time alone and beside the neighbour, and the neighbour's TFLOP/s alone
 on the whole GPU (what serial's prefixes get) and beside decode, counted over the decode window from each
 matmul's completion time. `kept` = decode alone / beside + neighbour beside / whole GPU: 1.0 is what time
-slicing gives (the serial sum), above it the share saves time. Session 12 measured decode's slowdown beside
-green partitions (`decode_beside.py`); this adds what the neighbour got and the MPS ways.
+slicing gives (the serial sum), above it the share saves time. `decode_beside.py` measures decode's slowdown
+beside green partitions; this adds what the neighbour got and the MPS ways.
 
 `--decode-sms D` splits the device into two disjoint green contexts (cuDevSmResourceSplitByCount through
 cuda.bindings: torch's `GreenContext.create` makes one partition at a time, with no say in which SMs, and the

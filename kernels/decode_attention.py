@@ -40,9 +40,8 @@ def _chunk(num_sequences: int, num_keys: int, min_programs: int, longest: int) -
 
 def _prompt_chunk(num_sequences: int, num_keys: int) -> int:
     """Prompt chunks of up to 512 keys while they give half a wave of programs: the own chunks share the launch
-    and fill it. Measured on an H200 (bench/decode_attention_sweep.py, 3B shapes, session 11): at 5,888-key
-    prompts 512-key chunks take 22 % less time than 128 (batch 32) and 16 % less than 256 (batch 64); at
-    512-key prompts (batch 64) the choice is within 2 %."""
+    and fill it. Longer chunks write and merge fewer partials, which pays on long prompts; on short prompts the
+    chunk length barely matters."""
     return _chunk(num_sequences, num_keys, NUM_SMS_H200 // 2, 512)
 
 
@@ -65,7 +64,7 @@ class DecodeAttentionShape:
     prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_chunk`)
     own_chunk: int = 0
     block: int = 64
-    num_warps: int = 4  # of the partial kernel (triton's defaults; bench/decode_attention_sweep.py)
+    num_warps: int = 4  # of the partial kernel (triton's defaults)
     num_stages: int = 3
 
     def __post_init__(self) -> None:

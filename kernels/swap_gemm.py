@@ -3,9 +3,8 @@
 At decode (M <= DECODE_MAX_M rows) a tile of 64 rows of x is mostly padding, and Hopper's warpgroup MMA wants 64
 rows on its first side. Swapping the operands puts 64 weight rows there and the few tokens (16, 32 or 64, the
 next power of two) on the other: no MMA row is padding, and each program streams one [BLOCK_N, BLOCK_K] block of
-W per step through a tensor descriptor (TMA), which keeps more bytes in flight per SM than per-thread loads. On
-an H200 this turned 7B TP-1 QKV at 32 rows from 13.3 us (the pointer kernel's picked tile) into 10.8 us against
-cuBLAS's 10.6 (bench/results/README.md, session 15; the trial script is in b5de36b).
+W per step through a tensor descriptor (TMA), which keeps more bytes in flight per SM than per-thread loads; that
+is why a K-contiguous W at decode rows takes this kernel wherever its tiles fit (docs/results.md).
 
 W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatron's interleaved fused QKV
 (`QKV`: column c reads row `stored_rows(c)`). A tile of BLOCK_N consecutive columns reads BLOCK_N consecutive

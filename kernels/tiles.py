@@ -3,25 +3,24 @@ is cut into waves.
 
 A GPU runs one tile per SM at a time, so 160 tiles on 132 SMs take two waves, the second 21 % full.
 
-These are the pointer kernels' tiles (`transposed_gemm`, `qkv_gemm`). Since session 15 a K-contiguous W at
-decode rows takes `swap_gemm` wherever its tiles fit, with tiles of its own (`swap_tiles`); the decode rules
-below then serve the transposed slabs, and the K-contiguous weights only where `swap_gemm` does not fit. The
-examples are the sweeps' shapes as the pointer kernels ran them.
+These are the pointer kernels' tiles (`transposed_gemm`, `qkv_gemm`). A K-contiguous W at decode rows takes
+`swap_gemm` wherever its tiles fit, with tiles of its own (`swap_tiles`); the decode rules below then serve the
+transposed slabs, and the K-contiguous weights only where `swap_gemm` does not fit. The examples are shapes as the
+pointer kernels run them.
 
 Decode (M <= 64 rows) is bound by reading W once, and one wave holds all of it: `pick_tiles` takes the split of the
-columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one wave, K
-split only where every part reads at least DECODE_SPLIT_MIN_K rows, or SHORT_SPLIT_MIN_K for a K-contiguous W (HF's
-[O, I], the fused QKV) where that gives strictly more programs (7B TP-2 QKV, 2304 x 3584: 64 wide in three parts of
-1280/1280/1024 rows, 108 programs, 9.5 against 10.0 us for two parts at 64 rows). On a tie it takes the widest
-tile, except for a W stored [K, N] (N contiguous, `n_contiguous`) with K <= SHORT_K, where it takes the fewest K
-parts among tiles at least 32 wide: there the partials and their sum cost more than a wider tile gains (7B o_proj,
-3584 x 3584: 32 wide unsplit 10.0 us against 64 wide in two parts 11.3 us at 64 rows, session 13's sweep). 16- or
-64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32 rows do not reach) and the deepest pipeline that
-fits in shared memory. Prefill (large M) is bound by math: the usual 128x256x64 Hopper tile with grouped ordering
-so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs the rows whose tiles fill whole waves as
-they are and the rows left over with narrower N tiles (and, if that is not enough, K split) so that they fill one
-more wave instead of a fraction of one. The rules follow H200 sweeps of Qwen2.5-VL 3B/7B shapes at TP 1 and 2
-(`bench/gemm_layouts.py --sweep`; bench/results/README.md).
+columns into N tiles (16, 32 or 64 wide) and of K into 1-8 parts that gives the most programs within one wave, K split
+only where every part reads at least DECODE_SPLIT_MIN_K rows, or SHORT_SPLIT_MIN_K for a K-contiguous W (HF's [O, I],
+the fused QKV) where that gives strictly more programs (7B TP-2 QKV, 2304 x 3584: 64 wide in three parts of
+1280/1280/1024 rows, 108 programs, rather than two parts at 64 rows). On a tie it takes the widest tile, except for a W
+stored [K, N] (N contiguous, `n_contiguous`) with K <= SHORT_K, where it takes the fewest K parts among tiles at least
+32 wide: there the partials and their sum cost more than a wider tile gains (7B o_proj, 3584 x 3584: 32 wide unsplit
+rather than 64 wide in two parts at 64 rows). 16- or 64-row M tiles (64 rows run on Hopper's warpgroup MMA, which 32
+rows do not reach) and the deepest pipeline that fits in shared memory. Prefill (large M) is bound by math: the usual
+128x256x64 Hopper tile with grouped ordering so that neighbouring programs reuse W tiles from L2, and `wave_parts` runs
+the rows whose tiles fill whole waves as they are and the rows left over with narrower N tiles (and, if that is not
+enough, K split) so that they fill one more wave instead of a fraction of one. The rules follow H200 sweeps of
+Qwen2.5-VL 3B/7B shapes at TP 1 and 2 (`bench/gemm_layouts.py --sweep`; docs/results.md).
 
 A K split writes each part's fp32 partial product to a buffer of its own, and `sum_splits` adds them in split
 order: the result does not depend on which program finished first (no atomics), so a product replays bitwise
@@ -65,7 +64,7 @@ class Tiles:
         assert self.split_k is None or self.split_k >= 1, f"split_k must be None or >= 1, got {self}"
 
 
-# 4 stages (192 KiB of shared memory): +5 % on 3B TP-2 QKV, +3 % on 7B TP-2 QKV against 3 (session 13's sweep)
+# 4 stages (192 KiB of shared memory): the deepest pipeline that fits, which hides more of the loads than 3 stages
 PREFILL = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4)
 
 

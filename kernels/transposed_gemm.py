@@ -122,7 +122,7 @@ def matmul_transposed(
     """x: [M, I], s: [I, O] = W^T, both contiguous, same dtype -> y = x W^T: [M, O] in that dtype. `num_sms`:
     the SMs the waves are planned for (default: the device's). `pdl`: each launch is a programmatic dependent
     launch (Hopper): it may start while the kernel before it drains, and waits for that kernel's writes before
-    it reads anything (the overlap needs the kernel before to be launched so too: bench/pdl_chain.py)."""
+    it reads anything (the overlap needs the kernel before to be launched so too)."""
     _check_slab(x, s)
     return _product(x, s, None, (s.shape[1], 1), tiles, num_sms, pdl)
 

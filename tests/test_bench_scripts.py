@@ -161,36 +161,6 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
     assert len(preset("green:66", "streams", fail=True)) == 1  # serial failed: no rollplex run at all
 
 
-def test_policy_table_splits_each_step_difference_into_its_three_parts_old_results_included(tmp_path):
-    """And gives the speedup at serial's after-rollout time, the overlap's own share."""
-    base = {"workload": {"dataset": "synthetic:llava_video"}, "step_s": {"serial": 28.0, "rollplex": 29.0},
-            "speedup": 0.9655, "ideal_speedup": 1.1, "decode_slowdown": 1.4, "updates_match": True}  # fmt: skip
-    balance = {"prefixes_hidden": -2.7, "rollout_longer": 3.5, "after_rollout_longer": 0.2}
-    new = {**base, "policy": "green:66", "after_another_schedule_in_process": False, "step_balance_s": balance}
-    old = {**base, "policy": "streams", "serial_from": "serial.pt", "T_D_s": 9.7, "T_P_s": 2.7,
-           "phase_s": {"rollplex": {"rollout": 13.2}}}  # fmt: skip
-    older = {**base, "policy": "mps"}
-    for name, result in {"a_green66": new, "a_streams": old, "a_mps": older}.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(result))
-    out = subprocess.run([sys.executable, str(ROOT / "bench/policy_table.py"), *sorted(map(str, tmp_path.iterdir()))],
-                         capture_output=True, text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    rows = {line.split("|")[3].strip(): line.split("|")[10].strip() for line in out.stdout.splitlines()[2:]}
-    assert rows == {"green:66": "-2.70 / +3.50 / +0.20", "streams": "-2.70 / +3.50 / +0.20", "mps": "-"}
-    overlap = {line.split("|")[3].strip(): line.split("|")[8].strip() for line in out.stdout.splitlines()[2:]}
-    assert overlap == {"green:66": "0.972x", "streams": "0.972x", "mps": "-"}  # 28 / (28 - 2.7 + 3.5)
-    in_one_process = {line.split("|")[3].strip() for line in out.stdout.splitlines() if "after serial" in line}
-    assert in_one_process == {"mps"}  # no key and serial not loaded from a file: run after it
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_the_pdl_chain_refuses_without_a_hopper_gpu_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench/pdl_chain.py"), "--out", str(tmp_path / "p.json")],
-                         capture_output=True, text=True)  # fmt: skip
-    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and "pdl_chain: needs" in out.stderr
-    assert not (tmp_path / "p.json").exists()
-
-
 @pytest.mark.parametrize(
     "args, message",
     [

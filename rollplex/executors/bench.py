@@ -2,8 +2,7 @@
 
 Each schedule trains `warmup + steps` steps from the same initial weights and data (engines built afresh,
 nothing written to disk), with a device synchronisation around every op so that an op's time runs until the
-GPU has done its work (`_OpClock`; results before 2026-12-01's session 9 timed each op until the host had
-launched its last kernel, up to ~1 s short for serial's batched prefixes on the 3B H200 bench).
+GPU has done its work (`_OpClock`).
 From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
 (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (the decode
 loop's wall seconds over serial's, GPU only: it counts the host's time launching prefix chunks between decode

@@ -126,7 +126,7 @@ def load(path: Path, engines: Engines) -> Snapshot:
         load_sharded(engines.actor, path / "model", engines.tp.train)
     engines.publish()
     parts = sorted((path / _optimizer_dir(engines)).glob("part-*.pt"))
-    legacy = path / f"{_optimizer_dir(engines)}.pt"  # one file: checkpoints written before 2026-11-30
+    legacy = path / f"{_optimizer_dir(engines)}.pt"  # the older layout: the whole state in one file
     if not parts and legacy.is_file():
         parts = [legacy]
     if not parts:

@@ -165,7 +165,7 @@ class MemorySpec(_Strict):
         True,
         description="On a GPU, torch's caching allocator maps its memory in expandable segments (the "
         "`expandable_segments` of PYTORCH_CUDA_ALLOC_CONF), so that blocks freed in one phase are reused by the next "
-        "phase's other sizes: without it the 3B step's Phase 2 reserved 46 GiB around a 37 GiB peak on an H200.",
+        "phase's other sizes (without it the allocator reserves well above the phase's peak of live tensors).",
     )
     optimizer_state: Literal["auto", "hbm", "host"] = Field(
         "auto",
@@ -234,10 +234,9 @@ class RunSpec(_Strict):
         True,
         description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
         "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
-        "for the process (a 3B H200 step: 0.4 s reference suffix, 1.3 s actor suffix, 1.2-2.8 s vision, "
-        "bench/results/README.md); the runtime pads causal calls and packs vision segments so that a run meets few "
-        "shapes. false: flash and memory-efficient kernels only, which plan nothing but run the actor suffix 4x "
-        "slower than warm cuDNN (bench/sdpa_shapes.py measures both on a GPU).",
+        "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
+        "flash and memory-efficient kernels only, which plan nothing and run the actor suffix slower than warm "
+        "cuDNN (bench/sdpa_shapes.py measures both on a GPU).",
     )
     decode_kernels: Literal["cublas", "rollplex", "rollplex_pdl", "rollplex_fused"] = Field(
         "cublas",
@@ -245,10 +244,7 @@ class RunSpec(_Strict):
         "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
         "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
         "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
-        "GEMM; as fast as rollplex_pdl on the H200, session 14). "
-        "A 3B H200 step, alone: 3.35 ms under rollplex_pdl "
-        "against 3.46 under cublas; beside a compute-bound neighbour on 33 or 66 SMs, 4.37 / 6.39 ms against "
-        "4.17 / 5.62 (bench/results/README.md, session 12).",
+        "GEMM). All decode bitwise alike; their speeds are in docs/results.md.",
     )
 
 

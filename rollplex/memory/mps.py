@@ -15,8 +15,8 @@ nothing from CUDA.
 
 `stop` is idempotent and also runs at interpreter exit and on garbage collection (`weakref.finalize`), so the
 daemon never outlives the process that started it (a SIGKILL excepted). A process that is itself a client
-cannot stop it: `quit` waits for the clients, and this one is still there (measured on the H200: the call
-timed out after 30 s). Such a process calls `stop_after_exit()` instead.
+cannot stop it: `quit` waits for the clients, and this one is still there, so the call only ends at its
+timeout. Such a process calls `stop_after_exit()` instead.
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
   exactly through their log-sum-exp (the cascade / merge-state trick), never expanding the prompt KV.
 Where SDPA runs on cuDNN, the causal calls pad their length to `attention_length` buckets: cuDNN plans every
 new shape on the host and every step of a run brings new prompt lengths; padded, a run meets a few lengths per
-octave and plans each once (a 3B prefix's per-prompt calls: 1.1-1.3 s per step cold unpadded, 0.36-0.46 s from
-the third step padded, on an H200: bench/results/README.md, session 9). The scoring calls are not padded: their
-shapes (rows, response length, prompt + response length) did not repeat within 8 steps even padded, and the
-padding cost more than it saved there.
+octave and plans each once, so after the first steps the prefix calls stop paying for plans. The scoring calls
+are not padded: their shapes (rows, response length, prompt + response length) seldom repeat from step to step
+even padded, so there the padding costs more than it saves.
 Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
 """
 

@@ -7,7 +7,7 @@ rerun (the reentrant scheme), so the parameters' gradients accumulate as in a pl
 Why not `torch.utils.checkpoint`: autograd runs a node's backward on the stream its forward ran on. Under
 `rollplex` the actor prefix runs beside decode on a green partition (half the SMs); with torch's checkpoint its
 whole backward (reruns and gradient kernels) would run there too, in Phase 2, where decode is over and the
-whole device is free (3B on the H200: 9.2 s against 5.7 s). Here each unit is one node whose backward does its
+whole device is free, so half the SMs would sit idle. Here each unit is one node whose backward does its
 work on `Rerun.stream` and makes the node's own stream wait for it. Neither the rerun nor the stream changes a
 number: the same ops run on the same inputs.
 

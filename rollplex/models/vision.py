@@ -128,10 +128,10 @@ class VisionAttention(nn.Module):
 class VisionMLP(GatedMLP):
     """The vision blocks' gated MLP, stored `MLP_ALIGN`-wide. Qwen2.5-VL-3B and 7B have a vision MLP width of
     3420: rows of 6,840 bytes, not 16-byte aligned, so cuBLAS runs the GEMMs that touch that dimension (9 of a
-    block's 15 in forward + backward) on Ampere-era align-2 kernels (on an H200 they were 1.8 s of a 3B step's
-    10 s of backward kernels). Stored 3456 wide, gate/up have zero extra rows and down zero extra columns: the
-    extra activations are silu(0) * 0 = 0, every gradient reaching the padding is exactly 0, and AdamW moves a
-    zero with a zero gradient nowhere (its decay too), so outputs and updates are unchanged.
+    block's 15 in forward + backward) on Ampere-era align-2 kernels, a large share of a step's backward time.
+    Stored 3456 wide, gate/up have zero extra rows and down zero extra columns: the extra activations are
+    silu(0) * 0 = 0, every gradient reaching the padding is exactly 0, and AdamW moves a zero with a zero
+    gradient nowhere (its decay too), so outputs and updates are unchanged.
 
     Checkpoints and state dicts hold transformers' shapes (`hf_view`, `hf_padded`, and the hooks below)."""
 
