@@ -176,7 +176,7 @@ def residency_choices(plan: Plan, peaks) -> str:
         members = component if isinstance(component, tuple) else (component,)
         role = "reference" if component is Component.WEIGHTS else "actor"
         size = sum(o.bytes for o in plan.residency.objects if o.role == role and o.component in members)
-        moved = 2 * size if where is Residency.HOST else 0
+        moved = size if where is Residency.HOST else 0  # out and back, each way on its own copy engine
         lines.append(
             f"{label}: {gib(size)} GiB in {where.value.upper()}"
             + (
