@@ -21,6 +21,7 @@ from rollplex.models.inputs import Prompt, Visual
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 R1_INSTRUCTION = "Think inside <think> </think>, then give the final answer inside <answer> </answer>."
+ANSWER_INSTRUCTION = "Give the final answer inside <answer> </answer>."  # the answer-only form (`answer_format`)
 
 
 def num_pad_tokens(visual: Visual, merge_size: int = 2) -> int:

@@ -97,6 +97,7 @@ class Preset:
     palette: int = 8  # the scene's colours come from the first `palette` of `scene.COLOURS`
     radius: tuple[float, float] = (0.06, 0.12)  # of each object, a fraction of the shorter frame side
     balanced: bool = False  # one object, its colour the palette's in turn: every `palette` examples ask each once
+    answer_only: bool = False  # the prompt asks for the answer block alone (no <think>), as `answer_format` scores
 
     def __post_init__(self) -> None:
         for label, (lo, hi) in (
@@ -208,6 +209,7 @@ PRESETS: dict[str, Preset] = {
         palette=4,
         radius=(0.3, 0.4),
         balanced=True,
+        answer_only=True,
     ),
 }
 

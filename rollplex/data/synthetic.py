@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rollplex.data.chat import DEFAULT_SYSTEM, R1_INSTRUCTION, build_prompt, num_text_tokens
+from rollplex.data.chat import ANSWER_INSTRUCTION, DEFAULT_SYSTEM, R1_INSTRUCTION, build_prompt, num_text_tokens
 from rollplex.data.presets import Preset, QuestionKind
 from rollplex.data.scene import COLOURS, Scene, Shape, render, sample_scene, trajectories
 from rollplex.data.tokenizer import Tokenizer
@@ -176,8 +176,9 @@ class SyntheticVideoQA:
         frames = render(shown, layout.num_frames, height, width)
         _, bounces = trajectories(scene, layout.num_frames, height, width)
         question = ask(QuestionKind(rng.choice(list(preset.questions))), scene, bounces, rng, preset.num_options)
+        instruction = ANSWER_INSTRUCTION if preset.answer_only else R1_INSTRUCTION
         text = fill_question(
-            self.tokenizer, f"{question.text}\n{R1_INSTRUCTION}", layout.num_text_tokens, rng, self.system
+            self.tokenizer, f"{question.text}\n{instruction}", layout.num_text_tokens, rng, self.system
         )
         visual = preprocess_video(frames, preset.vision, fps=preset.fps, size=(height, width))
         prompt = build_prompt(self.tokenizer, text, [visual], self.system, preset.vision.merge_size)
