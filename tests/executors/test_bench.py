@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rollplex.executors import bench as bench_module
@@ -19,12 +20,28 @@ KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "comma
         "per_step", "timeline_s"}  # fmt: skip
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rollplex.cli", "bench", str(ROOT / "specs/tiny_cpu.yaml"), *args]
-    return subprocess.run(command, capture_output=True, text=True)
+SHAPES = {"prompts_per_step: 8": "prompts_per_step: 2", "group_size: 16": "group_size: 4",
+          "response_tokens: 6": "response_tokens: 16", "synthetic:colour@tiny": "synthetic:clevrer@tiny"}
 
 
-def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """`rollplex bench` on the tiny spec with a decode long enough for the prefixes to run beside it."""
+    text = (ROOT / "specs/tiny_cpu.yaml").read_text()
+    for before, after in SHAPES.items():
+        assert before in text
+        text = text.replace(before, after)
+    spec = tmp_path_factory.mktemp("spec") / "tiny.yaml"
+    spec.write_text(text)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rollplex.cli", "bench", str(spec), *args]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    return run
+
+
+def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -64,19 +81,19 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path):
     assert "speedup" not in proc.stderr and "x (ideal" in proc.stdout
 
 
-def test_bench_names_its_result_json_when_out_has_no_suffix(tmp_path):
+def test_bench_names_its_result_json_when_out_has_no_suffix(tmp_path, bench):
     proc = bench("--steps", "1", "--warmup", "0", "--policies", "inline", "--out", str(tmp_path / "tiny"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "tiny.json").exists() and (tmp_path / "tiny.png").exists()
 
 
-def test_bench_with_no_steps_is_a_one_line_error(tmp_path):
+def test_bench_with_no_steps_is_a_one_line_error(tmp_path, bench):
     proc = bench("--steps", "0", "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 
-def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path):
+def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--unsplit", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -88,7 +105,7 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
     assert result["unsplit_first_step_grad_relative_difference"] < 1e-4
 
 
-def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
+def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path, bench):
     out = tmp_path / "tiny.json"
     policies = ("inline", "green:adaptive", "mps")
     proc = bench("--steps", "1", "--warmup", "0", "--policies", *policies, "--out", str(out))
@@ -104,7 +121,7 @@ def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path):
     assert not out.exists() and (tmp_path / "tiny_greenadaptive.png").exists()
 
 
-def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path):
+def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path, bench):
     proc = bench("--policies", "green:many", "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "green:many" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -141,7 +158,7 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
     assert alive_at_build == [False, False] and len(built) == 2
 
 
-def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(tmp_path):
+def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -150,13 +167,13 @@ def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_
     assert result["first_step_rollouts_match"] and result["updates_match"]
 
 
-def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run():
+def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench):
     proc = bench("--serial-prompts-per-chunk", "0")
     assert proc.returncode == 2 and "--serial-prompts-per-chunk" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert "rollplex bench:" not in proc.stderr
 
 
-def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path):
+def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path, bench):
     first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(first))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -172,7 +189,7 @@ def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_sp
     assert "serial from" in proc.stderr and "rollplex bench: serial," not in proc.stderr
 
 
-def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(tmp_path):
+def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(tmp_path, bench):
     baseline, out = tmp_path / "serial.pt", tmp_path / "later.json"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline),
                  "--out", str(tmp_path / "none.json"))  # fmt: skip
@@ -185,13 +202,13 @@ def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs
     assert "an earlier schedule ran in this process" not in proc.stderr
 
 
-def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path):
+def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path, bench):
     for flags in (["--serial-only"], ["--serial-only", "--save-serial", "a.pt", "--serial-from", "missing.pt"]):
         proc = bench(*flags)
         assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path):
+def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path, bench):
     baseline = tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -204,7 +221,7 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
     assert proc.stderr.count("an earlier schedule ran in this process") == 1
 
 
-def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path):
+def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench):
     baseline = tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(tmp_path / "a.json"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -224,7 +241,7 @@ def test_a_noise_floor_run_that_sampled_other_tokens_gives_no_floor():
     assert noise_floor_grads(serial, other) is None
 
 
-def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path):
+def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path, bench):
     first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
                  "--save-serial", str(baseline), "--out", str(first))  # fmt: skip

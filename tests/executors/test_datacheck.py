@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_tiny_spec_fits_its_budgets_and_the_plan_counts_its_visual_tokens():
     found = check_data(load_spec(ROOT / "specs/tiny_cpu.yaml"))
-    assert found.num_prompts == 2 and 0 < found.shortest <= found.longest <= found.budget == 384
+    assert found.num_prompts == 8 and 0 < found.shortest <= found.longest <= found.budget == 384
     assert found.visual_median == found.visual_planned  # 4 frames of 56 x 56: 2 x 2 x 2 tokens, as the plan says
     assert "budget 384" in found.line()
 
