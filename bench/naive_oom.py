@@ -61,7 +61,7 @@ def main() -> None:
     result = {
         "gpu": torch.cuda.get_device_name(),
         "command": "python bench/naive_oom.py " + args.spec + " --out " + args.out,
-        "model": loaded.spec.model,
+        "model": loaded.spec.model.name,
         "device_gib": round(total / 2**30, 2),
         "naive_plan_gib": round(sum(r.bytes for r in rows) / 2**30, 2),
         "rollplex_plan_peak_gib": round(max(p.peak_bytes for p in plan.residency.phases) / 2**30, 2),

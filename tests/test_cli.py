@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from rollplex.cli import main
+from rollplex.graph.planfile import PLAN_VERSION
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 PAPER = str(SPECS / "qwen2_5_vl_32b_h800.yaml")
@@ -51,7 +52,7 @@ def test_without_dry_run_the_plan_is_written_for_run(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["compile", str(SPECS / "tiny_cpu.yaml"), "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
-    assert plan["schedule"] == "rollplex" and plan["steps"] and plan["rollplex_plan_version"] == 1
+    assert plan["schedule"] == "rollplex" and plan["steps"] and plan["rollplex_plan_version"] == PLAN_VERSION
 
 
 def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():

@@ -171,7 +171,7 @@ def compare(
     decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
     return {
         "gpu": gpu_name(),
-        "model": spec.model,
+        "model": spec.model.name,
         "workload": spec.workload.model_dump(),
         "memory": spec.memory.model_dump(),  # the settings a result depends on, beside the command
         "sharing": spec.sharing.model_dump(),

@@ -71,6 +71,7 @@ class Engines:
     microbatch_memory: Callable[[], AbstractContextManager] = nullcontext  # each training microbatch's forward
     response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
+    freeze_vision: bool = False  # the tower is frozen and the reference holds the actor's: prefixes share its output
 
     @property
     def temperature(self) -> float:
@@ -148,12 +149,16 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
+    if d.freeze_vision:
+        actor.model.visual.requires_grad_(False)
     reference = None
     if Role.REFERENCE in roles(plan.graph) and tp is None:
         reference = copy.deepcopy(actor).requires_grad_(False)
         reference.pack_projections()  # a deepcopy clones parameters one by one
     elif Role.REFERENCE in roles(plan.graph):  # built again rather than copied: one full model on the device at a time
         reference = _initial_model(loaded, device, tp).requires_grad_(False)
+    if reference is not None and d.freeze_vision:
+        reference.model.visual = actor.model.visual  # the frozen tower, held once
     bound = None
     if tp is not None:
         bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
@@ -179,7 +184,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     )
     reference_pager = None
     if reference is not None and d.reference_weights is Residency.HOST:
-        reference_pager = make_reference_pager(reference)
+        reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
     rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange)
@@ -205,6 +210,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         prefix_rerun=make_prefix_rerun(d, device),
         microbatch_memory=make_microbatch_memory(d, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
+        freeze_vision=d.freeze_vision,
     )
 
 
@@ -293,11 +299,14 @@ def recomputed_modules(actor: Qwen2_5_VL) -> list:
     return [*actor.model.visual.blocks, *actor.model.language_model.layers]
 
 
-def make_reference_pager(reference: Qwen2_5_VL):
+def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
     """On a GPU, the reference's weights in a VMM region, on the host outside the steps that use them (as the
-    plan has them); None on the CPU."""
+    plan has them); without `own_vision` (the actor's frozen tower) its language model and head only. None on the
+    CPU."""
     if reference.device.type != "cuda":
         return None
+    if not own_vision:
+        reference = torch.nn.ModuleList([reference.model.language_model, reference.lm_head])
     from rollplex.memory.pager import WeightPager
     from rollplex.memory.vmm import VmmArena
 
@@ -307,7 +316,7 @@ def make_reference_pager(reference: Qwen2_5_VL):
 
 
 def _checkpoint_dir(loaded: LoadedSpec) -> Path:
-    return resolve_config_path(loaded.spec.model, loaded.path.parent).parent
+    return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:

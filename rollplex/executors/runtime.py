@@ -27,6 +27,7 @@ from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
 from rollplex.models.scores import SuffixOut
+from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
@@ -81,6 +82,7 @@ def run_iteration(
     after_op: Callable[[Op], None] | None = None,
 ) -> StepRecord:
     store: Store = {"prompts": [e.prompt for e in examples], "examples": list(examples)}
+    store["vision"] = SharedVision() if engines.freeze_vision else None
     record = StepRecord()
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
@@ -147,7 +149,7 @@ def _handler(o: Op) -> Handler:
 
 def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
-    jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"]) for p in prefixes]
+    jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]) for p in prefixes]
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
     rollout = e.rollout(
@@ -202,7 +204,7 @@ def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
 
 
 def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = drain(_ref_prefix_job(e, store["prompts"]))
+    store[o.outputs[0]] = drain(_ref_prefix_job(e, store["prompts"], store["vision"]))
 
 
 def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
@@ -222,19 +224,22 @@ def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     prompts = store["prompts"]
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
-    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts))
+    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts, store["vision"]))
 
 
-def _ref_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, Boundary]:
+def _ref_prefix_job(e: Engines, prompts: Sequence, vision: SharedVision | None) -> Generator[None, None, Boundary]:
     return e.reference.prefix_chunks(
-        prompts, attached=False, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk
-    )
+        prompts, attached=False, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
+        vision=vision,
+    )  # fmt: skip
 
 
-def _actor_prefix_job(e: Engines, prompts: Sequence) -> Generator[None, None, LeafBoundary]:
+def _actor_prefix_job(
+    e: Engines, prompts: Sequence, vision: SharedVision | None
+) -> Generator[None, None, LeafBoundary]:
     chunks = e.actor.prefix_chunks(
         prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
-        rerun=e.prefix_rerun,
+        rerun=e.prefix_rerun, vision=vision,
     )  # fmt: skip
     boundary = yield from each_inside(e.prefix_memory, chunks)
     return LeafBoundary.of(boundary)
@@ -279,7 +284,7 @@ def _input(store: Store, o: Op, kind: type, *, required: bool = True):
     return found[0] if found else None
 
 
-PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence], Generator]] = {
+PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence, SharedVision | None], Generator]] = {
     (NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX): _ref_prefix_job,
     (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix_job,
 }

@@ -99,11 +99,19 @@ def phase_costs(
 ) -> dict[str, tuple[Cost, ...]]:
     """{timer: the parts of its ops, in order} of one step."""
     split = any(o.part is Part.SUFFIX for o in ops_)
+    embedder = vision_embedder(ops_)
     out: dict[str, tuple[Cost, ...]] = {}
     for o in ops_:
         key = timer_of(o)
-        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split)
+        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, embeds_vision=o is embedder)
     return out
+
+
+def vision_embedder(ops_: Sequence[Op]) -> Op | None:
+    """Under `model.freeze_vision`, the prefix op counted for the step's one vision forward (`SharedVision`: the
+    first prefix to reach a prompt runs it): the reference's, else the actor's first."""
+    prefixes = [o for o in ops_ if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX]
+    return next((o for o in prefixes if o.role is Role.REFERENCE), prefixes[0] if prefixes else None)
 
 
 def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
@@ -135,27 +143,31 @@ def timer_of(o: Op) -> str:
     return "ref_suffix" if who == "ref" else "actor_suffix_backward"
 
 
-def op_parts(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool) -> tuple[Cost, ...]:
+def op_parts(
+    o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool, embeds_vision: bool = True
+) -> tuple[Cost, ...]:
     """An op's parts, one after another: rollout's prefill then its decode; one part for any other op."""
     if o.kind is NodeKind.DECODE:
         t, v = model.text, model.vision
         return prefix_forward(t, v, tokens, gpu.rollout_tp), decode(t, tokens, gpu.rollout_tp)
-    return (op_cost(o, model, gpu, d, tokens, split),)
+    return (op_cost(o, model, gpu, d, tokens, split, embeds_vision),)
 
 
-def op_cost(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool) -> Cost:
+def op_cost(
+    o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool, embeds_vision: bool = True
+) -> Cost:
     """One op's cost (parts summed); `split`: the graph is split at the response (the actor's backward has a
-    prefix)."""
+    prefix); `embeds_vision`: a prefix op runs the vision tower even under `freeze_vision` (`vision_embedder`)."""
     t, v, tp = model.text, model.vision, gpu.train_tp
     share = _share(o, tokens)
     if o.kind is NodeKind.DECODE:
-        return total(op_parts(o, model, gpu, d, tokens, split))
+        return total(op_parts(o, model, gpu, d, tokens, split, embeds_vision))
     if o.kind is NodeKind.UPDATE:
         return update(t, v, tp, d)
     if o.kind is NodeKind.REWARD:
         return Cost()
     if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
-        cost = prefix_forward(t, v, tokens, tp).scaled(share)
+        cost = prefix_forward(t, v, tokens, tp, vision=embeds_vision or not d.freeze_vision).scaled(share)
         if o.role is Role.ACTOR and d.prefix_saved is Residency.HOST:
             cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d))
         return cost
@@ -207,11 +219,12 @@ def vision_forward(v: VisionConfig, patches: int, frames: int, tp: int) -> float
     return (embed + v.depth * block + attention + merger) / tp
 
 
-def prefix_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -> Cost:
-    """Vision encoder and prompt prefill of every prompt, and the last position's logits."""
+def prefix_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, vision: bool = True) -> Cost:
+    """Vision encoder (unless `vision` is False: another op's output) and prompt prefill of every prompt, and the
+    last position's logits."""
     flops = 0.0
     for length, patches, frames in zip(tokens.prompt_tokens, tokens.patches, tokens.frames, strict=True):
-        flops += vision_forward(v, patches, frames, 1) + _llm_flops(t, length, tp)
+        flops += (vision_forward(v, patches, frames, 1) if vision else 0.0) + _llm_flops(t, length, tp)
         flops += _attention_flops(t, length, length, tp, causal=True) + _head_flops(t, 1, tp)
     return Cost(flops=flops)
 
@@ -245,7 +258,7 @@ def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp
     scoring = suffix_forward(t, tokens, tp) if split else whole_forward(t, v, tokens, tp)
     cost = scoring.scaled(4 if d.recompute_microbatch else 3)
     if split:
-        prefix = prefix_forward(t, v, tokens, tp)
+        prefix = prefix_forward(t, v, tokens, tp, vision=not d.freeze_vision)
         rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
         cost = cost + prefix.scaled(3 if rerun else 2)
         if d.prefix_saved is Residency.HOST:
@@ -255,7 +268,7 @@ def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp
 
 def _prefix_saved_bytes(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions) -> float:
     """What the attached prefix keeps for its backward (all of it, or the layer inputs under recompute)."""
-    prompt, patches = sum(tokens.prompt_tokens), sum(tokens.patches)
+    prompt, patches = sum(tokens.prompt_tokens), 0 if d.freeze_vision else sum(tokens.patches)
     if d.prefix_activations is PrefixActivations.RECOMPUTE:
         return prompt * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + patches * v.depth * (
             v.hidden_size * S.BF16
@@ -284,7 +297,7 @@ def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
     """The AdamW step: its state and gradients read and written in HBM; over the host link when the state lives in
     the pinned pool (loaded and written back at once, each way on its own copy engine: the bound is one way's
     bytes)."""
-    params = S.llm_params_per_rank(t, tp) + S.vision_params(v, stored=True)
+    params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
     host = STATE_BYTES * params if d.optimizer_state is Residency.HOST else 0.0
     return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)
 

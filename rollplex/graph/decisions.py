@@ -64,6 +64,7 @@ class Decisions:
     rollout_kv_bytes: int  # the rollout KV arena's capacity: a rollout that needs more is refused
     weight_sharing: bool  # rollout reads the actor's weights; False: a copy, refreshed after each update
     sharing: Sharing
+    freeze_vision: bool = False  # the vision tower is not trained; both prefixes share each prompt's vision output
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -105,6 +106,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         rollout_kv_bytes=rollout_kv_bytes(c),
         weight_sharing=spec.memory.weight_sharing,
         sharing=_sharing(spec),
+        freeze_vision=spec.model.freeze_vision,
     )
 
 

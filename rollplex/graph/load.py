@@ -45,7 +45,7 @@ def parse_spec(text: str, file: str = "spec", base: Path | None = None) -> Loade
     except ValidationError as e:
         raise _first_error(e, root, file) from None
     try:
-        model = load_model_config(spec.model, base)
+        model = load_model_config(spec.model.name, base)
         check_model_fits_parallel(spec, model)
     except SpecError as e:
         raise e.located(file, _line(root, e.where.split("."))) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 NodeKindName = Literal["decode", "forward", "backward", "update", "reward"]
 RoleName = Literal["rollout", "reference", "actor", "critic"]
@@ -17,6 +17,16 @@ TensorClassName = Literal["permanent", "regenerable", "boundary", "phase-local"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="A shipped config name, an HF config.json, or a checkpoint directory.")
+    freeze_vision: bool = Field(
+        False,
+        description="The vision tower (patch embedding, blocks and merger) is not trained, as Video-R1's and EasyR1's "
+        "configs do: no vision gradients or optimizer state, the reference reads the actor's tower, and each prompt's "
+        "vision output is computed once per step for both prefixes. `model: NAME` is short for `model: {name: NAME}`.",
+    )
 
 
 class ClusterSpec(_Strict):
@@ -278,7 +288,7 @@ class SharingSpec(_Strict):
 
 
 class Spec(_Strict):
-    model: str = Field(description="A shipped config name, an HF config.json, or a checkpoint directory.")
+    model: ModelSpec = Field(description="The model: a name (shipped config, HF config.json or checkpoint directory).")
     cluster: ClusterSpec
     parallel: ParallelSpec = ParallelSpec()
     workload: WorkloadSpec
@@ -288,6 +298,11 @@ class Spec(_Strict):
     sharing: SharingSpec = SharingSpec()
     graph: GraphSpec | None = Field(None, description="A custom iteration graph; default: standard GRPO.")
     run: RunSpec = RunSpec()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_name(cls, value: object) -> object:
+        return {"name": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _mps(self) -> Spec:

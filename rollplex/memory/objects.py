@@ -48,6 +48,7 @@ class Component(StrEnum):
     KV_CACHE = "KV cache"
     CASE3_BUFFER = "Case-3 buffer"
     OPTIMIZER_CHUNKS = "streamed chunks"
+    VISION_OUTPUT = "shared vision output"  # `model.freeze_vision`: each prompt's, read by every prefix of the step
     DATA = "data"  # a tensor the graph passes between nodes (`MemObject.name` says which)
 
 
@@ -114,6 +115,7 @@ def memory_objects(c: Context) -> list[MemObject]:
     for role in sorted({o.role for o in ops(c.g) if o.role not in (None, Role.ROLLOUT)}, key=lambda r: r.value):
         objects += list(_model_state(c, role, role in trained))
         objects += list(_boundary(c, role))
+    objects += list(_shared_vision(c))
     objects += list(_rollout(c))
     objects += list(_data(c))
     return objects
@@ -139,8 +141,12 @@ def _weights_window(c: Context, role: Role, trained: bool) -> frozenset[int]:
 
 
 def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
-    t, tp = c.model.text, c.gpu.train_tp
+    """A role's weights, and for a trained role its gradients, activations and optimizer state. Under
+    `model.freeze_vision` the vision tower is held once (the actor's; a frozen role reads it) and has no
+    gradients or optimizer state."""
+    t, tp, frozen = c.model.text, c.gpu.train_tp, c.spec.model.freeze_vision
     vision = S.vision_params(c.model.vision, stored=True)
+    trained_vision = 0 if frozen else vision
     paged = not trained and c.spec.memory.page_reference  # frozen weights may wait on the host between uses
     live = _weights_window(c, role, trained) if trained or paged else _all(c)
     outside = Residency.DROPPED if trained else Residency.HOST
@@ -152,24 +158,19 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     yield MemObject(
         role.value, Component.WEIGHTS, TensorClass.REGENERABLE, llm_bytes, live, outside, False, host, window
     )
-    vhost = vision * S.BF16 if paged else 0
-    yield MemObject(
-        role.value,
-        Component.WEIGHTS,
-        TensorClass.REGENERABLE,
-        vision * S.BF16,
-        live,
-        outside,
-        True,
-        vhost,
-        window,
-    )
+    if not (frozen and not trained):
+        vhost = vision * S.BF16 if paged else 0
+        yield MemObject(
+            role.value, Component.WEIGHTS, TensorClass.REGENERABLE, vision * S.BF16, live, outside, True, vhost, window
+        )
     backward = role_steps(c, role, kinds=(NodeKind.BACKWARD,))
     if not backward:
         return
     update = role_steps(c, role, kinds=(NodeKind.UPDATE,))
     llm = S.llm_params_per_rank(t, tp)
-    for n, is_vision in ((llm, False), (vision, True)):
+    for n, is_vision in ((llm, False), (trained_vision, True)):
+        if not n:
+            continue
         grads_live = span(backward | update)
         yield MemObject(
             role.value,
@@ -182,12 +183,14 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
         )
     yield from _activations(c, role, backward)
     if update:
-        yield from _optimizer_state(c, role, llm, vision)
+        yield from _optimizer_state(c, role, llm, trained_vision)
 
 
 def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[MemObject]:
     shard = c.gpu.train_dp if c.spec.parallel.distributed_optimizer else 1
     for n, is_vision in ((llm, False), (vision, True)):
+        if not n:
+            continue
         for comp, per_param in ((Component.MASTER, S.FP32), (Component.MOMENTS, 2 * S.FP32)):
             b = -(-n // shard) * per_param
             yield MemObject(role.value, comp, TensorClass.PERMANENT, b, frozenset(), Residency.HOST, is_vision, b)
@@ -244,9 +247,13 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     else:
         llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp)
         vis = patches * v.depth * v.hidden_size * S.BF16 // tp
+    if c.spec.model.freeze_vision:
+        vis = 0  # the shared vision output carries no graph: the gradient stops at the embeddings
     prefix = role_steps(c, role, part=Part.PREFIX)
     window = span(prefix | backward)
     for b, is_vision in ((llm, False), (vis, True)):
+        if not b:
+            continue
         host = b * g.prompts_per_rank
         yield MemObject(
             role.value,
@@ -269,6 +276,16 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         frozenset(prefix | backward),
         Residency.ABSENT,
     )
+
+
+def _shared_vision(c: Context) -> Iterator[MemObject]:
+    """`model.freeze_vision`: the step's vision output, from the first prefix that embeds a prompt to the last."""
+    prefixes = set().union(*(role_steps(c, role, part=Part.PREFIX) for role in (Role.ACTOR, Role.REFERENCE)))
+    if not c.spec.model.freeze_vision or not prefixes:
+        return
+    itemsize = S.FP32 if c.spec.run.dtype == "float32" else S.BF16
+    b = c.gpu.prompts_per_rank * c.gpu.visual_tokens * c.model.vision.out_hidden_size * itemsize
+    yield MemObject("actor", Component.VISION_OUTPUT, TensorClass.PHASE_LOCAL, b, span(prefixes), Residency.ABSENT)
 
 
 def _boundary(c: Context, role: Role) -> Iterator[MemObject]:

@@ -31,9 +31,11 @@ from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packing import pack
+from rollplex.models.positions import num_visual_tokens
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, score_hidden
+from rollplex.models.shared_vision import SharedVision
 from rollplex.models.vision import VisionEncoder, VisionMLP
 
 INIT_STD = 0.02  # `initializer_range` of every released Qwen2.5-VL config
@@ -136,6 +138,7 @@ class Qwen2_5_VL(nn.Module):
         layers_per_chunk: int = 1,
         prompts_per_chunk: int | None = None,
         rerun: Rerun | None = None,
+        vision: SharedVision | None = None,
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
         with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
@@ -143,13 +146,14 @@ class Qwen2_5_VL(nn.Module):
         layers at a time; then the boundary of all
         prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
         pause. With one group, the same work as `prefix`, in the same order. `rerun` (attached only): each
-        vision block and decoder layer keeps only its input, and backward reruns it (`rollplex.models.rerun`)."""
+        vision block and decoder layer keeps only its input, and backward reruns it (`rollplex.models.rerun`).
+        `vision` (a frozen tower): the prompts' vision output comes from it, run there once per step."""
         size = prompts_per_chunk or len(prompts)
         groups: list[_GroupPrefix] = []
         for i in range(0, len(prompts), size):
             if groups:
                 yield  # each group's embedding and vision encoder start a chunk of their own
-            group = _GroupPrefix(self, attached, rerun)
+            group = _GroupPrefix(self, attached, rerun, vision)
             yield from group.start(prompts[i : i + size], blocks_per_chunk=layers_per_chunk)
             groups.append(group)
         layers = self.model.language_model.layers
@@ -231,14 +235,24 @@ class Qwen2_5_VL(nn.Module):
         return drain(self._input_chunks(sequences, blocks_per_chunk=len(self.model.visual.blocks)))
 
     def _input_chunks(
-        self, sequences: Sequence[Prompt], blocks_per_chunk: int, rerun: Rerun | None = None
+        self,
+        sequences: Sequence[Prompt],
+        blocks_per_chunk: int,
+        rerun: Rerun | None = None,
+        vision: SharedVision | None = None,
     ) -> Generator[None, None, tuple[PackedSequences, Tensor, Tensor, Tensor]]:
-        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks (each under `rerun` if given)."""
+        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks (each under `rerun` if given); the
+        vision output from `vision` when given (`SharedVision`)."""
         packed = pack_sequences(sequences, self.config)
         cos, sin = text_rotary(to_device(packed.positions, self.device), self.config.text)
         x = self.model.language_model.embed_tokens(to_device(packed.input_ids, self.device))
         if packed.visuals:
-            features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk, rerun)
+            if vision is not None:
+                counts = [sum(num_visual_tokens(v, self.config.vision) for v in s.visuals) for s in sequences]
+                compute = partial(self.model.visual.chunks, packed.visuals, blocks_per_chunk)
+                features = yield from vision.features(sequences, counts, compute)
+            else:
+                features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk, rerun)
             slots = to_device(packed.visual_slots(self.config.tokens), self.device)
             x = x.masked_scatter(slots[..., None], features.to(x.dtype))  # [num_visual_tokens, hidden] in place
         return packed, x, cos, sin
@@ -264,8 +278,10 @@ def _layer_kv(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, each layer's KV."""
 
-    def __init__(self, model: Qwen2_5_VL, attached: bool, rerun: Rerun | None = None) -> None:
-        self.model, self.num_prompts = model, 0
+    def __init__(
+        self, model: Qwen2_5_VL, attached: bool, rerun: Rerun | None = None, vision: SharedVision | None = None
+    ) -> None:
+        self.model, self.num_prompts, self.vision = model, 0, vision
         self.mode = torch.enable_grad if attached else torch.no_grad
         self.keys: list[Tensor] = []  # each layer's K and V, as the boundary holds them
         self.values: list[Tensor] = []
@@ -275,7 +291,7 @@ class _GroupPrefix:
         """Embeds the prompts (vision encoder included), pausing between chunks of vision blocks; the grad
         mode is entered around each chunk only."""
         self.num_prompts = len(prompts)
-        chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun)
+        chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun, self.vision)
         self.packed, self.x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
 
     def run(self, layers: Sequence[nn.Module]) -> None:

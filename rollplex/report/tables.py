@@ -185,7 +185,11 @@ def residency_choices(plan: Plan, peaks) -> str:
                 else ""
             )
         )
-    return "residency choices: " + "; ".join(lines)
+    out = "residency choices: " + "; ".join(lines)
+    if d.freeze_vision:
+        out += "\nvision tower frozen (model.freeze_vision): held once, run once per step for both prefixes, "
+        out += "no gradients"
+    return out
 
 
 def report(plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = None) -> str:

@@ -20,8 +20,12 @@ KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "comma
         "per_step", "timeline_s"}  # fmt: skip
 
 
-SHAPES = {"prompts_per_step: 8": "prompts_per_step: 2", "group_size: 16": "group_size: 4",
-          "response_tokens: 6": "response_tokens: 16", "synthetic:colour@tiny": "synthetic:clevrer@tiny"}
+SHAPES = {
+    "prompts_per_step: 8": "prompts_per_step: 2",
+    "group_size: 16": "group_size: 4",
+    "response_tokens: 6": "response_tokens: 16",
+    "synthetic:colour@tiny": "synthetic:clevrer@tiny",
+}
 
 
 @pytest.fixture(scope="module")

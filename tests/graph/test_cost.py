@@ -122,3 +122,25 @@ def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_effici
     assert by["update"].cost.host_bytes == pytest.approx(12 * (by["update"].cost.hbm_bytes / 30))
     assert by["update"].predicted_s == pytest.approx(by["update"].bound_s / 0.5)
     assert by["rollout"].predicted_s is None
+
+
+def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_update():
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    trained = {r.timer: r.cost for r in cost.time_plan(compile_plan(parse_spec(text)))}
+    frozen_model = "model: {name: qwen2_5_vl_3b, freeze_vision: true}"
+    frozen_plan = compile_plan(parse_spec(text.replace("model: qwen2_5_vl_3b", frozen_model)))
+    frozen = {r.timer: r.cost for r in cost.time_plan(frozen_plan)}
+    config, tokens = frozen_plan.loaded.model, cost.planned_step(frozen_plan)
+    vision = sum(
+        cost.vision_forward(config.vision, p, f, 1) for p, f in zip(tokens.patches, tokens.frames, strict=True)
+    )
+    assert vision > 0.2 * trained["actor_prefix"].flops  # a video prompt's tower is a large part of its prefix
+    assert frozen["ref_prefix"].flops == trained["ref_prefix"].flops  # the reference's prefix embeds for both
+    assert frozen["actor_prefix"].flops == pytest.approx(trained["actor_prefix"].flops - vision)
+    rerun = 3  # the shipped spec recomputes the prefix: forward again, then backward (twice the forward)
+    backward = trained["actor_suffix_backward"].flops
+    assert frozen["actor_suffix_backward"].flops == pytest.approx(backward - rerun * vision)
+    from rollplex.memory import shapes
+
+    llm, tower = shapes.llm_params_per_rank(config.text, 1), shapes.vision_params(config.vision, stored=True)
+    assert frozen["update"].hbm_bytes == pytest.approx(trained["update"].hbm_bytes * llm / (llm + tower))

@@ -49,7 +49,10 @@ def test_the_decisions_of_the_file_are_the_ones_read(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d.update(rollplex_plan_version=PLAN_VERSION + 1), "plan version 2, this rollplex reads version 1"),
+        (
+            lambda d: d.update(rollplex_plan_version=PLAN_VERSION + 1),
+            f"plan version {PLAN_VERSION + 1}, this rollplex reads version {PLAN_VERSION}",
+        ),
         (lambda d: d.pop("decisions"), "malformed plan (missing key 'decisions')"),
         (lambda d: d["decisions"].update(prefix_saved="disk"), "malformed plan ('disk' is not a valid Residency)"),
         (lambda d: d["spec"]["workload"].update(group_size=0), "malformed plan"),

@@ -84,7 +84,11 @@ def test_the_optimizer_streams_all_fp32_state_through_what_the_update_leaves_fre
 
 
 def tiny(extra: str = "", schedule: str = "rollplex", qkv_sharing: str = "in_place"):
-    text = f"""
+    return compile_plan(parse_spec(tiny_text(extra, schedule, qkv_sharing)), check=True)
+
+
+def tiny_text(extra: str = "", schedule: str = "rollplex", qkv_sharing: str = "in_place") -> str:
+    return f"""
 model: qwen2_5_vl_7b
 cluster: {{hbm_gib: 139, host_gib: 1000}}
 parallel: {{qkv_sharing: {qkv_sharing}}}
@@ -92,7 +96,6 @@ workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_to
 memory: {{recompute: full, prefix_activations: recompute{extra}}}
 schedule: {schedule}
 """
-    return compile_plan(parse_spec(text), check=True)
 
 
 def objects(plan, role, component):
@@ -227,3 +230,19 @@ def test_the_spec_forces_where_the_optimizer_state_and_the_prefix_saved_tensors_
     assert plan.decisions.optimizer_state is Residency(choice)
     forced = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 80")))
     assert not forced.residency.fits_hbm or choice == "host"  # hbm is obeyed even where it cannot fit
+
+
+def test_a_frozen_vision_tower_is_held_once_with_no_gradients_optimizer_state_or_saved_tensors():
+    trained, frozen = tiny(), compile_plan(parse_spec(
+        tiny_text().replace("model: qwen2_5_vl_7b", "model: {name: qwen2_5_vl_7b, freeze_vision: true}")))  # fmt: skip
+    assert frozen.decisions.freeze_vision and not trained.decisions.freeze_vision
+
+    def vision(plan, role, component):
+        return [o for o in plan.residency.objects if o.role == role and o.component == component and o.vision]
+
+    for component in ("FP32 gradients", "FP32 master weights", "Adam moments (FP32)", "prefix saved tensors"):
+        assert vision(trained, "actor", component) and not vision(frozen, "actor", component), component
+    assert vision(frozen, "actor", "weights (BF16)") and not vision(frozen, "reference", "weights (BF16)")
+    assert objects(frozen, "actor", "shared vision output") and not objects(trained, "actor", "shared vision output")
+    assert [o.bytes for o in objects(frozen, "actor", "shared vision output")] == [8 * 5600 * 3584 * 2]
+    assert frozen.residency.peak_bytes < trained.residency.peak_bytes
