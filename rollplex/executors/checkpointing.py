@@ -64,6 +64,11 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     for k, part in enumerate(engines.optimizer.state_parts()):
         torch.save(_in_hf_shapes(part, names, engines.actor.config.vision), parts / f"part-{k:05d}.pt")
         del part  # else it stays alive while the next part is gathered
+    if engines.critic is not None:  # PPO's critic (one process): its weights and its optimizer's parts
+        torch.save(engines.critic.state_dict(), tmp / "critic.pt")
+        (tmp / "critic-optimizer").mkdir()
+        for k, part in enumerate(engines.critic_optimizer.state_parts()):
+            torch.save(part, tmp / "critic-optimizer" / f"part-{k:05d}.pt")
     if engines.is_main:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
@@ -141,6 +146,12 @@ def load(path: Path, engines: Engines) -> Snapshot:
     if len(covered) != len(engines.optimizer.params):
         raise ValueError(f"{path / _optimizer_dir(engines)} covers {len(covered)} of the optimizer's "
                          f"{len(engines.optimizer.params)} parameters: an incomplete checkpoint")  # fmt: skip
+    if engines.critic is not None:
+        if not (path / "critic.pt").is_file():
+            raise ValueError(f"{path} has no critic.pt: it was not written by a run with a critic")
+        engines.critic.load_state_dict(torch.load(path / "critic.pt", weights_only=True))
+        for file in sorted((path / "critic-optimizer").glob("part-*.pt")):
+            engines.critic_optimizer.load_state_dict(torch.load(file, weights_only=False))
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])

@@ -29,6 +29,7 @@ from rollplex.errors import SpecError
 from rollplex.executors.distributed import TPSetup, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
+from rollplex.executors.ppo import PpoConfig
 from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
@@ -41,6 +42,7 @@ from rollplex.models.generate import Rollout, generate
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rerun import Rerun
 from rollplex.models.sampling import SamplingParams
+from rollplex.models.values import make_value_model
 from rollplex.parallel.bind import QKVPath, bind_rollout
 from rollplex.parallel.model import parallelize, sharded_parameters
 from rollplex.parallel.replicas import split_rollout
@@ -72,6 +74,9 @@ class Engines:
     response_lengths: LengthDistribution | None = None  # `workload.replay_lengths`: budgets drawn per rollout
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
     freeze_vision: bool = False  # the tower is frozen and the reference holds the actor's: prefixes share its output
+    critic: Qwen2_5_VL | None = None  # PPO's value model (`rollplex.models.values`), when the graph has a critic
+    critic_optimizer: ChunkedAdamW | None = None
+    ppo: PpoConfig | None = None
 
     @property
     def temperature(self) -> float:
@@ -182,6 +187,16 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         max_tokens=spec.workload.response_tokens,
         stop_token_ids=(config.tokens.eos,),
     )
+    critic, critic_optimizer = None, None
+    if Role.CRITIC in roles(plan.graph):
+        if tp is not None:
+            raise SpecError("parallel.train_tp", "a critic trains with train_tp 1 only", "set train_tp: 1")
+        critic = make_value_model(_initial_model(loaded, device, None), seed=spec.run.seed + 1)
+        if d.freeze_vision:
+            critic.model.visual = actor.model.visual
+        critic_optimizer = make_optimizer(
+            critic, a, None, None, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM, lr=a.critic_lr or a.lr
+        )
     reference_pager = None
     if reference is not None and d.reference_weights is Residency.HOST:
         reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
@@ -211,6 +226,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         microbatch_memory=make_microbatch_memory(d, actor),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
         freeze_vision=d.freeze_vision,
+        critic=critic,
+        critic_optimizer=critic_optimizer,
+        ppo=PpoConfig(a.gamma, a.lam, a.value_clip) if critic is not None else None,
     )
 
 
@@ -234,7 +252,13 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
 
 
 def make_optimizer(
-    actor: Qwen2_5_VL, a, tp: TPSetup | None, bound, chunk_bytes: int, state_on_device: bool
+    actor: Qwen2_5_VL,
+    a,
+    tp: TPSetup | None,
+    bound,
+    chunk_bytes: int,
+    state_on_device: bool,
+    lr: float | None = None,
 ) -> ChunkedAdamW:
     """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
     gradients, the paper's Table 1), its FP32 state in HBM or in the pinned pool as the plan has it, in the
@@ -244,7 +268,7 @@ def make_optimizer(
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
         params,
-        lr=a.lr,
+        lr=a.lr if lr is None else lr,
         betas=a.betas,
         eps=a.eps,
         weight_decay=a.weight_decay,

@@ -1,4 +1,5 @@
-"""GRPO's arithmetic: group-normalised advantages and the per-token loss (clipped ratio, k3 KL, entropy).
+"""GRPO's arithmetic: group-normalised advantages and the per-token policy loss (clipped ratio, k3 KL, entropy),
+which PPO's actor shares with per-token advantages (`ppo.py`).
 
 Pure tensor math on log-probabilities; no model. Shapes: one prompt group is [N, R] (N responses of up to
 R tokens); `mask` marks real response tokens. The loss of a microbatch is returned already divided by the
@@ -69,10 +70,11 @@ def grpo_loss(
     entropy: Tensor,
     mask: Tensor,
 ) -> GroupLoss:
-    """logprobs, old_logprobs, ref_logprobs, entropy, mask: [..., R]; advantages: [...] per sequence."""
+    """logprobs, old_logprobs, ref_logprobs, entropy, mask: [..., R]; advantages: [...] per sequence (GRPO) or
+    [..., R] per token (PPO)."""
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages if advantages.dim() == logprobs.dim() else advantages.unsqueeze(-1)
     clipped_ratio = ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     kl = k3_kl(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)

@@ -154,7 +154,9 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         "response_len_mean": float(lens.mean()),
         "prefix_beside_decode": record.stats.get("prefix_chunks_during_decode", 0.0),
         "decode_slowdown": record.stats.get("decode_slowdown"),
+        **{k: record.stats[k] for k in ("value_loss", "critic_grad_norm") if k in record.stats},  # PPO's critic
         "param_digest": param_digest(engines.actor),
+        **({"critic_digest": param_digest(engines.critic)} if engines.critic is not None else {}),
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -19,7 +20,9 @@ import torch
 
 from rollplex.data.rewards import is_correct
 from rollplex.data.tokenizer import response_text
+from rollplex.executors.critic import train_critic
 from rollplex.executors.engines import Engines
+from rollplex.executors.ppo import PpoConfig, gae, token_rewards, whiten
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
 from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, steps
@@ -64,10 +67,18 @@ class OldLogprobs:
 
 
 @dataclass(frozen=True)
-class _ActorScores:
-    """Stands for the actor's scores until the fused suffix + backward computes them."""
+class _Scores:
+    """Stands for a trained role's scores (the actor's log-probs, the critic's values) until its fused scoring +
+    backward computes them."""
 
     op: Op
+
+
+@dataclass(frozen=True)
+class Values:
+    """The critic's values [P, N, R] of the step's responses (detached): PPO's advantages come from them."""
+
+    values: torch.Tensor
 
 
 Handler = Callable[[Engines, Op, Store, list], None]
@@ -245,21 +256,59 @@ def _actor_prefix_job(
     return LeafBoundary.of(boundary)
 
 
-def _actor_scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = _ActorScores(o)
+def _critic_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    store[o.outputs[0]] = drain(_critic_prefix_job(e, store["prompts"], store["vision"]))
+
+
+def _critic_prefix_job(
+    e: Engines, prompts: Sequence, vision: SharedVision | None
+) -> Generator[None, None, LeafBoundary]:
+    chunks = e.critic.prefix_chunks(
+        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
+        rerun=e.prefix_rerun, vision=vision,
+    )  # fmt: skip
+    boundary = yield from chunks
+    return LeafBoundary.of(boundary)
+
+
+def _critic_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    """The critic's values, value loss and backward, fused (`critic.py`); its values go where its scoring's
+    output is read (the actor's backward)."""
+    scores = _input(store, o, _Scores)
+    rollout = _input(store, scores.op, Rollout)
+    boundary = _input(store, scores.op, LeafBoundary) if scores.op.part is Part.SUFFIX else None
+    rewards = _input(store, o, torch.Tensor)
+    result = train_critic(e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, nullcontext)
+    store[scores.op.outputs[0]] = Values(result.values)
+    record.stats["value_loss"] = float(result.loss)
+    store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
+
+
+def _critic_update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    record.stats["critic_grad_norm"] = float(e.critic_optimizer.step())
+    e.critic_optimizer.zero_grad()
+
+
+def _scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+    store[o.outputs[0]] = _Scores(o)
 
 
 def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     """One mini-batch's (or the whole step's) suffix forward, loss and backward, fused (`training`)."""
-    scores = _input(store, o, _ActorScores)
+    scores = _input(store, o, _Scores)
     rollout = _input(store, scores.op, Rollout)
+    rewards = _input(store, o, torch.Tensor)
+    values = _input(store, o, Values, required=False)
+    if values is None and any(isinstance(store.get(t), _Scores) for t in o.inputs if t != scores.op.outputs[0]):
+        raise ValueError(f"op '{o.id}' reads the critic's values before its backward computed them")
     x = MiniBatchInputs(
         prompts=store["prompts"],
         rollout=rollout,
-        rewards=_input(store, o, torch.Tensor),
+        rewards=rewards,
         ref=_input(store, o, SuffixOut, required=False),
         boundary=_input(store, scores.op, LeafBoundary) if scores.op.part is Part.SUFFIX else None,
         old_logprobs=getattr(_input(store, o, OldLogprobs, required=False), "logprobs", None),
+        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values.values, rollout),
     )
     every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
     if every is not None:
@@ -276,6 +325,14 @@ def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     e.publish()
 
 
+def ppo_advantages(cfg: PpoConfig, rewards: torch.Tensor, values: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """PPO's per-token advantages [P, N, R]: GAE over the critic's values, whitened over the step's tokens."""
+    width = rollout.responses.shape[-1]
+    mask = torch.arange(width, device=values.device) < rollout.response_lens[..., None].to(values.device)
+    advantages, _ = gae(cfg, token_rewards(rewards.to(values.device), mask), values, mask)
+    return whiten(advantages, mask)
+
+
 def _input(store: Store, o: Op, kind: type, *, required: bool = True):
     """The op's input of this type (the rollout, a boundary, the rewards, reference scores...)."""
     found = [store[t] for t in o.inputs if isinstance(store.get(t), kind)]
@@ -287,6 +344,7 @@ def _input(store: Store, o: Op, kind: type, *, required: bool = True):
 PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence, SharedVision | None], Generator]] = {
     (NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX): _ref_prefix_job,
     (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix_job,
+    (NodeKind.FORWARD, Role.CRITIC, Part.PREFIX): _critic_prefix_job,
 }
 
 HANDLERS: dict[tuple, Handler] = {
@@ -296,8 +354,13 @@ HANDLERS: dict[tuple, Handler] = {
     (NodeKind.FORWARD, Role.REFERENCE, Part.SUFFIX): _ref_suffix,
     (NodeKind.FORWARD, Role.REFERENCE, Part.WHOLE): _ref_whole,
     (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix,
-    (NodeKind.FORWARD, Role.ACTOR, Part.SUFFIX): _actor_scores,
-    (NodeKind.FORWARD, Role.ACTOR, Part.WHOLE): _actor_scores,
+    (NodeKind.FORWARD, Role.ACTOR, Part.SUFFIX): _scores,
+    (NodeKind.FORWARD, Role.ACTOR, Part.WHOLE): _scores,
+    (NodeKind.FORWARD, Role.CRITIC, Part.PREFIX): _critic_prefix,
+    (NodeKind.FORWARD, Role.CRITIC, Part.SUFFIX): _scores,
+    (NodeKind.FORWARD, Role.CRITIC, Part.WHOLE): _scores,
+    (NodeKind.BACKWARD, Role.CRITIC, Part.WHOLE): _critic_backward,
+    (NodeKind.UPDATE, Role.CRITIC, Part.WHOLE): _critic_update,
     (NodeKind.BACKWARD, Role.ACTOR, Part.WHOLE): _actor_backward,
     (NodeKind.UPDATE, Role.ACTOR, Part.WHOLE): _update,
 }

@@ -38,6 +38,7 @@ class MiniBatchInputs:
         LeafBoundary | None
     )  # the actor's attached boundary of the pass's prompts (all, first pass); unsplit: None
     old_logprobs: Tensor | None  # [P, N, R] every response under the rollout's weights, for passes after the first
+    advantages: Tensor | None = None  # [P, N, R] per token (PPO's, from the critic); None: GRPO's per group
 
 
 @dataclass
@@ -92,7 +93,7 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
     num_prompts, num_samples, width = x.rollout.responses.shape
     rows = mb.prompts(num_prompts)
     part = Rollout(x.rollout.responses[rows], x.rollout.response_lens[rows], x.rollout.logprobs[rows])
-    advantages = group_advantages(x.rewards)[rows]
+    advantages = (x.advantages if x.advantages is not None else group_advantages(x.rewards))[rows]
     ref = x.ref.logprobs[rows] if x.ref is not None else None
     old = x.old_logprobs[rows] if x.old_logprobs is not None else None
     mask = torch.arange(width, device=part.responses.device) < part.response_lens[..., None]
@@ -109,7 +110,8 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
         lp, m = out.logprobs, mask[idx][..., :cols]
         old_lp = lp.detach() if old is None else old[idx][..., :cols]  # the first pass is the first scoring
         ref_lp = ref[idx][..., :cols] if ref is not None else None
-        g = grpo_loss(e.grpo, scale, lp, old_lp, ref_lp, advantages[idx], out.entropy, m)
+        adv = advantages[idx] if x.advantages is None else advantages[idx][..., :cols]
+        g = grpo_loss(e.grpo, scale, lp, old_lp, ref_lp, adv, out.entropy, m)
         g.loss.backward()
         totals.add(g)
         if mb.count == 1:

@@ -1,6 +1,6 @@
-"""`build`: a spec's graph section (or the standard GRPO graph) -> the IR, checked for the user's mistakes.
+"""`build`: a spec's graph section (or the standard GRPO or PPO graph) -> the IR, checked for the user's mistakes.
 
-The standard graph is the textbook, unsplit GRPO iteration; `split_at_response` does the splitting.
+The standard graphs are the textbook, unsplit iterations; `split_at_response` does the splitting.
 """
 
 from __future__ import annotations
@@ -49,8 +49,33 @@ def standard_grpo(kl_coef: float) -> GraphSpec:
     return GraphSpec(nodes=tuple(nodes), tensors=())
 
 
+def standard_ppo(kl_coef: float) -> GraphSpec:
+    """GRPO's graph with a critic: its scoring gives the values the actor's advantages come from, and its own
+    backward and update train it."""
+    nodes = list(standard_grpo(kl_coef).nodes)
+    critic = [
+        NodeSpec(id="critic_score", kind="forward", role="critic", inputs=(DATASET, "responses"), outputs=("values",)),
+        NodeSpec(
+            id="critic_backward",
+            kind="backward",
+            role="critic",
+            inputs=("values", "rewards"),
+            outputs=("critic_grads",),
+        ),
+        NodeSpec(id="critic_update", kind="update", role="critic", inputs=("critic_grads",)),
+    ]
+    actor_backward = next(i for i, n in enumerate(nodes) if n.id == "actor_backward")
+    backward = nodes[actor_backward]
+    nodes[actor_backward] = backward.model_copy(update={"inputs": (*backward.inputs, "values")})
+    return GraphSpec(nodes=(*nodes, *critic), tensors=())
+
+
 def graph_spec_of(spec: Spec) -> GraphSpec:
-    return spec.graph if spec.graph is not None else standard_grpo(spec.algorithm.kl_coef)
+    if spec.graph is not None:
+        return spec.graph
+    if spec.algorithm.name == "ppo":
+        return standard_ppo(spec.algorithm.kl_coef)
+    return standard_grpo(spec.algorithm.kl_coef)
 
 
 def build(graph: GraphSpec) -> nx.DiGraph:

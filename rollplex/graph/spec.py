@@ -124,7 +124,12 @@ class RewardSpec(_Strict):
 
 
 class AlgorithmSpec(_Strict):
-    name: Literal["grpo"] = Field("grpo", description="The RL algorithm.")
+    name: Literal["grpo", "ppo"] = Field(
+        "grpo",
+        description="The RL algorithm: grpo (advantages normalised within each prompt's group) or ppo (a critic: "
+        "per-token advantages by GAE over its values, whitened over the step; its own clipped value loss and "
+        "optimizer). Without a `graph`, each has its standard graph; a custom graph with a critic needs ppo.",
+    )
     kl_coef: float = Field(0.04, ge=0, description="KL-to-reference coefficient; 0 drops the reference model.")
     clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon.")
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="How token losses are averaged.")
@@ -144,6 +149,12 @@ class AlgorithmSpec(_Strict):
     rewards: tuple[RewardSpec, ...] = Field(
         (RewardSpec(name="format"), RewardSpec(name="accuracy")), description="Rewards summed per response."
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: the discount of GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE's lambda.")
+    value_clip: PositiveFloat = Field(
+        0.2, description="PPO: how far a value may move from the first scoring's before its loss is clipped."
+    )
+    critic_lr: PositiveFloat | None = Field(None, description="PPO: the critic's AdamW learning rate; null: `lr`.")
     minibatches_per_step: PositiveInt = Field(
         1,
         description="Optimizer updates per step: the step's prompt groups are split into this many mini-batches "
@@ -303,6 +314,20 @@ class Spec(_Strict):
     @classmethod
     def _model_name(cls, value: object) -> object:
         return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _ppo(self) -> Spec:
+        a = self.algorithm
+        critic = self.graph is not None and any(n.role == "critic" for n in self.graph.nodes)
+        if a.name == "grpo" and critic:
+            raise ValueError("the graph has a critic: set algorithm.name: ppo")
+        if a.name == "ppo" and self.graph is not None and not critic:
+            raise ValueError("algorithm.name ppo needs a critic in the graph; or leave out `graph`")
+        if a.name == "ppo" and a.minibatches_per_step > 1:
+            raise ValueError("algorithm.minibatches_per_step > 1 runs with grpo only; set it to 1 under ppo")
+        if a.name == "ppo" and self.parallel.train_tp > 1:
+            raise ValueError("a critic trains with train_tp 1 only; set parallel.train_tp: 1 under ppo")
+        return self
 
     @model_validator(mode="after")
     def _mps(self) -> Spec:

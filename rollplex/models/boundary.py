@@ -19,7 +19,7 @@ class Boundary:
 
     keys, values: one [P, kv_heads, S, head_dim] tensor per decoder layer; keys are post-rotary.
     first_logprobs: [P, vocab] float32, log_softmax of the logits at the prompt's last position: the
-        distribution of response token 0.
+        distribution of response token 0 (a value model's boundary: [P, 1], the value of token 0).
     next_positions: [P] int64, the rotary position of response token 0 on all three mrope axes (token j: +j).
     prompt_lens: [P] int64; positions >= prompt_lens[p] of keys/values are padding.
     """

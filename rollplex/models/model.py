@@ -308,7 +308,8 @@ class _GroupPrefix:
             hidden = self.model.model.language_model.norm(self.x)
             lens = to_device(self.packed.lens, device)
             last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
-            first_logprobs = torch.log_softmax(self.model.lm_head(last).float(), dim=-1)  # [P, V]
+            head = self.model.lm_head(last).float()  # [P, V]; a value model's (`values.py`) [P, 1]
+            first_logprobs = head if head.shape[-1] == 1 else torch.log_softmax(head, dim=-1)
         return Boundary(
             keys=tuple(self.keys),
             values=tuple(self.values),

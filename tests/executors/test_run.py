@@ -153,6 +153,17 @@ def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
     assert records[0]["time_s"]["ref_prefix"] == 0.0 and records[0]["kl"] == 0.0
 
 
+def test_the_shipped_graph_without_a_reference_trains_alike_in_every_schedule(tmp_path):
+    spec = parse_spec((ROOT / "specs/grpo_no_reference_tiny.yaml").read_text())
+    runs = {
+        s: train(compile_plan(spec, Schedule(s)), RunOptions(2, tmp_path / s, progress=False, tensorboard=False))
+        for s in ("serial", "rollplex", "unsplit")
+    }
+    assert [r["param_digest"] for r in runs["serial"]] == [r["param_digest"] for r in runs["rollplex"]]
+    for s, u in zip(runs["rollplex"], runs["unsplit"], strict=True):
+        assert s["kl"] == 0.0 and s["loss"] != 0.0 and s["loss"] == pytest.approx(u["loss"], rel=1e-5)
+
+
 METRIC_KEYS = {
     "peak_gib_by_phase",
     "prefix_beside_decode",
