@@ -88,6 +88,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.no_checkpoints and args.checkpoint_every:
         raise SpecError("", "--no-checkpoints with --checkpoint-every", "choose one")
+    if opts.out_dir.exists() and not opts.out_dir.is_dir():
+        raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
     from rollplex.executors.distributed import check_launch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MAX_LINE = 300  # characters of an error's one line: a value a spec gives is echoed cut to fit
+
 
 class SpecError(ValueError):
     """The spec is invalid (bad YAML, unknown key, wrong value, impossible graph). Exit code 2.
@@ -21,7 +23,9 @@ class SpecError(ValueError):
             place += f":{self.line}"
         key = f" {self.where}:" if self.where else ""
         fix = f"; {self.fix}" if self.fix else ""
-        return f"{place}:{key} {self.problem}{fix}"
+        room = max(MAX_LINE - len(f"{place}:{key} {fix}"), 40)
+        problem = self.problem if len(self.problem) <= room else self.problem[: room - 3] + "..."
+        return f"{place}:{key} {problem}{fix}"
 
     def located(self, file: str, line: int | None) -> SpecError:
         return SpecError(self.where, self.problem, self.fix, line=self.line if line is None else line, file=file)

@@ -11,6 +11,7 @@ removes; a complete directory is never half-written.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,14 @@ def _barrier(engines: Engines) -> None:
         engines.tp.barrier()
 
 
+def _load(file: Path):
+    """A checkpoint file's tensors and plain values; anything else in it (a pickled object) is refused unread."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{file}: holds more than tensors and plain values, not loaded ({str(e)[:80]})") from None
+
+
 def latest(out_dir: Path) -> Path | None:
     found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     return found[-1] if found else None
@@ -139,7 +148,7 @@ def load(path: Path, engines: Engines) -> Snapshot:
     covered: set[int] = set()
     names = _optimizer_names(engines)
     for file in parts:  # one part in memory at a time
-        part = _in_stored_shapes(torch.load(file, weights_only=False), engines, names)
+        part = _in_stored_shapes(_load(file), engines, names)
         engines.optimizer.load_state_dict(part)
         covered |= set(part["state"])
         del part
@@ -149,10 +158,10 @@ def load(path: Path, engines: Engines) -> Snapshot:
     if engines.critic is not None:
         if not (path / "critic.pt").is_file():
             raise ValueError(f"{path} has no critic.pt: it was not written by a run with a critic")
-        engines.critic.load_state_dict(torch.load(path / "critic.pt", weights_only=True))
+        engines.critic.load_state_dict(_load(path / "critic.pt"))
         for file in sorted((path / "critic-optimizer").glob("part-*.pt")):
-            engines.critic_optimizer.load_state_dict(torch.load(file, weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
+            engines.critic_optimizer.load_state_dict(_load(file))
+    rng = _load(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])
     state = json.loads((path / "state.json").read_text())

@@ -51,10 +51,6 @@ class MetricsLog:
             self.writer.close()
 
 
-def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _scalars(record: dict, prefix: str = ""):
     for key, value in record.items():
         if isinstance(value, dict):

@@ -168,10 +168,5 @@ def lifetimes(g: nx.DiGraph) -> dict[str, Lifetime]:
     return g.graph.get("lifetimes", {})
 
 
-def is_prefix_work(o: Op) -> bool:
-    """A forward that reads no response: the work rollplex moves beside decode."""
-    return o.kind is NodeKind.FORWARD and o.phase is Phase.ROLLOUT
-
-
 def roles(g: nx.DiGraph) -> set[Role]:
     return {o.role for o in ops(g) if o.role is not None}

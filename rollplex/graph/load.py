@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollplex.errors import SpecError
 from rollplex.graph.spec import Spec
+from rollplex.graph.yamlread import MAX_SPEC_BYTES, read_yaml
 from rollplex.models.config import ModelConfig, load_model_config
 
 
@@ -32,14 +33,21 @@ class LoadedSpec:
 def load_spec(path: str | Path) -> LoadedSpec:
     path = Path(path)
     try:
-        text = path.read_text()
+        if path.is_dir():
+            raise SpecError("", "is a directory, not a spec file", "give the YAML file", file=str(path))
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError("", f"the file is {path.stat().st_size:,} bytes; a spec is at most {MAX_SPEC_BYTES:,}",
+                            file=str(path))  # fmt: skip
+        raw = path.read_bytes()
     except OSError as e:
         raise SpecError("", f"cannot read spec: {e.strerror}", file=str(path)) from None
-    return parse_spec(text, file=str(path), base=path.parent)
+    return parse_spec(raw, file=str(path), base=path.parent)
 
 
-def parse_spec(text: str, file: str = "spec", base: Path | None = None) -> LoadedSpec:
-    data, root = _parse_yaml(text, file)
+def parse_spec(text: str | bytes, file: str = "spec", base: Path | None = None) -> LoadedSpec:
+    data, root = read_yaml(text, file)
+    if not isinstance(data, dict):
+        raise SpecError("", "the spec must be a YAML mapping of sections (model, cluster, ...)", file=file)
     try:
         spec = Spec.model_validate(data)
     except ValidationError as e:
@@ -49,25 +57,9 @@ def parse_spec(text: str, file: str = "spec", base: Path | None = None) -> Loade
         check_model_fits_parallel(spec, model)
     except SpecError as e:
         raise e.located(file, _line(root, e.where.split("."))) from None
-    except (FileNotFoundError, KeyError, ValueError) as e:
-        raise SpecError("model", str(e).strip("'"), line=_line(root, ["model"]), file=file) from None
+    except (OSError, ValueError) as e:
+        raise SpecError("model", str(e), line=_line(root, ["model"]), file=file) from None
     return LoadedSpec(spec, model, Path(file), root)
-
-
-def _parse_yaml(text: str, file: str) -> tuple[object, yaml.Node | None]:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(
-            "", f"YAML syntax error: {problem}", "fix the YAML at that line", line=line, file=file
-        ) from None
-    if not isinstance(data, dict):
-        raise SpecError("", "the spec must be a YAML mapping of sections (model, cluster, ...)", file=file)
-    return data, root
 
 
 def check_model_fits_parallel(spec: Spec, model: ModelConfig) -> None:
@@ -92,31 +84,50 @@ def _tp_ok(tp: int, t) -> bool:
 
 
 def _first_error(e: ValidationError, root: yaml.Node | None, file: str) -> SpecError:
-    err = e.errors()[0]
+    """The error to report: an unknown key before anything else (a misspelt key also shows as the key it
+    shadows, missing), then the first; a rejected value echoed at most ECHO characters long."""
+    errors = e.errors()
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
     msg = err["msg"].removeprefix("Value error, ")
     first_word = msg.split(" ", 1)[0]
-    if err["type"] == "value_error" and _is_key(first_word):
+    if err["type"] == "value_error" and _is_key(first_word, loc):
         loc = loc + first_word.split(".")
     where = ".".join(loc)
     if err["type"] == "extra_forbidden":
         return SpecError(where, "unknown key", _suggest(e, loc), line=_line(root, loc), file=file)
     if err["type"] == "missing":
         return SpecError(where, "required key is missing", f"add `{loc[-1]}:`", line=_line(root, loc[:-1]), file=file)
-    got = f" (got {err['input']!r})" if err["type"] != "value_error" and not isinstance(err["input"], dict) else ""
+    got = f" (got {_echo(err['input'])})" if err["type"] != "value_error" and not isinstance(err["input"], dict) else ""
     return SpecError(where, msg + got, line=_line(root, loc), file=file)
 
 
-def _is_key(word: str) -> bool:
-    return bool(word) and all(part.isidentifier() and part.islower() for part in word.split("."))
+ECHO = 60
 
 
-def _suggest(e: ValidationError, loc: list[str]) -> str:
+def _echo(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= ECHO else text[: ECHO - 3] + "..."
+
+
+def _is_key(word: str, loc: list[str]) -> bool:
+    """Whether a validator's message starts with a key of the model at `loc` (`train_tp 3 ...`), which then
+    locates it."""
+    model = _model_at(loc)
+    return model is not None and word.split(".")[0] in {f.alias or n for n, f in model.model_fields.items()}
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
     model: type[BaseModel] | None = Spec
-    for part in loc[:-1]:
+    for part in loc:
         if model is None or part.isdigit():
             continue
         model = _field_model(model, part)
+    return model
+
+
+def _suggest(e: ValidationError, loc: list[str]) -> str:
+    model = _model_at(loc[:-1])
     if model is None:
         return "remove it"
     names = [f.alias or n for n, f in model.model_fields.items()]

@@ -56,17 +56,34 @@ def plan_of(loaded: LoadedSpec, schedule: Schedule, g: nx.DiGraph, decisions: De
     return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)), decisions)
 
 
-_REMEDIES = {
-    Component.ACTIVATIONS: "set memory.recompute: full",
-    Component.KV_CACHE: "lower memory.rollout_kv_gib",
-    Component.GRADIENTS: "raise parallel.train_tp",
-    Component.WEIGHTS: "raise parallel.train_tp",
-    Component.BOUNDARY_KV: "lower workload.prompts_per_step or add GPUs (more data-parallel ranks)",
-    Component.CASE3_BUFFER: "raise parallel.rollout_tp",
-    Component.RESERVE: "lower memory.runtime_reserve_gib",
-    Component.OPTIMIZER_CHUNKS: "set memory.optimizer_chunk_mib lower",
-    Component.PREFIX_LAYER: "lower workload.prompt_tokens",
-}
+def remedies(plan: Plan, objects: list[MemObject]) -> list[str]:
+    """Levers that exist for this spec and act on `objects` (the largest first): none already pulled, none past
+    the cluster (a TP degree above its GPUs)."""
+    spec = plan.loaded.spec
+    p, m, gpus = spec.parallel, spec.memory, spec.cluster.num_gpus
+    more_tp = "raise parallel.train_tp" if p.train_tp < gpus else "add GPUs (cluster.gpus_per_node, cluster.nodes)"
+    levers = {
+        Component.ACTIVATIONS: "set memory.recompute: full"
+        if m.recompute != "full"
+        else "lower workload.response_tokens",
+        Component.KV_CACHE: "lower memory.rollout_kv_gib" if m.rollout_kv_gib else "lower workload.prompts_per_step",
+        Component.GRADIENTS: more_tp,
+        Component.MASTER: "set parallel.distributed_optimizer: true" if gpus > p.train_tp else more_tp,
+        Component.MOMENTS: "set parallel.distributed_optimizer: true" if gpus > p.train_tp else more_tp,
+        Component.BOUNDARY_KV: "lower workload.prompts_per_step or add GPUs (more data-parallel ranks)",
+        Component.CASE3_BUFFER: "raise parallel.rollout_tp" if p.rollout_tp < p.train_tp else "",
+        Component.RESERVE: "lower memory.runtime_reserve_gib" if m.runtime_reserve_gib > 0 else "",
+        Component.OPTIMIZER_CHUNKS: "set memory.optimizer_chunk_mib lower",
+        Component.PREFIX_LAYER: "lower workload.prompt_tokens",
+    }
+    found = []
+    for o in objects:
+        lever = levers.get(o.component, "")
+        if o.component is Component.WEIGHTS:  # rollout's own copy shrinks with its TP degree, the trainer's with TP
+            lever = "raise parallel.rollout_tp" if o.role == "rollout" and p.rollout_tp < p.train_tp else more_tp
+        if lever and lever not in found:
+            found.append(lever)
+    return found
 
 
 def check_fits(plan: Plan) -> None:
@@ -75,18 +92,23 @@ def check_fits(plan: Plan) -> None:
         phase = max(r.phases, key=lambda p: p.peak_bytes)
         top = sorted(r.in_hbm(phase.peak_step), key=lambda o: -o.bytes)[:3]
         largest = ", ".join(f"{_name(o)} {o.bytes / GIB:.1f}" for o in top)
-        fixes = "; ".join(dict.fromkeys(_REMEDIES[o.component] for o in top if o.component in _REMEDIES))
+        fixes = "; ".join(remedies(plan, top)[:2])
         raise PlanDoesNotFit(
             f"{plan.loaded.path}: plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "
             f"{r.capacity_bytes / GIB:.1f} GiB per GPU; largest: {largest} GiB; to fit: {fixes or 'add GPUs'}"
         )
     if not r.host.fits:
-        h = r.host
+        h, spec = r.host, plan.loaded.spec
+        levers = [
+            "set memory.prefix_activations: recompute" if spec.memory.prefix_activations != "recompute" else "",
+            "raise memory.host_pool_gib" if h.pinned_bytes_per_node < h.capacity_bytes_per_node else "",
+            "raise parallel.train_tp" if spec.parallel.train_tp < spec.cluster.num_gpus else "raise cluster.host_gib",
+        ]
         raise PlanDoesNotFit(
             f"{plan.loaded.path}: plan does not fit in host memory: "
             f"needs {h.needed_bytes_per_node / GIB:.1f} GiB pinned per node "
             f"(pool {h.pinned_bytes_per_node / GIB:.1f}, host {h.capacity_bytes_per_node / GIB:.1f}); to fit: "
-            "set memory.prefix_activations: recompute, raise memory.host_pool_gib, or raise parallel.train_tp"
+            + ", or ".join(x for x in levers if x)
         )
 
 

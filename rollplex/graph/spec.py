@@ -6,6 +6,7 @@ Checks that need the model's shapes (TP divides the heads) live in `graph.load`,
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -15,8 +16,34 @@ RoleName = Literal["rollout", "reference", "actor", "critic"]
 TensorClassName = Literal["permanent", "regenerable", "boundary", "phase-local"]
 
 
+MAX_NUMBER = 10**12  # no count, size or rate of a real run comes near it
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    """Unknown keys, NaN and infinity refused; a boolean is not a number; a number beyond MAX_NUMBER is no real
+    setting (a typo, or a value meant to overflow)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sane_numbers(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            value = data.get(key)
+            if isinstance(value, bool) and not _takes_bool(field.annotation):
+                raise ValueError(f"{key} takes a number or a name, not the boolean {str(value).lower()}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, not {value}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+        return data
+
+
+def _takes_bool(annotation: object) -> bool:
+    return annotation is bool or bool in getattr(annotation, "__args__", ())
 
 
 class ModelSpec(_Strict):
@@ -32,8 +59,8 @@ class ModelSpec(_Strict):
 class ClusterSpec(_Strict):
     nodes: PositiveInt = Field(1, description="Number of nodes.")
     gpus_per_node: PositiveInt = Field(1, description="GPUs per node.")
-    hbm_gib: PositiveFloat = Field(description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
-    host_gib: PositiveFloat = Field(description="Host memory per node that may be pinned, GiB.")
+    hbm_gib: PositiveFloat = Field(le=4096, description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
+    host_gib: PositiveFloat = Field(le=1 << 20, description="Host memory per node that may be pinned, GiB.")
     gpu: Literal["H200", "H100", "H800", "A100"] = Field(
         "H200", description="The GPU model, whose peaks (FLOP/s, HBM and host-link bandwidth) bound the time plan."
     )
@@ -64,7 +91,7 @@ class ParallelSpec(_Strict):
     def _ratio(self) -> ParallelSpec:
         if self.train_tp % self.rollout_tp:
             raise ValueError(
-                f"train_tp {self.train_tp} is not a multiple of rollout_tp {self.rollout_tp}; "
+                f"rollout_tp {self.rollout_tp} does not divide train_tp {self.train_tp}; "
                 f"set rollout_tp to a divisor of {self.train_tp}"
             )
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
+from rollplex.models.config import TextConfig, VisionConfig
 
 BF16, FP32 = 2, 4
 
@@ -129,7 +129,3 @@ def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:
 def layer_input_bytes_per_token(t: TextConfig, tp: int) -> int:
     """What full recompute keeps per layer: the layer's input."""
     return t.hidden_size * BF16 // tp
-
-
-def model_summary(m: ModelConfig) -> dict[str, int]:
-    return {"llm_params": llm_params(m.text), "vision_params": vision_params(m.vision)}

@@ -31,6 +31,9 @@ class TextConfig:
     max_position_embeddings: int
 
     def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings"):  # fmt: skip
+            _positive_int(key, getattr(self, key))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -67,6 +70,15 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...]
     in_channels: int
     tokens_per_second: float
+
+    def __post_init__(self) -> None:
+        for key in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+                    "temporal_patch_size", "spatial_merge_size", "window_size", "in_channels"):  # fmt: skip
+            _positive_int(f"vision_config.{key}", getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"vision_config.hidden_size {self.hidden_size} is not a multiple of {self.num_heads} heads"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -169,20 +181,41 @@ def shipped_model_names() -> list[str]:
 
 def resolve_config_path(name_or_path: str, base: Path | None = None) -> Path:
     """A shipped name (`qwen2_5_vl_7b`), a `config.json`, or a checkpoint directory holding one."""
-    if (CONFIG_DIR / f"{name_or_path}.json").is_file():
-        return CONFIG_DIR / f"{name_or_path}.json"
     path = Path(name_or_path).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    try:
+        if (CONFIG_DIR / f"{name_or_path}.json").is_file():
+            return CONFIG_DIR / f"{name_or_path}.json"
+        if path.is_dir():
+            path = path / "config.json"
+        found = path.is_file()
+    except OSError as e:  # a name too long for a path, ...
+        raise ValueError(f"model '{name_or_path[:40]}...' is not a shipped config or a path ({e.strerror})") from None
+    if not found:
         names = ", ".join(shipped_model_names())
         raise FileNotFoundError(f"model '{name_or_path}' is neither a shipped config ({names}) nor a config.json path")
     return path
 
 
 def load_model_config(name_or_path: str, base: Path | None = None) -> ModelConfig:
+    """The config of a shipped name or an HF `config.json`; any flaw in the file is a ValueError naming it."""
     path = resolve_config_path(name_or_path, base)
     name = path.stem if path.parent == CONFIG_DIR else str(path)
-    return config_from_hf(json.loads(path.read_text()), name)
+    try:
+        d = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("vision_config", {}), dict):
+        raise ValueError(f"{path}: not a Qwen2.5-VL config (a JSON object with a vision_config object)")
+    try:
+        return config_from_hf(d, name)
+    except KeyError as e:
+        raise ValueError(f"{path}: lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, not {value!r}")

@@ -106,3 +106,23 @@ def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path
 def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
     proc = cli("--resume", "--out", str(tmp_path))
     assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
+
+
+class _Payload:
+    """Unpickling this runs code: what a tampered checkpoint could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
+    run(tmp_path, "rollplex", 1, name="tampered")
+    part = next((tmp_path / "tampered" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
+    marker = tmp_path / "ran"
+    torch.save({"state": {0: _Payload(marker)}}, part)
+    with pytest.raises(SpecError, match="holds more than tensors and plain values, not loaded"):
+        run(tmp_path, "rollplex", 2, name="tampered", resume=True)
+    assert not marker.exists()

@@ -68,9 +68,14 @@ def test_rollout_from_a_copy_refreshed_after_each_update_trains_as_rollout_from_
     [
         (["--steps", "0"], "--steps 0; use --steps 1 or more"),
         (["--checkpoint-every", "-2"], "--checkpoint-every -2; use --checkpoint-every 1 or more"),
+        (["--out", "{file}"], "is a file; give a directory"),
+        (["--resume"], "--resume: no checkpoints in"),
+        (["--no-checkpoints", "--checkpoint-every", "1"], "--no-checkpoints with --checkpoint-every"),
     ],
 )
 def test_bad_run_flags_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    (tmp_path / "file").write_text("")
+    args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
     assert main(["run", TINY, "--out", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

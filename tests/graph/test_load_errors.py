@@ -74,7 +74,7 @@ CASES = {
         BASE.replace("gpus_per_node: 1", "gpus_per_node: 4")
         .replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")
         .replace("prompts_per_step: 2", "prompts_per_step: 4"),
-        ["parallel.train_tp", "not a multiple of rollout_tp 4", ":3:"],
+        ["parallel.rollout_tp", "rollout_tp 4 does not divide train_tp 2", ":3:"],
     ),
     "decode kernels not known": (
         BASE + "run: {decode_kernels: fastest}\n",
