@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollplex.errors import PlanDoesNotFit, SpecError
+from rollplex.errors import PlanDoesNotFit, RunFailed, SpecError
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return args.func(args)
-    except (SpecError, PlanDoesNotFit) as e:
+    except (SpecError, PlanDoesNotFit, RunFailed) as e:
         print(f"rollplex: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

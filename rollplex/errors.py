@@ -35,3 +35,10 @@ class PlanDoesNotFit(RuntimeError):
     """The compiled plan exceeds HBM or host memory. Exit code 1. The message names phase, peak and remedies."""
 
     exit_code = 1
+
+
+class RunFailed(RuntimeError):
+    """The run met a condition of its machine it cannot go on with (a full disk while checkpointing). Exit code 1.
+    The message says what was kept."""
+
+    exit_code = 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
 from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
 from rollplex.models.vision import hf_padded, hf_view
@@ -43,12 +44,24 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 
 def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
-    """Weights and optimizer state as they are now (they must be those of `snap.step`).
+    """Weights and optimizer state as they are now (they must be those of `snap.step`), written into a `.tmp`
+    directory that becomes the checkpoint only when complete; an OS error on the way (a full disk) removes it
+    and is a `RunFailed` that says the previous checkpoint is kept.
 
     Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
     writes, each rank writes its own optimizer state (`optimizer-rank{r}/part-*.pt`)."""
     final = checkpoint_dir(out_dir, snap.step)
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        return _save(final, tmp, snap, engines)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = latest(out_dir)
+        raise RunFailed(f"checkpoint of step {snap.step} not written ({e.strerror or e}); "
+                        f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
+
+
+def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
     if engines.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from run_testkit import char_share, cli, run, spec_text
+from run_testkit import ROOT, char_share, cli, run, spec_text
 from safetensors import safe_open
 
 from rollplex.data.rewards import REWARDS
@@ -126,3 +126,26 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
     with pytest.raises(SpecError, match="holds more than tensors and plain values, not loaded"):
         run(tmp_path, "rollplex", 2, name="tampered", resume=True)
     assert not marker.exists()
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from rollplex.cli import main
+    from rollplex.executors import checkpointing
+
+    real = torch.save
+
+    def full_at_the_second_checkpoint(obj, f, *args, **kw):
+        if "step-000002" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kw)
+
+    monkeypatch.setattr(checkpointing.torch, "save", full_at_the_second_checkpoint)
+    out = tmp_path / "full"
+    assert main(["run", str(ROOT / "specs/tiny_cpu.yaml"), "--out", str(out), "--steps", "2", "--checkpoint-every",
+                 "1", "--quiet"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint of step 2 not written (No space left on device); kept" in err[0]
+    assert checkpointing.latest(out) == checkpointing.checkpoint_dir(out, 1)
+    assert not list((out / "checkpoints").glob("*.tmp"))
