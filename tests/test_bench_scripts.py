@@ -18,6 +18,7 @@ from rollplex.graph.load import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, grouping", [("serial", ["--prompts-per-chunk", "all"]), ("rollplex", [])])
 def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
@@ -70,6 +71,7 @@ def test_sdpa_shapes_runs_each_videos_vision_attention_through_the_runtime_packe
     assert calls.count((2, torch.long, 24)) == full  # over MAX_PACKING_WASTE: per length
 
 
+@pytest.mark.slow
 def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):
     out = tmp_path / "sdpa.json"
     command = [sys.executable, str(ROOT / "bench/sdpa_shapes.py"), "--device", "cpu", "--model", "tiny",

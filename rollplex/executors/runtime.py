@@ -1,9 +1,10 @@
 """The runtime: executes one iteration by walking a compiled graph's steps, op by op.
 
-Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store
-and writes its outputs there. The actor's suffix and its backward run fused, in length batches of responses,
-inside the backward handler (`training`; the suffix op only marks where its outputs will come from); with
-several mini-batches (`split_minibatches`) each has its own backward and update, and its prefix rerun.
+Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store by
+the IR's tensor names (an input is known by the kind and role of the op that makes it) and writes its outputs
+there. A trained role's scoring runs inside its backward, in length batches of responses, as `fuse_scoring`
+compiled it (the scoring op itself does nothing; the backward writes its outputs); with several mini-batches
+(`split_minibatches`) each has its own backward and update, and its prefix rerun.
 Under `rollplex`, the prefixes that share Phase-1 steps with decode run beside it: chunk by chunk between
 decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk in flight at most.
 """
@@ -20,16 +21,16 @@ import torch
 
 from rollplex.data.rewards import is_correct
 from rollplex.data.tokenizer import response_text
+from rollplex.errors import SpecError
 from rollplex.executors.critic import train_critic
 from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import PpoConfig, gae, token_rewards, whiten
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
-from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, steps
+from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, producer, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
-from rollplex.models.scores import SuffixOut
 from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown
 
@@ -59,29 +60,7 @@ class Gradients:
     num_tokens: int
 
 
-@dataclass(frozen=True)
-class OldLogprobs:
-    """Every response's log-probs [P, N, R] under the weights the step began with (later mini-batches' ratios)."""
-
-    logprobs: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Scores:
-    """Stands for a trained role's scores (the actor's log-probs, the critic's values) until its fused scoring +
-    backward computes them."""
-
-    op: Op
-
-
-@dataclass(frozen=True)
-class Values:
-    """The critic's values [P, N, R] of the step's responses (detached): PPO's advantages come from them."""
-
-    values: torch.Tensor
-
-
-Handler = Callable[[Engines, Op, Store, list], None]
+Handler = Callable[[Engines, nx.DiGraph, Op, Store, StepRecord], None]
 
 
 def run_iteration(
@@ -114,9 +93,9 @@ def run_iteration(
                     before_op(each)
             start = time.perf_counter()
             if beside:
-                _decode(engines, o, store, record, beside)
+                _decode(engines, g, o, store, record, beside)
             else:
-                _handler(o)(engines, o, store, record)
+                _handler(o)(engines, g, o, store, record)
             record.times[timer_of(o)] += time.perf_counter() - start  # host seconds: the GPU may still be busy
             for each in (o, *beside):
                 done.add(each.id)
@@ -152,13 +131,18 @@ def timer_of(o: Op) -> str:
 
 
 def _handler(o: Op) -> Handler:
+    if o.fused_into is not None:
+        return _in_backward
     key = (o.kind, o.role, o.part)
+    if key not in HANDLERS and o.kind is NodeKind.FORWARD and o.role in (Role.ACTOR, Role.CRITIC):
+        problem = f"op '{o.id}' scores for a trained role, and another op reads its scores before the role's backward"
+        raise SpecError("graph", problem, "the runtime scores inside the backward: read them after it")
     if key not in HANDLERS:
         raise NotImplementedError(f"op '{o.id}' ({o.kind.value}, {o.role}, {o.part.value}) has no CPU runtime yet")
     return HANDLERS[key]
 
 
-def _decode(e: Engines, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
+def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
     jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]) for p in prefixes]
     beside = e.prefix_streams.beside(jobs) if jobs else None
@@ -193,10 +177,10 @@ def _length_budgets(e: Engines, num_prompts: int) -> torch.Tensor | None:
     return torch.from_numpy(lengths).view(num_prompts, e.group_size)
 
 
-def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     """Each response's text as a grader reads it (`response_text`), scored by every reward term; the summed
     reward goes on, the terms' means and the accuracy to the metrics."""
-    rollout = _input(store, o, Rollout)
+    rollout = _read(g, store, o, NodeKind.DECODE)
     rewards = torch.zeros(rollout.response_lens.shape)
     terms, correct = torch.zeros(len(e.reward.names), dtype=torch.float64), 0
     responses, lens = rollout.responses.cpu(), rollout.response_lens.cpu()
@@ -214,24 +198,24 @@ def _reward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
     record.stats["accuracy"] = correct / rewards.numel()
 
 
-def _ref_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _ref_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     store[o.outputs[0]] = drain(_ref_prefix_job(e, store["prompts"], store["vision"]))
 
 
-def _ref_suffix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    boundary = _input(store, o, Boundary)
+def _ref_suffix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    boundary = _read(g, store, o, NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX)
     with torch.no_grad():
-        rollout = _input(store, o, Rollout)
+        rollout = _read(g, store, o, NodeKind.DECODE)
         store[o.outputs[0]] = score_all(e.reference, store["prompts"], boundary, rollout, e.temperature)
 
 
-def _ref_whole(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _ref_whole(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     with torch.no_grad():
-        rollout = _input(store, o, Rollout)
+        rollout = _read(g, store, o, NodeKind.DECODE)
         store[o.outputs[0]] = score_all(e.reference, store["prompts"], None, rollout, e.temperature)
 
 
-def _actor_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _actor_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     prompts = store["prompts"]
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
@@ -256,7 +240,7 @@ def _actor_prefix_job(
     return LeafBoundary.of(boundary)
 
 
-def _critic_prefix(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _critic_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     store[o.outputs[0]] = drain(_critic_prefix_job(e, store["prompts"], store["vision"]))
 
 
@@ -271,54 +255,55 @@ def _critic_prefix_job(
     return LeafBoundary.of(boundary)
 
 
-def _critic_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    """The critic's values, value loss and backward, fused (`critic.py`); its values go where its scoring's
-    output is read (the actor's backward)."""
-    scores = _input(store, o, _Scores)
-    rollout = _input(store, scores.op, Rollout)
-    boundary = _input(store, scores.op, LeafBoundary) if scores.op.part is Part.SUFFIX else None
-    rewards = _input(store, o, torch.Tensor)
+def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    """The critic's scoring (the op it fuses), value loss and backward (`critic.py`); the values are its scoring's
+    output, which the actor's backward reads."""
+    scoring = op(g, o.fuses[0])
+    rollout = _read(g, store, scoring, NodeKind.DECODE)
+    boundary = _read(g, store, scoring, NodeKind.FORWARD, Role.CRITIC, Part.PREFIX, required=False)
+    rewards = _read(g, store, o, NodeKind.REWARD)
     result = train_critic(e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, nullcontext)
-    store[scores.op.outputs[0]] = Values(result.values)
+    store[scoring.outputs[0]] = result.values
     record.stats["value_loss"] = float(result.loss)
     store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
 
 
-def _critic_update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _critic_update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     record.stats["critic_grad_norm"] = float(e.critic_optimizer.step())
     e.critic_optimizer.zero_grad()
 
 
-def _scores(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = _Scores(o)
+def _in_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    """A scoring op fused into its role's backward (`fuse_scoring`): the backward runs it and writes its outputs."""
 
 
-def _actor_backward(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
-    """One mini-batch's (or the whole step's) suffix forward, loss and backward, fused (`training`)."""
-    scores = _input(store, o, _Scores)
-    rollout = _input(store, scores.op, Rollout)
-    rewards = _input(store, o, torch.Tensor)
-    values = _input(store, o, Values, required=False)
-    if values is None and any(isinstance(store.get(t), _Scores) for t in o.inputs if t != scores.op.outputs[0]):
-        raise ValueError(f"op '{o.id}' reads the critic's values before its backward computed them")
+def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    """One mini-batch's (or the whole step's) scoring (the op it fuses), loss and backward (`training`). Its inputs,
+    by the ops that produce them: the rollout, the rewards, the reference's scores, the critic's values (PPO), the
+    first mini-batch's scores of every response (later mini-batches' old log-probs)."""
+    scoring = op(g, o.fuses[0])
+    rollout = _read(g, store, scoring, NodeKind.DECODE)
+    rewards = _read(g, store, o, NodeKind.REWARD)
+    values = _read(g, store, o, NodeKind.FORWARD, Role.CRITIC, required=False)
+    old = [t for t in o.inputs if t not in scoring.outputs and _made_by(g, t, NodeKind.FORWARD, Role.ACTOR)]
     x = MiniBatchInputs(
         prompts=store["prompts"],
         rollout=rollout,
         rewards=rewards,
-        ref=_input(store, o, SuffixOut, required=False),
-        boundary=_input(store, scores.op, LeafBoundary) if scores.op.part is Part.SUFFIX else None,
-        old_logprobs=getattr(_input(store, o, OldLogprobs, required=False), "logprobs", None),
-        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values.values, rollout),
+        ref=_read(g, store, o, NodeKind.FORWARD, Role.REFERENCE, required=False),
+        boundary=_read(g, store, scoring, NodeKind.FORWARD, Role.ACTOR, Part.PREFIX, required=False),
+        old_logprobs=store[old[0]] if old else None,
+        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values, rollout),
     )
     every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
     if every is not None:
-        store[scores.op.outputs[1]] = OldLogprobs(every)
+        store[scoring.outputs[1]] = every
     record.stats.update(record.train.stats())  # one host sync
     record.prefix_backward_s = record.train.prefix_backward_s()
     store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
 
 
-def _update(e: Engines, o: Op, store: Store, record: StepRecord) -> None:
+def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     record.train.grad_norms.append(float(e.optimizer.step()))
     record.stats["grad_norm"] = record.train.stats()["grad_norm"]
     e.optimizer.zero_grad()
@@ -333,12 +318,29 @@ def ppo_advantages(cfg: PpoConfig, rewards: torch.Tensor, values: torch.Tensor, 
     return whiten(advantages, mask)
 
 
-def _input(store: Store, o: Op, kind: type, *, required: bool = True):
-    """The op's input of this type (the rollout, a boundary, the rewards, reference scores...)."""
-    found = [store[t] for t in o.inputs if isinstance(store.get(t), kind)]
+def _read(
+    g: nx.DiGraph,
+    store: Store,
+    o: Op,
+    kind: NodeKind,
+    role: Role | None = None,
+    part: Part | None = None,
+    *,
+    required: bool = True,
+):
+    """The value of the op's input that an op of this kind (and role, and part; a scoring op when no part is given)
+    produces: the IR's tensor names, whatever the spec calls them, connect an op to what it reads."""
+    found = [store[t] for t in o.inputs if _made_by(g, t, kind, role, part)]
     if not found and required:
-        raise ValueError(f"op '{o.id}' reads no {kind.__name__}; its inputs are {list(o.inputs)}")
+        raise ValueError(f"op '{o.id}' reads nothing a {kind.value} op makes; its inputs are {list(o.inputs)}")
     return found[0] if found else None
+
+
+def _made_by(g: nx.DiGraph, tensor: str, kind: NodeKind, role: Role | None = None, part: Part | None = None) -> bool:
+    maker = producer(g, tensor)
+    if maker is None or maker.kind is not kind or (role is not None and maker.role is not role):
+        return False
+    return maker.part is part if part is not None else maker.part is not Part.PREFIX
 
 
 PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence, SharedVision | None], Generator]] = {
@@ -354,11 +356,7 @@ HANDLERS: dict[tuple, Handler] = {
     (NodeKind.FORWARD, Role.REFERENCE, Part.SUFFIX): _ref_suffix,
     (NodeKind.FORWARD, Role.REFERENCE, Part.WHOLE): _ref_whole,
     (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix,
-    (NodeKind.FORWARD, Role.ACTOR, Part.SUFFIX): _scores,
-    (NodeKind.FORWARD, Role.ACTOR, Part.WHOLE): _scores,
     (NodeKind.FORWARD, Role.CRITIC, Part.PREFIX): _critic_prefix,
-    (NodeKind.FORWARD, Role.CRITIC, Part.SUFFIX): _scores,
-    (NodeKind.FORWARD, Role.CRITIC, Part.WHOLE): _scores,
     (NodeKind.BACKWARD, Role.CRITIC, Part.WHOLE): _critic_backward,
     (NodeKind.UPDATE, Role.CRITIC, Part.WHOLE): _critic_update,
     (NodeKind.BACKWARD, Role.ACTOR, Part.WHOLE): _actor_backward,

@@ -101,6 +101,8 @@ class Op:
     phase: Phase | None = None
     executor: Executor | None = None
     minibatch: MiniBatch | None = None  # set on the ops `split_minibatches` repeats; None: the whole step
+    fused_into: str | None = None  # a scoring forward whose work its role's backward runs (`fuse_scoring`)
+    fuses: tuple[str, ...] = ()  # on that backward: the scoring forwards it runs, in length batches with its loss
 
 
 @dataclass(frozen=True, slots=True)

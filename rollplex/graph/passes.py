@@ -1,7 +1,7 @@
 """Compiler passes, each a pure function Graph -> Graph. `pipeline.run_passes` owns their order.
 
-build -> split_at_response -> split_minibatches -> assign_phases -> assign_executors -> order_steps
--> (memory) lower_residency
+build -> split_at_response -> split_minibatches -> fuse_scoring -> assign_phases -> assign_executors
+-> order_steps -> (memory) lower_residency
 """
 
 from __future__ import annotations
@@ -143,6 +143,34 @@ def _repeat(
     inputs = tuple(names.get(t, t) for t in o.inputs) + extra_in
     outputs = tuple(names.get(t, t) for t in o.outputs) if outputs is None else outputs
     return replace(o, id=f"{o.id}@{k}", inputs=inputs, outputs=outputs + extra_out, minibatch=mb)
+
+
+def fuse_scoring(g: nx.DiGraph) -> nx.DiGraph:
+    """Requires: a built graph (split or not, mini-batches or not).
+    Ensures: each backward of a trained role `fuses` the role's scoring forwards whose scores it reads (suffix, or
+    whole when unsplit; not a first mini-batch's scoring whose old log-probs a later one reads), and each of
+    those is `fused_into` it: the backward runs their work batch by batch with its loss and backward, so no
+    batch's activations wait for another's, and writes their outputs; an edge without tensors orders every other
+    reader of them after the backward (PPO's actor reads the critic's values). A scoring op read by an op the
+    backward depends on stays unfused (the runtime then has no way to run it and says so).
+    """
+    out = g.copy()
+    for b in ops(g):
+        if b.kind is not NodeKind.BACKWARD:
+            continue
+        before = nx.ancestors(out, b.id)
+        scoring = sorted(
+            p for p in g.predecessors(b.id)
+            if (o := g.nodes[p]["op"]).kind is NodeKind.FORWARD and o.role is b.role and o.part is not Part.PREFIX
+            and o.outputs[0] in b.inputs and not any(r in before for r in g.successors(p))
+        )  # fmt: skip
+        for name in scoring:
+            out.nodes[name]["op"] = replace(g.nodes[name]["op"], fused_into=b.id)
+            for reader in g.successors(name):
+                if reader != b.id and not out.has_edge(b.id, reader):
+                    out.add_edge(b.id, reader, tensors=())
+        out.nodes[b.id]["op"] = replace(b, fuses=tuple(scoring))
+    return out
 
 
 def assign_phases(g: nx.DiGraph) -> nx.DiGraph:

@@ -9,7 +9,14 @@ import networkx as nx
 
 from rollplex.graph.build import build, graph_spec_of
 from rollplex.graph.ir import Schedule
-from rollplex.graph.passes import assign_executors, assign_phases, order_steps, split_at_response, split_minibatches
+from rollplex.graph.passes import (
+    assign_executors,
+    assign_phases,
+    fuse_scoring,
+    order_steps,
+    split_at_response,
+    split_minibatches,
+)
 from rollplex.graph.spec import Spec
 from rollplex.graph.verify import VerifyError, verify
 
@@ -22,6 +29,7 @@ def graph_passes(schedule: Schedule, num_minibatches: int = 1) -> list[tuple[str
     return [
         *split,
         ("split_minibatches", partial(split_minibatches, num_minibatches=num_minibatches)),
+        ("fuse_scoring", fuse_scoring),
         ("assign_phases", assign_phases),
         ("assign_executors", assign_executors),
         ("order_steps", partial(order_steps, schedule=schedule)),

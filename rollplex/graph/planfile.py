@@ -103,6 +103,8 @@ def _op_dict(o: Op) -> dict:
         "phase": int(o.phase),
         "executor": o.executor.value,
         "minibatch": [o.minibatch.index, o.minibatch.count] if o.minibatch else None,
+        "fused_into": o.fused_into,
+        "fuses": list(o.fuses),
     }
 
 
@@ -119,6 +121,8 @@ def _op(d: dict) -> Op:
         phase=Phase(d["phase"]),
         executor=Executor(d["executor"]),
         minibatch=MiniBatch(*d["minibatch"]) if d["minibatch"] else None,
+        fused_into=d["fused_into"],
+        fuses=tuple(d["fuses"]),
     )
 
 

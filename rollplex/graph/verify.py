@@ -26,6 +26,7 @@ def verify(g: nx.DiGraph) -> None:
     if steps(g):
         _check_steps(g)
         _check_lifetimes(g)
+        _check_fused(g)
 
 
 def _check(ok: bool, what: str) -> None:
@@ -66,6 +67,19 @@ def _check_steps(g: nx.DiGraph) -> None:
     _check(phases == sorted(phases), "steps are not in phase order")
     for s in steps(g):
         _check(all(g.nodes[n]["op"].phase is s.phase for n in s.ops), f"step {s.index} mixes phases")
+
+
+def _check_fused(g: nx.DiGraph) -> None:
+    """A fused scoring op's outputs exist once its backward ran: no other op reads them before it."""
+    step_of = {n: s.index for s in steps(g) for n in s.ops}
+    for o in ops(g):
+        if o.fused_into is None:
+            continue
+        _check(
+            o.id in g.nodes[o.fused_into]["op"].fuses, f"'{o.id}' fused into '{o.fused_into}', which does not fuse it"
+        )
+        for reader in (r for r in ops(g) if set(r.inputs) & set(o.outputs) and r.id != o.fused_into):
+            _check(step_of[reader.id] > step_of[o.fused_into], f"'{reader.id}' reads '{o.id}' before its backward")
 
 
 def _check_lifetimes(g: nx.DiGraph) -> None:

@@ -45,6 +45,7 @@ def bench(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--out", str(out))
@@ -85,6 +86,7 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path, 
     assert "speedup" not in proc.stderr and "x (ideal" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_names_its_result_json_when_out_has_no_suffix(tmp_path, bench):
     proc = bench("--steps", "1", "--warmup", "0", "--policies", "inline", "--out", str(tmp_path / "tiny"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -97,6 +99,7 @@ def test_bench_with_no_steps_is_a_one_line_error(tmp_path, bench):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--unsplit", "--out", str(out))
@@ -109,6 +112,7 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
     assert result["unsplit_first_step_grad_relative_difference"] < 1e-4
 
 
+@pytest.mark.slow
 def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path, bench):
     out = tmp_path / "tiny.json"
     policies = ("inline", "green:adaptive", "mps")
@@ -162,6 +166,7 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
     assert alive_at_build == [False, False] and len(built) == 2
 
 
+@pytest.mark.slow
 def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(tmp_path, bench):
     out = tmp_path / "tiny.json"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--out", str(out))
@@ -177,6 +182,7 @@ def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench):
     assert "rollplex bench:" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path, bench):
     first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(first))
@@ -193,6 +199,7 @@ def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_sp
     assert "serial from" in proc.stderr and "rollplex bench: serial," not in proc.stderr
 
 
+@pytest.mark.slow
 def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(tmp_path, bench):
     baseline, out = tmp_path / "serial.pt", tmp_path / "later.json"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline),
@@ -206,12 +213,14 @@ def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs
     assert "an earlier schedule ran in this process" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path, bench):
     for flags in (["--serial-only"], ["--serial-only", "--save-serial", "a.pt", "--serial-from", "missing.pt"]):
         proc = bench(*flags)
         assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path, bench):
     baseline = tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline))
@@ -225,6 +234,7 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
     assert proc.stderr.count("an earlier schedule ran in this process") == 1
 
 
+@pytest.mark.slow
 def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench):
     baseline = tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(tmp_path / "a.json"))
@@ -245,6 +255,7 @@ def test_a_noise_floor_run_that_sampled_other_tokens_gives_no_floor():
     assert noise_floor_grads(serial, other) is None
 
 
+@pytest.mark.slow
 def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path, bench):
     first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",

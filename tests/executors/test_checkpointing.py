@@ -19,6 +19,7 @@ from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.config import CONFIG_DIR
 
 
+@pytest.mark.slow
 def test_resume_continues_with_the_digests_of_an_uninterrupted_run(tmp_path):
     whole = run(tmp_path, "rollplex", 4, name="whole")
     first = run(tmp_path, "rollplex", 2, name="split")

@@ -22,6 +22,7 @@ def digests(out: Path) -> list[str]:
     return [json.loads(line)["param_digest"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_running_a_plan_file_trains_digest_for_digest_as_running_its_spec(tmp_path, capsys):
     common = ["--steps", "2", "--quiet", "--no-checkpoints"]
     assert main(["run", TINY, "--out", str(tmp_path / "spec"), *common]) == 0

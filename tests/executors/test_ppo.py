@@ -82,6 +82,7 @@ def run(tmp_path, schedule: str, steps: int = 2, **kw):
     return train(compile_plan(ppo_spec(), Schedule(schedule)), opts)
 
 
+@pytest.mark.slow
 def test_serial_and_rollplex_train_actor_and_critic_bitwise_alike(tmp_path):
     serial, rollplex = run(tmp_path, "serial", 3), run(tmp_path, "rollplex", 3)
     for key in ("param_digest", "critic_digest", "loss", "value_loss"):
@@ -137,6 +138,7 @@ def test_the_standard_ppo_graph_has_a_critic_and_a_critic_graph_needs_ppo():
                                                                "kl_coef:"))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_tiny_ppo_spec_trains_from_the_cli(tmp_path):
     command = [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/ppo_critic_tiny.yaml"), "--steps", "2",
                "--out", str(tmp_path), "--quiet", "--no-checkpoints"]  # fmt: skip

@@ -183,6 +183,7 @@ METRIC_KEYS = {
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 
 
+@pytest.mark.slow
 def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorboard(tmp_path):
     start = time.perf_counter()
     proc = cli("--steps", "2", "--out", str(tmp_path))
@@ -295,6 +296,7 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_under_mps_rollout_runs_in_its_own_process_and_both_schedules_train_identically(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {policy: mps}\n")
     opts = {"progress": False, "tensorboard": False}

@@ -74,6 +74,7 @@ def _weights(tmp: Path, name: str, step: int) -> dict[str, torch.Tensor]:
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, qkv, device):
     one = _rollplex(tmp_path, 1, qkv, "one", "--steps", "2", device=device)
     assert one.returncode == 0, one.stderr
@@ -96,6 +97,7 @@ def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, qkv, device):
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_resumed_tp2_run_with_replicas_sharing_the_prompts_continues_where_it_stopped(tmp_path):
     whole = _rollplex(tmp_path, 2, "in_place", "whole", "--steps", "2", split=True)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -115,6 +117,7 @@ def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path):
     assert "parallel.train_tp" in out.stderr and "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
 
 
+@pytest.mark.slow
 def test_rollplex_bench_under_torchrun_compares_the_schedules_on_every_rank(tmp_path):
     spec = tmp_path / "bench.yaml"
     spec.write_text(SPEC.format(tp=2, qkv="in_place", device="cpu", split="true"))

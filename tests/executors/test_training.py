@@ -94,6 +94,7 @@ def run_text(tmp_path, text: str, schedule: str, steps: int = 2) -> list[dict]:
     return train(compile_plan(parse_spec(text), Schedule(schedule)), opts)
 
 
+@pytest.mark.slow
 def test_mini_batches_update_once_each_and_serial_equals_rollplex_bitwise(tmp_path):
     one = run_text(tmp_path / "one", minibatch_text(1), "rollplex")
     serial = run_text(tmp_path / "two", minibatch_text(2), "serial")

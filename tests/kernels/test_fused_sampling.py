@@ -3,6 +3,7 @@ temperature (1 when greedy), and each token lands at its slot and column with th
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kernels_testkit import DEVICE
 
@@ -42,6 +43,7 @@ def test_greedy_takes_the_argmax_and_records_its_temperature_one_logprob_at_slot
     assert not tokens[:, :2].any() and not tokens[[0, 3, 5]].any()
 
 
+@pytest.mark.slow
 def test_draws_follow_softmax_of_logits_over_temperature_and_a_seed_repeats_them():
     rows = 400  # the interpreter runs one program per row; 3 sigma of a frequency is at most 0.075
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5] + [-30.0] * 3]).expand(rows, -1).contiguous()

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
+@pytest.mark.slow
 def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")
@@ -31,6 +32,7 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
     assert all(r["wait_first"] is (True if r["gdc"] else None) for r in results)  # before any global access
 
 
+@pytest.mark.slow
 def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")

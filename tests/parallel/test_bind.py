@@ -81,6 +81,7 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         (8, 4, "in_place", False, True),  # issue 7's degrees: two rollout replicas at TP 4 over 8 training ranks
     ],
 )
+@pytest.mark.slow
 def test_a_bound_replica_after_publish_equals_the_materialised_model(world_size, rollout_tp, path, decode, streamed):
     spawn(_bound_equals_fresh, world_size, rollout_tp, path, decode, streamed)
 

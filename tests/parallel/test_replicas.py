@@ -46,5 +46,6 @@ def _split_equals_whole(rank: int, world_size: int) -> None:
     assert all(torch.equal(r, everyone[0]) for r in everyone)  # every rank trains on the same rollout
 
 
+@pytest.mark.slow
 def test_a_greedy_split_rollout_equals_one_replica_sampling_everything():
     spawn(_split_equals_whole, 2)

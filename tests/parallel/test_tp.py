@@ -43,6 +43,7 @@ def _tp_equals_whole(rank: int, world_size: int) -> None:
     assert moved > 0.9 * len(state)  # the update reached (nearly) every tensor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_tp_model_computes_and_updates_like_the_whole_model(world_size):
     spawn(_tp_equals_whole, world_size)

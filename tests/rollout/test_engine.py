@@ -44,6 +44,7 @@ def engine_rollout(model, prompts, params, seed=0):
     return engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(seed)), engine
 
 
+@pytest.mark.slow
 def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=6)
     out, _ = engine_rollout(model, prompts, params)
@@ -55,6 +56,7 @@ def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
 @pytest.mark.parametrize(
     "kernels", [BY_NAME["rollplex"], DecodeKernels(triton_gemm=True, fused=True)], ids=["rollplex", "fused"]
 )
+@pytest.mark.slow
 def test_decode_through_our_gemms_equals_the_plain_torch_rollout(model, prompts, kernels):
     params = SamplingParams(temperature=0.0, max_tokens=6)
     engine = RolloutEngine(model, kernels=kernels)
@@ -114,6 +116,7 @@ def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, 
         (0.95, tuple(range(20, 110)), False),  # top-p: sampled by torch between replays
     ],
 )
+@pytest.mark.slow
 def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model, prompts, top_p, stop, fused):
     # many stop tokens: lengths spread over 1..max_tokens and the batch compacts
     params = SamplingParams(temperature=1.5, top_p=top_p, max_tokens=10, stop_token_ids=stop)
@@ -133,6 +136,7 @@ def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model,
         assert not torch.isin(response[: length - 1], torch.tensor(stop, device=DEVICE)).any()
 
 
+@pytest.mark.slow
 def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5)
     engine = RolloutEngine(model)
@@ -144,6 +148,7 @@ def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompt
     assert engine.graphs is graphs
 
 
+@pytest.mark.slow
 def test_length_budgets_end_sequences_at_their_budget(model, prompts):
     budgets = torch.tensor([[1, 4, 6], [2, 2, 2], [6, 5, 3]], device=DEVICE)
     engine = RolloutEngine(model)
@@ -154,6 +159,7 @@ def test_length_budgets_end_sequences_at_their_budget(model, prompts):
     assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)
 
 
+@pytest.mark.slow
 def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundaries(model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=8)
     alone = RolloutEngine(model).generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4))
@@ -172,6 +178,7 @@ def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundarie
     assert torch.equal(actor.first_logprobs, model.prefix(prompts, attached=True).first_logprobs)
 
 
+@pytest.mark.slow
 def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=6)
     arena = PoisoningArena(DEVICE)
@@ -186,6 +193,7 @@ def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(m
     assert arena.state(region) is RegionState.RELEASED  # nothing of the KV stays resident after a rollout
 
 
+@pytest.mark.slow
 def test_the_plans_rollout_kv_holds_the_engines_caches_and_a_smaller_arena_refuses_the_rollout(model, prompts):
     from rollplex.graph.load import parse_spec
     from rollplex.graph.plan import compile_plan
@@ -226,6 +234,7 @@ def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_n
         assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
 
 
+@pytest.mark.slow
 def test_steps_are_timed_without_work_beside_when_asked(model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=5)
     plain, timed = RolloutEngine(model), RolloutEngine(model, time_steps=True)

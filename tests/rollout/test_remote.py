@@ -120,6 +120,7 @@ def test_a_tied_weight_stays_one_tensor(config):
     assert slots["lm_head.weight"] == slots["model.language_model.embed_tokens.weight"]
 
 
+@pytest.mark.slow
 def test_a_remote_rollout_equals_generate_here_with_the_seed_it_drew(shared, prompts):
     actor, _, remote = shared
     out, local = remote_and_local(actor, remote, prompts)
@@ -180,6 +181,7 @@ def test_an_error_in_the_child_is_one_line_and_the_next_rollout_works(shared, pr
     assert_same_rollout(out, local)
 
 
+@pytest.mark.slow
 def test_a_dead_child_is_an_error_and_close_leaves_no_child(config, prompts):
     remote = RemoteRollout(Qwen2_5_VL(config))
     os.kill(remote.pid, signal.SIGKILL)
@@ -192,6 +194,7 @@ def test_a_dead_child_is_an_error_and_close_leaves_no_child(config, prompts):
         remote.start(prompts, num_samples=NUM_SAMPLES, params=PARAMS, generator=torch.Generator())
 
 
+@pytest.mark.slow
 def test_close_stops_a_live_child_and_the_actor_keeps_its_weights(shared, prompts):
     actor, _, _ = shared
     other = copy.deepcopy(actor)
