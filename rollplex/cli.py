@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
     if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
         raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
-    from rollplex.executors.distributed import check_launch
+    from rollplex.executors.distributed import check_world
     from rollplex.executors.engines import resolve_device
     from rollplex.executors.policies import mps_session
 
@@ -102,9 +102,9 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise loaded.locate(SpecError("run.device", str(e))) from None
         try:
-            check_launch(spec.parallel.train_tp)
+            check_world(spec.cluster.num_gpus)
         except ValueError as e:
-            raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
+            raise loaded.locate(SpecError("cluster.gpus_per_node", str(e))) from None
         records = train(plan, opts)
     from rollplex.executors.distributed import finish, is_main_process
 

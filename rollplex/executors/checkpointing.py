@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
@@ -66,6 +67,8 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(engines)
+    if engines.dp is not None and not engines.is_main:  # replicas of rank 0's weights and optimizer state
+        return _finish(final, tmp, engines)
     if engines.tp is None:
         save_checkpoint(engines.actor, tmp / "model")
     else:
@@ -86,6 +89,11 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
     if engines.is_main:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
+    return _finish(final, tmp, engines)
+
+
+def _finish(final: Path, tmp: Path, engines: Engines) -> Path:
+    """Once every rank wrote its part: the complete `.tmp` directory becomes the checkpoint."""
     _barrier(engines)
     if engines.is_main:
         if final.exists():
@@ -131,6 +139,8 @@ def _optimizer_dir(engines: Engines) -> str:
 def _barrier(engines: Engines) -> None:
     if engines.tp is not None:
         engines.tp.barrier()
+    if engines.dp is not None:
+        dist.barrier()
 
 
 def _load(file: Path):

@@ -1,11 +1,12 @@
-"""The processes of a tensor-parallel `rollplex run`: one per GPU of the training TP group, started by torchrun.
+"""The processes of a parallel `rollplex run`, one per GPU of the cluster, started by torchrun: a tensor-parallel
+group of train_tp ranks, or data-parallel ranks of train_tp 1 each (`dataparallel.py`).
 
     torchrun --nproc-per-node 2 -m rollplex run spec.yaml      # parallel: {train_tp: 2, rollout_tp: 1}
 
 Every rank builds the same full actor from the same seed (or checkpoint), keeps its Megatron-layout shards
 (`rollplex.parallel.model`), binds its rollout replica over them (`rollplex.parallel.bind`) and runs the same
 iteration on the same batch; rank 0 alone writes metrics and the checkpoint's weights. NCCL on GPUs, gloo on
-the CPU (the tests). Data parallelism is not here: the run has exactly train_tp processes.
+the CPU (the tests). Data parallelism times tensor parallelism (both above 1) is not here yet.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rollplex.executors.dataparallel import DataParallel
 from rollplex.parallel.bind import make_groups
 from rollplex.parallel.group import TPGroup
 
@@ -62,6 +64,30 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
+def check_world(num_gpus: int) -> None:
+    """ValueError unless one process per GPU of the spec's cluster was launched (torchrun sets WORLD_SIZE)."""
+    world = launched_processes()
+    if world != num_gpus:
+        launch = f"torchrun --nproc-per-node {num_gpus} -m rollplex run SPEC" if num_gpus > 1 else "rollplex run SPEC"
+        raise ValueError(f"the cluster has {num_gpus} GPUs but {world} processes were launched: use {launch}, or "
+                         "describe the machines you run on in `cluster`")  # fmt: skip
+
+
+def init_dp(train_tp: int, device: torch.device) -> tuple[DataParallel | None, torch.device]:
+    """Data-parallel ranks when more processes than train_tp were launched (train_tp 1 each); else None."""
+    world = launched_processes()
+    if world == train_tp:
+        return None, device
+    if train_tp > 1:
+        raise ValueError(f"{world} processes at train_tp {train_tp}: data x tensor parallelism is not implemented; "
+                         f"use train_tp {world} or train_tp 1")  # fmt: skip
+    if device.type == "cuda":
+        raise ValueError("data parallelism runs on the CPU only for now (the graph-captured rollout samples per rank)")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return DataParallel(dist.get_world_size(), dist.get_rank()), device
+
+
 def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (torchrun sets WORLD_SIZE)."""
     world = launched_processes()
@@ -71,7 +97,9 @@ def check_launch(train_tp: int) -> None:
 
 
 def init_tp(train_tp: int, rollout_tp: int, device: torch.device) -> tuple[TPSetup | None, torch.device]:
-    """(the groups, this rank's device); (None, device) for a one-process run (see `check_launch`)."""
+    """(the groups, this rank's device); (None, device) without tensor parallelism (see `check_launch`)."""
+    if train_tp == 1:
+        return None, device
     check_launch(train_tp)
     if train_tp == 1:
         return None, device

@@ -26,7 +26,8 @@ from rollplex.data.rewards import RewardTerms, reward_terms
 from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.errors import SpecError
-from rollplex.executors.distributed import TPSetup, init_tp
+from rollplex.executors.dataparallel import DataParallel
+from rollplex.executors.distributed import TPSetup, init_dp, init_tp
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
 from rollplex.executors.ppo import PpoConfig
@@ -77,6 +78,7 @@ class Engines:
     critic: Qwen2_5_VL | None = None  # PPO's value model (`rollplex.models.values`), when the graph has a critic
     critic_optimizer: ChunkedAdamW | None = None
     ppo: PpoConfig | None = None
+    dp: DataParallel | None = None  # data-parallel ranks (`dataparallel.py`); None in a one-replica run
 
     @property
     def temperature(self) -> float:
@@ -85,8 +87,8 @@ class Engines:
 
     @property
     def is_main(self) -> bool:
-        """The rank that writes metrics and checkpoint weights (the only one without tensor parallelism)."""
-        return self.tp is None or self.tp.is_main
+        """The rank that writes metrics and checkpoints (the only one without tensor or data parallelism)."""
+        return (self.tp is None or self.tp.is_main) and (self.dp is None or self.dp.rank == 0)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -151,6 +153,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
     tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
+    dp, device = init_dp(spec.parallel.train_tp, device)
+    if dp is not None and (Role.CRITIC in roles(plan.graph) or spec.algorithm.minibatches_per_step > 1):
+        raise SpecError("algorithm", "data parallelism runs GRPO with one mini-batch for now", "run one process")
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
@@ -229,6 +234,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         critic=critic,
         critic_optimizer=critic_optimizer,
         ppo=PpoConfig(a.gamma, a.lam, a.value_clip) if critic is not None else None,
+        dp=dp,
     )
 
 

@@ -99,6 +99,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
             examples = batch_at(dataset, position, size)
             check_budget(loaded, examples)
+            if engines.dp is not None:  # this data-parallel rank's share of the step's prompt groups
+                examples = examples[engines.dp.share(len(examples))]
 
             def before(o: Op) -> None:
                 nonlocal updating
@@ -111,8 +113,11 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after)}
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
+            local_lens = record.response_lens  # this rank's: its bound is of its own share
+            if engines.dp is not None:
+                record = _over_ranks(record, engines.dp)
             records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin))
-            records[-1]["bound_s"] = step_bounds(plan, examples, record.response_lens)
+            records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
@@ -136,6 +141,19 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             checkpointing.save(opts.out_dir, saved, engines)
     engines.prefix_streams.free_allocator_events()  # a later run in this process may free what recorded them
     return records
+
+
+def _over_ranks(record: StepRecord, dp) -> StepRecord:
+    """The step's record over every data-parallel rank: rewards and responses gathered in rank order, each
+    reward term's and the accuracy's mean over the ranks' equal shares (the training sums are reduced already)."""
+    names = list(record.reward_terms)
+    means = dp.sum([record.reward_terms[k] for k in names] + [record.stats.get("accuracy", 0.0)])
+    record.rewards = dp.gather(record.rewards)
+    record.response_lens = dp.gather(record.response_lens)
+    record.responses = dp.gather(record.responses)
+    record.reward_terms = {k: v / dp.size for k, v in zip(names, means[:-1], strict=True)}
+    record.stats["accuracy"] = means[-1] / dp.size
+    return record
 
 
 def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule, seconds: float) -> dict:

@@ -31,6 +31,7 @@ from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, producer,
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
+from rollplex.models.sampling import sample
 from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown
 
@@ -147,10 +148,13 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
     jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]) for p in prefixes]
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
+    shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts) * e.group_size)}
     rollout = e.rollout(
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
-        max_lens=_length_budgets(e, len(prompts)),
+        max_lens=_length_budgets(e, len(prompts)), **shared,
     )  # fmt: skip
+    if e.dp is not None:
+        _burn(e, rollout, shared["rows"][1])
     store[o.outputs[0]] = rollout
     record.response_lens, record.responses = rollout.response_lens, rollout.responses
     stats = e.rollout_stats()
@@ -169,12 +173,25 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
 
 def _length_budgets(e: Engines, num_prompts: int) -> torch.Tensor | None:
     """[P, N] response lengths drawn from the workload's distribution (`workload.replay_lengths`), capped at
-    max tokens; the seed comes from the sampling generator, so a run (and its resume) draws the same ones."""
+    max tokens; the seed comes from the sampling generator, so a run (and its resume) draws the same ones. A
+    data-parallel rank draws the whole step's and keeps its share."""
     if e.response_lengths is None:
         return None
+    every = num_prompts * (1 if e.dp is None else e.dp.size)
     seed = int(torch.randint(2**31, (1,), generator=e.generator, device=e.generator.device))
-    lengths = e.response_lengths.sample(num_prompts * e.group_size, seed).clip(max=e.sampling.max_tokens)
-    return torch.from_numpy(lengths).view(num_prompts, e.group_size)
+    lengths = e.response_lengths.sample(every * e.group_size, seed).clip(max=e.sampling.max_tokens)
+    lengths = torch.from_numpy(lengths).view(every, e.group_size)
+    return lengths if e.dp is None else lengths[e.dp.share(every)]
+
+
+def _burn(e: Engines, rollout: Rollout, total_rows: int) -> None:
+    """A data-parallel rank's generator draws on to the step's longest response, as one process sampling every
+    rank's rows would (each decode step draws the random numbers of all of them)."""
+    drawn = rollout.responses.shape[-1]
+    longest = int(e.dp.max(drawn))
+    vocab = e.actor.config.text.vocab_size
+    for _ in range(longest - drawn):
+        sample(torch.zeros(total_rows, vocab, device=e.generator.device), e.sampling, e.generator)
 
 
 def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
@@ -298,14 +315,17 @@ def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Step
     every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
     if every is not None:
         store[scoring.outputs[1]] = every
-    record.stats.update(record.train.stats())  # one host sync
+    record.stats.update(record.train.stats(e.dp))  # one host sync (and, data-parallel, the sums over the ranks)
     record.prefix_backward_s = record.train.prefix_backward_s()
     store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
 
 
 def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    if e.dp is not None:  # each rank's loss is its share of the step's: the summed gradients are the step's
+        grads = [e.optimizer.grad_of(i) for i in range(len(e.optimizer.params))]
+        e.dp.all_reduce_grads([g for g in grads if g is not None])
     record.train.grad_norms.append(float(e.optimizer.step()))
-    record.stats["grad_norm"] = record.train.stats()["grad_norm"]
+    record.stats["grad_norm"] = sum(record.train.grad_norms) / len(record.train.grad_norms)
     e.optimizer.zero_grad()
     e.publish()
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rollplex.executors.engines import Engines
-from rollplex.executors.grpo import GroupLoss, group_advantages, grpo_loss, loss_scale
+from rollplex.executors.grpo import GroupLoss, LossScale, group_advantages, grpo_loss, loss_scale
 from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
 from rollplex.graph.ir import MiniBatch
 from rollplex.models.generate import Rollout
@@ -65,16 +65,26 @@ class TrainTotals:
         self.diff_sum = self.diff_sum + diff.sum()
         self.diff_max = torch.maximum(torch.as_tensor(self.diff_max, device=diff.device), diff.max())
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, dp=None) -> dict[str, float]:
+        """The step's metrics; under data parallelism (`dp`) sums over every rank (whose `num_tokens` already
+        counts the whole step)."""
         n = max(self.num_tokens, 1)
         sums = {k: float(v) for k, v in self.sums.items()}
+        if dp is not None:
+            keys = list(sums)
+            reduced = dp.sum([sums[k] for k in keys] + [float(self.diff_sum)])
+            sums = dict(zip(keys, reduced[:-1], strict=True))
+            diff_sum, diff_max = reduced[-1], dp.max(float(self.diff_max))
+            losses = dp.sum([float(x) for x in self.losses])
+        else:
+            diff_sum, diff_max, losses = float(self.diff_sum), float(self.diff_max), [float(x) for x in self.losses]
         stats = {
-            "loss": sum(float(x) for x in self.losses) / max(len(self.losses), 1),
+            "loss": sum(losses) / max(len(losses), 1),
             "kl": sums["kl"] / n,
             "entropy": sums["entropy"] / n,
             "clip_frac": sums["clipped"] / n,
-            "logprob_diff_mean": float(self.diff_sum) / n,
-            "logprob_diff_max": float(self.diff_max),
+            "logprob_diff_mean": diff_sum / n,
+            "logprob_diff_max": diff_max,
         }
         if self.grad_norms:
             stats["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
@@ -98,6 +108,8 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
     old = x.old_logprobs[rows] if x.old_logprobs is not None else None
     mask = torch.arange(width, device=part.responses.device) < part.response_lens[..., None]
     scale = loss_scale(mask)
+    if e.dp is not None:  # the whole step's normaliser, over every data-parallel rank's responses
+        scale = LossScale(*(int(x) for x in e.dp.sum([scale.num_tokens, scale.num_sequences])))
     totals.losses.append(0.0)
     first_of_many = mb.index == 0 and mb.count > 1
     every = _score_all_old(e, x) if first_of_many else None

@@ -37,12 +37,15 @@ def generate(
     generator: torch.Generator,
     beside: Callable[[int], None] | None = None,
     max_lens: Tensor | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> Rollout:
     """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
 
     beside: called after each decode step with the live batch size, to run other work in between
     (`rollplex.rollout.beside`).
-    max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first)."""
+    max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first).
+    rows (first, total): the P x N sequences are rows first.. of a larger batch, whose random numbers each step
+    draws (`sample`; a data-parallel rank's share of the step)."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")
     boundary = model.prefix(prompts, attached=False)
@@ -57,7 +60,7 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
     budget = None if max_lens is None else max_lens.flatten().to(model.device)
     for step in range(params.max_tokens):
-        token = sample(dist, params, generator)  # [P*N]
+        token = sample(dist, params, generator, rows)  # [P*N]
         tokens.append(token)
         logprobs.append(dist.gather(-1, token[:, None])[:, 0])
         lens += ~done

@@ -56,22 +56,29 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def sample(logprobs: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+def sample(
+    logprobs: Tensor, params: SamplingParams, generator: torch.Generator, rows: tuple[int, int] | None = None
+) -> Tensor:
     """One token id [B] from each next-token distribution logprobs [B, V] (float32), already at
-    `params.logprob_temperature` (`tempered`): the most likely token when greedy, else a draw, within top-p."""
+    `params.logprob_temperature` (`tempered`): the most likely token when greedy, else a draw, within top-p.
+    `rows` (first, total): these are rows first.. of a batch of `total`, whose random numbers are all drawn."""
     if params.temperature == 0:
         return logprobs.argmax(dim=-1)
     probs = logprobs.exp()
     if params.top_p < 1:
         probs = top_p_filter(probs, params.top_p)
-    return race(probs, generator)
+    return race(probs, generator, rows)
 
 
-def race(probs: Tensor, generator: torch.Generator) -> Tensor:
+def race(probs: Tensor, generator: torch.Generator, rows: tuple[int, int] | None = None) -> Tensor:
     """One draw per row of probs [B, V]: the first of V exponential clocks of rates probs to ring.
 
     argmax(probs / E) with E ~ Exp(1) picks token v with probability probs[v] / sum(probs), like multinomial,
     but as three elementwise/reduction kernels with no host synchronisation (CUDA-graph and stream friendly).
     """
-    clocks = torch.empty_like(probs).exponential_(generator=generator)
+    if rows is None:
+        clocks = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        first, total = rows
+        clocks = probs.new_empty(total, probs.shape[-1]).exponential_(generator=generator)[first : first + len(probs)]
     return (probs / clocks).argmax(dim=-1)

@@ -114,7 +114,7 @@ def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path):
     out = _rollplex(tmp_path, 2, "in_place", "alone", launch=False)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr
-    assert "parallel.train_tp" in out.stderr and "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
+    assert "cluster.gpus_per_node" in out.stderr and "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,79 @@
+"""Data parallelism: the step's prompt groups shared over DP ranks, each a whole replica of actor and reference.
+
+    torchrun --nproc-per-node 2 -m rollplex run specs/tiny_cpu_dp2.yaml     # cluster: 2 GPUs, train_tp 1
+
+Each rank takes its share of the step's prompts (in rank order), rolls them out, scores them and backpropagates
+them. What makes the run the one-process run of the same global batch:
+- sampling: each decode step draws the random numbers of every rank's rows and keeps its own (`rows`), and a
+  rank whose responses end first draws on until the longest of the step's responses ended (`burn`), so every
+  rank's generator follows the one-process run's;
+- the loss is normalised by the whole step's tokens (or sequences), summed over ranks (`global_scale`), so that
+  summing the ranks' gradients (`all_reduce_grads`, in buckets) gives the one-process gradient;
+- metrics are reduced over the ranks before rank 0 writes them.
+The optimizer state is replicated (each rank steps the same reduced gradients); rank 0 writes checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+BUCKET_BYTES = 32 * 2**20  # gradients all-reduced per flat bucket of FP32 values
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    size: int
+    rank: int
+
+    def share(self, n: int) -> slice:
+        """This rank's part of n items (prompts) in rank order."""
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def rows(self, local_rows: int) -> tuple[int, int]:
+        """(first row, every rank's rows) of this rank's rows in the step's global batch."""
+        return self.rank * local_rows, self.size * local_rows
+
+    def sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def gather(self, t: Tensor) -> Tensor:
+        """Every rank's `t` (the same shape but for the last dim, padded with zeros), concatenated on dim 0."""
+        width = int(self.max(t.shape[-1]))
+        padded = torch.nn.functional.pad(t, (0, width - t.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        return torch.cat(parts)
+
+    def all_reduce_grads(self, grads: list[Tensor]) -> None:
+        """Sums each FP32 gradient over the ranks, in place, in flat buckets of at most BUCKET_BYTES."""
+        bucket: list[Tensor] = []
+        size = 0
+        for g in grads:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= BUCKET_BYTES:
+                _reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            _reduce_bucket(bucket)
+
+
+def _reduce_bucket(grads: list[Tensor]) -> None:
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

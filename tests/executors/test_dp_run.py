@@ -1,0 +1,79 @@
+"""`rollplex run` on two data-parallel processes (gloo, train TP 1) against the same spec in one process: each
+rank takes half the step's prompt groups, and the run gives the one-process run's rollouts, losses and weights
+within float32 rounding; resume continues it; a launch that does not match the cluster is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DP2 = ROOT / "specs/tiny_cpu_dp2.yaml"
+
+
+def launch(processes: int, spec: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cli = ["-m", "rollplex", "run", str(spec), "--out", str(out), "--quiet", *args]
+    if processes > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cli = ["-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(port), *cli]
+    return subprocess.run([sys.executable, *cli], env=env, capture_output=True, text=True, timeout=600)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_train_as_one_process_on_the_same_global_batch(tmp_path):
+    one_spec = tmp_path / "one.yaml"
+    one_spec.write_text(DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 1"))
+    two = launch(2, DP2, tmp_path / "two", "--steps", "2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = launch(1, one_spec, tmp_path / "one", "--steps", "2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2]
+    for x, y in zip(a, b, strict=True):
+        assert x["reward_mean"] == y["reward_mean"] and x["response_len_mean"] == y["response_len_mean"]
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
+    w1, w2 = weights(tmp_path / "one", 2), weights(tmp_path / "two", 2)
+    assert w1.keys() == w2.keys()
+    for name, t in w1.items():
+        assert (w2[name] - t).norm() <= 1e-5 * t.norm() + 1e-9, name
+    assert not (tmp_path / "two" / "checkpoints" / "step-000002.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_data_parallel_run_resumes_where_it_stopped(tmp_path):
+    whole = launch(2, DP2, tmp_path / "whole", "--steps", "3")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = launch(2, DP2, tmp_path / "part", "--steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = launch(2, DP2, tmp_path / "part", "--steps", "3", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    digests = [r["param_digest"] for r in metrics(tmp_path / "whole")]
+    assert [r["param_digest"] for r in metrics(tmp_path / "part")] == digests
+
+
+def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path):
+    out = launch(1, DP2, tmp_path / "alone", "--steps", "1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "the cluster has 2 GPUs but 1 processes were launched" in out.stderr
+    assert "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
