@@ -36,6 +36,34 @@ def header(plan: Plan) -> str:
     )
 
 
+def launch_lines(plan: Plan) -> str:
+    """How many processes the spec needs, the command that starts them, and which ranks form each group: TP
+    groups of consecutive ranks, DP groups of the same TP position, rollout replicas of one rank per q-rank
+    exchange group (q = train_tp / rollout_tp) within each TP group."""
+    s = plan.loaded.spec
+    nodes, per_node, t, r = s.cluster.nodes, s.cluster.gpus_per_node, s.parallel.train_tp, s.parallel.rollout_tp
+    world, q = nodes * per_node, t // r
+    spec = plan.loaded.path
+    if world == 1:
+        command = f"rollplex run {spec}"
+    elif nodes == 1:
+        command = f"torchrun --nproc-per-node {per_node} -m rollplex run {spec}"
+    else:
+        command = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --node-rank R --rdzv-backend c10d "
+                   f"--rdzv-endpoint HOST:PORT -m rollplex run {spec}   (on each node R)")  # fmt: skip
+    tp = [list(range(first, first + t)) for first in range(0, world, t)]
+    dp = [list(range(j, world, t)) for j in range(t)]
+    replicas = [group[j::q] for group in tp for j in range(q)]
+    lines = [f"processes: {world} ({nodes} node(s) x {per_node}); launch: {command}"]
+    for name, groups in (("TP groups", tp), ("DP groups", dp), ("rollout replicas", replicas)):
+        if max(len(g) for g in groups) > 1:
+            shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
+            lines.append(f"{name}: {shown}{' ...' if len(groups) > 8 else ''}")
+    if t > 1 and world > t:
+        lines.append("data x tensor parallelism is planned here; the runtime does not run it yet")
+    return "\n".join(lines)
+
+
 def graph_table(plan: Plan) -> str:
     rows = []
     for s in steps(plan.graph):
@@ -193,7 +221,8 @@ def residency_choices(plan: Plan, peaks) -> str:
 
 
 def report(plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = None) -> str:
-    parts = [header(plan), graph_table(plan), memory_table(plan), peak_table(plan), time_table(plan, efficiencies)]
+    parts = [header(plan) + "\n" + launch_lines(plan), graph_table(plan), memory_table(plan), peak_table(plan),
+             time_table(plan, efficiencies)]  # fmt: skip
     parts.append(sharing_table(plan))
     if naive:
         parts.append(naive_table(plan))
