@@ -67,7 +67,7 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(engines)
-    if engines.dp is not None and not engines.is_main:  # replicas of rank 0's weights and optimizer state
+    if engines.dp is not None and engines.dp.rank > 0:  # replicas of replica 0's weights and optimizer state
         return _finish(final, tmp, engines)
     if engines.tp is None:
         save_checkpoint(engines.actor, tmp / "model")

@@ -26,8 +26,12 @@ BUCKET_BYTES = 32 * 2**20  # gradients all-reduced per flat bucket of FP32 value
 
 @dataclass(frozen=True)
 class DataParallel:
+    """`size` replicas; this process is in replica `rank`; `group` holds the ranks of every replica that share
+    this process's tensor-parallel position (the world without tensor parallelism)."""
+
     size: int
     rank: int
+    group: dist.ProcessGroup | None = None
 
     def share(self, n: int) -> slice:
         """This rank's part of n items (prompts) in rank order."""
@@ -40,12 +44,12 @@ class DataParallel:
 
     def sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())
 
     def gather(self, t: Tensor) -> Tensor:
@@ -53,7 +57,7 @@ class DataParallel:
         width = int(self.max(t.shape[-1]))
         padded = torch.nn.functional.pad(t, (0, width - t.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=self.group)
         return torch.cat(parts)
 
     def all_reduce_grads(self, grads: list[Tensor]) -> None:
@@ -64,15 +68,15 @@ class DataParallel:
             bucket.append(g)
             size += g.numel() * g.element_size()
             if size >= BUCKET_BYTES:
-                _reduce_bucket(bucket)
+                _reduce_bucket(bucket, self.group)
                 bucket, size = [], 0
         if bucket:
-            _reduce_bucket(bucket)
+            _reduce_bucket(bucket, self.group)
 
 
-def _reduce_bucket(grads: list[Tensor]) -> None:
+def _reduce_bucket(grads: list[Tensor], group) -> None:
     flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -6,7 +6,7 @@ group of train_tp ranks, or data-parallel ranks of train_tp 1 each (`dataparalle
 Every rank builds the same full actor from the same seed (or checkpoint), keeps its Megatron-layout shards
 (`rollplex.parallel.model`), binds its rollout replica over them (`rollplex.parallel.bind`) and runs the same
 iteration on the same batch; rank 0 alone writes metrics and the checkpoint's weights. NCCL on GPUs, gloo on
-the CPU (the tests). Data parallelism times tensor parallelism (both above 1) is not here yet.
+the CPU (the tests). With more processes than train_tp, each TP group is one data-parallel replica.
 """
 
 from __future__ import annotations
@@ -73,21 +73,6 @@ def check_world(num_gpus: int) -> None:
                          "describe the machines you run on in `cluster`")  # fmt: skip
 
 
-def init_dp(train_tp: int, device: torch.device) -> tuple[DataParallel | None, torch.device]:
-    """Data-parallel ranks when more processes than train_tp were launched (train_tp 1 each); else None."""
-    world = launched_processes()
-    if world == train_tp:
-        return None, device
-    if train_tp > 1:
-        raise ValueError(f"{world} processes at train_tp {train_tp}: data x tensor parallelism is not implemented; "
-                         f"use train_tp {world} or train_tp 1")  # fmt: skip
-    if device.type == "cuda":
-        raise ValueError("data parallelism runs on the CPU only for now (the graph-captured rollout samples per rank)")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return DataParallel(dist.get_world_size(), dist.get_rank()), device
-
-
 def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (torchrun sets WORLD_SIZE)."""
     world = launched_processes()
@@ -96,16 +81,31 @@ def check_launch(train_tp: int) -> None:
         raise ValueError(f"train_tp is {train_tp} but {world} processes were launched: use {launch}")
 
 
-def init_tp(train_tp: int, rollout_tp: int, device: torch.device) -> tuple[TPSetup | None, torch.device]:
-    """(the groups, this rank's device); (None, device) without tensor parallelism (see `check_launch`)."""
-    if train_tp == 1:
-        return None, device
-    check_launch(train_tp)
-    if train_tp == 1:
-        return None, device
+def init_parallel(
+    train_tp: int, rollout_tp: int, device: torch.device
+) -> tuple[TPSetup | None, DataParallel | None, torch.device]:
+    """This process's tensor-parallel groups (None at train_tp 1), its data-parallel replicas (None when the
+    launched processes are one TP group) and its device. Ranks r*t .. r*t + t-1 form data-parallel replica r."""
+    world = launched_processes()
+    if world < train_tp:
+        check_launch(train_tp)
+    if world == 1:
+        return None, None, device
+    if world % train_tp:
+        raise ValueError(f"{world} processes do not split into TP groups of {train_tp}")
     if device.type == "cuda":
+        if world > train_tp:
+            raise ValueError("data parallelism runs on the CPU only for now (the graph-captured rollout samples "
+                             "per rank)")  # fmt: skip
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return TPSetup(*make_groups(train_tp, rollout_tp, dist.get_rank())), device
+    rank = dist.get_rank()
+    tp = TPSetup(*make_groups(train_tp, rollout_tp, rank, world)) if train_tp > 1 else None
+    dp = None
+    if world > train_tp:
+        position = rank % train_tp
+        groups = [dist.new_group(list(range(j, world, train_tp))) for j in range(train_tp)]  # every rank makes all
+        dp = DataParallel(world // train_tp, rank // train_tp, groups[position])
+    return tp, dp, device

@@ -27,7 +27,7 @@ from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel
-from rollplex.executors.distributed import TPSetup, init_dp, init_tp
+from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
 from rollplex.executors.ppo import PpoConfig
@@ -152,8 +152,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     set_determinism(spec.run.deterministic)
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
-    tp, device = init_tp(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
-    dp, device = init_dp(spec.parallel.train_tp, device)
+    tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     if dp is not None and (Role.CRITIC in roles(plan.graph) or spec.algorithm.minibatches_per_step > 1):
         raise SpecError("algorithm", "data parallelism runs GRPO with one mini-batch for now", "run one process")
     if not d.weight_sharing and tp is not None:

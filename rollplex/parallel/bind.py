@@ -139,26 +139,32 @@ def vmm_allocator(arena, name: str = "rollout_actor") -> Callable[[int], Tensor]
     return allocate
 
 
-def make_groups(train_tp: int, rollout_tp: int, rank: int) -> tuple[TPGroup, TPGroup, TPGroup]:
-    """(training, exchange, rollout) groups of ranks 0..train_tp-1 (collective: every rank calls it).
-
-    Exchange groups are q consecutive ranks (one rollout shard); a rollout replica takes one rank of each."""
+def make_groups(
+    train_tp: int, rollout_tp: int, rank: int, world: int | None = None
+) -> tuple[TPGroup, TPGroup, TPGroup]:
+    """This rank's (training, exchange, rollout) groups (collective: every rank of the world calls it, and every
+    group is made on every rank in the same order). The world (default: train_tp ranks) holds world / train_tp
+    tensor-parallel groups of consecutive ranks (one per data-parallel replica); within each, exchange groups
+    are q consecutive ranks (one rollout shard) and a rollout replica takes one rank of each."""
     if rollout_tp < 1 or train_tp % rollout_tp:
         raise ValueError(f"rollout TP {rollout_tp} must divide training TP {train_tp} (q = t / r must be an integer)")
-    q = train_tp // rollout_tp
-    everyone = list(range(train_tp))
-    train = TPGroup(train_tp, rank, dist.new_group(everyone)) if train_tp > 1 else SINGLE
-    exchange = rollout = SINGLE
-    for first in range(0, train_tp, q):
-        members = everyone[first : first + q]
-        g = dist.new_group(members) if q > 1 else None
-        if rank in members:
-            exchange = TPGroup(q, rank - first, g) if q > 1 else SINGLE
-    for j in range(q):
-        members = everyone[j::q]
-        g = dist.new_group(members) if rollout_tp > 1 else None
-        if rank in members:
-            rollout = TPGroup(rollout_tp, members.index(rank), g) if rollout_tp > 1 else SINGLE
+    q, world = train_tp // rollout_tp, world or train_tp
+    train = exchange = rollout = SINGLE
+    for base in range(0, world, train_tp):
+        everyone = list(range(base, base + train_tp))
+        g = dist.new_group(everyone) if train_tp > 1 else None
+        if rank in everyone and train_tp > 1:
+            train = TPGroup(train_tp, rank - base, g)
+        for first in range(0, train_tp, q):
+            members = everyone[first : first + q]
+            g = dist.new_group(members) if q > 1 else None
+            if rank in members and q > 1:
+                exchange = TPGroup(q, rank - base - first, g)
+        for j in range(q):
+            members = everyone[j::q]
+            g = dist.new_group(members) if rollout_tp > 1 else None
+            if rank in members and rollout_tp > 1:
+                rollout = TPGroup(rollout_tp, members.index(rank), g)
     return train, exchange, rollout
 
 

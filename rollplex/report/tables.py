@@ -59,8 +59,6 @@ def launch_lines(plan: Plan) -> str:
         if max(len(g) for g in groups) > 1:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
             lines.append(f"{name}: {shown}{' ...' if len(groups) > 8 else ''}")
-    if t > 1 and world > t:
-        lines.append("data x tensor parallelism is planned here; the runtime does not run it yet")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """`rollplex run` on two data-parallel processes (gloo, train TP 1) against the same spec in one process: each
 rank takes half the step's prompt groups, and the run gives the one-process run's rollouts, losses and weights
-within float32 rounding; resume continues it; a launch that does not match the cluster is one line."""
+within float32 rounding, also as two replicas of a tensor-parallel pair (4 processes); resume continues it; a
+launch that does not match the cluster is one line."""
 
 from __future__ import annotations
 
@@ -39,25 +40,47 @@ def weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
 
 
-@pytest.mark.slow
-def test_two_data_parallel_ranks_train_as_one_process_on_the_same_global_batch(tmp_path):
-    one_spec = tmp_path / "one.yaml"
-    one_spec.write_text(DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 1"))
-    two = launch(2, DP2, tmp_path / "two", "--steps", "2")
-    assert two.returncode == 0, two.stderr[-3000:]
-    one = launch(1, one_spec, tmp_path / "one", "--steps", "2")
-    assert one.returncode == 0, one.stderr[-3000:]
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The same spec run in one process (cluster of one GPU, train TP 1), 2 steps."""
+    tmp = tmp_path_factory.mktemp("one")
+    spec = tmp / "one.yaml"
+    spec.write_text(DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 1"))
+    proc = launch(1, spec, tmp / "run", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run"
+
+
+def assert_trains_as(out: Path, reference: Path) -> None:
+    a, b = metrics(reference), metrics(out)
     assert [r["step"] for r in b] == [1, 2]
     for x, y in zip(a, b, strict=True):
         assert x["reward_mean"] == y["reward_mean"] and x["response_len_mean"] == y["response_len_mean"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
-    w1, w2 = weights(tmp_path / "one", 2), weights(tmp_path / "two", 2)
+    w1, w2 = weights(reference, 2), weights(out, 2)
     assert w1.keys() == w2.keys()
     for name, t in w1.items():
         assert (w2[name] - t).norm() <= 1e-5 * t.norm() + 1e-9, name
-    assert not (tmp_path / "two" / "checkpoints" / "step-000002.tmp").exists()
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_train_as_one_process_on_the_same_global_batch(tmp_path, one_process):
+    two = launch(2, DP2, tmp_path / "two", "--steps", "2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_trains_as(tmp_path / "two", one_process)
+
+
+@pytest.mark.slow
+def test_two_data_parallel_replicas_of_two_tensor_parallel_ranks_train_as_one_process(tmp_path, one_process):
+    spec = tmp_path / "dp2_tp2.yaml"
+    text = DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 4")
+    spec.write_text(text.replace("parallel: {train_tp: 1, rollout_tp: 1}", "parallel: {train_tp: 2, rollout_tp: 1, "
+                                 "split_rollout: false}"))  # fmt: skip
+    four = launch(4, spec, tmp_path / "four", "--steps", "2")
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert_trains_as(tmp_path / "four", one_process)
 
 
 @pytest.mark.slow
