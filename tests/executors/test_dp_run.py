@@ -100,3 +100,34 @@ def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "the cluster has 2 GPUs but 1 processes were launched" in out.stderr
     assert "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
+
+
+def launch_nodes(spec: Path, out: Path, *args: str) -> list[subprocess.CompletedProcess]:
+    """Two torchrun "nodes" of one process each on this machine, meeting over loopback (c10d rendezvous)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  f"127.0.0.1:{port}"]  # fmt: skip
+    run = ["-m", "rollplex", "run", str(spec), "--out", str(out), "--quiet", *args]
+    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
+    procs = [
+        subprocess.Popen(
+            [*command, "--node-rank", str(r), *run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_train_as_one_process_and_resume(tmp_path, one_process):
+    spec = tmp_path / "nodes.yaml"
+    spec.write_text(DP2.read_text().replace("nodes: 1, gpus_per_node: 2", "nodes: 2, gpus_per_node: 1"))
+    first = launch_nodes(spec, tmp_path / "nodes", "--steps", "1")
+    assert all(p.returncode == 0 for p in first), [p.stderr[-2000:] for p in first]
+    rest = launch_nodes(spec, tmp_path / "nodes", "--steps", "2", "--resume")
+    assert all(p.returncode == 0 for p in rest), [p.stderr[-2000:] for p in rest]
+    assert_trains_as(tmp_path / "nodes", one_process)
