@@ -249,11 +249,18 @@ def _ref_prefix_job(e: Engines, prompts: Sequence, vision: SharedVision | None) 
 def _actor_prefix_job(
     e: Engines, prompts: Sequence, vision: SharedVision | None
 ) -> Generator[None, None, LeafBoundary]:
-    chunks = e.actor.prefix_chunks(
+    return _attached_prefix_job(e, e.actor, prompts, vision, e.prefix_memory)
+
+
+def _attached_prefix_job(
+    e: Engines, model, prompts: Sequence, vision: SharedVision | None, memory
+) -> Generator[None, None, LeafBoundary]:
+    """A trained role's prefix, its graph kept for the backward through it, each chunk inside `memory`."""
+    chunks = model.prefix_chunks(
         prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
         rerun=e.prefix_rerun, vision=vision,
     )  # fmt: skip
-    boundary = yield from each_inside(e.prefix_memory, chunks)
+    boundary = yield from each_inside(memory, chunks)
     return LeafBoundary.of(boundary)
 
 
@@ -264,12 +271,7 @@ def _critic_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepR
 def _critic_prefix_job(
     e: Engines, prompts: Sequence, vision: SharedVision | None
 ) -> Generator[None, None, LeafBoundary]:
-    chunks = e.critic.prefix_chunks(
-        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
-        rerun=e.prefix_rerun, vision=vision,
-    )  # fmt: skip
-    boundary = yield from chunks
-    return LeafBoundary.of(boundary)
+    return _attached_prefix_job(e, e.critic, prompts, vision, nullcontext)
 
 
 def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:

@@ -114,16 +114,12 @@ def score_group_unsplit(
 ) -> SuffixOut:
     """The oracle: each of the N responses [N, R] scored over prompt ++ response, the prompt recomputed."""
     num, width = responses.shape
-    ids = [torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)]
-    seqs = [Prompt(x, prompt.visuals, response_start=prompt.num_tokens) for x in ids]
-    hidden = model.hidden(seqs)  # [N, L, H]
-    idx = torch.arange(width, device=hidden.device)
-    rows = (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)  # the position before each token
+    hidden = model.whole_response_hidden(prompt, responses, lens)  # [N, R, H]
     tokens = responses.to(hidden.device)
     logprobs, entropies = token_scores(
-        hidden[:, rows].flatten(0, 1), model.lm_head, tokens.flatten(), model.config.text.vocab_size, temperature
+        hidden.flatten(0, 1), model.lm_head, tokens.flatten(), model.config.text.vocab_size, temperature
     )
-    mask = idx < lens.to(hidden.device)[:, None]
+    mask = torch.arange(width, device=hidden.device) < lens.to(hidden.device)[:, None]
     return SuffixOut(
         logprobs=logprobs.view(num, width).where(mask, 0.0)[None],
         entropy=entropies.view(num, width).where(mask, 0.0)[None],

@@ -194,6 +194,18 @@ class Qwen2_5_VL(nn.Module):
         )
         return SuffixOut(out.logprobs[:, 0], out.entropy[:, 0])
 
+    def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
+        """The oracle's hidden states [N, R, hidden]: each of N responses [N, R] of lengths [N] run over
+        prompt ++ response (the prompt recomputed each time), at the position before each response token (rows
+        past a response's end are meaningless)."""
+        num, width = responses.shape
+        ids = [
+            torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)
+        ]
+        hidden = self.hidden([Prompt(x, prompt.visuals, response_start=prompt.num_tokens) for x in ids])
+        idx = torch.arange(width, device=hidden.device)
+        return hidden[:, (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)]
+
     def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
         """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt.
 

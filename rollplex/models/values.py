@@ -45,13 +45,8 @@ def suffix_values(model: Qwen2_5_VL, boundary: Boundary, rows: Tensor, responses
 
 def whole_values(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
     """The oracle: values [N, R] of N responses [N, R], each over prompt ++ response, the prompt recomputed."""
-    num, width = responses.shape
-    ids = [torch.cat([prompt.input_ids, responses[n, : int(lens[n])].to(prompt.input_ids.device)]) for n in range(num)]
-    seqs = [Prompt(x, prompt.visuals, response_start=prompt.num_tokens) for x in ids]
-    hidden = model.hidden(seqs)  # [N, L, hidden]
-    idx = torch.arange(width, device=hidden.device)
-    rows = (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)  # the position before each token
-    return _masked(model.lm_head(hidden[:, rows]).float()[..., 0], lens)
+    hidden = model.whole_response_hidden(prompt, responses, lens)  # [N, R, hidden]
+    return _masked(model.lm_head(hidden).float()[..., 0], lens)
 
 
 def _masked(values: Tensor, lens: Tensor) -> Tensor:
