@@ -3,7 +3,8 @@ footprint and weight sharing. The runtime's only input: it walks `graph`'s steps
 `decisions`, the spec's algorithm, workload and run settings and the model config.
 
 `compile_plan` is the whole compiler from a loaded spec; `check_fits` turns an infeasible plan into the
-one error a user sees (phase, peak, capacity, largest objects, what would make it fit). `planfile` writes and
+one error a user sees (phase, peak, capacity, largest objects, and the levers this spec has with the peak each
+gives, `levers.py`). `planfile` writes and
 reads it as `plan.json`.
 """
 
@@ -16,6 +17,7 @@ import networkx as nx
 from rollplex.errors import PlanDoesNotFit, SpecError
 from rollplex.graph.decisions import Decisions, decide
 from rollplex.graph.ir import Schedule
+from rollplex.graph.levers import price_levers
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
 from rollplex.memory.naive import NaiveRow, naive_rows
@@ -92,7 +94,8 @@ def check_fits(plan: Plan) -> None:
         phase = max(r.phases, key=lambda p: p.peak_bytes)
         top = sorted(r.in_hbm(phase.peak_step), key=lambda o: -o.bytes)[:3]
         largest = ", ".join(f"{_name(o)} {o.bytes / GIB:.1f}" for o in top)
-        fixes = "; ".join(remedies(plan, top)[:2])
+        priced = price_levers(plan.loaded, plan.schedule, r.peak_bytes)
+        fixes = "; ".join([p.line() for p in priced[:3]] or remedies(plan, top)[:2])
         raise PlanDoesNotFit(
             f"{plan.loaded.path}: plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "
             f"{r.capacity_bytes / GIB:.1f} GiB per GPU; largest: {largest} GiB; to fit: {fixes or 'add GPUs'}"

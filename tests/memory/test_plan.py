@@ -246,3 +246,27 @@ def test_a_frozen_vision_tower_is_held_once_with_no_gradients_optimizer_state_or
     assert objects(frozen, "actor", "shared vision output") and not objects(trained, "actor", "shared vision output")
     assert [o.bytes for o in objects(frozen, "actor", "shared vision output")] == [8 * 5600 * 3584 * 2]
     assert frozen.residency.peak_bytes < trained.residency.peak_bytes
+
+
+def test_an_infeasible_plan_names_levers_this_spec_has_each_with_the_peak_it_gives():
+    from rollplex.errors import PlanDoesNotFit
+    from rollplex.graph.levers import price_levers
+    from rollplex.graph.plan import check_fits
+
+    text = """
+model: qwen2_5_vl_7b
+cluster: {gpus_per_node: 4, hbm_gib: 40, host_gib: 1000}
+workload: {prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}
+"""
+    plan = compile_plan(parse_spec(text))
+    priced = price_levers(plan.loaded, plan.schedule, plan.residency.peak_bytes)
+    assert priced[0].fits and "set memory.recompute: full" in priced[0].lever.text  # a chain that fits comes first
+    single = next(p for p in priced if p.lever.text == "set memory.recompute: full")
+    by_hand = compile_plan(parse_spec(text + "memory: {recompute: full}\n"))
+    assert single.peak_bytes == by_hand.residency.peak_bytes and not single.fits
+    chain = r"to fit: raise parallel\.train_tp to 4, then set memory\.recompute: full \(peak [0-9.]+ GiB, fits\)"
+    with pytest.raises(PlanDoesNotFit, match=chain):
+        check_fits(plan)
+    alone = compile_plan(parse_spec(text.replace("gpus_per_node: 4", "gpus_per_node: 1")))
+    texts = [p.lever.text for p in price_levers(alone.loaded, alone.schedule, alone.residency.peak_bytes)]
+    assert texts and not any("train_tp" in t or "distributed_optimizer" in t for t in texts)  # one GPU: none

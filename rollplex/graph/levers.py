@@ -1,0 +1,116 @@
+"""What would make an infeasible plan fit: the levers this spec has, each priced by compiling the spec with it.
+
+A lever is a change of spec keys that exists for this spec (a setting not already chosen, a TP degree within the
+cluster that splits the model's heads, a smaller workload). Each is applied to a copy of the spec and compiled
+(the compiler is cheap); the levers that lower the peak are reported with the peak they give, those that make
+the plan fit first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from rollplex.errors import SpecError
+from rollplex.graph.load import LoadedSpec, check_model_fits_parallel
+from rollplex.graph.spec import Spec
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Lever:
+    text: str  # as the user would write it: "set memory.recompute: full"
+    changes: dict  # nested spec keys -> new values
+
+
+@dataclass(frozen=True)
+class Priced:
+    lever: Lever
+    peak_bytes: int
+    fits: bool
+
+    def line(self) -> str:
+        verdict = "fits" if self.fits else "still over"
+        return f"{self.lever.text} (peak {self.peak_bytes / GIB:.1f} GiB, {verdict})"
+
+
+def candidate_levers(spec: Spec) -> list[Lever]:
+    """The changes that exist for this spec and could lower a GPU's peak."""
+    m, p, w, c = spec.memory, spec.parallel, spec.workload, spec.cluster
+    found = []
+    if m.recompute != "full":
+        found.append(Lever("set memory.recompute: full", {"memory": {"recompute": "full"}}))
+    if m.prefix_activations != "recompute":
+        found.append(Lever("set memory.prefix_activations: recompute", {"memory": {"prefix_activations": "recompute"}}))
+    for key in ("optimizer_state", "prefix_saved"):
+        if getattr(m, key) != "host":
+            found.append(Lever(f"set memory.{key}: host", {"memory": {key: "host"}}))
+    if m.runtime_reserve_gib > 1:
+        found.append(Lever("set memory.runtime_reserve_gib: 1", {"memory": {"runtime_reserve_gib": 1.0}}))
+    if c.num_gpus > p.train_tp and not p.distributed_optimizer:
+        found.append(Lever("set parallel.distributed_optimizer: true", {"parallel": {"distributed_optimizer": True}}))
+    for tp in range(p.train_tp + 1, c.num_gpus + 1):  # every degree the cluster splits into (heads checked later)
+        if c.num_gpus % tp == 0:
+            found.append(Lever(f"raise parallel.train_tp to {tp}", {"parallel": {"train_tp": tp}}))
+    if p.rollout_tp < p.train_tp:
+        r = next(r for r in range(p.rollout_tp + 1, p.train_tp + 1) if p.train_tp % r == 0)
+        found.append(Lever(f"raise parallel.rollout_tp to {r}", {"parallel": {"rollout_tp": r}}))
+    dp = c.num_gpus // p.train_tp
+    if w.prompts_per_step // 2 >= dp and (w.prompts_per_step // 2) % dp == 0:
+        half = w.prompts_per_step // 2
+        found.append(Lever(f"lower workload.prompts_per_step to {half}", {"workload": {"prompts_per_step": half}}))
+    return found
+
+
+MAX_CHAIN = 4  # levers combined at most, when none fits alone
+
+
+def price_levers(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
+    """Each lever that lowers the peak, with what it gives; those that fit first, then by peak. When none fits
+    alone, the first entry chains them (the best, then the best on top of it, ...) until the plan fits."""
+    priced = _priced(loaded, schedule, peak_bytes)
+    if not priced or priced[0].fits:
+        return priced
+    chain, current, best = [], loaded, priced[0]
+    while len(chain) < MAX_CHAIN and priced and priced[0].peak_bytes < (chain[-1].peak_bytes if chain else peak_bytes):
+        best = priced[0]
+        chain.append(best)
+        current = _with(current, best.lever)
+        if best.fits:
+            break
+        priced = _priced(current, schedule, best.peak_bytes)
+    if len(chain) > 1 and chain[-1].fits:
+        text = ", then ".join(p.lever.text for p in chain)
+        return [Priced(Lever(text, {}), chain[-1].peak_bytes, True), *_priced(loaded, schedule, peak_bytes)]
+    return _priced(loaded, schedule, peak_bytes)
+
+
+def _priced(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
+    from rollplex.graph.plan import compile_plan
+
+    priced = []
+    for lever in candidate_levers(loaded.spec):
+        try:
+            changed = _with(loaded, lever)
+            plan = compile_plan(changed, schedule)
+        except (ValidationError, SpecError, ValueError):
+            continue  # not a lever for this spec after all (a TP degree the heads do not split, ...)
+        r = plan.residency
+        if r.peak_bytes < peak_bytes:
+            priced.append(Priced(lever, r.peak_bytes, r.fits))
+    return sorted(priced, key=lambda x: (not x.fits, x.peak_bytes))
+
+
+def _with(loaded: LoadedSpec, lever: Lever) -> LoadedSpec:
+    spec = Spec.model_validate(_merged(loaded.spec.model_dump(by_alias=True), lever.changes))
+    check_model_fits_parallel(spec, loaded.model)
+    return LoadedSpec(spec, loaded.model, loaded.path, loaded.yaml_root)
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merged(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
