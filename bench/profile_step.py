@@ -23,9 +23,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rollplex.bench.harness import with_prompts_per_chunk
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors import runtime, scoring
-from rollplex.executors.bench import with_prompts_per_chunk
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Op, Schedule

@@ -40,19 +40,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollplex.data.source import batch_at, open_dataset
-from rollplex.executors.agreement import (
+from rollplex.bench.agreement import (
     grad_sketch,
     max_relative_difference,
     relative_difference,
     same_rollout,
     updates_match,
 )
+from rollplex.bench.stalls import StepStalls
+from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration, timer_of
-from rollplex.executors.stalls import StepStalls
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.plan import compile_plan

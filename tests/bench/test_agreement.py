@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.executors.agreement import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout, updates_match
+from rollplex.bench.agreement import GRAD_SKETCH, grad_sketch, relative_difference, same_rollout, updates_match
 
 
 def test_the_first_step_comparison_needs_the_same_tokens_and_close_gradients():

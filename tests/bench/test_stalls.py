@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from rollplex.executors.stalls import StepStalls
+from rollplex.bench.stalls import StepStalls
 
 
 def test_collections_inside_the_step_are_timed_and_full_ones_counted():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollplex.executors import bench as bench_module
-from rollplex.executors.bench import ScheduleRun, noise_floor_grads
+from rollplex.bench import harness as bench_module
+from rollplex.bench.harness import ScheduleRun, noise_floor_grads
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
@@ -139,7 +139,7 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
     import gc
     import weakref
 
-    from rollplex.executors import bench as bench_module
+    from rollplex.bench import harness as bench_module
     from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
 

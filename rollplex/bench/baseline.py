@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.executors.bench import ScheduleRun, gpu_name
+from rollplex.bench.harness import ScheduleRun, gpu_name
 from rollplex.graph.load import LoadedSpec
 
 
