@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rollplex.graph.residency import OptimizerPlan
 from rollplex.memory.optimizer import ChunkedAdamW
-from rollplex.memory.residency import OptimizerPlan
 
 TENSOR_ELEMENTS = 64 << 20
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rollplex.layout.sharing import sharing_report
 from rollplex.memory.optimizer import ChunkedAdamW, copy_into
-from rollplex.memory.sharing import sharing_report
 from rollplex.memory.vmm import VmmArena
 from rollplex.models.config import load_model_config
 from rollplex.models.inputs import Prompt

@@ -1,7 +1,7 @@
 """Fused QKV projection that reads Megatron's interleaved weight in place and writes vLLM's grouped output.
 
 Case 3 of DESIGN.md section 5 without the copy: W is stored per query group ([q heads of g; k_g; v_g], head_dim
-rows each, `rollplex.memory.sharing.qkv_megatron`); the rollout attention wants y = x W_grouped^T + b_grouped
+rows each, `rollplex.layout.sharing.qkv_megatron`); the rollout attention wants y = x W_grouped^T + b_grouped
 with columns [all q | all k | all v] (`qkv_vllm`). Each program computes, for its output column tile, which
 stored rows to load (the closed form of `qkv_layout.grouped_rows`), so the permuted weight never exists.
 The bias is stored like the weight and read through the same index. Decode rows take `swap_gemm`'s kernel where

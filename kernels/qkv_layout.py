@@ -1,6 +1,6 @@
 """Where each row of the grouped (vLLM) fused QKV lies in the interleaved (Megatron) one: a pure-torch index.
 
-Stored (Megatron-Core, `rollplex.memory.sharing.qkv_megatron`): per stored group, its q heads, then its k head,
+Stored (Megatron-Core, `rollplex.layout.sharing.qkv_megatron`): per stored group, its q heads, then its k head,
 then its v head, each head `head_dim` rows. Wanted (vLLM, `qkv_vllm`): all q heads, then all k, then all v.
 A rollout shard bound over q training shards is again a run of stored groups; when the training TP exceeds
 the number of KV heads, consecutive stored groups repeat one KV head (`kv_replicas` copies), and the grouped
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.memory.sharing import Segment
+from rollplex.layout.sharing import Segment
 
 
 def num_stored_rows(num_heads: int, num_kv_heads: int, head_dim: int, kv_replicas: int = 1) -> int:

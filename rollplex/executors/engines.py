@@ -34,8 +34,8 @@ from rollplex.executors.ppo import PpoConfig
 from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
-from rollplex.memory.objects import Residency
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
 from rollplex.graph.ir import NodeKind, Op, Part, Role, ops
-from rollplex.memory import shapes as S
-from rollplex.memory.objects import Residency
-from rollplex.memory.workload import PerGpu
+from rollplex.graph.objects import Residency
+from rollplex.graph.workload import PerGpu
+from rollplex.layout import shapes as S
 from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
 
 STATE_BYTES = 12  # FP32 master weight and two Adam moments per parameter

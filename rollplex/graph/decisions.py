@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+from rollplex.graph.objects import GIB, Component, Context, Residency, rollout_kv_bytes
+from rollplex.graph.residency import ResidencyPlan
 from rollplex.graph.spec import Spec
-from rollplex.memory.objects import GIB, Component, Context, Residency, rollout_kv_bytes
-from rollplex.memory.residency import ResidencyPlan
 
 MIN_HOST_POOL = 64 << 20
 HOST_POOL_MARGIN = 4  # a pool sized from the plan holds its figure plus a quarter (allocation rounding)

@@ -19,11 +19,11 @@ from rollplex.graph.decisions import Decisions, decide
 from rollplex.graph.ir import Schedule
 from rollplex.graph.levers import price_levers
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.naive import NaiveRow, naive_rows
+from rollplex.graph.objects import GIB, Component, Context, MemObject, make_context, memory_objects
 from rollplex.graph.pipeline import compile_graph
-from rollplex.memory.naive import NaiveRow, naive_rows
-from rollplex.memory.objects import GIB, Component, Context, MemObject, make_context, memory_objects
-from rollplex.memory.residency import ResidencyPlan, lower_residency
-from rollplex.memory.sharing import SharingReport
+from rollplex.graph.residency import ResidencyPlan, lower_residency
+from rollplex.layout.sharing import SharingReport
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A frozen model's weights resident on the device only in the steps that use them (the reference), as the plan
-has them (`rollplex.memory.objects`: a frozen role's weights live in its steps, on the host otherwise).
+has them (`rollplex.graph.objects`: a frozen role's weights live in its steps, on the host otherwise).
 
 All of the model's parameters move into one region of a VMM arena (`vmm.py`), in parameter order, each on an
 ALIGN boundary; the parameters stay the same `nn.Parameter` objects, now viewing the region. `page_out`

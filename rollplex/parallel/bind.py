@@ -5,7 +5,7 @@ storage. The q training ranks k*q .. k*q+q-1 each own one region of every tensor
 parameters *are* those regions (views): the optimizer writes straight into rollout's weights. After an update,
 `publish()` all-gathers each tensor within the q ranks (in place: a rank sends its region and receives the
 others), after which every GPU holds its rollout shard whole. How rollout reads each tensor follows the
-planner's classification (`rollplex.memory.sharing.classify`): Case 1 tensors as they lie ([gate; up] blocks
+planner's classification (`rollplex.layout.sharing.classify`): Case 1 tensors as they lie ([gate; up] blocks
 through a view of the GEMM output), Case 2 (o_proj, down_proj) as stored transposed slabs, Case 3 (the fused
 QKV when a rollout rank holds several query groups) either in place (Megatron order, split by a view, or the
 permuted GEMM of `rollplex.kernels.qkv_gemm` in decode) or, on the paper's path, from a grouped copy rebuilt
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rollplex.layout.shapes import llm_families
+from rollplex.layout.sharing import Case, classify
 from rollplex.memory.optimizer import Writer, copy_into
-from rollplex.memory.shapes import llm_families
-from rollplex.memory.sharing import Case, classify
 from rollplex.models.config import TextConfig
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.parallel import layout

@@ -2,7 +2,7 @@
 
 The full tensors are the model's packed ones: [q; k; v] rows of the QKV projection (weight and bias), [gate; up]
 rows of the MLP, [vocab] rows of the embedding and LM head, and the row-parallel o_proj / down_proj [O, I].
-Training shards follow Megatron-Core (`rollplex.memory.sharing`): fused QKV interleaved per query group, fused
+Training shards follow Megatron-Core (`rollplex.layout.sharing`): fused QKV interleaved per query group, fused
 [gate; up] per rank, and the row-parallel weights stored transposed ([I / t, O] slabs, DESIGN.md Case 2). Each
 layout is a list of row indices into the full tensor, derived from the planner's segment lists, so the
 binding and the planner cannot disagree. Pure torch indexing; no process group.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollplex.memory.sharing import Segment, per_rank_components, qkv_megatron, qkv_vllm
+from rollplex.layout.sharing import Segment, per_rank_components, qkv_megatron, qkv_vllm
 from rollplex.models.config import TextConfig
 
 

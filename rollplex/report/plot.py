@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollplex.graph.ir import steps
+from rollplex.graph.objects import GIB
 from rollplex.graph.plan import Plan
-from rollplex.memory.objects import GIB
 
 _COLORS = {
     "actor": "#4c72b0",

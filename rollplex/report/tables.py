@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rollplex.graph.cost import KNOWN_PEAKS, time_plan
 from rollplex.graph.ir import op, steps
+from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
-from rollplex.memory.objects import GIB, Component, MemObject, Residency
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:

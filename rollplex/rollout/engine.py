@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollplex.memory.shapes import prompt_capacity
+from rollplex.layout.shapes import prompt_capacity
 from rollplex.memory.vmm import RegionState
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout, collect_rollout

@@ -95,7 +95,7 @@ def test_tensor_parallelism_divides_each_ranks_work_and_decode_reads_each_live_k
     assert prefix_forward(t, v, tokens, 2).flops == pytest.approx(prefix_forward(t, v, tokens, 1).flops / 2)
     longer = StepTokens((4000, 4000), (0, 0), (1, 1), ((100, 301), (50, 50)))
     one_more = decode(t, longer, 1).hbm_bytes - decode(t, tokens, 1).hbm_bytes
-    from rollplex.memory import shapes as S
+    from rollplex.layout import shapes as S
 
     kv = S.kv_bytes_per_token(t, 1)
     assert one_more == pytest.approx(S.llm_params_per_rank(t, 1) * S.BF16 + kv * (301 + 4000))
@@ -140,7 +140,7 @@ def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_up
     rerun = 3  # the shipped spec recomputes the prefix: forward again, then backward (twice the forward)
     backward = trained["actor_suffix_backward"].flops
     assert frozen["actor_suffix_backward"].flops == pytest.approx(backward - rerun * vision)
-    from rollplex.memory import shapes
+    from rollplex.layout import shapes
 
     llm, tower = shapes.llm_params_per_rank(config.text, 1), shapes.vision_params(config.vision, stored=True)
     assert frozen["update"].hbm_bytes == pytest.approx(trained["update"].hbm_bytes * llm / (llm + tower))

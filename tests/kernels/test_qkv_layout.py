@@ -1,5 +1,5 @@
 """The closed-form QKV permutation the kernel computes equals what the layout algebra of
-`rollplex.memory.sharing` implies, for every training/rollout TP pair up to 8 and every rollout rank."""
+`rollplex.layout.sharing` implies, for every training/rollout TP pair up to 8 and every rollout rank."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollplex.kernels.qkv_layout import grouped_rows, num_stored_rows, permutation, rows_of
-from rollplex.memory.sharing import qkv_megatron, qkv_vllm
+from rollplex.layout.sharing import qkv_megatron, qkv_vllm
 from rollplex.models.config import TextConfig
 
 HEAD_DIM = 8

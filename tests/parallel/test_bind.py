@@ -8,9 +8,9 @@ import pytest
 import torch
 from parallel_testkit import config_for, image_prompt, next_token_loss, spawn, text_prompts
 
+from rollplex.layout.shapes import BF16, Sharding, family_params_per_rank
+from rollplex.layout.sharing import Case, sharing_report
 from rollplex.memory.optimizer import ChunkedAdamW
-from rollplex.memory.shapes import BF16, Sharding, family_params_per_rank
-from rollplex.memory.sharing import Case, sharing_report
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.parallel.bind import QKVPath, bind_rollout, make_groups

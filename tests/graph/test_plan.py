@@ -6,8 +6,8 @@ import pytest
 
 from rollplex.graph.ir import Phase, Schedule, steps
 from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.objects import GIB, Residency
 from rollplex.graph.plan import compile_plan
-from rollplex.memory.objects import GIB, Residency
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 GB = 1e9
@@ -180,8 +180,8 @@ def test_the_reference_waits_on_the_host_between_its_steps_only_where_the_spec_l
 
 def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
     torch = pytest.importorskip("torch")
+    from rollplex.graph.residency import OptimizerPlan
     from rollplex.memory.optimizer import ChunkedAdamW
-    from rollplex.memory.residency import OptimizerPlan
 
     params = [torch.zeros(n, requires_grad=True) for n in (1000, 30_000, 7, 123_456)]
     total = sum(p.numel() for p in params) * 12
@@ -193,7 +193,7 @@ def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
 
 @pytest.mark.parametrize(("split", "expected"), [("true", 4), ("false", 8)])
 def test_rollout_replicas_decode_their_share_of_the_prompts_unless_told_not_to(split, expected):
-    from rollplex.memory.workload import per_gpu
+    from rollplex.graph.workload import per_gpu
 
     text = f"""
 model: qwen2_5_vl_7b

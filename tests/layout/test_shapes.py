@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rollplex.memory.shapes import kv_bytes_per_token, layer_activation_bytes_per_token, llm_params, vision_params
+from rollplex.layout.shapes import kv_bytes_per_token, layer_activation_bytes_per_token, llm_params, vision_params
 from rollplex.models.config import CONFIG_DIR, load_model_config, shipped_model_names
 
 PUBLIC_LLM_PARAMS = {

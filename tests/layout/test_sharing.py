@@ -4,8 +4,8 @@ from itertools import product
 
 import pytest
 
-from rollplex.memory.shapes import Sharding, family_params_per_rank, llm_families
-from rollplex.memory.sharing import (
+from rollplex.layout.shapes import Sharding, family_params_per_rank, llm_families
+from rollplex.layout.sharing import (
     Case,
     Segment,
     classify,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import TensorClass
-from rollplex.memory.objects import Component, Context, MemObject, memory_objects
+from rollplex.graph.objects import Component, Context, MemObject, memory_objects
 
 
 @dataclass(frozen=True, slots=True)

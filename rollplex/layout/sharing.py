@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from rollplex.memory.shapes import BF16, ParamFamily, Sharding, family_params_per_rank, llm_families
+from rollplex.layout.shapes import BF16, ParamFamily, Sharding, family_params_per_rank, llm_families
 from rollplex.models.config import TextConfig
 
 

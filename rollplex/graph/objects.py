@@ -15,9 +15,9 @@ import networkx as nx
 
 from rollplex.graph.ir import DATASET, NodeKind, Part, Role, TensorClass, lifetimes, ops, steps, tensors
 from rollplex.graph.spec import Spec
-from rollplex.memory import shapes as S
-from rollplex.memory.sharing import SharingReport, sharing_report
-from rollplex.memory.workload import PerGpu, per_gpu
+from rollplex.graph.workload import PerGpu, per_gpu
+from rollplex.layout import shapes as S
+from rollplex.layout.sharing import SharingReport, sharing_report
 from rollplex.models.config import ModelConfig
 
 GIB = 2**30

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Phase, TensorClass, steps
-from rollplex.memory.objects import GIB, Component, Context, MemObject, Residency
+from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
