@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
-from rollplex.parallel.group import TPGroup
+
+if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
+    from rollplex.parallel.group import TPGroup
 
 STATE_BYTES_PER_ELEMENT = 12  # FP32 master + exp_avg + exp_avg_sq
 NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
