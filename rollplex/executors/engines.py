@@ -152,6 +152,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     set_determinism(spec.run.deterministic)
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
+    if spec.parallel.sequence_parallel and spec.parallel.train_tp > 1:
+        raise SpecError("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole hidden "
+                        "state on every rank", "set it false to run")  # fmt: skip
     tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     if dp is not None and (Role.CRITIC in roles(plan.graph) or spec.algorithm.minibatches_per_step > 1):
         raise SpecError("algorithm", "data parallelism runs GRPO with one mini-batch for now", "run one process")

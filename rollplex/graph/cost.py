@@ -169,7 +169,7 @@ def op_cost(
     if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
         cost = prefix_forward(t, v, tokens, tp, vision=embeds_vision or not d.freeze_vision).scaled(share)
         if o.role is Role.ACTOR and d.prefix_saved is Residency.HOST:
-            cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d))
+            cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d, gpu.sequence_parallel))
         return cost
     if o.kind is NodeKind.FORWARD:
         if o.role is Role.ACTOR:
@@ -177,7 +177,7 @@ def op_cost(
         return (suffix_forward(t, tokens, tp) if o.part is Part.SUFFIX else whole_forward(t, v, tokens, tp)).scaled(
             share
         )
-    return backward(split, t, v, tokens, tp, d).scaled(share)
+    return backward(split, t, v, tokens, tp, d, gpu.sequence_parallel).scaled(share)
 
 
 def _share(o: Op, tokens: StepTokens) -> float:
@@ -251,7 +251,9 @@ def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -
     return Cost(flops=flops)
 
 
-def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions) -> Cost:
+def backward(
+    split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions, sp: bool = False
+) -> Cost:
     """The actor's scoring forward, its backward (twice the forward), a recomputed forward where the plan
     recomputes; split, also the backward through the prefix (and its rerun under recompute) and the saved
     tensors' way back from the host."""
@@ -262,18 +264,20 @@ def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp
         rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
         cost = cost + prefix.scaled(3 if rerun else 2)
         if d.prefix_saved is Residency.HOST:
-            cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d))
+            cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d, sp))
     return cost
 
 
-def _prefix_saved_bytes(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions) -> float:
+def _prefix_saved_bytes(
+    t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions, sp: bool = False
+) -> float:
     """What the attached prefix keeps for its backward (all of it, or the layer inputs under recompute)."""
     prompt, patches = sum(tokens.prompt_tokens), 0 if d.freeze_vision else sum(tokens.patches)
     if d.prefix_activations is PrefixActivations.RECOMPUTE:
-        return prompt * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + patches * v.depth * (
+        return prompt * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + patches * v.depth * (
             v.hidden_size * S.BF16
         )
-    llm = prompt * t.num_hidden_layers * S.layer_activation_bytes_per_token(t, tp)
+    llm = prompt * t.num_hidden_layers * S.layer_activation_bytes_per_token(t, tp, sp)
     return llm + patches * v.depth * S.vision_activation_bytes_per_patch(v, tp)
 
 

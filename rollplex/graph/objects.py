@@ -201,10 +201,11 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     suffix = role_steps(c, role, kinds=(NodeKind.FORWARD,), part=Part.SUFFIX)
     split = bool(suffix)
     tokens = c.gpu.microbatch_tokens if split else c.gpu.group_size * (c.gpu.prompt_tokens + c.gpu.response_tokens)
-    layer = S.layer_activation_bytes_per_token(t, tp)
-    out = S.output_activation_bytes_per_token(t, tp)
+    sp = c.gpu.sequence_parallel
+    layer = S.layer_activation_bytes_per_token(t, tp, sp)
+    out = S.output_activation_bytes_per_token(t, tp, sp)
     if c.spec.memory.recompute == "full":
-        per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp) + out + layer
+        per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + out + layer
     else:
         per_token = t.num_hidden_layers * layer + out
     # the steps that score and backpropagate (not a mini-batch's update or prefix rerun between them)
@@ -241,12 +242,13 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     while backward rematerializes it."""
     t, v, tp, g = c.model.text, c.model.vision, c.gpu.train_tp, c.gpu
     P, patches = g.prompt_tokens, g.patches_per_prompt
-    full_llm, full_vis = S.layer_activation_bytes_per_token(t, tp), S.vision_activation_bytes_per_patch(v, tp)
+    sp = g.sequence_parallel
+    full_llm, full_vis = S.layer_activation_bytes_per_token(t, tp, sp), S.vision_activation_bytes_per_patch(v, tp)
     if c.spec.memory.prefix_activations == "offload":
         llm, vis = P * t.num_hidden_layers * full_llm, patches * v.depth * full_vis
     else:
-        llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp)
-        vis = patches * v.depth * v.hidden_size * S.BF16 // tp
+        llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp)
+        vis = patches * v.depth * v.hidden_size * S.BF16  # the vision tower is replicated on every rank
     if c.spec.model.freeze_vision:
         vis = 0  # the shared vision output carries no graph: the gradient stops at the embeddings
     prefix = role_steps(c, role, part=Part.PREFIX)

@@ -86,6 +86,12 @@ class ParallelSpec(_Strict):
     distributed_optimizer: bool = Field(
         False, description="Shard FP32 master weights and Adam moments over training data-parallel ranks."
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron sequence parallelism: the hidden-sized activations of the TP layers split over the "
+        "TP ranks. The planner counts it (a Megatron-SP run's per-rank activations, as the paper's table has "
+        "them); rollplex's TP layers keep the whole hidden state on every rank, so `rollplex run` refuses it.",
+    )
 
     @model_validator(mode="after")
     def _ratio(self) -> ParallelSpec:

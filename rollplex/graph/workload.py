@@ -28,6 +28,7 @@ class PerGpu:
     response_tokens: int
     visual_tokens: int
     patches_per_prompt: int  # vision-encoder patches (4 per visual token)
+    sequence_parallel: bool = False  # hidden-sized activations split over the TP ranks (`parallel.sequence_parallel`)
 
     @property
     def sequences_per_rank(self) -> int:
@@ -60,4 +61,5 @@ def per_gpu(spec: Spec, model: ModelConfig) -> PerGpu:
         response_tokens=w.response_tokens,
         visual_tokens=w.num_visual_tokens,
         patches_per_prompt=w.num_visual_tokens * model.vision.merge_unit,
+        sequence_parallel=spec.parallel.sequence_parallel,
     )

@@ -108,24 +108,31 @@ def kv_bytes_per_token(t: TextConfig, tp: int) -> int:
     return 2 * t.num_hidden_layers * kv_heads_per_rank(t, tp) * t.head_dim * BF16
 
 
-def layer_activation_bytes_per_token(t: TextConfig, tp: int) -> int:
-    """Saved tensors of one decoder layer per token: two norm inputs, QKV and MLP inputs, q/k/v and the
-    attention output (flash attention), the gate/up output and the down-projection input."""
+def layer_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
+    """Saved tensors of one decoder layer per token on one rank: two norm inputs and the QKV and MLP inputs
+    (hidden-sized: whole on every rank, or split over the TP ranks under sequence parallelism `sp`), and this
+    rank's heads of q, k, v and the attention output (flash attention), and its part of the gate/up output and
+    the down-projection input."""
     d = t.head_dim
-    elems = 4 * t.hidden_size + t.num_attention_heads * d * 2 + 3 * t.intermediate_size
-    return (elems * BF16) // tp + 2 * kv_heads_per_rank(t, tp) * d * BF16
+    sharded = t.num_attention_heads * d * 2 + 3 * t.intermediate_size
+    replicated = 4 * t.hidden_size * BF16
+    return (replicated // tp if sp else replicated) + (sharded * BF16) // tp + 2 * kv_heads_per_rank(t, tp) * d * BF16
 
 
-def output_activation_bytes_per_token(t: TextConfig, tp: int) -> int:
-    """Final norm input and the vocab-parallel logits kept for the log-prob / entropy backward."""
-    return (t.hidden_size + t.vocab_size) * BF16 // tp
+def output_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
+    """The final norm input (whole on every rank, or split under sequence parallelism) and this rank's
+    vocab-parallel logits kept for the log-prob / entropy backward."""
+    return t.hidden_size * BF16 // (tp if sp else 1) + t.vocab_size * BF16 // tp
 
 
 def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:
+    """Saved tensors of one vision block per patch: the tower is replicated on every rank of a role, so `tp`
+    divides nothing."""
     elems = 4 * v.hidden_size + 4 * v.hidden_size + 3 * v.stored_intermediate_size
-    return elems * BF16 // tp
+    return elems * BF16
 
 
-def layer_input_bytes_per_token(t: TextConfig, tp: int) -> int:
-    """What full recompute keeps per layer: the layer's input."""
-    return t.hidden_size * BF16 // tp
+def layer_input_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
+    """What full recompute keeps per layer: the layer's input, the whole hidden state on every rank (split over
+    the TP ranks under sequence parallelism)."""
+    return t.hidden_size * BF16 // (tp if sp else 1)

@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from rollplex.layout.shapes import kv_bytes_per_token, layer_activation_bytes_per_token, llm_params, vision_params
+from rollplex.layout.shapes import (
+    kv_bytes_per_token,
+    layer_activation_bytes_per_token,
+    layer_input_bytes_per_token,
+    llm_params,
+    vision_params,
+)
 from rollplex.models.config import CONFIG_DIR, load_model_config, shipped_model_names
 
 PUBLIC_LLM_PARAMS = {
@@ -37,11 +43,15 @@ def test_every_shipped_config_loads():
     assert {"qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "tiny"} <= set(shipped_model_names())
 
 
-def test_kv_and_activation_bytes_per_token_divide_by_tp():
+def test_kv_and_activation_bytes_per_token_divide_by_tp_where_the_layers_split_them():
     t = load_model_config("qwen2_5_vl_32b").text
     assert kv_bytes_per_token(t, 1) == 256 * 1024  # 64 layers x 8 heads x 128 x K,V x BF16
     assert kv_bytes_per_token(t, 8) == 32 * 1024
-    assert layer_activation_bytes_per_token(t, 8) * 8 == pytest.approx(layer_activation_bytes_per_token(t, 1), rel=1e-9)
+    whole = layer_activation_bytes_per_token(t, 1)
+    assert layer_activation_bytes_per_token(t, 8, sp=True) * 8 == pytest.approx(whole, rel=1e-9)  # Megatron SP
+    hidden = 4 * t.hidden_size * 2  # two norm inputs and the QKV and MLP inputs, BF16: whole on every rank
+    assert layer_activation_bytes_per_token(t, 8) == hidden + (whole - hidden) // 8
+    assert layer_input_bytes_per_token(t, 8) == t.hidden_size * 2 == 8 * layer_input_bytes_per_token(t, 8, sp=True)
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2_5_vl_3b"])
