@@ -100,5 +100,5 @@ def test_a_plan_with_sequence_parallelism_is_refused_by_the_runtime_that_lacks_i
     from rollplex.graph.plan import compile_plan
 
     plan = compile_plan(load_spec(ROOT / "specs/qwen2_5_vl_32b_h800.yaml"))  # the paper's setup, planned with SP
-    with pytest.raises(SpecError, match="parallel.sequence_parallel: is planned only"):
+    with pytest.raises(SpecError, match=r"parallel\.sequence_parallel: is planned only"):
         build_engines(plan, device="cpu")
