@@ -65,20 +65,20 @@ def finish() -> None:
 
 
 def check_world(num_gpus: int) -> None:
-    """ValueError unless one process per GPU of the spec's cluster was launched (torchrun sets WORLD_SIZE)."""
-    world = launched_processes()
-    if world != num_gpus:
-        launch = f"torchrun --nproc-per-node {num_gpus} -m rollplex run SPEC" if num_gpus > 1 else "rollplex run SPEC"
-        raise ValueError(f"the cluster has {num_gpus} GPUs but {world} processes were launched: use {launch}, or "
-                         "describe the machines you run on in `cluster`")  # fmt: skip
+    """ValueError unless one process per GPU of the spec's cluster was launched (`rollplex run`)."""
+    _check_processes(num_gpus, f"the cluster has {num_gpus} GPUs", ", or describe the machines you run on in `cluster`")
 
 
 def check_launch(train_tp: int) -> None:
-    """ValueError unless exactly train_tp processes were launched (torchrun sets WORLD_SIZE)."""
-    world = launched_processes()
-    if world != train_tp:
-        launch = f"torchrun --nproc-per-node {train_tp} -m rollplex run SPEC" if train_tp > 1 else "rollplex run SPEC"
-        raise ValueError(f"train_tp is {train_tp} but {world} processes were launched: use {launch}")
+    """ValueError unless exactly train_tp processes were launched (`rollplex bench`, one TP group)."""
+    _check_processes(train_tp, f"train_tp is {train_tp}")
+
+
+def _check_processes(expected: int, why: str, more: str = "") -> None:
+    world = launched_processes()  # torchrun sets WORLD_SIZE
+    if world != expected:
+        launch = f"torchrun --nproc-per-node {expected} -m rollplex run SPEC" if expected > 1 else "rollplex run SPEC"
+        raise ValueError(f"{why} but {world} processes were launched: use {launch}{more}")
 
 
 def init_parallel(

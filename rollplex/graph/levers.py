@@ -70,21 +70,16 @@ MAX_CHAIN = 4  # levers combined at most, when none fits alone
 def price_levers(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
     """Each lever that lowers the peak, with what it gives; those that fit first, then by peak. When none fits
     alone, the first entry chains them (the best, then the best on top of it, ...) until the plan fits."""
-    priced = _priced(loaded, schedule, peak_bytes)
-    if not priced or priced[0].fits:
-        return priced
-    chain, current, best = [], loaded, priced[0]
-    while len(chain) < MAX_CHAIN and priced and priced[0].peak_bytes < (chain[-1].peak_bytes if chain else peak_bytes):
-        best = priced[0]
-        chain.append(best)
-        current = _with(current, best.lever)
-        if best.fits:
-            break
-        priced = _priced(current, schedule, best.peak_bytes)
+    singles = _priced(loaded, schedule, peak_bytes)
+    chain, current, priced = [], loaded, singles
+    while priced and not (chain and chain[-1].fits) and len(chain) < MAX_CHAIN:
+        chain.append(priced[0])  # each entry lowers the peak below the last: `_priced` keeps only those
+        current = _with(current, priced[0].lever)
+        priced = _priced(current, schedule, priced[0].peak_bytes)
     if len(chain) > 1 and chain[-1].fits:
         text = ", then ".join(p.lever.text for p in chain)
-        return [Priced(Lever(text, {}), chain[-1].peak_bytes, True), *_priced(loaded, schedule, peak_bytes)]
-    return _priced(loaded, schedule, peak_bytes)
+        return [Priced(Lever(text, {}), chain[-1].peak_bytes, True), *singles]
+    return singles
 
 
 def _priced(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
