@@ -2,7 +2,7 @@
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
 #   bash bench/issue5_h200.sh STAGE
-#     start [STEPS [BACKEND...]] | tests | sdpa [STEPS [BACKEND...]] | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
+#     tests | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
 #     | run7b [ALLOC_CONF] | share | inprocess | split (SPLIT_SMS, SPLIT_KERNELS, SPLIT_TIMEOUT)
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
@@ -26,7 +26,7 @@
 # benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit.
 set -u
-STAGE=${1:?stage: start, tests, sdpa, profile, bench3b, policies3b, preset, naive7b or run7b (see the header)}
+STAGE=${1:?stage: tests, profile, bench3b, policies3b, preset, naive7b or run7b (see the header)}
 OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
@@ -60,11 +60,6 @@ serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: seria
 }
 
 case "$STAGE" in
-  start)  # start [STEPS [BACKEND...]]: one call instead of two (each pays the machine's start-up): the GPU
-    # tests, then sdpa with these arguments (e.g. start 6 cudnn cudnn_bucketed)
-    shift
-    TESTS_TIMEOUT=130 bash "$0" tests
-    SDPA_TIMEOUT=${SDPA_TIMEOUT:-420} bash "$0" sdpa "$@" ;;
   tests)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu tests/executors tests/models tests/rollout \
       tests/memory/test_optimizer.py tests/memory/test_pager.py tests/memory/test_offload.py \
@@ -109,11 +104,6 @@ case "$STAGE" in
         2>&1 | quiet >> "$OUT/bench_$NAME$TAG.log"
     done
     { grep -e "x (ideal" -e Error -e error -e "failed" "$OUT/bench_$NAME$TAG.log" || true; } | tail -8 ;;
-  sdpa)  # sdpa [STEPS [BACKEND...]]: what new attention shapes cost per SDPA backend (each in its own process)
-    STEPS=${2:-3}; shift $(( $# < 2 ? $# : 2 ))  # the rest: backends (default: all)
-    NAME=sdpa_shapes_3b_h200; [ "$STEPS" != 3 ] || [ $# -gt 0 ] && NAME=${NAME}_${STEPS}steps${*:+_$(echo "$*" | tr ' ' '_')}
-    timeout "${SDPA_TIMEOUT:-540}" python3 bench/sdpa_shapes.py --model qwen2_5_vl_3b --steps "$STEPS" \
-      ${*:+--backends "$@"} --out "$OUT/$NAME.json" 2>&1 | quiet | tail -20 | tee "$OUT/$NAME.log" ;;
   inprocess)  # share's in-process ways only, with the SM clock and power over each window
     timeout 150 python3 bench/share_efficiency.py --clocks --ways stream green:33 green:66 \
       --out "$OUT/share_inprocess_3b_h200.json" 2>&1 | quiet | tail -8 ;;

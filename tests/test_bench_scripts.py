@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -29,61 +28,6 @@ def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     # under rollplex the prefixes run beside decode: their befores all come before their afters
     assert {"rollout", "ref_score.prefix", "actor_score.prefix", "ref_score.suffix", "actor_backward"} <= timed
     assert "ref_score.suffix: " in out.stdout and "kernels" in out.stdout
-
-
-def test_sdpa_shapes_replays_a_steps_length_batches_and_needs_a_gpu():
-    spec = importlib.util.spec_from_file_location("sdpa_shapes", ROOT / "bench/sdpa_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    prompt_lens, batches = module.step_shapes("llava_video", 0, prompts=8, samples=8)
-    assert len(prompt_lens) == 8 and min(prompt_lens) > 4000 and max(prompt_lens) < 8192  # ~5.9k-token videos
-    assert sum(rows for rows, _ in batches) == 64 and all(1 <= rows <= 8 for rows, _ in batches)
-    widths = [width for _, width in batches]
-    assert widths == sorted(widths, reverse=True)  # longest first, as scoring batches them
-    assert module.step_shapes("llava_video", 1, 8, 8) != (prompt_lens, batches)  # every step meets new shapes
-    if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, str(ROOT / "bench/sdpa_shapes.py")], capture_output=True, text=True)
-        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
-
-
-def test_sdpa_shapes_runs_each_videos_vision_attention_through_the_runtime_packed_or_per_length():
-    spec = importlib.util.spec_from_file_location("sdpa_shapes", ROOT / "bench/sdpa_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    vision = module.load_model_config("qwen2_5_vl_3b").vision
-    shapes = module.vision_shapes("llava_video", 0, 2, vision)
-    assert len(shapes) == 2
-    (_, frames_all), *more = module.vision_shapes("llava_video", 0, 2, vision, grouped=True)
-    assert not more and sum(g.numel() for g in frames_all) == sum(g.numel() for w, _ in shapes for g in w)
-    for windows, frames in shapes:  # every patch of the video in one window and one frame
-        assert sum(g.numel() for g in windows) == sum(g.numel() for g in frames)
-        assert len(frames) == 1  # a video's frames are all one size
-    calls = []
-    module.segment_attention = lambda q, k, v, groups: calls.append((len(groups), groups[0].dtype, len(q))) or q
-    windows = module.segment_groups(torch.arange(6).repeat_interleave(4))  # 6 windows of 4 patches
-    frames = module.segment_groups(torch.tensor([0, 1, 2]).repeat_interleave(torch.tensor([16, 4, 4])))
-    full = len(vision.fullatt_block_indexes)
-    module.vision_calls([(windows, frames)], vision, "cpu", bucketed=False)
-    assert calls.count((1, torch.long, 24)) == vision.depth - full and calls.count((2, torch.long, 24)) == full
-    calls.clear()
-    module.vision_calls([(windows, frames)], vision, "cpu", bucketed=True)  # frames: 3 x 16 for 24 patches
-    assert calls.count((4, torch.bool, 24)) == vision.depth - full  # PackedSegments: mask, index, positions, patches
-    assert calls.count((2, torch.long, 24)) == full  # over MAX_PACKING_WASTE: per length
-
-
-@pytest.mark.slow
-def test_sdpa_shapes_runs_every_part_per_backend_each_in_a_child_and_writes_them_all(tmp_path):
-    out = tmp_path / "sdpa.json"
-    command = [sys.executable, str(ROOT / "bench/sdpa_shapes.py"), "--device", "cpu", "--model", "tiny",
-               "--preset", "clevrer", "--steps", "1", "--prompts", "2", "--samples", "2",
-               "--backends", "default", "cudnn", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(out.read_text())["results"]
-    parts = {"ref_suffix", "actor_suffix", "prefix", "prefix_all", "vision", "vision_all"}
-    assert set(results["default"]) == parts
-    assert all(len(r["cold_s"]) == len(r["warm_s"]) == 1 for r in results["default"].values())
-    assert set(results["cudnn"]) == parts and all("error" in r for r in results["cudnn"].values())  # no CPU kernel
 
 
 def issue5_script_tree(tmp_path: Path) -> Path:

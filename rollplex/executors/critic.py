@@ -58,11 +58,10 @@ def train_critic(
         values[:, :cols].index_copy_(0, index, old)
 
     if boundary is not None:
-        for batch in row_batches(rollout, max_rows=num_samples):
+        for batch in row_batches(rollout, max_tokens=num_samples * width):
             with microbatch_memory():
                 responses = rollout.responses.flatten(0, 1).index_select(0, batch.index)[:, : batch.width]
-                lens = rollout.response_lens.flatten().index_select(0, batch.index)
-                v = suffix_values(critic, boundary.leaf, batch.index // num_samples, responses, lens)
+                v = suffix_values(critic, boundary.leaf, batch.rows, responses, batch.lens)
             backward(v, batch.index, batch.width)
         boundary.backward_through_prefix()
     else:

@@ -1,8 +1,8 @@
 """Scoring sampled responses: split (prefix once per prompt, suffixes in length batches) or unsplit (the oracle).
 
 The unsplit path is textbook GRPO: every response is scored over its full sequence prompt ++ response, so
-each prompt is recomputed once per response. The split path scores batches of responses of similar lengths,
-across prompts (`row_batches`), each row attending to its own prompt's boundary; for the attached actor
+each prompt is recomputed once per response. The split path scores batches of responses packed end to end,
+across prompts (`row_batches`), each attending to its own prompt's boundary; for the attached actor
 boundary it swaps in a leaf copy so each batch's backward stops at the boundary; the accumulated boundary
 gradient then flows through the prefix graph once (`backward_through_prefix`).
 """
@@ -55,28 +55,32 @@ class LeafBoundary:
             torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
 
 
-PADDING_WASTE = 0.25  # at most this much of a length batch's tokens are padding (unless it holds one response)
-
-
 @dataclass(frozen=True)
 class RowBatch:
-    """Responses scored together: flat indices p * N + n into the step's [P, N] responses, padded to `width`."""
+    """Responses scored together: flat indices p * N + n into the step's [P, N] responses (`index` on the
+    responses' device), with each one's prompt and length on the host; `width` is the longest's length."""
 
-    index: Tensor  # [B] int64, on the responses' device
-    width: int  # the batch's longest response
+    index: Tensor  # [B] int64
+    rows: tuple[int, ...]
+    lens: tuple[int, ...]
+    width: int
 
 
-def row_batches(rollout: Rollout, max_rows: int, max_waste: float = PADDING_WASTE) -> list[RowBatch]:
-    """The step's P x N responses in batches of similar lengths across prompts, at most `max_rows` each.
-
-    Responses of a long-tailed rollout differ in length by 10x and more: scoring a group padded to its longest
-    would mostly compute padding, and scoring each group on its own makes many small calls (host-bound on an
-    H200). With `max_rows` = N a batch never holds more rows or tokens than one group, as the planner counts."""
+def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
+    """The step's P x N responses in batches of at most `max_tokens` tokens each (`token_batches`), across
+    prompts. A batch runs packed (`Qwen2_5_VL.suffix_rows`): its cost is its tokens, not rows x longest, so
+    a batch is filled to the budget whatever its lengths. Callers pass a group of the step's longest responses'
+    tokens (N x R), as the planner counts a microbatch."""
     lens = rollout.response_lens.flatten().tolist()  # the one host sync of a scoring pass
-    device = rollout.responses.device
+    num_samples, device = rollout.responses.shape[1], rollout.responses.device
     return [
-        RowBatch(torch.tensor(b, device=device), max(1, max(lens[i] for i in b)))
-        for b in length_batches(lens, max_waste, max_rows)
+        RowBatch(
+            index=torch.tensor(b, device=device),
+            rows=tuple(i // num_samples for i in b),
+            lens=tuple(lens[i] for i in b),
+            width=max(1, max(lens[i] for i in b)),
+        )
+        for b in token_batches(lens, max_tokens)
     ]
 
 
@@ -84,29 +88,26 @@ def score_batch(
     model: Qwen2_5_VL, boundary: Boundary, rollout: Rollout, batch: RowBatch, temperature: float = 1.0
 ) -> SuffixOut:
     """Log-probs and entropy [B, width] of one batch of responses, each attending to its prompt's boundary."""
-    num_samples = rollout.responses.shape[1]
     responses = rollout.responses.flatten(0, 1).index_select(0, batch.index)[:, : batch.width]
-    lens = rollout.response_lens.flatten().index_select(0, batch.index)
-    return model.suffix_rows(boundary, batch.index // num_samples, responses, lens, temperature)
+    return model.suffix_rows(boundary, batch.rows, responses, batch.lens, temperature)
 
 
-def length_batches(
-    lens: Sequence[int], max_waste: float = PADDING_WASTE, max_rows: int | None = None
-) -> list[list[int]]:
-    """Indices of `lens` in batches of similar lengths, longest first: a batch takes the next-longest response
-    while padding stays at most `max_waste` of its tokens (count x longest <= (1 + max_waste) x sum) and it
-    holds fewer than `max_rows`."""
+def token_batches(lens: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lens` in batches of at most `max_tokens` summed lengths (a longer one alone), by first fit
+    over the lengths longest first (ties by index): few batches, each full. Within a batch, in index order: a
+    prompt's responses together, so that a block of packed queries reads few prompts' KV."""
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
     batches: list[list[int]] = []
+    room: list[int] = []
     for i in order:
-        if batches and (max_rows is None or len(batches[-1]) < max_rows):
-            batch = batches[-1]
-            longest, total = lens[batch[0]], sum(lens[j] for j in batch) + lens[i]
-            if (len(batch) + 1) * longest <= (1 + max_waste) * total:
-                batch.append(i)
-                continue
-        batches.append([i])
-    return batches
+        fits = next((b for b, free in enumerate(room) if lens[i] <= free), None)
+        if fits is None:
+            batches.append([i])
+            room.append(max_tokens - lens[i])
+        else:
+            batches[fits].append(i)
+            room[fits] -= lens[i]
+    return [sorted(b) for b in batches]
 
 
 def score_group_unsplit(
@@ -142,7 +143,7 @@ def score_all(
     num_prompts, num_samples, width = rollout.responses.shape
     logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
     entropy = torch.zeros_like(logprobs)
-    for batch in row_batches(rollout, max_rows=num_samples):
+    for batch in row_batches(rollout, max_tokens=num_samples * width):
         out = score_batch(model, boundary, rollout, batch, temperature)
         logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
         entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))

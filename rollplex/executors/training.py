@@ -1,6 +1,6 @@
 """The actor's training pass over one mini-batch of the step's prompt groups, and the step's training totals.
 
-A pass scores the mini-batch's responses in length batches (`row_batches`: from the prompt boundary, split; or
+A pass scores the mini-batch's responses in packed batches (`row_batches`: from the prompt boundary, split; or
 over prompt ++ response, unsplit), takes each batch's GRPO loss and its backward, and then sends the gradient
 gathered on the boundary through the prefix once. The first pass is the trainer's first scoring of the step's
 tokens: its log-probs are the ratio's denominator (the old policy is the rollout's) and are compared with the
@@ -130,7 +130,7 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
             totals.agree(lp, part.logprobs[idx][..., :cols], m)
 
     if x.boundary is not None:
-        for batch in row_batches(part, max_rows=e.group_size):
+        for batch in row_batches(part, max_tokens=e.group_size * width):
             with e.microbatch_memory():
                 out = score_batch(e.actor, x.boundary.leaf, part, batch, e.temperature)
             step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)

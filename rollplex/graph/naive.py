@@ -31,9 +31,8 @@ def naive_rows(c: Context) -> list[NaiveRow]:
 
 def _counted(o: MemObject) -> bool:
     """Model state, activations, boundaries, rollout state and the reserve; not the small data tensors,
-    the offloaded prefix state, the in-flight layer, our scoring attention's per-row prompt KV or the boundary
-    KV's gradient, which the paper's table does not list either (its implementation attends without repeating
-    the prompt's KV, and it lists the boundary once)."""
+    the offloaded prefix state, the in-flight layer, our scoring attention's copy of the prompts' KV or the
+    boundary KV's gradient, which the paper's table does not list either (it lists the boundary once)."""
     left_out = (
         Component.DATA,
         Component.PREFIX_SAVED,

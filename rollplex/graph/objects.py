@@ -226,14 +226,17 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
 
 
 def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject:
-    """The scoring attention's per-row prompt KV: each response row attends to its prompt's K and V gathered
-    for it and repeated per head (one fused SDPA call), [rows, heads, prompt + response, head_dim] each, rows
-    at most one group. The call is checkpointed (`SharedPrefixAttention`): one layer's K, V and, in backward,
-    their gradients are alive at a time, whatever `memory.recompute` says."""
+    """The scoring attention's keys and values (`PackedPrefixAttention`): per decoder layer, the prompts' boundary
+    KV copied end to end beside the packed tokens' own, kv_bytes_per_token / layers for each of the rank's prompt
+    tokens and a microbatch's response tokens. Saved for backward in every layer; under recompute the layer is
+    checkpointed, and one layer's copy and, in backward, its gradient are alive at a time."""
     t, g = c.model.text, c.gpu
-    unit = g.group_size * (g.prompt_tokens + g.response_tokens) * (t.num_attention_heads // g.train_tp)
-    unit *= t.head_dim * S.BF16
-    return MemObject(role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, 4 * unit, live, Residency.ABSENT)
+    keys = g.prompts_per_rank * g.prompt_tokens + g.microbatch_tokens
+    per_layer = keys * S.kv_bytes_per_token(t, g.train_tp) // t.num_hidden_layers
+    layers = 2 if c.spec.memory.recompute == "full" else t.num_hidden_layers
+    return MemObject(
+        role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, layers * per_layer, live, Residency.ABSENT
+    )
 
 
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:

@@ -289,8 +289,7 @@ class RunSpec(_Strict):
         description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
         "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
-        "flash and memory-efficient kernels only, which plan nothing and run the actor suffix slower than warm "
-        "cuDNN (bench/sdpa_shapes.py measures both on a GPU).",
+        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
     )
     decode_kernels: Literal["cublas", "rollplex", "rollplex_pdl", "rollplex_fused"] = Field(
         "cublas",

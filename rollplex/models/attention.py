@@ -3,32 +3,35 @@
 A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
 - `CausalAttention`: self-attention over right-padded whole sequences (full forward, prompt prefill). It can
   record each layer's K and V: the boundary KV of a prefix.
-- `SharedPrefixAttention`: the response tokens of N samples per prompt attend to their prompt's boundary KV
-  (one copy, shared by the group) and to their own response KV (causal), so the result equals attention over
-  prompt ++ response and autograd sums the group's gradients into the one boundary KV. Scoring whole
-  responses runs one masked SDPA call over [prompt KV repeated per sample for the call; own KV] (fused,
-  memory-efficient kernels on a GPU); decoding with a cache computes the two parts apart and merges them
-  exactly through their log-sum-exp (the cascade / merge-state trick), never expanding the prompt KV.
+- `PackedPrefixAttention`: scoring. The tokens of many responses, of any prompts, packed end to end
+  (`rollplex.models.packed`), attend to their prompt's boundary KV (one copy, shared by every response that
+  reads it) and causally to their own response, in one masked call per layer: the result equals attention
+  over prompt ++ response, and autograd sums the responses' gradients into the one boundary KV.
+- `SharedPrefixAttention`: decode with a cache. The N samples' new tokens attend to their prompt's KV and to
+  their own cache apart, and the two are merged exactly through their log-sum-exp (the cascade / merge-state
+  trick), never expanding the prompt KV.
 Where SDPA runs on cuDNN, the causal calls pad their length to `attention_length` buckets: cuDNN plans every
 new shape on the host and every step of a run brings new prompt lengths; padded, a run meets a few lengths per
-octave and plans each once, so after the first steps the prefix calls stop paying for plans. The scoring calls
-are not padded: their shapes (rows, response length, prompt + response length) seldom repeat from step to step
-even padded, so there the padding costs more than it saves.
+octave and plans each once, so after the first steps the prefix calls stop paying for plans.
 Not here: projections and rotary (`decoder.py`), where the boundary comes from (`model.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
     from rollplex.models.boundary import Boundary
     from rollplex.models.cache import ResponseCache
+    from rollplex.models.packed import ResponsePack
 
 
 class Attention(Protocol):
@@ -42,7 +45,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tenso
 
     q [..., Q, D], k/v [..., K, D] and mask [..., Q, K] (True = may attend) broadcast over leading dims.
     Returns out [..., Q, D] in v's dtype and lse [..., Q] float32. Every query must see at least one key.
-    Materialises the [..., Q, K] scores: for decode steps (Q = 1); scoring whole responses goes through SDPA.
+    Materialises the [..., Q, K] scores: for decode steps (Q = 1); scoring goes through `PackedPrefixAttention`.
     """
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [..., Q, K]
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -104,69 +107,132 @@ class LayerKV(CausalAttention):
         return super().__call__(layer, q, k, v)
 
 
-class SharedPrefixAttention:
-    """Attention of response tokens, P prompts x N samples (batch row p * N + n), over a shared boundary.
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
+MASK_BAND_ELEMENTS = 1 << 26  # mask elements evaluated at once while building a block mask
 
-    Without a cache, the new tokens are whole responses (or their first T tokens) and attend causally to each
-    other; `rows` [B] (the prompt of each batch row) then lets a batch hold any responses of any prompts. With a
-    `ResponseCache`, they continue the responses after the cache's tokens, which they also see.
+
+class PackedPrefixAttention:
+    """Attention of a `ResponsePack`'s tokens (q [1, heads, M, D], k/v [1, kv_heads, M, D]) over their prompts'
+    boundary KV and the earlier tokens of their own response: token for token, attention over prompt ++ response.
+
+    One call per layer sees the keys [used prompts' boundary KV, end to end; the packed tokens' own], each
+    prompt's KV once however many responses read it (autograd sums their gradients into it). The mask says who
+    sees whom (`visibility`). On a GPU the call is FlexAttention (compiled once, for every length) with a block
+    mask, so the prompts' KV blocks a query block cannot see are skipped, not computed and masked; elsewhere it
+    is SDPA with the mask made dense.
     """
 
-    def __init__(
-        self, boundary: Boundary, num_samples: int, cache: ResponseCache | None = None, rows: Tensor | None = None
-    ) -> None:
-        if rows is not None and cache is not None:
-            raise ValueError("rows: only without a cache (decode batches are P prompts x N samples)")
+    def __init__(self, boundary: Boundary, pack: ResponsePack) -> None:
+        self.boundary = boundary
+        device = pack.index.device
+        used = sorted(set(pack.rows))
+        self.used = None if used == list(range(boundary.num_prompts)) else torch.tensor(used, device=device)
+        prompt_lens = boundary.prompt_lens if self.used is None else boundary.prompt_lens.index_select(0, self.used)
+        span = boundary.max_prompt_len
+        real = torch.arange(span, device=device) < prompt_lens[:, None]  # [U, S]
+        owner = torch.tensor(used, device=device)[:, None].expand(-1, span)
+        prompt_keys = torch.where(real, owner, -1).flatten()  # [U*S]: the prompt of each real prompt key, else -1
+        own_keys = torch.full((pack.num_tokens,), -1, device=device)
+        no_row = torch.full((prompt_keys.numel(),), -1, device=device)
+        self.num_queries, self.num_keys = pack.num_tokens, prompt_keys.numel() + pack.num_tokens
+        # per query and per key, padded to whole blocks with values that match nothing
+        queries = [_padded(t, -2) for t in (pack.prompt, pack.owner, pack.offset)]
+        keys = [_padded(torch.cat(parts), -1) for parts in ((prompt_keys, own_keys), (no_row, pack.owner),
+                                                             (no_row, pack.offset))]  # fmt: skip
+        self.padded_lengths = (queries[0].numel(), keys[0].numel())
+        self.visible = visibility(*queries, *keys)
+        self.flex = device.type == "cuda"
+        self.mask = self._block_mask() if self.flex else self._dense_mask()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys = torch.cat([self._prompt_kv(self.boundary.keys[layer]), k], dim=2)  # [1, G, U*S + M, D]
+        values = torch.cat([self._prompt_kv(self.boundary.values[layer]), v], dim=2)
+        if self.flex:
+            return _compiled_flex()(q, keys, values, block_mask=self.mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+
+    def _prompt_kv(self, x: Tensor) -> Tensor:
+        """A layer's boundary K or V [P, G, S, D] -> the used prompts' end to end, [1, G, U*S, D]."""
+        used = x if self.used is None else x.index_select(0, self.used)  # unique indices: a deterministic backward
+        return used.transpose(0, 1).flatten(1, 2)[None]
+
+    def _dense_mask(self) -> Tensor:
+        """[M, K] bool: `visible` at every query and key."""
+        q = torch.arange(self.num_queries, device=self.boundary.prompt_lens.device)
+        kv = torch.arange(self.num_keys, device=q.device)
+        return self.visible(None, None, q[:, None], kv[None, :])
+
+    def _block_mask(self) -> BlockMask:
+        """The FlexAttention block mask of `visible`: the mask evaluated a band of query blocks at a time (bounded
+        memory, no compile), each FLEX_BLOCK x FLEX_BLOCK block then kept as full (every pair visible), partial
+        (some) or skipped. torch's `create_block_mask` would hold the whole [M, K] mask at once, or compile."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, device = FLEX_BLOCK, self.boundary.prompt_lens.device
+        q_blocks, kv_blocks = (n // b for n in self.padded_lengths)
+        kv = torch.arange(kv_blocks * b, device=device)
+        band = max(1, MASK_BAND_ELEMENTS // (kv_blocks * b * b))
+        partial, full = [], []
+        for start in range(0, q_blocks, band):
+            q = torch.arange(start * b, min(q_blocks, start + band) * b, device=device)
+            blocks = self.visible(None, None, q[:, None], kv[None, :]).view(-1, b, kv_blocks, b)
+            seen, whole = blocks.any(3).any(1), blocks.all(3).all(1)  # [band, kv_blocks]
+            partial.append(seen & ~whole)
+            full.append(whole)
+
+        def listed(chosen: list[Tensor]) -> tuple[Tensor, Tensor]:
+            chosen = torch.cat(chosen)[None, None]  # [1, 1, q_blocks, kv_blocks]
+            order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)  # the chosen blocks first
+            return chosen.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+        (counts, indices), (full_counts, full_indices) = listed(partial), listed(full)
+        return BlockMask.from_kv_blocks(
+            counts, indices, full_counts, full_indices, BLOCK_SIZE=b, mask_mod=self.visible,
+            seq_lengths=(self.num_queries, self.num_keys),
+        )  # fmt: skip
+
+
+def visibility(
+    q_prompt: Tensor, q_row: Tensor, q_offset: Tensor, kv_prompt: Tensor, kv_row: Tensor, kv_offset: Tensor
+) -> Callable[..., Tensor]:
+    """The mask_mod of packed responses: query q sees key kv of its own prompt, or of its own response at or
+    before its offset. A closure over plain tensors, as FlexAttention traces it (index tensors that broadcast)."""
+
+    def visible(_batch, _head, q: Tensor, kv: Tensor) -> Tensor:
+        same_prompt = kv_prompt[kv] == q_prompt[q]
+        earlier_in_own = (kv_row[kv] == q_row[q]) & (kv_offset[kv] <= q_offset[q])
+        return same_prompt | earlier_in_own
+
+    return visible
+
+
+def _padded(t: Tensor, fill: int) -> Tensor:
+    """t [n] with `fill` appended up to a whole number of FLEX_BLOCKs."""
+    return F.pad(t, (0, -t.numel() % FLEX_BLOCK), value=fill)
+
+
+@cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    """FlexAttention compiled for any lengths (its eager form is a slow reference and has no CPU backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+class SharedPrefixAttention:
+    """Attention of decode's new tokens, P prompts x N samples (batch row p * N + n), over a shared boundary and
+    each response's cache: the tokens continue the responses after the cache's tokens, which they also see."""
+
+    def __init__(self, boundary: Boundary, num_samples: int, cache: ResponseCache) -> None:
         self.boundary = boundary
         self.num_samples = num_samples
         self.cache = cache
-        self.rows = rows
-        self._pick: Tensor | None = None  # without a cache: the [B, P] one-hot row -> prompt of `_attend_joint`
-        self._joint_mask: Tensor | None = None  # without a cache: the [B, 1, T, S + T] mask of `_attend_joint`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.cache is None:
-            return self._attend_joint(layer, q, k, v)
         k, v = self.cache.write(layer, k, v)
         out_prompt, lse_prompt = self._attend_prompt(layer, q)
         out_own, lse_own = self._attend_own(q, k, v)
         return merge_attention(out_prompt, lse_prompt, out_own, lse_own)
-
-    def _attend_joint(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Whole responses (scoring): each sequence's queries [B, heads, T, D] over its prompt's KV then its own
-        [B, G, T, D], in one fused SDPA call (flash-style kernels on a GPU, gradients included). The prompt's KV
-        is gathered per row and repeated per head for the call only (the memory-efficient kernel takes a mask
-        but no GQA): under autograd the call is checkpointed, so backward keeps q, k, v and the boundary, not
-        the [B, heads, S + T, D] copies, and rebuilds them one layer at a time. Autograd sums the rows'
-        gradients into the one copy of the prompt's KV."""
-        keys, values = self.boundary.keys[layer], self.boundary.values[layer]  # [P, G, S, D]
-        batch, _, num_tokens, _ = q.shape
-        if self.rows is None:
-            self.rows = torch.arange(keys.shape[0], device=q.device).repeat_interleave(self.num_samples)
-        if self._pick is None:  # [B, P] one-hot: row b reads prompt rows[b]
-            self._pick = F.one_hot(self.rows, keys.shape[0]).to(keys.dtype)
-        if self._joint_mask is None:  # the same for every layer of the forward: built once
-            prompt_keys = self.boundary.key_mask().index_select(0, self.rows)  # [B, S]
-            own_keys = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()  # causal
-            self._joint_mask = torch.cat(
-                [prompt_keys[:, None, :].expand(batch, num_tokens, -1), own_keys.expand(batch, -1, -1)], dim=-1
-            )[:, None]  # [B, 1, T, S + T]
-        tensors = (q, k, v, keys, values)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return checkpoint(self._joint_sdpa, *tensors, use_reentrant=False)
-        return self._joint_sdpa(*tensors)
-
-    def _joint_sdpa(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        per_head = q.shape[1] // keys.shape[1]
-
-        def joined(prompt: Tensor, own: Tensor) -> Tensor:
-            # a one-hot matmul, not index_select: its backward sums a prompt's rows in a fixed order (index_add's
-            # atomics on CUDA would make the boundary gradient differ from run to run); exact in every dtype
-            picked = (self._pick @ prompt.flatten(1)).view(q.shape[0], *prompt.shape[1:])
-            whole = torch.cat([picked, own], dim=2)
-            return whole.repeat_interleave(per_head, dim=1)  # [B, heads, S + T, D]
-
-        return F.scaled_dot_product_attention(q, joined(keys, k), joined(values, v), attn_mask=self._joint_mask)
 
     def _attend_prompt(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """All N samples' queries against their prompt's one KV [P, G, S, D]; only padding is masked."""

@@ -3,10 +3,11 @@
 - `forward(sequences)`: logits of whole sequences (prompt, or prompt ++ response): the unsplit path;
   `hidden(sequences)`: the same before the LM head.
 - `prefix(prompts, attached=...)`: vision encoder + prompt prefill, once per prompt -> `Boundary`.
-- `suffix(boundary, responses, response_lens)`: per-token log-probs and entropy of N responses per prompt,
-  each attending to its prompt's shared boundary KV (never copied N times).
-- `response_logits(boundary, tokens, cache)`: the forward under `suffix` and rollout decode;
-  `response_hidden(...)`: the same before the LM head (`suffix` runs the head in chunks of tokens).
+- `suffix(boundary, responses, response_lens)`, `suffix_rows(...)`: per-token log-probs and entropy of
+  responses, each attending to its prompt's shared boundary KV (never copied per response), their tokens
+  packed end to end (`packed_hidden`).
+- `response_logits(boundary, tokens, cache)`: rollout decode's forward; `response_hidden(...)`: the same before
+  the LM head.
 
 Parameter names are transformers 5.x's `Qwen2_5_VLForConditionalGeneration` names (`model.visual.*`,
 `model.language_model.*`, `lm_head.weight`). Not here: loading weights (`checkpoint.py`), sampling
@@ -22,7 +23,13 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from rollplex.models.attention import Attention, CausalAttention, LayerKV, SharedPrefixAttention
+from rollplex.models.attention import (
+    Attention,
+    CausalAttention,
+    LayerKV,
+    PackedPrefixAttention,
+    SharedPrefixAttention,
+)
 from rollplex.models.batching import PackedSequences, pack_sequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
@@ -30,11 +37,12 @@ from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
+from rollplex.models.packed import ResponsePack
 from rollplex.models.packing import pack
 from rollplex.models.positions import num_visual_tokens
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
-from rollplex.models.scores import SuffixOut, score_hidden
+from rollplex.models.scores import SuffixOut, join_first, token_scores
 from rollplex.models.shared_vision import SharedVision
 from rollplex.models.vision import VisionEncoder, VisionMLP
 
@@ -174,25 +182,53 @@ class Qwen2_5_VL(nn.Module):
             expected = f"[num_prompts={boundary.num_prompts}, N, R >= 1]"
             raise ValueError(f"responses must be {expected}, got {tuple(responses.shape)}")
         num_prompts, num_samples, _ = responses.shape
-        rows = torch.arange(num_prompts, device=self.device).repeat_interleave(num_samples)
-        out = self.suffix_rows(boundary, rows, responses.flatten(0, 1), response_lens.flatten(), temperature)
+        rows = [p for p in range(num_prompts) for _ in range(num_samples)]
+        lens = response_lens.flatten().tolist()
+        out = self.suffix_rows(boundary, rows, responses.flatten(0, 1), lens, temperature)
         return SuffixOut(out.logprobs.unflatten(0, (num_prompts, num_samples)),
                          out.entropy.unflatten(0, (num_prompts, num_samples)))  # fmt: skip
 
     def suffix_rows(
-        self, boundary: Boundary, rows: Tensor, responses: Tensor, response_lens: Tensor, temperature: float = 1.0
+        self,
+        boundary: Boundary,
+        rows: Sequence[int],
+        responses: Tensor,
+        lens: Sequence[int],
+        temperature: float = 1.0,
     ) -> SuffixOut:
-        """Scores [B, R] of responses [B, R] of lengths [B], row b a response to prompt rows[b] of the boundary:
-        a batch may mix the responses of several prompts (scoring batches them by length, not by prompt)."""
-        if responses.ndim != 2 or rows.shape != responses.shape[:1] or responses.shape[1] == 0:
-            raise ValueError(f"responses must be [B, R >= 1] with rows [B], got {tuple(responses.shape)}, "
-                             f"{tuple(rows.shape)}")  # fmt: skip
-        hidden = self.rows_hidden(boundary, rows, responses[:, :-1])  # [B, R-1, hidden]
-        first = boundary.first_logprobs.index_select(0, rows)
-        out = score_hidden(
-            first, hidden[:, None], self.lm_head, responses[:, None], response_lens[:, None], temperature
-        )
-        return SuffixOut(out.logprobs[:, 0], out.entropy[:, 0])
+        """Scores [B, R] of responses [B, R] of lengths `lens`, row b a response to prompt rows[b] of the
+        boundary: a batch may mix the responses of several prompts. Rows and lengths are host integers. The
+        tokens that predict each response's next run packed (`response_pack`): padding never reaches the
+        decoder or the LM head."""
+        pack = self.response_pack(rows, responses, lens)
+        hidden = self.packed_hidden(boundary, pack, pack.gather(responses[:, :-1]))  # [M, hidden]
+        targets = pack.gather(responses[:, 1:])
+        rest = token_scores(hidden, self.lm_head, targets, self.config.text.vocab_size, temperature)
+        first = boundary.first_logprobs.index_select(0, torch.tensor(rows, device=self.device))
+        lens_now = torch.tensor(lens, device=responses.device)
+        return join_first(first, pack.scatter(rest[0]), pack.scatter(rest[1]), responses, lens_now, temperature)
+
+    def response_pack(self, rows: Sequence[int], responses: Tensor, lens: Sequence[int]) -> ResponsePack:
+        """The tokens of responses [B, R] of lengths `lens` that predict a next token of theirs: the first
+        lens[b] - 1 of row b (token 0 is predicted by the boundary)."""
+        if responses.ndim != 2 or len(rows) != responses.shape[0] or responses.shape[1] == 0:
+            raise ValueError(f"responses must be [B, R >= 1] with B rows, got {tuple(responses.shape)}, "
+                             f"{len(rows)} rows")  # fmt: skip
+        width = responses.shape[1]
+        if len(lens) != len(rows) or any(not 0 <= n <= width for n in lens):
+            raise ValueError(f"one length in [0, {width}] per row, got {list(lens)}")
+        return ResponsePack.of(rows, [max(n - 1, 0) for n in lens], width - 1, self.device)
+
+    def packed_hidden(self, boundary: Boundary, pack: ResponsePack, tokens: Tensor) -> Tensor:
+        """Final hidden states [M, hidden] of a pack's tokens [M] (`PackedPrefixAttention`): token t of row b at
+        response position t after prompt rows[b]."""
+        x = self.model.language_model.embed_tokens(tokens)
+        if pack.num_tokens == 0:
+            return x
+        positions = boundary.next_positions.index_select(0, pack.prompt) + pack.offset  # [M]
+        cos, sin = text_rotary(positions.expand(3, 1, -1), self.config.text)
+        attention = PackedPrefixAttention(boundary, pack)
+        return self.model.language_model(x[None], cos, sin, attention)[0]
 
     def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
         """The oracle's hidden states [N, R, hidden]: each of N responses [N, R] of lengths [N] run over
@@ -206,28 +242,19 @@ class Qwen2_5_VL(nn.Module):
         idx = torch.arange(width, device=hidden.device)
         return hidden[:, (prompt.num_tokens - 1 + idx).clamp(max=hidden.shape[1] - 1)]
 
-    def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
-        """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt.
-
-        Without a cache the tokens are the responses' first T tokens; with one they follow its `length`
-        tokens, and the cache takes their K and V.
-        """
+    def response_logits(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache) -> Tensor:
+        """Logits [P, N, T, V] after each of tokens [P, N, T], which continue the N responses of each prompt after
+        the cache's `length` tokens (rollout decode); the cache takes their K and V."""
         return self.lm_head(self.response_hidden(boundary, tokens, cache))
 
-    def response_hidden(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache | None = None) -> Tensor:
+    def response_hidden(self, boundary: Boundary, tokens: Tensor, cache: ResponseCache) -> Tensor:
         """The final hidden states [P, N, T, hidden] under `response_logits` (before the LM head)."""
         num_prompts, num_samples, num_tokens = tokens.shape
         rows = torch.arange(num_prompts, device=self.device).repeat_interleave(num_samples)
-        start = 0 if cache is None else cache.length
-        attention = SharedPrefixAttention(boundary, num_samples, cache, rows=rows if cache is None else None)
-        hidden = self._response_rows(boundary, rows, tokens.flatten(0, 1), start, attention)
-        if cache is not None:
-            cache.advance(num_tokens)
+        attention = SharedPrefixAttention(boundary, num_samples, cache)
+        hidden = self._response_rows(boundary, rows, tokens.flatten(0, 1), cache.length, attention)
+        cache.advance(num_tokens)
         return hidden.unflatten(0, (num_prompts, num_samples))
-
-    def rows_hidden(self, boundary: Boundary, rows: Tensor, tokens: Tensor) -> Tensor:
-        """Final hidden states [B, T, hidden] of responses' first T tokens [B, T], row b answering prompt rows[b]."""
-        return self._response_rows(boundary, rows, tokens, 0, SharedPrefixAttention(boundary, 1, rows=rows))
 
     def _response_rows(self, boundary: Boundary, rows: Tensor, tokens: Tensor, start: int, attention) -> Tensor:
         """tokens [B, T] at response positions start.. of prompts rows [B] -> final hidden states [B, T, hidden]."""

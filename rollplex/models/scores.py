@@ -1,6 +1,6 @@
 """Per-token scores of sampled responses: the log-probability of each token and the entropy of the
 distribution it was drawn from, masked past each response's length, from final hidden states and the LM head
-(`score_hidden`, `token_scores`: in chunks of tokens, never all the FP32 logits at once). Both are of
+(`token_scores`: in chunks of tokens, never all the FP32 logits at once; `join_first`). Both are of
 softmax(logits / temperature), the sampling temperature (`rollplex.models.sampling.tempered`).
 """
 
@@ -16,13 +16,13 @@ from torch.utils.checkpoint import checkpoint
 
 from rollplex.models.sampling import tempered
 
-LOGIT_CHUNK_BYTES = 1 << 30  # FP32 logits of one chunk of response tokens in `score_hidden`
+LOGIT_CHUNK_BYTES = 1 << 30  # FP32 logits of one chunk of response tokens in `token_scores`
 
 
 @dataclass(frozen=True)
 class SuffixOut:
-    logprobs: Tensor  # [P, N, R] float32: log p(response token j | prompt, tokens < j); 0 at j >= length
-    entropy: Tensor  # [P, N, R] float32: entropy of the predictive distribution at token j; 0 at j >= length
+    logprobs: Tensor  # [..., R] float32: log p(response token j | prompt, tokens < j); 0 at j >= length
+    entropy: Tensor  # [..., R] float32: entropy of the predictive distribution at token j; 0 at j >= length
 
 
 def entropy(logprobs: Tensor) -> Tensor:
@@ -30,29 +30,22 @@ def entropy(logprobs: Tensor) -> Tensor:
     return -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
-def score_hidden(
+def join_first(
     first_logprobs: Tensor,
-    hidden: Tensor,
-    head: Callable[[Tensor], Tensor],
+    rest_logprobs: Tensor,
+    rest_entropy: Tensor,
     responses: Tensor,
     response_lens: Tensor,
     temperature: float = 1.0,
 ) -> SuffixOut:
-    """Scores [P, N, R] of responses [P, N, R] int64 of lengths [P, N]: first_logprobs [P, V] (at temperature 1)
-    predict token 0, hidden [P, N, R-1, H] (after tokens 0..R-2) predict 1..R-1 through the LM head `head`
-    (`token_scores`); all at `temperature`."""
-    num_prompts, num_samples, num_tokens = responses.shape
-    targets, vocab_size = responses[..., 1:].flatten(), first_logprobs.shape[-1]
-    rest_lp, rest_ent = token_scores(hidden.flatten(0, 2), head, targets, vocab_size, temperature)
+    """Scores [B, R] of responses [B, R] int64 of lengths [B]: token 0's from first_logprobs [B, V] (the
+    boundary's, at temperature 1, tempered here), tokens 1.. from rest_logprobs and rest_entropy [B, R-1] (the
+    LM head's at `temperature`, `token_scores`); 0 at and past each length."""
     if temperature != 1:
         first_logprobs = tempered(first_logprobs, temperature)
-    rest_lp = rest_lp.view(num_prompts, num_samples, num_tokens - 1)
-    rest_ent = rest_ent.view(num_prompts, num_samples, num_tokens - 1)
-    first = first_logprobs.gather(-1, responses[:, :, 0])[..., None]
-    logprobs = torch.cat([first, rest_lp], dim=-1)
-    first_entropy = entropy(first_logprobs)[:, None, None].expand(num_prompts, num_samples, 1)
-    entropies = torch.cat([first_entropy, rest_ent], dim=-1)
-    is_real = torch.arange(num_tokens, device=responses.device) < response_lens[..., None]
+    logprobs = torch.cat([first_logprobs.gather(-1, responses[:, :1]), rest_logprobs], dim=-1)
+    entropies = torch.cat([entropy(first_logprobs)[:, None], rest_entropy], dim=-1)
+    is_real = torch.arange(responses.shape[1], device=responses.device) < response_lens[:, None]
     return SuffixOut(logprobs.where(is_real, 0.0), entropies.where(is_real, 0.0))
 
 

@@ -9,6 +9,8 @@ oracle), like the policy's scores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -34,13 +36,16 @@ def is_value_model(model: Qwen2_5_VL) -> bool:
     return model.lm_head.out_features == 1
 
 
-def suffix_values(model: Qwen2_5_VL, boundary: Boundary, rows: Tensor, responses: Tensor, lens: Tensor) -> Tensor:
-    """Values [B, R] float32 of responses [B, R] (row b answers prompt rows[b] of the boundary), 0 past each
-    length."""
-    hidden = model.rows_hidden(boundary, rows, responses[:, :-1])  # [B, R-1, hidden]
-    first = boundary.first_logprobs.index_select(0, rows)  # [B, 1]: the head at the prompt's last position
-    values = torch.cat([first, model.lm_head(hidden).float()[..., 0]], dim=1)
-    return _masked(values, lens)
+def suffix_values(
+    model: Qwen2_5_VL, boundary: Boundary, rows: Sequence[int], responses: Tensor, lens: Sequence[int]
+) -> Tensor:
+    """Values [B, R] float32 of responses [B, R] of lengths `lens` (row b answers prompt rows[b] of the boundary;
+    host integers), 0 past each length; the tokens run packed (`Qwen2_5_VL.packed_hidden`)."""
+    pack = model.response_pack(rows, responses, lens)
+    hidden = model.packed_hidden(boundary, pack, pack.gather(responses[:, :-1]))  # [M, hidden]
+    first = boundary.first_logprobs.index_select(0, torch.tensor(rows, device=model.device))  # [B, 1]
+    values = torch.cat([first, pack.scatter(model.lm_head(hidden).float()[:, 0])], dim=1)
+    return _masked(values, torch.tensor(lens, device=values.device))
 
 
 def whole_values(model: Qwen2_5_VL, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:

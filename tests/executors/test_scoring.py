@@ -1,4 +1,4 @@
-"""Split scoring in batches of similar response lengths, across prompts, equals scoring each group padded to R."""
+"""Split scoring in packed batches of responses across prompts, within a token budget, equals scoring all at once."""
 
 from __future__ import annotations
 
@@ -11,28 +11,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from models_testkit import TinyInputs
 
-from rollplex.executors.scoring import LeafBoundary, length_batches, row_batches, score_all
+from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, token_batches
 from rollplex.models.config import load_model_config
 from rollplex.models.generate import Rollout
 from rollplex.models.model import Qwen2_5_VL
 
 
-@pytest.mark.parametrize("lens", [[3, 40, 5, 38, 1, 12, 12, 2], [7], [4, 4, 4], [1, 100]])
-def test_length_batches_cover_every_response_once_with_bounded_padding(lens):
-    batches = length_batches(lens, max_waste=0.25)
+@pytest.mark.parametrize("lens", [[3, 40, 5, 38, 1, 12, 12, 2], [7], [4, 4, 4], [1, 100], [0, 0, 3]])
+def test_token_batches_cover_every_response_once_within_the_budget(lens):
+    batches = token_batches(lens, max_tokens=50)
     assert sorted(i for b in batches for i in b) == list(range(len(lens)))
     for b in batches:
-        longest, total = max(lens[i] for i in b), sum(lens[i] for i in b)
-        assert len(b) == 1 or len(b) * longest <= 1.25 * total
-        assert lens[b[0]] == longest  # longest first
+        assert len(b) == 1 or sum(lens[i] for i in b) <= 50  # a longer response alone
+        assert b == sorted(b)  # in index order: a prompt's responses together
 
 
-def test_length_batches_group_similar_lengths():
-    assert length_batches([3, 40, 5, 38, 1, 12, 12, 2]) == [[1, 3], [5, 6, 2], [0, 7], [4]]
-
-
-def test_length_batches_hold_at_most_max_rows():
-    assert length_batches([5] * 7, max_rows=3) == [[0, 1, 2], [3, 4, 5], [6]]
+def test_token_batches_fill_each_batch_first_fit_longest_first():
+    assert token_batches([3, 40, 5, 38, 1, 12, 12, 2], max_tokens=50) == [[0, 1, 2, 7], [3, 5], [4, 6]]
+    assert token_batches([5] * 7, max_tokens=15) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_row_batches_mix_prompts_and_score_as_each_group_alone():
@@ -44,11 +40,13 @@ def test_row_batches_mix_prompts_and_score_as_each_group_alone():
     g = torch.Generator().manual_seed(0)
     lens = torch.tensor([[9, 1, 8, 3], [2, 2, 9, 5]])
     rollout = Rollout(torch.randint(config.text.vocab_size, (2, 4, 9), generator=g), lens, torch.zeros(2, 4, 9))
-    batches = row_batches(rollout, max_rows=4)
-    assert len(batches) > 2 and all(len(b.index) <= 4 for b in batches)
-    assert any(len(set((b.index // 4).tolist())) == 2 for b in batches)  # a batch mixing both prompts
+    batches = row_batches(rollout, max_tokens=12)
+    assert len(batches) > 2 and all(sum(b.lens) <= 12 for b in batches)
+    assert any(len(set(b.rows)) == 2 for b in batches)  # a batch mixing both prompts
+    assert all(b.rows == tuple((b.index // 4).tolist()) and b.lens == tuple(lens.flatten()[b.index].tolist())
+               for b in batches)  # fmt: skip
     results = []
-    for split in (True, False):  # length batches across prompts; the oracle: each group padded to R in one call
+    for split in (True, False):  # batches across prompts (score_all's: a group of the longest's tokens each)
         leaf = LeafBoundary.of(model.prefix(prompts, attached=True))
         if split:
             out = score_all(model, prompts, leaf.leaf, rollout)

@@ -65,8 +65,8 @@ def test_at_a_temperature_other_than_one_the_trainer_scores_each_token_as_the_ro
     assert engines.temperature == 0.6
     assert record.stats["logprob_diff_max"] < 1e-5  # the rollout's log-probs against the trainer's first scoring
     expected = oracle(engines, record, examples, temperature=0.6)
-    for key, value in expected.items():
-        assert record.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for key, value in expected.items():  # kl sums k3 ~ delta^2 / 2: float32 noise in delta shows at ~1e-5 of it
+        assert record.stats[key] == pytest.approx(value, rel=5e-5 if key == "kl" else 1e-5, abs=1e-7), key
     at_one = oracle(engines, record, examples, temperature=1.0)
     assert abs(at_one["entropy"] - expected["entropy"]) > 0.05  # temperature 1 would be told apart
 

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from rollplex.models import attention
-from rollplex.models.attention import SharedPrefixAttention, attend, attention_length, causal_sdpa, merge_attention
+from rollplex.models.attention import (
+    FLEX_BLOCK,
+    PackedPrefixAttention,
+    attend,
+    attention_length,
+    causal_sdpa,
+    merge_attention,
+)
 from rollplex.models.boundary import Boundary
+from rollplex.models.packed import ResponsePack
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -20,26 +28,6 @@ def test_merging_attention_over_two_key_sets_equals_attention_over_their_union()
     out_b, lse_b = attend(q, k[..., 4:, :], v[..., 4:, :], everything[:, 4:])
     assert torch.allclose(merge_attention(out_a, lse_a, out_b, lse_b), out, atol=1e-6)
     assert torch.allclose(torch.logaddexp(lse_a, lse_b), lse, atol=1e-6)
-
-
-def test_shared_prefix_attention_equals_causal_attention_over_the_copied_prompt():
-    num_prompts, num_samples, num_tokens, prompt_lens = 2, 3, 4, torch.tensor([5, 3])
-    keys = torch.randn(num_prompts, KV_HEADS, 5, DIM)
-    values = torch.randn(num_prompts, KV_HEADS, 5, DIM)
-    boundary = Boundary((keys,), (values,), torch.zeros(num_prompts, 1), prompt_lens, prompt_lens)
-    batch = num_prompts * num_samples
-    q = torch.randn(batch, HEADS, num_tokens, DIM)
-    k, v = torch.randn(batch, KV_HEADS, num_tokens, DIM), torch.randn(batch, KV_HEADS, num_tokens, DIM)
-
-    out = SharedPrefixAttention(boundary, num_samples)(0, q, k, v)
-
-    for row in range(batch):
-        p, length = row // num_samples, int(prompt_lens[row // num_samples])
-        full_k = torch.cat([keys[p, :, :length], k[row]], dim=1).repeat_interleave(HEADS // KV_HEADS, 0)
-        full_v = torch.cat([values[p, :, :length], v[row]], dim=1).repeat_interleave(HEADS // KV_HEADS, 0)
-        mask = torch.ones(num_tokens, length + num_tokens, dtype=torch.bool).tril(length)
-        expected = torch.nn.functional.scaled_dot_product_attention(q[row], full_k, full_v, attn_mask=mask)
-        assert torch.allclose(out[row], expected, atol=1e-6)
 
 
 def test_attention_lengths_are_few_per_octave_and_waste_at_most_a_sixteenth():
@@ -63,32 +51,99 @@ def test_causal_attention_at_a_bucketed_length_equals_it_at_the_exact_length_gra
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_scoring_attention_keeps_no_per_row_prompt_copy_for_backward_and_its_gradients_are_exact():
-    torch.manual_seed(0)  # not the state earlier tests leave: fp32 sums of another order, near-cancelling elements
-    num_prompts, num_tokens, prompt_lens = 2, 4, torch.tensor([5, 3])
-    rows = torch.tensor([1, 0, 1])  # a batch mixing the prompts' responses, in any order
-    keys = torch.randn(num_prompts, KV_HEADS, 5, DIM, requires_grad=True)
-    values = torch.randn(num_prompts, KV_HEADS, 5, DIM, requires_grad=True)
-    boundary = Boundary((keys,), (values,), torch.zeros(num_prompts, 1), prompt_lens, prompt_lens)
-    q = torch.randn(3, HEADS, num_tokens, DIM, requires_grad=True)
-    k = torch.randn(3, KV_HEADS, num_tokens, DIM, requires_grad=True)
-    v = torch.randn(3, KV_HEADS, num_tokens, DIM, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        out = SharedPrefixAttention(boundary, 1, rows=rows)(0, q, k, v)
-    assert (3, HEADS, 5 + num_tokens, DIM) not in saved  # the gathered, head-repeated K and V are rebuilt
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v, keys, values))
-    rows_out = []
-    for row in range(3):  # the oracle: each row over its own prompt's real keys, then its own causally
-        p, length = int(rows[row]), int(prompt_lens[rows[row]])
-        full_k = torch.cat([keys[p, :, :length], k[row]], dim=1).repeat_interleave(HEADS // KV_HEADS, 0)
-        full_v = torch.cat([values[p, :, :length], v[row]], dim=1).repeat_interleave(HEADS // KV_HEADS, 0)
-        mask = torch.ones(num_tokens, length + num_tokens, dtype=torch.bool).tril(length)
-        rows_out.append(torch.nn.functional.scaled_dot_product_attention(q[row], full_k, full_v, attn_mask=mask))
-    torch.testing.assert_close(out, torch.stack(rows_out), rtol=1e-5, atol=1e-6)
-    oracle = torch.autograd.grad(torch.stack(rows_out).square().sum(), (q, k, v, keys, values))
-    for ours, theirs in zip(grads, oracle, strict=True):  # O(1) gradients; fp32 sums in another order
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+def packed_case(prompt_lens, rows, counts, width, generator, device="cpu", dtype=torch.float32):
+    """A boundary of len(prompt_lens) prompts (one layer, padded to the longest), a pack of `rows`' first `counts`
+    tokens, and q, k, v of the packed tokens, all leaves that need gradients."""
+    span = max(prompt_lens)
+    leaf = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
+    keys, values = leaf(len(prompt_lens), KV_HEADS, span, DIM), leaf(len(prompt_lens), KV_HEADS, span, DIM)
+    lens = torch.tensor(prompt_lens, device=device)
+    boundary = Boundary((keys,), (values,), torch.zeros(len(prompt_lens), 1, device=device), lens, lens)
+    pack = ResponsePack.of(rows, counts, width, torch.device(device))
+    m = pack.num_tokens
+    return boundary, pack, leaf(1, HEADS, m, DIM), leaf(1, KV_HEADS, m, DIM), leaf(1, KV_HEADS, m, DIM)
+
+
+def per_row_oracle(boundary, pack, q, k, v):
+    """Each packed response alone: SDPA over its prompt's real keys then its own, causally, heads repeated."""
+    outs, start = [], 0
+    for prompt, count in zip(pack.rows, pack.counts, strict=True):
+        length = int(boundary.prompt_lens[prompt])
+        own = slice(start, start + count)
+        full_k = torch.cat([boundary.keys[0][prompt, :, :length], k[0, :, own]], dim=1)
+        full_v = torch.cat([boundary.values[0][prompt, :, :length], v[0, :, own]], dim=1)
+        mask = torch.ones(count, length + count, dtype=torch.bool, device=q.device).tril(length)
+        repeat = HEADS // KV_HEADS
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[0, :, own], full_k.repeat_interleave(repeat, 0), full_v.repeat_interleave(repeat, 0), attn_mask=mask
+            )
+        )
+        start += count
+    return torch.cat(outs, dim=1)[None]
+
+
+@pytest.mark.parametrize("rows", [(1, 0, 1, 2), (2, 2)])  # every prompt read (mixed, any order); one of three
+def test_packed_attention_equals_each_response_over_its_prompt_then_itself_gradients_included(rows):
+    g = torch.Generator().manual_seed(0)
+    counts = (4, 1, 3, 2)[: len(rows)]
+    boundary, pack, q, k, v = packed_case((5, 3, 4), rows, counts, 4, g)
+    out = PackedPrefixAttention(boundary, pack)(0, q, k, v)
+    expected = per_row_oracle(boundary, pack, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
+    weights = torch.randn(out.shape, generator=g)
+    ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs, allow_unused=True) for o in (out, expected))
+    for a, b in zip(ours, oracle, strict=True):
+        torch.testing.assert_close(a, b if b is not None else torch.zeros_like(a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the eager reference, wanted
+def test_the_block_mask_keeps_exactly_the_blocks_the_dense_mask_touches_and_flex_agrees_with_sdpa():
+    """FlexAttention's block mask, built on the CPU: a block is kept full only if every pair in it is visible,
+    partial if some are, skipped if none; eager FlexAttention (forward only on a CPU) then equals the dense SDPA."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(1)
+    rows, counts = (0, 2, 1, 0, 2), (200, 37, 129, 1, 90)  # several blocks of queries and of each prompt's keys
+    boundary, pack, q, k, v = packed_case((300, 130, 257), rows, counts, 200, g)
+    attention = PackedPrefixAttention(boundary, pack)
+    blocks = attention._block_mask()
+    dense = attention._dense_mask()
+    padded = torch.zeros(attention.padded_lengths, dtype=torch.bool)
+    padded[: dense.shape[0], : dense.shape[1]] = dense
+    per_block = padded.view(blocks.kv_num_blocks.shape[-1], FLEX_BLOCK, -1, FLEX_BLOCK)
+    touched, whole = per_block.any(3).any(1), per_block.all(3).all(1)
+    assert torch.equal(blocks.to_dense()[0, 0].bool(), touched)
+    full = torch.zeros_like(whole)
+    for qb in range(whole.shape[0]):
+        full[qb, blocks.full_kv_indices[0, 0, qb, : blocks.full_kv_num_blocks[0, 0, qb]].long()] = True
+    assert torch.equal(full, whole) and whole.any() and (touched & ~whole).any()
+    assert not touched.all()  # the prompts' KV that a query block cannot see is skipped
+    with torch.no_grad():
+        keys = torch.cat([attention._prompt_kv(boundary.keys[0]), k], dim=2)
+        values = torch.cat([attention._prompt_kv(boundary.values[0]), v], dim=2)
+        flexed = flex_attention(q.detach(), keys, values, block_mask=blocks, enable_gqa=True)
+        torch.testing.assert_close(flexed, attention(0, q, k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flexed, per_row_oracle(boundary, pack, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_packed_flex_attention_equals_the_per_row_oracle_gradients_included():
+    g = torch.Generator().manual_seed(2)
+    rows, counts = (0, 2, 1, 0, 2), (200, 37, 129, 1, 90)
+    boundary, pack, q, k, v = packed_case((300, 130, 257), rows, counts, 200, g, device="cuda")
+    attention = PackedPrefixAttention(boundary, pack)
+    assert attention.flex
+    out = attention(0, q, k, v)
+    expected = per_row_oracle(boundary, pack, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
+    weights = torch.randn(out.shape, generator=g).cuda()
+    ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs) for o in (out, expected))
+    for a, b in zip(ours, oracle, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
