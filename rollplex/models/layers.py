@@ -1,13 +1,59 @@
-"""Building blocks shared by the vision encoder and the language decoder: RMSNorm and the gated (SwiGLU) MLP.
+"""Building blocks shared by the vision encoder and the language decoder: RMSNorm and the gated (SwiGLU) MLP,
+and `gpu_compiled`, which fuses their elementwise chains (and rotary's) on a GPU.
 
 Not here: attention (`attention.py`, `decoder.py`, `vision.py`) and rotary embeddings (`rotary.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import wraps
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+Fn = TypeVar("Fn", bound=Callable[..., Tensor])
+RECOMPILE_LIMIT = 64  # compiled variants per function (input ranks, widths, grad modes), beyond which torch runs eager
+
+
+def gpu_compiled(fn: Fn) -> Fn:
+    """`fn`, an elementwise chain on tensors, compiled by Inductor (fused kernels in forward and backward, for any
+    lengths) when its first argument is on a GPU, run as it is elsewhere (`.eager`). Unfused, a norm, a rotary or
+    a gated activation is several kernels each reading and writing the whole activation; with many of them per
+    layer, the training half spends more time in them than in its matmuls. Without grad mode its inputs go in
+    detached, so that whether they require grad makes no variant of its own."""
+    compiled: list[Callable[..., Tensor]] = []
+
+    @wraps(fn)
+    def run(*args):
+        if not args[0].is_cuda:
+            return fn(*args)
+        if not compiled:
+            import torch._dynamo
+
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            compiled.append(torch.compile(fn, dynamic=True))
+        if not torch.is_grad_enabled():
+            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        return compiled[0](*args)
+
+    run.eager = fn
+    return run  # type: ignore[return-value]
+
+
+@gpu_compiled
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) in float32 over the last dimension, cast back to x's dtype, then times
+    `weight` in that dtype (as HF does)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+@gpu_compiled
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +65,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # F.rms_norm: one fused kernel on CUDA (forward and backward) for x * rsqrt(mean(x^2) + eps) in FP32;
-        # the weight multiplies after the cast back, in the input's dtype, as HF does
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -35,4 +78,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

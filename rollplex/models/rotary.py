@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from rollplex.models.config import TextConfig
+from rollplex.models.layers import gpu_compiled
 
 VISION_ROPE_THETA = 10_000.0
 
@@ -26,6 +27,7 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+@gpu_compiled
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotates x [..., D] by cos/sin (broadcastable to x) in float32; returns x's dtype."""
     x32 = x.float()

@@ -51,17 +51,17 @@ def test_causal_attention_at_a_bucketed_length_equals_it_at_the_exact_length_gra
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def packed_case(prompt_lens, rows, counts, width, generator, device="cpu", dtype=torch.float32):
+def packed_case(prompt_lens, rows, counts, width, generator, device="cpu", dim=DIM):
     """A boundary of len(prompt_lens) prompts (one layer, padded to the longest), a pack of `rows`' first `counts`
     tokens, and q, k, v of the packed tokens, all leaves that need gradients."""
     span = max(prompt_lens)
-    leaf = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
-    keys, values = leaf(len(prompt_lens), KV_HEADS, span, DIM), leaf(len(prompt_lens), KV_HEADS, span, DIM)
+    leaf = lambda *shape: torch.randn(*shape, generator=generator).to(device).requires_grad_()  # noqa: E731
+    keys, values = leaf(len(prompt_lens), KV_HEADS, span, dim), leaf(len(prompt_lens), KV_HEADS, span, dim)
     lens = torch.tensor(prompt_lens, device=device)
     boundary = Boundary((keys,), (values,), torch.zeros(len(prompt_lens), 1, device=device), lens, lens)
     pack = ResponsePack.of(rows, counts, width, torch.device(device))
     m = pack.num_tokens
-    return boundary, pack, leaf(1, HEADS, m, DIM), leaf(1, KV_HEADS, m, DIM), leaf(1, KV_HEADS, m, DIM)
+    return boundary, pack, leaf(1, HEADS, m, dim), leaf(1, KV_HEADS, m, dim), leaf(1, KV_HEADS, m, dim)
 
 
 def per_row_oracle(boundary, pack, q, k, v):
@@ -133,17 +133,17 @@ def test_the_block_mask_keeps_exactly_the_blocks_the_dense_mask_touches_and_flex
 def test_on_a_gpu_packed_flex_attention_equals_the_per_row_oracle_gradients_included():
     g = torch.Generator().manual_seed(2)
     rows, counts = (0, 2, 1, 0, 2), (200, 37, 129, 1, 90)
-    boundary, pack, q, k, v = packed_case((300, 130, 257), rows, counts, 200, g, device="cuda")
+    boundary, pack, q, k, v = packed_case((300, 130, 257), rows, counts, 200, g, device="cuda", dim=64)
     attention = PackedPrefixAttention(boundary, pack)
     assert attention.flex
     out = attention(0, q, k, v)
     expected = per_row_oracle(boundary, pack, q, k, v)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)  # fp32 (flex may multiply in TF32)
     inputs = (q, k, v, boundary.keys[0], boundary.values[0])
     weights = torch.randn(out.shape, generator=g).cuda()
     ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs) for o in (out, expected))
     for a, b in zip(ours, oracle, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,42 @@
+"""The fused elementwise chains (`gpu_compiled`): compiled on a GPU they equal their eager form, gradients
+included, for inputs of any length; elsewhere they are their eager form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models.layers import rms_norm, silu_mul
+from rollplex.models.rotary import apply_rotary
+
+
+def cases(device: str, length: int) -> list[tuple]:
+    g = torch.Generator().manual_seed(length)
+    leaf = lambda *shape: torch.randn(*shape, generator=g).to(device, torch.bfloat16).requires_grad_()  # noqa: E731
+    angles = torch.rand(length, 1, 64, generator=g).to(device) * 6
+    text = angles.transpose(0, 1)[None].expand(2, 1, length, 64)
+    return [
+        (rms_norm, (leaf(length, 96), leaf(96), 1e-6)),
+        (silu_mul, (leaf(length, 80), leaf(length, 80))),
+        (apply_rotary, (leaf(length, 4, 64), angles.cos(), angles.sin())),  # the vision tower's [S, heads, D]
+        (apply_rotary, (leaf(2, 4, length, 64), text.cos(), text.sin())),  # the decoder's [B, heads, T, D]
+    ]
+
+
+def test_off_a_gpu_each_chain_is_its_eager_form():
+    for fn, args in cases("cpu", 7):
+        assert torch.equal(fn(*args), fn.eager(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("length", [37, 1000, 4099])  # one compile serves every length
+def test_on_a_gpu_the_compiled_chains_equal_their_eager_form_gradients_included(length):
+    for fn, args in cases("cuda", length):
+        outs = [fn(*args), fn.eager(*args)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+        weights = torch.randn_like(outs[0])
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        ours, eager = (torch.autograd.grad((o.float() * weights).sum(), leaves) for o in outs)
+        for a, b in zip(ours, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, float(b.abs().max())))
