@@ -31,9 +31,9 @@ def gpu_compiled(fn: Fn) -> Fn:
         if not args[0].is_cuda:
             return fn(*args)
         if not compiled:
-            import torch._dynamo
+            from torch import _dynamo
 
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             compiled.append(torch.compile(fn, dynamic=True))
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
