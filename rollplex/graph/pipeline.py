@@ -1,14 +1,25 @@
-"""`run_passes`: the one owner of pass order. Names the pass that failed and the passes that ran before it."""
+"""The compiler's pipeline, in order, and its one owner:
+
+    build -> split_at_response -> split_minibatches -> fuse_scoring -> assign_phases -> assign_executors
+    -> order_steps (graph passes, Graph -> Graph, `graph_passes` / `run_passes`)
+    -> make_context -> memory_objects -> lower_residency -> decide (lowering, `lower`)
+
+`run_passes` names the graph pass that failed and the passes that ran before it. `graph.plan.compile_plan`
+runs the whole pipeline and assembles the `Plan`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import networkx as nx
 
 from rollplex.graph.build import build, graph_spec_of
+from rollplex.graph.decisions import Decisions, decide
 from rollplex.graph.ir import Schedule
+from rollplex.graph.objects import Context, make_context, memory_objects
 from rollplex.graph.passes import (
     assign_executors,
     assign_phases,
@@ -17,8 +28,10 @@ from rollplex.graph.passes import (
     split_at_response,
     split_minibatches,
 )
+from rollplex.graph.residency import ResidencyPlan, lower_residency
 from rollplex.graph.spec import Spec
 from rollplex.graph.verify import VerifyError, verify
+from rollplex.models.config import ModelConfig
 
 Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
@@ -56,3 +69,20 @@ def compile_graph(spec: Spec, *, schedule: Schedule | None = None, check: bool =
     if check:
         verify(g)
     return run_passes(g, graph_passes(schedule, spec.algorithm.minibatches_per_step), check=check)
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A compiled graph lowered for one GPU: its per-rank context, residency plan and the runtime's decisions."""
+
+    context: Context
+    residency: ResidencyPlan
+    decisions: Decisions
+
+
+def lower(g: nx.DiGraph, spec: Spec, model: ModelConfig, decisions: Decisions | None = None) -> Lowered:
+    """The lowering stages: the per-rank context, the memory objects of every step, their residency per phase,
+    then the decisions (`decide`'s, unless given: a plan file carries its own)."""
+    c = make_context(g, spec, model)
+    residency = lower_residency(c, memory_objects(c))
+    return Lowered(c, residency, decisions if decisions is not None else decide(c, residency))

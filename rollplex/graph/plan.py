@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import networkx as nx
 
 from rollplex.errors import PlanDoesNotFit, SpecError
-from rollplex.graph.decisions import Decisions, decide
+from rollplex.graph.decisions import Decisions
 from rollplex.graph.ir import Schedule
 from rollplex.graph.levers import price_levers
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.naive import NaiveRow, naive_rows
-from rollplex.graph.objects import GIB, Component, Context, MemObject, make_context, memory_objects
-from rollplex.graph.pipeline import compile_graph
-from rollplex.graph.residency import ResidencyPlan, lower_residency
+from rollplex.graph.objects import GIB, Component, Context, MemObject
+from rollplex.graph.pipeline import compile_graph, lower
+from rollplex.graph.residency import ResidencyPlan
 from rollplex.layout.sharing import SharingReport
 
 
@@ -52,10 +52,8 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
 
 def plan_of(loaded: LoadedSpec, schedule: Schedule, g: nx.DiGraph, decisions: Decisions | None = None) -> Plan:
     """The plan of a compiled graph: its memory lowered, and the decisions (`decide`'s, unless given)."""
-    c = make_context(g, loaded.spec, loaded.model)
-    residency = lower_residency(c, memory_objects(c))
-    decisions = decisions if decisions is not None else decide(c, residency)
-    return Plan(loaded, schedule, g, c, residency, tuple(naive_rows(c)), decisions)
+    low = lower(g, loaded.spec, loaded.model, decisions)
+    return Plan(loaded, schedule, g, low.context, low.residency, tuple(naive_rows(low.context)), low.decisions)
 
 
 def remedies(plan: Plan, objects: list[MemObject]) -> list[str]:
