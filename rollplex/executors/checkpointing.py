@@ -50,7 +50,9 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     and is a `RunFailed` that says the previous checkpoint is kept.
 
     Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
-    writes, each rank writes its own optimizer state (`optimizer-rank{r}/part-*.pt`)."""
+    writes, each rank writes its own optimizer state (`optimizer-rank{r}/part-*.pt`). Under data parallelism
+    replica 0 writes, and with a sharded optimizer (ZeRO-1) every replica writes its share
+    (`optimizer[-rank{r}]-dp{d}/`, flat pieces in the runtime's stored shapes: resume on the same layout)."""
     final = checkpoint_dir(out_dir, snap.step)
     tmp = final.with_name(final.name + ".tmp")
     try:
@@ -67,14 +69,11 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(engines)
-    if engines.dp is not None and engines.dp.rank > 0:  # replicas of replica 0's weights and optimizer state
+    replica = engines.dp is not None and engines.dp.rank > 0  # a replica of replica 0's weights
+    if replica and engines.optimizer.shard is None:  # and of its optimizer state
         return _finish(final, tmp, engines)
-    if engines.tp is None:
-        save_checkpoint(engines.actor, tmp / "model")
-    else:
-        state = full_state(engines.actor, engines.tp.train, dst=0, to_host=True)  # every rank sends, rank 0 keeps
-        if engines.is_main:
-            save_state(state, engines.actor.config, tmp / "model")
+    if not replica:  # (a ZeRO-1 replica writes its share of the optimizer state only)
+        _save_weights(tmp / "model", engines)
     parts = tmp / _optimizer_dir(engines)  # in parts: the whole state at once would double its host memory
     parts.mkdir()
     names = _optimizer_names(engines)
@@ -90,6 +89,16 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
     return _finish(final, tmp, engines)
+
+
+def _save_weights(directory: Path, engines: Engines) -> None:
+    """The actor as one HF model; under tensor parallelism gathered from every rank, written by rank 0."""
+    if engines.tp is None:
+        save_checkpoint(engines.actor, directory)
+        return
+    state = full_state(engines.actor, engines.tp.train, dst=0, to_host=True)  # every rank sends, rank 0 keeps
+    if engines.is_main:
+        save_state(state, engines.actor.config, directory)
 
 
 def _finish(final: Path, tmp: Path, engines: Engines) -> Path:
@@ -116,7 +125,7 @@ def _in_hf_shapes(part: dict, names: list[str | None], vision) -> dict:
     """Optimizer state as transformers' shapes hold it: the vision MLPs' padding (`VisionMLP`) left out, as in
     the weights, so a checkpoint does not depend on how the runtime pads."""
     for i, entry in part["state"].items():
-        if names[i] is not None:
+        if names[i] is not None and "range" not in entry:  # a ZeRO-1 share's flat piece stays as stored
             for key in STATE_KEYS:
                 entry[key] = hf_view(names[i], entry[key], vision).contiguous()
     return part
@@ -127,13 +136,14 @@ def _in_stored_shapes(part: dict, engines: Engines, names: list[str | None]) -> 
     params, vision = engines.optimizer.params, engines.actor.config.vision
     for i, entry in part["state"].items():
         for key in STATE_KEYS:
-            if entry.get(key) is not None and names[i] is not None:
+            if entry.get(key) is not None and names[i] is not None and "range" not in entry:
                 entry[key] = hf_padded(names[i], entry[key], params[i].shape, vision)  # another shape fails here
     return part
 
 
 def _optimizer_dir(engines: Engines) -> str:
-    return "optimizer" if engines.tp is None else f"optimizer-rank{engines.tp.train.rank}"
+    name = "optimizer" if engines.tp is None else f"optimizer-rank{engines.tp.train.rank}"
+    return name if engines.optimizer.shard is None else f"{name}-dp{engines.dp.rank}"
 
 
 def _barrier(engines: Engines) -> None:
@@ -175,9 +185,9 @@ def load(path: Path, engines: Engines) -> Snapshot:
         engines.optimizer.load_state_dict(part)
         covered |= set(part["state"])
         del part
-    if len(covered) != len(engines.optimizer.params):
+    if covered != set(engines.optimizer.owned):
         raise ValueError(f"{path / _optimizer_dir(engines)} covers {len(covered)} of the optimizer's "
-                         f"{len(engines.optimizer.params)} parameters: an incomplete checkpoint")  # fmt: skip
+                         f"{len(engines.optimizer.owned)} parameters: an incomplete checkpoint")  # fmt: skip
     if engines.critic is not None:
         if not (path / "critic.pt").is_file():
             raise ValueError(f"{path} has no critic.pt: it was not written by a run with a critic")

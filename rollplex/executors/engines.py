@@ -36,7 +36,7 @@ from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
-from rollplex.memory.optimizer import ChunkedAdamW
+from rollplex.memory.optimizer import ChunkedAdamW, Shard
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate
@@ -187,7 +187,10 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     remote = None
     if sharing.policy is SharingPolicy.MPS:
         remote = make_remote_rollout(rollout_model, sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
-    optimizer = make_optimizer(actor, a, tp, bound, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM)
+    shard = Shard(dp.rank, dp.size, dp.group) if d.distributed_optimizer else None
+    optimizer = make_optimizer(
+        actor, a, tp, bound, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM, shard=shard
+    )
     sampling = SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,
@@ -267,11 +270,12 @@ def make_optimizer(
     chunk_bytes: int,
     state_on_device: bool,
     lr: float | None = None,
+    shard: Shard | None = None,
 ) -> ChunkedAdamW:
     """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
     gradients, the paper's Table 1), its FP32 state in HBM or in the pinned pool as the plan has it, in the
     plan's chunks; under tensor parallelism its grad norm counts the shards over the group, and it streams each
-    bound parameter's exchange as soon as it has written it."""
+    bound parameter's exchange as soon as it has written it. `shard`: ZeRO-1 over the data-parallel ranks."""
     params = [p for p in actor.parameters() if p.requires_grad]
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
@@ -287,6 +291,7 @@ def make_optimizer(
         write=None if bound is None else bound.writer(params),
         fp32_grads=True,
         state_on_device=state_on_device,
+        shard=shard,
     )
 
 

@@ -65,6 +65,7 @@ class Decisions:
     weight_sharing: bool  # rollout reads the actor's weights; False: a copy, refreshed after each update
     sharing: Sharing
     freeze_vision: bool = False  # the vision tower is not trained; both prefixes share each prompt's vision output
+    distributed_optimizer: bool = False  # ZeRO-1: the FP32 state split over the training data-parallel ranks
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -107,6 +108,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         weight_sharing=spec.memory.weight_sharing,
         sharing=_sharing(spec),
         freeze_vision=spec.model.freeze_vision,
+        distributed_optimizer=spec.parallel.distributed_optimizer and c.gpu.train_dp > 1,
     )
 
 

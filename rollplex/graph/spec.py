@@ -84,7 +84,10 @@ class ParallelSpec(_Strict):
         "(false: every replica samples all of them, as one replica would).",
     )
     distributed_optimizer: bool = Field(
-        False, description="Shard FP32 master weights and Adam moments over training data-parallel ranks."
+        False,
+        description="ZeRO-1: shard the FP32 master weights and Adam moments over the training data-parallel ranks. "
+        "Each rank keeps, updates and checkpoints its share of the elements and sends their new values to the "
+        "others; the plan counts the share. No effect with one data-parallel rank.",
     )
     sequence_parallel: bool = Field(
         False,

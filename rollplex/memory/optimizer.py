@@ -76,26 +76,50 @@ class Chunk:
     numel: int
 
 
-def plan_chunks(numels: Sequence[int], chunk_bytes: int) -> tuple[Chunk, ...]:
-    """Cut the parameters, flattened and laid end to end, into the fewest chunks whose FP32 state fits in
-    `chunk_bytes`, equal to within one element; a parameter across a boundary is split between chunks."""
+def plan_chunks(numels: Sequence[int], chunk_bytes: int, lo: int = 0, hi: int | None = None) -> tuple[Chunk, ...]:
+    """Cut elements [lo, hi) of the parameters, flattened and laid end to end (default: all of them), into the
+    fewest chunks whose FP32 state fits in `chunk_bytes`, equal to within one element; a parameter across a
+    boundary is split between chunks."""
     capacity = chunk_bytes // STATE_BYTES_PER_ELEMENT
     if capacity < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes} is below one element's state ({STATE_BYTES_PER_ELEMENT} bytes)")
-    total = sum(numels)
+    hi = sum(numels) if hi is None else hi
+    total = hi - lo
     num_chunks = max(1, -(-total // capacity))
     starts = [0, *accumulate(numels)]
     chunks = []
     for k in range(num_chunks):
-        lo, hi = k * total // num_chunks, (k + 1) * total // num_chunks
-        segments, i = [], bisect_right(starts, lo) - 1
-        while i < len(numels) and starts[i] < hi:
-            first, last = max(lo, starts[i]), min(hi, starts[i + 1])
-            if first < last:
-                segments.append(Segment(i, first - starts[i], last - starts[i], first - lo))
-            i += 1
-        chunks.append(Chunk(tuple(segments), hi - lo))
+        first_k, last_k = lo + k * total // num_chunks, lo + (k + 1) * total // num_chunks
+        chunks.append(Chunk(flat_segments(starts, first_k, last_k), last_k - first_k))
     return tuple(chunks)
+
+
+def flat_segments(starts: Sequence[int], first: int, last: int) -> tuple[Segment, ...]:
+    """The parameters' pieces in flat elements [first, last): `starts` are the parameters' flat offsets (and the
+    total last); each piece's `offset` is from `first`."""
+    segments, i = [], bisect_right(starts, first) - 1
+    while i < len(starts) - 1 and starts[i] < last:
+        a, b = max(first, starts[i]), min(last, starts[i + 1])
+        if a < b:
+            segments.append(Segment(i, a - starts[i], b - starts[i], a - first))
+        i += 1
+    return tuple(segments)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """ZeRO-1: the FP32 state split over `size` data-parallel ranks, this one `rank`, over process `group` (None:
+    the default group). Rank r owns the flat elements [r * N // size, (r + 1) * N // size) of the N parameters'
+    elements laid end to end: it keeps their master weights and moments, updates them, and sends their new
+    values to every other rank, which writes them where its own go."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def bounds(self, total: int, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        return r * total // self.size, (r + 1) * total // self.size
 
 
 def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
@@ -174,9 +198,11 @@ class ChunkedAdamW:
         sharded: Sequence[bool] | None = None,
         fp32_grads: bool = False,
         state_on_device: bool = False,
+        shard: Shard | None = None,
     ) -> None:
         """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits) and the chunks are
-        copied device to device; by default it lives in pinned host memory."""
+        copied device to device; by default it lives in pinned host memory. `shard`: this rank keeps and
+        updates only its share of the state (ZeRO-1); the gradients must already be summed over the ranks."""
         self.params = list(params)
         self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
         fold = _weak_fold(self)
@@ -189,7 +215,13 @@ class ChunkedAdamW:
             raise ValueError(f"ChunkedAdamW got {len(self.params)} parameters and no elements to update")
         self.config = AdamWConfig(lr, tuple(betas), eps, weight_decay, max_grad_norm)
         self.device = self.params[0].device
-        self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes)
+        self.starts = (0, *accumulate(p.numel() for p in self.params))  # flat offsets, then the total
+        self.shard = shard
+        if shard is not None and self.starts[-1] < shard.size:
+            raise ValueError(f"{self.starts[-1]} elements cannot be sharded over {shard.size} ranks")
+        self.lo, self.hi = (0, self.starts[-1]) if shard is None else shard.bounds(self.starts[-1])
+        self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes, self.lo, self.hi)
+        self.chunk_elements = chunk_bytes // STATE_BYTES_PER_ELEMENT
         self.capacity = max(chunk.numel for chunk in self.chunks)
         on_host = not state_on_device or self.device.type == "cpu"
         self.pool = pool or HostPool(
@@ -277,6 +309,8 @@ class ChunkedAdamW:
                 self._adam(j, slots[j % NUM_SLOTS], grad, scratch, coef)
             offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=_after(adam))
         self._join()
+        if self.shard is not None:
+            self._share_updates()
         return self.last_grad_norm
 
     def _carve_workspace(self) -> tuple[torch.Tensor, ...]:
@@ -302,7 +336,10 @@ class ChunkedAdamW:
 
     def _global_norm(self, norms: torch.Tensor) -> torch.Tensor:
         """The norm of every segment's norm; under tensor parallelism the sharded segments' squares are summed
-        over the group and the replicated ones counted once (Megatron's rule)."""
+        over the group and the replicated ones counted once (Megatron's rule); under ZeRO-1 each rank's squares
+        are of its own elements, summed over the data-parallel ranks first."""
+        if self.shard is not None:
+            return self._sharded_global_norm(norms)
         if self.tp is None or self.tp.size == 1:
             return torch.linalg.vector_norm(norms)
         if self._sharded_segments is None:  # built on the first step, on the norms' device
@@ -313,6 +350,43 @@ class ChunkedAdamW:
         sharded = torch.where(mask, squares, 0.0).sum()
         dist.all_reduce(sharded, group=self.tp.group)
         return (sharded + torch.where(mask, 0.0, squares).sum()).sqrt()
+
+    def _sharded_global_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        squares = norms.square()
+        flags = [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments]
+        mask = torch.tensor(flags, dtype=torch.bool, device=norms.device)
+        sums = torch.stack([torch.where(mask, squares, 0.0).sum(), torch.where(mask, 0.0, squares).sum()])
+        dist.all_reduce(sums, group=self.shard.group)  # every element is one rank's: the whole model's squares
+        if self.tp is not None and self.tp.size > 1:
+            dist.all_reduce(sums[0], group=self.tp.group)
+        return sums.sum().sqrt()
+
+    def _share_updates(self) -> None:
+        """ZeRO-1's all-gather: every rank's new FP32 values, written here through `write` (this rank's own went
+        there in `_adam`). A window of `capacity` elements of each rank's share at a time, read from the state."""
+        self._sync()
+        s, total = self.shard, self.starts[-1]
+        ranks = [s.bounds(total, r) for r in range(s.size)]
+        window = self.chunk_elements  # the same on every rank
+        for w in range(0, max(b - a for a, b in ranks), window):
+            send = torch.zeros(window, dtype=torch.float32, device=self.device)
+            self._read_masters(self.lo + w, min(self.hi, self.lo + w + window), send)
+            parts = [torch.empty_like(send) for _ in range(s.size)]
+            dist.all_gather(parts, send, group=s.group)
+            for r, (a, b) in enumerate(ranks):
+                if r == s.rank or a + w >= b:
+                    continue
+                for seg in flat_segments(self.starts, a + w, min(b, a + w + window)):
+                    self.write(seg.param_index, seg.start, parts[r][seg.offset : seg.offset + seg.numel])
+
+    def _read_masters(self, first: int, last: int, out: torch.Tensor) -> None:
+        """This rank's FP32 master weights of flat elements [first, last) into out[: last - first]."""
+        begin = self.lo
+        for j, chunk in enumerate(self.chunks):
+            a, b = max(first, begin), min(last, begin + chunk.numel)
+            if a < b:
+                out[a - first : b - first].copy_(self._host(j)[0, a - begin : b - begin])
+            begin += chunk.numel
 
     def _gather_grads(self, chunk: Chunk, grad: torch.Tensor) -> None:
         for s in chunk.segments:
@@ -357,8 +431,9 @@ class ChunkedAdamW:
         if self._done is not None:
             self._done.synchronize()
 
-    def _fill_param(self, i: int, *rows: torch.Tensor | None) -> None:
-        """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros)."""
+    def _fill_param(self, i: int, *rows: torch.Tensor | None, base: int = 0) -> None:
+        """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros); each source holds the
+        parameter's flat elements from `base` on (0: the whole parameter)."""
         for j, s in self._segments_of[i]:
             host = self._host(j)
             for row, source in enumerate(rows):
@@ -366,12 +441,27 @@ class ChunkedAdamW:
                 if source is None:
                     part.zero_()
                 else:
-                    part.copy_(source.reshape(-1)[s.start : s.stop])
+                    part.copy_(source.reshape(-1)[s.start - base : s.stop - base])
+
+    def own_range(self, i: int) -> tuple[int, int] | None:
+        """The flat elements [start, stop) of parameter i whose state this optimizer keeps (all of them unless
+        sharded), or None."""
+        segments = [s for _, s in self._segments_of[i]]
+        return (segments[0].start, segments[-1].stop) if segments else None
+
+    @property
+    def owned(self) -> list[int]:
+        """The parameters with state here: all of them, or under ZeRO-1 those with elements in this share."""
+        return [i for i in range(len(self.params)) if self._segments_of[i]]
 
     def _gather_param(self, i: int, row: int) -> torch.Tensor:
-        out = torch.empty(self.params[i].shape, dtype=torch.float32)
+        """Row `row` of parameter i's state: its shape, or under ZeRO-1 the flat elements of `own_range`."""
+        start, stop = self.own_range(i)
+        whole = self.shard is None
+        out = torch.empty(self.params[i].shape if whole else (stop - start,), dtype=torch.float32)
+        base = 0 if whole else start
         for j, s in self._segments_of[i]:
-            out.view(-1)[s.start : s.stop].copy_(self._host(j)[row, s.offset : s.offset + s.numel])
+            out.view(-1)[s.start - base : s.stop - base].copy_(self._host(j)[row, s.offset : s.offset + s.numel])
         return out
 
     def state_dict(self) -> dict:
@@ -391,12 +481,17 @@ class ChunkedAdamW:
         c = self.config
         group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
         group |= {"max_grad_norm": c.max_grad_norm, "params": list(range(len(self.params)))}
+        if self.shard is not None:
+            group["shard"] = [self.shard.rank, self.shard.size]
         state, num_bytes = {}, 0
-        for i, p in enumerate(self.params):
+        owned = self.owned
+        for k, i in enumerate(owned):
             rows = [self._gather_param(i, row) for row in range(3)]
             state[i] = {"step": step.clone(), "exp_avg": rows[1], "exp_avg_sq": rows[2], "master": rows[0]}
-            num_bytes += STATE_BYTES_PER_ELEMENT * p.numel()
-            if max_bytes is not None and num_bytes >= max_bytes and i + 1 < len(self.params):
+            if self.shard is not None:
+                state[i]["range"] = list(self.own_range(i))
+            num_bytes += STATE_BYTES_PER_ELEMENT * rows[0].numel()
+            if max_bytes is not None and num_bytes >= max_bytes and k + 1 < len(owned):
                 yield {"state": state, "param_groups": [group]}
                 state, num_bytes = {}, 0
         yield {"state": state, "param_groups": [group]}
@@ -409,11 +504,22 @@ class ChunkedAdamW:
         state = state_dict["state"]
         if len(group["params"]) != len(self.params):
             raise ValueError(f"state dict holds {len(group['params'])} parameters, this optimizer {len(self.params)}")
+        mine = None if self.shard is None else [self.shard.rank, self.shard.size]
+        if "shard" in group and list(group["shard"]) != mine:
+            raise ValueError(f"optimizer state of shard {group['shard']} (rank, ranks), this optimizer's {mine}: "
+                             "resume with the data-parallel layout that wrote it")  # fmt: skip
         self._sync()
         for i, key in enumerate(group["params"]):
-            if key in state:
+            if key in state and self._segments_of[i]:
                 e = state[key]
-                self._fill_param(i, e.get("master", self.params[i].detach()), e["exp_avg"], e["exp_avg_sq"])
+                base = 0
+                if "range" in e:  # a shard's own elements of the parameter
+                    if tuple(e["range"]) != self.own_range(i):
+                        raise ValueError(f"parameter {i}: state of elements {e['range']}, this shard keeps "
+                                         f"{self.own_range(i)}")  # fmt: skip
+                    base = e["range"][0]
+                master = e.get("master", self.params[i].detach())
+                self._fill_param(i, master, e["exp_avg"], e["exp_avg_sq"], base=base)
                 self.num_steps = int(e["step"])
         keys = ("lr", "betas", "eps", "weight_decay")
         self.config = AdamWConfig(

@@ -1,7 +1,8 @@
 """`rollplex run` on two data-parallel processes (gloo, train TP 1) against the same spec in one process: each
 rank takes half the step's prompt groups, and the run gives the one-process run's rollouts, losses and weights
-within float32 rounding, also as two replicas of a tensor-parallel pair (4 processes) and as two nodes over
-loopback, resumed half-way; a launch that does not match the cluster is one line."""
+within float32 rounding, also as two replicas of a tensor-parallel pair (4 processes), as two nodes over
+loopback resumed half-way, and with the optimizer state sharded over the ranks (ZeRO-1) resumed from its
+shares; a launch that does not match the cluster is one line."""
 
 from __future__ import annotations
 
@@ -81,6 +82,26 @@ def test_two_data_parallel_replicas_of_two_tensor_parallel_ranks_train_as_one_pr
     four = launch(4, spec, tmp_path / "four", "--steps", "2")
     assert four.returncode == 0, four.stderr[-3000:]
     assert_trains_as(tmp_path / "four", one_process)
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_the_optimizer_state_zero1_train_as_one_process_and_resume_from_their_shares(
+    tmp_path, one_process
+):
+    spec = tmp_path / "zero1.yaml"
+    spec.write_text(DP2.read_text().replace("parallel: {train_tp: 1, rollout_tp: 1}", "parallel: {train_tp: 1, "
+                                            "rollout_tp: 1, distributed_optimizer: true}"))  # fmt: skip
+    first = launch(2, spec, tmp_path / "zero1", "--steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = tmp_path / "zero1" / "checkpoints" / "step-000001"
+    assert {p.name for p in written.glob("optimizer*")} == {"optimizer-dp0", "optimizer-dp1"}  # a share each
+    shares = [torch.load(f, weights_only=True) for d in ("optimizer-dp0", "optimizer-dp1")
+              for f in sorted((written / d).glob("part-*.pt"))]  # fmt: skip
+    elements = sum(e["master"].numel() for part in shares for e in part["state"].values())
+    assert elements == sum(t.numel() for t in weights(tmp_path / "zero1", 1).values())  # every element once
+    rest = launch(2, spec, tmp_path / "zero1", "--steps", "2", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert_trains_as(tmp_path / "zero1", one_process)
 
 
 def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path):
