@@ -29,20 +29,25 @@ BUCKET_BYTES = 32 * 2**20  # gradients all-reduced per flat bucket of FP32 value
 @dataclass(frozen=True)
 class DataParallel:
     """`size` replicas; this process is in replica `rank`; `group` holds the ranks of every replica that share
-    this process's tensor-parallel position (the world without tensor parallelism)."""
+    this process's tensor-parallel position (the world without tensor parallelism). With `minibatches` M, the
+    step's prompts are M mini-batches and each rank takes its part of every one, so that its m-th local
+    mini-batch is its part of the step's m-th (the one-process run's)."""
 
     size: int
     rank: int
     group: dist.ProcessGroup | None = None
+    minibatches: int = 1
 
-    def share(self, n: int) -> slice:
-        """This rank's part of n items (prompts) in rank order."""
-        per = n // self.size
-        return slice(self.rank * per, (self.rank + 1) * per)
+    def share(self, n: int) -> list[int]:
+        """This rank's items (prompts) of n: the rank's part of each mini-batch's, in order."""
+        block = n // self.minibatches
+        per = block // self.size
+        return [m * block + self.rank * per + i for m in range(self.minibatches) for i in range(per)]
 
-    def rows(self, local_rows: int) -> tuple[int, int]:
-        """(first row, every rank's rows) of this rank's rows in the step's global batch."""
-        return self.rank * local_rows, self.size * local_rows
+    def rows(self, num_prompts: int, group_size: int) -> tuple[list[int], int]:
+        """(this rank's rows, every rank's rows) in the step's global batch of prompt groups, rows p * N + n."""
+        every = num_prompts * self.size
+        return [p * group_size + n for p in self.share(every) for n in range(group_size)], every * group_size
 
     def sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

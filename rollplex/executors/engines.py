@@ -15,7 +15,7 @@ import copy
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -156,8 +156,15 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         raise SpecError("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole hidden "
                         "state on every rank", "set it false to run")  # fmt: skip
     tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
-    if dp is not None and (Role.CRITIC in roles(plan.graph) or spec.algorithm.minibatches_per_step > 1):
-        raise SpecError("algorithm", "data parallelism runs GRPO with one mini-batch for now", "run one process")
+    if dp is not None and Role.CRITIC in roles(plan.graph):
+        raise SpecError("algorithm", "data parallelism runs GRPO for now, not a critic", "run one process")
+    if dp is not None:
+        minibatches = spec.algorithm.minibatches_per_step
+        if spec.workload.prompts_per_step % (minibatches * dp.size):
+            raise SpecError("workload.prompts_per_step", f"{spec.workload.prompts_per_step} prompts do not split "
+                            f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
+                            f"use a multiple of {minibatches * dp.size}")  # fmt: skip
+        dp = replace(dp, minibatches=minibatches)
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)

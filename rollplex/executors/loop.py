@@ -100,7 +100,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             examples = batch_at(dataset, position, size)
             check_budget(loaded, examples)
             if engines.dp is not None:  # this data-parallel rank's share of the step's prompt groups
-                examples = examples[engines.dp.share(len(examples))]
+                examples = [examples[i] for i in engines.dp.share(len(examples))]
 
             def before(o: Op) -> None:
                 nonlocal updating

@@ -148,7 +148,7 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
     jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]) for p in prefixes]
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
-    shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts) * e.group_size)}
+    shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts), e.group_size)}
     rollout = e.rollout(
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
         max_lens=_length_budgets(e, len(prompts)), **shared,

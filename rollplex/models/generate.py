@@ -17,7 +17,7 @@ from torch import Tensor
 from rollplex.models.cache import ResponseCache
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.sampling import SamplingParams, sample, tempered
+from rollplex.models.sampling import Rows, SamplingParams, sample, tempered
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,14 @@ def generate(
     generator: torch.Generator,
     beside: Callable[[int], None] | None = None,
     max_lens: Tensor | None = None,
-    rows: tuple[int, int] | None = None,
+    rows: Rows | None = None,
 ) -> Rollout:
     """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
 
     beside: called after each decode step with the live batch size, to run other work in between
     (`rollplex.rollout.beside`).
     max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first).
-    rows (first, total): the P x N sequences are rows first.. of a larger batch, whose random numbers each step
+    rows (index, total): the P x N sequences are rows `index` of a larger batch, whose random numbers each step
     draws (`sample`; a data-parallel rank's share of the step)."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")

@@ -7,10 +7,13 @@ token under the distribution it was drawn from (`tempered`). Not here: the decod
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+Rows = tuple[Sequence[int], int]  # (these rows' indices, the rows of the whole batch): a share of a larger batch
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,10 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def sample(
-    logprobs: Tensor, params: SamplingParams, generator: torch.Generator, rows: tuple[int, int] | None = None
-) -> Tensor:
+def sample(logprobs: Tensor, params: SamplingParams, generator: torch.Generator, rows: Rows | None = None) -> Tensor:
     """One token id [B] from each next-token distribution logprobs [B, V] (float32), already at
     `params.logprob_temperature` (`tempered`): the most likely token when greedy, else a draw, within top-p.
-    `rows` (first, total): these are rows first.. of a batch of `total`, whose random numbers are all drawn."""
+    `rows` (index, total): these are rows `index` of a batch of `total`, whose random numbers are all drawn."""
     if params.temperature == 0:
         return logprobs.argmax(dim=-1)
     probs = logprobs.exp()
@@ -70,7 +71,7 @@ def sample(
     return race(probs, generator, rows)
 
 
-def race(probs: Tensor, generator: torch.Generator, rows: tuple[int, int] | None = None) -> Tensor:
+def race(probs: Tensor, generator: torch.Generator, rows: Rows | None = None) -> Tensor:
     """One draw per row of probs [B, V]: the first of V exponential clocks of rates probs to ring.
 
     argmax(probs / E) with E ~ Exp(1) picks token v with probability probs[v] / sum(probs), like multinomial,
@@ -79,6 +80,7 @@ def race(probs: Tensor, generator: torch.Generator, rows: tuple[int, int] | None
     if rows is None:
         clocks = torch.empty_like(probs).exponential_(generator=generator)
     else:
-        first, total = rows
-        clocks = probs.new_empty(total, probs.shape[-1]).exponential_(generator=generator)[first : first + len(probs)]
+        index, total = rows
+        every = probs.new_empty(total, probs.shape[-1]).exponential_(generator=generator)
+        clocks = every.index_select(0, torch.as_tensor(index, device=probs.device))
     return (probs / clocks).argmax(dim=-1)
