@@ -80,7 +80,7 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
     for k, part in enumerate(engines.optimizer.state_parts()):
         torch.save(_in_hf_shapes(part, names, engines.actor.config.vision), parts / f"part-{k:05d}.pt")
         del part  # else it stays alive while the next part is gathered
-    if engines.critic is not None:  # PPO's critic (one process): its weights and its optimizer's parts
+    if engines.critic is not None and not replica:  # PPO's critic: its weights and its optimizer's parts
         torch.save(engines.critic.state_dict(), tmp / "critic.pt")
         (tmp / "critic-optimizer").mkdir()
         for k, part in enumerate(engines.critic_optimizer.state_parts()):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollplex.executors.grpo import loss_scale
+from rollplex.executors.grpo import LossScale, loss_scale
 from rollplex.executors.ppo import PpoConfig, gae, token_rewards, value_loss
 from rollplex.executors.scoring import LeafBoundary, row_batches
 from rollplex.models.generate import Rollout
@@ -38,11 +38,14 @@ def train_critic(
     rewards: Tensor,
     boundary: LeafBoundary | None,
     microbatch_memory,
+    dp=None,
 ) -> CriticResult:
     """The critic's values and value loss over the step's responses; gradients accumulate in its `.grad`s."""
     num_prompts, num_samples, width = rollout.responses.shape
     mask = torch.arange(width, device=rollout.responses.device) < rollout.response_lens[..., None]
     scale = loss_scale(mask)
+    if dp is not None:  # the whole step's normaliser, over every data-parallel rank's responses
+        scale = LossScale(*(int(x) for x in dp.sum([scale.num_tokens, scale.num_sequences])))
     step_rewards = token_rewards(rewards.to(mask.device), mask)
     values = torch.zeros(num_prompts * num_samples, width, device=mask.device)
     total = torch.zeros((), device=mask.device)

@@ -156,8 +156,6 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         raise SpecError("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole hidden "
                         "state on every rank", "set it false to run")  # fmt: skip
     tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
-    if dp is not None and Role.CRITIC in roles(plan.graph):
-        raise SpecError("algorithm", "data parallelism runs GRPO for now, not a critic", "run one process")
     if dp is not None:
         minibatches = spec.algorithm.minibatches_per_step
         if spec.workload.prompts_per_step % (minibatches * dp.size):

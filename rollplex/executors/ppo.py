@@ -47,10 +47,17 @@ def gae(cfg: PpoConfig, rewards: Tensor, values: Tensor, mask: Tensor) -> tuple[
     return advantages, (advantages + values).where(mask, 0.0)
 
 
-def whiten(x: Tensor, mask: Tensor) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the real tokens (population variance), 0 elsewhere."""
+def whiten(x: Tensor, mask: Tensor, dp=None) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the real tokens (population variance), 0 elsewhere; under data
+    parallelism (`dp`) over every rank's real tokens (two passes: the mean, then the squared deviations)."""
     real = x[mask]
-    mean, var = real.mean(), real.var(unbiased=False)
+    if dp is None:
+        mean, var = real.mean(), real.var(unbiased=False)
+    else:
+        total, count = dp.sum([float(real.double().sum()), float(real.numel())])
+        mean = torch.tensor(total / count, dtype=x.dtype, device=x.device)
+        (squares,) = dp.sum([float((real - mean).double().square().sum())])
+        var = torch.tensor(squares / count, dtype=x.dtype, device=x.device)
     return ((x - mean) * torch.rsqrt(var + WHITEN_EPS)).where(mask, 0.0)
 
 

@@ -281,13 +281,14 @@ def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Ste
     rollout = _read(g, store, scoring, NodeKind.DECODE)
     boundary = _read(g, store, scoring, NodeKind.FORWARD, Role.CRITIC, Part.PREFIX, required=False)
     rewards = _read(g, store, o, NodeKind.REWARD)
-    result = train_critic(e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, nullcontext)
+    result = train_critic(e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, nullcontext, e.dp)
     store[scoring.outputs[0]] = result.values
-    record.stats["value_loss"] = float(result.loss)
+    record.stats["value_loss"] = float(result.loss) if e.dp is None else e.dp.sum([float(result.loss)])[0]
     store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))
 
 
 def _critic_update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
+    _sum_grads(e.dp, e.critic_optimizer)
     record.stats["critic_grad_norm"] = float(e.critic_optimizer.step())
     e.critic_optimizer.zero_grad()
 
@@ -312,7 +313,7 @@ def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Step
         ref=_read(g, store, o, NodeKind.FORWARD, Role.REFERENCE, required=False),
         boundary=_read(g, store, scoring, NodeKind.FORWARD, Role.ACTOR, Part.PREFIX, required=False),
         old_logprobs=store[old[0]] if old else None,
-        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values, rollout),
+        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values, rollout, e.dp),
     )
     every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
     if every is not None:
@@ -323,21 +324,29 @@ def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Step
 
 
 def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
-    if e.dp is not None:  # each rank's loss is its share of the step's: the summed gradients are the step's
-        grads = [e.optimizer.grad_of(i) for i in range(len(e.optimizer.params))]
-        e.dp.all_reduce_grads([g for g in grads if g is not None])
+    _sum_grads(e.dp, e.optimizer)
     record.train.grad_norms.append(float(e.optimizer.step()))
     record.stats["grad_norm"] = sum(record.train.grad_norms) / len(record.train.grad_norms)
     e.optimizer.zero_grad()
     e.publish()
 
 
-def ppo_advantages(cfg: PpoConfig, rewards: torch.Tensor, values: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """PPO's per-token advantages [P, N, R]: GAE over the critic's values, whitened over the step's tokens."""
+def _sum_grads(dp, optimizer) -> None:
+    """Data-parallel: each rank's loss is its share of the step's, so the summed gradients are the step's."""
+    if dp is not None:
+        grads = [optimizer.grad_of(i) for i in range(len(optimizer.params))]
+        dp.all_reduce_grads([g for g in grads if g is not None])
+
+
+def ppo_advantages(
+    cfg: PpoConfig, rewards: torch.Tensor, values: torch.Tensor, rollout: Rollout, dp=None
+) -> torch.Tensor:
+    """PPO's per-token advantages [P, N, R]: GAE over the critic's values, whitened over the step's tokens (every
+    data-parallel rank's)."""
     width = rollout.responses.shape[-1]
     mask = torch.arange(width, device=values.device) < rollout.response_lens[..., None].to(values.device)
     advantages, _ = gae(cfg, token_rewards(rewards.to(values.device), mask), values, mask)
-    return whiten(advantages, mask)
+    return whiten(advantages, mask, dp)
 
 
 def _read(

@@ -52,13 +52,13 @@ def one_process(tmp_path_factory) -> Path:
     return tmp / "run"
 
 
-def assert_trains_as(out: Path, reference: Path, weights_rel: float = 1e-5) -> None:
+def assert_trains_as(out: Path, reference: Path, weights_rel: float = 1e-5, loss_abs: float = 1e-9) -> None:
     a, b = metrics(reference), metrics(out)
     assert [r["step"] for r in b] == [1, 2]
     for x, y in zip(a, b, strict=True):
         assert x["reward_mean"] == y["reward_mean"] and x["response_len_mean"] == y["response_len_mean"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
-            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=loss_abs if key == "loss" else 1e-9), key
     w1, w2 = weights(reference, 2), weights(out, 2)
     assert w1.keys() == w2.keys()
     for name, t in w1.items():
@@ -121,6 +121,29 @@ def test_two_ranks_with_two_mini_batches_train_as_one_process_with_two(tmp_path,
     assert_trains_as(tmp_path / "pair", tmp_path / "alone", weights_rel=5e-5)
     one_batch = metrics(one_process)[1]["loss"]  # one update a step trains otherwise: the test tells them apart
     assert metrics(tmp_path / "pair")[1]["loss"] != pytest.approx(one_batch, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_on_two_ranks_trains_as_one_process(tmp_path):
+    """The critic's value loss normalised over the whole step, its gradients summed, the advantages whitened over
+    every rank's tokens."""
+    # Adam's eps as the DP spec has it: at 1e-8 elements whose gradient is rounding take rounding-sized steps
+    text = (ROOT / "specs/ppo_critic_tiny.yaml").read_text().replace("lr: 1.0e-3,", "lr: 1.0e-3, eps: 1.0e-6,", 1)
+    assert "eps: 1.0e-6" in text
+    one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
+    one.write_text(text)
+    two.write_text(text.replace("cluster: {hbm_gib: 16", "cluster: {gpus_per_node: 2, hbm_gib: 16"))
+    assert two.read_text() != text
+    alone = launch(1, one, tmp_path / "alone", "--steps", "2")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    pair = launch(2, two, tmp_path / "pair", "--steps", "2")
+    assert pair.returncode == 0, pair.stderr[-3000:]
+    # PPO's loss is a mean of whitened advantages (zero but for rounding) and a KL term: compared absolutely; the
+    # keys' biases (a zero gradient but for rounding) as in the mini-batch test
+    assert_trains_as(tmp_path / "pair", tmp_path / "alone", weights_rel=5e-5, loss_abs=1e-6)
+    for x, y in zip(metrics(tmp_path / "alone"), metrics(tmp_path / "pair"), strict=True):
+        for key in ("value_loss", "critic_grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
 
 
 def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path):
