@@ -312,20 +312,32 @@ class PhaseTime:
     cost: Cost
     bound_s: float
     efficiency: float | None  # bound over measured seconds, where known
-    predicted_s: float | None  # bound / efficiency
+    predicted_s: float | None  # at the efficiency (`time_plan`)
+
+
+HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
 
 def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
     """Each phase timer's cost and bound for the step the plan is made for (`planned_step`), and its predicted
-    seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`)."""
+    seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`). A bench's efficiency is that of a
+    phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the bench
+    had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of the
+    link, the two overlapping: each part takes the longer of the two."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     costs = plan_phase_costs(plan, planned_step(plan))
     rows = []
     for timer, parts in costs.items():
         bound = sum(p.bound_s(peaks) for p in parts)
         e = (efficiencies or {}).get(timer)
-        rows.append(PhaseTime(timer, total(parts), bound, e, bound / e if e else None))
+        predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
+        rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)
+
+
+def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
+    device = Cost(part.flops, part.hbm_bytes).bound_s(peaks) / efficiency
+    return max(device, part.host_bytes / peaks.host_bytes_s / HOST_LINK_EFFICIENCY)
 
 
 def planned_step(plan) -> StepTokens:

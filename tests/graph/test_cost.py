@@ -120,7 +120,12 @@ def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_effici
     by = {r.timer: r for r in cost.time_plan(host, {"update": 0.5})}
     assert {r.timer: r for r in cost.time_plan(hbm)}["update"].cost.host_bytes == 0
     assert by["update"].cost.host_bytes == pytest.approx(12 * (by["update"].cost.hbm_bytes / 30))
-    assert by["update"].predicted_s == pytest.approx(by["update"].bound_s / 0.5)
+    link = cost.KNOWN_PEAKS["H200"].host_bytes_s
+    streamed = by["update"].cost.host_bytes / link  # the link's time: the streamed update's bound
+    assert by["update"].bound_s == pytest.approx(streamed)
+    assert by["update"].predicted_s == pytest.approx(streamed / cost.HOST_LINK_EFFICIENCY)  # not bound / 0.5
+    kept = {r.timer: r for r in cost.time_plan(hbm, {"update": 0.5})}["update"]
+    assert kept.predicted_s == pytest.approx(kept.bound_s / 0.5)  # device work only: at the efficiency
     assert by["rollout"].predicted_s is None
 
 
