@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from parallel_testkit import config_for, image_prompt, next_token_loss, spawn, text_prompts
 
 from rollplex.layout.shapes import BF16, Sharding, family_params_per_rank
@@ -62,9 +63,17 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         torch.testing.assert_close(bound.model(prompts), fresh(prompts), atol=1e-5, rtol=1e-5)
     if decode:
         greedy = dict(num_samples=2, params=SamplingParams(temperature=0.0, max_tokens=4), generator=torch.Generator())
-        theirs = RolloutEngine(fresh).generate(text_prompts(), **greedy)
-        for kernels in (DecodeKernels(), DecodeKernels(triton_gemm=True), DecodeKernels(triton_gemm=True, fused=True)):
-            # cuBLAS, then our GEMMs on the slabs, unfused and fused
+        # every rank's fresh model holds the same gathered weights: rank 0 decodes it once for all of them
+        theirs = [RolloutEngine(fresh).generate(text_prompts(), **greedy) if rank == 0 else None]
+        dist.broadcast_object_list(theirs, src=0)
+        theirs = theirs[0]
+        # cuBLAS, then our GEMMs on the slabs, unfused and fused. Over a rollout group of several ranks the fused
+        # step sums o_proj and down_proj as the unfused one does (all-reduce), so the two differ only in the
+        # gate_up GEMM, whose unfused kernel on the paired blocks rollout TP 1 runs
+        kernels_to_run = [DecodeKernels(), DecodeKernels(triton_gemm=True), DecodeKernels(triton_gemm=True, fused=True)]
+        if rollout_tp > 1:
+            del kernels_to_run[1]
+        for kernels in kernels_to_run:
             ours = RolloutEngine(bound.model, kernels=kernels).generate(text_prompts(), **greedy)
             assert torch.equal(ours.responses, theirs.responses)
             torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
