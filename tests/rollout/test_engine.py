@@ -44,6 +44,42 @@ def engine_rollout(model, prompts, params, seed=0):
     return engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(seed)), engine
 
 
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def sampled(model, prompts):
+    """One plain engine's SAMPLED rollouts of seeds 0 and 1 (the engine is returned too, its stats those of the
+    two rollouts): what the tests that change how the engine runs compare with."""
+    engine = RolloutEngine(model)
+    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(s)) for s in (0, 1)]
+    return runs, engine
+
+
+@pytest.fixture(scope="module")
+def planned_kv_bytes() -> int:
+    """The rollout KV bytes the plan of these prompts' workload puts aside."""
+    from rollplex.graph.load import parse_spec
+    from rollplex.graph.plan import compile_plan
+
+    text = f"""
+model: tiny
+cluster: {{hbm_gib: 16, host_gib: 8}}
+workload: {{prompts_per_step: 3, group_size: {NUM_SAMPLES}, prompt_tokens: 12, response_tokens: 6, visual_tokens: 1}}
+run: {{dtype: float32}}
+"""
+    return compile_plan(parse_spec(text)).decisions.rollout_kv_bytes
+
+
+@pytest.fixture(scope="module")
+def paged(model, prompts, planned_kv_bytes):
+    """An engine whose KV lives in a poisoning arena of the plan's size, after its SAMPLED rollouts of seeds 0 and 1."""
+    arena = PoisoningArena(DEVICE, planned_kv_bytes)
+    engine = RolloutEngine(model, kv_arena=arena)
+    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(s)) for s in (0, 1)]
+    return runs, engine, arena
+
+
 @pytest.mark.slow
 def test_greedy_rollout_equals_the_plain_torch_rollout(model, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=6)
@@ -140,11 +176,11 @@ def test_sampled_logprobs_equal_the_models_scores_while_the_batch_shrinks(model,
 def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5)
     engine = RolloutEngine(model)
-    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 0, 1)]
-    graphs = engine.graphs
+    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0))]
+    graphs = engine.graphs  # the later rollouts (other generators) replay the graphs of the first
+    runs += [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 1)]
     assert torch.equal(runs[0].responses, runs[1].responses) and torch.equal(runs[0].logprobs, runs[1].logprobs)
     assert not torch.equal(runs[0].responses, runs[2].responses)
-    engine.generate(prompts[:3], num_samples=NUM_SAMPLES, params=params, generator=torch.Generator(DEVICE))
     assert engine.graphs is graphs
 
 
@@ -160,13 +196,12 @@ def test_length_budgets_end_sequences_at_their_budget(model, prompts):
 
 
 @pytest.mark.slow
-def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundaries(model, prompts):
-    params = SamplingParams(temperature=1.0, max_tokens=8)
-    alone = RolloutEngine(model).generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4))
+def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundaries(model, prompts, sampled):
+    alone = sampled[0][0]  # seed 0, nothing beside
     jobs = [model.prefix_chunks(prompts[:2], attached=False), model.prefix_chunks(prompts, attached=True)]
     beside = Beside(jobs)
     engine = RolloutEngine(model)
-    together = engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(4), beside=beside)
+    together = engine.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0), beside=beside)
     ref, actor = beside.finish()
     assert beside.num_chunks > 0
     spans = engine.stats.step_spans  # timed because work ran beside: one (start, end, rows) per step, in order
@@ -179,12 +214,9 @@ def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundarie
 
 
 @pytest.mark.slow
-def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(model, prompts):
-    params = SamplingParams(temperature=1.0, max_tokens=6)
-    arena = PoisoningArena(DEVICE)
-    engine = RolloutEngine(model, kv_arena=arena)
-    runs = [engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(s)) for s in (0, 1)]
-    plain = [engine_rollout(model, prompts, params, seed=s)[0] for s in (0, 1)]
+def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(paged, sampled):
+    runs, engine, arena = paged  # released after each rollout, mapped again for the next
+    plain, _ = sampled  # seeds 0 and 1, without an arena
     for ours, theirs in zip(runs, plain, strict=True):
         assert torch.equal(ours.responses, theirs.responses)
         torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=1e-5)
@@ -194,24 +226,14 @@ def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(m
 
 
 @pytest.mark.slow
-def test_the_plans_rollout_kv_holds_the_engines_caches_and_a_smaller_arena_refuses_the_rollout(model, prompts):
-    from rollplex.graph.load import parse_spec
-    from rollplex.graph.plan import compile_plan
-
-    text = f"""
-model: tiny
-cluster: {{hbm_gib: 16, host_gib: 8}}
-workload: {{prompts_per_step: 3, group_size: {NUM_SAMPLES}, prompt_tokens: 12, response_tokens: 6, visual_tokens: 1}}
-run: {{dtype: float32}}
-"""
-    planned = compile_plan(parse_spec(text)).decisions.rollout_kv_bytes
-    params = SamplingParams(temperature=1.0, max_tokens=6)
-    RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned)).generate(
-        prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
-    )
+def test_the_plans_rollout_kv_holds_the_engines_caches_and_a_smaller_arena_refuses_the_rollout(
+    model, prompts, planned_kv_bytes, paged
+):
+    runs, _, arena = paged  # two rollouts in an arena of the plan's size (an engine needing more refuses, below)
+    assert arena.num_bytes == planned_kv_bytes and len(runs) == 2
     with pytest.raises(ValueError, match=r"more than the plan's .* raise memory.rollout_kv_gib or leave it unset"):
-        RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned - 1)).generate(
-            prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(0)
+        RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, planned_kv_bytes - 1)).generate(
+            prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0)
         )
 
 
@@ -235,10 +257,9 @@ def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_n
 
 
 @pytest.mark.slow
-def test_steps_are_timed_without_work_beside_when_asked(model, prompts):
-    params = SamplingParams(temperature=1.0, max_tokens=5)
-    plain, timed = RolloutEngine(model), RolloutEngine(model, time_steps=True)
-    for engine in (plain, timed):
-        engine.generate(prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(2))
+def test_steps_are_timed_without_work_beside_when_asked(model, prompts, sampled):
+    _, plain = sampled  # an engine not asked, after its rollouts
+    timed = RolloutEngine(model, time_steps=True)
+    timed.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(2))
     assert plain.stats.step_spans == ()
     assert [rows for _, _, rows in timed.stats.step_spans] == list(timed.stats.batch_sizes)
