@@ -45,11 +45,40 @@ def bench(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow
-def test_bench_writes_the_result_and_a_timeline_with_matching_updates(tmp_path, bench):
-    out = tmp_path / "tiny.json"
-    proc = bench("--steps", "1", "--warmup", "0", "--out", str(out))
+@pytest.fixture(scope="module")
+def saving(tmp_path_factory, bench):
+    """A bench of one step that also saves its serial run (`serial.pt`): its process, and its folder (`tiny.json`)."""
+    tmp = tmp_path_factory.mktemp("saving")
+    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(tmp / "serial.pt"),
+                 "--out", str(tmp / "tiny.json"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, tmp
+
+
+@pytest.fixture(scope="module")
+def serial_only(tmp_path_factory, bench):
+    """A serial-only bench of one step saving its serial run (`serial.pt`), asked to write `none.json`."""
+    tmp = tmp_path_factory.mktemp("serial_only")
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(tmp / "serial.pt"),
+                 "--out", str(tmp / "none.json"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, tmp
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory, bench):
+    """A bench whose serial baseline runs all prompts in one chunk, with the noise floor, saving its serial run."""
+    tmp = tmp_path_factory.mktemp("grouped")
+    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
+                 "--save-serial", str(tmp / "serial.pt"), "--out", str(tmp / "first.json"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, tmp
+
+
+@pytest.mark.slow
+def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
+    proc, tmp = saving
+    out = tmp / "tiny.json"
     result = json.loads(out.read_text())
     assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
@@ -167,11 +196,9 @@ def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypat
 
 
 @pytest.mark.slow
-def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(tmp_path, bench):
-    out = tmp_path / "tiny.json"
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_how(grouped):
+    _, tmp = grouped
+    result = json.loads((tmp / "first.json").read_text())
     assert result["prompts_per_chunk"] == {"serial": "all", "rollplex": 1}
     assert result["first_step_rollouts_match"] and result["updates_match"]
 
@@ -183,10 +210,8 @@ def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench):
 
 
 @pytest.mark.slow
-def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path, bench):
-    first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
-    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(first))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path, bench, saving):
+    first, later, baseline = saving[1] / "tiny.json", tmp_path / "later.json", saving[1] / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--policies", "inline",
                  "--out", str(later))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -200,12 +225,12 @@ def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_sp
 
 
 @pytest.mark.slow
-def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(tmp_path, bench):
-    baseline, out = tmp_path / "serial.pt", tmp_path / "later.json"
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline),
-                 "--out", str(tmp_path / "none.json"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert baseline.is_file() and not (tmp_path / "none.json").exists()
+def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs_rollplex_first(
+    tmp_path, bench, serial_only
+):
+    proc, saved = serial_only
+    baseline, out = saved / "serial.pt", tmp_path / "later.json"
+    assert baseline.is_file() and not (saved / "none.json").exists()
     assert "rollplex bench: rollplex" not in proc.stderr
     proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -221,10 +246,8 @@ def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path, bench):
-    baseline = tmp_path / "serial.pt"
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(baseline))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another(tmp_path, bench, serial_only):
+    baseline = serial_only[1] / "serial.pt"
     out = tmp_path / "p.json"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--policies", "inline", "streams",
                  "--out", str(out))  # fmt: skip
@@ -235,10 +258,8 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
 
 
 @pytest.mark.slow
-def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench):
-    baseline = tmp_path / "serial.pt"
-    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(baseline), "--out", str(tmp_path / "a.json"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench, serial_only):
+    baseline = serial_only[1] / "serial.pt"  # of one step
     proc = bench("--steps", "2", "--warmup", "0", "--serial-from", str(baseline), "--out", str(tmp_path / "b.json"))
     assert proc.returncode == 2 and "another spec, grouping or step count" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -256,11 +277,9 @@ def test_a_noise_floor_run_that_sampled_other_tokens_gives_no_floor():
 
 
 @pytest.mark.slow
-def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path, bench):
-    first, later, baseline = tmp_path / "first.json", tmp_path / "later.json", tmp_path / "serial.pt"
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
-                 "--save-serial", str(baseline), "--out", str(first))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_path, bench, grouped, saving):
+    proc, saved = grouped
+    first, later, baseline = saved / "first.json", tmp_path / "later.json", saved / "serial.pt"
     assert "serial's first step, 1 prompts per chunk as rollplex (noise floor)" in proc.stderr
     a = json.loads(first.read_text())
     # serial grouped all prompts, its rerun one per chunk as rollplex: FP32 rounding apart at most
@@ -272,8 +291,8 @@ def test_bench_measures_the_noise_floor_and_a_saved_serial_run_carries_it(tmp_pa
     assert json.loads(later.read_text())["grad_noise_floor"] == a["grad_noise_floor"]
     proc = bench(*later_args)  # a saved floor counts only when asked for
     assert proc.returncode == 0 and json.loads(later.read_text())["grad_noise_floor"] is None
-    proc = bench("--steps", "1", "--warmup", "0", "--out", str(tmp_path / "plain.json"))
-    assert json.loads((tmp_path / "plain.json").read_text())["grad_noise_floor"] is None
+    plain = saving[1] / "tiny.json"  # a bench not asked for the floor
+    assert json.loads(plain.read_text())["grad_noise_floor"] is None
 
 
 def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside_another_once(monkeypatch):
