@@ -20,7 +20,7 @@ from rollplex.rollout.engine import RolloutEngine
 from rollplex.rollout.weights import BY_NAME, DecodeKernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NUM_SAMPLES = 3
+NUM_SAMPLES = 2
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_a_seed_gives_one_rollout_and_the_engine_reuses_its_graphs(model, prompt
 
 @pytest.mark.slow
 def test_length_budgets_end_sequences_at_their_budget(model, prompts):
-    budgets = torch.tensor([[1, 4, 6], [2, 2, 2], [6, 5, 3]], device=DEVICE)
+    budgets = torch.tensor([[1, 6], [2, 2], [5, 3]], device=DEVICE)
     engine = RolloutEngine(model)
     out = engine.generate(
         prompts, num_samples=NUM_SAMPLES, params=SamplingParams(max_tokens=6), generator=seeded(0), max_lens=budgets
