@@ -67,11 +67,12 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         theirs = [RolloutEngine(fresh).generate(text_prompts(), **greedy) if rank == 0 else None]
         dist.broadcast_object_list(theirs, src=0)
         theirs = theirs[0]
-        # cuBLAS, then our GEMMs on the slabs, unfused and fused. Over a rollout group of several ranks the fused
-        # step sums o_proj and down_proj as the unfused one does (all-reduce), so the two differ only in the
-        # gate_up GEMM, whose unfused kernel on the paired blocks rollout TP 1 runs
+        # cuBLAS, then our GEMMs on the slabs, unfused and fused. The unfused ones run on the copy path at rollout
+        # TP 1 only: in place, QKV goes through the permuted GEMM whatever the kernels, and o_proj, gate_up and
+        # down_proj are the same slabs on both paths; over a rollout group of several ranks the fused step sums
+        # o_proj and down_proj as the unfused one does (all-reduce), so the two differ only in the gate_up GEMM
         kernels_to_run = [DecodeKernels(), DecodeKernels(triton_gemm=True), DecodeKernels(triton_gemm=True, fused=True)]
-        if rollout_tp > 1:
+        if rollout_tp > 1 or path == "in_place":
             del kernels_to_run[1]
         for kernels in kernels_to_run:
             ours = RolloutEngine(bound.model, kernels=kernels).generate(text_prompts(), **greedy)
