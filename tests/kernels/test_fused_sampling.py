@@ -51,9 +51,9 @@ def test_draws_follow_softmax_of_logits_over_temperature_and_a_seed_repeats_them
     freq = torch.bincount(tokens[:, 0], minlength=8)[:5].float() / rows
     torch.testing.assert_close(freq, (logits[0, :5] / 2.0).softmax(-1), atol=0.075, rtol=0)
     assert (tokens[:, 0] < 5).all()
-    again, *_ = draw(logits[:64], list(range(64)), temperature=2.0, seed=7)
-    other, *_ = draw(logits[:64], list(range(64)), temperature=2.0, seed=8)
-    assert torch.equal(tokens[:64], again) and not torch.equal(tokens[:64], other)
+    again, *_ = draw(logits[:16], list(range(16)), temperature=2.0, seed=7)  # rows drawn alike in a smaller batch
+    other, *_ = draw(logits[:16], list(range(16)), temperature=2.0, seed=8)
+    assert torch.equal(tokens[:16], again) and not torch.equal(tokens[:16], other)
 
 
 def test_a_draws_logprob_is_at_the_sampling_temperature():
