@@ -30,8 +30,8 @@ def one_thread():
 def _killed_run(out: Path, point: str) -> None:
     """`kill_driver.py OUT POINT KILL_STEP` in a process forked from this one (torch already imported: 11 fresh
     interpreters spend ~25 s importing on 2 cores); its stderr goes to OUT.stderr."""
-    with open(f"{out}.stderr", "w") as err:
-        os.dup2(err.fileno(), sys.stderr.fileno())
+    os.dup2(os.open(f"{out}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (Python's writes too, wherever pytest put them)
     try:
         arm(point, KILL_STEP)
         run(out, steps=3)
@@ -52,6 +52,8 @@ def test_a_run_killed_anywhere_resumes_to_the_weights_of_a_run_never_killed(tmp_
         proc.start()
     for point, proc in procs.items():
         proc.join(timeout=300)
+        if proc.exitcode is None:  # hung: fail, leaving no process behind
+            proc.kill()
         err = Path(f"{tmp_path / point}.stderr").read_text()
         assert proc.exitcode == -signal.SIGKILL, f"{point}: {err[-2000:]}"
     for point in POINTS:
