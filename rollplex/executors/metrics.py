@@ -10,14 +10,39 @@ from pathlib import Path
 import torch
 from torch import nn
 
+_WORDS_PER_CHUNK = 1 << 22  # 64-bit words fingerprinted at a time: bounded scratch memory on the device
+_MIXERS = (-0x61C8864680B583EB, -0x3D4D51C2D82B14B1)  # 0x9E3779B97F4A7C15 and 0xC2B2AE3D27D4EB4F as int64
+
 
 def param_digest(model: nn.Module) -> str:
-    """sha256 over every parameter's name and bytes, in name order: equal digests, equal weights."""
+    """sha256 over every parameter's name, dtype, shape and fingerprint, in name order: equal weights give equal
+    digests; different weights, different digests but with negligible probability. A parameter's fingerprint
+    is two sums over its bytes read as 64-bit words, each word times an odd multiplier drawn from its position,
+    modulo 2^64: computed where the parameter lives (nothing copied to the host), the same in any summation
+    order and on any device, and changed by any change to a single word."""
+    named = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    sums = [_fingerprint(p.detach()).cpu().tolist() for _, p in named]
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for (name, p), (first, second) in zip(named, sums, strict=True):
+        h.update(f"{name} {p.dtype} {tuple(p.shape)} {first} {second};".encode())
     return h.hexdigest()
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """`param_digest`'s two sums of `t`'s bytes, as an int64 tensor on `t`'s device."""
+    data = t.reshape(-1).view(torch.uint8)
+    if data.numel() % 8 or data.storage_offset() % 8:  # a fresh copy, zero-padded to whole words
+        data = torch.cat([data, data.new_zeros(-data.numel() % 8)])
+    words = data.view(torch.int64)
+    total = torch.zeros(len(_MIXERS), dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _WORDS_PER_CHUNK):
+        chunk = words[start : start + _WORDS_PER_CHUNK]
+        position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device)
+        for k, mixer in enumerate(_MIXERS):
+            weight = position * mixer
+            weight = (weight ^ (weight >> 29)) | 1
+            total[k] += (chunk * weight).sum()
+    return total
 
 
 def peak_mem_bytes(device: torch.device) -> int:

@@ -69,9 +69,10 @@ def make_prefix_streams(sharing: Sharing, device: torch.device) -> PrefixStreams
 def mps_session(plans: Sequence[Plan], cap_trainer: bool = True) -> Iterator[None]:
     """Under `sharing.policy: mps` on a GPU machine: a private MPS daemon for the run, and this process its
     client with the trainer's active-thread percentage, set before CUDA starts (call it before anything
-    touches the GPU). Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the
-    rollout then refuses to start: `make_remote_rollout`). cap_trainer False: no cap on this process (a
-    process that runs only serial, where nothing runs beside the trainer: the cap would only slow it)."""
+    touches the GPU). A detached watcher quits the daemon once this process has exited, however it ends.
+    Nothing for other policies, on the CPU, or without the MPS binaries (on a GPU the rollout then refuses to
+    start: `make_remote_rollout`). cap_trainer False: no cap on this process (a process that runs only serial,
+    where nothing runs beside the trainer: the cap would only slow it)."""
     from rollplex.memory.mps import CONTROL, MpsDaemon
 
     sharings = [p.decisions.sharing for p in plans]
@@ -86,13 +87,14 @@ def mps_session(plans: Sequence[Plan], cap_trainer: bool = True) -> Iterator[Non
         daemon.start()
     except RuntimeError as e:
         raise SpecError("sharing.policy", f"mps: {e}") from None
-    os.environ.update(daemon.client_env(percents.pop() if cap_trainer else None))
+    client = daemon.client_env(percents.pop() if cap_trainer else None)
+    daemon.stop_after_exit()  # quit once this process, a client, has exited: however it ends, SIGKILL included
+    os.environ.update(client)
     try:
         yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        daemon.stop_after_exit()  # this process is a client: `quit` now would wait for it
 
 
 def make_remote_rollout(

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from rollplex.errors import RunFailed
 from rollplex.models.config import ModelConfig
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.inputs import Prompt
@@ -233,20 +234,21 @@ class RemoteRollout:
         try:
             self._conn.send(message)
         except OSError as error:
-            raise RuntimeError(f"the rollout process is gone (exit code {self._process.exitcode})") from error
+            raise RunFailed(f"the rollout process is gone (exit code {self._process.exitcode})") from error
 
     def _receive(self, timeout_s: float | None) -> _Reply:
-        """The child's next reply; a one-line RuntimeError if it reports an error, dies or times out."""
+        """The child's next reply; a one-line RuntimeError if it reports an error or times out, `RunFailed` (the
+        CLI's one line, exit 1) if it died."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(POLL_S):
             if not self._process.is_alive() and not self._conn.poll(0):
-                raise RuntimeError(f"the rollout process died (exit code {self._process.exitcode})")
+                raise RunFailed(f"the rollout process died (exit code {self._process.exitcode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"the rollout process did not answer within {timeout_s:g} s")
         try:
             reply = self._conn.recv()
         except (EOFError, OSError) as error:
-            raise RuntimeError(f"the rollout process died (exit code {self._process.exitcode})") from error
+            raise RunFailed(f"the rollout process died (exit code {self._process.exitcode})") from error
         if reply.error is not None:
             raise RuntimeError(f"rollout process: {reply.error}")
         return reply

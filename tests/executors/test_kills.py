@@ -1,10 +1,15 @@
 """SIGKILL at each point of a step and of a checkpoint's writing: `--resume` afterwards continues from the last
-complete checkpoint with exactly the weights of a run never killed; a half-written checkpoint is never taken."""
+complete checkpoint with exactly the weights of a run never killed; a half-written checkpoint is never taken.
+On a GPU: a run under the mps policy whose trainer or rollout process is SIGKILLed leaves nothing behind."""
 
 import multiprocessing
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -13,6 +18,7 @@ import torch
 from kill_driver import POINTS, arm, run
 
 from rollplex.executors import checkpointing
+from rollplex.memory.mps import MpsDaemon
 
 KILL_STEP = 2  # step 1's checkpoint is complete; step 2 is killed
 
@@ -62,3 +68,89 @@ def test_a_run_killed_anywhere_resumes_to_the_weights_of_a_run_never_killed(tmp_
         resumed = run(out, steps=3, resume=True)
         assert [r["step"] for r in resumed] == [2, 3], point
         assert [r["param_digest"] for r in resumed] == whole[1:], point
+
+
+GPU_SPEC = """
+model: tiny
+cluster: {hbm_gib: 16, host_gib: 8}
+workload: {prompts_per_step: 2, group_size: 2, prompt_tokens: 384, response_tokens: 16, visual_tokens: 8,
+           dataset: "synthetic:clevrer@tiny"}
+algorithm: {rewards: [{name: brevity}]}
+sharing: {policy: mps}
+run: {steps: 10000, device: cuda}
+"""
+FREE_BYTES = "import torch; print(torch.cuda.mem_get_info()[0])"
+
+
+def _python(script: str, env: dict | None = None) -> str:
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()[-1]
+
+
+def _rollout_child(pid: int) -> int:
+    """The trainer's spawned rollout process."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if entry.name.isdigit() and parent == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except (OSError, ValueError, IndexError):  # gone, or not a process
+            pass
+    raise AssertionError(f"process {pid} has no rollout child")
+
+
+def _processes_naming(text: str) -> list[int]:
+    """This user's live processes whose environment holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            pass
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and shutil.which("nvidia-cuda-mps-control")), reason="needs CUDA and MPS binaries"
+)
+@pytest.mark.parametrize("victim", ["trainer", "rollout"])
+def test_a_gpu_run_killed_leaves_no_daemon_socket_process_or_device_memory(tmp_path, victim):
+    free_before = int(_python(FREE_BYTES))
+    private = tmp_path / "tmp"  # the run's temporary directories (MPS pipe and log, IPC sockets) land here
+    private.mkdir()
+    (tmp_path / "spec.yaml").write_text(GPU_SPEC)
+    env = os.environ | {"TMPDIR": str(private), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    out = tmp_path / "run"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "rollplex", "run", str(tmp_path / "spec.yaml"), "--out", str(out), "--quiet",
+         "--no-checkpoints"], env=env, stderr=(tmp_path / "stderr").open("w"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert trainer.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
+            assert time.monotonic() < deadline, "no step within 300 s"
+            time.sleep(0.2)
+        rollout = _rollout_child(trainer.pid)
+        os.kill(trainer.pid if victim == "trainer" else rollout, signal.SIGKILL)
+        trainer.wait(timeout=120)
+    finally:
+        trainer.kill()
+    err = (tmp_path / "stderr").read_text()
+    if victim == "rollout":  # the trainer stops with one line
+        last = err.strip().splitlines()[-1]
+        assert trainer.returncode == 1 and re.match(r"rollplex: the rollout process (died|is gone)", last), err[-2000:]
+    deadline = time.monotonic() + 60
+    while (_processes_naming(str(private)) or os.listdir(private)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_naming(str(private)) == [], "the MPS daemon, its server or the rollout process lives on"
+    assert os.listdir(private) == [], "MPS or IPC directories were left behind"
+    assert not Path(f"/proc/{rollout}").exists()
+    assert int(_python(FREE_BYTES)) >= free_before - (256 << 20), "device memory was not given back"
+    with MpsDaemon() as mps:  # and the next run starts its own daemon and computes under it
+        script = "import torch; x = torch.ones(1 << 20, device='cuda'); print(int(x.sum()))"
+        assert _python(script, os.environ | mps.client_env()) == str(1 << 20)

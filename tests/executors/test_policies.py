@@ -3,7 +3,10 @@ before CUDA starts, and puts everything back afterwards (a fake control program 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,31 @@ def test_the_process_is_a_client_inside_the_session_and_the_daemon_quits_after_i
     assert dict(os.environ) == before
     # `quit` waits for the clients, this process among them: a watcher sends it once this process has exited
     assert record.read_text().splitlines() == [f"-d {pipe}"] and Path(pipe).exists()
+
+
+def _sit_in_a_session(path: str, inside: Path) -> None:
+    os.environ["PATH"] = path
+    with mps_session([spec()]):
+        inside.touch()
+        time.sleep(60)
+
+
+def test_a_trainer_killed_inside_the_session_still_has_its_daemon_quit(tmp_path):
+    record = fake_control(tmp_path)
+    trainer = multiprocessing.get_context("fork").Process(
+        target=_sit_in_a_session, args=(f"{tmp_path}{os.pathsep}{os.environ['PATH']}", tmp_path / "inside")
+    )
+    trainer.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "inside").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.join()
+    (started, pipe) = record.read_text().splitlines()[0].split()
+    while Path(pipe).exists() and time.monotonic() < deadline:  # the watcher quits it, then removes the pipe
+        time.sleep(0.05)
+    assert started == "-d" and record.read_text().splitlines()[1:] == [f" {pipe}", "quit"]
+    assert not Path(pipe).exists()
 
 
 def test_a_session_without_the_trainer_cap_is_a_client_at_the_full_share(tmp_path, monkeypatch):
