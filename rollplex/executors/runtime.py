@@ -2,9 +2,10 @@
 
 Each op is dispatched on (kind, role, part) to a handler that reads its inputs from the step's tensor store by
 the IR's tensor names (an input is known by the kind and role of the op that makes it) and writes its outputs
-there. A trained role's scoring runs inside its backward, in length batches of responses, as `fuse_scoring`
-compiled it (the scoring op itself does nothing; the backward writes its outputs); with several mini-batches
-(`split_minibatches`) each has its own backward and update, and its prefix rerun.
+there; a tensor leaves the store after the last step that reads it (the compiled lifetimes), so what the plan
+counts freed is freed. A trained role's scoring runs inside its backward, in length batches of responses, as
+`fuse_scoring` compiled it (the scoring op itself does nothing; the backward writes its outputs); with several
+mini-batches (`split_minibatches`) each has its own backward and update, and its prefix rerun.
 Under `rollplex`, the prefixes that share Phase-1 steps with decode run beside it: chunk by chunk between
 decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk in flight at most.
 """
@@ -27,7 +28,7 @@ from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import PpoConfig, gae, token_rewards, whiten
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
-from rollplex.graph.ir import MiniBatch, NodeKind, Op, Part, Role, op, producer, steps
+from rollplex.graph.ir import DATASET, Lifetime, MiniBatch, NodeKind, Op, Part, Role, lifetimes, op, producer, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
@@ -77,6 +78,7 @@ def run_iteration(
     record = StepRecord()
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
+    life = lifetimes(g)
     phase = None
     for i, s in enumerate(steps(g)):
         if s.phase is not phase and engines.actor.device.type == "cuda":
@@ -104,7 +106,15 @@ def run_iteration(
                     after_op(each)
         if pager is not None and i in paged_steps and i + 1 not in paged_steps:
             pager.page_out()  # the steps without the reference (actor backward, update) get its pages
+        free_dead(store, life, s.index)
     return record
+
+
+def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> None:
+    """Drops from the store every graph tensor that no step after `step` reads (its compiled lifetime ends): its
+    memory goes back as the plan counts it gone. The dataset's prompts stay for the whole step."""
+    for name in [n for n in store if n in life and n != DATASET and life[n].last <= step]:
+        del store[name]
 
 
 def steps_of(g: nx.DiGraph, role: Role) -> set[int]:

@@ -266,14 +266,16 @@ def order_steps(g: nx.DiGraph, schedule: Schedule) -> nx.DiGraph:
 
 
 def _lifetimes(g: nx.DiGraph) -> dict[str, Lifetime]:
-    last_step: dict[str, int] = {}
-    for s in steps(g):
-        for n in s.ops:
-            last_step[n] = s.index
+    """Each tensor's steps, from its producer's to its last reader's. A scoring op fused into a backward runs in
+    the backward's step: its reads and writes count there (the runtime frees a tensor after its last step)."""
+    at = {n: s.index for s in steps(g) for n in s.ops}
+    for o in ops(g):
+        if o.fused_into is not None:
+            at[o.id] = at[o.fused_into]
     result = {}
     for name in tensors(g):
-        prod = [last_step[o.id] for o in ops(g) if name in o.outputs]
-        cons = [last_step[o.id] for o in ops(g) if name in o.inputs]
+        prod = [at[o.id] for o in ops(g) if name in o.outputs]
+        cons = [at[o.id] for o in ops(g) if name in o.inputs]
         first = prod[0] if prod else 0
         result[name] = Lifetime(first, max(cons, default=first))
     return result

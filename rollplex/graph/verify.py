@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from rollplex.graph.ir import DATASET, Phase, TensorClass, lifetimes, ops, steps, tensors
+from rollplex.graph.ir import DATASET, Op, Phase, TensorClass, lifetimes, op, ops, steps, tensors
 
 
 class VerifyError(AssertionError):
@@ -82,13 +82,18 @@ def _check_fused(g: nx.DiGraph) -> None:
             _check(step_of[reader.id] > step_of[o.fused_into], f"'{reader.id}' reads '{o.id}' before its backward")
 
 
+def _runs_in(g: nx.DiGraph, o: Op) -> Phase:
+    """The phase an op's work runs in: its backward's, for a scoring op fused into one."""
+    return o.phase if o.fused_into is None else op(g, o.fused_into).phase
+
+
 def _check_lifetimes(g: nx.DiGraph) -> None:
     """Every lifetime lies inside its window: from the producer's phase to the last consumer's phase."""
     by_index = {s.index: s for s in steps(g)}
     for name, life in lifetimes(g).items():
         _check(life.first <= life.last, f"'{name}' is used before it is produced")
-        consumers = [o.phase for o in ops(g) if name in o.inputs]
-        producer = [o.phase for o in ops(g) if name in o.outputs]
+        consumers = [_runs_in(g, o) for o in ops(g) if name in o.inputs]
+        producer = [_runs_in(g, o) for o in ops(g) if name in o.outputs]
         if producer:
             _check(
                 by_index[life.first].phase is producer[0],

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -119,8 +120,16 @@ def _processes_naming(text: str) -> list[int]:
 @pytest.mark.parametrize("victim", ["trainer", "rollout"])
 def test_a_gpu_run_killed_leaves_no_daemon_socket_process_or_device_memory(tmp_path, victim):
     free_before = int(_python(FREE_BYTES))
-    private = tmp_path / "tmp"  # the run's temporary directories (MPS pipe and log, IPC sockets) land here
-    private.mkdir()
+    # the run's temporary directories (MPS pipe and log, IPC sockets) land here: a short path, as the MPS
+    # daemon's sockets in it must be (a Unix socket's path has at most 107 bytes)
+    private = Path(tempfile.mkdtemp(prefix="rk-", dir="/tmp"))
+    try:
+        _kill_a_gpu_run(tmp_path, private, victim, free_before)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _kill_a_gpu_run(tmp_path: Path, private: Path, victim: str, free_before: int) -> None:
     (tmp_path / "spec.yaml").write_text(GPU_SPEC)
     env = os.environ | {"TMPDIR": str(private), "TORCHINDUCTOR_COMPILE_THREADS": "1",
                         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip

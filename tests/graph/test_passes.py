@@ -54,6 +54,17 @@ def test_the_actor_boundary_stays_attached_to_backward_and_the_reference_one_doe
     assert life["ref_score.boundary"].last < life["actor_score.boundary"].last
 
 
+def test_what_a_fused_scoring_op_reads_lives_until_its_backward_runs_it():
+    for schedule in Schedule.ROLLPLEX, Schedule.SERIAL:
+        g = compiled(standard_grpo(kl_coef=0.04), schedule)
+        at = {n: s.index for s in steps(g) for n in s.ops}
+        suffix = op(g, "actor_score.suffix")
+        assert suffix.fused_into == "actor_backward" and at["actor_score.suffix"] < at["actor_backward"]
+        life = lifetimes(g)
+        assert all(life[t].last >= at["actor_backward"] for t in suffix.inputs), schedule
+        assert life["ref_score.boundary"].last == at["ref_score.suffix"] < at["actor_backward"]
+
+
 def test_kl_coefficient_zero_drops_the_reference_model():
     g = compiled(standard_grpo(kl_coef=0.0))
     assert all(o.role is not Role.REFERENCE for o in ops(g))
