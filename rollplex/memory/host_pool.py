@@ -119,6 +119,9 @@ class FirstFit:
 def _pin(buffer: torch.Tensor) -> None:
     # cudaHostRegister rather than `pin_memory=True`: torch's caching host allocator rounds every pinned
     # request up to a power of two, which would pin 128 GiB for a 70 GiB pool.
+    # The pages are faulted in first, by torch's threaded fill: registering then only locks them. Left to the
+    # registration, one thread faults in every page (several times slower for a pool of tens of GiB).
+    buffer.zero_()
     portable = 1  # cudaHostRegisterPortable: pinned for every device of the process
     error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), portable)
     if int(error) != 0:

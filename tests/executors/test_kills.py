@@ -101,13 +101,13 @@ def _rollout_child(pid: int) -> int:
     raise AssertionError(f"process {pid} has no rollout child")
 
 
-def _processes_naming(text: str) -> list[int]:
-    """This user's live processes whose environment holds `text`."""
-    found = []
+def _processes_naming(text: str) -> dict[int, bytes]:
+    """This user's live processes whose environment holds `text`, with their command lines."""
+    found = {}
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and text.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
+                found[int(entry.name)] = (entry / "cmdline").read_bytes()[:200]
         except OSError:  # gone, or another user's
             pass
     return found
@@ -151,15 +151,18 @@ def _kill_a_gpu_run(tmp_path: Path, private: Path, victim: str, free_before: int
         trainer.kill()
     err = (tmp_path / "stderr").read_text()
     if victim == "rollout":  # the trainer stops with one line
-        last = err.strip().splitlines()[-1]
-        assert trainer.returncode == 1 and re.match(r"rollplex: the rollout process (died|is gone)", last), err[-2000:]
+        said = [line for line in err.splitlines() if line.startswith("rollplex:")]
+        assert trainer.returncode == 1 and "Traceback" not in err, err[-2000:]
+        assert len(said) == 1 and re.match(r"rollplex: the rollout process (died|is gone)", said[0]), err[-2000:]
     deadline = time.monotonic() + 60
     while (_processes_naming(str(private)) or os.listdir(private)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_naming(str(private)) == [], "the MPS daemon, its server or the rollout process lives on"
-    assert os.listdir(private) == [], "MPS or IPC directories were left behind"
+    left = _processes_naming(str(private))
+    assert left == {}, f"the MPS daemon, its server or the rollout process lives on: {left}"
+    assert os.listdir(private) == [], f"MPS or IPC directories were left behind: {os.listdir(private)}"
     assert not Path(f"/proc/{rollout}").exists()
-    assert int(_python(FREE_BYTES)) >= free_before - (256 << 20), "device memory was not given back"
+    free_after = int(_python(FREE_BYTES))
+    assert free_after >= free_before - (256 << 20), f"device memory not given back: {free_before} then {free_after}"
     with MpsDaemon() as mps:  # and the next run starts its own daemon and computes under it
         script = "import torch; x = torch.ones(1 << 20, device='cuda'); print(int(x.sum()))"
         assert _python(script, os.environ | mps.client_env()) == str(1 << 20)
