@@ -101,6 +101,11 @@ def _rollout_child(pid: int) -> int:
     raise AssertionError(f"process {pid} has no rollout child")
 
 
+def _ours(directory: Path) -> list[str]:
+    """rollplex's entries in a temporary directory (a SIGKILLed Python leaves its own `pymp-*` there)."""
+    return [name for name in os.listdir(directory) if name.startswith("rollplex-")]
+
+
 def _processes_naming(text: str) -> dict[int, bytes]:
     """This user's live processes whose environment holds `text`, with their command lines."""
     found = {}
@@ -155,11 +160,11 @@ def _kill_a_gpu_run(tmp_path: Path, private: Path, victim: str, free_before: int
         assert trainer.returncode == 1 and "Traceback" not in err, err[-2000:]
         assert len(said) == 1 and re.match(r"rollplex: the rollout process (died|is gone)", said[0]), err[-2000:]
     deadline = time.monotonic() + 60
-    while (_processes_naming(str(private)) or os.listdir(private)) and time.monotonic() < deadline:
+    while (_processes_naming(str(private)) or _ours(private)) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = _processes_naming(str(private))
     assert left == {}, f"the MPS daemon, its server or the rollout process lives on: {left}"
-    assert os.listdir(private) == [], f"MPS or IPC directories were left behind: {os.listdir(private)}"
+    assert _ours(private) == [], f"MPS or IPC directories were left behind: {_ours(private)}"
     assert not Path(f"/proc/{rollout}").exists()
     free_after = int(_python(FREE_BYTES))
     assert free_after >= free_before - (256 << 20), f"device memory not given back: {free_before} then {free_after}"
