@@ -101,6 +101,15 @@ def _rollout_child(pid: int) -> int:
     raise AssertionError(f"process {pid} has no rollout child")
 
 
+def _dead(pid: int) -> bool:
+    """Process pid has exited: it is gone, or a zombie (its parent died first and the container's init may
+    not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _ours(directory: Path) -> list[str]:
     """rollplex's entries in a temporary directory (a SIGKILLed Python leaves its own `pymp-*` there)."""
     return [name for name in os.listdir(directory) if name.startswith("rollplex-")]
@@ -165,7 +174,7 @@ def _kill_a_gpu_run(tmp_path: Path, private: Path, victim: str, free_before: int
     left = _processes_naming(str(private))
     assert left == {}, f"the MPS daemon, its server or the rollout process lives on: {left}"
     assert _ours(private) == [], f"MPS or IPC directories were left behind: {_ours(private)}"
-    assert not Path(f"/proc/{rollout}").exists()
+    assert _dead(rollout)
     free_after = int(_python(FREE_BYTES))
     assert free_after >= free_before - (256 << 20), f"device memory not given back: {free_before} then {free_after}"
     with MpsDaemon() as mps:  # and the next run starts its own daemon and computes under it
