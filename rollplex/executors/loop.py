@@ -9,6 +9,7 @@ update are never saved.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.datacheck import check_budget
+from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
@@ -66,7 +68,14 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     loaded, g = plan.loaded, plan.graph
+    announce = opts.progress and is_main_process()
+    if announce:  # a large model's start-up (weights, pinned optimizer state) takes a while: say what is happening
+        print("rollplex: building the models, the optimizer state and the host pool", file=sys.stderr, flush=True)
+    began = time.perf_counter()
     engines = build_engines(plan)
+    if announce:
+        compiles = "; the first step also compiles its GPU kernels" if engines.actor.device.type == "cuda" else ""
+        print(f"rollplex: ready in {time.perf_counter() - began:.1f} s{compiles}", file=sys.stderr, flush=True)
     try:
         w = loaded.spec.workload
         dataset = open_dataset(

@@ -26,6 +26,7 @@ def digests(out: Path) -> list[str]:
 def test_running_a_plan_file_trains_digest_for_digest_as_running_its_spec(tmp_path, capsys):
     common = ["--steps", "2", "--quiet", "--no-checkpoints"]
     assert main(["run", TINY, "--out", str(tmp_path / "spec"), *common]) == 0
+    assert "rollplex:" not in capsys.readouterr().err  # --quiet: no start-up lines either
     assert main(["compile", TINY, "-o", str(tmp_path / "plan.json")]) == 0
     assert "wrote" in capsys.readouterr().out
     assert main(["run", str(tmp_path / "plan.json"), "--out", str(tmp_path / "plan"), *common]) == 0

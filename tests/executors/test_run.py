@@ -2,6 +2,7 @@
 change no number. Checkpoints: `test_checkpointing.py`."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -189,6 +190,9 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
     proc = cli("--steps", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.perf_counter() - start < 60
+    said = [line for line in proc.stderr.splitlines() if line.startswith("rollplex:")]  # start-up, before the bars
+    assert said[0] == "rollplex: building the models, the optimizer state and the host pool"
+    assert re.fullmatch(r"rollplex: ready in \d+\.\d s", said[1]), said
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert set(records[0]) >= METRIC_KEYS and set(records[0]["time_s"]) >= PHASE_TIMES
