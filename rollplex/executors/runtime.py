@@ -79,10 +79,10 @@ def run_iteration(
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
     life = lifetimes(g)
-    phase = None
+    phase, freed = None, []
     for i, s in enumerate(steps(g)):
-        if s.phase is not phase and engines.actor.device.type == "cuda":
-            torch.cuda.empty_cache()  # what the last phase freed goes back to the driver: the plan's per-phase HBM
+        if (s.phase is not phase or freed) and engines.actor.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as the plan has it
         phase = s.phase
         if pager is not None and i in paged_steps:
             pager.page_in()  # the plan's window: resident in the steps where the reference runs
@@ -106,15 +106,17 @@ def run_iteration(
                     after_op(each)
         if pager is not None and i in paged_steps and i + 1 not in paged_steps:
             pager.page_out()  # the steps without the reference (actor backward, update) get its pages
-        free_dead(store, life, s.index)
+        freed = free_dead(store, life, s.index)
     return record
 
 
-def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> None:
-    """Drops from the store every graph tensor that no step after `step` reads (its compiled lifetime ends): its
-    memory goes back as the plan counts it gone. The dataset's prompts stay for the whole step."""
-    for name in [n for n in store if n in life and n != DATASET and life[n].last <= step]:
+def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> list[str]:
+    """Drops from the store every graph tensor that no step after `step` reads (its compiled lifetime ends), so
+    its memory goes back as the plan counts it gone; their names. The dataset's prompts stay for the whole step."""
+    dead = [name for name in store if name in life and name != DATASET and life[name].last <= step]
+    for name in dead:
         del store[name]
+    return dead
 
 
 def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
