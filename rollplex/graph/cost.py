@@ -318,16 +318,20 @@ class PhaseTime:
 HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
 
+PLANNED_STEPS = 16  # steps of a synthetic preset the time plan averages: a step's decode runs to its longest response
+
+
 def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
-    """Each phase timer's cost and bound for the step the plan is made for (`planned_step`), and its predicted
-    seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`). A bench's efficiency is that of a
-    phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the bench
-    had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of the
-    link, the two overlapping: each part takes the longer of the two."""
+    """Each phase timer's cost and bound, averaged over the steps the plan is made for (`planned_steps`), and its
+    predicted seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`). A bench's efficiency is that
+    of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
+    bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
+    the link, the two overlapping: each part takes the longer of the two."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    costs = plan_phase_costs(plan, planned_step(plan))
+    each = [plan_phase_costs(plan, tokens) for tokens in planned_steps(plan)]
     rows = []
-    for timer, parts in costs.items():
+    for timer in each[0]:
+        parts = [sum((c[timer][k] for c in each), Cost()).scaled(1 / len(each)) for k in range(len(each[0][timer]))]
         bound = sum(p.bound_s(peaks) for p in parts)
         e = (efficiencies or {}).get(timer)
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
@@ -340,18 +344,31 @@ def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
     return max(device, part.host_bytes / peaks.host_bytes_s / HOST_LINK_EFFICIENCY)
 
 
-def planned_step(plan) -> StepTokens:
-    """The step's token counts as the plan sees them: prompts at their budget; videos of the spec's frames or
-    the synthetic preset's typical count; responses drawn from the synthetic preset's length distribution
-    (what `workload.replay_lengths` replays), else at the budget."""
+def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
+    """The steps' token counts as the plan sees them. A synthetic preset: its first `count` steps' prompts (their
+    text, video tokens, patches and frames, each within the budget), responses drawn from its length distribution
+    for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
+    the spec's frames, responses at the budget."""
     from rollplex.data.presets import get_preset
+    from rollplex.data.sizes import grid_thw
 
     spec, gpu = plan.loaded.spec, plan.context.gpu
     w = spec.workload
-    preset = None
-    if w.dataset.startswith("synthetic:"):
-        name, _, scale = w.dataset.removeprefix("synthetic:").partition("@")
-        preset = get_preset(name).tiny() if scale else get_preset(name)
-    frames = -(-w.video.frames // 2) if w.video else (-(-sum(preset.frames) // 4) if preset else 1)
-    lengths = preset.response.sample(gpu.prompts_per_rank * gpu.group_size, spec.run.seed) if preset else ()
-    return planned_tokens(gpu, frames, [int(x) for x in lengths])
+    if not w.dataset.startswith("synthetic:"):
+        return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
+    name, _, scale = w.dataset.removeprefix("synthetic:").partition("@")
+    preset = get_preset(name).tiny() if scale else get_preset(name)
+    n, group, merge = gpu.prompts_per_rank, gpu.group_size, preset.vision.merge_size**2
+    steps = []
+    for k in range(count):
+        layouts = [preset.layout(spec.run.seed, k * n + i) for i in range(n)]
+        lens = [min(int(x), gpu.response_tokens) for x in preset.response.sample(n * group, spec.run.seed + k)]
+        steps.append(
+            StepTokens(
+                prompt_tokens=tuple(min(preset.prompt_tokens(lay), gpu.prompt_tokens) for lay in layouts),
+                patches=tuple(min(preset.num_video_tokens(lay) * merge, gpu.patches_per_prompt) for lay in layouts),
+                frames=tuple(grid_thw(lay.num_frames, *preset.frame_size(lay), preset.vision)[0] for lay in layouts),
+                response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
+            )
+        )
+    return tuple(steps)

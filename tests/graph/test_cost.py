@@ -106,7 +106,7 @@ def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
     assert Cost(flops=1e9, hbm_bytes=3e9).bound_s(PEAKS) == 3.0
     assert Cost(host_bytes=5e8).bound_s(PEAKS) == 5.0
     plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
-    costs = cost.plan_phase_costs(plan, cost.planned_step(plan))
+    costs = cost.plan_phase_costs(plan, cost.planned_steps(plan)[0])
     prefill, decoding = costs["rollout"]
     assert cost.phase_bounds(costs, PEAKS)["rollout"] == prefill.bound_s(PEAKS) + decoding.bound_s(PEAKS)
     assert decoding.hbm_bytes / PEAKS.hbm_bytes_s > decoding.flops / PEAKS.flops  # decode reads, prefill computes
@@ -135,10 +135,12 @@ def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_up
     frozen_model = "model: {name: qwen2_5_vl_3b, freeze_vision: true}"
     frozen_plan = compile_plan(parse_spec(text.replace("model: qwen2_5_vl_3b", frozen_model)))
     frozen = {r.timer: r.cost for r in cost.time_plan(frozen_plan)}
-    config, tokens = frozen_plan.loaded.model, cost.planned_step(frozen_plan)
+    config, steps = frozen_plan.loaded.model, cost.planned_steps(frozen_plan)
     vision = sum(
-        cost.vision_forward(config.vision, p, f, 1) for p, f in zip(tokens.patches, tokens.frames, strict=True)
-    )
+        cost.vision_forward(config.vision, p, f, 1)
+        for tokens in steps
+        for p, f in zip(tokens.patches, tokens.frames, strict=True)
+    ) / len(steps)  # the time plan's: a mean over the planned steps
     assert vision > 0.2 * trained["actor_prefix"].flops  # a video prompt's tower is a large part of its prefix
     assert frozen["ref_prefix"].flops == trained["ref_prefix"].flops  # the reference's prefix embeds for both
     assert frozen["actor_prefix"].flops == pytest.approx(trained["actor_prefix"].flops - vision)
@@ -149,3 +151,17 @@ def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_up
 
     llm, tower = shapes.llm_params_per_rank(config.text, 1), shapes.vision_params(config.vision, stored=True)
     assert frozen["update"].hbm_bytes == pytest.approx(trained["update"].hbm_bytes * llm / (llm + tower))
+
+
+def test_the_planned_steps_are_a_synthetic_presets_first_steps_within_the_budget():
+    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    from rollplex.data.presets import get_preset
+
+    preset, gpu, seed = get_preset("llava_video"), plan.context.gpu, plan.loaded.spec.run.seed
+    steps = cost.planned_steps(plan)
+    assert len(steps) == cost.PLANNED_STEPS
+    n = gpu.prompts_per_rank
+    expected = [min(preset.prompt_tokens(preset.layout(seed, 1 * n + i)), gpu.prompt_tokens) for i in range(n)]
+    assert list(steps[1].prompt_tokens) == expected and max(expected) < gpu.prompt_tokens  # not the budget
+    longest = {max(max(group) for group in s.response_lens) for s in steps}
+    assert len(longest) > 1 and max(longest) <= gpu.response_tokens  # each step its own draw
