@@ -318,7 +318,7 @@ class PhaseTime:
 HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
 
-PLANNED_STEPS = 16  # steps of a synthetic preset the time plan averages: a step's decode runs to its longest response
+PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step decodes to its longest response
 
 
 def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
