@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rollplex.executors.grpo import LossScale
+from rollplex.models.generate import Rollout
 
 WHITEN_EPS = 1e-8
 
@@ -68,3 +69,12 @@ def value_loss(
     clipped = old_values + (values - old_values).clamp(-cfg.value_clip, cfg.value_clip)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     return (per_token * mask.to(per_token.dtype)).sum() / scale.num_tokens
+
+
+def advantages(cfg: PpoConfig, rewards: Tensor, values: Tensor, rollout: Rollout, dp=None) -> Tensor:
+    """PPO's per-token advantages [P, N, R]: GAE over the critic's values, whitened over the step's tokens (every
+    data-parallel rank's)."""
+    width = rollout.responses.shape[-1]
+    mask = torch.arange(width, device=values.device) < rollout.response_lens[..., None].to(values.device)
+    raw, _ = gae(cfg, token_rewards(rewards.to(values.device), mask), values, mask)
+    return whiten(raw, mask, dp)

@@ -25,7 +25,7 @@ from rollplex.data.tokenizer import response_text
 from rollplex.errors import SpecError
 from rollplex.executors.critic import train_critic
 from rollplex.executors.engines import Engines
-from rollplex.executors.ppo import PpoConfig, gae, token_rewards, whiten
+from rollplex.executors.ppo import advantages
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
 from rollplex.graph.ir import DATASET, Lifetime, MiniBatch, NodeKind, Op, Part, Role, lifetimes, op, producer, steps
@@ -325,7 +325,7 @@ def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Step
         ref=_read(g, store, o, NodeKind.FORWARD, Role.REFERENCE, required=False),
         boundary=_read(g, store, scoring, NodeKind.FORWARD, Role.ACTOR, Part.PREFIX, required=False),
         old_logprobs=store[old[0]] if old else None,
-        advantages=None if values is None else ppo_advantages(e.ppo, rewards, values, rollout, e.dp),
+        advantages=None if values is None else advantages(e.ppo, rewards, values, rollout, e.dp),
     )
     every = train_minibatch(e, o.minibatch or MiniBatch(0, 1), x, record.train)
     if every is not None:
@@ -348,17 +348,6 @@ def _sum_grads(dp, optimizer) -> None:
     if dp is not None:
         grads = [optimizer.grad_of(i) for i in range(len(optimizer.params))]
         dp.all_reduce_grads([g for g in grads if g is not None])
-
-
-def ppo_advantages(
-    cfg: PpoConfig, rewards: torch.Tensor, values: torch.Tensor, rollout: Rollout, dp=None
-) -> torch.Tensor:
-    """PPO's per-token advantages [P, N, R]: GAE over the critic's values, whitened over the step's tokens (every
-    data-parallel rank's)."""
-    width = rollout.responses.shape[-1]
-    mask = torch.arange(width, device=values.device) < rollout.response_lens[..., None].to(values.device)
-    advantages, _ = gae(cfg, token_rewards(rewards.to(values.device), mask), values, mask)
-    return whiten(advantages, mask, dp)
 
 
 def _read(
