@@ -45,35 +45,35 @@ def bench(tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module")
-def saving(tmp_path_factory, bench):
-    """A bench of one step that also saves its serial run (`serial.pt`): its process, and its folder. Its --out has
-    no suffix (`tiny`): the bench names its result `tiny.json`, beside `tiny.png`."""
-    tmp = tmp_path_factory.mktemp("saving")
-    proc = bench("--steps", "1", "--warmup", "0", "--save-serial", str(tmp / "serial.pt"),
-                 "--out", str(tmp / "tiny"))  # fmt: skip
+def _saving_bench(tmp_path_factory, bench, name: str, out: str, *flags: str):
+    """A one-step bench with `flags` that saves its serial run (`serial.pt`) in a fresh folder: its process, and
+    the folder."""
+    tmp = tmp_path_factory.mktemp(name)
+    saved = ("--save-serial", str(tmp / "serial.pt"), "--out", str(tmp / out))
+    proc = bench("--steps", "1", "--warmup", "0", *flags, *saved)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc, tmp
+
+
+@pytest.fixture(scope="module")
+def saving(tmp_path_factory, bench):
+    """A bench of one step that also saves its serial run. Its --out has no suffix (`tiny`): the bench names its
+    result `tiny.json`, beside `tiny.png`."""
+    return _saving_bench(tmp_path_factory, bench, "saving", "tiny")
 
 
 @pytest.fixture(scope="module")
 def serial_only(tmp_path_factory, bench):
-    """A serial-only bench of one step saving its serial run (`serial.pt`), asked to write `none.json`."""
-    tmp = tmp_path_factory.mktemp("serial_only")
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(tmp / "serial.pt"),
-                 "--out", str(tmp / "none.json"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc, tmp
+    """A serial-only bench of one step saving its serial run, asked to write `none.json`."""
+    return _saving_bench(tmp_path_factory, bench, "serial_only", "none.json", "--serial-only")
 
 
 @pytest.fixture(scope="module")
 def grouped(tmp_path_factory, bench):
     """A bench whose serial baseline runs all prompts in one chunk, with the noise floor, saving its serial run."""
-    tmp = tmp_path_factory.mktemp("grouped")
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-prompts-per-chunk", "all", "--noise-floor",
-                 "--save-serial", str(tmp / "serial.pt"), "--out", str(tmp / "first.json"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc, tmp
+    return _saving_bench(
+        tmp_path_factory, bench, "grouped", "first.json", "--serial-prompts-per-chunk", "all", "--noise-floor"
+    )
 
 
 @pytest.mark.slow
