@@ -174,3 +174,14 @@ def test_gpu_clocks_parses_nvidia_smis_samples_and_takes_medians_over_a_window(m
     assert gpu_clocks.medians(samples, t0 + 1, t0 + 2) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
     assert gpu_clocks.first_visible() == "GPU-abc"
+
+
+@pytest.mark.slow
+def test_startup_times_names_each_stage_of_a_run_and_each_step(tmp_path):
+    command = [sys.executable, str(ROOT / "bench/startup_times.py"), "run", str(ROOT / "specs/tiny_cpu.yaml"),
+               "--steps", "2", "--quiet", "--no-checkpoints", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stages = [line.split()[1] for line in done.stderr.splitlines() if line.startswith("[startup] ")]
+    assert {"_initial_model", "make_optimizer", "build_engines", "open_dataset"} <= set(stages)
+    assert stages.count("run_iteration") == 2 and stages.index("build_engines") < stages.index("run_iteration")
