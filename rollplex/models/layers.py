@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-Fn = TypeVar("Fn", bound=Callable[..., Tensor])
+Fn = TypeVar("Fn", bound=Callable[..., Tensor | tuple[Tensor, ...]])
 RECOMPILE_LIMIT = 64  # compiled variants per function (input ranks, widths, grad modes), beyond which torch runs eager
 
 
@@ -23,7 +23,12 @@ def gpu_compiled(fn: Fn) -> Fn:
     lengths) when its first argument is on a GPU, run as it is elsewhere (`.eager`). Unfused, a norm, a rotary or
     a gated activation is several kernels each reading and writing the whole activation; with many of them per
     layer, the training half spends more time in them than in its matmuls. Without grad mode its inputs go in
-    detached, so that whether they require grad makes no variant of its own."""
+    detached, so that whether they require grad makes no variant of its own.
+
+    Shapes are torch's automatic dynamic ones: a dimension turns symbolic once it has changed (token counts,
+    batch rows), the others (heads, head and hidden widths) stay the constants they are. Compiled with every
+    dimension symbolic, the kernels index through divisions by unknown widths and run at a fifth of the speed
+    (`bench/prefix_ops.py`)."""
     compiled: list[Callable[..., Tensor]] = []
 
     @wraps(fn)
@@ -34,7 +39,7 @@ def gpu_compiled(fn: Fn) -> Fn:
             from torch import _dynamo
 
             _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            compiled.append(torch.compile(fn, dynamic=True))
+            compiled.append(torch.compile(fn))
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
         return compiled[0](*args)

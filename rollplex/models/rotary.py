@@ -34,6 +34,15 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 
+@gpu_compiled
+def rotated_packed_qk(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k of qkv [S, 3, heads, D] (the vision tower's one GEMM output), rotated: [S, heads, D] each. The whole
+    output goes into the compiled chain: a q or k view's row stride is none of its sizes, and handed to a chain
+    compiled for varying lengths such a stride becomes a symbol that costs the kernel its vector loads (over 4x
+    slower, `bench/prefix_ops.py`)."""
+    return apply_rotary.eager(qkv[:, 0], cos, sin), apply_rotary.eager(qkv[:, 1], cos, sin)
+
+
 def text_rotary(positions: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
     """positions [3, B, T] (temporal, height, width) -> cos, sin [B, 1, T, head_dim], broadcast over heads.
 

@@ -22,7 +22,7 @@ from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.rerun import Rerun, run_unit
-from rollplex.models.rotary import apply_rotary, vision_rotary
+from rollplex.models.rotary import rotated_packed_qk, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
 
 VISION_NORM_EPS = 1e-6
@@ -54,8 +54,7 @@ class PackedSegments(NamedTuple):
 
     sees: Tensor  # [rows, 1, 1, width] bool: the keys a row's queries see (its segment's; a padding row: key 0)
     index: Tensor  # [rows, width] int64: each entry's patch (padding: distinct patches, masked and dropped)
-    positions: Tensor  # [real] int64: the real entries' positions in index.flatten()
-    patches: Tensor  # [real] int64: their patches
+    entry: Tensor  # [patches] int64: each patch's real entry, a position in index.flatten()
 
 
 def pack_segments(groups: Sequence[Tensor]) -> PackedSegments | None:
@@ -76,7 +75,8 @@ def pack_segments(groups: Sequence[Tensor]) -> PackedSegments | None:
     sees = real.clone()
     sees[:, 0] = True  # a padding row sees key 0 (a query that sees no key may come out NaN)
     positions = real.flatten().nonzero()[:, 0]
-    return PackedSegments(sees[:, None, None, :], index, positions, index.flatten()[positions])
+    entry = torch.empty(num_patches, dtype=torch.int64).index_copy_(0, index.flatten()[positions], positions)
+    return PackedSegments(sees[:, None, None, :], index, entry)
 
 
 def segment_layout(segment_ids: Tensor, device: torch.device) -> tuple[Tensor, ...]:
@@ -89,13 +89,33 @@ def segment_layout(segment_ids: Tensor, device: torch.device) -> tuple[Tensor, .
 
 def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSegments) -> Tensor:
     """`segment_attention` in one masked call. Equal to the per-length calls but for rounding: masked keys get
-    zero weight and dropped queries zero gradient, so the padding adds exact zeros."""
+    zero weight and dropped queries zero gradient, so the padding adds exact zeros, and each patch's gradient is
+    the one of its real entry (`_Rows`: gathers both ways, no atomic adds)."""
     rows, width = packed.index.shape
-    q_s, k_s, v_s = (x.index_select(0, packed.index.flatten()).view(rows, width, *x.shape[1:]).transpose(1, 2)
+    q_s, k_s, v_s = (_Rows.apply(x, packed.index.flatten(), packed.entry).view(rows, width, *x.shape[1:]).transpose(1, 2)
                      for x in (q, k, v))  # fmt: skip
     o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=packed.sees)  # [rows, heads, width, D]
-    real = o.transpose(1, 2).reshape(rows * width, *q.shape[1:]).index_select(0, packed.positions)
-    return torch.zeros_like(q).index_copy(0, packed.patches, real)
+    return _Rows.apply(o.transpose(1, 2).reshape(rows * width, *q.shape[1:]), packed.entry, None)
+
+
+class _Rows(torch.autograd.Function):
+    """`x.index_select(0, index)` whose backward is a gather or a plain scatter, never an atomic add (bf16
+    atomics made the vision tower's backward a large share of the step). `back` [len(x)]: the output row whose
+    gradient each row of x takes, every other output row that reads it having a zero gradient (the padding of
+    `PackedSegments`); None: `index` names each row of x at most once, and a row it leaves out gets zero."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, back: Tensor | None) -> Tensor:
+        ctx.save_for_backward(index, back)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        index, back = ctx.saved_tensors
+        if back is not None:
+            return grad.index_select(0, back), None, None
+        return grad.new_zeros(ctx.num_rows, *grad.shape[1:]).index_copy_(0, index, grad), None, None
 
 
 class PatchEmbed(nn.Module):
@@ -120,8 +140,9 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
         num_patches, hidden = x.shape
-        q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # [S, heads, D] each
-        out = segment_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, groups)
+        qkv = self.qkv(x).view(num_patches, 3, self.num_heads, -1)
+        q, k = rotated_packed_qk(qkv, cos, sin)  # [S, heads, D] each
+        out = segment_attention(q, k, qkv[:, 2], groups)
         return self.proj(out.reshape(num_patches, hidden))
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.models.attention import Attention
+from rollplex.models.layers import gpu_compiled
 from rollplex.models.rotary import apply_rotary
 from rollplex.parallel.group import TPGroup, copy_to, gather_from, reduce_from
 
@@ -57,22 +58,40 @@ class ParallelSelfAttention(nn.Module):
 
     def split(self, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """y [B, T, rows] -> q [B, T, heads, D], k and v [B, T, groups, D]; views, no copy."""
-        b, t, d, g = y.shape[0], y.shape[1], self.head_dim, self.num_groups
-        if self.order is QKVOrder.GROUPED:
-            q, k, v = y.split([self.num_heads * d, g * d, g * d], dim=-1)
-            return q.unflatten(-1, (self.num_heads, d)), k.unflatten(-1, (g, d)), v.unflatten(-1, (g, d))
-        per_group = self.num_heads // g
-        y = y.view(b, t, g, per_group + 2, d)
-        return y[:, :, :, :per_group].flatten(2, 3), y[:, :, :, per_group], y[:, :, :, per_group + 1]
+        return split_qkv(y, self.order, self.num_heads, self.num_groups, self.head_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
         """x [B, T, hidden] (replicated over the group) -> [B, T, hidden], summed over the group."""
         batch, num_tokens, _ = x.shape
-        q, k, v = self.split(F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = attention(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, heads, T, D]
+        y = F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias)
+        q, k = rotated_qk(y, cos, sin, self.order, self.num_heads, self.num_groups, self.head_dim)
+        out = attention(layer, q, k, self.split(y)[2].transpose(1, 2))  # [B, heads, T, D]
         out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
         return reduce_from(out @ self.o_slab, self.group)
+
+
+def split_qkv(
+    y: Tensor, order: QKVOrder, num_heads: int, num_groups: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """QKV GEMM output y [B, T, rows] in `order` -> q [B, T, heads, D], k and v [B, T, groups, D]; views."""
+    b, t, d, g = y.shape[0], y.shape[1], head_dim, num_groups
+    if order is QKVOrder.GROUPED:
+        q, k, v = y.split([num_heads * d, g * d, g * d], dim=-1)
+        return q.unflatten(-1, (num_heads, d)), k.unflatten(-1, (g, d)), v.unflatten(-1, (g, d))
+    per_group = num_heads // g
+    y = y.view(b, t, g, per_group + 2, d)
+    return y[:, :, :, :per_group].flatten(2, 3), y[:, :, :, per_group], y[:, :, :, per_group + 1]
+
+
+@gpu_compiled
+def rotated_qk(
+    y: Tensor, cos: Tensor, sin: Tensor, order: QKVOrder, num_heads: int, num_groups: int, head_dim: int
+) -> tuple[Tensor, Tensor]:
+    """q and k of the QKV GEMM output y (`split_qkv`), rotated: [B, heads, T, D] and [B, groups, T, D]. The split
+    happens inside the compiled chain: a q or k view's strides are none of its sizes, and handed to a chain
+    compiled for varying lengths each such stride becomes a symbol that costs the kernel its vector loads."""
+    q, k, _ = split_qkv(y, order, num_heads, num_groups, head_dim)
+    return apply_rotary.eager(q.transpose(1, 2), cos, sin), apply_rotary.eager(k.transpose(1, 2), cos, sin)
 
 
 class ParallelMLP(nn.Module):

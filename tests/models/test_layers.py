@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rollplex.models.layers import rms_norm, silu_mul
-from rollplex.models.rotary import apply_rotary
+from rollplex.models.rotary import apply_rotary, rotated_packed_qk
+from rollplex.parallel.layers import QKVOrder, rotated_qk
 
 
 def cases(device: str, length: int) -> list[tuple]:
@@ -20,12 +21,21 @@ def cases(device: str, length: int) -> list[tuple]:
         (silu_mul, (leaf(length, 80), leaf(length, 80))),
         (apply_rotary, (leaf(length, 4, 64), angles.cos(), angles.sin())),  # the vision tower's [S, heads, D]
         (apply_rotary, (leaf(2, 4, length, 64), text.cos(), text.sin())),  # the decoder's [B, heads, T, D]
+        (rotated_packed_qk, (leaf(length, 3, 4, 64), angles.cos(), angles.sin())),  # the vision GEMM's q and k
+        (rotated_qk, (leaf(2, length, 6 * 64), text.cos(), text.sin(), QKVOrder.INTERLEAVED, 4, 1, 64)),  # TP QKV
+        (rotated_qk, (leaf(2, length, 8 * 64), text.cos(), text.sin(), QKVOrder.GROUPED, 4, 2, 64)),
     ]
+
+
+def outputs(fn, args) -> tuple[torch.Tensor, ...]:
+    out = fn(*args)
+    return out if isinstance(out, tuple) else (out,)
 
 
 def test_off_a_gpu_each_chain_is_its_eager_form():
     for fn, args in cases("cpu", 7):
-        assert torch.equal(fn(*args), fn.eager(*args))
+        for ours, eager in zip(outputs(fn, args), outputs(fn.eager, args), strict=True):
+            assert torch.equal(ours, eager)
 
 
 @pytest.mark.gpu
@@ -33,10 +43,12 @@ def test_off_a_gpu_each_chain_is_its_eager_form():
 @pytest.mark.parametrize("length", [37, 1000, 4099])  # one compile serves every length
 def test_on_a_gpu_the_compiled_chains_equal_their_eager_form_gradients_included(length):
     for fn, args in cases("cuda", length):
-        outs = [fn(*args), fn.eager(*args)]
-        torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
-        weights = torch.randn_like(outs[0])
+        outs = [outputs(fn, args), outputs(fn.eager, args)]
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        weights = [torch.randn_like(o) for o in outs[0]]
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        ours, eager = (torch.autograd.grad((o.float() * weights).sum(), leaves) for o in outs)
+        losses = (sum((o.float() * w).sum() for o, w in zip(out, weights, strict=True)) for out in outs)
+        ours, eager = (torch.autograd.grad(loss, leaves) for loss in losses)
         for a, b in zip(ours, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, float(b.abs().max())))

@@ -49,8 +49,8 @@ def test_segment_attention_in_one_packed_call_equals_one_call_per_length(monkeyp
     monkeypatch.setattr(vision_module, "MAX_PACKING_WASTE", 2.5)
     packed = pack_segments(groups)
     assert packed.index.shape == (24, 4) and packed.sees.shape == (24, 1, 1, 4)
-    assert torch.equal(packed.patches.sort().values, torch.arange(segment_ids.numel()))  # each patch once
-    assert torch.equal(packed.index.flatten()[packed.positions], packed.patches)
+    assert torch.equal(packed.index.flatten()[packed.entry], torch.arange(segment_ids.numel()))  # each patch's own
+    assert packed.entry.unique().numel() == segment_ids.numel()  # each patch has one entry of its own
     assert packed.index.flatten().bincount().max() <= 3  # the padding spreads over the patches
     assert packed.sees.any(dim=-1).all()  # every row, padding rows too, sees a key
     q, k, v = (torch.randn(segment_ids.numel(), 3, 8, requires_grad=True) for _ in range(3))
@@ -60,6 +60,18 @@ def test_segment_attention_in_one_packed_call_equals_one_call_per_length(monkeyp
     exact, padded = (torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in outs)
     for ours, theirs in zip(padded, exact, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    autograd = torch.autograd.grad((_autograd_packed(q, k, v, packed) * weights).sum(), (q, k, v))
+    for ours, theirs in zip(padded, autograd, strict=True):
+        assert torch.equal(ours, theirs)  # the gathers' backward adds only the exact zeros torch's would
+
+
+def _autograd_packed(q, k, v, packed):
+    """The packed call with torch's own index_select backward (index_add over every entry, padding included)."""
+    rows, width = packed.index.shape
+    q_s, k_s, v_s = (x.index_select(0, packed.index.flatten()).view(rows, width, *x.shape[1:]).transpose(1, 2)
+                     for x in (q, k, v))  # fmt: skip
+    o = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=packed.sees)
+    return o.transpose(1, 2).reshape(rows * width, *q.shape[1:]).index_select(0, packed.entry)
 
 
 def test_segments_are_packed_only_where_attention_plans_per_shape(monkeypatch):
