@@ -166,5 +166,7 @@ def test_on_a_gpu_a_prefix_on_a_green_partition_with_offload_and_reruns_gives_th
     plain = prefix_gradients_beside(config, prompts, "cuda", beside=False)
     beside = prefix_gradients_beside(config, prompts, "cuda", beside=True)
     assert plain.keys() == beside.keys()
-    for name, g in plain.items():  # atomics in some backward kernels: equal within FP32 rounding, not bitwise
-        torch.testing.assert_close(beside[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    for name, g in plain.items():  # one prompt per group meets other shapes than all at once, and the compiled
+        # chains and attention run other kernels for them (atomics in some): equal within FP32 rounding of the
+        # gradient's scale, not bitwise
+        torch.testing.assert_close(beside[name], g, rtol=1e-4, atol=1e-6 * max(1.0, float(g.abs().max())), msg=name)
