@@ -1,5 +1,6 @@
 """The prefix's elementwise and gather ops at a spec's own shapes, alone, forward and forward + backward:
-the rotary, norm and silu * up of the decoder and of the vision tower in the forms Inductor can give them, and
+the rotary, norm and silu * up of the decoder and of the vision tower in the forms Inductor can give them (and
+as the model calls them: q and k from the whole QKV output, the MLP's whole [gate; up] output), and
 the vision tower's packed segment attention with its gathers (rollplex's, whose backward gathers, against
 torch's index_select, whose backward adds atomically).
 
@@ -26,8 +27,8 @@ from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
 from rollplex.models.layers import rms_norm, silu_mul
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
-from rollplex.parallel.layers import QKVOrder, rotated_qk
 from rollplex.models.vision_layout import patch_layout
+from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
 CUDA = torch.cuda.is_available()
 
@@ -59,7 +60,8 @@ def forms(fn) -> dict:
     (compiled for the one shape: the best a kernel of these shapes gets; a run would recompile every step)."""
     if not CUDA:
         return {"rollplex": fn}
-    return {"rollplex": fn, "dynamic": torch.compile(fn.eager, dynamic=True), "static": torch.compile(fn.eager, dynamic=False)}
+    every = torch.compile(fn.eager, dynamic=True)
+    return {"rollplex": fn, "dynamic": every, "static": torch.compile(fn.eager, dynamic=False)}
 
 
 def family_cases(fn, args: tuple, shorter: tuple, iters: int, bandwidth: float) -> dict:
@@ -72,16 +74,20 @@ def family_cases(fn, args: tuple, shorter: tuple, iters: int, bandwidth: float) 
     for name, form in forms(fn).items():
         with torch.no_grad():
             form(*shorter)
-            forward = timed(lambda: form(*args), iters)
-        leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        short = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in shorter]
+            forward = timed(partial(form, *args), iters)
+        leaves, short = _leaves(args), _leaves(shorter)
         torch.autograd.backward(_tuple(form(*short)), [torch.ones_like(o) for o in _tuple(form(*short))])
         grads = [torch.randn_like(o) for o in _tuple(form(*leaves))]
-        out[name] = {
-            "forward_s": forward,
-            "forward_backward_s": timed(lambda: torch.autograd.backward(_tuple(form(*leaves)), grads), iters),
-        }
+        out[name] = {"forward_s": forward, "forward_backward_s": timed(partial(_backward, form, leaves, grads), iters)}
     return out
+
+
+def _leaves(args: tuple) -> list:
+    return [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+def _backward(form, leaves: list, grads: list) -> None:
+    torch.autograd.backward(_tuple(form(*leaves)), grads)
 
 
 def _tuple(out) -> tuple:
@@ -105,12 +111,12 @@ def attention_cases(q, k, v, packed, iters: int) -> dict:
     out = {}
     for name, fn in (("rollplex", vision_module.packed_segment_attention), ("torch_index_select", torch_gathers)):
         with torch.no_grad():
-            forward = timed(lambda: fn(q, k, v, packed), iters)
+            forward = timed(partial(fn, q, k, v, packed), iters)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        grad = torch.randn_like(q)
+        grads = [torch.randn_like(q)]
         out[name] = {
             "forward_s": forward,
-            "forward_backward_s": timed(lambda: fn(*leaves, packed).backward(grad), iters),
+            "forward_backward_s": timed(partial(_backward, fn, [*leaves, packed], grads), iters),
         }
     return out
 
@@ -141,9 +147,9 @@ def main() -> None:
 
     layout = patch_layout(grids, vision)
     patches, vh, vd = layout.rows.numel(), vision.num_heads, vision.head_dim
-    tokens_of = {"text_rotary": tokens, "text_rotary_qk": tokens, "text_norm": tokens, "text_silu_mul": tokens,
-                 "vision_rotary": patches, "vision_rotary_qk": patches, "vision_norm": patches,
-                 "vision_silu_mul": patches}  # fmt: skip
+    text_families = ("text_rotary", "text_rotary_qk", "text_norm", "text_silu_mul", "text_gated")
+    vision_families = ("vision_rotary", "vision_rotary_qk", "vision_norm", "vision_silu_mul")
+    tokens_of = {**dict.fromkeys(text_families, tokens), **dict.fromkeys(vision_families, patches)}
     rand = partial(torch.randn, device=device, dtype=dtype)
     add("text_rotary", apply_rotary, lambda t: (rand(b, t, h * d).view(b, t, h, d).transpose(1, 2),
                                                 *_cos_sin(b, 1, t, d, device=device)))  # fmt: skip
@@ -155,6 +161,7 @@ def main() -> None:
     add("vision_norm", rms_norm, lambda t: (rand(t, vision.hidden_size), rand(vision.hidden_size), 1e-6))
     wide = text.intermediate_size
     add("text_silu_mul", silu_mul, lambda t: rand(b, t, 2 * wide).split(wide, -1))
+    add("text_gated", gated, lambda t: (rand(b, t, 1, 2, wide),))  # the TP MLP's whole [gate; up] output
     vwide = vision.stored_intermediate_size
     add("vision_silu_mul", silu_mul, lambda t: rand(t, 2 * vwide).split(vwide, -1))
     vq, vk, vv = rand(patches, 3, vh, vd).unbind(1)
@@ -184,7 +191,8 @@ def main() -> None:
                 print(f"{family + ' ' + name:<34} {t['forward_s'] * 1e3:>8.3f} {t['forward_backward_s'] * 1e3:>10.3f}")
     for kind, cases in attention.items():
         for name, t in cases.items():
-            print(f"{'attention ' + kind + ' ' + name:<34} {t['forward_s'] * 1e3:>8.3f} {t['forward_backward_s'] * 1e3:>10.3f}")
+            case = f"attention {kind} {name}"
+            print(f"{case:<34} {t['forward_s'] * 1e3:>8.3f} {t['forward_backward_s'] * 1e3:>10.3f}")
 
 
 if __name__ == "__main__":

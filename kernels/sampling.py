@@ -4,7 +4,9 @@ Per block of a row's vocabulary (one program each, so that even one row fills th
 log-sum-exp terms of logits / T (the log-prob the trainer scores the token with, at the same temperature;
 T = 1 when greedy) and, in the same pass, its best Gumbel key logits_v / T + G_v, G_v = -log(-log U_v).
 The argmax of the keys samples softmax(logits / T) exactly (temperature 0: the argmax of the logits). U
-comes from Philox keyed by (seed, column, slot), so a seed gives one rollout whatever the batch layout. A
+comes from Philox keyed by (seed, column, the slot's row in the step's whole batch), so a seed gives one
+rollout whatever the batch layout, and a data-parallel rank holding some rows of the batch draws for each the
+numbers one process holding all of them would (`batch_rows`). A
 second kernel merges each row's blocks, writes the token and its log-prob at [slot, column] and the slot's
 last token, and marks the slot done on a stop token or at its length budget.
 No top-p: the caller samples top-p < 1 with torch (`rollplex.models.sampling`). Every input is a device
@@ -29,7 +31,8 @@ def sample_partial_kernel(
     temperature_ptr,  # [1] fp32; 0 = greedy
     partial_ptr,  # [rows, SPLITS, 4] fp32: max logit / T, sum of exp(logit / T - max), best key, its logit / T
     index_ptr,  # [rows, SPLITS] int32: the best key's token
-    num_slots,
+    batch_rows_ptr,  # [SLOTS] int64: each slot's row in the step's whole batch
+    batch_slots_ptr,  # [1] int64: the whole batch's slots
     V: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -42,7 +45,7 @@ def sample_partial_kernel(
     temperature = tl.load(temperature_ptr)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    seed = (tl.load(seed_ptr) + column * num_slots + slot).to(tl.uint32)
+    seed = (tl.load(seed_ptr) + column * tl.load(batch_slots_ptr) + tl.load(batch_rows_ptr + slot)).to(tl.uint32)
     v = split * BLOCK + tl.arange(0, BLOCK)
     live = v < V
     x = tl.load(logits_ptr + row.to(tl.int64) * V + v, mask=live, other=-float("inf")).to(tl.float32) * inv_t
@@ -116,20 +119,28 @@ def fused_sample(
     last_token: torch.Tensor,  # [SLOTS] int64
     done: torch.Tensor,  # [SLOTS] int8
     max_lens: torch.Tensor,  # [SLOTS] int64
+    batch_rows: torch.Tensor | None = None,  # [SLOTS] int64: each slot's row in the whole batch (default: the slot)
+    batch_slots: torch.Tensor | None = None,  # [1] int64: the whole batch's slots (default: SLOTS)
     block: int = 4096,
 ) -> None:
     rows, vocab = logits.shape
     num_slots, max_tokens = tokens.shape
+    if batch_rows is None:
+        batch_rows = torch.arange(num_slots, device=logits.device)
+    if batch_slots is None:
+        batch_slots = torch.tensor([num_slots], device=logits.device)
     assert logits.is_contiguous() and slots.shape == (rows,), f"logits {tuple(logits.shape)}, slots {slots.shape}"
     assert stop_ids.shape == (MAX_STOP_IDS,) and done.dtype == torch.int8 and tokens.dtype == torch.long
     assert logprobs.shape == tokens.shape and last_token.shape == done.shape == max_lens.shape == (num_slots,)
+    assert batch_rows.shape == (num_slots,) and batch_slots.shape == (1,), f"{batch_rows.shape}, {batch_slots.shape}"
     block = min(block, triton.next_power_of_2(vocab))
     splits = triton.cdiv(vocab, block)
     partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     sample_partial_kernel[(rows, splits)](
-        logits, slots, column, seed, temperature, partial, index, num_slots, V=vocab, SPLITS=splits, BLOCK=block
-    )
+        logits, slots, column, seed, temperature, partial, index, batch_rows, batch_slots,
+        V=vocab, SPLITS=splits, BLOCK=block,
+    )  # fmt: skip
     sample_finish_kernel[(rows,)](
         partial, index, slots, column, stop_ids, tokens, logprobs, last_token, done, max_lens,
         R=max_tokens, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), MAX_STOP=MAX_STOP_IDS,

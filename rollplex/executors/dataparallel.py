@@ -4,9 +4,10 @@
 
 Each rank takes its share of the step's prompts (in rank order), rolls them out, scores them and backpropagates
 them. What makes the run the one-process run of the same global batch:
-- sampling: each decode step draws the random numbers of every rank's rows and keeps its own (`rows`), and a
-  rank whose responses end first draws on until the longest of the step's responses ended (`burn`), so every
-  rank's generator follows the one-process run's;
+- sampling: on a GPU each sequence's random numbers are keyed by its row in the step's whole batch (`rows`,
+  `rollplex.kernels.sampling`); on the CPU each decode step draws the random numbers of every rank's rows and
+  keeps its own (`rows`), and a rank whose responses end first draws on until the longest of the step's
+  responses ended (`burn`), so every rank's generator follows the one-process run's;
 - the loss is normalised by the whole step's tokens (or sequences), summed over ranks (`global_scale`), so that
   summing the ranks' gradients (`all_reduce_grads`, in buckets) gives the one-process gradient;
 - metrics are reduced over the ranks before rank 0 writes them.
@@ -37,6 +38,7 @@ class DataParallel:
     rank: int
     group: dist.ProcessGroup | None = None
     minibatches: int = 1
+    device: torch.device | None = None  # where the collectives' tensors live (NCCL: this rank's GPU; gloo: None)
 
     def share(self, n: int) -> list[int]:
         """This rank's items (prompts) of n: the rank's part of each mini-batch's, in order."""
@@ -50,22 +52,24 @@ class DataParallel:
         return [p * group_size + n for p in self.share(every) for n in range(group_size)], every * group_size
 
     def sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())
 
     def gather(self, t: Tensor) -> Tensor:
-        """Every rank's `t` (the same shape but for the last dim, padded with zeros), concatenated on dim 0."""
+        """Every rank's `t` (the same shape but for the last dim, padded with zeros), concatenated on dim 0, on
+        `t`'s device."""
         width = int(self.max(t.shape[-1]))
         padded = torch.nn.functional.pad(t, (0, width - t.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded, group=self.group)
-        return torch.cat(parts)
+        sent = padded if self.device is None else padded.to(self.device)
+        parts = [torch.empty_like(sent) for _ in range(self.size)]
+        dist.all_gather(parts, sent, group=self.group)
+        return torch.cat(parts).to(t.device)
 
     def all_reduce_grads(self, grads: list[Tensor]) -> None:
         """Sums each FP32 gradient over the ranks, in place, in flat buckets of at most BUCKET_BYTES."""

@@ -94,9 +94,6 @@ def init_parallel(
     if world % train_tp:
         raise ValueError(f"{world} processes do not split into TP groups of {train_tp}")
     if device.type == "cuda":
-        if world > train_tp:
-            raise ValueError("data parallelism runs on the CPU only for now (the graph-captured rollout samples "
-                             "per rank)")  # fmt: skip
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -107,5 +104,6 @@ def init_parallel(
     if world > train_tp:
         position = rank % train_tp
         groups = [dist.new_group(list(range(j, world, train_tp))) for j in range(train_tp)]  # every rank makes all
-        dp = DataParallel(world // train_tp, rank // train_tp, groups[position])
+        on = device if device.type == "cuda" else None  # NCCL reduces device tensors, gloo host ones
+        dp = DataParallel(world // train_tp, rank // train_tp, groups[position], device=on)
     return tp, dp, device

@@ -36,6 +36,7 @@ from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
+from rollplex.graph.spec import Spec
 from rollplex.memory.optimizer import ChunkedAdamW, Shard
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -79,6 +80,7 @@ class Engines:
     critic_optimizer: ChunkedAdamW | None = None
     ppo: PpoConfig | None = None
     dp: DataParallel | None = None  # data-parallel ranks (`dataparallel.py`); None in a one-replica run
+    rollout_draws_per_step: bool = True  # the CPU loop draws from `generator` each step; a GPU rollout once
 
     @property
     def temperature(self) -> float:
@@ -163,6 +165,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
                             f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
                             f"use a multiple of {minibatches * dp.size}")  # fmt: skip
         dp = replace(dp, minibatches=minibatches)
+        _check_data_parallel(spec, d, device, tp)
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
@@ -245,6 +248,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         critic_optimizer=critic_optimizer,
         ppo=PpoConfig(a.gamma, a.lam, a.value_clip) if critic is not None else None,
         dp=dp,
+        rollout_draws_per_step=device.type != "cuda",
     )
 
 
@@ -359,6 +363,20 @@ def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
 
 def _checkpoint_dir(loaded: LoadedSpec) -> Path:
     return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
+
+
+def _check_data_parallel(spec: Spec, d: Decisions, device: torch.device, tp: TPSetup | None) -> None:
+    """SpecError for what data-parallel ranks cannot sample as one process would (`dataparallel.py`)."""
+    if d.sharing.policy is SharingPolicy.MPS:
+        raise SpecError("sharing.policy", "mps samples in a rollout process of its own, which data parallelism "
+                        "does not reach", "use green or streams with more than one data-parallel rank")  # fmt: skip
+    if device.type == "cuda" and spec.algorithm.top_p < 1:
+        raise SpecError("algorithm.top_p", f"{spec.algorithm.top_p}: top-p on a GPU draws per batch row, so a "
+                        "rank's share would not sample as the whole step",
+                        "use top_p 1 with data parallelism")  # fmt: skip
+    if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
+        raise SpecError("parallel.split_rollout", "true reseeds each rollout replica, so data-parallel ranks would "
+                        "not sample as one process", "set it false with data parallelism")  # fmt: skip
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:

@@ -165,7 +165,7 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
         max_lens=_length_budgets(e, len(prompts)), **shared,
     )  # fmt: skip
-    if e.dp is not None:
+    if e.dp is not None and e.rollout_draws_per_step:
         _burn(e, rollout, shared["rows"][1])
     store[o.outputs[0]] = rollout
     record.response_lens, record.responses = rollout.response_lens, rollout.responses

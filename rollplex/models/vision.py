@@ -92,7 +92,8 @@ def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSegm
     zero weight and dropped queries zero gradient, so the padding adds exact zeros, and each patch's gradient is
     the one of its real entry (`_Rows`: gathers both ways, no atomic adds)."""
     rows, width = packed.index.shape
-    q_s, k_s, v_s = (_Rows.apply(x, packed.index.flatten(), packed.entry).view(rows, width, *x.shape[1:]).transpose(1, 2)
+    index = packed.index.flatten()
+    q_s, k_s, v_s = (_Rows.apply(x, index, packed.entry).view(rows, width, *x.shape[1:]).transpose(1, 2)
                      for x in (q, k, v))  # fmt: skip
     o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=packed.sees)  # [rows, heads, width, D]
     return _Rows.apply(o.transpose(1, 2).reshape(rows * width, *q.shape[1:]), packed.entry, None)

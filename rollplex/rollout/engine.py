@@ -89,19 +89,23 @@ class RolloutEngine:
         generator: torch.Generator,
         max_lens: Tensor | None = None,
         beside: Callable[[int], None] | None = None,
+        rows: tuple[Sequence[int], int] | None = None,
     ) -> Rollout:
         """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`).
 
         max_lens [P, N]: per-sequence length budgets (benchmarks replay a workload's length distribution with
-        them). beside: called after each decode step is launched, to enqueue other work (`beside.py`).
+        them). beside: called after each decode step is launched, to enqueue other work (`beside.py`). rows
+        (index, total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share); each
+        samples the tokens that row would in a rollout of the whole step (in-graph sampling only).
         """
         start = time.perf_counter()
         boundary = self.model.prefix(prompts, attached=False)
         _sync(self.model.device)
         prefill_s = time.perf_counter() - start
         rollout, stats = self.decode(
-            boundary, num_samples=num_samples, params=params, generator=generator, max_lens=max_lens, beside=beside
-        )
+            boundary, num_samples=num_samples, params=params, generator=generator, max_lens=max_lens, beside=beside,
+            rows=rows,
+        )  # fmt: skip
         self.stats = RolloutStats(prefill_s, *stats)
         return rollout
 
@@ -115,10 +119,13 @@ class RolloutEngine:
         generator: torch.Generator,
         max_lens: Tensor | None = None,
         beside: Callable[[int], None] | None = None,
+        rows: tuple[Sequence[int], int] | None = None,
     ) -> tuple[Rollout, tuple]:
         """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
         if num_samples < 1:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
+        if rows is not None and not can_fuse_sampling(params):
+            raise ValueError("top-p sampling draws per batch row: a share of a step's rows needs top_p 1")
         start = time.perf_counter()
         graphs = self._graphs_for(boundary, num_samples, params)
         if self.kv_region is not None and self.kv_arena.state(self.kv_region) is RegionState.RELEASED:
@@ -126,7 +133,7 @@ class RolloutEngine:
             self.kv_arena.map(self.kv_region)  # fresh pages at the same addresses: contents are rewritten below
         step = graphs.step
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
-        step.load(boundary, params, seed, max_lens)
+        step.load(boundary, params, seed, max_lens, rows)
         run = _Run(step, boundary.num_prompts, num_samples, params, generator)
         run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
         live = torch.arange(run.num_sequences)

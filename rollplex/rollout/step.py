@@ -13,6 +13,7 @@ sampling (`engine.py`), capture (`graphs.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,8 @@ class DecodeStep:
         self.done = torch.zeros(shape.num_slots, dtype=torch.int8, device=device)
         self.max_lens = torch.full((shape.num_slots,), shape.max_tokens, **long)  # per-sequence length budgets
         self.seed = torch.zeros(1, **long)
+        self.batch_rows = torch.arange(shape.num_slots, **long)  # each slot's row in the step's whole batch
+        self.batch_slots = torch.full((1,), shape.num_slots, **long)  # the whole batch's slots
         self.temperature = torch.zeros(1, dtype=torch.float32, device=device)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, **long)
         self.logits = torch.empty(shape.num_slots - 1, text.vocab_size, dtype=dtype, device=device)
@@ -129,10 +132,19 @@ class DecodeStep:
             device,
         )  # fmt: skip
 
-    def load(self, boundary: Boundary, params: SamplingParams, seed: int, max_lens: Tensor | None = None) -> None:
+    def load(
+        self,
+        boundary: Boundary,
+        params: SamplingParams,
+        seed: int,
+        max_lens: Tensor | None = None,
+        rows: tuple[Sequence[int], int] | None = None,
+    ) -> None:
         """Takes a new rollout: copies the prompts' KV and lengths in, clears the outputs, rewinds the step.
 
-        max_lens [P, N]: optional per-sequence length budgets (each at most params.max_tokens)."""
+        max_lens [P, N]: optional per-sequence length budgets (each at most params.max_tokens). rows (index,
+        total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share), and each
+        draws the random numbers that row draws in a one-process rollout of the whole step."""
         assert self.shape.fits(boundary, self.shape.num_samples, params), "the rollout exceeds the decode shape"
         length = boundary.max_prompt_len
         for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
@@ -147,6 +159,11 @@ class DecodeStep:
         if max_lens is not None:
             self.max_lens[:-1].copy_(max_lens.flatten().clamp(1, self.shape.max_tokens))
         self.seed.fill_(seed)
+        index, total = rows if rows is not None else (range(self.shape.num_slots - 1), self.shape.num_slots - 1)
+        if len(index) != self.shape.num_slots - 1:
+            raise ValueError(f"{len(index)} rows for a rollout of {self.shape.num_slots - 1} sequences")
+        self.batch_rows.copy_(torch.tensor([*index, total]))  # the spare slot: the whole batch's spare
+        self.batch_slots.fill_(total + 1)
         self.temperature.fill_(params.temperature)
         if self.shape.fused_sampling:
             self.stop_ids.fill_(-1)
@@ -156,7 +173,7 @@ class DecodeStep:
         """Fused sampling of token `column` for the sequences in `slots` from logits [rows, V]."""
         fused_sample(
             logits, slots, column, self.seed, self.temperature, self.stop_ids, self.tokens, self.logprobs,
-            self.last_token, self.done, self.max_lens,
+            self.last_token, self.done, self.max_lens, self.batch_rows, self.batch_slots,
         )  # fmt: skip
 
     def forward(self, rows: int) -> Tensor:

@@ -10,7 +10,11 @@ from kernels_testkit import DEVICE
 from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 
 
-def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots=None, max_tokens=3, max_lens=None):
+def draw(
+    logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots=None, max_tokens=3, max_lens=None,
+    batch=None,
+):  # fmt: skip
+    """batch (rows, slots): each slot's row in a whole batch of that many slots (a data-parallel share)."""
     num_slots = num_slots or len(slots)
     tokens = torch.zeros(num_slots, max_tokens, dtype=torch.long, device=DEVICE)
     logprobs = torch.zeros(num_slots, max_tokens, device=DEVICE)
@@ -22,10 +26,11 @@ def draw(logits, slots, *, column=0, seed=0, temperature=1.0, stop=(), num_slots
     stop_ids[: len(stop)] = torch.tensor(stop, dtype=torch.long)
     max_lens = torch.full((num_slots,), max_tokens) if max_lens is None else torch.tensor(max_lens)
     scalar = lambda v, dtype: torch.tensor([v], dtype=dtype, device=DEVICE)  # noqa: E731
+    keyed = () if batch is None else (torch.tensor(batch[0], device=DEVICE), scalar(batch[1], torch.long))
     fused_sample(
         logits.to(DEVICE), torch.as_tensor(slots, device=DEVICE), scalar(column, torch.long), scalar(seed, torch.long),
         scalar(temperature, torch.float32), stop_ids.to(DEVICE), tokens, logprobs, last, done,
-        max_lens.to(DEVICE), block=64,
+        max_lens.to(DEVICE), *keyed, block=64,
     )  # fmt: skip
     return tokens.cpu(), logprobs.cpu(), last.cpu(), done.cpu()
 
@@ -67,3 +72,16 @@ def test_a_sequence_is_done_once_it_reaches_its_length_budget():
     logits = torch.zeros(3, 50)
     *_, done = draw(logits, [0, 1, 2], column=1, max_lens=[2, 3, 1])  # token 1 is the 2nd token
     assert done.tolist() == [1, 0, 1]
+
+
+def test_a_share_of_a_batch_draws_for_each_row_what_the_whole_batch_draws_for_it():
+    """A data-parallel rank holds rows 4..7 and 1 of a batch of 8 (9 slots with the spare) in slots 0..4 of its own
+    6: keyed by their rows in the whole batch, its draws are the whole batch's for those rows."""
+    logits = torch.randn(8, 200, generator=torch.Generator().manual_seed(2))
+    whole, whole_lp, *_ = draw(logits, list(range(8)), column=1, seed=11, num_slots=9)
+    rows = [4, 5, 6, 7, 1]
+    share, share_lp, *_ = draw(logits[rows], list(range(5)), column=1, seed=11, num_slots=6, batch=([*rows, 8], 9))
+    assert torch.equal(share[:5, 1], whole[rows, 1])
+    torch.testing.assert_close(share_lp[:5, 1], whole_lp[rows, 1])
+    unkeyed, *_ = draw(logits[rows], list(range(5)), column=1, seed=11, num_slots=6)  # keyed by its own slots
+    assert not torch.equal(unkeyed[:5, 1], whole[rows, 1])

@@ -8,7 +8,7 @@ import torch
 
 from rollplex.models.layers import rms_norm, silu_mul
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
-from rollplex.parallel.layers import QKVOrder, rotated_qk
+from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
 
 def cases(device: str, length: int) -> list[tuple]:
@@ -24,6 +24,7 @@ def cases(device: str, length: int) -> list[tuple]:
         (rotated_packed_qk, (leaf(length, 3, 4, 64), angles.cos(), angles.sin())),  # the vision GEMM's q and k
         (rotated_qk, (leaf(2, length, 6 * 64), text.cos(), text.sin(), QKVOrder.INTERLEAVED, 4, 1, 64)),  # TP QKV
         (rotated_qk, (leaf(2, length, 8 * 64), text.cos(), text.sin(), QKVOrder.GROUPED, 4, 2, 64)),
+        (gated, (leaf(2, length, 2, 2, 48),)),  # the TP MLP's [gate; up] pairs of two blocks
     ]
 
 
