@@ -6,6 +6,7 @@ Not here: attention (`attention.py`, `decoder.py`, `vision.py`) and rotary embed
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from functools import wraps
 from typing import TypeVar
@@ -28,24 +29,40 @@ def gpu_compiled(fn: Fn) -> Fn:
     Shapes are torch's automatic dynamic ones: a dimension turns symbolic once it has changed (token counts,
     batch rows), the others (heads, head and hidden widths) stay the constants they are. Compiled with every
     dimension symbolic, the kernels index through divisions by unknown widths and run at a fifth of the speed
-    (`bench/prefix_ops.py`)."""
-    compiled: list[Callable[..., Tensor]] = []
+    (`bench/prefix_ops.py`). Torch keeps which dimensions changed per function, and a call with inputs of another
+    rank turns all of them symbolic; so each layout of the inputs (their ranks and last widths: the vision
+    tower's [S, 1280] beside the decoder's [B, T, 2048]) compiles its own copy of `fn` (`_copy`)."""
+    return layout_compiled(fn, "inductor", lambda x: x.is_cuda)
+
+
+def layout_compiled(fn: Fn, backend: str | Callable, applies: Callable[[Tensor], bool]) -> Fn:
+    """`gpu_compiled` with torch.compile's `backend`, compiled where `applies(first argument)`."""
+    compiled: dict[tuple, Callable[..., Tensor]] = {}
 
     @wraps(fn)
     def run(*args):
-        if not args[0].is_cuda:
+        if not applies(args[0]):
             return fn(*args)
-        if not compiled:
+        layout = tuple((a.dim(), a.shape[-1] if a.dim() else 0) for a in args if isinstance(a, Tensor))
+        if layout not in compiled:
             from torch import _dynamo
 
             _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            compiled.append(torch.compile(fn))
+            compiled[layout] = torch.compile(_copy(fn, len(compiled)), backend=backend)
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        return compiled[0](*args)
+        return compiled[layout](*args)
 
     run.eager = fn
     return run  # type: ignore[return-value]
+
+
+def _copy(fn: Callable, index: int) -> Callable:
+    """`fn` with a code object of its own, named `fn_<index>`: torch keys compiled variants and the dimensions it
+    has seen change by a function's code and name, so each copy keeps its own."""
+    name = f"{fn.__name__}_{index}"
+    code = fn.__code__.replace(co_name=name, co_qualname=f"{fn.__qualname__}_{index}")
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 @gpu_compiled

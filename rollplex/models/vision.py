@@ -75,7 +75,8 @@ def pack_segments(groups: Sequence[Tensor]) -> PackedSegments | None:
     sees = real.clone()
     sees[:, 0] = True  # a padding row sees key 0 (a query that sees no key may come out NaN)
     positions = real.flatten().nonzero()[:, 0]
-    entry = torch.empty(num_patches, dtype=torch.int64).index_copy_(0, index.flatten()[positions], positions)
+    entry = torch.full((num_patches,), -1).index_copy_(0, index.flatten()[positions], positions)
+    assert (entry >= 0).all(), "the segments do not cover every patch"
     return PackedSegments(sees[:, None, None, :], index, entry)
 
 

@@ -29,7 +29,7 @@ from rollplex.models.sampling import SamplingParams, sample, tempered
 from rollplex.rollout.batch import bucket_for, bucket_sizes, layout
 from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.slowdown import DeviceClock, StepSpan
-from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, kv_bytes
+from rollplex.rollout.step import DecodeShape, DecodeStep, can_fuse_sampling, check_rows, kv_bytes
 from rollplex.rollout.weights import CUBLAS, DecodeKernels
 
 POSITION_QUANTUM = 1024
@@ -126,6 +126,8 @@ class RolloutEngine:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
         if rows is not None and not can_fuse_sampling(params):
             raise ValueError("top-p sampling draws per batch row: a share of a step's rows needs top_p 1")
+        if rows is not None:
+            check_rows(rows, boundary.num_prompts * num_samples)
         start = time.perf_counter()
         graphs = self._graphs_for(boundary, num_samples, params)
         if self.kv_region is not None and self.kv_arena.state(self.kv_region) is RegionState.RELEASED:

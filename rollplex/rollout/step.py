@@ -68,6 +68,13 @@ def kv_bytes(model: Qwen2_5_VL, shape: DecodeShape) -> int:
     return 2 * model.config.text.num_hidden_layers * (math.prod(cache) + math.prod(prompt)) * itemsize
 
 
+def check_rows(rows: tuple[Sequence[int], int], num_sequences: int) -> None:
+    """ValueError unless rows (index, total) names num_sequences distinct rows of a batch of `total`."""
+    index, total = rows
+    if len(index) != num_sequences or len(set(index)) != len(index) or not all(0 <= i < total for i in index):
+        raise ValueError(f"rows {list(index)[:8]}... of {total}: not {num_sequences} distinct rows of the batch")
+
+
 def can_fuse_sampling(params: SamplingParams) -> bool:
     """The fused sampler does temperature (and greedy) but not top-p, and at most MAX_STOP_IDS stop tokens."""
     return params.top_p == 1.0 and len(params.stop_token_ids) <= MAX_STOP_IDS
@@ -146,6 +153,8 @@ class DecodeStep:
         total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share), and each
         draws the random numbers that row draws in a one-process rollout of the whole step."""
         assert self.shape.fits(boundary, self.shape.num_samples, params), "the rollout exceeds the decode shape"
+        if rows is not None:
+            check_rows(rows, self.shape.num_slots - 1)
         length = boundary.max_prompt_len
         for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
             dst_k[:, :, :length].copy_(k)
@@ -160,8 +169,6 @@ class DecodeStep:
             self.max_lens[:-1].copy_(max_lens.flatten().clamp(1, self.shape.max_tokens))
         self.seed.fill_(seed)
         index, total = rows if rows is not None else (range(self.shape.num_slots - 1), self.shape.num_slots - 1)
-        if len(index) != self.shape.num_slots - 1:
-            raise ValueError(f"{len(index)} rows for a rollout of {self.shape.num_slots - 1} sequences")
         self.batch_rows.copy_(torch.tensor([*index, total]))  # the spare slot: the whole batch's spare
         self.batch_slots.fill_(total + 1)
         self.temperature.fill_(params.temperature)

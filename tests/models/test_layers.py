@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollplex.models.layers import rms_norm, silu_mul
+from rollplex.models.layers import layout_compiled, rms_norm, silu_mul
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
@@ -39,9 +39,28 @@ def test_off_a_gpu_each_chain_is_its_eager_form():
             assert torch.equal(ours, eager)
 
 
+def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
+    """The vision tower's [S, 1280] norm beside the decoder's [B, T, 2048]: a function compiled once for both
+    would turn every dimension symbolic, widths included, at the first call of the other rank."""
+    graphs = []
+
+    def record(gm, example_inputs):  # each graph's input shapes as traced: constants, or symbols' names
+        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        graphs.append([tuple(str(d) for d in x.shape) for x in traced if isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    norm = layout_compiled(rms_norm.eager, record, lambda x: True)
+    for shape in [(100, 48), (90, 48), (2, 50, 32), (2, 40, 32), (3, 40, 32), (80, 48)]:
+        x, weight = torch.randn(shape), torch.randn(shape[-1])
+        torch.testing.assert_close(norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+    widths = {graph[0][-1] for graph in graphs}
+    assert widths == {"48", "32"}, graphs  # the widths stay constants in every graph
+    assert len(graphs) == 5, graphs  # 2-D: static, then rows symbolic; 3-D: static, tokens, then rows too
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("length", [37, 1000, 4099])  # one compile serves every length
+@pytest.mark.parametrize("length", [37, 1000, 4099])  # a second length compiles the one that serves every length
 def test_on_a_gpu_the_compiled_chains_equal_their_eager_form_gradients_included(length):
     for fn, args in cases("cuda", length):
         outs = [outputs(fn, args), outputs(fn.eager, args)]

@@ -196,6 +196,10 @@ def test_a_share_of_the_prompts_samples_for_its_rows_what_the_whole_step_samples
     assert torch.equal(part.response_lens, whole.response_lens[2:])
     assert torch.equal(part.responses, whole.responses[2:, :, :width])
     torch.testing.assert_close(part.logprobs, whole.logprobs[2:, :, :width], atol=1e-5, rtol=1e-5)
+    for rows in (([4], 6), ([4, 4], 6), ([5, 6], 6)):  # too few, repeated, outside the batch
+        with pytest.raises(ValueError, match="distinct rows of the batch"):
+            RolloutEngine(model).generate(prompts[2:], num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0),
+                                          rows=rows)  # fmt: skip
     with pytest.raises(ValueError, match="top_p 1"):
         RolloutEngine(model).generate(
             prompts[:1], num_samples=NUM_SAMPLES, params=replace(SAMPLED, top_p=0.9), generator=seeded(0),
