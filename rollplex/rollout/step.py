@@ -150,11 +150,9 @@ class DecodeStep:
         """Takes a new rollout: copies the prompts' KV and lengths in, clears the outputs, rewinds the step.
 
         max_lens [P, N]: optional per-sequence length budgets (each at most params.max_tokens). rows (index,
-        total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share), and each
-        draws the random numbers that row draws in a one-process rollout of the whole step."""
+        total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share, `check_rows`),
+        and each draws the random numbers that row draws in a one-process rollout of the whole step."""
         assert self.shape.fits(boundary, self.shape.num_samples, params), "the rollout exceeds the decode shape"
-        if rows is not None:
-            check_rows(rows, self.shape.num_slots - 1)
         length = boundary.max_prompt_len
         for dst_k, dst_v, k, v in zip(self.prompt_k, self.prompt_v, boundary.keys, boundary.values, strict=True):
             dst_k[:, :, :length].copy_(k)
