@@ -38,8 +38,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rotated_packed_qk(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """q and k of qkv [S, 3, heads, D] (the vision tower's one GEMM output), rotated: [S, heads, D] each. The whole
     output goes into the compiled chain: a q or k view's row stride is none of its sizes, and handed to a chain
-    compiled for varying lengths such a stride becomes a symbol that costs the kernel its vector loads (over 4x
-    slower, `bench/prefix_ops.py`)."""
+    compiled for varying lengths such a stride becomes a symbol the kernel indexes its rows through."""
     return apply_rotary.eager(qkv[:, 0], cos, sin), apply_rotary.eager(qkv[:, 1], cos, sin)
 
 

@@ -89,7 +89,7 @@ def rotated_qk(
 ) -> tuple[Tensor, Tensor]:
     """q and k of the QKV GEMM output y (`split_qkv`), rotated: [B, heads, T, D] and [B, groups, T, D]. The split
     happens inside the compiled chain: a q or k view's strides are none of its sizes, and handed to a chain
-    compiled for varying lengths each such stride becomes a symbol that costs the kernel its vector loads."""
+    compiled for varying lengths each such stride becomes a symbol the kernel indexes its rows through."""
     q, k, _ = split_qkv(y, order, num_heads, num_groups, head_dim)
     return apply_rotary.eager(q.transpose(1, 2), cos, sin), apply_rotary.eager(k.transpose(1, 2), cos, sin)
 
