@@ -28,10 +28,11 @@ def gpu_compiled(fn: Fn) -> Fn:
 
     Shapes are torch's automatic dynamic ones: a dimension turns symbolic once it has changed (token counts,
     batch rows), the others (heads, head and hidden widths) stay the constants they are. Compiled with every
-    dimension symbolic, the kernels index through divisions by unknown widths and run slower (`bench/prefix_ops.py`:
-    the decoder's norm 1.6x, its q and k rotary 12x). Torch keeps which dimensions changed per function, and a call with inputs of another
-    rank turns all of them symbolic; so each layout of the inputs (their ranks and last widths: the vision
-    tower's [S, 1280] beside the decoder's [B, T, 2048]) compiles its own copy of `fn` (`_copy`)."""
+    dimension symbolic, the kernels index through divisions by unknown widths and run slower
+    (`bench/prefix_ops.py`: the decoder's norm 1.6x, its q and k rotary 12x). Torch keeps which dimensions
+    changed per function, and a call with inputs of another rank turns all of them symbolic; so each layout of
+    the inputs (their ranks and last widths: the vision tower's [S, 1280] beside the decoder's [B, T, 2048])
+    compiles its own copy of `fn` (`_copy`)."""
     return layout_compiled(fn, "inductor", lambda x: x.is_cuda)
 
 
