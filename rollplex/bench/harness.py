@@ -282,8 +282,8 @@ def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
     """The spec with `sharing.policy` (and `prefix_sms` or `mps_trainer_percent`) from a `--policies` entry."""
     name, arg = parse_policy(text)
     key = "prefix_sms" if name == "green" else "mps_trainer_percent"
-    if name == "mps" and loaded.spec.parallel.train_tp > 1:
-        raise ValueError("mps runs with train_tp 1 only")
+    if name == "mps" and loaded.spec.cluster.num_gpus > 1:
+        raise ValueError("mps runs on one GPU (its rollout process beside one trainer)")
     return _with_sharing(loaded, {"policy": name} | ({key: arg} if arg is not None else {}))
 
 

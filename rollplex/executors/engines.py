@@ -165,7 +165,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
                             f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
                             f"use a multiple of {minibatches * dp.size}")  # fmt: skip
         dp = replace(dp, minibatches=minibatches)
-        _check_data_parallel(spec, d, device, tp)
+        _check_data_parallel(spec, device, tp)
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
@@ -365,11 +365,9 @@ def _checkpoint_dir(loaded: LoadedSpec) -> Path:
     return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
 
 
-def _check_data_parallel(spec: Spec, d: Decisions, device: torch.device, tp: TPSetup | None) -> None:
-    """SpecError for what data-parallel ranks cannot sample as one process would (`dataparallel.py`)."""
-    if d.sharing.policy is SharingPolicy.MPS:
-        raise SpecError("sharing.policy", "mps samples in a rollout process of its own, which data parallelism "
-                        "does not reach", "use green or streams with more than one data-parallel rank")  # fmt: skip
+def _check_data_parallel(spec: Spec, device: torch.device, tp: TPSetup | None) -> None:
+    """SpecError for what data-parallel ranks cannot sample as one process would (`dataparallel.py`; mps, whose
+    rollout process data parallelism would not reach, the spec refuses on more than one GPU)."""
     if device.type == "cuda" and spec.algorithm.top_p < 1:
         raise SpecError("algorithm.top_p", f"{spec.algorithm.top_p}: top-p on a GPU draws per batch row, so a "
                         "rank's share would not sample as the whole step",

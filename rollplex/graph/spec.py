@@ -366,8 +366,9 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _mps(self) -> Spec:
-        if self.sharing.policy == "mps" and self.parallel.train_tp > 1:
-            raise ValueError("sharing.policy mps runs with train_tp 1 only; use green or streams under TP")
+        if self.sharing.policy == "mps" and self.cluster.num_gpus > 1:
+            raise ValueError("sharing.policy mps runs on one GPU (its rollout process beside one trainer); use green "
+                             "or streams with tensor or data parallelism")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -22,10 +22,10 @@ run: {{dtype: float32}}
 """
 
 
-def check(device: str, top_p: float = 1.0, policy: str = "streams", replicas: int = 1) -> None:
-    plan = compile_plan(parse_spec(DP2.format(top_p=top_p, policy=policy)))
+def check(device: str, top_p: float = 1.0, replicas: int = 1) -> None:
+    plan = compile_plan(parse_spec(DP2.format(top_p=top_p, policy="streams")))
     tp = SimpleNamespace(exchange=SimpleNamespace(size=replicas))  # rollout replicas filled by one TP group
-    _check_data_parallel(plan.loaded.spec, plan.decisions, torch.device(device), tp)
+    _check_data_parallel(plan.loaded.spec, torch.device(device), tp)
 
 
 def test_data_parallel_ranks_sample_in_process_with_top_p_one_on_a_gpu():
@@ -33,7 +33,7 @@ def test_data_parallel_ranks_sample_in_process_with_top_p_one_on_a_gpu():
     check("cpu", top_p=0.9)  # the CPU draws every rank's rows each step, top-p or not
     with pytest.raises(SpecError, match=r"algorithm\.top_p.*top-p on a GPU draws per batch row"):
         check("cuda", top_p=0.9)
-    with pytest.raises(SpecError, match=r"sharing\.policy.*mps samples in a rollout process of its own"):
-        check("cpu", policy="mps")
+    with pytest.raises(SpecError, match=r"sharing\.policy.*mps runs on one GPU"):
+        parse_spec(DP2.format(top_p=1.0, policy="mps"))  # refused with the spec: two GPUs, two processes
     with pytest.raises(SpecError, match=r"parallel\.split_rollout.*reseeds each rollout replica"):
         check("cpu", replicas=2)  # the spec keeps split_rollout's default, true

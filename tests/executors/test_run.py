@@ -312,7 +312,7 @@ def test_under_mps_rollout_runs_in_its_own_process_and_both_schedules_train_iden
 
 
 def test_mps_under_tensor_parallelism_is_a_spec_error():
-    with pytest.raises(ValueError, match="mps runs with train_tp 1 only"):
+    with pytest.raises(ValueError, match="mps runs on one GPU"):
         parse_spec(spec_text(kl=0.1, device="cpu").replace("hbm_gib: 16", "hbm_gib: 16, gpus_per_node: 2")
                    + "parallel: {train_tp: 2}\nsharing: {policy: mps}\n")  # fmt: skip
 
