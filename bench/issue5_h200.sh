@@ -24,7 +24,8 @@
 # warm) for `policies3b`. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
 # 2 warm-ups, 3 steps and the noise floor do not fit in the serial run's 330 s timeout. `preset NAME [POLICY...]`
 # benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
-# Move what comes back into bench/results/ with the code's commit.
+# Move what comes back into bench/results/ with the code's commit. The device's copy of the tree may carry an
+# older .git than its files: set ROLLPLEX_COMMIT=<the commit you sent> so the result JSON names the right one.
 set -u
 STAGE=${1:?stage: tests, profile, bench3b, policies3b, preset, naive7b or run7b (see the header)}
 OUT=${OUT:?the device sets OUT}

@@ -20,6 +20,7 @@ from rollplex.bench.harness import (
     with_prompts_per_chunk,
     with_unsplit,
 )
+from rollplex.bench.provenance import source_commit
 from rollplex.errors import SpecError
 from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
 from rollplex.executors.engines import resolve_device
@@ -135,6 +136,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         result = compare(
             variant, serial, rollplex, command, serial_spec(variant), None if floor is None else floor.grads
         )
+        result["commit"] = source_commit()
         result["serial_from"] = args.serial_from  # None: serial ran in this bench
         result["after_another_schedule_in_process"] = after_another
         # under tensor parallelism each rank compared its own shards: the worst rank decides

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from rollplex.bench import harness as bench_module
 from rollplex.bench.harness import ScheduleRun, noise_floor_grads
+from rollplex.bench.provenance import source_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
@@ -84,6 +86,7 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
     assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
     assert result["first_step_rollouts_match"] and result["first_step_grad_relative_difference"] == 0.0
+    assert result["commit"] == source_commit() and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", result["commit"])
     t_d, t_p, t_post = result["T_D_s"], result["T_P_s"], result["T_post_s"]
     rollout = result["phase_s"]["rollplex"]["rollout"]
     assert abs(result["T_post_rollplex_s"] - (result["step_s"]["rollplex"] - rollout)) < 2e-3
