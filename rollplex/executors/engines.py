@@ -36,7 +36,7 @@ from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
-from rollplex.graph.spec import Spec
+from rollplex.graph.refusals import run_refusals
 from rollplex.memory.optimizer import ChunkedAdamW, Shard
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
@@ -154,9 +154,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     set_determinism(spec.run.deterministic)
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
-    if spec.parallel.sequence_parallel and spec.parallel.train_tp > 1:
-        raise SpecError("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole hidden "
-                        "state on every rank", "set it false to run")  # fmt: skip
+    for refusal in run_refusals(spec):
+        if device.type == "cuda" or not refusal.gpu_only:
+            raise SpecError(refusal.key, refusal.problem, refusal.fix)
     tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     if dp is not None:
         minibatches = spec.algorithm.minibatches_per_step
@@ -165,7 +165,6 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
                             f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
                             f"use a multiple of {minibatches * dp.size}")  # fmt: skip
         dp = replace(dp, minibatches=minibatches)
-        _check_data_parallel(spec, device, tp)
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
@@ -363,18 +362,6 @@ def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
 
 def _checkpoint_dir(loaded: LoadedSpec) -> Path:
     return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
-
-
-def _check_data_parallel(spec: Spec, device: torch.device, tp: TPSetup | None) -> None:
-    """SpecError for what data-parallel ranks cannot sample as one process would (`dataparallel.py`; mps, whose
-    rollout process data parallelism would not reach, the spec refuses on more than one GPU)."""
-    if device.type == "cuda" and spec.algorithm.top_p < 1:
-        raise SpecError("algorithm.top_p", f"{spec.algorithm.top_p}: top-p on a GPU draws per batch row, so a "
-                        "rank's share would not sample as the whole step",
-                        "use top_p 1 with data parallelism")  # fmt: skip
-    if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
-        raise SpecError("parallel.split_rollout", "true reseeds each rollout replica, so data-parallel ranks would "
-                        "not sample as one process", "set it false with data parallelism")  # fmt: skip
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:

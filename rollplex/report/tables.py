@@ -6,6 +6,7 @@ from rollplex.graph.cost import KNOWN_PEAKS, time_plan
 from rollplex.graph.ir import op, steps
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
+from rollplex.graph.refusals import run_refusals
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -59,6 +60,9 @@ def launch_lines(plan: Plan) -> str:
         if max(len(g) for g in groups) > 1:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
             lines.append(f"{name}: {shown}{' ...' if len(groups) > 8 else ''}")
+    refused = [f"{r.key} ({r.problem}{'; on a GPU' if r.gpu_only else ''})" for r in run_refusals(s)]
+    if refused:
+        lines.append("rollplex run refuses, as the spec stands: " + "; ".join(refused))
     return "\n".join(lines)
 
 

@@ -1,0 +1,35 @@
+"""What `rollplex run` refuses of a spec the planner plans: settings the runtime does not implement yet, and
+data-parallel sampling it cannot make the one-process run's. The dry-run lists them (`report.tables`); the
+engines raise the first that applies on their device (`executors.engines`). Pure: the spec alone decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollplex.graph.spec import Spec
+
+
+@dataclass(frozen=True)
+class Refusal:
+    key: str  # the spec key to change
+    problem: str
+    fix: str
+    gpu_only: bool = False  # refused on a GPU only (the CPU runs it)
+
+
+def run_refusals(spec: Spec) -> list[Refusal]:
+    p = spec.parallel
+    replicas_per_group, dp = p.train_tp // p.rollout_tp, spec.cluster.num_gpus // p.train_tp
+    refused = []
+    if p.sequence_parallel and p.train_tp > 1:
+        refused.append(Refusal("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole "
+                               "hidden state on every rank", "set it false to run"))  # fmt: skip
+    if dp > 1 and replicas_per_group > 1 and p.split_rollout:
+        refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica, so data-parallel ranks "
+                               "would not sample as one process", "set it false with data parallelism"))  # fmt: skip
+    if dp > 1 and spec.algorithm.top_p < 1:
+        refused.append(Refusal("algorithm.top_p", f"{spec.algorithm.top_p:g}: top-p on a GPU draws per batch row, so "
+                               "a rank's share would not sample as the whole step", "use top_p 1 with data "
+                               "parallelism", gpu_only=True))  # fmt: skip
+    return refused
