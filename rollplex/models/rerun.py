@@ -13,12 +13,10 @@ number: the same ops run on the same inputs.
 
 Memory across the two streams: torch's caching allocator keeps a pool per stream, and a block freed in one
 stream's pool serves only that stream's later allocations. The units' saved inputs were allocated on the
-forward's stream, so as a backward on another stream frees them their blocks would stay reserved, unused, until
-the runtime empties the cache after the phase: the phase would hold several GiB above its live tensors. So once
-the inputs of such units add up to `Rerun.release_bytes`, their blocks go back to the driver
-(`torch.cuda.empty_cache`) and the backward's allocations can map them again. A release also unmaps the
-trainer's own free blocks, which the next allocations must map again (slow): hence a threshold, not a release
-per unit.
+forward's stream, so as the backward frees them (on `Rerun.stream`) their blocks would stay reserved, unused, until
+the step ends: on the 7B spec ~8 GiB above the live tensors in Phase 2. A unit whose backward ran on another
+stream therefore hands the allocator's free blocks back to the driver (`torch.cuda.empty_cache`) before it
+returns; the backward's allocations map them again.
 
 Not here: what is offloaded (`rollplex.memory.offload`), which units are checkpointed (the model's prefix).
 """
@@ -27,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -48,16 +46,6 @@ class Rerun:
     through a rerun unit still accumulates into the parameters' `.grad`."""
 
     stream: torch.cuda.Stream | None = None
-    release_bytes: int = 4 * 2**30  # saved inputs freed on another stream than their forward's, then a release
-    _freed: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)  # bytes since the last one
-
-    def released(self, nbytes: int) -> None:
-        """Counts `nbytes` of saved inputs freed away from their forward's stream; hands the caching
-        allocator's free blocks back to the driver once they reach `release_bytes`."""
-        self._freed[0] += nbytes
-        if self._freed[0] >= self.release_bytes:
-            torch.cuda.empty_cache()
-            self._freed[0] = 0
 
     def __call__(self, unit: Unit, x: Tensor, params: Iterable[Tensor], *consts: Tensor) -> tuple[Tensor, ...]:
         trainable = any(p.requires_grad for p in params)
@@ -66,7 +54,7 @@ class Rerun:
         # the parameters are not inputs of the node (the rerun's own backward accumulates their gradients; as
         # inputs they would also get the node's None, and their post-accumulate hooks would run twice); a leaf
         # that needs a gradient makes the outputs differentiable when x is not
-        return _Rerun.apply(unit, self, torch.empty(0, requires_grad=True), x, *consts)
+        return _Rerun.apply(unit, self.stream, torch.empty(0, requires_grad=True), x, *consts)
 
 
 def run_unit(
@@ -79,9 +67,9 @@ def run_unit(
 class _Rerun(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, unit: Unit, rerun: Rerun, differentiable: Tensor, x: Tensor, *consts: Tensor
+        ctx, unit: Unit, stream: torch.cuda.Stream | None, differentiable: Tensor, x: Tensor, *consts: Tensor
     ) -> tuple[Tensor, ...]:
-        ctx.unit, ctx.rerun, ctx.stream = unit, rerun, rerun.stream
+        ctx.unit, ctx.stream = unit, stream
         ctx.set_materialize_grads(False)  # an unused output (no gradient) costs nothing in backward
         ctx.save_for_backward(x, *consts)
         return tuple(unit(x, *consts))
@@ -107,5 +95,5 @@ class _Rerun(torch.autograd.Function):
                 dx.record_stream(own)  # made on ctx.stream, read on the node's stream from here on
             for t in (saved, *consts):
                 t.record_stream(ctx.stream)  # read there: its block is free once that work is done
-            ctx.rerun.released(saved.untyped_storage().nbytes())  # freed when this node is, after it returns
+            torch.cuda.empty_cache()  # the units released so far: their inputs' blocks are the forward stream's
         return None, None, None, dx, *(None,) * len(consts)
