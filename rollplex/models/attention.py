@@ -213,12 +213,10 @@ def _padded(t: Tensor, fill: int) -> Tensor:
 
 @cache
 def _compiled_flex() -> Callable[..., Tensor]:
-    """FlexAttention compiled for any lengths (its eager form is a slow reference and has no CPU backward), with
-    torch's automatic dynamic shapes: the lengths turn symbolic once they change, heads and head width stay
-    constants (`gpu_compiled` says why that matters)."""
+    """FlexAttention compiled for any lengths (its eager form is a slow reference and has no CPU backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 class SharedPrefixAttention:

@@ -11,13 +11,6 @@ whole device is free, so half the SMs would sit idle. Here each unit is one node
 work on `Rerun.stream` and makes the node's own stream wait for it. Neither the rerun nor the stream changes a
 number: the same ops run on the same inputs.
 
-Memory across the two streams: torch's caching allocator keeps a pool per stream, and a block freed in one
-stream's pool serves only that stream's later allocations. The units' saved inputs were allocated on the
-forward's stream, so as the backward frees them (on `Rerun.stream`) their blocks would stay reserved, unused, until
-the step ends: on the 7B spec ~8 GiB above the live tensors in Phase 2. A unit whose backward ran on another
-stream therefore hands the allocator's free blocks back to the driver (`torch.cuda.empty_cache`) before it
-returns; the backward's allocations map them again.
-
 Not here: what is offloaded (`rollplex.memory.offload`), which units are checkpointed (the model's prefix).
 """
 
@@ -93,7 +86,4 @@ class _Rerun(torch.autograd.Function):
             own.wait_stream(ctx.stream)
             if dx is not None:
                 dx.record_stream(own)  # made on ctx.stream, read on the node's stream from here on
-            for t in (saved, *consts):
-                t.record_stream(ctx.stream)  # read there: its block is free once that work is done
-            torch.cuda.empty_cache()  # the units released so far: their inputs' blocks are the forward stream's
         return None, None, None, dx, *(None,) * len(consts)
