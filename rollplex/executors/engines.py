@@ -267,7 +267,7 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, _checkpoint_dir(loaded))
-    return model if tp is None else parallelize(model, tp.train)
+    return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)
 
 
 def make_optimizer(

@@ -1,5 +1,5 @@
-"""What `rollplex run` refuses of a spec the planner plans: settings the runtime does not implement yet, and
-data-parallel sampling it cannot make the one-process run's. The dry-run lists them (`report.tables`); the
+"""What `rollplex run` refuses of a spec the planner plans: data-parallel sampling it cannot make the one-process
+run's. The dry-run lists them (`report.tables`); the
 engines raise the first that applies on their device (`executors.engines`). Pure: the spec alone decides.
 """
 
@@ -22,9 +22,6 @@ def run_refusals(spec: Spec) -> list[Refusal]:
     p = spec.parallel
     replicas_per_group, dp = p.train_tp // p.rollout_tp, spec.cluster.num_gpus // p.train_tp
     refused = []
-    if p.sequence_parallel and p.train_tp > 1:
-        refused.append(Refusal("parallel.sequence_parallel", "is planned only: rollplex's TP layers keep the whole "
-                               "hidden state on every rank", "set it false to run"))  # fmt: skip
     if dp > 1 and replicas_per_group > 1 and p.split_rollout:
         refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica, so data-parallel ranks "
                                "would not sample as one process", "set it false with data parallelism"))  # fmt: skip

@@ -91,9 +91,10 @@ class ParallelSpec(_Strict):
     )
     sequence_parallel: bool = Field(
         False,
-        description="Megatron sequence parallelism: the hidden-sized activations of the TP layers split over the "
-        "TP ranks. The planner counts it (a Megatron-SP run's per-rank activations, as the paper's table has "
-        "them); rollplex's TP layers keep the whole hidden state on every rank, so `rollplex run` refuses it.",
+        description="Megatron sequence parallelism in training: between the decoder's first layer and its final "
+        "norm each TP rank holds 1/train_tp of the sequence's rows (residual stream, layer norms, saved layer "
+        "inputs); the TP layers all-gather the rows before their column-parallel GEMMs and reduce-scatter after "
+        "their row-parallel ones. The planner divides those activations by train_tp. Rollout keeps whole rows.",
     )
 
     @model_validator(mode="after")

@@ -51,15 +51,30 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SequenceRegion:
+    """Where the rows of the hidden state live from the decoder's first layer through its final norm: all of them
+    in this process (this class), or a share of them on each tensor-parallel rank (`parallel.model`'s sequence
+    parallelism). `enter` takes the embeddings [B, T, hidden] into the region, `leave` gives the whole T rows
+    of the final norm's output back; every layer in between sees only what `enter` returned."""
+
+    def enter(self, x: Tensor) -> Tensor:
+        return x
+
+    def leave(self, x: Tensor, length: int) -> Tensor:
+        return x
+
+
 class TextDecoder(nn.Module):
     def __init__(self, text: TextConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(text, index) for index in range(text.num_hidden_layers))
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.region = SequenceRegion()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
         """Input embeddings x [B, T, hidden] -> final normed hidden states [B, T, hidden]."""
+        length, x = x.shape[1], self.region.enter(x)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
-        return self.norm(x)
+        return self.region.leave(self.norm(x), length)

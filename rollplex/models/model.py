@@ -331,7 +331,10 @@ class _GroupPrefix:
         mode is entered around each chunk only."""
         self.num_prompts = len(prompts)
         chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun, self.vision)
-        self.packed, self.x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
+        self.packed, x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
+        self.length = x.shape[1]
+        with self.mode():
+            self.x = self.model.model.language_model.region.enter(x)  # the rows the layers see
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
@@ -344,7 +347,8 @@ class _GroupPrefix:
     def boundary(self) -> Boundary:
         device = self.model.device
         with self.mode():
-            hidden = self.model.model.language_model.norm(self.x)
+            lm = self.model.model.language_model
+            hidden = lm.region.leave(lm.norm(self.x), self.length)
             lens = to_device(self.packed.lens, device)
             last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
             head = self.model.lm_head(last).float()  # [P, V]; a value model's (`values.py`) [P, 1]

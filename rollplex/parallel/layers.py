@@ -9,6 +9,9 @@ regions the q training ranks own). They differ only in how many training shards 
   pairs each block's halves through a view of the GEMM output.
 - o_proj / down_proj stored transposed ([I, O] slabs, q of them back to back): y = x @ slab.
 - vocabulary-parallel embedding and LM head (the head gathers the full logits).
+- under sequence parallelism (training only), the attention and MLP take this rank's rows of the sequence,
+  gather them into their column-parallel GEMM (saving only the rows) and reduce-scatter their row-parallel
+  output back to rows (`group.py`); the norms between them run on the rows (`SequenceParallelNorm`).
 Not here: where the shards come from (`model.py`, `bind.py`), attention cores (`rollplex.models.attention`).
 """
 
@@ -21,9 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollplex.models.attention import Attention
-from rollplex.models.layers import gpu_compiled
+from rollplex.models.layers import RMSNorm, gpu_compiled, rms_norm
 from rollplex.models.rotary import apply_rotary
-from rollplex.parallel.group import TPGroup, copy_to, gather_from, reduce_from
+from rollplex.parallel.group import (
+    TPGroup,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter_sequence,
+    sequence_linear,
+)
 
 
 class QKVOrder(Enum):
@@ -40,7 +50,7 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(
         self, qkv_weight: Tensor, qkv_bias: Tensor, o_slab: Tensor, num_heads: int, num_groups: int, head_dim: int,
-        order: QKVOrder, group: TPGroup, *, trainable: bool,
+        order: QKVOrder, group: TPGroup, *, trainable: bool, sequence_parallel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         assert qkv_weight.shape[0] == (num_heads + 2 * num_groups) * head_dim, f"qkv rows {qkv_weight.shape[0]}"
@@ -48,7 +58,7 @@ class ParallelSelfAttention(nn.Module):
         self.qkv_weight, self.qkv_bias = _param(qkv_weight, trainable), _param(qkv_bias, trainable)
         self.o_slab = _param(o_slab, trainable)
         self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
-        self.order, self.group = order, group
+        self.order, self.group, self.sequence_parallel = order, group, sequence_parallel
 
     @property
     def o_weight(self) -> Tensor:
@@ -61,13 +71,20 @@ class ParallelSelfAttention(nn.Module):
         return split_qkv(y, self.order, self.num_heads, self.num_groups, self.head_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
-        """x [B, T, hidden] (replicated over the group) -> [B, T, hidden], summed over the group."""
-        batch, num_tokens, _ = x.shape
-        y = F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias)
+        """x [B, T, hidden] (replicated over the group) -> [B, T, hidden], summed over the group. Under sequence
+        parallelism x and the output are this rank's rows [B, c, hidden] of the T = cos.shape[-2] tokens."""
+        if self.sequence_parallel:
+            y = sequence_linear(x, self.qkv_weight, self.qkv_bias, self.group)  # [B, size * c, rows]
+            padded, y = y.shape[1], y[:, : cos.shape[-2]]  # the rows past T are padding
+        else:
+            y = F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias)
+        batch, num_tokens = y.shape[:2]
         q, k = rotated_qk(y, cos, sin, self.order, self.num_heads, self.num_groups, self.head_dim)
         out = attention(layer, q, k, self.split(y)[2].transpose(1, 2))  # [B, heads, T, D]
-        out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
-        return reduce_from(out @ self.o_slab, self.group)
+        out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim) @ self.o_slab
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(F.pad(out, (0, 0, 0, padded - num_tokens)), self.group)
+        return reduce_from(out, self.group)
 
 
 def split_qkv(
@@ -97,11 +114,14 @@ def rotated_qk(
 class ParallelMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) over `num_blocks` [gate; up] shards and their stacked down_proj slabs."""
 
-    def __init__(self, gate_up: Tensor, down_slab: Tensor, num_blocks: int, group: TPGroup, *, trainable: bool) -> None:
+    def __init__(
+        self, gate_up: Tensor, down_slab: Tensor, num_blocks: int, group: TPGroup, *, trainable: bool,
+        sequence_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         assert gate_up.shape[0] == 2 * down_slab.shape[0], f"[gate; up] {gate_up.shape} vs down slab {down_slab.shape}"
         self.gate_up, self.down_slab = _param(gate_up, trainable), _param(down_slab, trainable)
-        self.num_blocks, self.group = num_blocks, group
+        self.num_blocks, self.group, self.sequence_parallel = num_blocks, group, sequence_parallel
 
     @property
     def down_weight(self) -> Tensor:
@@ -109,8 +129,15 @@ class ParallelMLP(nn.Module):
         return self.down_slab.t()
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to(x, self.group), self.gate_up).unflatten(-1, (self.num_blocks, 2, -1))
-        return reduce_from(gated(y) @ self.down_slab, self.group)
+        """x [B, T, hidden] replicated, or under sequence parallelism this rank's rows [B, c, hidden] (the padding
+        rows, zeros, go through the GEMMs and stay zeros)."""
+        if self.sequence_parallel:
+            y = sequence_linear(x, self.gate_up, None, self.group)
+        else:
+            y = F.linear(copy_to(x, self.group), self.gate_up)
+        y = y.unflatten(-1, (self.num_blocks, 2, -1))
+        out = gated(y) @ self.down_slab
+        return reduce_scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from(out, self.group)
 
 
 @gpu_compiled
@@ -118,6 +145,19 @@ def gated(y: Tensor) -> Tensor:
     """silu(gate) * up of each block's [gate; up] pair in y [..., blocks, 2, I_block] -> [..., blocks * I_block].
     The whole GEMM output goes into the compiled chain, for the reason `rotated_qk` gives."""
     return (F.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2)
+
+
+class SequenceParallelNorm(RMSNorm):
+    """An RMSNorm over this rank's rows of the sequence: its weight's gradient is partial (these rows only), so
+    backward sums it over the group (`copy_to`) before it accumulates; every rank then holds the same weight.
+    Keeps the norm's parameter (and its name)."""
+
+    def __init__(self, norm: RMSNorm, group: TPGroup) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, copy_to(self.weight, self.group), self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,30 +6,53 @@ in Megatron without sequence parallelism (their gradients agree on every rank be
 gradient is all-reduced at each column-parallel input). Every method of `Qwen2_5_VL` then runs at TP t
 unchanged, with every rank of the group calling it on the same inputs. `full_state` gathers the shards into the
 full tensors under HF names: the oracle that TP runs and the rollout binding are tested against.
+
+With `sequence_parallel` (Megatron's), the decoder's rows are split over the group from its first layer through
+its final norm (`SequenceShards`): each rank keeps ceil(T / t) rows of every hidden-sized activation, the
+residual stream and the norms run on them, and the TP layers gather and reduce-scatter at their borders.
+Training only: a rollout replica (`bind.py`) builds its own layers and keeps the whole rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollplex.models.decoder import SelfAttention
+from rollplex.models.decoder import SelfAttention, SequenceRegion
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.parallel import layout
-from rollplex.parallel.group import TPGroup
+from rollplex.parallel.group import TPGroup, leave_sequence, scatter_sequence
 from rollplex.parallel.layers import (
     ParallelMLP,
     ParallelSelfAttention,
     QKVOrder,
+    SequenceParallelNorm,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
 
 
+@dataclass(frozen=True)
+class SequenceShards(SequenceRegion):
+    """The decoder's rows split over `group` (sequence parallelism): `enter` keeps this rank's, `leave` gathers."""
+
+    group: TPGroup
+
+    def enter(self, x: Tensor) -> Tensor:
+        return scatter_sequence(x, self.group)
+
+    def leave(self, x: Tensor, length: int) -> Tensor:
+        return leave_sequence(x, self.group, length)
+
+
 @torch.no_grad()
-def parallelize(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
-    """Replaces the decoder's sharded tensors by rank `group.rank`'s shards (copies; the full ones are freed)."""
+def parallelize(model: Qwen2_5_VL, group: TPGroup, *, sequence_parallel: bool = False) -> Qwen2_5_VL:
+    """Replaces the decoder's sharded tensors by rank `group.rank`'s shards (copies; the full ones are freed);
+    with `sequence_parallel`, splits the decoder's rows over the group too (`SequenceShards`)."""
+    sp = sequence_parallel and group.size > 1
     t, tp, rank = model.config.text, group.size, group.rank
     layout.check_train_tp(t, tp)
     lm = model.model.language_model
@@ -42,11 +65,16 @@ def parallelize(model: Qwen2_5_VL, group: TPGroup) -> Qwen2_5_VL:
         layer.self_attn = ParallelSelfAttention(
             qkv_w[qkv_rows.to(qkv_w.device)], qkv_b[qkv_rows.to(qkv_b.device)],
             layout.row_parallel_slab(attn.o_proj.weight, tp, rank), t.num_attention_heads // tp,
-            t.num_key_value_heads // tp, t.head_dim, QKVOrder.INTERLEAVED, group, trainable=True,
+            t.num_key_value_heads // tp, t.head_dim, QKVOrder.INTERLEAVED, group, trainable=True, sequence_parallel=sp,
         )  # fmt: skip
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[gate_up_rows.to(qkv_w.device)]
         down = layout.row_parallel_slab(mlp.down_proj.weight, tp, rank)
-        layer.mlp = ParallelMLP(gate_up, down, 1, group, trainable=True)
+        layer.mlp = ParallelMLP(gate_up, down, 1, group, trainable=True, sequence_parallel=sp)
+        if sp:
+            layer.input_layernorm = SequenceParallelNorm(layer.input_layernorm, group)
+            layer.post_attention_layernorm = SequenceParallelNorm(layer.post_attention_layernorm, group)
+    if sp:
+        lm.norm, lm.region = SequenceParallelNorm(lm.norm, group), SequenceShards(group)
     vocab = group.shard(t.vocab_size)
     embed = lm.embed_tokens.weight[vocab.start : vocab.stop].clone()  # not a view: the full table must go
     lm.embed_tokens = VocabParallelEmbedding(embed, vocab.start, group, trainable=True)

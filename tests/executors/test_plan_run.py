@@ -92,14 +92,3 @@ def test_a_schedule_with_a_plan_file_and_a_resume_past_the_last_step_are_one_lin
     assert main(["run", TINY, "--out", str(tmp_path / "run"), "--steps", "1", "--quiet", "--resume"]) == 2
     err = capsys.readouterr().err
     assert "is step 1, and the run has 1 steps" in err and len(err.strip().splitlines()) == 1
-
-
-def test_a_plan_with_sequence_parallelism_is_refused_by_the_runtime_that_lacks_it():
-    from rollplex.errors import SpecError
-    from rollplex.executors.engines import build_engines
-    from rollplex.graph.load import load_spec
-    from rollplex.graph.plan import compile_plan
-
-    plan = compile_plan(load_spec(ROOT / "specs/qwen2_5_vl_32b_h800.yaml"))  # the paper's setup, planned with SP
-    with pytest.raises(SpecError, match=r"parallel\.sequence_parallel: is planned only"):
-        build_engines(plan, device="cpu")

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 SPEC = """
 model: tiny
 cluster: {{gpus_per_node: {tp}, hbm_gib: 16, host_gib: 8}}
-parallel: {{train_tp: {tp}, rollout_tp: 1, qkv_sharing: {qkv}, split_rollout: {split}}}
+parallel: {{train_tp: {tp}, rollout_tp: 1, qkv_sharing: {qkv}, split_rollout: {split}, sequence_parallel: {sp}}}
 workload: {{prompts_per_step: 2, group_size: 3, prompt_tokens: 384, response_tokens: 6, visual_tokens: 18,
             dataset: "synthetic:clevrer@tiny"}}
 algorithm: {{kl_coef: 0.1, lr: 1.0e-2, max_grad_norm: 0.5, rewards: [{{name: "run_rewards:char_share"}}]}}
@@ -36,11 +36,20 @@ def _env() -> dict:
 
 
 def _rollplex(
-    tmp: Path, tp: int, qkv: str, name: str, *args: str, launch: bool = True, device: str = "cpu", split: bool = False
+    tmp: Path,
+    tp: int,
+    qkv: str,
+    name: str,
+    *args: str,
+    launch: bool = True,
+    device: str = "cpu",
+    split: bool = False,
+    sp: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Without `split`, both rollout replicas sample every prompt, as the one-process run does."""
+    """Without `split`, both rollout replicas sample every prompt, as the one-process run does. `sp`: sequence
+    parallelism."""
     spec = tmp / f"{name}.yaml"
-    spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device, split=str(split).lower()))
+    spec.write_text(SPEC.format(tp=tp, qkv=qkv, device=device, split=str(split).lower(), sp=str(sp).lower()))
     return _launch(tp if launch else 1, "run", str(spec), "--out", str(tmp / name), "--quiet", *args)
 
 
@@ -80,21 +89,23 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("qkv", "device"),
+    ("qkv", "device", "sp"),
     [
-        ("in_place", "cpu"),
-        ("copy", "cpu"),
+        ("in_place", "cpu", False),
+        ("copy", "cpu", False),
+        ("in_place", "cpu", True),
         pytest.param(
             "in_place",
             "cuda",
+            True,
             marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs")],
         ),
     ],
 )
 @pytest.mark.slow
-def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, one_process, qkv, device):
+def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, one_process, qkv, device, sp):
     one = one_process(device)
-    two = _rollplex(tmp_path, 2, qkv, "two", "--steps", "2", device=device)
+    two = _rollplex(tmp_path, 2, qkv, "two", "--steps", "2", device=device, sp=sp)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _metrics(one, "one"), _metrics(tmp_path, "two")
     assert len(a) == len(b) == 2
@@ -136,7 +147,7 @@ def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path):
 @pytest.mark.slow
 def test_rollplex_bench_under_torchrun_compares_the_schedules_on_every_rank(tmp_path):
     spec = tmp_path / "bench.yaml"
-    spec.write_text(SPEC.format(tp=2, qkv="in_place", device="cpu", split="true"))
+    spec.write_text(SPEC.format(tp=2, qkv="in_place", device="cpu", split="true", sp="false"))
     out = tmp_path / "bench.json"
     done = _launch(2, "bench", str(spec), "--steps", "1", "--warmup", "0", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -27,4 +27,4 @@ def test_a_spec_is_refused_only_for_what_the_runtime_cannot_do_as_planned():
     assert refused(gpus=2, tp=2) == []  # one TP group: no data parallelism to keep in step
     assert refused(gpus=4, tp=2) == [("parallel.split_rollout", False)]  # two replicas per group, two DP ranks
     assert refused(gpus=4, tp=2, split="false") == []
-    assert refused(gpus=2, tp=2, sp="true") == [("parallel.sequence_parallel", False)]
+    assert refused(gpus=2, tp=2, sp="true") == []  # sequence parallelism runs

@@ -1,4 +1,5 @@
-"""A model trained at TP t (gloo processes) against the same model trained whole: same logits, same update.
+"""A model trained at TP t (gloo processes), with and without sequence parallelism, against the same model trained
+whole: same logits, same update.
 
 The update is one SGD step (linear in the gradient): AdamW's first step divides each gradient by its own
 magnitude, which turns float rounding on near-zero gradients into differences of the full learning rate."""
@@ -12,7 +13,10 @@ import torch
 import torch.distributed as dist
 from parallel_testkit import config_for, image_prompt, next_token_loss, spawn, text_prompts
 
+from rollplex.models.chunks import drain
+from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.rerun import Rerun
 from rollplex.parallel.group import TPGroup
 from rollplex.parallel.model import full_state, parallelize
 
@@ -23,14 +27,19 @@ def _train_step(model: Qwen2_5_VL, prompts) -> None:
     optimizer.step()
 
 
-def _tp_equals_whole(rank: int, world_size: int) -> None:
+def _tp_equals_whole(rank: int, world_size: int, sequence_parallel: bool) -> None:
     config = config_for(world_size)
     torch.manual_seed(0)
     whole = Qwen2_5_VL(config)
-    sharded = parallelize(copy.deepcopy(whole), TPGroup(world_size, rank, dist.group.WORLD))
-    prompts = [*text_prompts(), image_prompt(config)]
+    group = TPGroup(world_size, rank, dist.group.WORLD)
+    sharded = parallelize(copy.deepcopy(whole), group, sequence_parallel=sequence_parallel)
+    prompts = [*text_prompts(), image_prompt(config), Prompt(torch.arange(10, 23))]  # 13 rows: splits unevenly
+    rows = []
+    sharded.model.language_model.layers[0].register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
     with torch.no_grad():
         torch.testing.assert_close(sharded(prompts), whole(prompts), atol=1e-5, rtol=1e-5)
+    length = max(p.num_tokens for p in prompts)
+    assert rows == [-(-length // world_size) if sequence_parallel else length]  # the rows a layer holds
     _train_step(whole, prompts)
     _train_step(sharded, prompts)
     state = full_state(sharded, TPGroup(world_size, rank, dist.group.WORLD))
@@ -46,4 +55,47 @@ def _tp_equals_whole(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_tp_model_computes_and_updates_like_the_whole_model(world_size):
-    spawn(_tp_equals_whole, world_size)
+    spawn(_tp_equals_whole, world_size, False)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_sequence_parallel_model_computes_and_updates_like_the_whole_model(world_size):
+    """The batch's rows split over the ranks (padded when they do not divide)."""
+    spawn(_tp_equals_whole, world_size, True)
+
+
+def _split_score(model: Qwen2_5_VL, prompts, responses, lens) -> torch.Tensor:
+    """The split path as the trainer runs it: the attached prefix in one-prompt chunks with its units rerun in
+    backward, then each response scored over its prompt's boundary; an SGD step on a loss of the log-probs and
+    entropies. Returns the log-probs."""
+    with torch.no_grad():
+        boundary = drain(model.prefix_chunks(prompts, attached=True, prompts_per_chunk=1, rerun=Rerun()))
+    out = model.suffix_rows(boundary, list(range(len(prompts))), responses, lens)
+    weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    ((out.logprobs * weights).sum() + 0.1 * out.entropy.sum()).backward()
+    optimizer.step()
+    return out.logprobs.detach()
+
+
+def _sequence_parallel_split_path(rank: int, world_size: int) -> None:
+    config = config_for(world_size)
+    torch.manual_seed(0)
+    whole = Qwen2_5_VL(config)
+    group = TPGroup(world_size, rank, dist.group.WORLD)
+    sharded = parallelize(copy.deepcopy(whole), group, sequence_parallel=True)
+    prompts = [*text_prompts(), image_prompt(config)]
+    responses = torch.randint(10, 100, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
+    lens = [6, 2, 5, 1]  # responses of different lengths: the packed suffix is 10 rows
+    torch.testing.assert_close(
+        _split_score(sharded, prompts, responses, lens), _split_score(whole, prompts, responses, lens), atol=1e-5,
+        rtol=1e-5,
+    )  # fmt: skip
+    expected = whole.state_dict()
+    for name, value in full_state(sharded, group).items():
+        torch.testing.assert_close(value, expected[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_the_split_path_under_sequence_parallelism_scores_and_updates_like_the_whole_model():
+    """Prefix chunks with reruns (their units rerun with the collectives inside) and the packed suffix."""
+    spawn(_sequence_parallel_split_path, 2)
