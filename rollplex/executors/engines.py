@@ -155,7 +155,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     set_cudnn_attention(spec.run.cudnn_attention)
     set_expandable_segments(spec.memory.expandable_segments, device)
     for refusal in run_refusals(spec):
-        if device.type == "cuda" or not refusal.gpu_only:
+        if refusal.on in ("any", device.type):
             raise SpecError(refusal.key, refusal.problem, refusal.fix)
     tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
     if dp is not None:
@@ -219,7 +219,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
     rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
-        rollout = split_rollout(rollout, tp.exchange)
+        rollout = split_rollout(rollout, tp.exchange, keyed=device.type == "cuda")  # the fused sampler keys rows
     return Engines(
         actor=actor,
         rollout=rollout,

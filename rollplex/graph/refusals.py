@@ -15,7 +15,7 @@ class Refusal:
     key: str  # the spec key to change
     problem: str
     fix: str
-    gpu_only: bool = False  # refused on a GPU only (the CPU runs it)
+    on: str = "any"  # the device type it is refused on: "cuda", "cpu", or "any"
 
 
 def run_refusals(spec: Spec) -> list[Refusal]:
@@ -23,10 +23,11 @@ def run_refusals(spec: Spec) -> list[Refusal]:
     replicas_per_group, dp = p.train_tp // p.rollout_tp, spec.cluster.num_gpus // p.train_tp
     refused = []
     if dp > 1 and replicas_per_group > 1 and p.split_rollout:
-        refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica, so data-parallel ranks "
-                               "would not sample as one process", "set it false with data parallelism"))  # fmt: skip
+        refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica on the CPU, so "
+                               "data-parallel ranks would not sample as one process", "set it false with data "
+                               "parallelism on the CPU", on="cpu"))  # fmt: skip
     if dp > 1 and spec.algorithm.top_p < 1:
         refused.append(Refusal("algorithm.top_p", f"{spec.algorithm.top_p:g}: top-p on a GPU draws per batch row, so "
                                "a rank's share would not sample as the whole step", "use top_p 1 with data "
-                               "parallelism", gpu_only=True))  # fmt: skip
+                               "parallelism", on="cuda"))  # fmt: skip
     return refused

@@ -81,7 +81,8 @@ class ParallelSpec(_Strict):
     split_rollout: bool = Field(
         True,
         description="With train_tp / rollout_tp > 1 rollout replicas, each samples its share of the prompts "
-        "(false: every replica samples all of them, as one replica would).",
+        "(false: every replica samples all of them, as one replica would). On a GPU at top_p 1 a replica keys its "
+        "random numbers by its rows in the step, so the tokens are one replica's; elsewhere each replica reseeds.",
     )
     distributed_optimizer: bool = Field(
         False,

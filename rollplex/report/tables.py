@@ -60,7 +60,8 @@ def launch_lines(plan: Plan) -> str:
         if max(len(g) for g in groups) > 1:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
             lines.append(f"{name}: {shown}{' ...' if len(groups) > 8 else ''}")
-    refused = [f"{r.key} ({r.problem}{'; on a GPU' if r.gpu_only else ''})" for r in run_refusals(s)]
+    where = {"any": "", "cuda": "; on a GPU", "cpu": "; on the CPU"}
+    refused = [f"{r.key} ({r.problem}{where[r.on]})" for r in run_refusals(s)]
     if refused:
         lines.append("rollplex run refuses, as the spec stands: " + "; ".join(refused))
     return "\n".join(lines)

@@ -15,16 +15,16 @@ run: {{dtype: float32}}
 """
 
 
-def refused(gpus=2, tp=1, split="true", sp="false", top_p=1.0) -> list[tuple[str, bool]]:
+def refused(gpus=2, tp=1, split="true", sp="false", top_p=1.0) -> list[tuple[str, str]]:
     spec = parse_spec(SPEC.format(gpus=gpus, tp=tp, split=split, sp=sp, top_p=top_p)).spec
-    return [(r.key, r.gpu_only) for r in run_refusals(spec)]
+    return [(r.key, r.on) for r in run_refusals(spec)]
 
 
 def test_a_spec_is_refused_only_for_what_the_runtime_cannot_do_as_planned():
     assert refused() == []  # two data-parallel ranks, top-p 1, no replicas to split
-    assert refused(top_p=0.9) == [("algorithm.top_p", True)]  # the CPU draws every rank's rows: runs there
+    assert refused(top_p=0.9) == [("algorithm.top_p", "cuda")]  # the CPU draws every rank's rows: runs there
     assert refused(gpus=1, top_p=0.9) == []  # one process: top-p as it is
     assert refused(gpus=2, tp=2) == []  # one TP group: no data parallelism to keep in step
-    assert refused(gpus=4, tp=2) == [("parallel.split_rollout", False)]  # two replicas per group, two DP ranks
+    assert refused(gpus=4, tp=2) == [("parallel.split_rollout", "cpu")]  # two replicas per group, two DP ranks
     assert refused(gpus=4, tp=2, split="false") == []
     assert refused(gpus=2, tp=2, sp="true") == []  # sequence parallelism runs

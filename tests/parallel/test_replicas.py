@@ -1,5 +1,6 @@
-"""Rollout replicas sharing a step's prompts (gloo processes): every rank gets the same whole rollout, and a
-greedy split rollout equals one replica sampling everything."""
+"""Rollout replicas sharing a step's prompts (gloo processes): every rank gets the same whole rollout, a greedy
+split rollout equals one replica sampling everything, and so does a sampled one where the rollout keys its random
+numbers by row (the engine's fused sampler), for a data-parallel rank's share too."""
 
 from __future__ import annotations
 
@@ -49,3 +50,37 @@ def _split_equals_whole(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_a_greedy_split_rollout_equals_one_replica_sampling_everything():
     spawn(_split_equals_whole, 2)
+
+
+def _keyed_split_equals_whole(rank: int, world_size: int) -> None:
+    from rollplex.rollout.engine import RolloutEngine
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(load_model_config("tiny"))
+    replicas = TPGroup(world_size, rank, dist.group.WORLD)
+    prompts = [*text_prompts(), Prompt(torch.arange(20, 29))]
+    sampled = SamplingParams(temperature=1.0, max_tokens=6)
+    whole = RolloutEngine(model).generate(
+        prompts, num_samples=2, params=sampled, generator=torch.Generator().manual_seed(3)
+    )
+    rollout = split_rollout(RolloutEngine(model).generate, replicas, keyed=True)
+    generator = torch.Generator().manual_seed(3)
+    ours = rollout(prompts, num_samples=2, params=sampled, generator=generator)
+    width = ours.responses.shape[2]
+    assert torch.equal(ours.response_lens, whole.response_lens)
+    assert torch.equal(ours.responses, whole.responses[..., :width])
+    torch.testing.assert_close(ours.logprobs, whole.logprobs[..., :width], atol=1e-5, rtol=1e-5)
+    drew = torch.Generator().manual_seed(3)
+    torch.randint(2**62, (1,), generator=drew)
+    assert torch.equal(generator.get_state(), drew.get_state())  # one seed drawn, as one replica draws it
+    # a data-parallel rank holding the step's last two prompts (rows 4..7 of 8): its replicas sample those rows
+    part = rollout(prompts[2:], num_samples=2, params=sampled, generator=torch.Generator().manual_seed(3),
+                   rows=([4, 5, 6, 7], 8))  # fmt: skip
+    width = part.responses.shape[2]
+    assert torch.equal(part.response_lens, whole.response_lens[2:])
+    assert torch.equal(part.responses, whole.responses[2:, :, :width])
+
+
+@pytest.mark.slow
+def test_a_split_rollout_keyed_by_row_samples_what_one_replica_samples():
+    spawn(_keyed_split_equals_whole, 2)
