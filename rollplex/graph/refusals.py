@@ -23,9 +23,9 @@ def run_refusals(spec: Spec) -> list[Refusal]:
     replicas_per_group, dp = p.train_tp // p.rollout_tp, spec.cluster.num_gpus // p.train_tp
     refused = []
     if dp > 1 and replicas_per_group > 1 and p.split_rollout:
-        refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica on the CPU, so "
-                               "data-parallel ranks would not sample as one process", "set it false with data "
-                               "parallelism on the CPU", on="cpu"))  # fmt: skip
+        refused.append(Refusal("parallel.split_rollout", "true reseeds each rollout replica (the CPU's sampler "
+                               "draws per batch), so data-parallel ranks would not sample as one process",
+                               "set it false with data parallelism on the CPU", on="cpu"))  # fmt: skip
     if dp > 1 and spec.algorithm.top_p < 1:
         refused.append(Refusal("algorithm.top_p", f"{spec.algorithm.top_p:g}: top-p on a GPU draws per batch row, so "
                                "a rank's share would not sample as the whole step", "use top_p 1 with data "
