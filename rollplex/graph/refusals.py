@@ -1,11 +1,12 @@
 """What `rollplex run` refuses of a spec the planner plans: data-parallel sampling it cannot make the one-process
-run's. The dry-run lists them (`report.tables`); the
-engines raise the first that applies on their device (`executors.engines`). Pure: the spec alone decides.
+run's. The dry-run lists them (`report.tables`); the engines raise the first that applies on their device
+(`executors.engines`). Pure: the spec alone decides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rollplex.graph.spec import Spec
 
@@ -15,7 +16,7 @@ class Refusal:
     key: str  # the spec key to change
     problem: str
     fix: str
-    on: str = "any"  # the device type it is refused on: "cuda", "cpu", or "any"
+    on: Literal["any", "cuda", "cpu"] = "any"  # the device type it is refused on
 
 
 def run_refusals(spec: Spec) -> list[Refusal]:

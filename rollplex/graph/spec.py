@@ -92,7 +92,7 @@ class ParallelSpec(_Strict):
     )
     sequence_parallel: bool = Field(
         False,
-        description="Megatron sequence parallelism in training: between the decoder's first layer and its final "
+        description="Megatron sequence parallelism in training: from the decoder's first layer through its final "
         "norm each TP rank holds 1/train_tp of the sequence's rows (residual stream, layer norms, saved layer "
         "inputs); the TP layers all-gather the rows before their column-parallel GEMMs and reduce-scatter after "
         "their row-parallel ones. The planner divides those activations by train_tp. Rollout keeps whole rows.",

@@ -66,7 +66,8 @@ def split_rollout(rollout: Callable[..., Rollout], replicas: TPGroup, *, keyed: 
         if keyed and params.top_p >= 1:  # the shared generator, and this share's rows (top-p draws per batch row)
             index, total = rows if rows is not None else (range(len(prompts) * num_samples), len(prompts) * num_samples)
             kw["rows"] = (list(index)[share.start * num_samples : share.stop * num_samples], total)
-        else:
+        else:  # a data-parallel rank's rows would not survive a reseed: the spec refuses that pairing
+            assert rows is None, "split replicas reseed: they cannot sample a data-parallel rank's rows"
             seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
             generator = torch.Generator(generator.device).manual_seed(seed + replicas.rank)
         part = rollout(
