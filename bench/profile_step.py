@@ -13,12 +13,19 @@ with a device synchronisation around each chunk, so Phase 1 does not overlap as 
 Phase 2 and 3 ops are measured as usual.
 
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix   # both prefixes' kernels
+
+With `--memory-history PATH` the allocator's history is recorded over the measured step's Phase 2 (the phase
+whose driver-side peak sits above the plan) and its summary written as JSON (`bench/memory_history.py`): where
+the allocator grew its reservation, and whether the bytes it then held free could have served the request.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,7 +35,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors import runtime, scoring
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
-from rollplex.graph.ir import Op, Schedule
+from rollplex.graph.ir import Op, Phase, Schedule
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.models import model as model_module
@@ -51,6 +58,7 @@ def main() -> None:
     ap.add_argument("--schedule", default="serial", choices=[s.value for s in Schedule])
     ap.add_argument("--kernels", default="actor_backward", help="profile the ops whose id contains this")
     ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
+    ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
     if args.prompts_per_chunk:
@@ -68,9 +76,12 @@ def main() -> None:
 
     rows, parts, started = [], [], {}
     _time_parts(parts)
+    history = _History(args.memory_history) if args.memory_history and CUDA else None
 
     def before(o: Op) -> None:  # under rollplex, decode's and its beside ops' befores come first, then the afters
         _sync()
+        if history is not None:
+            history.at(o.phase)
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         started[o.id] = time.perf_counter()
@@ -83,6 +94,8 @@ def main() -> None:
     begin = time.perf_counter()
     run_iteration(g, engines, examples, before_op=before, after_op=after)
     _sync()
+    if history is not None:
+        history.at(None)
     print(f"\nmeasured step: {time.perf_counter() - begin:.2f} s")
     print(f"{'op':<28} {'wall s':>7} {'alloc GiB':>9} {'peak GiB':>9} {'reserved':>9}")
     for op_id, seconds, current, peak, reserved in rows:
@@ -95,6 +108,31 @@ def main() -> None:
         print(f"{name:<34} {len(mine):>5} {total:>7.2f} {longest:>6.2f} {peak:>9.1f}")
     if args.top:
         _profile_group(engines, g, dataset, size, args)
+
+
+class _History:
+    """Records the allocator's history from the first Phase-2 op to the first op after Phase 2 (or the step's
+    end) and writes its summary to `path`."""
+
+    def __init__(self, path: Path) -> None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import memory_history
+
+        self.path, self.module, self.start, self.done = path, memory_history, None, False
+
+    def at(self, phase: Phase | None) -> None:
+        if phase is Phase.TRAIN and self.start is None and not self.done:
+            self.start = self.module.record()
+        elif phase is not Phase.TRAIN and self.start is not None:
+            summary = self.module.finish(self.start)
+            self.path.write_text(json.dumps(summary, indent=1) + "\n")
+            self.start, self.done = None, True
+            print(
+                f"allocator history of Phase 2 -> {self.path}: peak allocated {summary['peak_allocated_gib']:.2f},"
+                f" reserved {summary['peak_reserved_gib']:.2f} GiB"
+            )
+            for site, gib in list(summary["growth_by_site_gib"].items())[:8]:
+                print(f"  grew {gib:6.2f} GiB at {site}")
 
 
 def _gib() -> list[float]:
