@@ -75,13 +75,13 @@ def main() -> None:
         print(f"warm-up step {i + 1}: {time.perf_counter() - begin:.2f} s", flush=True)
 
     rows, parts, started = [], [], {}
-    _time_parts(parts)
     history = _History(args.memory_history) if args.memory_history and CUDA else None
+    _time_parts(parts, history.mark if history is not None else lambda name: None)
 
     def before(o: Op) -> None:  # under rollplex, decode's and its beside ops' befores come first, then the afters
         _sync()
         if history is not None:
-            history.at(o.phase)
+            history.at(o.phase, f"op {o.id}")
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         started[o.id] = time.perf_counter()
@@ -112,27 +112,32 @@ def main() -> None:
 
 class _History:
     """Records the allocator's history from the first Phase-2 op to the first op after Phase 2 (or the step's
-    end) and writes its summary to `path`."""
+    end), marked at each op and each timed part, and writes its summary to `path`."""
 
     def __init__(self, path: Path) -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         import memory_history
 
-        self.path, self.module, self.start, self.done = path, memory_history, None, False
+        self.path, self.module, self.recording, self.done = path, memory_history, None, False
 
-    def at(self, phase: Phase | None) -> None:
-        if phase is Phase.TRAIN and self.start is None and not self.done:
-            self.start = self.module.record()
-        elif phase is not Phase.TRAIN and self.start is not None:
-            summary = self.module.finish(self.start)
+    def at(self, phase: Phase | None, name: str = "") -> None:
+        if phase is Phase.TRAIN and self.recording is None and not self.done:
+            self.recording = self.module.History()
+        elif phase is not Phase.TRAIN and self.recording is not None:
+            summary = self.recording.finish()
             self.path.write_text(json.dumps(summary, indent=1) + "\n")
-            self.start, self.done = None, True
+            self.recording, self.done = None, True
             print(
                 f"allocator history of Phase 2 -> {self.path}: peak allocated {summary['peak_allocated_gib']:.2f},"
                 f" reserved {summary['peak_reserved_gib']:.2f} GiB"
             )
-            for site, gib in list(summary["growth_by_site_gib"].items())[:8]:
-                print(f"  grew {gib:6.2f} GiB at {site}")
+            for marker, gib in list(summary["growth_by_marker_gib"].items())[:8]:
+                print(f"  grew {gib:6.2f} GiB after {marker}")
+        self.mark(name)
+
+    def mark(self, name: str) -> None:
+        if self.recording is not None and name:
+            self.recording.mark(name)
 
 
 def _gib() -> list[float]:
@@ -141,10 +146,12 @@ def _gib() -> list[float]:
     return [stats.get(f"{k}_bytes.all.{v}", 0) / GIB for k, v in keys]
 
 
-def _timed(name: str, fn, parts: list):
-    """fn wrapped: synchronised wall time and allocator peak of each call, appended to `parts`."""
+def _timed(name: str, fn, parts: list, mark):
+    """fn wrapped: synchronised wall time and allocator peak of each call, appended to `parts`; `mark(name)`
+    before each call."""
 
     def wrapper(*a, **kw):
+        mark(name)
         _sync()
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
@@ -157,13 +164,15 @@ def _timed(name: str, fn, parts: list):
     return wrapper
 
 
-def _timed_chunks(name: str, fn, parts: list):
+def _timed_chunks(name: str, fn, parts: list, mark):
     """A chunked job's function (`rollplex.models.chunks`) wrapped: the synchronised wall time of all its chunks
-    (not the pauses between them) and their allocator peak, one entry in `parts` per job."""
+    (not the pauses between them) and their allocator peak, one entry in `parts` per job; `mark(name)` before
+    each chunk."""
 
     def wrapper(*a, **kw):
         chunks, seconds, peak = fn(*a, **kw), 0.0, 0.0
         while True:
+            mark(name)
             _sync()
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
@@ -181,21 +190,23 @@ def _timed_chunks(name: str, fn, parts: list):
     return wrapper
 
 
-def _time_parts(parts: list) -> None:
+def _time_parts(parts: list, mark) -> None:
     """Times the pieces of the prefix ops (each group's embedding and vision encoder, each call running decoder
     layers for a group, the concatenation of the groups' boundaries) and of the suffix and backward ops: each
     length batch's suffix forward (reference and actor), the actor's alone, each batch's loss backward, the
     one backward through the prefix."""
-    Qwen2_5_VL._input_chunks = _timed_chunks("embedding + vision (a group)", Qwen2_5_VL._input_chunks, parts)
-    model_module._GroupPrefix.run = _timed("decoder layers (a group, a chunk)", model_module._GroupPrefix.run, parts)
-    model_module.concat_boundaries = _timed("concat_boundaries", model_module.concat_boundaries, parts)
-    runtime.score_batch = _timed("score_batch (actor fwd)", scoring.score_batch, parts)
+    Qwen2_5_VL._input_chunks = _timed_chunks("embedding + vision (a group)", Qwen2_5_VL._input_chunks, parts, mark)
+    model_module._GroupPrefix.run = _timed(
+        "decoder layers (a group, a chunk)", model_module._GroupPrefix.run, parts, mark
+    )
+    model_module.concat_boundaries = _timed("concat_boundaries", model_module.concat_boundaries, parts, mark)
+    runtime.score_batch = _timed("score_batch (actor fwd)", scoring.score_batch, parts, mark)
     scoring.LeafBoundary.backward_through_prefix = _timed(
-        "backward_through_prefix", scoring.LeafBoundary.backward_through_prefix, parts
+        "backward_through_prefix", scoring.LeafBoundary.backward_through_prefix, parts, mark
     )
     backward = torch.Tensor.backward
-    torch.Tensor.backward = _timed("loss.backward (suffix)", backward, parts)
-    Qwen2_5_VL.suffix_rows = _timed("model.suffix_rows (a length batch)", Qwen2_5_VL.suffix_rows, parts)
+    torch.Tensor.backward = _timed("loss.backward (suffix)", backward, parts, mark)
+    Qwen2_5_VL.suffix_rows = _timed("model.suffix_rows (a length batch)", Qwen2_5_VL.suffix_rows, parts, mark)
 
 
 def _profile_group(engines, g, dataset, size, args) -> None:

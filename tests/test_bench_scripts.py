@@ -187,32 +187,40 @@ def test_startup_times_names_each_stage_of_a_run_and_each_step(tmp_path):
     assert stages.count("run_iteration") == 2 and stages.index("build_engines") < stages.index("run_iteration")
 
 
-def test_the_memory_history_tells_fragmentation_from_live_growth():
+def test_the_memory_history_tells_fragmentation_from_live_growth_and_names_the_marker_before_each():
     spec = importlib.util.spec_from_file_location("memory_history", ROOT / "bench/memory_history.py")
     history = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(history)
     gib = 2**30
-    frame = [{"filename": "/x/rollplex/models/scores.py", "line": 7, "name": "logprobs"}]
 
-    def event(action, size, stream=0, frames=()):
-        return {"action": action, "addr": 0, "size": size * gib, "stream": stream, "frames": list(frames)}
+    def event(action, size, stream=0, addr=0):
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    def marker(size):
+        return [event("alloc", size, addr=99), event("free_requested", size, addr=99),
+                event("free_completed", size, addr=99)]  # fmt: skip
 
     trace = [
-        event("segment_map", 4),
-        event("alloc", 4, frames=frame),  # live growth to the peak: 4 GiB
-        event("free_completed", 4),
-        event("segment_map", 1, stream=7),
-        event("alloc", 1, stream=7),  # 4 GiB free, but on stream 0
-        event("free_completed", 1, stream=7),
-        event("segment_map", 2),
-        event("alloc", 2),  # 4 GiB free on its own stream: fragmentation
+        *marker(5000),
+        event("segment_map", 4 * gib),
+        event("alloc", 4 * gib),  # live growth to the peak: 4 GiB
+        event("free_completed", 4 * gib),
+        *marker(6000),
+        event("alloc", 5000, addr=1),
+        event("free_completed", 5000),  # a marker's size, not freed next
+        event("segment_map", gib, stream=7),
+        event("alloc", gib, stream=7),  # 4 GiB free, but on stream 0
+        event("free_completed", gib, stream=7),
+        event("segment_map", 2 * gib),
+        event("alloc", 2 * gib),  # 4 GiB free on its own stream: fragmentation
     ]
-    summary = history.analyse(trace, {"allocated": gib, "reserved": gib})
+    summary = history.analyse(trace, {"allocated": gib, "reserved": gib}, {5000: "suffix", 6000: "backward"})
     assert summary["peak_allocated_gib"] == 5 and summary["peak_reserved_gib"] == 8
     assert summary["reserved_above_live_peak_gib"] == 3 and summary["end_gib"] == {"allocated": 3, "reserved": 8}
     assert summary["grown_below_live_peak_gib"] == 3  # the 1 and the 2 GiB, not the growth to the peak
     assert summary["grown_with_free_on_stream_gib"] == 2  # only the last: stream 7 had nothing free
+    assert summary["growth_by_marker_gib"] == {"suffix": 4, "backward": 3}
     first, second, third = (summary["largest_growths"][i] for i in (0, 2, 1))
-    assert first["where"] == "scores.py:7 logprobs" and first["allocated_gib"] == 1
+    assert first["at"] == "suffix" and first["allocated_gib"] == 1
     assert second["free_elsewhere_gib"] == 4 and second["free_on_stream_gib"] == 0
-    assert third["free_on_stream_gib"] == 4
+    assert third["free_on_stream_gib"] == 4 and third["at"] == "backward"
