@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import torch
@@ -175,6 +175,8 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
     if beside is not None:
         chunks_during_decode = beside.num_chunks
         for p, result in zip(prefixes, beside.finish(), strict=True):
+            if isinstance(result, LeafBoundary) and beside.stream is not None:
+                result = replace(result, other_stream=True)  # its backward partly runs on that stream
             store[p.outputs[0]] = result
         record.chunks = [(prefixes[job].id, start, end) for job, start, end in beside.spans()]
         record.stats["prefix_chunks_during_decode"] = chunks_during_decode / max(beside.num_chunks, 1)

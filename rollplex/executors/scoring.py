@@ -24,10 +24,12 @@ from rollplex.models.scores import SuffixOut, token_scores
 
 @dataclass(frozen=True)
 class LeafBoundary:
-    """An attached boundary and a detached copy whose tensors are autograd leaves."""
+    """An attached boundary and a detached copy whose tensors are autograd leaves. `other_stream`: some of the
+    prefix ran on another stream (a green partition beside decode), so part of its backward runs there too."""
 
     attached: Boundary
     leaf: Boundary
+    other_stream: bool = False
 
     @staticmethod
     def of(b: Boundary) -> LeafBoundary:
@@ -41,7 +43,11 @@ class LeafBoundary:
         return LeafBoundary(b, leaf)
 
     def backward_through_prefix(self) -> None:
-        """Sends the gradients gathered on the leaf copy into the prefix: decoder layers, merger, vision."""
+        """Sends the gradients gathered on the leaf copy into the prefix: decoder layers, merger, vision.
+
+        When part of it backpropagates on another stream, the caching allocator first hands back what it holds
+        free: it keeps a pool per stream, so that stream would otherwise map new memory while this one's cache
+        (the suffix backward's freed activations) sits idle, and the phase would hold both."""
         pairs = [
             (a, leaf.grad)
             for a, leaf in zip(
@@ -51,6 +57,8 @@ class LeafBoundary:
             )
             if leaf.grad is not None and a.requires_grad
         ]
+        if pairs and self.other_stream and pairs[0][0].is_cuda:
+            torch.cuda.empty_cache()
         if pairs:
             torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
 

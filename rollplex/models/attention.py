@@ -148,7 +148,9 @@ class PackedPrefixAttention:
         keys = torch.cat([self._prompt_kv(self.boundary.keys[layer]), k], dim=2)  # [1, G, U*S + M, D]
         values = torch.cat([self._prompt_kv(self.boundary.values[layer]), v], dim=2)
         if self.flex:
-            return _compiled_flex()(q, keys, values, block_mask=self.mask, enable_gqa=True)
+            return _compiled_flex()(
+                q, keys, values, block_mask=self.mask, enable_gqa=True, kernel_options=_flex_options(q.device)
+            )
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
 
     def _prompt_kv(self, x: Tensor) -> Tensor:
@@ -209,6 +211,13 @@ def visibility(
 def _padded(t: Tensor, fill: int) -> Tensor:
     """t [n] with `fill` appended up to a whole number of FLEX_BLOCKs."""
     return F.pad(t, (0, -t.numel() % FLEX_BLOCK), value=fill)
+
+
+@cache
+def _flex_options(device: torch.device) -> dict[str, bool]:
+    """FlexAttention's kernel options on `device`: on Hopper or newer its loads go through the Tensor Memory
+    Accelerator: the same numbers, faster at the packed suffix's shapes (`bench/flex_suffix.py`)."""
+    return {"USE_TMA": True} if torch.cuda.get_device_capability(device) >= (9, 0) else {}
 
 
 @cache

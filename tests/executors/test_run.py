@@ -111,6 +111,33 @@ def test_on_a_gpu_a_paged_reference_changes_no_number_of_serial_or_rollplex(tmp_
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b] == [r["param_digest"] for r in c]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_allocator_hands_back_its_cache_before_a_prefix_that_ran_beside_decode_is_backpropagated(
+    monkeypatch,
+):
+    from rollplex.executors.scoring import LeafBoundary
+
+    seen, releases = [], []  # per backward through the prefix: (other_stream, the releases inside it)
+    backward, empty = LeafBoundary.backward_through_prefix, torch.cuda.empty_cache
+
+    def recorded(self):
+        before = len(releases)
+        backward(self)
+        seen.append((self.other_stream, len(releases) - before))
+
+    monkeypatch.setattr(LeafBoundary, "backward_through_prefix", recorded)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (releases.append(1), empty()))
+    spec = parse_spec(spec_text(kl=0.1, device="cuda") + "sharing: {policy: streams}\n")
+    for schedule in ("serial", "rollplex"):
+        plan = compile_plan(spec, Schedule(schedule))
+        engines = build_engines(plan)
+        dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 0, spec.path.parent)
+        run_iteration(plan.graph, engines, batch_at(dataset, 0, spec.spec.workload.prompts_per_step))
+    # the actor's prefix ran on the streams policy's stream under rollplex only; only there it releases
+    assert seen == [(False, 0), (True, 1)]
+
+
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
     runs = [
