@@ -112,7 +112,7 @@ def shapes(text, max_tokens: int, device: torch.device, dtype: torch.dtype) -> t
     longest into one batch of `max_tokens`, each prompt's responses together (as `token_batches` packs them)."""
     gen = torch.Generator().manual_seed(0)
     prompt_lens = torch.randint(4900, 6800, (8,), generator=gen)
-    lens = (torch.distributions.LogNormal(5.2, 0.9).sample((64,)).clamp(8, 2048)).long()
+    lens = torch.exp(5.2 + 0.9 * torch.randn(64, generator=gen)).clamp(8, 2048).long()  # log-normal
     lens[5] = 2048
     order, room, chosen = sorted(range(64), key=lambda i: -int(lens[i])), max_tokens, []
     for i in order:
