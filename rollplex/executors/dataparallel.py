@@ -12,7 +12,7 @@ them. What makes the run the one-process run of the same global batch:
   summing the ranks' gradients (`all_reduce_grads`, in buckets) gives the one-process gradient;
 - metrics are reduced over the ranks before rank 0 writes them.
 The optimizer state is replicated (each rank steps the same reduced gradients; rank 0 writes checkpoints), or
-with `parallel.distributed_optimizer` sharded (ZeRO-1, `rollplex.memory.optimizer.Shard`): each rank updates
+with `parallel.distributed_optimizer` sharded (ZeRO-1, `rollplex.memory.state_layout.Shard`): each rank updates
 its share of the elements, sends their new values to the others, and checkpoints its share.
 """
 

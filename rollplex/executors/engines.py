@@ -37,7 +37,8 @@ from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
-from rollplex.memory.optimizer import ChunkedAdamW, Shard
+from rollplex.memory.optimizer import ChunkedAdamW
+from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate

@@ -12,114 +12,31 @@ chunk commits. Gradients are read, never modified. With `fp32_grads` the gradien
 (Megatron's main grads): a hook adds each parameter's fresh low-precision `.grad` into an FP32 buffer and
 frees it, so microbatches sum in FP32 and one low-precision gradient per parameter is alive at a time at
 most; the buffers exist from the first backward to `zero_grad`. What it is not: a `torch.optim.Optimizer` (one group,
-no closures, no AMSGrad); its state dict has torch's layout plus each parameter's FP32 "master".
+no closures, no AMSGrad); its state dict (`optimizer_state`) has torch's layout plus each parameter's FP32 "master".
 """
 
 from __future__ import annotations
 
 import weakref
-from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from rollplex.memory.adamw import AdamWConfig, adamw_
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
+from rollplex.memory.optimizer_state import load_state, state_parts
+from rollplex.memory.state_layout import STATE_BYTES_PER_ELEMENT, Chunk, Segment, Shard, flat_segments, plan_chunks
 
 if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
     from rollplex.parallel.group import TPGroup
 
-STATE_BYTES_PER_ELEMENT = 12  # FP32 master + exp_avg + exp_avg_sq
 NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
 SCRATCH_BYTES = 4 << 20  # allowance beside the workspace: allocator rounding, reduction scratch, scalars
 Writer = Callable[[int, int, torch.Tensor], None]  # (param index, first flat element, new FP32 values)
-
-
-@dataclass(frozen=True, slots=True)
-class AdamWConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    max_grad_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        if not all(0.0 <= beta < 1.0 for beta in self.betas):
-            raise ValueError(f"betas {self.betas} must lie in [0, 1)")
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ValueError(f"lr {self.lr}, eps {self.eps} and weight_decay {self.weight_decay} must be >= 0")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm {self.max_grad_norm} must be positive, or None to not clip")
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """Elements [start, stop) of flattened parameter `param_index`, at `offset` in its chunk."""
-
-    param_index: int
-    start: int
-    stop: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    segments: tuple[Segment, ...]
-    numel: int
-
-
-def plan_chunks(numels: Sequence[int], chunk_bytes: int, lo: int = 0, hi: int | None = None) -> tuple[Chunk, ...]:
-    """Cut elements [lo, hi) of the parameters, flattened and laid end to end (default: all of them), into the
-    fewest chunks whose FP32 state fits in `chunk_bytes`, equal to within one element; a parameter across a
-    boundary is split between chunks."""
-    capacity = chunk_bytes // STATE_BYTES_PER_ELEMENT
-    if capacity < 1:
-        raise ValueError(f"chunk_bytes={chunk_bytes} is below one element's state ({STATE_BYTES_PER_ELEMENT} bytes)")
-    hi = sum(numels) if hi is None else hi
-    total = hi - lo
-    num_chunks = max(1, -(-total // capacity))
-    starts = [0, *accumulate(numels)]
-    chunks = []
-    for k in range(num_chunks):
-        first_k, last_k = lo + k * total // num_chunks, lo + (k + 1) * total // num_chunks
-        chunks.append(Chunk(flat_segments(starts, first_k, last_k), last_k - first_k))
-    return tuple(chunks)
-
-
-def flat_segments(starts: Sequence[int], first: int, last: int) -> tuple[Segment, ...]:
-    """The parameters' pieces in flat elements [first, last): `starts` are the parameters' flat offsets (and the
-    total last); each piece's `offset` is from `first`."""
-    segments, i = [], bisect_right(starts, first) - 1
-    while i < len(starts) - 1 and starts[i] < last:
-        a, b = max(first, starts[i]), min(last, starts[i + 1])
-        if a < b:
-            segments.append(Segment(i, a - starts[i], b - starts[i], a - first))
-        i += 1
-    return tuple(segments)
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """ZeRO-1: the FP32 state split over `size` data-parallel ranks, this one `rank`, over process `group` (None:
-    the default group). Rank r owns the flat elements [r * N // size, (r + 1) * N // size) of the N parameters'
-    elements laid end to end: it keeps their master weights and moments, updates them, and sends their new
-    values to every other rank, which writes them where its own go."""
-
-    rank: int
-    size: int
-    group: object = None
-
-    def bounds(self, total: int, rank: int | None = None) -> tuple[int, int]:
-        r = self.rank if rank is None else rank
-        return r * total // self.size, (r + 1) * total // self.size
 
 
 def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
@@ -130,27 +47,6 @@ def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
         flats[index][start : start + values.numel()].copy_(values)
 
     return write
-
-
-def adamw_(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    denom: torch.Tensor,
-    config: AdamWConfig,
-    step: int,
-) -> None:
-    """One AdamW update in place, op for op torch's single-tensor AdamW; `denom` is scratch of grad's size."""
-    beta1, beta2 = config.betas
-    if config.weight_decay != 0:
-        master.mul_(1 - config.lr * config.weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = config.lr / (1 - beta1 ** float(step))
-    torch.sqrt(exp_avg_sq, out=denom)
-    denom.div_((1 - beta2 ** float(step)) ** 0.5).add_(config.eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -242,7 +138,7 @@ class ChunkedAdamW:
         self.num_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
         for i, p in enumerate(self.params):
-            self._fill_param(i, p.detach(), None, None)
+            self.write_param_state(i, p.detach(), None, None)
 
     @property
     def workspace_bytes(self) -> int:
@@ -364,7 +260,7 @@ class ChunkedAdamW:
     def _share_updates(self) -> None:
         """ZeRO-1's all-gather: every rank's new FP32 values, written here through `write` (this rank's own went
         there in `_adam`). A window of `capacity` elements of each rank's share at a time, read from the state."""
-        self._sync()
+        self.wait()
         s, total = self.shard, self.starts[-1]
         ranks = [s.bounds(total, r) for r in range(s.size)]
         window = self.chunk_elements  # the same on every rank
@@ -427,11 +323,12 @@ class ChunkedAdamW:
     def _pool_bytes(self) -> int:
         return sum(-(-STATE_BYTES_PER_ELEMENT * c.numel // ALIGNMENT) * ALIGNMENT for c in self.chunks)
 
-    def _sync(self) -> None:
+    def wait(self) -> None:
+        """Until the last step's copies into the pool are done (the host reads the state after)."""
         if self._done is not None:
             self._done.synchronize()
 
-    def _fill_param(self, i: int, *rows: torch.Tensor | None, base: int = 0) -> None:
+    def write_param_state(self, i: int, *rows: torch.Tensor | None, base: int = 0) -> None:
         """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros); each source holds the
         parameter's flat elements from `base` on (0: the whole parameter)."""
         for j, s in self._segments_of[i]:
@@ -454,7 +351,7 @@ class ChunkedAdamW:
         """The parameters with state here: all of them, or under ZeRO-1 those with elements in this share."""
         return [i for i in range(len(self.params)) if self._segments_of[i]]
 
-    def _gather_param(self, i: int, row: int) -> torch.Tensor:
+    def read_param_state(self, i: int, row: int) -> torch.Tensor:
         """Row `row` of parameter i's state: its shape, or under ZeRO-1 the flat elements of `own_range`."""
         start, stop = self.own_range(i)
         whole = self.shard is None
@@ -465,67 +362,17 @@ class ChunkedAdamW:
         return out
 
     def state_dict(self) -> dict:
-        """torch.optim.AdamW's layout (per-parameter step, exp_avg, exp_avg_sq) plus each FP32 master;
-        independent of the chunking, so a run may resume with another `chunk_bytes`. It copies the whole
-        state (12 bytes per parameter): a checkpoint writes `state_parts` instead."""
-        (whole,) = self.state_parts(max_bytes=None)
+        """torch.optim.AdamW's layout plus each FP32 master (`optimizer_state.state_parts`), in one part."""
+        (whole,) = state_parts(self, max_bytes=None)
         return whole
 
     def state_parts(self, max_bytes: int | None = 1 << 30) -> Iterator[dict]:
-        """`state_dict()` in parts of about `max_bytes` of state each (whole parameters, in order; None: one
-        part), made one at a time: saving them in turn never holds more than one part beside the pool (a 7B
-        model's whole state is 100 GB). Each part is a state dict of its parameters' entries, with the full
-        `param_groups`; `load_state_dict` of every part, in any order, restores the optimizer."""
-        self._sync()
-        step = torch.tensor(float(self.num_steps))
-        c = self.config
-        group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
-        group |= {"max_grad_norm": c.max_grad_norm, "params": list(range(len(self.params)))}
-        if self.shard is not None:
-            group["shard"] = [self.shard.rank, self.shard.size]
-        state, num_bytes = {}, 0
-        owned = self.owned
-        for k, i in enumerate(owned):
-            rows = [self._gather_param(i, row) for row in range(3)]
-            state[i] = {"step": step.clone(), "exp_avg": rows[1], "exp_avg_sq": rows[2], "master": rows[0]}
-            if self.shard is not None:
-                state[i]["range"] = list(self.own_range(i))
-            num_bytes += STATE_BYTES_PER_ELEMENT * rows[0].numel()
-            if max_bytes is not None and num_bytes >= max_bytes and k + 1 < len(owned):
-                yield {"state": state, "param_groups": [group]}
-                state, num_bytes = {}, 0
-        yield {"state": state, "param_groups": [group]}
+        """`state_dict()` in parts of about `max_bytes` of state each (`optimizer_state.state_parts`)."""
+        return state_parts(self, max_bytes)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a `state_dict()`, a part of one (`state_parts`: the parameters it holds), or a torch AdamW
-        state dict (masters then come from the parameters)."""
-        (group,) = state_dict["param_groups"]
-        state = state_dict["state"]
-        if len(group["params"]) != len(self.params):
-            raise ValueError(f"state dict holds {len(group['params'])} parameters, this optimizer {len(self.params)}")
-        mine = None if self.shard is None else [self.shard.rank, self.shard.size]
-        if "shard" in group and list(group["shard"]) != mine:
-            raise ValueError(f"optimizer state of shard {group['shard']} (rank, ranks), this optimizer's {mine}: "
-                             "resume with the data-parallel layout that wrote it")  # fmt: skip
-        self._sync()
-        for i, key in enumerate(group["params"]):
-            if key in state and self._segments_of[i]:
-                e = state[key]
-                base = 0
-                if "range" in e:  # a shard's own elements of the parameter
-                    if tuple(e["range"]) != self.own_range(i):
-                        raise ValueError(f"parameter {i}: state of elements {e['range']}, this shard keeps "
-                                         f"{self.own_range(i)}")  # fmt: skip
-                    base = e["range"][0]
-                master = e.get("master", self.params[i].detach())
-                self._fill_param(i, master, e["exp_avg"], e["exp_avg_sq"], base=base)
-                self.num_steps = int(e["step"])
-        keys = ("lr", "betas", "eps", "weight_decay")
-        self.config = AdamWConfig(
-            *(tuple(group[k]) if k == "betas" else group[k] for k in keys),
-            group.get("max_grad_norm", self.config.max_grad_norm),
-        )
+        """Restores a state dict, a part of one, or a torch AdamW state dict (`optimizer_state.load_state`)."""
+        load_state(self, state_dict)
 
 
 def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:

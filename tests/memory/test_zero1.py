@@ -13,7 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from parallel_testkit import spawn
 
-from rollplex.memory.optimizer import ChunkedAdamW, Shard, flat_segments, plan_chunks
+from rollplex.memory.optimizer import ChunkedAdamW
+from rollplex.memory.state_layout import Shard, flat_segments, plan_chunks
 
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (64, 33), (2, 3)]  # 2,231 elements: shares split parameters
 
