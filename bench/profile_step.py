@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollplex.bench.harness import with_prompts_per_chunk
+from rollplex.bench.variants import with_prompts_per_chunk
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors import runtime, scoring
 from rollplex.executors.engines import build_engines

@@ -11,16 +11,9 @@ from pathlib import Path
 
 from rollplex.bench.agreement import updates_match
 from rollplex.bench.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
-from rollplex.bench.harness import (
-    compare,
-    noise_floor_grads,
-    policy_label,
-    run_schedule,
-    with_policy,
-    with_prompts_per_chunk,
-    with_unsplit,
-)
+from rollplex.bench.harness import compare, noise_floor_grads, run_schedule, with_unsplit
 from rollplex.bench.provenance import source_commit
+from rollplex.bench.variants import policy_label, with_policy, with_prompts_per_chunk
 from rollplex.errors import SpecError
 from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
 from rollplex.executors.engines import resolve_device

@@ -24,14 +24,13 @@ element by about lr x sign(grad), so a rounding-level difference in a near-zero 
 and the next rollout samples from slightly different weights.
 Each schedule's device memory is probed per phase (`memprobe.py`: the driver's used bytes, so VMM regions and
 the runtime count as in the plan) and reported beside the compiled plan's peak of that phase. Several GPU
-sharing policies share one serial run (`--policies`: one rollplex run per policy, `with_policy`).
+sharing policies share one serial run (`--policies`: one rollplex run per policy, `variants.with_policy`).
 Not here: argument parsing (`cli.py`), the plot (`report/timeline.py`), serial runs saved for later benches
 (`baseline.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import statistics
 import sys
@@ -48,6 +47,7 @@ from rollplex.bench.agreement import (
     updates_match,
 )
 from rollplex.bench.stalls import StepStalls
+from rollplex.bench.variants import policy_label
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
@@ -153,7 +153,7 @@ def compare(
     floor_grads: torch.Tensor | None = None,
 ) -> dict:
     """The result document: the keys of issue 5's `bench/results/<name>.json`, and the phase times.
-    `serial_loaded`: the spec serial ran under when it differs from rollplex's (`with_prompts_per_chunk`);
+    `serial_loaded`: the spec serial ran under when it differs from rollplex's (`variants.with_prompts_per_chunk`);
     `floor_grads`: the first-step gradient sketch of serial rerun with rollplex's grouping (`--noise-floor`)."""
     spec = loaded.spec
     serial_loaded = serial_loaded or loaded
@@ -260,58 +260,6 @@ def _median_or_none(values: list[float]) -> float | None:
 def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:
     """The compiled plan's peak HBM per phase ("1", "2", "3"), GiB per GPU."""
     return {str(int(p.phase)): round(p.peak_bytes / 2**30, 2) for p in compile_plan(loaded, schedule).residency.phases}
-
-
-def parse_policy(text: str) -> tuple[str, int | str | None]:
-    """`inline`, `streams`, `green`, `green:<SMs>`, `green:adaptive`, `mps` or `mps:<trainer %>` ->
-    (sharing.policy, its number: prefix_sms under green, mps_trainer_percent under mps; None keeps the spec's)."""
-    name, _, arg = text.partition(":")
-    usage = "use inline, streams, green, green:<SMs>, green:adaptive, mps or mps:<trainer %>"
-    if name not in ("inline", "streams", "green", "mps") or (arg and name not in ("green", "mps")):
-        raise ValueError(f"policy '{text}': {usage}")
-    if not arg:
-        return name, None
-    if name == "green" and arg == "adaptive":
-        return name, arg
-    if not arg.isdigit() or not 1 <= int(arg) <= (100 if name == "mps" else 10_000):
-        raise ValueError(f"policy '{text}': {usage}")
-    return name, int(arg)
-
-
-def with_policy(loaded: LoadedSpec, text: str) -> LoadedSpec:
-    """The spec with `sharing.policy` (and `prefix_sms` or `mps_trainer_percent`) from a `--policies` entry."""
-    name, arg = parse_policy(text)
-    key = "prefix_sms" if name == "green" else "mps_trainer_percent"
-    if name == "mps" and loaded.spec.cluster.num_gpus > 1:
-        raise ValueError("mps runs on one GPU (its rollout process beside one trainer)")
-    return _with_sharing(loaded, {"policy": name} | ({key: arg} if arg is not None else {}))
-
-
-def with_prompts_per_chunk(loaded: LoadedSpec, text: str) -> LoadedSpec:
-    """The spec with `sharing.prompts_per_chunk` from `--serial-prompts-per-chunk` (N >= 1, or all: one batch).
-    Serial has no decode to interleave with: its prefixes may run in bigger groups than rollplex's chunks, and a
-    fair baseline uses whichever grouping is fastest for it (the plan then counts that group's layer in flight)."""
-    if text == "all":
-        value = None
-    elif text.isdigit() and int(text) >= 1:
-        value = int(text)
-    else:
-        raise ValueError(f"{text!r} is not a number of prompts >= 1 or all")
-    return _with_sharing(loaded, {"prompts_per_chunk": value})
-
-
-def _with_sharing(loaded: LoadedSpec, update: dict) -> LoadedSpec:
-    sharing = loaded.spec.sharing.model_copy(update=update)
-    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"sharing": sharing}))
-
-
-def policy_label(spec) -> str:
-    s = spec.sharing
-    if s.policy == "green":
-        return f"green:{s.prefix_sms}"
-    if s.policy == "mps" and s.mps_trainer_percent is not None:
-        return f"mps:{s.mps_trainer_percent}"
-    return s.policy
 
 
 def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:

@@ -321,16 +321,3 @@ def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside
     clock.after(suffix)
     assert clock.times == {"rollout": 10.0, "ref_suffix": 2.5}  # the prefix beside decode is not counted again
     assert [label for _, label, _, _ in clock.spans] == ["rollout", "ref_score.prefix", "ref_score.suffix"]
-
-
-def test_the_policy_label_names_the_partition_or_the_trainer_percentage():
-    from rollplex.graph.spec import SharingSpec
-
-    class Spec:  # policy_label reads only `sharing`
-        def __init__(self, **sharing) -> None:
-            self.sharing = SharingSpec(**sharing)
-
-    assert bench_module.policy_label(Spec(policy="green", prefix_sms=66)) == "green:66"
-    assert bench_module.policy_label(Spec(policy="green", prefix_sms="adaptive")) == "green:adaptive"
-    assert bench_module.policy_label(Spec(policy="mps", mps_trainer_percent=50)) == "mps:50"
-    assert bench_module.policy_label(Spec(policy="mps")) == "mps"
