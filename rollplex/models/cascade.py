@@ -1,0 +1,152 @@
+"""Attention over two key sets, each a dense variable-length call, merged by their log-sum-exps.
+
+What it is: the packed suffix's attention (`PackedPrefixAttention`) as two parts without a mask: each prompt's
+response tokens over that prompt's keys, and each response's tokens over its own earlier ones (causal). Each
+part returns its output and its log-sum-exp per query and head; the whole softmax is their weighted sum
+(FlashAttention's split-KV combine). Backward runs each part's backward with the merged output and log-sum-exp,
+which makes every part's probabilities those of the whole softmax (as ring attention does), so the two key
+sets' gradients are exact and the query's is their sum.
+
+Why: a masked single call (FlexAttention with a block mask) runs these shapes at about a third of the dense
+kernels' speed (`bench/flex_suffix.py`); each part here is plain variable-length attention.
+
+Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
+which take fewer key heads than query heads); elsewhere `reference_kernels`, the same contract in plain torch.
+Layouts (FlashAttention's): queries [T, H, D], keys and values [Tk, G, D] with H a multiple of G; a part's
+segments are `cu_q` / `cu_k` int32 offsets; log-sum-exps are [H, T] float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Query rows cu_q[i]:cu_q[i+1] attend to key rows cu_k[i]:cu_k[i+1] (causal: aligned at their ends)."""
+
+    cu_q: Tensor  # [n + 1] int32
+    cu_k: Tensor  # [n + 1] int32
+    max_q: int
+    max_k: int
+    causal: bool
+
+    @staticmethod
+    def of(q_lens: list[int], k_lens: list[int], causal: bool, device: torch.device) -> Segments:
+        """From host lengths; every segment needs a query and a key."""
+        if len(q_lens) != len(k_lens) or not q_lens or min(q_lens) < 1 or min(k_lens) < 1:
+            raise ValueError(f"segments need >= 1 query and key each, got {q_lens} and {k_lens}")
+        offsets = [torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32) for lens in (q_lens, k_lens)]
+        return Segments(offsets[0], offsets[1], max(q_lens), max(k_lens), causal)
+
+
+class Kernels(Protocol):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        """(out [T, H, D], lse [H, T] float32, what backward needs of this call)."""
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, s: Segments, scale: float,
+        saved: tuple,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """(dq, dk, dv) with probabilities exp(scores - lse) and D = rowsum(dout * out), for the given out/lse."""
+
+
+def cascade_attention(
+    q: Tensor, parts: list[tuple[Tensor, Tensor, Segments]], kernels: Kernels | None = None
+) -> Tensor:
+    """Softmax attention of q [T, H, D] over every part's keys at once: [T, H, D]."""
+    kernels = kernels or (FLASH if q.is_cuda else REFERENCE)
+    flat = [t for k, v, _ in parts for t in (k, v)]
+    return _Cascade.apply(q, kernels, [s for _, _, s in parts], q.shape[-1] ** -0.5, *flat)
+
+
+class _Cascade(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, kernels: Kernels, segments: list[Segments], scale: float, *kv: Tensor) -> Tensor:
+        outs = [kernels.forward(q, kv[2 * i], kv[2 * i + 1], s, scale) for i, s in enumerate(segments)]
+        lse = torch.logsumexp(torch.stack([lse for _, lse, _ in outs]), dim=0)  # [H, T]
+        out = sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse, _ in outs).to(q.dtype)
+        ctx.kernels, ctx.segments, ctx.scale, ctx.saved = kernels, segments, scale, [s for _, _, s in outs]
+        ctx.save_for_backward(q, out, lse, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse, *kv = ctx.saved_tensors
+        dout, dq, dkv = dout.contiguous(), None, []
+        for i, s in enumerate(ctx.segments):
+            grads = ctx.kernels.backward(dout, q, kv[2 * i], kv[2 * i + 1], out, lse, s, ctx.scale, ctx.saved[i])
+            dq = grads[0] if dq is None else dq + grads[0]
+            dkv += grads[1:]
+        return dq, None, None, None, *dkv
+
+
+class FlashKernels:
+    """FlashAttention 2's variable-length kernels as torch ships them (fewer key heads than query heads allowed).
+    Its log-sum-exps of a variable-length call are [H, T]."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, s.causal, False, scale=scale
+        )
+        return out, lse, (rng, unused)
+
+    def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
+        rng, unused = saved
+        return torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, s.causal, rng, unused, scale=scale
+        )
+
+
+class ReferenceKernels:
+    """The same contract in plain torch, segment by segment (the CPU's kernels and the GPU tests' oracle)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        for (a, b), (c, d) in _bounds(s):
+            scores = _scores(q[a:b], k[c:d], s.causal, scale)  # [H, n, m] float32
+            lse[:, a:b] = scores.logsumexp(-1)
+            p = (scores - lse[:, a:b, None]).exp()
+            out[a:b] = torch.einsum("hnm,mhd->nhd", p, _heads(v[c:d], q.shape[1]).float()).to(q.dtype)
+        return out, lse, ()
+
+    def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        heads, group = q.shape[1], q.shape[1] // k.shape[1]
+        for (a, b), (c, d) in _bounds(s):
+            p = (_scores(q[a:b], k[c:d], s.causal, scale) - lse[:, a:b, None]).exp()  # [H, n, m]
+            do, vh, kh = dout[a:b].float(), _heads(v[c:d], heads).float(), _heads(k[c:d], heads).float()
+            dp = torch.einsum("nhd,mhd->hnm", do, vh)
+            ds = p * (dp - (do * out[a:b].float()).sum(-1).T[..., None])
+            dq[a:b] = torch.einsum("hnm,mhd->nhd", ds, kh) * scale
+            dk_h = torch.einsum("hnm,nhd->mhd", ds, q[a:b].float()) * scale
+            dv_h = torch.einsum("hnm,nhd->mhd", p, do)
+            dk[c:d] = dk_h.unflatten(1, (-1, group)).sum(2)
+            dv[c:d] = dv_h.unflatten(1, (-1, group)).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _bounds(s: Segments) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    q, k = s.cu_q.tolist(), s.cu_k.tolist()
+    return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    """[m, G, D] -> [m, H, D]: each key head repeated for its group of query heads."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), _heads(k, q.shape[1]).float()) * scale
+    if causal:  # aligned at the ends: query i of n sees keys up to i + m - n
+        n, m = q.shape[0], k.shape[0]
+        seen = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        scores = scores.masked_fill(~seen, float("-inf"))
+    return scores
+
+
+FLASH, REFERENCE = FlashKernels(), ReferenceKernels()
