@@ -6,14 +6,16 @@ Builds the scoring shapes of one length batch of the 3B spec: 8 prompts of 4.9k-
 random), responses of long-tailed lengths packed to at most 16,384 tokens, the model's heads. Times forward and
 forward + backward (CUDA events, medians) for each option set of FlexAttention (`kernel_options`, or Inductor's
 max-autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and
-its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. Beside them, cuDNN's dense
-attention of each prompt's queries over its prompt (no mask; the prompt part alone) shows what a dense kernel
-reaches at these shapes.
+its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the
+two-part form (`models/cascade.py`: the prompt part and the own-response part as FlashAttention's variable-length
+calls). Beside them, cuDNN's dense attention of each prompt's queries over its prompt (no mask; the prompt part
+alone) shows what a dense kernel reaches at these shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from rollplex.bench.provenance import source_commit
 from rollplex.models.attention import PackedPrefixAttention
 from rollplex.models.boundary import Boundary
+from rollplex.models.cascade import PackedCascadeAttention
 from rollplex.models.config import load_model_config
 from rollplex.models.packed import ResponsePack
 
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=16384, help="tokens of one length batch")
     ap.add_argument("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
+    ap.add_argument("--cascade", action="store_true", help="also the two-part cascade (`models/cascade.py`)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -84,6 +88,14 @@ def main() -> None:
         })  # fmt: skip
         print(f"{name:<26} fwd {fwd:6.2f} ms ({rows[-1]['forward_efficiency']:.2f})"
               f"  fwd+bwd {both:6.2f} ms ({rows[-1]['forward_backward_efficiency']:.2f})", flush=True)  # fmt: skip
+    if args.cascade:
+        fwd, both, out = timed_cascade(PackedCascadeAttention(boundary, pack), q, k, v, args.iters)
+        rows.append({
+            "options": "cascade (FlashAttention 2)", "forward_ms": fwd, "forward_backward_ms": both,
+            "forward_efficiency": flop / fwd / 1e-3 / (PEAK_TFLOPS * 1e12),
+            "forward_backward_efficiency": 3.5 * flop / both / 1e-3 / (PEAK_TFLOPS * 1e12),
+            "max_abs_difference": None if reference is None else float((out.float() - reference.float()).abs().max()),
+        })  # fmt: skip
     dense = dense_prompt_part(boundary, pack, heads, d, args.iters)
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": source_commit(),
@@ -97,7 +109,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['options']:<26} {r['forward_ms']:>7.2f} {r['forward_efficiency']:>5.2f} "
               f"{r['forward_backward_ms']:>7.2f} {r['forward_backward_efficiency']:>5.2f} "
-              f"{r['max_abs_difference']:>9.2e}")  # fmt: skip
+              f"{r['max_abs_difference'] or 0:>9.2e}")  # fmt: skip
     print(
         f"cuDNN dense, prompt part only: fwd {dense['forward_ms']:.2f} ms ({dense['forward_efficiency']:.2f}), "
         f"fwd+bwd {dense['forward_backward_ms']:.2f} ms ({dense['forward_backward_efficiency']:.2f})"
@@ -152,6 +164,21 @@ def timed(attention: PackedPrefixAttention, q, k, v, options: dict | None, iters
     grad = torch.randn_like(out)
     both()
     return median_ms(forward, iters), median_ms(both, iters), out.detach()
+
+
+def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
+    """Median forward and forward + backward ms of the cascade's layer call (boundary KV gradients included)."""
+    keys, values = attention.boundary.keys[0], attention.boundary.values[0]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, keys, values)]
+    attention.boundary = dataclasses.replace(attention.boundary, keys=(leaves[3],), values=(leaves[4],))
+
+    def forward():
+        return attention(0, *leaves[:3])
+
+    out = forward()
+    grad = torch.randn_like(out)
+    forward().backward(grad)
+    return median_ms(forward, iters), median_ms(lambda: forward().backward(grad), iters), out.detach()
 
 
 def median_ms(fn, iters: int) -> float:

@@ -19,10 +19,14 @@ segments are `cu_q` / `cu_k` int32 offsets; log-sum-exps are [H, T] float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rollplex.models.boundary import Boundary
+    from rollplex.models.packed import ResponsePack
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,38 @@ def cascade_attention(
     kernels = kernels or (FLASH if q.is_cuda else REFERENCE)
     flat = [t for k, v, _ in parts for t in (k, v)]
     return _Cascade.apply(q, kernels, [s for _, _, s in parts], q.shape[-1] ** -0.5, *flat)
+
+
+class PackedCascadeAttention:
+    """`PackedPrefixAttention`'s contract (q [1, H, M, D], k/v [1, G, M, D] of a pack's tokens -> [1, H, M, D])
+    as two parts: each run of consecutive tokens answering one prompt over that prompt's real boundary keys, and
+    each response over its own earlier tokens. A prompt read by several runs has its keys gathered once per run;
+    autograd sums their gradients into the one boundary KV. Host lengths come from the pack and one read of the
+    boundary's prompt lengths."""
+
+    def __init__(self, boundary: Boundary, pack: ResponsePack, kernels: Kernels | None = None) -> None:
+        self.boundary, self.kernels, device = boundary, kernels, pack.index.device
+        lens, span = boundary.prompt_lens.tolist(), boundary.max_prompt_len
+        runs: list[list[int]] = []  # [prompt, tokens] of each run of responses answering one prompt
+        for prompt, count in zip(pack.rows, pack.counts, strict=True):
+            if count and runs and runs[-1][0] == prompt:
+                runs[-1][1] += count
+            elif count:
+                runs.append([prompt, count])
+        own = [c for c in pack.counts if c]
+        self.prompt_rows = torch.cat([torch.arange(p * span, p * span + lens[p]) for p, _ in runs]).to(device)
+        self.prompts = Segments.of([n for _, n in runs], [lens[p] for p, _ in runs], False, device)
+        self.own = Segments.of(own, own, True, device)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        prompt_kv = [self._prompt_rows(x[layer]) for x in (self.boundary.keys, self.boundary.values)]
+        own_kv = [x[0].transpose(0, 1).contiguous() for x in (k, v)]
+        parts = [(*prompt_kv, self.prompts), (*own_kv, self.own)]
+        return cascade_attention(q[0].transpose(0, 1).contiguous(), parts, self.kernels).transpose(0, 1)[None]
+
+    def _prompt_rows(self, x: Tensor) -> Tensor:
+        """A layer's boundary K or V [P, G, S, D] -> each run's prompt's real rows, end to end, [Tk, G, D]."""
+        return x.transpose(1, 2).flatten(0, 1).index_select(0, self.prompt_rows)
 
 
 class _Cascade(torch.autograd.Function):

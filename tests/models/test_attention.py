@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from rollplex.models.attention import (
     merge_attention,
 )
 from rollplex.models.boundary import Boundary
+from rollplex.models.cascade import REFERENCE, PackedCascadeAttention
 from rollplex.models.packed import ResponsePack
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -98,6 +101,21 @@ def test_packed_attention_equals_each_response_over_its_prompt_then_itself_gradi
         torch.testing.assert_close(a, b if b is not None else torch.zeros_like(a), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [(1, 0, 1, 2), (2, 2), (0, 0, 2, 1)])  # a prompt in two runs; one prompt; runs
+def test_the_cascade_of_a_pack_equals_each_response_over_its_prompt_then_itself_gradients_included(rows):
+    g = torch.Generator().manual_seed(3)
+    counts = (4, 1, 3, 2)[: len(rows)]
+    boundary, pack, q, k, v = packed_case((5, 3, 4), rows, counts, 4, g)
+    out = PackedCascadeAttention(boundary, pack, REFERENCE)(0, q, k, v)
+    expected = per_row_oracle(boundary, pack, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
+    weights = torch.randn(out.shape, generator=g)
+    ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs, allow_unused=True) for o in (out, expected))
+    for a, b in zip(ours, oracle, strict=True):
+        torch.testing.assert_close(a, b if b is not None else torch.zeros_like(a), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the eager reference, wanted
 def test_the_block_mask_keeps_exactly_the_blocks_the_dense_mask_touches_and_flex_agrees_with_sdpa():
     """FlexAttention's block mask, built on the CPU: a block is kept full only if every pair in it is visible,
@@ -144,6 +162,26 @@ def test_on_a_gpu_packed_flex_attention_equals_the_per_row_oracle_gradients_incl
     ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs) for o in (out, expected))
     for a, b in zip(ours, oracle, strict=True):
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_cascade_of_a_pack_on_flash_attention_equals_the_per_row_oracle_in_bf16():
+    g = torch.Generator().manual_seed(4)
+    rows, counts = (0, 2, 1, 0, 2), (200, 37, 129, 1, 90)
+    boundary, pack, *_ = packed_case((300, 130, 257), rows, counts, 200, g, device="cuda", dim=128)
+    bf16 = lambda t: t.detach().to(torch.bfloat16).requires_grad_()  # noqa: E731
+    boundary = dataclasses.replace(boundary, keys=(bf16(boundary.keys[0]),), values=(bf16(boundary.values[0]),))
+    q, k, v = (torch.randn(1, n, pack.num_tokens, 128, generator=g).cuda().bfloat16().requires_grad_()
+               for n in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+    out = PackedCascadeAttention(boundary, pack)(0, q, k, v)
+    expected = per_row_oracle(boundary, pack, q, k, v)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
+    weights = torch.randn(out.shape, generator=g).cuda().bfloat16()
+    ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs) for o in (out, expected))
+    for a, b in zip(ours, oracle, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.gpu
