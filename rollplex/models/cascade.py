@@ -7,8 +7,11 @@ part returns its output and its log-sum-exp per query and head; the whole softma
 which makes every part's probabilities those of the whole softmax (as ring attention does), so the two key
 sets' gradients are exact and the query's is their sum.
 
-Why: a masked single call (FlexAttention with a block mask) runs these shapes at about a third of the dense
-kernels' speed (`bench/flex_suffix.py`); each part here is plain variable-length attention.
+Why: a masked single call (FlexAttention with a block mask) runs these shapes well below a dense kernel's speed
+(`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
+dense kernels it is given. The runtime still scores with FlexAttention: on FlashAttention 2 (not tuned for
+Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little faster
+(docs/results.md); `Kernels` is where a faster dense kernel (cuDNN's) plugs in.
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `reference_kernels`, the same contract in plain torch.
