@@ -86,27 +86,17 @@ def per_row_oracle(boundary, pack, q, k, v):
     return torch.cat(outs, dim=1)[None]
 
 
-@pytest.mark.parametrize("rows", [(1, 0, 1, 2), (2, 2)])  # every prompt read (mixed, any order); one of three
-def test_packed_attention_equals_each_response_over_its_prompt_then_itself_gradients_included(rows):
+ATTENTIONS = {"one masked call": PackedPrefixAttention,
+              "cascade": lambda boundary, pack: PackedCascadeAttention(boundary, pack, REFERENCE)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(ATTENTIONS))
+@pytest.mark.parametrize("rows", [(1, 0, 1, 2), (2, 2), (0, 0, 2, 1)])  # a prompt in two runs; one prompt of three
+def test_packed_attention_equals_each_response_over_its_prompt_then_itself_gradients_included(rows, kind):
     g = torch.Generator().manual_seed(0)
     counts = (4, 1, 3, 2)[: len(rows)]
     boundary, pack, q, k, v = packed_case((5, 3, 4), rows, counts, 4, g)
-    out = PackedPrefixAttention(boundary, pack)(0, q, k, v)
-    expected = per_row_oracle(boundary, pack, q, k, v)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
-    weights = torch.randn(out.shape, generator=g)
-    ours, oracle = (torch.autograd.grad((o * weights).sum(), inputs, allow_unused=True) for o in (out, expected))
-    for a, b in zip(ours, oracle, strict=True):
-        torch.testing.assert_close(a, b if b is not None else torch.zeros_like(a), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [(1, 0, 1, 2), (2, 2), (0, 0, 2, 1)])  # a prompt in two runs; one prompt; runs
-def test_the_cascade_of_a_pack_equals_each_response_over_its_prompt_then_itself_gradients_included(rows):
-    g = torch.Generator().manual_seed(3)
-    counts = (4, 1, 3, 2)[: len(rows)]
-    boundary, pack, q, k, v = packed_case((5, 3, 4), rows, counts, 4, g)
-    out = PackedCascadeAttention(boundary, pack, REFERENCE)(0, q, k, v)
+    out = ATTENTIONS[kind](boundary, pack)(0, q, k, v)
     expected = per_row_oracle(boundary, pack, q, k, v)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     inputs = (q, k, v, boundary.keys[0], boundary.values[0])
