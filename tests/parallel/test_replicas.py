@@ -59,7 +59,7 @@ def _keyed_split_equals_whole(rank: int, world_size: int) -> None:
     model = Qwen2_5_VL(load_model_config("tiny"))
     replicas = TPGroup(world_size, rank, dist.group.WORLD)
     prompts = [*text_prompts(), Prompt(torch.arange(20, 29))]
-    sampled = SamplingParams(temperature=1.0, max_tokens=6)
+    sampled = SamplingParams(temperature=1.0, max_tokens=3)
     whole = RolloutEngine(model).generate(
         prompts, num_samples=2, params=sampled, generator=torch.Generator().manual_seed(3)
     )
