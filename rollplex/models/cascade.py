@@ -14,7 +14,7 @@ Hopper) the cascade's forward is slower than FlexAttention's and its backward on
 (docs/results.md); `Kernels` is where a faster dense kernel (cuDNN's) plugs in.
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
-which take fewer key heads than query heads); elsewhere `reference_kernels`, the same contract in plain torch.
+which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
 Layouts (FlashAttention's): queries [T, H, D], keys and values [Tk, G, D] with H a multiple of G; a part's
 segments are `cu_q` / `cu_k` int32 offsets; log-sum-exps are [H, T] float32.
 """
