@@ -57,10 +57,11 @@ class LeafBoundary:
             )
             if leaf.grad is not None and a.requires_grad
         ]
-        if pairs and self.other_stream and pairs[0][0].is_cuda:
+        if not pairs:
+            return
+        if self.other_stream and pairs[0][0].is_cuda:
             torch.cuda.empty_cache()
-        if pairs:
-            torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
 
 
 @dataclass(frozen=True)

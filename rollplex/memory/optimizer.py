@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from rollplex.memory import optimizer_state
 from rollplex.memory.adamw import AdamWConfig, adamw_
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
-from rollplex.memory.optimizer_state import load_state, state_parts
 from rollplex.memory.state_layout import STATE_BYTES_PER_ELEMENT, Chunk, Segment, Shard, flat_segments, plan_chunks
 
 if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
@@ -363,16 +363,16 @@ class ChunkedAdamW:
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout plus each FP32 master (`optimizer_state.state_parts`), in one part."""
-        (whole,) = state_parts(self, max_bytes=None)
+        (whole,) = optimizer_state.state_parts(self, max_bytes=None)
         return whole
 
     def state_parts(self, max_bytes: int | None = 1 << 30) -> Iterator[dict]:
         """`state_dict()` in parts of about `max_bytes` of state each (`optimizer_state.state_parts`)."""
-        return state_parts(self, max_bytes)
+        return optimizer_state.state_parts(self, max_bytes)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores a state dict, a part of one, or a torch AdamW state dict (`optimizer_state.load_state`)."""
-        load_state(self, state_dict)
+        optimizer_state.load_state(self, state_dict)
 
 
 def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:
