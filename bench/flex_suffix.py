@@ -7,10 +7,9 @@ random), responses of long-tailed lengths packed to at most 16,384 tokens, the m
 forward + backward (CUDA events, medians) for each option set of FlexAttention (`kernel_options`, or Inductor's
 max-autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and
 its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the
-two-part form (`models/cascade.py`: the prompt part and the own-response part as variable-length calls) on
-FlashAttention 2's kernels and on cuDNN's, with its first call's time (cuDNN plans each new shape). Beside them,
-cuDNN's dense attention of each prompt's queries over its prompt (no mask; the prompt part alone) shows what a
-dense kernel reaches at these shapes.
+two-part form (`models/cascade.py`: the prompt part and the own-response part as FlashAttention's variable-length
+calls). Beside them, cuDNN's dense attention of each prompt's queries over its prompt (no mask; the prompt part
+alone) shows what a dense kernel reaches at these shapes.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from rollplex.bench.provenance import source_commit
 from rollplex.models.attention import PackedPrefixAttention
 from rollplex.models.boundary import Boundary
-from rollplex.models.cascade import CUDNN, FLASH, PackedCascadeAttention
+from rollplex.models.cascade import PackedCascadeAttention
 from rollplex.models.config import load_model_config
 from rollplex.models.packed import ResponsePack
 
@@ -54,7 +53,6 @@ OPTIONS = {
     },
     "max-autotune": None,
 }
-CASCADES = (("FlashAttention 2", FLASH), ("cuDNN", CUDNN))
 
 
 def main() -> None:
@@ -63,7 +61,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=16384, help="tokens of one length batch")
     ap.add_argument("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
-    ap.add_argument("--cascade", action="store_true", help="also the cascade (`models/cascade.py`), two kernels")
+    ap.add_argument("--cascade", action="store_true", help="also the two-part cascade (`models/cascade.py`)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -90,10 +88,10 @@ def main() -> None:
         })  # fmt: skip
         print(f"{name:<26} fwd {fwd:6.2f} ms ({rows[-1]['forward_efficiency']:.2f})"
               f"  fwd+bwd {both:6.2f} ms ({rows[-1]['forward_backward_efficiency']:.2f})", flush=True)  # fmt: skip
-    for name, kernels in CASCADES if args.cascade else ():
-        first, fwd, both, out = timed_cascade(PackedCascadeAttention(boundary, pack, kernels), q, k, v, args.iters)
+    if args.cascade:
+        fwd, both, out = timed_cascade(PackedCascadeAttention(boundary, pack), q, k, v, args.iters)
         rows.append({
-            "options": f"cascade ({name})", "forward_ms": fwd, "forward_backward_ms": both, "first_call_ms": first,
+            "options": "cascade (FlashAttention 2)", "forward_ms": fwd, "forward_backward_ms": both,
             "forward_efficiency": flop / fwd / 1e-3 / (PEAK_TFLOPS * 1e12),
             "forward_backward_efficiency": 3.5 * flop / both / 1e-3 / (PEAK_TFLOPS * 1e12),
             "max_abs_difference": None if reference is None else float((out.float() - reference.float()).abs().max()),
@@ -169,8 +167,7 @@ def timed(attention: PackedPrefixAttention, q, k, v, options: dict | None, iters
 
 
 def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
-    """The first forward + backward's ms (the kernels' planning included), then median forward and forward +
-    backward ms of the cascade's layer call (boundary KV gradients included)."""
+    """Median forward and forward + backward ms of the cascade's layer call (boundary KV gradients included)."""
     keys, values = attention.boundary.keys[0], attention.boundary.values[0]
     leaves = [t.detach().requires_grad_() for t in (q, k, v, keys, values)]
     attention.boundary = dataclasses.replace(attention.boundary, keys=(leaves[3],), values=(leaves[4],))
@@ -178,10 +175,10 @@ def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
     def forward():
         return attention(0, *leaves[:3])
 
-    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype)
-    first = median_ms(lambda: forward().backward(grad), 1)
     out = forward()
-    return first, median_ms(forward, iters), median_ms(lambda: forward().backward(grad), iters), out.detach()
+    grad = torch.randn_like(out)
+    forward().backward(grad)
+    return median_ms(forward, iters), median_ms(lambda: forward().backward(grad), iters), out.detach()
 
 
 def median_ms(fn, iters: int) -> float:

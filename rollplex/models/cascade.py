@@ -11,13 +11,12 @@ Why: a masked single call (FlexAttention with a block mask) runs these shapes we
 (`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
 dense kernels it is given. The runtime still scores with FlexAttention: on FlashAttention 2 (not tuned for
 Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little faster
-(docs/results.md).
+(docs/results.md); `Kernels` is where a faster dense kernel (cuDNN's) plugs in.
 
-Kernels: `FlashKernels` (FlashAttention 2's variable-length forward and backward, `torch.ops.aten._flash_*`,
-the GPU's default), `CudnnKernels` (cuDNN's, run at bucketed shapes because cuDNN plans each new one), and
-`ReferenceKernels`, the same contract in plain torch (the CPU's). Layouts (FlashAttention's): queries [T, H, D],
-keys and values [Tk, G, D] with H a multiple of G; a part's segments are `cu_q` / `cu_k` int32 offsets;
-log-sum-exps are [H, T] float32.
+Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
+which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
+Layouts (FlashAttention's): queries [T, H, D], keys and values [Tk, G, D] with H a multiple of G; a part's
+segments are `cu_q` / `cu_k` int32 offsets; log-sum-exps are [H, T] float32.
 """
 
 from __future__ import annotations
@@ -26,10 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-
-from rollplex.models.attention import attention_length
 
 if TYPE_CHECKING:
     from rollplex.models.boundary import Boundary
@@ -145,52 +141,6 @@ class FlashKernels:
         )
 
 
-class CudnnKernels:
-    """cuDNN's variable-length attention as torch ships it (`torch.ops.aten._cudnn_attention_*`). cuDNN plans
-    each new shape on the host, and a shape here is the row counts, the segment count and the longest
-    segments; so every call runs bucketed: the longest rounded up to `attention_length` (a bound, not a size),
-    the segments padded to a multiple of 8 with one-row segments over appended zero rows, the rows to
-    `attention_length`. The appended rows are dropped from every result. Its causal mask is aligned at the
-    segments' starts: causal segments must have as many queries as keys (the own-response part does)."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
-        padded, (tq, tk) = _bucketed(s, q.shape[0], k.shape[0])
-        out, lse, *_, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            *_pad_rows((q, tq), (k, tk), (v, tk)), None, padded.cu_q, padded.cu_k, padded.max_q, padded.max_k,
-            True, 0.0, s.causal, False, scale=scale,
-        )  # fmt: skip
-        rows = q.shape[0]
-        return out[:rows], lse[:rows, :, 0].T, (seed, offset)
-
-    def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
-        padded, (tq, tk) = _bucketed(s, q.shape[0], k.shape[0])
-        seed, offset = saved
-        stats = lse.T.contiguous()[..., None]  # cuDNN's [T, H, 1]
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            *_pad_rows((dout, tq), (q, tq), (k, tk), (v, tk), (out, tq), (stats, tq)), seed, offset, None,
-            padded.cu_q, padded.cu_k, padded.max_q, padded.max_k, 0.0, s.causal, scale=scale,
-        )  # fmt: skip
-        return dq[: q.shape[0]], dk[: k.shape[0]], dv[: k.shape[0]]
-
-
-def _bucketed(s: Segments, q_rows: int, k_rows: int) -> tuple[Segments, tuple[int, int]]:
-    """`s` with its segment count padded to a multiple of 8 by one-row segments after `q_rows` / `k_rows`, its
-    longest rounded up; and the bucketed row counts that hold them."""
-    segments = s.cu_q.numel() - 1
-    extra = -segments % 8
-    tail = torch.arange(1, extra + 1, device=s.cu_q.device, dtype=torch.int32)
-    padded = Segments(
-        torch.cat([s.cu_q, q_rows + tail]), torch.cat([s.cu_k, k_rows + tail]),
-        attention_length(s.max_q), attention_length(s.max_k), s.causal,
-    )  # fmt: skip
-    return padded, (attention_length(q_rows + extra), attention_length(k_rows + extra))
-
-
-def _pad_rows(*pairs: tuple[Tensor, int]) -> list[Tensor]:
-    """Each tensor with zero rows appended up to its row count (itself where it has them already)."""
-    return [x if x.shape[0] == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0])) for x, rows in pairs]
-
-
 class ReferenceKernels:
     """The same contract in plain torch, segment by segment (the CPU's kernels and the GPU tests' oracle)."""
 
@@ -238,4 +188,4 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     return scores
 
 
-CUDNN, FLASH, REFERENCE = CudnnKernels(), FlashKernels(), ReferenceKernels()
+FLASH, REFERENCE = FlashKernels(), ReferenceKernels()

@@ -17,7 +17,7 @@ from rollplex.models.attention import (
     merge_attention,
 )
 from rollplex.models.boundary import Boundary
-from rollplex.models.cascade import CUDNN, FLASH, REFERENCE, PackedCascadeAttention
+from rollplex.models.cascade import REFERENCE, PackedCascadeAttention
 from rollplex.models.packed import ResponsePack
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -156,8 +156,7 @@ def test_on_a_gpu_packed_flex_attention_equals_the_per_row_oracle_gradients_incl
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernels", [FLASH, CUDNN], ids=["flash", "cudnn"])
-def test_on_a_gpu_the_cascade_of_a_pack_on_dense_kernels_equals_the_per_row_oracle_in_bf16(kernels):
+def test_on_a_gpu_the_cascade_of_a_pack_on_flash_attention_equals_the_per_row_oracle_in_bf16():
     g = torch.Generator().manual_seed(4)
     rows, counts = (0, 2, 1, 0, 2), (200, 37, 129, 1, 90)
     boundary, pack, *_ = packed_case((300, 130, 257), rows, counts, 200, g, device="cuda", dim=128)
@@ -165,7 +164,7 @@ def test_on_a_gpu_the_cascade_of_a_pack_on_dense_kernels_equals_the_per_row_orac
     boundary = dataclasses.replace(boundary, keys=(bf16(boundary.keys[0]),), values=(bf16(boundary.values[0]),))
     q, k, v = (torch.randn(1, n, pack.num_tokens, 128, generator=g).cuda().bfloat16().requires_grad_()
                for n in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
-    out = PackedCascadeAttention(boundary, pack, kernels)(0, q, k, v)
+    out = PackedCascadeAttention(boundary, pack)(0, q, k, v)
     expected = per_row_oracle(boundary, pack, q, k, v)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
     inputs = (q, k, v, boundary.keys[0], boundary.values[0])
