@@ -11,7 +11,8 @@ Why: a masked single call (FlexAttention with a block mask) runs these shapes we
 (`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
 dense kernels it is given. The runtime still scores with FlexAttention: on FlashAttention 2 (not tuned for
 Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little faster
-(docs/results.md); `Kernels` is where a faster dense kernel (cuDNN's) plugs in.
+(docs/results.md). `Kernels` is where a faster dense kernel plugs in; cuDNN's variable-length path
+(torch 2.11) builds its graph on every call, which costs more than the attention (docs/results.md).
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
