@@ -14,11 +14,12 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
     from rollplex.graph.plan import check_fits, compile_plan
+    from rollplex.report.efficiency import read_efficiencies
     from rollplex.report.jsonout import plan_to_json
 
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
-    efficiencies = _efficiencies(args.efficiency, plan.schedule.value) if args.efficiency else None
+    efficiencies = read_efficiencies(args.efficiency, plan.schedule.value) if args.efficiency else None
     if args.check_data:
         from rollplex.executors.datacheck import check_data
 
@@ -42,16 +43,6 @@ def _compile(args: argparse.Namespace) -> int:
         f"wrote {args.output}: peak {plan.residency.peak_bytes / 2**30:.1f} GiB per GPU, schedule {plan.schedule.value}"
     )
     return 0
-
-
-def _efficiencies(path: str, schedule: str) -> dict[str, float]:
-    """Each phase's efficiency (bound over measured) as a `rollplex bench` result recorded it, for `schedule`."""
-    try:
-        result = json.loads(Path(path).read_text())
-        by_schedule = result["efficiency"]
-        return {k: float(v) for k, v in by_schedule.get(schedule, by_schedule["serial"]).items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None
 
 
 def _plan_to_run(args: argparse.Namespace):
@@ -139,8 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", choices=["serial", "rollplex"], help="override the spec's schedule")
     c.add_argument(
         "--efficiency",
-        metavar="BENCH.json",
-        help="predict each phase's seconds at the efficiencies a `rollplex bench` result recorded (bound / measured)",
+        metavar="SOURCE",
+        help="predict each phase's seconds at efficiencies (bound / measured): a `rollplex bench` result (JSON), a "
+        "`rollplex run`'s metrics.jsonl (medians over its steps) or PHASE=E[,PHASE=E...] set by hand",
     )
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)

@@ -52,7 +52,8 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
-from rollplex.executors.runtime import run_iteration, timer_of
+from rollplex.executors.runtime import run_iteration
+from rollplex.graph.cost import timer_of
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.plan import compile_plan

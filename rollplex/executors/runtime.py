@@ -28,6 +28,7 @@ from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import advantages
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
+from rollplex.graph.cost import TIMERS, timer_of
 from rollplex.graph.ir import DATASET, Lifetime, MiniBatch, NodeKind, Op, Part, Role, lifetimes, op, producer, steps
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
@@ -37,7 +38,6 @@ from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown
 
 Store = dict[str, object]
-TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
 
 
 @dataclass
@@ -127,20 +127,6 @@ def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
 def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
     """The ops that share a step with decode (the Phase-1 prefixes of `rollplex`): they run beside it."""
     return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]
-
-
-def timer_of(o: Op) -> str:
-    """The `StepRecord.times` key an op's seconds count under."""
-    if o.kind is NodeKind.DECODE:
-        return "rollout"
-    if o.kind is NodeKind.REWARD:
-        return "reward"
-    if o.kind is NodeKind.UPDATE:
-        return "update"
-    who = "ref" if o.role is Role.REFERENCE else "actor"
-    if o.part is Part.PREFIX:
-        return f"{who}_prefix"
-    return "ref_suffix" if who == "ref" else "actor_suffix_backward"
 
 
 def _handler(o: Op) -> Handler:

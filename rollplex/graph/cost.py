@@ -131,8 +131,11 @@ def total(parts: Sequence[Cost]) -> Cost:
     return out
 
 
+TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
+
+
 def timer_of(o: Op) -> str:
-    """The `time_s` key an op's seconds count under (as the runtime's `timer_of`)."""
+    """The `time_s` key (one of `TIMERS`) an op's seconds count under, at run time and in the time plan."""
     if o.kind is NodeKind.DECODE:
         return "rollout"
     if o.kind in (NodeKind.REWARD, NodeKind.UPDATE):
@@ -323,7 +326,7 @@ PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step
 
 def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
     """Each phase timer's cost and bound, averaged over the steps the plan is made for (`planned_steps`), and its
-    predicted seconds at the given efficiencies (e.g. a bench's: `efficiencies_of`). A bench's efficiency is that
+    predicted seconds at the given efficiencies (`report.efficiency.read_efficiencies`). A bench's efficiency is that
     of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
     bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
     the link, the two overlapping: each part takes the longer of the two."""

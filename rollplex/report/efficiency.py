@@ -1,0 +1,72 @@
+"""Where a time plan's efficiencies (each phase's bound over its measured seconds) come from.
+
+`rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.cost.time_plan`).
+SOURCE is one of:
+- `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
+- a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `bound_s` / `time_s`, the first
+  step left out when there are more (it compiles and plans);
+- a `rollplex bench` result (JSON): its `efficiency` for the plan's schedule, serial's where it has none.
+A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from rollplex.errors import SpecError
+from rollplex.graph.cost import TIMERS
+
+
+def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
+    """The efficiencies `source` gives (see the module), checked: known phases, finite values in (0, 1]."""
+    path = Path(source)
+    if "=" in source and not path.exists():
+        found = _by_hand(source)
+    elif path.suffix == ".jsonl":
+        found = _of_run(path)
+    else:
+        found = _of_bench(path, schedule)
+    for phase, e in found.items():
+        if phase not in TIMERS:
+            raise SpecError("", f"--efficiency {source}: no phase {phase!r}", f"name one of {', '.join(TIMERS)}")
+        if not (math.isfinite(e) and 0 < e <= 1):
+            raise SpecError("", f"--efficiency {source}: {phase} {e:g} is not in (0, 1]")
+    return found
+
+
+def _by_hand(source: str) -> dict[str, float]:
+    found = {}
+    for item in source.split(","):
+        phase, _, value = item.partition("=")
+        try:
+            found[phase.strip()] = float(value)
+        except ValueError:
+            raise SpecError("", f"--efficiency {source}: {item!r} is not PHASE=NUMBER") from None
+    return found
+
+
+def _of_run(path: Path) -> dict[str, float]:
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ratios: dict[str, list[float]] = {}
+        for record in records[1:] if len(records) > 1 else records:
+            for phase, bound in record["bound_s"].items():
+                seconds = record["time_s"].get(phase, 0.0)
+                if bound > 0 and seconds > 0:  # a phase run beside another reports no seconds of its own
+                    ratios.setdefault(phase, []).append(bound / seconds)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
+    if not ratios:
+        raise SpecError("", f"--efficiency {path}: no step with a phase's bound and seconds")
+    return {phase: statistics.median(r) for phase, r in ratios.items()}
+
+
+def _of_bench(path: Path, schedule: str) -> dict[str, float]:
+    try:
+        by_schedule = json.loads(path.read_text())["efficiency"]
+        return {k: float(v) for k, v in by_schedule.get(schedule, by_schedule["serial"]).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None

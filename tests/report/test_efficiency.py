@@ -1,0 +1,74 @@
+"""A time plan's efficiencies from a bench result, a run's metrics or by hand; a bad source is one line."""
+
+import json
+
+import pytest
+
+from rollplex.cli import main
+from rollplex.errors import SpecError
+from rollplex.report.efficiency import read_efficiencies
+
+SPEC = "specs/qwen2_5_vl_3b_h200.yaml"
+
+
+def run_metrics(tmp_path, steps):
+    """A metrics.jsonl of `steps` records: (time_s, bound_s) each."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        "".join(json.dumps({"step": i + 1, "time_s": t, "bound_s": b}) + "\n" for i, (t, b) in enumerate(steps))
+    )
+    return str(path)
+
+
+def test_a_runs_metrics_give_each_phases_median_ratio_after_its_first_step(tmp_path):
+    bounds = {"rollout": 4.0, "ref_prefix": 1.0, "update": 1.0}
+    seconds = [(40.0, 9.0), (8.0, 2.0), (13.0, 4.0), (5.0, 5.0)]  # (rollout, update); ref_prefix beside decode: 0
+    steps = [({"rollout": r, "ref_prefix": 0.0, "update": u, "step": r + u}, bounds) for r, u in seconds]
+    found = read_efficiencies(run_metrics(tmp_path, steps), "rollplex")
+    # the first step (0.1 and 0.11) left out; ref_prefix ran beside decode (no seconds of its own): unpriced
+    assert found == pytest.approx({"rollout": 0.5, "update": 0.25})
+    one = read_efficiencies(run_metrics(tmp_path, steps[:1]), "rollplex")
+    assert one == pytest.approx({"rollout": 0.1, "update": 1 / 9})
+
+
+def test_a_bench_result_gives_its_schedules_efficiencies_or_serials(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(
+        json.dumps({"efficiency": {"serial": {"rollout": 0.5, "ref_prefix": 0.6}, "rollplex": {"rollout": 0.4}}})
+    )
+    assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.4}
+    assert read_efficiencies(str(path), "unsplit") == {"rollout": 0.5, "ref_prefix": 0.6}
+
+
+def test_efficiencies_set_by_hand_predict_those_phases_only(capsys):
+    assert read_efficiencies("rollout=0.5, update=0.25", "serial") == {"rollout": 0.5, "update": 0.25}
+    assert main(["compile", SPEC, "--dry-run", "--format", "json", "--efficiency", "rollout=0.5"]) == 0
+    rows = {r["phase"]: r for r in json.loads(capsys.readouterr().out)["time_plan"]}
+    assert rows["rollout"]["predicted_s"] == pytest.approx(rows["rollout"]["bound_s"] / 0.5, rel=1e-3)
+    assert rows["update"]["predicted_s"] is None
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("rollout=fast", "'rollout=fast' is not PHASE=NUMBER"),
+        ("decode=0.5", "no phase 'decode'"),
+        ("rollout=1.5", "rollout 1.5 is not in (0, 1]"),
+        ("rollout=nan", "rollout nan is not in (0, 1]"),
+        ("missing.json", "not a bench result with efficiencies"),
+    ],
+)
+def test_a_bad_source_is_one_line_naming_it(source, message):
+    with pytest.raises(SpecError, match="--efficiency") as caught:
+        read_efficiencies(source, "serial")
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_metrics_without_bounds_are_refused_in_one_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "time_s": {"rollout": 1.0}}) + "\n")
+    with pytest.raises(SpecError, match="not a run's metrics with bounds"):
+        read_efficiencies(str(path), "serial")
+    path.write_text(json.dumps({"step": 1, "time_s": {"rollout": 0.0}, "bound_s": {"rollout": 1.0}}) + "\n")
+    with pytest.raises(SpecError, match="no step with a phase's bound and seconds"):
+        read_efficiencies(str(path), "serial")
