@@ -147,6 +147,9 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
     shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts), e.group_size)}
+    prefilled = [store[t] for t in o.inputs if t != DATASET]  # the actor prefix's boundary (`prefill_from_actor`)
+    if prefilled:
+        shared["boundary"] = prefilled[0].leaf.detached()
     rollout = e.rollout(
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
         max_lens=_length_budgets(e, len(prompts)), **shared,

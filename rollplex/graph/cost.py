@@ -100,10 +100,11 @@ def phase_costs(
     """{timer: the parts of its ops, in order} of one step."""
     split = any(o.part is Part.SUFFIX for o in ops_)
     embedder = vision_embedder(ops_)
+    boundaries = {t for o in ops_ if o.part is Part.PREFIX for t in o.outputs}
     out: dict[str, tuple[Cost, ...]] = {}
     for o in ops_:
-        key = timer_of(o)
-        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, embeds_vision=o is embedder)
+        key, prefilled = timer_of(o), any(t in boundaries for t in o.inputs)
+        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, o is embedder, prefilled)
     return out
 
 
@@ -147,12 +148,21 @@ def timer_of(o: Op) -> str:
 
 
 def op_parts(
-    o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool, embeds_vision: bool = True
+    o: Op,
+    model: ModelConfig,
+    gpu: PerGpu,
+    d: Decisions,
+    tokens: StepTokens,
+    split: bool,
+    embeds_vision: bool = True,
+    prefilled: bool = False,
 ) -> tuple[Cost, ...]:
-    """An op's parts, one after another: rollout's prefill then its decode; one part for any other op."""
+    """An op's parts, one after another: rollout's prefill (unless `prefilled`: it reads a prefix's boundary,
+    `prefill_from_actor`) then its decode; one part for any other op."""
     if o.kind is NodeKind.DECODE:
         t, v = model.text, model.vision
-        return prefix_forward(t, v, tokens, gpu.rollout_tp), decode(t, tokens, gpu.rollout_tp)
+        prefill = () if prefilled else (prefix_forward(t, v, tokens, gpu.rollout_tp),)
+        return *prefill, decode(t, tokens, gpu.rollout_tp)
     return (op_cost(o, model, gpu, d, tokens, split, embeds_vision),)
 
 

@@ -1,7 +1,7 @@
 """Compiler passes, each a pure function Graph -> Graph. `pipeline.run_passes` owns their order.
 
-build -> split_at_response -> split_minibatches -> fuse_scoring -> assign_phases -> assign_executors
--> order_steps -> (memory) lower_residency
+build -> split_at_response -> split_minibatches -> [prefill_from_actor] -> fuse_scoring -> assign_phases
+-> assign_executors -> order_steps -> (memory) lower_residency
 """
 
 from __future__ import annotations
@@ -110,6 +110,20 @@ def split_minibatches(g: nx.DiGraph, num_minibatches: int) -> nx.DiGraph:
                 infos[f"{role}.weights@{k + 1}"] = TensorInfo(f"{role}.weights@{k + 1}", TensorClass.REGENERABLE)
     used = {DATASET} | {t for o in new_ops for t in (*o.inputs, *o.outputs)}
     return make_graph(new_ops, {n: i for n, i in infos.items() if n in used})
+
+
+def prefill_from_actor(g: nx.DiGraph) -> nx.DiGraph:
+    """Requires: split_at_response, one mini-batch (`run.rollout_prefill: actor_prefix`).
+    Ensures: every decode also reads the actor prefix's boundary (its prompt KV and first-token log-probs, the
+    rollout's prefill on the same weights), so that prefix runs before decode. A graph without one actor prefix
+    (the unsplit oracle) is returned as it is.
+    """
+    prefixes = [o for o in ops(g) if o.role is Role.ACTOR and o.part is Part.PREFIX]
+    if len(prefixes) != 1:
+        return g
+    boundary = prefixes[0].outputs[0]
+    new_ops = [replace(o, inputs=(*o.inputs, boundary)) if o.kind is NodeKind.DECODE else o for o in ops(g)]
+    return make_graph(new_ops, dict(tensors(g)))
 
 
 def _chain(g: nx.DiGraph, update: Op) -> tuple[list[Op], list[Op], Op, Op]:
@@ -246,15 +260,18 @@ def _order_key(g: nx.DiGraph):
 def order_steps(g: nx.DiGraph, schedule: Schedule) -> nx.DiGraph:
     """Requires: assign_executors. Ensures: `steps` (ordered) and `lifetimes` of every tensor.
 
-    rollplex: each Phase-1 op other than decode shares a step with the decodes (they overlap);
-    serial: decodes first, then each Phase-1 op alone. Phases 2 and 3: one op per step.
+    A Phase-1 op a decode reads (the actor prefix under `prefill_from_actor`) runs alone before it; of the
+    rest, rollplex: each Phase-1 op other than decode shares a step with the decodes (they overlap); serial:
+    decodes first, then each Phase-1 op alone. Phases 2 and 3: one op per step.
     """
     order = [g.nodes[n]["op"] for n in nx.lexicographical_topological_sort(g, key=_order_key(g))]
     groups: list[tuple[Phase, tuple[str, ...]]] = []
     for phase in Phase:
         in_phase = [o for o in order if o.phase is phase]
         decodes = tuple(o.id for o in in_phase if o.kind is NodeKind.DECODE)
-        others = [(o.id,) for o in in_phase if o.kind is not NodeKind.DECODE]
+        before = {a for d in decodes for a in nx.ancestors(g, d)}
+        groups += [(phase, (o.id,)) for o in in_phase if o.id in before]
+        others = [(o.id,) for o in in_phase if o.kind is not NodeKind.DECODE and o.id not in before]
         if schedule is Schedule.ROLLPLEX and decodes and others:
             groups += [(phase, decodes + x) for x in others]
         else:

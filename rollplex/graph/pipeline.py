@@ -1,7 +1,7 @@
 """The compiler's pipeline, in order, and its one owner:
 
-    build -> split_at_response -> split_minibatches -> fuse_scoring -> assign_phases -> assign_executors
-    -> order_steps (graph passes, Graph -> Graph, `graph_passes` / `run_passes`)
+    build -> split_at_response -> split_minibatches -> [prefill_from_actor] -> fuse_scoring -> assign_phases
+    -> assign_executors -> order_steps (graph passes, Graph -> Graph, `graph_passes` / `run_passes`)
     -> make_context -> memory_objects -> lower_residency -> decide (lowering, `lower`)
 
 `run_passes` names the graph pass that failed and the passes that ran before it. `graph.plan.compile_plan`
@@ -25,6 +25,7 @@ from rollplex.graph.passes import (
     assign_phases,
     fuse_scoring,
     order_steps,
+    prefill_from_actor,
     split_at_response,
     split_minibatches,
 )
@@ -36,12 +37,15 @@ from rollplex.models.config import ModelConfig
 Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
 
-def graph_passes(schedule: Schedule, num_minibatches: int = 1) -> list[tuple[str, Pass]]:
-    """`unsplit` (the textbook oracle) skips the split: every score runs over prompt ++ response."""
+def graph_passes(schedule: Schedule, num_minibatches: int = 1, actor_prefill: bool = False) -> list[tuple[str, Pass]]:
+    """`unsplit` (the textbook oracle) skips the split: every score runs over prompt ++ response.
+    `actor_prefill` (`run.rollout_prefill: actor_prefix`): decode reads the actor prefix's boundary."""
     split = [] if schedule is Schedule.UNSPLIT else [("split_at_response", split_at_response)]
+    prefill = [("prefill_from_actor", prefill_from_actor)] if actor_prefill and split else []
     return [
         *split,
         ("split_minibatches", partial(split_minibatches, num_minibatches=num_minibatches)),
+        *prefill,
         ("fuse_scoring", fuse_scoring),
         ("assign_phases", assign_phases),
         ("assign_executors", assign_executors),
@@ -68,7 +72,8 @@ def compile_graph(spec: Spec, *, schedule: Schedule | None = None, check: bool =
     g = build(graph_spec_of(spec))
     if check:
         verify(g)
-    return run_passes(g, graph_passes(schedule, spec.algorithm.minibatches_per_step), check=check)
+    passes = graph_passes(schedule, spec.algorithm.minibatches_per_step, spec.run.rollout_prefill == "actor_prefix")
+    return run_passes(g, passes, check=check)
 
 
 @dataclass(frozen=True)

@@ -296,6 +296,14 @@ class RunSpec(_Strict):
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
         "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
     )
+    rollout_prefill: Literal["rollout", "actor_prefix"] = Field(
+        "rollout",
+        description="Where the rollout's prompt KV and first-token log-probs come from: rollout (the rollout engine "
+        "prefills each prompt); actor_prefix (the actor's prefix, which computes the same numbers on the same "
+        "weights: it then runs before decode instead of beside it, and the rollout prefills nothing). "
+        "actor_prefix needs one GPU, one mini-batch, weight_sharing and a rollout in "
+        "the trainer's process (not sharing.policy mps); the unsplit schedule, which has no prefix, prefills.",
+    )
     decode_kernels: Literal["cublas", "rollplex", "rollplex_pdl", "rollplex_fused"] = Field(
         "cublas",
         description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
@@ -371,6 +379,21 @@ class Spec(_Strict):
         if self.sharing.policy == "mps" and self.cluster.num_gpus > 1:
             raise ValueError("sharing.policy mps runs on one GPU (its rollout process beside one trainer); use green "
                              "or streams with tensor or data parallelism")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_prefill(self) -> Spec:
+        if self.run.rollout_prefill != "actor_prefix":
+            return self
+        needs = {
+            "one GPU (cluster.gpus_per_node 1, one node)": self.cluster.num_gpus == 1,
+            "algorithm.minibatches_per_step 1": self.algorithm.minibatches_per_step == 1,
+            "memory.weight_sharing true": self.memory.weight_sharing,
+            "a sharing.policy other than mps": self.sharing.policy != "mps",
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise ValueError(f"run.rollout_prefill actor_prefix needs {missing[0]}; or set run.rollout_prefill rollout")
         return self
 
     @model_validator(mode="after")

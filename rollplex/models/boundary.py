@@ -43,6 +43,13 @@ class Boundary:
         tensors = (*self.keys, *self.values, self.first_logprobs, self.next_positions, self.prompt_lens)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def detached(self) -> Boundary:
+        """The same tensors outside autograd (what rollout decode reads of an attached boundary)."""
+        return Boundary(
+            tuple(k.detach() for k in self.keys), tuple(v.detach() for v in self.values),
+            self.first_logprobs.detach(), self.next_positions, self.prompt_lens,
+        )  # fmt: skip
+
     def key_mask(self) -> Tensor:
         """[P, S] bool: True where a key is a real prompt token."""
         return torch.arange(self.max_prompt_len, device=self.prompt_lens.device) < self.prompt_lens[:, None]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollplex.models.boundary import Boundary
 from rollplex.models.cache import ResponseCache
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
@@ -38,6 +39,7 @@ def generate(
     beside: Callable[[int], None] | None = None,
     max_lens: Tensor | None = None,
     rows: Rows | None = None,
+    boundary: Boundary | None = None,
 ) -> Rollout:
     """Samples `num_samples` responses to each prompt; the same generator state gives the same rollout.
 
@@ -45,10 +47,11 @@ def generate(
     (`rollplex.rollout.beside`).
     max_lens [P, N]: per-sequence length budgets (a sequence ends at its budget if no stop token came first).
     rows (index, total): the P x N sequences are rows `index` of a larger batch, whose random numbers each step
-    draws (`sample`; a data-parallel rank's share of the step)."""
+    draws (`sample`; a data-parallel rank's share of the step).
+    boundary: the prompts' prefill, already made (the actor prefix's: `run.rollout_prefill`); none runs here then."""
     if num_samples < 1:
         raise ValueError(f"num_samples {num_samples} must be at least 1")
-    boundary = model.prefix(prompts, attached=False)
+    boundary = boundary if boundary is not None else model.prefix(prompts, attached=False)
     num_prompts, batch = boundary.num_prompts, boundary.num_prompts * num_samples
     dtype = boundary.keys[0].dtype
     cache = ResponseCache(model.config.text, batch, params.max_tokens, dtype=dtype, device=model.device)

@@ -90,17 +90,20 @@ class RolloutEngine:
         max_lens: Tensor | None = None,
         beside: Callable[[int], None] | None = None,
         rows: tuple[Sequence[int], int] | None = None,
+        boundary: Boundary | None = None,
     ) -> Rollout:
         """Samples num_samples responses to each prompt (see `rollplex.models.generate.generate`).
 
         max_lens [P, N]: per-sequence length budgets (benchmarks replay a workload's length distribution with
         them). beside: called after each decode step is launched, to enqueue other work (`beside.py`). rows
         (index, total): the sequences are rows `index` of a step of `total` (a data-parallel rank's share); each
-        samples the tokens that row would in a rollout of the whole step (in-graph sampling only).
+        samples the tokens that row would in a rollout of the whole step (in-graph sampling only). boundary:
+        the prompts' prefill, already made (the actor prefix's: `run.rollout_prefill`); none runs here then.
         """
         start = time.perf_counter()
-        boundary = self.model.prefix(prompts, attached=False)
-        _sync(self.model.device)
+        if boundary is None:
+            boundary = self.model.prefix(prompts, attached=False)
+            _sync(self.model.device)
         prefill_s = time.perf_counter() - start
         rollout, stats = self.decode(
             boundary, num_samples=num_samples, params=params, generator=generator, max_lens=max_lens, beside=beside,

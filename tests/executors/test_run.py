@@ -277,6 +277,36 @@ def test_the_paged_reference_is_resident_in_its_steps_only_and_gives_the_same_st
     assert not paged.reference_pager.resident  # on the host until the next step
 
 
+def step_noting_prefills(spec, schedule: Schedule):
+    """One step of `spec`: its record, whether each rollout was handed a prefill, and the updated weights."""
+    engines = build_engines(compile_plan(spec, schedule))
+    dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
+    prefills, rollout = [], engines.rollout
+    engines.rollout = lambda *a, **kw: prefills.append("boundary" in kw) or rollout(*a, **kw)
+    record = run_iteration(compile_graph(spec.spec, schedule=schedule), engines, batch_at(dataset, 0, 2))
+    return record, prefills, [p.detach().clone() for p in engines.actor.parameters()]
+
+
+def test_a_rollout_from_the_actors_prefix_samples_and_trains_as_its_own_prefill_does():
+    """The actor prefix computes the prompts' KV and first-token log-probs on the rollout's weights, so the
+    rollout decoding from it samples the same tokens and the step trains the same weights as the rollout's own
+    prefill (to rounding: the two prefill in other batches); serial and rollplex stay bitwise alike with it."""
+    text = spec_text(kl=0.1, device="cpu")
+    assert "run: {seed: 3," in text
+    shared = parse_spec(text.replace("run: {seed: 3,", "run: {seed: 3, rollout_prefill: actor_prefix,"))
+    a, own_prefills, wa = step_noting_prefills(parse_spec(text), Schedule.SERIAL)
+    b, serial_prefills, wb = step_noting_prefills(shared, Schedule.SERIAL)
+    c, rollplex_prefills, wc = step_noting_prefills(shared, Schedule.ROLLPLEX)
+    assert own_prefills == [False] and serial_prefills == rollplex_prefills == [True]
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.rewards, b.rewards)
+    for key, value in a.stats.items():
+        assert b.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for p, q in zip(wa, wb, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(c.stats[k] == v for k, v in b.stats.items())  # rollplex also says how its prefixes overlapped
+    assert all(torch.equal(p, q) for p, q in zip(wb, wc, strict=True))
+
+
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
     from contextlib import nullcontext

@@ -112,6 +112,18 @@ def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
     assert decoding.hbm_bytes / PEAKS.hbm_bytes_s > decoding.flops / PEAKS.flops  # decode reads, prefill computes
 
 
+def test_a_rollout_prefilled_by_the_actor_prefix_costs_its_decode_alone():
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    assert "\nrun:" not in text
+    own = compile_plan(parse_spec(text))
+    shared = compile_plan(parse_spec(text + "run: {rollout_prefill: actor_prefix}\n"))
+    tokens = cost.planned_steps(own)[0]
+    prefill, decoding = cost.plan_phase_costs(own, tokens)["rollout"]
+    assert cost.plan_phase_costs(shared, tokens)["rollout"] == (decoding,)
+    assert cost.plan_phase_costs(shared, tokens)["actor_prefix"] == cost.plan_phase_costs(own, tokens)["actor_prefix"]
+    assert prefill.flops == cost.plan_phase_costs(own, tokens)["actor_prefix"][0].flops  # the work it no longer does
+
+
 def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_efficiencies():
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
 

@@ -80,6 +80,18 @@ CASES = {
         BASE + "run: {decode_kernels: fastest}\n",
         ["run.decode_kernels", "cublas", "rollplex_pdl"],
     ),
+    "the actor's prefill for a rollout in another process": (
+        BASE + "run: {rollout_prefill: actor_prefix}\nsharing: {policy: mps}\n",
+        ["run.rollout_prefill actor_prefix needs a sharing.policy other than mps"],
+    ),
+    "the actor's prefill with several mini-batches": (
+        BASE + "run: {rollout_prefill: actor_prefix}\nalgorithm: {minibatches_per_step: 2}\n",
+        ["run.rollout_prefill actor_prefix needs algorithm.minibatches_per_step 1"],
+    ),
+    "the actor's prefill on two GPUs": (
+        BASE.replace("gpus_per_node: 1", "gpus_per_node: 2") + "run: {rollout_prefill: actor_prefix}\n",
+        ["run.rollout_prefill actor_prefix needs one GPU"],
+    ),
     "reward with a role": (
         GRAPH_HEAD + DECODE + "    - {id: r, kind: reward, role: actor, inputs: [responses], outputs: [rw]}\n",
         ["graph.nodes.1", "reward node has no role"],

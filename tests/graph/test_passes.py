@@ -81,6 +81,23 @@ def test_rollplex_runs_each_prefix_beside_decode_and_serial_after_it():
             assert [s.ops for s in with_decode] == [("rollout",)] and len(phase1) == 3
 
 
+def test_the_actors_prefill_runs_its_prefix_before_decode_and_the_reference_beside_it():
+    for schedule, phase1 in (
+        (Schedule.ROLLPLEX, [("actor_score.prefix",), ("rollout", "ref_score.prefix")]),
+        (Schedule.SERIAL, [("actor_score.prefix",), ("rollout",), ("ref_score.prefix",)]),
+    ):
+        g = build(standard_grpo(0.04))
+        g = run_passes(g, graph_passes(schedule, actor_prefill=True), check=True)
+        assert op(g, "rollout").inputs == ("prompts", "actor_score.boundary")
+        assert [s.ops for s in steps(g) if s.phase is Phase.ROLLOUT] == phase1
+        life = lifetimes(g)
+        assert (
+            life["actor_score.boundary"].first == 0 and life["actor_score.boundary"].last == life["actor_grads"].first
+        )
+    unsplit = run_passes(build(standard_grpo(0.04)), graph_passes(Schedule.UNSPLIT, actor_prefill=True), check=True)
+    assert op(unsplit, "rollout").inputs == ("prompts",)  # no prefix: the rollout prefills
+
+
 def test_executors_follow_roles_and_kinds():
     g = compiled(standard_grpo(0.04))
     expected = {

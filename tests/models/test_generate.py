@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,11 @@ NUM_SAMPLES = 3
 def rollout(model, prompts, params: SamplingParams, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     return generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=generator)
+
+
+def rollout_from(model, prompts, params: SamplingParams, boundary):
+    generator = torch.Generator().manual_seed(0)
+    return generate(model, prompts, num_samples=NUM_SAMPLES, params=params, generator=generator, boundary=boundary)
 
 
 def test_the_same_seed_gives_the_same_rollout_and_another_seed_another(model, prompts):
@@ -50,6 +57,21 @@ def test_a_length_budget_ends_a_response_unless_a_stop_token_came_first(model, p
     ends = zip(out.responses.flatten(0, 1), out.response_lens.flatten(), budgets.flatten(), strict=True)
     for response, length, budget in ends:
         assert length == budget or int(response[length - 1]) in stop
+
+
+def test_a_given_prefill_is_decoded_from_and_none_is_made(model, prompts, monkeypatch):
+    """The rollout from a boundary made elsewhere (the actor prefix's): the same rollout as from its own prefill
+    when the boundary is the same; another boundary's first token distribution when it is not."""
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    own = rollout(model, prompts, params)
+    boundary = model.prefix(prompts, attached=True).detached()
+    monkeypatch.setattr(model, "prefix", lambda *a, **kw: pytest.fail("the rollout prefilled again"))
+    given = rollout_from(model, prompts, params, boundary)
+    torch.testing.assert_close(given.logprobs, own.logprobs)
+    assert torch.equal(given.responses, own.responses)
+    certain = torch.full_like(boundary.first_logprobs, -1e4).index_fill(-1, torch.tensor([7]), 0.0)
+    forced = rollout_from(model, prompts, params, replace(boundary, first_logprobs=certain))
+    assert (forced.responses[..., 0] == 7).all()
 
 
 def test_greedy_decoding_follows_the_argmax_of_the_full_forward(model, prompts):

@@ -236,6 +236,18 @@ def test_prefix_work_beside_decode_changes_neither_the_rollout_nor_the_boundarie
     assert torch.equal(actor.first_logprobs, model.prefix(prompts, attached=True).first_logprobs)
 
 
+def test_a_rollout_from_the_actor_prefixs_boundary_prefills_nothing_and_samples_the_same(
+    model, prompts, sampled, monkeypatch
+):
+    alone = sampled[0][0]  # seed 0, its own prefill
+    boundary = model.prefix(prompts, attached=True).detached()  # as the actor prefix leaves it
+    monkeypatch.setattr(model, "prefix", lambda *a, **kw: pytest.fail("the engine prefilled again"))
+    engine = RolloutEngine(model)
+    given = engine.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0), boundary=boundary)
+    assert torch.equal(alone.responses, given.responses)
+    torch.testing.assert_close(alone.logprobs, given.logprobs)
+
+
 @pytest.mark.slow
 def test_kv_pages_released_between_rollouts_and_mapped_again_change_no_rollout(paged, sampled):
     runs, engine, arena = paged  # released after each rollout, mapped again for the next
