@@ -12,6 +12,9 @@
 #     puts one prompt in each chunk); tagged _ppcN
 #   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (rollplex, rollplex_pdl;
 #     both schedules decode with them); tagged _NAME
+#   PREFILL=actor bash bench/issue5_h200.sh STAGE: the same with run.rollout_prefill actor_prefix (the rollout
+#     decodes from the actor prefix's boundary instead of prefilling; that prefix runs before decode); tagged
+#     _actorprefill
 #   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
 #     first few steps)
 #
@@ -35,16 +38,19 @@ ln -sfn ../kernels rollplex/kernels
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
 [ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
 [ -n "${KERNELS:-}" ] && TAG=${TAG}_$KERNELS
-spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME: a copy beside it, changed)
+[ "${PREFILL:-}" = actor ] && TAG=${TAG}_actorprefill
+spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME / PREFILL=actor: a copy beside it)
   if [ -z "$TAG" ]; then echo "$1"; return; fi
-  if { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ]; } && grep -q "^run:" "$1"; then
-    echo "CUDNN=off / KERNELS: $1 has a run: section; set cudnn_attention / decode_kernels in it" >&2; exit 2
+  local run_keys=; { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ] || [ "${PREFILL:-}" = actor ]; } && run_keys=1
+  if [ -n "$run_keys" ] && grep -q "^run:" "$1"; then
+    echo "CUDNN=off / KERNELS / PREFILL: $1 has a run: section; set the key in it" >&2; exit 2
   fi
   local copy; copy=$(dirname "$1")/.$(basename "$1" .yaml)$TAG.yaml
   { if [ -n "${PPC:-}" ] && grep -q "^  prompts_per_chunk:" "$1"; then sed "s/^  prompts_per_chunk:.*/  prompts_per_chunk: $PPC/" "$1"
     elif [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
-    if [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ]; then echo "run:"; fi
+    if [ -n "$run_keys" ]; then echo "run:"; fi
     if [ "${CUDNN:-on}" = off ]; then echo "  cudnn_attention: false"; fi
+    if [ "${PREFILL:-}" = actor ]; then echo "  rollout_prefill: actor_prefix"; fi
     if [ -n "${KERNELS:-}" ]; then echo "  decode_kernels: $KERNELS"; fi; } > "$copy"
   echo "$copy"
 }

@@ -52,9 +52,9 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     stale = tmp_path / "bench/baselines/serial_3b_h200_nocudnn.pt"
     stale.write_text("an earlier call's serial run")
 
-    def stage(*args: str, fail: bool = False, ppc: str = "") -> list[str]:
+    def stage(*args: str, fail: bool = False, ppc: str = "", prefill: str = "") -> list[str]:
         env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path),
-               "CUDNN": "off", "FAIL": "1" if fail else "0", "PPC": ppc}  # fmt: skip
+               "CUDNN": "off", "FAIL": "1" if fail else "0", "PPC": ppc, "PREFILL": prefill}  # fmt: skip
         proc = subprocess.run(["bash", "bench/issue5_h200.sh", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -79,6 +79,11 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     stage("bench3b", ppc="8")
     assert "sharing:\n  prompts_per_chunk: 8\n" in grouped.read_text()
     assert load_spec(grouped).spec.sharing.prompts_per_chunk == 8  # a spec the runtime takes
+    serial, rollplex = stage("bench3b", prefill="actor")  # the rollout decodes from the actor prefix's boundary
+    prefilled = tmp_path / "specs/.qwen2_5_vl_3b_h200_nocudnn_actorprefill.yaml"
+    assert prefilled.name in serial and "_nocudnn_actorprefill_green66" in rollplex
+    run = load_spec(prefilled).spec.run
+    assert run.rollout_prefill == "actor_prefix" and run.cudnn_attention is False
 
 
 def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_own(tmp_path):

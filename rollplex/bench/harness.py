@@ -3,13 +3,13 @@
 Each schedule trains `warmup + steps` steps from the same initial weights and data (engines built afresh,
 nothing written to disk), with a device synchronisation around every op so that an op's time runs until the
 GPU has done its work (`_OpClock`).
-From the serial steps: T_D (rollout), T_P (both prefixes), T_post (the rest); the paper's Eq. 1 ideal is
-(T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the decode slowdown (the decode
-loop's wall seconds over serial's, GPU only: it counts the host's time launching prefix chunks between decode
-steps too), its part on the device (`rollout.slowdown`: decode steps beside a chunk against steps alone, timed
-with CUDA events) and where the prefix chunks ran. The step
-balance says where rollplex's step gained and lost against serial's: the prefixes no longer in the step
-(-T_P), the rollout's extra seconds (decode beside them), and the extra seconds after the rollout; the three
+From the serial steps: T_D (rollout), T_P (the prefixes rollplex runs beside decode), T_post (the rest); the
+paper's Eq. 1 ideal is (T_D + T_P + T_post) / (max(T_D, T_P) + T_post). From rollplex: the step time, the
+decode slowdown (the decode loop's wall seconds over serial's, GPU only: it counts the host's time launching
+prefix chunks between decode steps too), its part on the device (`rollout.slowdown`: decode steps beside a
+chunk against steps alone, timed with CUDA events) and where the prefix chunks ran. The step balance says where
+rollplex's step gained and lost against serial's: the prefixes no longer in the step (-T_P), the rollout's extra
+seconds (decode beside them), and the extra seconds after the rollout; the three
 add up to the difference of the two (median) step times.
 
 The updates match when, at the first step (the only one both schedules start from the same weights), the two
@@ -52,10 +52,11 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
-from rollplex.executors.runtime import run_iteration
+from rollplex.executors.runtime import beside_decode, run_iteration
 from rollplex.graph.cost import timer_of
-from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
+from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule, op, ops
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
 
 Span = tuple[str, str, float, float]  # (lane, label, start s, end s) from the iteration's start
@@ -145,6 +146,13 @@ def run_schedule(
     return out
 
 
+def overlapping_timers(g) -> list[str]:
+    """The timers of the ops rollplex's graph `g` runs beside decode: what T_P sums (a prefix decode reads,
+    under `run.rollout_prefill: actor_prefix`, runs before decode in both schedules and stays in the step)."""
+    decodes = [o.id for o in ops(g) if o.kind is NodeKind.DECODE]
+    return sorted({timer_of(op(g, name)) for d in decodes for name in beside_decode(g, d)})
+
+
 def compare(
     loaded: LoadedSpec,
     serial: ScheduleRun,
@@ -160,7 +168,8 @@ def compare(
     serial_loaded = serial_loaded or loaded
     med = statistics.median
     t_d = med(t["rollout"] for t in serial.times)
-    t_p = med(t["ref_prefix"] + t["actor_prefix"] for t in serial.times)
+    beside = overlapping_timers(compile_graph(loaded.spec, schedule=Schedule.ROLLPLEX))
+    t_p = med(sum(t[k] for k in beside) for t in serial.times)
     step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
     t_post = max(step_serial - t_d - t_p, 0.0)
     rollout_rollplex = med(t["rollout"] for t in rollplex.times)
