@@ -62,8 +62,9 @@ def _bound_equals_fresh(rank: int, world_size: int, rollout_tp: int, path: str, 
         bound.publish()
         torch.testing.assert_close(bound.model(prompts), fresh(prompts), atol=1e-5, rtol=1e-5)
     if decode:
-        # one sample a prompt: greedy samples of a prompt are the same tokens (the engine's groups: test_engine.py)
-        greedy = dict(num_samples=1, params=SamplingParams(temperature=0.0, max_tokens=4), generator=torch.Generator())
+        # one sample a prompt: greedy samples of a prompt are the same tokens (the engine's groups: test_engine.py);
+        # two tokens: the prefill's and one graph-replayed decode step through the bound weights (longer: test_engine)
+        greedy = dict(num_samples=1, params=SamplingParams(temperature=0.0, max_tokens=2), generator=torch.Generator())
         # every rank's fresh model holds the same gathered weights: rank 0 decodes it once for all of them
         theirs = [RolloutEngine(fresh).generate(text_prompts(), **greedy) if rank == 0 else None]
         dist.broadcast_object_list(theirs, src=0)
