@@ -52,9 +52,9 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
-from rollplex.executors.runtime import beside_decode, run_iteration
-from rollplex.graph.cost import timer_of
-from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule, op, ops
+from rollplex.executors.runtime import run_iteration
+from rollplex.graph.cost import overlapped_timers, timer_of
+from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
@@ -146,13 +146,6 @@ def run_schedule(
     return out
 
 
-def overlapping_timers(g) -> list[str]:
-    """The timers of the ops rollplex's graph `g` runs beside decode: what T_P sums (a prefix decode reads,
-    under `run.rollout_prefill: actor_prefix`, runs before decode in both schedules and stays in the step)."""
-    decodes = [o.id for o in ops(g) if o.kind is NodeKind.DECODE]
-    return sorted({timer_of(op(g, name)) for d in decodes for name in beside_decode(g, d)})
-
-
 def compare(
     loaded: LoadedSpec,
     serial: ScheduleRun,
@@ -168,7 +161,7 @@ def compare(
     serial_loaded = serial_loaded or loaded
     med = statistics.median
     t_d = med(t["rollout"] for t in serial.times)
-    beside = overlapping_timers(compile_graph(loaded.spec, schedule=Schedule.ROLLPLEX))
+    beside = overlapped_timers(compile_graph(loaded.spec, schedule=Schedule.ROLLPLEX))  # not a prefix decode reads
     t_p = med(sum(t[k] for k in beside) for t in serial.times)
     step_serial, step_rollplex = med(serial.step_s), med(rollplex.step_s)
     t_post = max(step_serial - t_d - t_p, 0.0)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, ops
+from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, steps
 from rollplex.graph.objects import Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
@@ -133,6 +133,18 @@ def total(parts: Sequence[Cost]) -> Cost:
 
 
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
+
+
+def overlapped_timers(g) -> set[str]:
+    """The timers of the ops that share a step with a decode in `g` (rollplex's prefixes beside it): the runtime
+    counts their seconds in the rollout's."""
+    return {
+        timer_of(op(g, name))
+        for s in steps(g)
+        if any(op(g, name).kind is NodeKind.DECODE for name in s.ops)
+        for name in s.ops
+        if op(g, name).kind is not NodeKind.DECODE
+    }
 
 
 def timer_of(o: Op) -> str:
@@ -339,14 +351,16 @@ def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[Phase
     predicted seconds at the given efficiencies (`report.efficiency.read_efficiencies`). A bench's efficiency is that
     of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
     bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
-    the link, the two overlapping: each part takes the longer of the two."""
+    the link, the two overlapping: each part takes the longer of the two. A phase that runs beside decode
+    (`overlapped_timers`) has no seconds of its own: its time is in the rollout's."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     each = [plan_phase_costs(plan, tokens) for tokens in planned_steps(plan)]
+    beside = overlapped_timers(plan.graph)
     rows = []
     for timer in each[0]:
         parts = [sum((c[timer][k] for c in each), Cost()).scaled(1 / len(each)) for k in range(len(each[0][timer]))]
         bound = sum(p.bound_s(peaks) for p in parts)
-        e = (efficiencies or {}).get(timer)
+        e = None if timer in beside else (efficiencies or {}).get(timer)
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
         rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)

@@ -5,7 +5,8 @@ SOURCE is one of:
 - `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `bound_s` / `time_s`, the first
   step left out when there are more (it compiles and plans);
-- a `rollplex bench` result (JSON): its `efficiency` for the plan's schedule, serial's where it has none.
+- a `rollplex bench` result (JSON): its `efficiency` for the plan's schedule, serial's for a phase it has none
+  for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial).
 A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
 """
 
@@ -67,6 +68,7 @@ def _of_run(path: Path) -> dict[str, float]:
 def _of_bench(path: Path, schedule: str) -> dict[str, float]:
     try:
         by_schedule = json.loads(path.read_text())["efficiency"]
-        return {k: float(v) for k, v in by_schedule.get(schedule, by_schedule["serial"]).items()}
+        found = {**by_schedule["serial"], **by_schedule.get(schedule, {})}  # serial's for a phase run alone
+        return {k: float(v) for k, v in found.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None

@@ -122,6 +122,12 @@ def test_a_rollout_prefilled_by_the_actor_prefix_costs_its_decode_alone():
     assert cost.plan_phase_costs(shared, tokens)["rollout"] == (decoding,)
     assert cost.plan_phase_costs(shared, tokens)["actor_prefix"] == cost.plan_phase_costs(own, tokens)["actor_prefix"]
     assert prefill.flops == cost.plan_phase_costs(own, tokens)["actor_prefix"][0].flops  # the work it no longer does
+    # under rollplex a prefix beside decode has no seconds of its own; the one decode reads runs alone before it
+    given = {"actor_prefix": 0.5, "ref_prefix": 0.5}
+    beside = {r.timer: r.predicted_s for r in cost.time_plan(own, given)}
+    alone = {r.timer: r for r in cost.time_plan(shared, given)}
+    assert beside["actor_prefix"] is None and beside["ref_prefix"] is None and alone["ref_prefix"].predicted_s is None
+    assert alone["actor_prefix"].predicted_s == pytest.approx(alone["actor_prefix"].bound_s / 0.5)
 
 
 def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_efficiencies():

@@ -31,12 +31,12 @@ def test_a_runs_metrics_give_each_phases_median_ratio_after_its_first_step(tmp_p
     assert one == pytest.approx({"rollout": 0.1, "update": 1 / 9})
 
 
-def test_a_bench_result_gives_its_schedules_efficiencies_or_serials(tmp_path):
+def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_rest(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(
         json.dumps({"efficiency": {"serial": {"rollout": 0.5, "ref_prefix": 0.6}, "rollplex": {"rollout": 0.4}}})
     )
-    assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.4}
+    assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.4, "ref_prefix": 0.6}  # a prefix run alone
     assert read_efficiencies(str(path), "unsplit") == {"rollout": 0.5, "ref_prefix": 0.6}
 
 
