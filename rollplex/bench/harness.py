@@ -53,11 +53,12 @@ from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.runtime import run_iteration
-from rollplex.graph.cost import overlapped_timers, timer_of
+from rollplex.graph.cost import timer_of
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
+from rollplex.graph.timeplan import overlapped_timers
 
 Span = tuple[str, str, float, float]  # (lane, label, start s, end s) from the iteration's start
 

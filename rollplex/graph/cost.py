@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, steps
+from rollplex.graph.ir import NodeKind, Op, Part, Role, ops
 from rollplex.graph.objects import Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
@@ -133,18 +133,6 @@ def total(parts: Sequence[Cost]) -> Cost:
 
 
 TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
-
-
-def overlapped_timers(g) -> set[str]:
-    """The timers of the ops that share a step with a decode in `g` (rollplex's prefixes beside it): the runtime
-    counts their seconds in the rollout's."""
-    return {
-        timer_of(op(g, name))
-        for s in steps(g)
-        if any(op(g, name).kind is NodeKind.DECODE for name in s.ops)
-        for name in s.ops
-        if op(g, name).kind is not NodeKind.DECODE
-    }
 
 
 def timer_of(o: Op) -> str:
@@ -329,73 +317,3 @@ def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
     params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
     host = STATE_BYTES * params if d.optimizer_state is Residency.HOST else 0.0
     return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseTime:
-    timer: str
-    cost: Cost
-    bound_s: float
-    efficiency: float | None  # bound over measured seconds, where known
-    predicted_s: float | None  # at the efficiency (`time_plan`)
-
-
-HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
-
-
-PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step decodes to its longest response
-
-
-def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
-    """Each phase timer's cost and bound, averaged over the steps the plan is made for (`planned_steps`), and its
-    predicted seconds at the given efficiencies (`report.efficiency.read_efficiencies`). A bench's efficiency is that
-    of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
-    bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
-    the link, the two overlapping: each part takes the longer of the two. A phase that runs beside decode
-    (`overlapped_timers`) has no seconds of its own: its time is in the rollout's."""
-    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    each = [plan_phase_costs(plan, tokens) for tokens in planned_steps(plan)]
-    beside = overlapped_timers(plan.graph)
-    rows = []
-    for timer in each[0]:
-        parts = [sum((c[timer][k] for c in each), Cost()).scaled(1 / len(each)) for k in range(len(each[0][timer]))]
-        bound = sum(p.bound_s(peaks) for p in parts)
-        e = None if timer in beside else (efficiencies or {}).get(timer)
-        predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
-        rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
-    return tuple(rows)
-
-
-def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
-    device = Cost(part.flops, part.hbm_bytes).bound_s(peaks) / efficiency
-    return max(device, part.host_bytes / peaks.host_bytes_s / HOST_LINK_EFFICIENCY)
-
-
-def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
-    """The steps' token counts as the plan sees them. A synthetic preset: its first `count` steps' prompts (their
-    text, video tokens, patches and frames, each within the budget), responses drawn from its length distribution
-    for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
-    the spec's frames, responses at the budget."""
-    from rollplex.data.presets import get_preset
-    from rollplex.data.sizes import grid_thw
-
-    spec, gpu = plan.loaded.spec, plan.context.gpu
-    w = spec.workload
-    if not w.dataset.startswith("synthetic:"):
-        return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
-    name, _, scale = w.dataset.removeprefix("synthetic:").partition("@")
-    preset = get_preset(name).tiny() if scale else get_preset(name)
-    n, group, merge = gpu.prompts_per_rank, gpu.group_size, preset.vision.merge_size**2
-    steps = []
-    for k in range(count):
-        layouts = [preset.layout(spec.run.seed, k * n + i) for i in range(n)]
-        lens = [min(int(x), gpu.response_tokens) for x in preset.response.sample(n * group, spec.run.seed + k)]
-        steps.append(
-            StepTokens(
-                prompt_tokens=tuple(min(preset.prompt_tokens(lay), gpu.prompt_tokens) for lay in layouts),
-                patches=tuple(min(preset.num_video_tokens(lay) * merge, gpu.patches_per_prompt) for lay in layouts),
-                frames=tuple(grid_thw(lay.num_frames, *preset.frame_size(lay), preset.vision)[0] for lay in layouts),
-                response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
-            )
-        )
-    return tuple(steps)

@@ -1,6 +1,6 @@
 """Where a time plan's efficiencies (each phase's bound over its measured seconds) come from.
 
-`rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.cost.time_plan`).
+`rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.timeplan.time_plan`).
 SOURCE is one of:
 - `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `bound_s` / `time_s`, the first

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from rollplex.graph.cost import time_plan
 from rollplex.graph.objects import GIB, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.planfile import plan_dict
+from rollplex.graph.timeplan import time_plan
 
 
 def _gib(b: int) -> float:

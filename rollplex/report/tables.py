@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from rollplex.graph.cost import KNOWN_PEAKS, time_plan
+from rollplex.graph.cost import KNOWN_PEAKS
 from rollplex.graph.ir import op, steps
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.graph.timeplan import time_plan
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:

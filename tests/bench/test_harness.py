@@ -321,17 +321,3 @@ def test_the_op_clock_times_an_op_until_the_device_is_done_and_counts_ops_beside
     clock.after(suffix)
     assert clock.times == {"rollout": 10.0, "ref_suffix": 2.5}  # the prefix beside decode is not counted again
     assert [label for _, label, _, _ in clock.spans] == ["rollout", "ref_score.prefix", "ref_score.suffix"]
-
-
-def test_t_p_sums_the_prefixes_rollplex_runs_beside_decode_and_not_one_decode_reads():
-    from rollplex.graph.cost import overlapped_timers
-    from rollplex.graph.ir import Schedule
-    from rollplex.graph.load import parse_spec
-    from rollplex.graph.pipeline import compile_graph
-
-    text = (ROOT / "specs/tiny_cpu.yaml").read_text()
-    assert "\nrun: {steps: 400," in text
-    prefilled = text.replace("\nrun: {steps: 400,", "\nrun: {rollout_prefill: actor_prefix, steps: 400,")
-    for spec, beside in ((text, ["actor_prefix", "ref_prefix"]), (prefilled, ["ref_prefix"])):
-        g = compile_graph(parse_spec(spec).spec, schedule=Schedule.ROLLPLEX)
-        assert sorted(overlapped_timers(g)) == beside

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.data.tokenizer import CharTokenizer
 from rollplex.executors.bounds import step_tokens
-from rollplex.graph import cost
+from rollplex.graph import cost, timeplan
 from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.plan import compile_plan
@@ -106,7 +106,7 @@ def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
     assert Cost(flops=1e9, hbm_bytes=3e9).bound_s(PEAKS) == 3.0
     assert Cost(host_bytes=5e8).bound_s(PEAKS) == 5.0
     plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
-    costs = cost.plan_phase_costs(plan, cost.planned_steps(plan)[0])
+    costs = cost.plan_phase_costs(plan, timeplan.planned_steps(plan)[0])
     prefill, decoding = costs["rollout"]
     assert cost.phase_bounds(costs, PEAKS)["rollout"] == prefill.bound_s(PEAKS) + decoding.bound_s(PEAKS)
     assert decoding.hbm_bytes / PEAKS.hbm_bytes_s > decoding.flops / PEAKS.flops  # decode reads, prefill computes
@@ -117,69 +117,8 @@ def test_a_rollout_prefilled_by_the_actor_prefix_costs_its_decode_alone():
     assert "\nrun:" not in text
     own = compile_plan(parse_spec(text))
     shared = compile_plan(parse_spec(text + "run: {rollout_prefill: actor_prefix}\n"))
-    tokens = cost.planned_steps(own)[0]
+    tokens = timeplan.planned_steps(own)[0]
     prefill, decoding = cost.plan_phase_costs(own, tokens)["rollout"]
     assert cost.plan_phase_costs(shared, tokens)["rollout"] == (decoding,)
     assert cost.plan_phase_costs(shared, tokens)["actor_prefix"] == cost.plan_phase_costs(own, tokens)["actor_prefix"]
     assert prefill.flops == cost.plan_phase_costs(own, tokens)["actor_prefix"][0].flops  # the work it no longer does
-    # under rollplex a prefix beside decode has no seconds of its own; the one decode reads runs alone before it
-    given = {"actor_prefix": 0.5, "ref_prefix": 0.5}
-    beside = {r.timer: r.predicted_s for r in cost.time_plan(own, given)}
-    alone = {r.timer: r for r in cost.time_plan(shared, given)}
-    assert beside["actor_prefix"] is None and beside["ref_prefix"] is None and alone["ref_prefix"].predicted_s is None
-    assert alone["actor_prefix"].predicted_s == pytest.approx(alone["actor_prefix"].bound_s / 0.5)
-
-
-def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_efficiencies():
-    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
-
-    hbm = compile_plan(parse_spec(text))
-    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
-    by = {r.timer: r for r in cost.time_plan(host, {"update": 0.5})}
-    assert {r.timer: r for r in cost.time_plan(hbm)}["update"].cost.host_bytes == 0
-    assert by["update"].cost.host_bytes == pytest.approx(12 * (by["update"].cost.hbm_bytes / 30))
-    link = cost.KNOWN_PEAKS["H200"].host_bytes_s
-    streamed = by["update"].cost.host_bytes / link  # the link's time: the streamed update's bound
-    assert by["update"].bound_s == pytest.approx(streamed)
-    assert by["update"].predicted_s == pytest.approx(streamed / cost.HOST_LINK_EFFICIENCY)  # not bound / 0.5
-    kept = {r.timer: r for r in cost.time_plan(hbm, {"update": 0.5})}["update"]
-    assert kept.predicted_s == pytest.approx(kept.bound_s / 0.5)  # device work only: at the efficiency
-    assert by["rollout"].predicted_s is None
-
-
-def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_update():
-    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
-    trained = {r.timer: r.cost for r in cost.time_plan(compile_plan(parse_spec(text)))}
-    frozen_model = "model: {name: qwen2_5_vl_3b, freeze_vision: true}"
-    frozen_plan = compile_plan(parse_spec(text.replace("model: qwen2_5_vl_3b", frozen_model)))
-    frozen = {r.timer: r.cost for r in cost.time_plan(frozen_plan)}
-    config, steps = frozen_plan.loaded.model, cost.planned_steps(frozen_plan)
-    vision = sum(
-        cost.vision_forward(config.vision, p, f, 1)
-        for tokens in steps
-        for p, f in zip(tokens.patches, tokens.frames, strict=True)
-    ) / len(steps)  # the time plan's: a mean over the planned steps
-    assert vision > 0.2 * trained["actor_prefix"].flops  # a video prompt's tower is a large part of its prefix
-    assert frozen["ref_prefix"].flops == trained["ref_prefix"].flops  # the reference's prefix embeds for both
-    assert frozen["actor_prefix"].flops == pytest.approx(trained["actor_prefix"].flops - vision)
-    rerun = 3  # the shipped spec recomputes the prefix: forward again, then backward (twice the forward)
-    backward = trained["actor_suffix_backward"].flops
-    assert frozen["actor_suffix_backward"].flops == pytest.approx(backward - rerun * vision)
-    from rollplex.layout import shapes
-
-    llm, tower = shapes.llm_params_per_rank(config.text, 1), shapes.vision_params(config.vision, stored=True)
-    assert frozen["update"].hbm_bytes == pytest.approx(trained["update"].hbm_bytes * llm / (llm + tower))
-
-
-def test_the_planned_steps_are_a_synthetic_presets_first_steps_within_the_budget():
-    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
-    from rollplex.data.presets import get_preset
-
-    preset, gpu, seed = get_preset("llava_video"), plan.context.gpu, plan.loaded.spec.run.seed
-    steps = cost.planned_steps(plan)
-    assert len(steps) == cost.PLANNED_STEPS
-    n = gpu.prompts_per_rank
-    expected = [min(preset.prompt_tokens(preset.layout(seed, 1 * n + i)), gpu.prompt_tokens) for i in range(n)]
-    assert list(steps[1].prompt_tokens) == expected and max(expected) < gpu.prompt_tokens  # not the budget
-    longest = {max(max(group) for group in s.response_lens) for s in steps}
-    assert len(longest) > 1 and max(longest) <= gpu.response_tokens  # each step its own draw
