@@ -29,7 +29,20 @@ from rollplex.executors.ppo import advantages
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
 from rollplex.graph.cost import TIMERS, timer_of
-from rollplex.graph.ir import DATASET, Lifetime, MiniBatch, NodeKind, Op, Part, Role, lifetimes, op, producer, steps
+from rollplex.graph.ir import (
+    DATASET,
+    Lifetime,
+    MiniBatch,
+    NodeKind,
+    Op,
+    Part,
+    Role,
+    beside_decode,
+    lifetimes,
+    op,
+    producer,
+    steps,
+)
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
@@ -122,11 +135,6 @@ def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> list[str]:
 def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
     """Indices of the steps that hold one of the role's ops (the planner's residency window of frozen weights)."""
     return {i for i, s in enumerate(steps(g)) if any(op(g, name).role is role for name in s.ops)}
-
-
-def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
-    """The ops that share a step with decode (the Phase-1 prefixes of `rollplex`): they run beside it."""
-    return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]
 
 
 def _handler(o: Op) -> Handler:

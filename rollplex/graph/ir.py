@@ -166,6 +166,11 @@ def steps(g: nx.DiGraph) -> tuple[Step, ...]:
     return g.graph.get("steps", ())
 
 
+def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
+    """The ops that share a step with decode (the Phase-1 prefixes of `rollplex`): they run beside it."""
+    return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]
+
+
 def lifetimes(g: nx.DiGraph) -> dict[str, Lifetime]:
     return g.graph.get("lifetimes", {})
 

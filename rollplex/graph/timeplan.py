@@ -17,19 +17,14 @@ from rollplex.graph.cost import (
     timer_of,
     total,
 )
-from rollplex.graph.ir import NodeKind, op, steps
+from rollplex.graph.ir import NodeKind, beside_decode, op, ops
 
 
 def overlapped_timers(g) -> set[str]:
     """The timers of the ops that share a step with a decode in `g` (rollplex's prefixes beside it): the runtime
     counts their seconds in the rollout's."""
-    return {
-        timer_of(op(g, name))
-        for s in steps(g)
-        if any(op(g, name).kind is NodeKind.DECODE for name in s.ops)
-        for name in s.ops
-        if op(g, name).kind is not NodeKind.DECODE
-    }
+    decodes = [o.id for o in ops(g) if o.kind is NodeKind.DECODE]
+    return {timer_of(op(g, name)) for d in decodes for name in beside_decode(g, d)}
 
 
 @dataclass(frozen=True, slots=True)
