@@ -12,9 +12,9 @@
 #     puts one prompt in each chunk); tagged _ppcN
 #   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (rollplex, rollplex_pdl;
 #     both schedules decode with them); tagged _NAME
-#   PREFILL=actor bash bench/issue5_h200.sh STAGE: the same with run.rollout_prefill actor_prefix (the rollout
-#     decodes from the actor prefix's boundary instead of prefilling; that prefix runs before decode); tagged
-#     _actorprefill
+#   PREFILL=actor|rollout bash bench/issue5_h200.sh STAGE: the same with run.rollout_prefill actor_prefix (the
+#     rollout decodes from the actor prefix's boundary instead of prefilling; that prefix runs before decode: what
+#     the 3B specs' `auto` picks) or rollout (the engine prefills); tagged _actorprefill / _rolloutprefill
 #   WARMUP=N: bench3b / policies3b warm-up steps (default 1; cuDNN plans the bucketed attention shapes over the
 #     first few steps)
 #
@@ -38,10 +38,11 @@ ln -sfn ../kernels rollplex/kernels
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
 [ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
 [ -n "${KERNELS:-}" ] && TAG=${TAG}_$KERNELS
-[ "${PREFILL:-}" = actor ] && TAG=${TAG}_actorprefill
-spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME / PREFILL=actor: a copy beside it)
+case ${PREFILL:-} in "") ;; actor|rollout) TAG=${TAG}_${PREFILL}prefill ;;
+  *) echo "PREFILL is actor or rollout, not $PREFILL" >&2; exit 2 ;; esac
+spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME / PREFILL=...: a copy beside it)
   if [ -z "$TAG" ]; then echo "$1"; return; fi
-  local run_keys=; { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ] || [ "${PREFILL:-}" = actor ]; } && run_keys=1
+  local run_keys=; { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ] || [ -n "${PREFILL:-}" ]; } && run_keys=1
   if [ -n "$run_keys" ] && grep -q "^run:" "$1"; then
     echo "CUDNN=off / KERNELS / PREFILL: $1 has a run: section; set the key in it" >&2; exit 2
   fi
@@ -51,6 +52,7 @@ spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS
     if [ -n "$run_keys" ]; then echo "run:"; fi
     if [ "${CUDNN:-on}" = off ]; then echo "  cudnn_attention: false"; fi
     if [ "${PREFILL:-}" = actor ]; then echo "  rollout_prefill: actor_prefix"; fi
+    if [ "${PREFILL:-}" = rollout ]; then echo "  rollout_prefill: rollout"; fi
     if [ -n "${KERNELS:-}" ]; then echo "  decode_kernels: $KERNELS"; fi; } > "$copy"
   echo "$copy"
 }

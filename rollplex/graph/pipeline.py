@@ -39,7 +39,7 @@ Pass = Callable[[nx.DiGraph], nx.DiGraph]
 
 def graph_passes(schedule: Schedule, num_minibatches: int = 1, actor_prefill: bool = False) -> list[tuple[str, Pass]]:
     """`unsplit` (the textbook oracle) skips the split: every score runs over prompt ++ response.
-    `actor_prefill` (`run.rollout_prefill: actor_prefix`): decode reads the actor prefix's boundary."""
+    `actor_prefill` (`Spec.prefills_from_actor`): decode reads the actor prefix's boundary."""
     split = [] if schedule is Schedule.UNSPLIT else [("split_at_response", split_at_response)]
     prefill = [("prefill_from_actor", prefill_from_actor)] if actor_prefill and split else []
     return [
@@ -72,7 +72,7 @@ def compile_graph(spec: Spec, *, schedule: Schedule | None = None, check: bool =
     g = build(graph_spec_of(spec))
     if check:
         verify(g)
-    passes = graph_passes(schedule, spec.algorithm.minibatches_per_step, spec.run.rollout_prefill == "actor_prefix")
+    passes = graph_passes(schedule, spec.algorithm.minibatches_per_step, spec.prefills_from_actor)
     return run_passes(g, passes, check=check)
 
 

@@ -296,13 +296,14 @@ class RunSpec(_Strict):
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
         "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
     )
-    rollout_prefill: Literal["rollout", "actor_prefix"] = Field(
-        "rollout",
+    rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
+        "auto",
         description="Where the rollout's prompt KV and first-token log-probs come from: rollout (the rollout engine "
         "prefills each prompt); actor_prefix (the actor's prefix, which computes the same numbers on the same "
-        "weights: it then runs before decode instead of beside it, and the rollout prefills nothing). "
-        "actor_prefix needs one GPU, one mini-batch, weight_sharing and a rollout in "
-        "the trainer's process (not sharing.policy mps); the unsplit schedule, which has no prefix, prefills.",
+        "weights: it then runs before decode instead of beside it, and the rollout prefills nothing); auto: "
+        "actor_prefix where the spec allows it, else rollout. actor_prefix needs one GPU, one mini-batch, "
+        "weight_sharing and a rollout in the trainer's process (not sharing.policy mps); the unsplit schedule, "
+        "which has no prefix, prefills.",
     )
     decode_kernels: Literal["cublas", "rollplex", "rollplex_pdl", "rollplex_fused"] = Field(
         "cublas",
@@ -381,19 +382,27 @@ class Spec(_Strict):
                              "or streams with tensor or data parallelism")  # fmt: skip
         return self
 
-    @model_validator(mode="after")
-    def _rollout_prefill(self) -> Spec:
-        if self.run.rollout_prefill != "actor_prefix":
-            return self
+    @property
+    def prefills_from_actor(self) -> bool:
+        """Whether decode reads the actor prefix's boundary instead of prefilling (`run.rollout_prefill`)."""
+        return self.run.rollout_prefill != "rollout" and not self._actor_prefill_missing()
+
+    def _actor_prefill_missing(self) -> list[str]:
         needs = {
             "one GPU (cluster.gpus_per_node 1, one node)": self.cluster.num_gpus == 1,
             "algorithm.minibatches_per_step 1": self.algorithm.minibatches_per_step == 1,
             "memory.weight_sharing true": self.memory.weight_sharing,
             "a sharing.policy other than mps": self.sharing.policy != "mps",
         }
-        missing = [need for need, met in needs.items() if not met]
+        return [need for need, met in needs.items() if not met]
+
+    @model_validator(mode="after")
+    def _rollout_prefill(self) -> Spec:
+        missing = self._actor_prefill_missing() if self.run.rollout_prefill == "actor_prefix" else []
         if missing:
-            raise ValueError(f"run.rollout_prefill actor_prefix needs {missing[0]}; or set run.rollout_prefill rollout")
+            raise ValueError(
+                f"run.rollout_prefill actor_prefix needs {missing[0]}; or set run.rollout_prefill auto or rollout"
+            )
         return self
 
     @model_validator(mode="after")

@@ -15,8 +15,10 @@ from rollplex.graph.plan import compile_plan
 from rollplex.models.vision import VisionEncoder
 
 
-def spec(frozen: bool = True, minibatches: int = 1):
+def spec(frozen: bool = True, minibatches: int = 1, prefill: str = "auto"):
     text = spec_text(kl=0.1)
+    assert "run: {seed: 3," in text
+    text = text.replace("run: {seed: 3,", f"run: {{seed: 3, rollout_prefill: {prefill},")
     line = next(x for x in text.splitlines() if x.startswith("model: "))
     text = text.replace(line, f"model: {{name: {line[7:]}, freeze_vision: {str(frozen).lower()}}}")
     rewards = "rewards: [{name: test_char_share}]"
@@ -44,9 +46,10 @@ def test_with_minibatches_the_schedules_still_agree(tmp_path):
     assert [r["loss"] for r in serial] == [r["loss"] for r in rollplex]
 
 
-def iteration(frozen: bool, monkeypatch, minibatches: int = 1):
+def iteration(frozen: bool, monkeypatch, minibatches: int = 1, prefill: str = "auto"):
     """One rollplex iteration: the vision tower's runs (rollout's prefill included), the engines, and the actor's
     weights before it."""
+    plan = compile_plan(spec(frozen, minibatches, prefill), Schedule.ROLLPLEX)  # its test checkpoint runs vision too
     calls = []
     real = VisionEncoder.chunks
 
@@ -55,7 +58,6 @@ def iteration(frozen: bool, monkeypatch, minibatches: int = 1):
         return real(self, *args, **kw)
 
     monkeypatch.setattr(VisionEncoder, "chunks", counted)
-    plan = compile_plan(spec(frozen, minibatches), Schedule.ROLLPLEX)
     engines = build_engines(plan)
     before = {k: v.clone() for k, v in engines.actor.state_dict().items()}
     examples = batch_at(open_dataset(plan.loaded.spec.workload.dataset, engines.tokenizer, 3), 0, 2)
@@ -66,7 +68,8 @@ def iteration(frozen: bool, monkeypatch, minibatches: int = 1):
 def test_the_tower_is_held_once_untrained_and_runs_once_per_prompt_for_both_prefixes(monkeypatch):
     trained, _, _ = iteration(False, monkeypatch)
     frozen, engines, before = iteration(True, monkeypatch)
-    assert trained - frozen == 2  # two prompts in chunks of one: the actor's prefixes read the reference's output
+    assert trained - frozen == 2  # two prompts in chunks of one: the reference's prefixes read the actor's output
+    assert frozen == 2  # and the rollout decodes from the actor's prefix (`rollout_prefill: auto`): no prefill
     actor, reference = engines.actor, engines.reference
     assert reference.model.visual is actor.model.visual
     assert not any(p.requires_grad or p.grad is not None for p in actor.model.visual.parameters())
@@ -78,6 +81,6 @@ def test_the_tower_is_held_once_untrained_and_runs_once_per_prompt_for_both_pref
 
 
 def test_a_later_minibatchs_prefix_rerun_reads_the_steps_vision_output(monkeypatch):
-    one, _, _ = iteration(True, monkeypatch)
-    two, _, _ = iteration(True, monkeypatch, minibatches=2)
-    assert one == two  # the second mini-batch's actor prefix runs again, its vision does not
+    one, _, _ = iteration(True, monkeypatch, prefill="rollout")
+    two, _, _ = iteration(True, monkeypatch, minibatches=2)  # auto: the rollout prefills under mini-batches
+    assert one == two == 3  # the second mini-batch's actor prefix runs again, its vision does not

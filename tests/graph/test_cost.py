@@ -13,7 +13,7 @@ from rollplex.data.tokenizer import CharTokenizer
 from rollplex.executors.bounds import step_tokens
 from rollplex.graph import cost, timeplan
 from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
-from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -105,7 +105,8 @@ def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
     assert Cost(flops=2e12, hbm_bytes=1e9, host_bytes=1e7).bound_s(PEAKS) == 2.0
     assert Cost(flops=1e9, hbm_bytes=3e9).bound_s(PEAKS) == 3.0
     assert Cost(host_bytes=5e8).bound_s(PEAKS) == 5.0
-    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text() + "run: {rollout_prefill: rollout}\n"
+    plan = compile_plan(parse_spec(text))
     costs = cost.plan_phase_costs(plan, timeplan.planned_steps(plan)[0])
     prefill, decoding = costs["rollout"]
     assert cost.phase_bounds(costs, PEAKS)["rollout"] == prefill.bound_s(PEAKS) + decoding.bound_s(PEAKS)
@@ -115,8 +116,8 @@ def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
 def test_a_rollout_prefilled_by_the_actor_prefix_costs_its_decode_alone():
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
     assert "\nrun:" not in text
-    own = compile_plan(parse_spec(text))
-    shared = compile_plan(parse_spec(text + "run: {rollout_prefill: actor_prefix}\n"))
+    own = compile_plan(parse_spec(text + "run: {rollout_prefill: rollout}\n"))
+    shared = compile_plan(parse_spec(text))  # auto: the actor's prefix, as the spec allows it
     tokens = timeplan.planned_steps(own)[0]
     prefill, decoding = cost.plan_phase_costs(own, tokens)["rollout"]
     assert cost.plan_phase_costs(shared, tokens)["rollout"] == (decoding,)

@@ -69,8 +69,8 @@ def test_the_planned_steps_are_a_synthetic_presets_first_steps_within_the_budget
 
 def test_a_prefix_beside_decode_has_no_seconds_of_its_own_and_one_decode_reads_runs_alone():
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
-    own = compile_plan(parse_spec(text))
-    shared = compile_plan(parse_spec(text + "run: {rollout_prefill: actor_prefix}\n"))
+    own = compile_plan(parse_spec(text + "run: {rollout_prefill: rollout}\n"))
+    shared = compile_plan(parse_spec(text))  # auto: the actor's prefix, as the spec allows it
     given = {"actor_prefix": 0.5, "ref_prefix": 0.5}
     beside = {r.timer: r.predicted_s for r in timeplan.time_plan(own, given)}
     alone = {r.timer: r for r in timeplan.time_plan(shared, given)}
