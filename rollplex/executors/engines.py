@@ -29,7 +29,7 @@ from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel
 from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
-from rollplex.executors.policies import PrefixStreams, check_decode_kernels, make_prefix_streams, make_remote_rollout
+from rollplex.executors.policies import PrefixStreams, decode_kernels_for, make_prefix_streams, make_remote_rollout
 from rollplex.executors.ppo import PpoConfig
 from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
 from rollplex.graph.ir import Role, roles
@@ -127,7 +127,7 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
 
 
 def make_rollout(
-    actor: Qwen2_5_VL, kernels: str = "cublas", kv_bytes: int | None = None
+    actor: Qwen2_5_VL, kernels: str = "auto", kv_bytes: int | None = None
 ) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
     On a GPU the rollout KV lives in a VMM arena of the plan's `kv_bytes` whose region is released when a rollout
@@ -138,7 +138,7 @@ def make_rollout(
         from rollplex.rollout.engine import RolloutEngine
         from rollplex.rollout.weights import BY_NAME
 
-        check_decode_kernels(kernels, actor.device)
+        kernels = decode_kernels_for(kernels, actor.device)
         device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
         kv_bytes = kv_bytes or torch.cuda.get_device_properties(device).total_memory
         engine = RolloutEngine(actor, kv_arena=VmmArena(kv_bytes, device), kernels=BY_NAME[kernels])

@@ -98,7 +98,7 @@ def mps_session(plans: Sequence[Plan], cap_trainer: bool = True) -> Iterator[Non
 
 
 def make_remote_rollout(
-    actor: Qwen2_5_VL, percent: int | None, kernels: str = "cublas", kv_bytes: int | None = None
+    actor: Qwen2_5_VL, percent: int | None, kernels: str = "auto", kv_bytes: int | None = None
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The `mps` policy's rollout: a child process reading the actor's weights in place
     (`rollplex.rollout.remote`), with its own MPS active-thread percentage, decode `kernels`
@@ -115,15 +115,20 @@ def make_remote_rollout(
             )
             raise SpecError("sharing.policy", f"mps: this process is not an MPS client ({why})", "use green or streams")
         env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
-        check_decode_kernels(kernels, actor.device)
+        kernels = decode_kernels_for(kernels, actor.device)
     remote = RemoteRollout(actor, env=env, kernels=kernels, kv_bytes=kv_bytes)
     return remote, remote.stats
 
 
-def check_decode_kernels(kernels: str, device: torch.device) -> None:
-    """A SpecError where `run.decode_kernels` cannot run on this GPU (dependent launches need Hopper)."""
+def decode_kernels_for(kernels: str, device: torch.device) -> str:
+    """`run.decode_kernels` on this GPU: auto is rollplex_fused on Hopper or newer and cublas before it; a named
+    setting that cannot run here (dependent launches need Hopper) is a SpecError."""
     from rollplex.rollout.weights import BY_NAME
 
-    if BY_NAME[kernels].pdl and torch.cuda.get_device_capability(device)[0] < 9:
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    if kernels == "auto":
+        return "rollplex_fused" if hopper else "cublas"
+    if BY_NAME[kernels].pdl and not hopper:
         name = torch.cuda.get_device_name(device)
         raise SpecError("run.decode_kernels", f"{kernels} needs a Hopper or newer GPU, not {name}", "use rollplex")
+    return kernels

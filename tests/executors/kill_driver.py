@@ -89,9 +89,10 @@ def arm(point: str, step: int) -> None:
 
         if point == "rollout":
             runtime._decode = killing(runtime._decode)
-        elif key in runtime.PREFIX_JOBS:
+            return
+        if key in runtime.PREFIX_JOBS:  # beside decode
             runtime.PREFIX_JOBS[key] = job_then_die(runtime.PREFIX_JOBS[key])
-        else:
+        if key in runtime.HANDLERS:  # alone (the actor's before decode, under `rollout_prefill: auto`)
             runtime.HANDLERS[key] = killing(runtime.HANDLERS[key])
         return
     if point == "update":

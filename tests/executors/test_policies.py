@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.errors import SpecError
-from rollplex.executors.policies import mps_session
+from rollplex.executors.policies import decode_kernels_for, mps_session
 from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
 
@@ -100,3 +100,19 @@ def test_two_trainer_percentages_in_one_process_are_a_spec_error():
         mps_session([spec(), spec(percent="30")]),
     ):
         pass
+
+
+@pytest.mark.parametrize(("major", "name"), [(9, "NVIDIA H200"), (8, "NVIDIA A100-SXM4-80GB")])
+def test_auto_decode_kernels_are_the_fused_ones_on_hopper_and_cublas_before_it(monkeypatch, major, name):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    assert decode_kernels_for("auto", cuda) == ("rollplex_fused" if major >= 9 else "cublas")
+    assert decode_kernels_for("rollplex", cuda) == "rollplex"
+    if major >= 9:
+        assert decode_kernels_for("rollplex_pdl", cuda) == "rollplex_pdl"
+    else:
+        with pytest.raises(SpecError, match=f"rollplex_pdl needs a Hopper or newer GPU, not {name}"):
+            decode_kernels_for("rollplex_pdl", cuda)

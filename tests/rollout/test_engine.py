@@ -114,7 +114,7 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
 
     from rollplex.graph.spec import RunSpec
 
-    assert set(get_args(RunSpec.model_fields["decode_kernels"].annotation)) == set(BY_NAME)
+    assert set(get_args(RunSpec.model_fields["decode_kernels"].annotation)) == {"auto", *BY_NAME}
     assert BY_NAME["cublas"] == DecodeKernels() and BY_NAME["rollplex_pdl"].pdl and BY_NAME["rollplex"].triton_gemm
     assert BY_NAME["rollplex_fused"] == DecodeKernels(triton_gemm=True, pdl=True, fused=True)
     with pytest.raises(AssertionError, match="fused decode kernels run on our GEMMs"):
