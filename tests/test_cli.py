@@ -79,3 +79,17 @@ def test_the_dry_run_says_how_many_processes_to_launch_and_which_ranks_form_each
     out = capsys.readouterr().out
     assert "launch: torchrun --nproc-per-node 2 -m rollplex run" in out and "DP groups: [0,1]" in out
     assert "TP groups" not in out and "refuses" not in out
+
+
+def test_the_dry_run_says_where_the_rollouts_prefill_comes_from_and_why(capsys):
+    assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout: decodes from the actor prefix's boundary, no prefill (run.rollout_prefill auto); " in out
+    assert "decode kernels auto (rollplex_fused on Hopper or newer, else cublas)" in out
+    assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run", "--schedule", "serial"]) == 0
+    assert "rollout: decodes from the actor prefix's boundary" in capsys.readouterr().out
+    assert main(["compile", str(SPECS / "tiny_cpu_dp2.yaml"), "--dry-run"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollout: "))
+    assert line.startswith(
+        "rollout: the engine prefills (run.rollout_prefill auto: the actor prefix's would need one GPU"
+    )

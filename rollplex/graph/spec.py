@@ -386,9 +386,10 @@ class Spec(_Strict):
     @property
     def prefills_from_actor(self) -> bool:
         """Whether decode reads the actor prefix's boundary instead of prefilling (`run.rollout_prefill`)."""
-        return self.run.rollout_prefill != "rollout" and not self._actor_prefill_missing()
+        return self.run.rollout_prefill != "rollout" and not self.actor_prefill_missing()
 
-    def _actor_prefill_missing(self) -> list[str]:
+    def actor_prefill_missing(self) -> list[str]:
+        """What `run.rollout_prefill: actor_prefix` needs and this spec lacks (nothing: it can run)."""
         needs = {
             "one GPU (cluster.gpus_per_node 1, one node)": self.cluster.num_gpus == 1,
             "algorithm.minibatches_per_step 1": self.algorithm.minibatches_per_step == 1,
@@ -399,7 +400,7 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _rollout_prefill(self) -> Spec:
-        missing = self._actor_prefill_missing() if self.run.rollout_prefill == "actor_prefix" else []
+        missing = self.actor_prefill_missing() if self.run.rollout_prefill == "actor_prefix" else []
         if missing:
             raise ValueError(
                 f"run.rollout_prefill actor_prefix needs {missing[0]}; or set run.rollout_prefill auto or rollout"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollplex.graph.cost import KNOWN_PEAKS
-from rollplex.graph.ir import op, steps
+from rollplex.graph.ir import NodeKind, Part, op, ops, producer, steps
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
@@ -34,8 +34,24 @@ def header(plan: Plan) -> str:
         f"train TP {g.train_tp} (DP {g.train_dp}), rollout TP {g.rollout_tp} ({g.num_rollout_replicas} replicas), "
         f"schedule {plan.schedule.value}\n"
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
-        f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens"
+        f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
+        f"rollout: {rollout_line(plan)}"
     )
+
+
+def rollout_line(plan: Plan) -> str:
+    """Where the rollout's prefill comes from (`run.rollout_prefill`, as the graph reads it) and its decode kernels."""
+    run = plan.loaded.spec.run
+    decodes = [o for o in ops(plan.graph) if o.kind is NodeKind.DECODE]
+    read = {producer(plan.graph, t) for o in decodes for t in o.inputs}
+    from_actor = any(p is not None and p.part is Part.PREFIX for p in read)
+    prefill = "decodes from the actor prefix's boundary, no prefill" if from_actor else "the engine prefills"
+    missing = plan.loaded.spec.actor_prefill_missing()
+    why = f": the actor prefix's would need {missing[0]}" if missing and run.rollout_prefill == "auto" else ""
+    kernels = run.decode_kernels
+    if kernels == "auto":
+        kernels = "auto (rollplex_fused on Hopper or newer, else cublas)"
+    return f"{prefill} (run.rollout_prefill {run.rollout_prefill}{why}); decode kernels {kernels}"
 
 
 def launch_lines(plan: Plan) -> str:
