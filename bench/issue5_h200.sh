@@ -10,8 +10,9 @@
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
 #     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`; PPC=1
 #     puts one prompt in each chunk); tagged _ppcN
-#   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (rollplex, rollplex_pdl;
-#     both schedules decode with them); tagged _NAME
+#   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (cublas, rollplex,
+#     rollplex_pdl, rollplex_fused; both schedules decode with them); tagged _NAME. Without KERNELS and PREFILL a
+#     stage runs the spec's defaults (`auto`: on an H200, rollplex_fused decode from the actor prefix's boundary)
 #   PREFILL=actor|rollout bash bench/issue5_h200.sh STAGE: the same with run.rollout_prefill actor_prefix (the
 #     rollout decodes from the actor prefix's boundary instead of prefilling; that prefix runs before decode: what
 #     the 3B specs' `auto` picks) or rollout (the engine prefills); tagged _actorprefill / _rolloutprefill
@@ -75,12 +76,12 @@ case "$STAGE" in
       --tb=short -rfEs > "$OUT/gpu_tests.log" 2>&1
     status=$?; tail -8 "$OUT/gpu_tests.log"; exit $status ;;
   profile)
-    SCHEDULE=${2:-serial}  # KERNELS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
-    KERNELS=${3:-actor_backward}
+    SCHEDULE=${2:-serial}  # OPS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
+    OPS=${3:-actor_backward}
     GROUPING=${4:+--prompts-per-chunk $4}  # the prefixes' prompt grouping (default: the spec's)
-    LOG="$OUT/profile_3b_h200${TAG}_${SCHEDULE}${4:+_$4}_$KERNELS.log"
+    LOG="$OUT/profile_3b_h200${TAG}_${SCHEDULE}${4:+_$4}_$OPS.log"
     timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" \
-      --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$KERNELS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
+      --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$OPS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
     cat "$LOG" ;;
   bench3b)
     POLICY=${2:-green:66}; STEPS=${3:-3}; GROUPING=${4:-all}  # GROUPING: serial's prompts per prefix group (all: the fair one)

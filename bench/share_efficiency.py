@@ -299,7 +299,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=5888)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--decode-sms", nargs="+", type=int, help="decode on a disjoint green partition of D SMs, per D")
-    ap.add_argument("--decode-kernels", default="cublas", help="run.decode_kernels: cublas, rollplex, rollplex_pdl")
+    ap.add_argument(
+        "--decode-kernels",
+        default="cublas",
+        choices=["cublas", "rollplex", "rollplex_pdl", "rollplex_fused"],
+        help="a run.decode_kernels setting",
+    )
     ap.add_argument("--clocks", action="store_true", help="nvidia-smi's SM clock and power over each window")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -84,7 +84,7 @@ def test_issue5_stages_time_serial_and_rollplex_apart_and_never_against_a_stale_
     assert prefilled.name in serial and "_nocudnn_actorprefill_green66" in rollplex
     run = load_spec(prefilled).spec.run
     assert run.rollout_prefill == "actor_prefix" and run.cudnn_attention is False
-    serial, rollplex = stage("bench3b", prefill="rollout")  # the engine prefills, as before `auto`
+    serial, rollplex = stage("bench3b", prefill="rollout")  # the engine prefills
     assert "_nocudnn_rolloutprefill_green66" in rollplex
     assert (
         load_spec(tmp_path / "specs/.qwen2_5_vl_3b_h200_nocudnn_rolloutprefill.yaml").spec.run.rollout_prefill

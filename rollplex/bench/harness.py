@@ -52,6 +52,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
+from rollplex.executors.policies import decode_kernels_for
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.cost import timer_of
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Schedule
@@ -173,6 +174,7 @@ def compare(
     grad_diff = relative_difference(serial.first_grads, rollplex.first_grads)
     floor = relative_difference(serial.first_grads, floor_grads) if floor_grads is not None else None
     decode = med(rollplex.decode_s) / med(serial.decode_s) if serial.decode_s and rollplex.decode_s else None
+    on_gpu = spec.run.device != "cpu" and torch.cuda.is_available()
     return {
         "gpu": gpu_name(),
         "model": spec.model.name,
@@ -180,6 +182,8 @@ def compare(
         "memory": spec.memory.model_dump(),  # the settings a result depends on, beside the command
         "sharing": spec.sharing.model_dump(),
         "run": spec.run.model_dump(),
+        "prefills_from_actor": spec.prefills_from_actor,  # run.rollout_prefill as it resolved
+        "decode_kernels": decode_kernels_for(spec.run.decode_kernels, torch.device("cuda")) if on_gpu else "plain loop",
         "policy": policy_label(spec) if torch.cuda.is_available() else "inline",
         "command": command,
         "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},
@@ -200,7 +204,8 @@ def compare(
         "T_D_s": round(t_d, 4),
         "T_P_s": round(t_p, 4),
         "T_post_s": round(t_post, 4),
-        # rollplex's own post-rollout seconds: were they T_post_s, the measured speedup could not pass the ideal
+        # rollplex's own seconds outside the rollout (a prefix decode reads included, which runs alone before it):
+        # were they T_post_s, the measured speedup could not pass the ideal
         "T_post_rollplex_s": round(t_post_rollplex, 4),
         "step_balance_s": {  # rollplex's step minus serial's, in three parts
             "prefixes_hidden": round(-t_p, 4),

@@ -67,8 +67,8 @@ class RolloutEngine:
         time_steps: bool = False,
         kernels: DecodeKernels = CUBLAS,
     ) -> None:
-        """kernels: the decode step's (`weights.DecodeKernels`; cuBLAS, launched plainly, until the others are
-        measured faster)."""
+        """kernels: the decode step's (`weights.DecodeKernels`; default cuBLAS, launched plainly; the spec's
+        `run.decode_kernels` picks the others)."""
         hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
         if kernels.pdl and not hopper:
             raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")

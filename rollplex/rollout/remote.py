@@ -354,6 +354,7 @@ def _engine(
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The child's rollout and its stats, as `rollplex.executors.engines.make_rollout` builds them."""
     if model.device.type == "cuda":
+        from rollplex.executors.policies import decode_kernels_for
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
         from rollplex.rollout.weights import BY_NAME
@@ -361,6 +362,7 @@ def _engine(
         # the KV maps per rollout; steps timed for the decode slowdown the trainer's chunks cause
         device = torch.cuda.current_device()
         arena = VmmArena(kv_bytes or torch.cuda.get_device_properties(device).total_memory, device)
-        engine = RolloutEngine(model, kv_arena=arena, time_steps=True, kernels=BY_NAME[kernels])
+        resolved = decode_kernels_for(kernels, model.device)  # `auto` too
+        engine = RolloutEngine(model, kv_arena=arena, time_steps=True, kernels=BY_NAME[resolved])
         return engine.generate, lambda: engine.stats
     return partial(generate, model), lambda: None

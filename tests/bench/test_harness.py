@@ -84,6 +84,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
     out = tmp / "tiny.json"
     result = json.loads(out.read_text())
     assert set(result) >= KEYS and set(result["step_s"]) == {"serial", "rollplex"}
+    assert result["run"]["rollout_prefill"] == "auto" and result["prefills_from_actor"] is True  # as it resolved
+    assert result["decode_kernels"] == "plain loop"  # the CPU decodes without the engine's kernels
     assert result["updates_match"] and result["max_param_relative_difference"] == 0.0
     assert result["first_step_rollouts_match"] and result["first_step_grad_relative_difference"] == 0.0
     assert result["commit"] == source_commit() and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", result["commit"])

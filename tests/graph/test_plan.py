@@ -271,3 +271,39 @@ workload: {prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tok
     alone = compile_plan(parse_spec(text.replace("gpus_per_node: 4", "gpus_per_node: 1")))
     texts = [p.lever.text for p in price_levers(alone.loaded, alone.schedule, alone.residency.peak_bytes)]
     assert texts and not any("train_tp" in t or "distributed_optimizer" in t for t in texts)  # one GPU: none
+
+
+TINY = """\
+model: tiny
+cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}
+workload: {prompts_per_step: 2, group_size: 4, prompt_tokens: 96, response_tokens: 16, visual_tokens: 8}
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "missing"),
+    [
+        ("", None),
+        ("cluster: {nodes: 1, gpus_per_node: 2, hbm_gib: 16, host_gib: 8}\n", "one GPU"),
+        ("algorithm: {minibatches_per_step: 2}\n", "algorithm.minibatches_per_step 1"),
+        ("memory: {weight_sharing: false}\n", "memory.weight_sharing true"),
+        ("sharing: {policy: mps}\n", "a sharing.policy other than mps"),
+    ],
+)
+def test_auto_prefill_takes_the_actor_prefix_where_the_spec_allows_it_and_the_engines_elsewhere(extra, missing):
+    from rollplex.graph.ir import op
+    from rollplex.graph.pipeline import compile_graph
+
+    text = (
+        TINY.replace("cluster: {nodes: 1, gpus_per_node: 1, hbm_gib: 16, host_gib: 8}\n", "")
+        if "cluster" in extra
+        else TINY
+    )
+    spec = parse_spec(text + extra).spec
+    assert spec.run.rollout_prefill == "auto"
+    assert spec.prefills_from_actor is (missing is None)
+    assert [m.startswith(missing) for m in spec.actor_prefill_missing()[:1]] == ([] if missing is None else [True])
+    rollout = op(compile_graph(spec, schedule=Schedule.SERIAL), "rollout")
+    assert ("actor_score.boundary" in rollout.inputs) is (missing is None)
+    explicit = parse_spec(text + extra + "run: {rollout_prefill: rollout}\n").spec
+    assert not explicit.prefills_from_actor  # rollout: the engine prefills whatever the spec allows
