@@ -90,6 +90,4 @@ def test_the_dry_run_says_where_the_rollouts_prefill_comes_from_and_why(capsys):
     assert "rollout: decodes from the actor prefix's boundary" in capsys.readouterr().out
     assert main(["compile", str(SPECS / "tiny_cpu_dp2.yaml"), "--dry-run"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollout: "))
-    assert line.startswith(
-        "rollout: the engine prefills (run.rollout_prefill auto: the actor prefix's would need one GPU"
-    )
+    assert line.startswith("rollout: the engine prefills (run.rollout_prefill auto: actor_prefix needs one GPU")

@@ -47,7 +47,7 @@ def rollout_line(plan: Plan) -> str:
     from_actor = any(p is not None and p.part is Part.PREFIX for p in read)
     prefill = "decodes from the actor prefix's boundary, no prefill" if from_actor else "the engine prefills"
     missing = plan.loaded.spec.actor_prefill_missing()
-    why = f": the actor prefix's would need {missing[0]}" if missing and run.rollout_prefill == "auto" else ""
+    why = f": actor_prefix needs {missing[0]}" if missing and run.rollout_prefill == "auto" else ""
     kernels = run.decode_kernels
     if kernels == "auto":
         kernels = "auto (rollplex_fused on Hopper or newer, else cublas)"
