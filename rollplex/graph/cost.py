@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, ops
+from rollplex.graph.ir import NodeKind, Op, Part, Role, ops, prefilled_decodes
 from rollplex.graph.objects import Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
@@ -100,11 +100,11 @@ def phase_costs(
     """{timer: the parts of its ops, in order} of one step."""
     split = any(o.part is Part.SUFFIX for o in ops_)
     embedder = vision_embedder(ops_)
-    boundaries = {t for o in ops_ if o.part is Part.PREFIX for t in o.outputs}
+    prefilled = prefilled_decodes(ops_)
     out: dict[str, tuple[Cost, ...]] = {}
     for o in ops_:
-        key, prefilled = timer_of(o), any(t in boundaries for t in o.inputs)
-        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, o is embedder, prefilled)
+        key = timer_of(o)
+        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, o is embedder, o.id in prefilled)
     return out
 
 

@@ -15,7 +15,7 @@ edges (producer -> consumer) carry `g.edges[u, v]["tensors"]`. Read them through
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -164,6 +164,13 @@ def producer(g: nx.DiGraph, tensor: str) -> Op | None:
 
 def steps(g: nx.DiGraph) -> tuple[Step, ...]:
     return g.graph.get("steps", ())
+
+
+def prefilled_decodes(ops_: Iterable[Op]) -> set[str]:
+    """The decode ops that read a prefix's boundary (`prefill_from_actor`): their rollout prefills nothing."""
+    ops_ = list(ops_)
+    boundaries = {t for o in ops_ if o.part is Part.PREFIX for t in o.outputs}
+    return {o.id for o in ops_ if o.kind is NodeKind.DECODE and any(t in boundaries for t in o.inputs)}
 
 
 def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:

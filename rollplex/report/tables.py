@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollplex.graph.cost import KNOWN_PEAKS
-from rollplex.graph.ir import NodeKind, Part, op, ops, producer, steps
+from rollplex.graph.ir import op, ops, prefilled_decodes, steps
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
@@ -42,9 +42,7 @@ def header(plan: Plan) -> str:
 def rollout_line(plan: Plan) -> str:
     """Where the rollout's prefill comes from (`run.rollout_prefill`, as the graph reads it) and its decode kernels."""
     run = plan.loaded.spec.run
-    decodes = [o for o in ops(plan.graph) if o.kind is NodeKind.DECODE]
-    read = {producer(plan.graph, t) for o in decodes for t in o.inputs}
-    from_actor = any(p is not None and p.part is Part.PREFIX for p in read)
+    from_actor = bool(prefilled_decodes(ops(plan.graph)))
     prefill = "decodes from the actor prefix's boundary, no prefill" if from_actor else "the engine prefills"
     missing = plan.loaded.spec.actor_prefill_missing()
     why = f": actor_prefix needs {missing[0]}" if missing and run.rollout_prefill == "auto" else ""
