@@ -77,9 +77,9 @@ case "$STAGE" in
     status=$?; tail -8 "$OUT/gpu_tests.log"; exit $status ;;
   profile)
     SCHEDULE=${2:-serial}  # OPS: the ops whose kernels are listed (an op id substring: prefix, actor_backward)
-    OPS=${3:-actor_backward}
+    OPS=${3:-actor_backward}  # comma-separated: a kernel table each (prefix,suffix,backward)
     GROUPING=${4:+--prompts-per-chunk $4}  # the prefixes' prompt grouping (default: the spec's)
-    LOG="$OUT/profile_3b_h200${TAG}_${SCHEDULE}${4:+_$4}_$OPS.log"
+    LOG="$OUT/profile_3b_h200${TAG}_${SCHEDULE}${4:+_$4}_${OPS//,/_}.log"
     timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" \
       --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$OPS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
     cat "$LOG" ;;

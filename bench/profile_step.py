@@ -13,6 +13,7 @@ with a device synchronisation around each chunk, so Phase 1 does not overlap as 
 Phase 2 and 3 ops are measured as usual.
 
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix   # both prefixes' kernels
+    python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix,suffix,backward  # a table each
 
 With `--memory-history PATH` the allocator's history is recorded over the measured step's Phase 2 (the phase
 whose driver-side peak sits above the plan) and its summary written as JSON (`bench/memory_history.py`): where
@@ -56,7 +57,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=25, help="kernels listed (0: no profiled step)")
     ap.add_argument("--schedule", default="serial", choices=[s.value for s in Schedule])
-    ap.add_argument("--kernels", default="actor_backward", help="profile the ops whose id contains this")
+    ap.add_argument(
+        "--kernels",
+        default="actor_backward",
+        help="profile the ops whose id contains this (comma-separated: a table each)",
+    )
     ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
     ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
     args = ap.parse_args()
@@ -209,44 +214,80 @@ def _time_parts(parts: list, mark) -> None:
     Qwen2_5_VL.suffix_rows = _timed("model.suffix_rows (a length batch)", Qwen2_5_VL.suffix_rows, parts, mark)
 
 
+KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins; names lower-cased
+    ("attention", ("flash", "fmha", "cudnn", "attention", "flex")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
+    ("fused (triton)", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+    ("elementwise (torch)", ("elementwise", "vectorized", "reduce_kernel")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class a kernel's name puts it in (`KERNEL_CLASSES`), else "other"."""
+    lower = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
+
+
 def _profile_group(engines, g, dataset, size, args) -> None:
-    """Kernels of one more step's ops whose id contains `--kernels`, by GPU time (CUDA activity only: a whole
-    step's host events take minutes to collect). Under rollplex a prefix op runs beside decode (its chunks are
+    """Kernels of one more step's ops whose id contains one of `--kernels` (comma-separated), by GPU time (CUDA
+    activity only: a whole step's host events take minutes to collect), one table per filter, each with its
+    kernels' GPU time by class (`kernel_class`). Under rollplex a prefix op runs beside decode (its chunks are
     not ops of their own): profile it under serial."""
     activity = ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU
     key = "device_time_total" if CUDA else "cpu_time_total"
+    filters = [f for f in args.kernels.split(",") if f]
     running: list = []  # (profiler, start) of the op being profiled
-    wall, kernels = [0.0], {}  # kernel name -> [seconds, calls], over every profiled op
+    wall = dict.fromkeys(filters, 0.0)
+    kernels = {f: {} for f in filters}  # filter -> kernel name -> [seconds, calls]
+    picked = {f: [] for f in filters}
+
+    def matching(o: Op) -> str | None:
+        return next((f for f in filters if f in o.id), None)
 
     def before(o: Op) -> None:
-        if args.kernels in o.id:
+        if matching(o) is not None:
             _sync()
             running.append((profile(activities=[activity]), time.perf_counter()))
             running[-1][0].__enter__()
 
     def after(o: Op) -> None:
-        if args.kernels in o.id:
-            _sync()
-            prof, t0 = running.pop()
-            wall[0] += time.perf_counter() - t0
-            prof.__exit__(None, None, None)
-            picked.append(o.id)
-            for e in prof.key_averages():
-                seconds_calls = kernels.setdefault(e.key, [0.0, 0])
-                seconds_calls[0] += getattr(e, key) / 1e6
-                seconds_calls[1] += e.count
+        f = matching(o)
+        if f is None:
+            return
+        _sync()
+        prof, t0 = running.pop()
+        wall[f] += time.perf_counter() - t0
+        prof.__exit__(None, None, None)
+        picked[f].append(o.id)
+        for e in prof.key_averages():
+            seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
+            seconds_calls[0] += getattr(e, key) / 1e6
+            seconds_calls[1] += e.count
 
-    picked: list[str] = []
     run_iteration(g, engines, batch_at(dataset, (args.warmup + 1) * size, size), before_op=before, after_op=after)
+    for f in filters:
+        _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
+
+
+def _print_kernels(name: str, picked: list[str], wall: float, kernels: dict, top: int) -> None:
     if not picked:
-        print(f"\nno op id contains {args.kernels!r}: nothing profiled")
+        print(f"\nno op id contains {name!r}: nothing profiled")
         return
     events = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     total = sum(seconds for seconds, _ in kernels.values())
-    print(f"\n{', '.join(picked)}: {wall[0]:.2f} s wall (profiled), kernels {total:.2f} s in all")
+    print(f"\n{', '.join(picked)}: {wall:.2f} s wall (profiled), kernels {total:.2f} s in all")
+    by_class: dict[str, list] = {}
+    for kernel, (seconds, calls) in kernels.items():
+        entry = by_class.setdefault(kernel_class(kernel), [0.0, 0])
+        entry[0], entry[1] = entry[0] + seconds, entry[1] + calls
+    print(
+        "by class: "
+        + ", ".join(f"{c} {s:.3f} s ({n})" for c, (s, n) in sorted(by_class.items(), key=lambda kv: -kv[1][0]))
+    )
     print(f"{'GPU s':>7} {'calls':>7}  kernel")
-    for name, (seconds, calls) in events[: args.top]:
-        print(f"{seconds:>7.3f} {calls:>7}  {name[:110]}")
+    for kernel, (seconds, calls) in events[:top]:
+        print(f"{seconds:>7.3f} {calls:>7}  {kernel[:110]}")
 
 
 if __name__ == "__main__":

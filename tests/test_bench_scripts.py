@@ -21,13 +21,31 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("schedule, grouping", [("serial", ["--prompts-per-chunk", "all"]), ("rollplex", [])])
 def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
-               "--schedule", schedule, "--kernels", "ref_score.suffix", "--top", "3", *grouping]  # fmt: skip
+               "--schedule", schedule, "--kernels", "ref_score.suffix,actor_backward,nothing", "--top", "3",
+               *grouping]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     timed = {line.split()[0] for line in out.stdout.splitlines() if line[:1].isalpha() and len(line.split()) == 5}
     # under rollplex the prefixes run beside decode: their befores all come before their afters
     assert {"rollout", "ref_score.prefix", "actor_score.prefix", "ref_score.suffix", "actor_backward"} <= timed
-    assert "ref_score.suffix: " in out.stdout and "kernels" in out.stdout
+    assert "ref_score.suffix: " in out.stdout and "actor_backward: " in out.stdout  # a table per filter
+    assert out.stdout.count("by class: ") == 2 and "no op id contains 'nothing'" in out.stdout
+
+
+def test_kernel_classes_sort_a_profiles_kernel_names():
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench/profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.kernel_class("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNN") == "matmul"
+    assert module.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert module.kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert module.kernel_class("triton_tem_fused_flex_attention_0") == "attention"
+    assert module.kernel_class("triton_poi_fused_add_mul_rsqrt_0") == "fused (triton)"
+    assert module.kernel_class("Memcpy DtoD (Device -> Device)") == "copy"
+    assert module.kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor>") == (
+        "elementwise (torch)"
+    )
+    assert module.kernel_class("ncclKernel_AllReduce") == "other"
 
 
 def issue5_script_tree(tmp_path: Path) -> Path:
