@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -253,3 +254,14 @@ def test_the_memory_history_tells_fragmentation_from_live_growth_and_names_the_m
     assert first["at"] == "suffix" and first["allocated_gib"] == 1
     assert second["free_elsewhere_gib"] == 4 and second["free_on_stream_gib"] == 0
     assert third["free_on_stream_gib"] == 4 and third["at"] == "backward"
+
+
+def test_prefix_packing_times_both_layouts_on_the_tiny_spec(tmp_path):
+    out = tmp_path / "packing.json"
+    command = [sys.executable, str(ROOT / "bench/prefix_packing.py"), str(ROOT / "specs/tiny_cpu.yaml"),
+               "--steps", "1", "--iters", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (step,) = json.loads(out.read_text())["steps"]
+    assert step["padded_tokens"] > step["prompt_tokens"]  # the tiny spec's prompts differ in length
+    assert set(step["padded"]) == set(step["packed"]) == {"reference_s", "actor_forward_s", "actor_backward_s"}

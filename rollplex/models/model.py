@@ -40,6 +40,7 @@ from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packed import ResponsePack
 from rollplex.models.packing import pack
 from rollplex.models.positions import num_visual_tokens
+from rollplex.models.prompt_rows import PackedPromptKV, PromptRows
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, join_first, token_scores
@@ -308,9 +309,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _layer_kv(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's)."""
-    attention = LayerKV()
+def _layer_kv(
+    layer: nn.Module, shape: tuple[int, int] | None, x: Tensor, cos: Tensor, sin: Tensor, *real: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
+    `shape` (P, L) x holds the packed real rows `real` of P prompts padded to L (`PromptRows`)."""
+    attention = LayerKV() if shape is None else PackedPromptKV(PromptRows(real[0], real[1], *shape))
     return layer(x, cos, sin, attention), attention.key, attention.value
 
 
@@ -331,16 +335,22 @@ class _GroupPrefix:
         mode is entered around each chunk only."""
         self.num_prompts = len(prompts)
         chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun, self.vision)
-        self.packed, x, self.cos, self.sin = yield from each_inside(self.mode, chunks)
-        self.length = x.shape[1]
+        self.packed, x, cos, sin = yield from each_inside(self.mode, chunks)
+        self.rows = PromptRows.of(self.packed.lens, x.device)  # None: no padding to drop
         with self.mode():
+            if self.rows is not None:  # the layers see the real tokens only, end to end
+                x = self.rows.pack(x)
+                cos, sin = (t[:, 0].flatten(0, 1).index_select(0, self.rows.real)[None, None] for t in (cos, sin))
+            self.length, self.cos, self.sin = x.shape[1], cos, sin
             self.x = self.model.model.language_model.region.enter(x)  # the rows the layers see
 
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
+            rows = self.rows
+            shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length), (rows.real, rows.last))
             for layer in layers:
-                unit = partial(_layer_kv, layer)
-                self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin)
+                unit = partial(_layer_kv, layer, shape)
+                self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin, *real)
                 self.keys.append(key)
                 self.values.append(value)
 
@@ -350,7 +360,10 @@ class _GroupPrefix:
             lm = self.model.model.language_model
             hidden = lm.region.leave(lm.norm(self.x), self.length)
             lens = to_device(self.packed.lens, device)
-            last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
+            if self.rows is None:
+                last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
+            else:
+                last = hidden[0].index_select(0, self.rows.last)
             head = self.model.lm_head(last).float()  # [P, V]; a value model's (`values.py`) [P, 1]
             first_logprobs = head if head.shape[-1] == 1 else torch.log_softmax(head, dim=-1)
         return Boundary(

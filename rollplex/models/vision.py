@@ -21,6 +21,7 @@ from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
 from rollplex.models.inputs import Visual, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
+from rollplex.models.prompt_rows import Rows
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import rotated_packed_qk, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_groups
@@ -91,33 +92,13 @@ def segment_layout(segment_ids: Tensor, device: torch.device) -> tuple[Tensor, .
 def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSegments) -> Tensor:
     """`segment_attention` in one masked call. Equal to the per-length calls but for rounding: masked keys get
     zero weight and dropped queries zero gradient, so the padding adds exact zeros, and each patch's gradient is
-    the one of its real entry (`_Rows`: gathers both ways, no atomic adds)."""
+    the one of its real entry (`Rows`: gathers both ways, no atomic adds)."""
     rows, width = packed.index.shape
     index = packed.index.flatten()
-    q_s, k_s, v_s = (_Rows.apply(x, index, packed.entry).view(rows, width, *x.shape[1:]).transpose(1, 2)
+    q_s, k_s, v_s = (Rows.apply(x, index, packed.entry).view(rows, width, *x.shape[1:]).transpose(1, 2)
                      for x in (q, k, v))  # fmt: skip
     o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=packed.sees)  # [rows, heads, width, D]
-    return _Rows.apply(o.transpose(1, 2).reshape(rows * width, *q.shape[1:]), packed.entry, None)
-
-
-class _Rows(torch.autograd.Function):
-    """`x.index_select(0, index)` whose backward is a gather or a plain scatter, never an atomic add (bf16
-    atomics made the vision tower's backward a large share of the step). `back` [len(x)]: the output row whose
-    gradient each row of x takes, every other output row that reads it having a zero gradient (the padding of
-    `PackedSegments`); None: `index` names each row of x at most once, and a row it leaves out gets zero."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, back: Tensor | None) -> Tensor:
-        ctx.save_for_backward(index, back)
-        ctx.num_rows = x.shape[0]
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        index, back = ctx.saved_tensors
-        if back is not None:
-            return grad.index_select(0, back), None, None
-        return grad.new_zeros(ctx.num_rows, *grad.shape[1:]).index_copy_(0, index, grad), None, None
+    return Rows.apply(o.transpose(1, 2).reshape(rows * width, *q.shape[1:]), packed.entry, None)
 
 
 class PatchEmbed(nn.Module):

@@ -1,0 +1,95 @@
+"""`PromptRows`: the prefix's decoder layers over the real tokens only, the same boundary and gradients as over
+the padded batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models import model as model_module
+from rollplex.models.prompt_rows import PackedPromptKV, PromptRows
+
+
+def test_rows_name_each_prompts_real_tokens_and_its_last():
+    rows = PromptRows.of(torch.tensor([3, 1, 2]), torch.device("cpu"))
+    assert rows.real.tolist() == [0, 1, 2, 3, 6, 7] and rows.last.tolist() == [2, 3, 5]
+    assert (rows.num_prompts, rows.length) == (3, 3)
+    assert PromptRows.of(torch.tensor([4, 4]), torch.device("cpu")) is None  # nothing padded: nothing to pack
+
+
+def test_pack_and_unpack_move_rows_both_ways_with_zero_padding_and_gathered_gradients():
+    rows = PromptRows.of(torch.tensor([3, 1, 2]), torch.device("cpu"))
+    x = torch.randn(3, 3, 4, requires_grad=True)
+    packed = rows.pack(x)
+    assert packed.shape == (1, 6, 4)
+    assert torch.equal(packed[0], torch.cat([x[0, :3], x[1, :1], x[2, :2]]))
+    weights = torch.randn(1, 6, 4)
+    (packed * weights).sum().backward()
+    expected = torch.zeros(3, 3, 4)
+    expected[0, :3], expected[1, :1], expected[2, :2] = weights[0, :3], weights[0, 3:4], weights[0, 4:]
+    assert torch.equal(x.grad, expected)  # padding rows get zero
+
+    source = torch.randn(6, 2, requires_grad=True)
+    padded = rows.unpack(source)
+    assert torch.equal(padded[1, 1:], torch.zeros(2, 2)) and torch.equal(padded[2, :2], source[4:].detach())
+    padded.sum().backward()
+    assert torch.equal(source.grad, torch.ones(6, 2))
+
+
+def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_kv():
+    torch.manual_seed(0)
+    lens = torch.tensor([5, 2, 4])
+    rows = PromptRows.of(lens, torch.device("cpu"))
+    q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
+    attention = PackedPromptKV(rows)
+    out = attention(0, q, k, v)
+    assert out.shape == q.shape and attention.key.shape == (3, 2, 5, 8)
+    start = 0
+    for p, n in enumerate(lens.tolist()):
+        span = slice(start, start + n)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, span], k[:, :, span], v[:, :, span], is_causal=True, enable_gqa=True
+        )
+        torch.testing.assert_close(out[:, :, span], expected)
+        assert torch.equal(attention.key[p, :, :n], k[0, :, span]) and not attention.value[p, :, n:].any()
+        start += n
+
+
+@pytest.fixture
+def unpacked(monkeypatch):
+    """The prefix as before packing: its layers over the padded batch."""
+
+    def padded():
+        monkeypatch.setattr(model_module.PromptRows, "of", staticmethod(lambda lens, device: None))
+
+    return padded
+
+
+@pytest.mark.parametrize("layers_per_chunk", [1, 100])
+def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompts, unpacked, layers_per_chunk):
+    assert len({p.num_tokens for p in prompts}) > 1  # padding to drop
+    seen = []
+    hook = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+
+    def run():
+        boundary = model_module.drain(model.prefix_chunks(prompts, attached=True, layers_per_chunk=layers_per_chunk))
+        real = boundary.key_mask()[:, None, :, None]  # what reaches a loss (the padded KV's padding does not)
+        loss = sum((t * real).float().square().mean() for t in boundary.keys + boundary.values)
+        loss = loss + boundary.first_logprobs.sum()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+        return boundary, grads
+
+    packed, packed_grads = run()
+    unpacked()
+    padded, padded_grads = run()
+    hook.remove()
+    total, longest = sum(p.num_tokens for p in prompts), max(p.num_tokens for p in prompts)
+    assert seen[0][:2] == (1, total) and seen[1][:2] == (len(prompts), longest)
+    torch.testing.assert_close(packed.first_logprobs, padded.first_logprobs, atol=1e-5, rtol=1e-5)
+    real = padded.key_mask()[:, None, :, None]
+    for a, b in zip(packed.keys + packed.values, padded.keys + padded.values, strict=True):
+        torch.testing.assert_close(a, b * real, atol=1e-5, rtol=1e-5)  # zeros past each prompt's length
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
