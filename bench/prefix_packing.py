@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
+from rollplex.bench.provenance import source_commit
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import make_tokenizer
 from rollplex.graph.load import load_spec
@@ -97,7 +99,9 @@ def main() -> None:
     if args.out:
         gpu = torch.cuda.get_device_name() if CUDA else "cpu"
         with open(args.out, "w") as f:
-            json.dump({"gpu": gpu, "spec": args.spec, "iters": args.iters, "steps": rows}, f, indent=1)
+            command = "python bench/prefix_packing.py " + " ".join(sys.argv[1:])
+            result = {"gpu": gpu, "commit": source_commit(), "command": command, "iters": args.iters, "steps": rows}
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
