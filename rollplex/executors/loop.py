@@ -1,5 +1,6 @@
 """`rollplex run`: the training loop. Builds the engines of a compiled plan, then per step takes a batch at
-the data position, walks the plan's steps, logs metrics, and checkpoints.
+the data position (made on a worker thread during the step before, `rollplex.data.prefetch`), walks the plan's
+steps, logs metrics, and checkpoints.
 
 Stopping: Ctrl-C or an error before a step's update loses that step only (the last completed step is
 saved on the way out); Ctrl-C during the update waits until the step is complete; weights of half an
@@ -14,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollplex.data.source import batch_at, open_dataset
+from rollplex.data.prefetch import Prefetch
+from rollplex.data.source import open_dataset
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import step_bounds
@@ -104,9 +106,10 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
     updating, peak_allocated = False, 0
+    prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda")  # made while the step before trains
     try:
         for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
-            examples = batch_at(dataset, position, size)
+            examples = prefetch.take(position, position + size if step < opts.steps else None)
             check_budget(loaded, examples)
             if engines.dp is not None:  # this data-parallel rank's share of the step's prompt groups
                 examples = [examples[i] for i in engines.dp.share(len(examples))]
@@ -127,6 +130,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 record = _over_ranks(record, engines.dp)
             records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin))
             records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
+            records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
             if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
@@ -139,6 +143,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 checkpointing.save(opts.out_dir, saved, engines)
             gate.release()
     finally:
+        prefetch.close()
         if log is not None:
             log.close()
         if (

@@ -356,7 +356,8 @@ def rollout_kv_bytes(c: Context) -> int:
 
 
 def _data(c: Context) -> Iterator[MemObject]:
-    """Tensors the graph passes between nodes; the dataset's prompts wait in host memory."""
+    """Tensors the graph passes between nodes; the dataset's prompts wait in host memory, the step's and the next
+    step's (`rollplex.data.prefetch` makes them during the step before)."""
     g, life = c.gpu, lifetimes(c.g)
     for name, info in tensors(c.g).items():
         prod = next((o for o in ops(c.g) if name in o.outputs), None)
@@ -365,7 +366,7 @@ def _data(c: Context) -> Iterator[MemObject]:
         if name == DATASET:
             v = c.model.vision
             pixels = g.patches_per_prompt * v.in_channels * v.temporal_patch_size * v.patch_size**2 * S.FP32
-            b = g.prompts_per_rank * (pixels + g.prompt_tokens * 8)
+            b = 2 * g.prompts_per_rank * (pixels + g.prompt_tokens * 8)
             yield MemObject("data", Component.DATA, info.cls, b, frozenset(), Residency.HOST, host_bytes=b, name=name)
             continue
         per_seq = S.FP32 if prod.kind is NodeKind.REWARD else g.response_tokens * S.FP32

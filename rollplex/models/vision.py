@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from rollplex.models.attention import attention_length, plans_per_shape
 from rollplex.models.chunks import drain
 from rollplex.models.config import VisionConfig
-from rollplex.models.inputs import Visual, to_device
+from rollplex.models.inputs import Visual, pixels_of, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.prompt_rows import Rows
 from rollplex.models.rerun import Rerun, run_unit
@@ -262,7 +262,7 @@ class VisionEncoder(nn.Module):
         cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
         frames = segment_layout(layout.frames, device)
         windows = segment_layout(layout.windows, device)
-        x = self.patch_embed(to_device(torch.cat([visual.pixel_values for visual in visuals]), device))
+        x = self.patch_embed(to_device(pixels_of(visuals), device))
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:
                 yield
