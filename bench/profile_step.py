@@ -32,7 +32,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rollplex.bench.variants import with_prompts_per_chunk
-from rollplex.data.source import batch_at, open_dataset
+from rollplex.data.prefetch import staged_batch
+from rollplex.data.source import open_dataset
 from rollplex.executors import runtime, scoring
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
@@ -75,7 +76,7 @@ def main() -> None:
     size = spec.workload.prompts_per_step
     for i in range(args.warmup):
         begin = time.perf_counter()
-        run_iteration(g, engines, batch_at(dataset, i * size, size))
+        run_iteration(g, engines, staged_batch(dataset, i * size, size, CUDA))
         _sync()
         print(f"warm-up step {i + 1}: {time.perf_counter() - begin:.2f} s", flush=True)
 
@@ -95,7 +96,7 @@ def main() -> None:
         _sync()
         rows.append([o.id, time.perf_counter() - started.pop(o.id), *_gib()])
 
-    examples = batch_at(dataset, args.warmup * size, size)
+    examples = staged_batch(dataset, args.warmup * size, size, CUDA)
     begin = time.perf_counter()
     run_iteration(g, engines, examples, before_op=before, after_op=after)
     _sync()
@@ -265,7 +266,8 @@ def _profile_group(engines, g, dataset, size, args) -> None:
             seconds_calls[0] += getattr(e, key) / 1e6
             seconds_calls[1] += e.count
 
-    run_iteration(g, engines, batch_at(dataset, (args.warmup + 1) * size, size), before_op=before, after_op=after)
+    batch = staged_batch(dataset, (args.warmup + 1) * size, size, CUDA)
+    run_iteration(g, engines, batch, before_op=before, after_op=after)
     for f in filters:
         _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
 

@@ -48,7 +48,8 @@ from rollplex.bench.agreement import (
 )
 from rollplex.bench.stalls import StepStalls
 from rollplex.bench.variants import policy_label
-from rollplex.data.source import batch_at, open_dataset
+from rollplex.data.prefetch import staged_batch
+from rollplex.data.source import open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
@@ -101,7 +102,8 @@ def run_schedule(
     batches = {} if batches is None else batches
     for i in range(warmup + steps):
         if i not in batches:
-            batches[i] = batch_at(dataset, i * spec.workload.prompts_per_step, spec.workload.prompts_per_step)
+            size = spec.workload.prompts_per_step  # staged as `rollplex run` stages them
+            batches[i] = staged_batch(dataset, i * size, size, pin=device.type == "cuda")
         examples = batches[i]
         clock = _OpClock(device)
         _sync(device)
