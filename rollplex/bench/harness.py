@@ -48,8 +48,8 @@ from rollplex.bench.agreement import (
 )
 from rollplex.bench.stalls import StepStalls
 from rollplex.bench.variants import policy_label
-from rollplex.data.prefetch import staged_batch
-from rollplex.data.source import open_dataset
+from rollplex.data.prefetch import staged
+from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
@@ -102,9 +102,9 @@ def run_schedule(
     batches = {} if batches is None else batches
     for i in range(warmup + steps):
         if i not in batches:
-            size = spec.workload.prompts_per_step  # staged as `rollplex run` stages them
-            batches[i] = staged_batch(dataset, i * size, size, pin=device.type == "cuda")
-        examples = batches[i]
+            size = spec.workload.prompts_per_step
+            batches[i] = batch_at(dataset, i * size, size)
+        examples = staged(batches[i], pin=device.type == "cuda")  # as `rollplex run` stages them, per schedule
         clock = _OpClock(device)
         _sync(device)
         begin = time.perf_counter()
@@ -146,6 +146,7 @@ def run_schedule(
         ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
         out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
     out.params = {n: p.detach().to("cpu", copy=True) for n, p in engines.actor.named_parameters()}
+    examples = []  # their pinned patches recorded the engines' streams
     engines.prefix_streams.free_allocator_events()  # while the engines' green contexts live
     return out
 

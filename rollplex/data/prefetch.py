@@ -12,6 +12,7 @@ their own); a failure to make a batch is raised where that batch is taken.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -20,19 +21,31 @@ from rollplex.data.types import Example
 from rollplex.models.inputs import back_to_back
 
 
-def staged_batch(dataset: Dataset, position: int, size: int, pin: bool) -> list[Example]:
-    """`batch_at`, the examples' patches back to back in one host tensor (pinned when `pin`)."""
-    examples = batch_at(dataset, position, size)
+def staged(examples: Sequence[Example], pin: bool) -> list[Example]:
+    """The examples with their patches back to back in one host tensor (pinned when `pin`)."""
     prompts = back_to_back([e.prompt for e in examples], pin)
     return [replace(e, prompt=p) for e, p in zip(examples, prompts, strict=True)]
 
 
-class Prefetch:
-    """`take(position)` is `staged_batch(dataset, position, size, pin)`, made ahead when the last `take` announced
-    it. `pin`: the patches go to a GPU (pinned host memory copies to it without staging)."""
+def staged_batch(
+    dataset: Dataset, position: int, size: int, pin: bool, share: Callable[[int], Sequence[int]] | None = None
+) -> list[Example]:
+    """`batch_at`, or with `share` (a data-parallel rank's, `DataParallel.share`) that rank's examples of it,
+    staged (`staged`): a rank pins only the patches it trains on."""
+    examples = batch_at(dataset, position, size)
+    if share is not None:
+        examples = [examples[i] for i in share(len(examples))]
+    return staged(examples, pin)
 
-    def __init__(self, dataset: Dataset, size: int, pin: bool = False) -> None:
-        self.dataset, self.size, self.pin = dataset, size, pin
+
+class Prefetch:
+    """`take(position)` is `staged_batch(dataset, position, size, pin, share)`, made ahead when the last `take`
+    announced it. `pin`: the patches go to a GPU (pinned host memory copies to it without staging)."""
+
+    def __init__(
+        self, dataset: Dataset, size: int, pin: bool = False, share: Callable[[int], Sequence[int]] | None = None
+    ) -> None:
+        self.dataset, self.size, self.pin, self.share = dataset, size, pin, share
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollplex-data")
         self._ahead: tuple[int, Future] | None = None
         self.waited_s = 0.0  # how long the last `take` waited for its batch
@@ -45,11 +58,11 @@ class Prefetch:
         else:
             if self._ahead is not None:
                 self._ahead[1].cancel()
-            examples = staged_batch(self.dataset, position, self.size, self.pin)
+            examples = staged_batch(self.dataset, position, self.size, self.pin, self.share)
         self.waited_s = time.perf_counter() - begin
         self._ahead = None
         if next_position is not None:
-            made = self._pool.submit(staged_batch, self.dataset, next_position, self.size, self.pin)
+            made = self._pool.submit(staged_batch, self.dataset, next_position, self.size, self.pin, self.share)
             self._ahead = (next_position, made)
         return examples
 

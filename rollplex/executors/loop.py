@@ -106,13 +106,13 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
     updating, peak_allocated = False, 0
-    prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda")  # made while the step before trains
+    share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
+    prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
+    examples: list = []
     try:
         for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
             examples = prefetch.take(position, position + size if step < opts.steps else None)
             check_budget(loaded, examples)
-            if engines.dp is not None:  # this data-parallel rank's share of the step's prompt groups
-                examples = [examples[i] for i in engines.dp.share(len(examples))]
 
             def before(o: Op) -> None:
                 nonlocal updating
@@ -153,6 +153,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
         ):
             checkpointing.save(opts.out_dir, saved, engines)
+    examples = []  # their pinned patches recorded the prefix streams: freed while those live
     engines.prefix_streams.free_allocator_events()  # a later run in this process may free what recorded them
     return records
 

@@ -45,6 +45,8 @@ class PrefixStreams:
         if self.contexts:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks keep events of the streams they were read on
+                torch._C._host_emptyCache()
 
 
 def make_prefix_streams(sharing: Sharing, device: torch.device) -> PrefixStreams:

@@ -2,7 +2,8 @@
 
 A decoder layer projects and rotates q, k, v, then hands them to an `Attention`:
 - `CausalAttention`: self-attention over right-padded whole sequences (full forward, prompt prefill). It can
-  record each layer's K and V: the boundary KV of a prefix.
+  record each layer's K and V: the boundary KV of a prefix (`prompt_rows.PackedPromptKV` where the prefix's
+  layers run over packed prompts).
 - `PackedPrefixAttention`: scoring. The tokens of many responses, of any prompts, packed end to end
   (`rollplex.models.packed`), attend to their prompt's boundary KV (one copy, shared by every response that
   reads it) and causally to their own response, in one masked call per layer: the result equals attention

@@ -314,7 +314,7 @@ def _layer_kv(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
     `shape` (P, L) x holds the packed real rows `real` of P prompts padded to L (`PromptRows`)."""
-    attention = LayerKV() if shape is None else PackedPromptKV(PromptRows(real[0], real[1], *shape))
+    attention = LayerKV() if shape is None else PackedPromptKV(real[0], *shape)
     return layer(x, cos, sin, attention), attention.key, attention.value
 
 
@@ -347,7 +347,7 @@ class _GroupPrefix:
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
             rows = self.rows
-            shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length), (rows.real, rows.last))
+            shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length), (rows.real,))
             for layer in layers:
                 unit = partial(_layer_kv, layer, shape)
                 self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin, *real)

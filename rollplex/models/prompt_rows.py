@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rollplex.models.attention import LayerKV
+from rollplex.models.inputs import to_device
 
 
 class Rows(torch.autograd.Function):
@@ -56,7 +57,7 @@ class PromptRows(NamedTuple):
             return None
         real = (torch.arange(length) < lens[:, None]).flatten().nonzero()[:, 0]
         last = lens.cumsum(0) - 1
-        return PromptRows(real.to(device), last.to(device), num_prompts, length)
+        return PromptRows(to_device(real, device), to_device(last, device), num_prompts, length)
 
     def pack(self, x: Tensor) -> Tensor:
         """[P, L, ...] -> [1, T, ...]: the real rows, end to end."""
@@ -64,19 +65,25 @@ class PromptRows(NamedTuple):
 
     def unpack(self, x: Tensor) -> Tensor:
         """[T, ...] -> [P, L, ...], zeros past each prompt's length (backward: a gather)."""
-        padded = x.new_zeros(self.num_prompts * self.length, *x.shape[1:]).index_copy(0, self.real, x)
-        return padded.view(self.num_prompts, self.length, *x.shape[1:])
+        return unpack(x, self.real, self.num_prompts, self.length)
+
+
+def unpack(x: Tensor, real: Tensor, num_prompts: int, length: int) -> Tensor:
+    """Packed rows x [T, ...] at padded rows `real` -> [P, L, ...], zeros elsewhere (backward: a gather)."""
+    padded = x.new_zeros(num_prompts * length, *x.shape[1:]).index_copy_(0, real, x)
+    return padded.view(num_prompts, length, *x.shape[1:])
 
 
 class PackedPromptKV(LayerKV):
-    """`LayerKV` of a layer that runs over `PromptRows`-packed tokens: q [1, heads, T, D] and k/v [1, kv_heads, T,
-    D] attend causally within their own prompt, in the padded layout; `key` and `value` are the padded
-    [P, kv_heads, L, D] (the boundary's)."""
+    """`LayerKV` of a layer that runs over `PromptRows`-packed tokens (the padded rows `real` of P prompts padded to
+    L): q [1, heads, T, D] and k/v [1, kv_heads, T, D] attend causally within their own prompt, in the padded
+    layout; `key` and `value` are the padded [P, kv_heads, L, D] (the boundary's)."""
 
-    def __init__(self, rows: PromptRows) -> None:
-        self.rows = rows
+    def __init__(self, real: Tensor, num_prompts: int, length: int) -> None:
+        self.real, self.num_prompts, self.length = real, num_prompts, length
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        q, k, v = (self.rows.unpack(t[0].transpose(0, 1)).transpose(1, 2) for t in (q, k, v))  # [P, heads, L, D]
+        q, k, v = (unpack(t[0].transpose(0, 1), self.real, self.num_prompts, self.length).transpose(1, 2)
+                   for t in (q, k, v))  # fmt: skip
         out = super().__call__(layer, q, k, v)  # [P, heads, L, D]
-        return Rows.apply(out.transpose(1, 2).flatten(0, 1), self.rows.real, None).transpose(0, 1)[None]
+        return Rows.apply(out.transpose(1, 2).flatten(0, 1), self.real, None).transpose(0, 1)[None]

@@ -114,3 +114,10 @@ def test_a_synthetic_dataset_gives_the_same_examples_made_ahead():
         assert torch.equal(a.prompt.input_ids, b.prompt.input_ids) and a.answer == b.answer
         for x, y in zip(a.prompt.visuals, b.prompt.visuals, strict=True):
             assert torch.equal(x.pixel_values, y.pixel_values)
+
+
+def test_a_data_parallel_rank_takes_and_stages_only_its_share():
+    dataset = Recording()
+    with Prefetch(dataset, 4, share=lambda n: [1, 3]) as prefetch:
+        assert answers(prefetch.take(0, 4)) == ["1", "3"]
+        assert answers(prefetch.take(4)) == ["5", "7"]

@@ -307,3 +307,12 @@ def test_auto_prefill_takes_the_actor_prefix_where_the_spec_allows_it_and_the_en
     assert ("actor_score.boundary" in rollout.inputs) is (missing is None)
     explicit = parse_spec(text + extra + "run: {rollout_prefill: rollout}\n").spec
     assert not explicit.prefills_from_actor  # rollout: the engine prefills whatever the spec allows
+
+
+def test_the_dataset_prompts_wait_on_the_host_for_two_steps_the_one_training_and_the_one_made_ahead():
+    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"), Schedule.ROLLPLEX)
+    (prompts,) = [o for o in plan.residency.objects if o.role == "data" and o.name == "prompts"]
+    vision, g = plan.loaded.model.vision, plan.context.gpu
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * 4  # float32
+    one_step = g.prompts_per_rank * (g.patches_per_prompt * patch + g.prompt_tokens * 8)
+    assert prompts.outside is Residency.HOST and not prompts.live and prompts.host_bytes == 2 * one_step

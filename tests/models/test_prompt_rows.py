@@ -8,6 +8,7 @@ import torch
 
 from rollplex.models import model as model_module
 from rollplex.models.prompt_rows import PackedPromptKV, PromptRows
+from rollplex.models.rerun import Rerun
 
 
 def test_rows_name_each_prompts_real_tokens_and_its_last():
@@ -41,7 +42,7 @@ def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_
     lens = torch.tensor([5, 2, 4])
     rows = PromptRows.of(lens, torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
-    attention = PackedPromptKV(rows)
+    attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length)
     out = attention(0, q, k, v)
     assert out.shape == q.shape and attention.key.shape == (3, 2, 5, 8)
     start = 0
@@ -65,18 +66,20 @@ def unpacked(monkeypatch):
     return padded
 
 
-@pytest.mark.parametrize("layers_per_chunk", [1, 100])
-def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompts, unpacked, layers_per_chunk):
+@pytest.mark.parametrize("layers_per_chunk, rerun", [(1, None), (100, None), (1, Rerun())])
+def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompts, unpacked, layers_per_chunk, rerun):
     assert len({p.num_tokens for p in prompts}) > 1  # padding to drop
     seen = []
     hook = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
 
     def run():
-        boundary = model_module.drain(model.prefix_chunks(prompts, attached=True, layers_per_chunk=layers_per_chunk))
+        chunks = model.prefix_chunks(prompts, attached=True, layers_per_chunk=layers_per_chunk, rerun=rerun)
+        boundary = model_module.drain(chunks)
         real = boundary.key_mask()[:, None, :, None]  # what reaches a loss (the padded KV's padding does not)
         loss = sum((t * real).float().square().mean() for t in boundary.keys + boundary.values)
-        loss = loss + boundary.first_logprobs.sum()
-        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+        (loss + boundary.first_logprobs.sum()).backward()  # under a rerun the gradients accumulate in .grad
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
         return boundary, grads
 
     packed, packed_grads = run()
@@ -84,11 +87,12 @@ def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompt
     padded, padded_grads = run()
     hook.remove()
     total, longest = sum(p.num_tokens for p in prompts), max(p.num_tokens for p in prompts)
-    assert seen[0][:2] == (1, total) and seen[1][:2] == (len(prompts), longest)
+    assert seen[0][:2] == (1, total) and seen[-1][:2] == (len(prompts), longest)
     torch.testing.assert_close(packed.first_logprobs, padded.first_logprobs, atol=1e-5, rtol=1e-5)
     real = padded.key_mask()[:, None, :, None]
     for a, b in zip(packed.keys + packed.values, padded.keys + padded.values, strict=True):
         torch.testing.assert_close(a, b * real, atol=1e-5, rtol=1e-5)  # zeros past each prompt's length
+    assert sum(g is not None for g in packed_grads) > 0.9 * len(packed_grads)
     for a, b in zip(packed_grads, padded_grads, strict=True):
         assert (a is None) == (b is None)
         if a is not None:

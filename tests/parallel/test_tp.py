@@ -64,12 +64,14 @@ def test_a_sequence_parallel_model_computes_and_updates_like_the_whole_model(wor
     spawn(_tp_equals_whole, world_size, True)
 
 
-def _split_score(model: Qwen2_5_VL, prompts, responses, lens) -> torch.Tensor:
-    """The split path as the trainer runs it: the attached prefix in one-prompt chunks with its units rerun in
-    backward, then each response scored over its prompt's boundary; an SGD step on a loss of the log-probs and
-    entropies. Returns the log-probs."""
+def _split_score(model: Qwen2_5_VL, prompts, responses, lens, prompts_per_chunk: int | None) -> torch.Tensor:
+    """The split path as the trainer runs it: the attached prefix in chunks of `prompts_per_chunk` prompts (None:
+    all, their layers over the prompts packed end to end) with its units rerun in backward, then each response
+    scored over its prompt's boundary; an SGD step on a loss of the log-probs and entropies. Returns the
+    log-probs."""
     with torch.no_grad():
-        boundary = drain(model.prefix_chunks(prompts, attached=True, prompts_per_chunk=1, rerun=Rerun()))
+        chunks = model.prefix_chunks(prompts, attached=True, prompts_per_chunk=prompts_per_chunk, rerun=Rerun())
+        boundary = drain(chunks)
     out = model.suffix_rows(boundary, list(range(len(prompts))), responses, lens)
     weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -80,22 +82,25 @@ def _split_score(model: Qwen2_5_VL, prompts, responses, lens) -> torch.Tensor:
 
 def _sequence_parallel_split_path(rank: int, world_size: int) -> None:
     config = config_for(world_size)
-    torch.manual_seed(0)
-    whole = Qwen2_5_VL(config)
-    group = TPGroup(world_size, rank, dist.group.WORLD)
-    sharded = parallelize(copy.deepcopy(whole), group, sequence_parallel=True)
     prompts = [*text_prompts(), image_prompt(config)]
+    assert len({p.num_tokens for p in prompts}) > 1  # one group of them is padded: its layers run packed
     responses = torch.randint(10, 100, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
     lens = [6, 2, 5, 1]  # responses of different lengths: the packed suffix is 10 rows
-    torch.testing.assert_close(
-        _split_score(sharded, prompts, responses, lens), _split_score(whole, prompts, responses, lens), atol=1e-5,
-        rtol=1e-5,
-    )  # fmt: skip
-    expected = whole.state_dict()
-    for name, value in full_state(sharded, group).items():
-        torch.testing.assert_close(value, expected[name], atol=2e-5, rtol=1e-4, msg=name)
+    for per_chunk in (1, None):
+        torch.manual_seed(0)
+        whole = Qwen2_5_VL(config)
+        group = TPGroup(world_size, rank, dist.group.WORLD)
+        sharded = parallelize(copy.deepcopy(whole), group, sequence_parallel=True)
+        torch.testing.assert_close(
+            _split_score(sharded, prompts, responses, lens, per_chunk),
+            _split_score(whole, prompts, responses, lens, per_chunk), atol=1e-5, rtol=1e-5,
+        )  # fmt: skip
+        expected = whole.state_dict()
+        for name, value in full_state(sharded, group).items():
+            torch.testing.assert_close(value, expected[name], atol=2e-5, rtol=1e-4, msg=f"{per_chunk}: {name}")
 
 
 def test_the_split_path_under_sequence_parallelism_scores_and_updates_like_the_whole_model():
-    """Prefix chunks with reruns (their units rerun with the collectives inside) and the packed suffix."""
+    """Prefix chunks with reruns (their units rerun with the collectives inside) and the packed suffix; the prefix
+    one prompt per chunk and all prompts in one packed group."""
     spawn(_sequence_parallel_split_path, 2)
