@@ -3,10 +3,11 @@
 Making a step's examples (rendering or decoding its videos, patchifying them) takes seconds of host time, which
 a training loop that asks for them at the start of each step adds to every step's wall time. `Prefetch` asks for
 the batch at the next data position as soon as the current one is taken, on one worker thread: the work is
-array code (numpy releases the interpreter lock for it), so the trainer's thread keeps launching kernels. The
-examples are those `batch_at` gives at the same positions, in the same order, their patches staged in one host
-tensor, pinned for a GPU (`models.inputs.back_to_back`: the prefixes read them from there without a copy of
-their own); a failure to make a batch is raised where that batch is taken.
+mostly array code (numpy releases the interpreter lock for it; a renderer's per-frame Python holds it in short
+spells), so the trainer's thread keeps launching kernels. The examples are those `batch_at` gives at the same
+positions, in the same order (a data-parallel rank's share of them), their patches staged in one host tensor,
+pinned for a GPU (`models.inputs.back_to_back`: the prefixes read them from there without a copy of their own); a
+failure to make a batch is raised where that batch is taken.
 """
 
 from __future__ import annotations
