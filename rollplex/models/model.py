@@ -340,7 +340,7 @@ class _GroupPrefix:
         with self.mode():
             if self.rows is not None:  # the layers see the real tokens only, end to end
                 x = self.rows.pack(x)
-                cos, sin = (t[:, 0].flatten(0, 1).index_select(0, self.rows.real)[None, None] for t in (cos, sin))
+                cos, sin = (self.rows.pack(t[:, 0])[:, None] for t in (cos, sin))  # [1, 1, T, D]
             self.length, self.cos, self.sin = x.shape[1], cos, sin
             self.x = self.model.model.language_model.region.enter(x)  # the rows the layers see
 
