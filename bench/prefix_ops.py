@@ -1,8 +1,9 @@
 """The prefix's elementwise and gather ops at a spec's own shapes, alone, forward and forward + backward:
 the rotary, norm and silu * up of the decoder and of the vision tower in the forms Inductor can give them (and
 as the model calls them: q and k from the whole QKV output, the MLP's whole [gate; up] output), and
-the vision tower's packed segment attention with its gathers (rollplex's, whose backward gathers, against
-torch's index_select, whose backward adds atomically).
+the vision tower's segment attention: packed with its gathers (rollplex's, whose backward gathers, against
+torch's index_select, whose backward adds atomically), and on a GPU flash attention's variable-length kernel over
+the patches in window order (what the tower runs there).
 
     python bench/prefix_ops.py specs/qwen2_5_vl_3b_h200.yaml --out prefix_ops.json
 
@@ -27,7 +28,7 @@ from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
 from rollplex.models.layers import rms_norm, silu_mul
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
-from rollplex.models.vision_layout import patch_layout
+from rollplex.models.vision_layout import patch_layout, window_order
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
 CUDA = torch.cuda.is_available()
@@ -107,16 +108,17 @@ def torch_gathers(q, k, v, packed):
     return o.transpose(1, 2).reshape(rows * width, *q.shape[1:]).index_select(0, packed.entry)
 
 
-def attention_cases(q, k, v, packed, iters: int) -> dict:
+def attention_cases(q, k, v, cases: dict, iters: int) -> dict:
+    """{name: (fn, segments)}: each fn(q, k, v, segments) timed forward and forward + backward."""
     out = {}
-    for name, fn in (("rollplex", vision_module.packed_segment_attention), ("torch_index_select", torch_gathers)):
+    for name, (fn, segments) in cases.items():
         with torch.no_grad():
-            forward = timed(partial(fn, q, k, v, packed), iters)
+            forward = timed(partial(fn, q, k, v, segments), iters)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         grads = [torch.randn_like(q)]
         out[name] = {
             "forward_s": forward,
-            "forward_backward_s": timed(partial(_backward, fn, [*leaves, packed], grads), iters),
+            "forward_backward_s": timed(partial(_backward, fn, [*leaves, segments], grads), iters),
         }
     return out
 
@@ -166,12 +168,22 @@ def main() -> None:
     add("vision_silu_mul", silu_mul, lambda t: rand(t, 2 * vwide).split(vwide, -1))
     vq, vk, vv = rand(patches, 3, vh, vd).unbind(1)
     attention = {}
-    for kind, ids in (("windows", layout.windows), ("frames", layout.frames)):
-        packed = vision_module.pack_segments(vision_module.segment_groups(ids))
-        if packed is None:
-            continue
-        packed = vision_module.PackedSegments(*(t.to(device) for t in packed))
-        attention[kind] = attention_cases(vq.contiguous(), vk.contiguous(), vv.contiguous(), packed, args.iters)
+    ordered = layout.take(window_order(layout))
+    for kind in ("windows", "frames"):
+        cases = {}
+        packed = vision_module.pack_segments(vision_module.segment_groups(getattr(layout, kind)))
+        if packed is not None:
+            packed = vision_module.PackedSegments(*(t.to(device) for t in packed))
+            cases |= {
+                "rollplex": (vision_module.packed_segment_attention, packed),
+                "torch_index_select": (torch_gathers, packed),
+            }
+        if vision_module.runs_varlen(device):  # the patches already in window order: the tower's layout on a GPU
+            cases["varlen"] = (
+                vision_module.varlen_attention,
+                vision_module.varlen_segments(getattr(ordered, kind), device),
+            )
+        attention[kind] = attention_cases(vq.contiguous(), vk.contiguous(), vv.contiguous(), cases, args.iters)
 
     result = {
         "gpu": torch.cuda.get_device_name() if CUDA else "cpu",

@@ -6,7 +6,9 @@ against the same layers over the padded batch, at a spec's own prompts, in one p
 Per step of prompts (the spec's dataset from position 0) and per layout: the reference's prefix (no grad) and
 the actor's (attached, each layer and vision block rerun in backward as `memory.prefix_activations: recompute`
 has it) forward, then its backward from a loss on the boundary; CUDA-event medians over `--iters`
-after one untimed call. The padded layout is the packed code with `PromptRows.of` answering None.
+after one untimed call. The padded layout is the packed code with `PromptRows.of` answering None. Where the
+vision tower runs in window order (`vision.runs_varlen`: on a GPU), a third layout, `packed_by_index`, times the
+packed decoder with the tower in the processor's order (its segments gathered and masked, as on the CPU).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rollplex.models.chunks import drain
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.prompt_rows import PromptRows
 from rollplex.models.rerun import Rerun
+from rollplex.models.vision import runs_varlen
 
 CUDA = torch.cuda.is_available()
 
@@ -82,19 +85,24 @@ def main() -> None:
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
     dataset = open_dataset(spec.workload.dataset, make_tokenizer(loaded), spec.run.seed, loaded.path.parent)
     size, rows, packed_of = spec.workload.prompts_per_step, [], PromptRows.of
+    layouts = ("padded", "packed", *(("packed_by_index",) if runs_varlen(device) else ()))
     for step in range(args.steps):
         prompts = [example.prompt for example in batch_at(dataset, step * size, size)]
         lens = [p.num_tokens for p in prompts]
         row = {"step": step, "prompt_tokens": sum(lens), "padded_tokens": max(lens) * len(lens)}
-        for layout in ("padded", "packed"):
-            model_module.PromptRows.of = packed_of if layout == "packed" else staticmethod(lambda lens, device: None)
+        for layout in layouts:
+            padded = staticmethod(lambda lens, device: None)
+            model_module.PromptRows.of = padded if layout == "padded" else packed_of
+            model.model.visual.varlen = False if layout == "packed_by_index" else None
             row[layout] = measure(model, prompts, args.iters)
-        model_module.PromptRows.of = packed_of
+        model_module.PromptRows.of, model.model.visual.varlen = packed_of, None
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'step':>4} {'tokens':>7} {'padded':>7}  padded / packed s: reference, actor forward, actor backward")
+    print(
+        f"\n{'step':>4} {'tokens':>7} {'padded':>7}  {' / '.join(layouts)} s: reference, actor forward, actor backward"
+    )
     for r in rows:
-        cells = [f"{r['padded'][key]:.3f}/{r['packed'][key]:.3f}" for key in r["packed"]]
+        cells = ["/".join(f"{r[layout][key]:.3f}" for layout in layouts) for key in r["packed"]]
         print(f"{r['step']:>4} {r['prompt_tokens']:>7} {r['padded_tokens']:>7}  {'  '.join(cells)}")
     if args.out:
         gpu = torch.cuda.get_device_name() if CUDA else "cpu"

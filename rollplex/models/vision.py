@@ -3,11 +3,17 @@ merger.
 
 Input: the visuals' preprocessed patches. Output: one embedding per merged token, in the order the prompt's
 image/video tokens hold them. Parameter names follow HF (`patch_embed.proj`, `blocks.{i}.attn.qkv`,
-`merger.mlp.0`). Not here: which patch attends to which (`vision_layout.py`), the rotary tables (`rotary.py`).
+`merger.mlp.0`). On a GPU the tower runs in window order (`runs_varlen`): the patches are permuted once on
+the way in, every block's segments are runs of consecutive patches that flash attention's variable-length
+kernel reads in place (no gathers, no padding, no mask), and the merged tokens are put back in the processor's
+order on the way out. Not here: which patch attends to which (`vision_layout.py`), the rotary tables
+(`rotary.py`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 from collections.abc import Generator, Sequence
 from functools import partial
 from typing import NamedTuple
@@ -24,16 +30,52 @@ from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.prompt_rows import Rows
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import rotated_packed_qk, vision_rotary
-from rollplex.models.vision_layout import patch_layout, segment_groups
+from rollplex.models.vision_layout import patch_layout, segment_bounds, segment_groups, unit_positions, window_order
 
 VISION_NORM_EPS = 1e-6
 MLP_LEAVES = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight")
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor]) -> Tensor:
+class VarlenSegments(NamedTuple):
+    """Segments that are runs of consecutive patches (the tower in window order): `bounds` [segments + 1] int32
+    on the attention's device (`vision_layout.segment_bounds`), `longest` the longest run."""
+
+    bounds: Tensor
+    longest: int
+
+
+def runs_varlen(device: torch.device) -> bool:
+    """Whether the tower runs in window order on flash attention's variable-length kernel: on a CUDA device of
+    compute capability 8.0 or more where torch has the kernel, unless deterministic algorithms are on (its
+    backward accumulates over key blocks with atomics)."""
+    if device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return False
+    has_kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return has_kernel and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, segments: VarlenSegments) -> Tensor:
+    """Attention within runs of consecutive rows: q, k, v [S, heads, D] -> [S, heads, D]. On a GPU one flash
+    attention call; on the CPU (tests) one SDPA call per run."""
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        bounds, longest = segments
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest)
+    bounds = segments.bounds.tolist()
+    runs = [
+        F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+        for start, end in itertools.pairwise(bounds)
+    ]
+    return torch.cat(runs)
+
+
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, groups: Sequence[Tensor] | VarlenSegments) -> Tensor:
     """Attention within segments: q, k, v [S, heads, D] -> [S, heads, D]. `groups`: from `segment_groups` (one
-    call per segment length), or a `PackedSegments` (one masked call for all; its first tensor is a bool mask,
-    the groups' are int64), as `segment_layout` makes them."""
+    call per segment length), a `PackedSegments` (one masked call for all; its first tensor is a bool mask,
+    the groups' are int64), as `segment_layout` makes them, or `VarlenSegments` (runs of consecutive rows)."""
+    if isinstance(groups, VarlenSegments):
+        return varlen_attention(q, k, v, groups)
     if groups[0].dtype == torch.bool:
         return packed_segment_attention(q, k, v, PackedSegments(*groups))
     out = torch.zeros_like(q)
@@ -220,9 +262,12 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _block_unit(block: VisionBlock, x: Tensor, cos: Tensor, sin: Tensor, *groups: Tensor) -> tuple[Tensor]:
-    """A vision block as a rerun unit (`rollplex.models.rerun`)."""
-    return (block(x, cos, sin, groups),)
+def _block_unit(
+    block: VisionBlock, longest: int | None, x: Tensor, cos: Tensor, sin: Tensor, *groups: Tensor
+) -> tuple[Tensor]:
+    """A vision block as a rerun unit (`rollplex.models.rerun`); with `longest`, groups holds a `VarlenSegments`'
+    bounds."""
+    return (block(x, cos, sin, groups if longest is None else VarlenSegments(*groups, longest)),)
 
 
 class PatchMerger(nn.Module):
@@ -246,6 +291,7 @@ class VisionEncoder(nn.Module):
         self.patch_embed = PatchEmbed(vision)
         self.blocks = nn.ModuleList(VisionBlock(vision) for _ in range(vision.depth))
         self.merger = PatchMerger(vision)
+        self.varlen: bool | None = None  # window order on variable-length attention; None: `runs_varlen`
 
     def forward(self, visuals: Sequence[Visual]) -> Tensor:
         """Visuals -> [num_visual_tokens, out_hidden]: their merged tokens, concatenated in order."""
@@ -259,13 +305,29 @@ class VisionEncoder(nn.Module):
         block keeps only its input (`rollplex.models.rerun`)."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
+        in_window_order = runs_varlen(device) if self.varlen is None else self.varlen
+        order = window_order(layout) if in_window_order else None
+        layout = layout if order is None else layout.take(order)
         cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
-        frames = segment_layout(layout.frames, device)
-        windows = segment_layout(layout.windows, device)
-        x = self.patch_embed(to_device(pixels_of(visuals), device))
+        frames, windows = (
+            segment_layout(ids, device) if order is None else varlen_segments(ids, device)
+            for ids in (layout.frames, layout.windows)
+        )
+        pixels = to_device(pixels_of(visuals), device)
+        x = self.patch_embed(pixels if order is None else pixels.index_select(0, to_device(order, device)))
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:
                 yield
             groups = frames if index in self.config.fullatt_block_indexes else windows
-            (x,) = run_unit(rerun, partial(_block_unit, block), x, block.parameters(), cos, sin, *groups)
-        return self.merger(x)
+            longest, consts = (groups.longest, groups[:1]) if isinstance(groups, VarlenSegments) else (None, groups)
+            (x,) = run_unit(rerun, partial(_block_unit, block, longest), x, block.parameters(), cos, sin, *consts)
+        merged = self.merger(x)
+        if order is None:
+            return merged
+        return Rows.apply(merged, to_device(unit_positions(order, self.config.merge_unit), device), None)
+
+
+def varlen_segments(segment_ids: Tensor, device: torch.device) -> VarlenSegments:
+    """`VarlenSegments` on `device` of CPU segment ids that run contiguously (`vision_layout.segment_bounds`)."""
+    bounds, longest = segment_bounds(segment_ids)
+    return VarlenSegments(to_device(bounds, device), longest)

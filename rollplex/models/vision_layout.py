@@ -4,8 +4,10 @@ it attends within. Pure index arithmetic on grid sizes, no weights.
 Patches arrive in the processor's order: per frame, merge units row-major, the m x m patches of a unit
 row-major. Full-attention blocks attend within a frame; the other blocks within a window of `window_size //
 (patch_size * m)` merge units square, tiled from the frame's top-left corner and ragged at its right and
-bottom edges (the windows transformers' Qwen2.5-VL builds). Attention is order-free within a segment, so no
-patch is ever permuted: a segment is a list of indices.
+bottom edges (the windows transformers' Qwen2.5-VL builds). Attention is order-free within a segment: in the
+processor's order a segment is a list of indices (`segment_groups`); in window order (`window_order`) every
+window and every frame is a run of consecutive patches (`segment_bounds`), which a variable-length attention
+kernel takes as it lies.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class PatchLayout:
     cols: Tensor
     frames: Tensor
     windows: Tensor
+
+    def take(self, order: Tensor) -> PatchLayout:
+        """The layout of the patches in `order` (patch indices)."""
+        return PatchLayout(self.rows[order], self.cols[order], self.frames[order], self.windows[order])
 
 
 def patch_layout(grids: Sequence[tuple[int, int, int]], vision: VisionConfig) -> PatchLayout:
@@ -65,3 +71,26 @@ def segment_groups(segment_ids: Tensor) -> list[Tensor]:
     starts = lengths.cumsum(0) - lengths
     order = torch.argsort(segment_ids, stable=True)
     return [order[starts[lengths == n][:, None] + torch.arange(n)] for n in lengths.unique().tolist() if n > 0]
+
+
+def window_order(layout: PatchLayout) -> Tensor:
+    """The patches sorted by window, each window's in their order of appearance: every window, and so every frame
+    (window ids grow with the frame), is a run of consecutive patches; a merge unit's m x m patches, which lie in
+    one window, stay consecutive and in order, the units in window order."""
+    return torch.argsort(layout.windows, stable=True)
+
+
+def segment_bounds(segment_ids: Tensor) -> tuple[Tensor, int]:
+    """Segments that are runs of consecutive patches (ids non-decreasing): [segments + 1] int32, each run's first
+    patch and then the end (flash attention's cumulative lengths), and the longest run."""
+    assert bool((segment_ids.diff() >= 0).all()), "segments are not runs of consecutive patches"
+    lengths = torch.unique_consecutive(segment_ids, return_counts=True)[1]
+    bounds = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    return bounds, int(lengths.max())
+
+
+def unit_positions(order: Tensor, merge_unit: int) -> Tensor:
+    """Where each merge unit (in the processor's order) lies among the units in `order` (`window_order`): the
+    gather that puts merged tokens back in the processor's order."""
+    units = order[::merge_unit] // merge_unit  # the unit at each position
+    return torch.empty_like(units).index_copy_(0, units, torch.arange(units.numel()))

@@ -4,6 +4,7 @@ windows partition every frame."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -14,15 +15,22 @@ from safetensors import safe_open
 from rollplex.models import attention
 from rollplex.models import vision as vision_module
 from rollplex.models.checkpoint import load_pretrained, save_checkpoint
+from rollplex.models.chunks import drain
 from rollplex.models.config import CONFIG_DIR
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.models.rerun import Rerun
 from rollplex.models.vision import pack_segments, segment_attention, segment_layout
-from rollplex.models.vision_layout import patch_layout, segment_groups
+from rollplex.models.vision_layout import patch_layout, segment_bounds, segment_groups, unit_positions, window_order
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "varlen"])
 def test_vision_encoder_equals_transformers_on_an_image_and_a_video(model, inputs, packed, monkeypatch):
-    if packed:  # as on a GPU with cuDNN attention: each block's segments in one masked call, however padded
+    if packed == "varlen":  # as on a GPU: in window order, each block's segments runs of consecutive patches
+        model.model.visual.varlen = True
+        calls = []
+        real_varlen = vision_module.varlen_attention
+        monkeypatch.setattr(vision_module, "varlen_attention", lambda *a: calls.append(1) or real_varlen(*a))
+    elif packed:  # as on a GPU with cuDNN attention: each block's segments in one masked call, however padded
         monkeypatch.setattr(vision_module, "plans_per_shape", lambda device: True)
         monkeypatch.setattr(vision_module, "MAX_PACKING_WASTE", 100.0)
         calls = []
@@ -94,6 +102,43 @@ def test_windows_partition_each_frame_into_squares_of_merge_units(config):
         assert (layout.rows[group].amax(1) - layout.rows[group].amin(1) < side).all()
         assert (layout.cols[group].amax(1) - layout.cols[group].amin(1) < side).all()
     assert sum(group.shape[0] for group in groups) == 3 * 2 + 2 * 3 * 2
+
+
+def test_in_window_order_windows_and_frames_are_runs_and_merge_units_stay_whole(config):
+    layout = patch_layout([(1, 10, 6), (2, 12, 8)], config.vision)
+    order = window_order(layout)
+    ordered = layout.take(order)
+    for kind in ("windows", "frames"):
+        groups = segment_groups(getattr(layout, kind))
+        bounds, longest = segment_bounds(getattr(ordered, kind))
+        runs = [set(order[start:end].tolist()) for start, end in itertools.pairwise(bounds.tolist())]
+        assert sorted(map(sorted, runs)) == sorted(m.tolist() for g in groups for m in g)  # a run is a segment
+        assert longest == max(g.shape[1] for g in groups)
+    unit = config.vision.merge_unit
+    units = order.view(-1, unit)
+    assert torch.equal(units - units[:, :1], torch.arange(unit).expand_as(units))  # a unit's patches, in order
+    assert (units[:, 0] % unit == 0).all()
+    positions = unit_positions(order, unit)
+    assert torch.equal(units[positions, 0] // unit, torch.arange(units.shape[0]))  # each unit found where it lies
+    with pytest.raises(AssertionError, match="not runs"):
+        segment_bounds(layout.windows)  # in the processor's order a window is not a run
+
+
+@pytest.mark.parametrize("rerun", [None, Rerun()])
+def test_the_tower_in_window_order_gives_the_same_tokens_and_gradients(model, inputs, rerun):
+    visuals = [inputs.image((10, 6)), inputs.video((2, 12, 8), second_per_grid_t=2.0)]
+    visual = model.model.visual
+    results = []
+    for varlen in (False, True):
+        visual.varlen = varlen
+        visual.zero_grad()
+        out = drain(visual.chunks(visuals, 1, rerun))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in visual.parameters()]))
+    (plain, plain_grads), (ordered, ordered_grads) = results
+    torch.testing.assert_close(ordered, plain, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(ordered_grads, plain_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
 
 def test_full_attention_segments_are_frames(config):
@@ -187,5 +232,24 @@ def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_
     torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-3)  # cuDNN vs another kernel: 1 bf16 ulp
     exact, packed = (torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs)
     for ours, theirs in zip(packed, exact, strict=True):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_varlen_vision_attention_equals_one_call_per_length():
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    assert vision_module.runs_varlen(device)
+    windows = torch.cat([torch.arange(54).repeat_interleave(64), torch.arange(54, 61).repeat_interleave(48)])
+    groups = [g.cuda() for g in segment_groups(windows)]
+    segments = vision_module.varlen_segments(windows, device)
+    q, k, v = (torch.randn(windows.numel(), 16, 80, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    outs = [segment_attention(q, k, v, layout) for layout in (groups, segments)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-3)
+    exact, varlen = (torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs)
+    for ours, theirs in zip(varlen, exact, strict=True):
         assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
