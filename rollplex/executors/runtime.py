@@ -12,7 +12,6 @@ decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -48,7 +47,7 @@ from rollplex.models.chunks import drain, each_inside
 from rollplex.models.generate import Rollout
 from rollplex.models.sampling import sample
 from rollplex.models.shared_vision import SharedVision
-from rollplex.rollout.slowdown import decode_slowdown
+from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
 Store = dict[str, object]
 
@@ -93,8 +92,10 @@ def run_iteration(
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
     life = lifetimes(g)
     phase, freed = None, []
+    cuda = engines.actor.device.type == "cuda"
+    marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
     for i, s in enumerate(steps(g)):
-        if (s.phase is not phase or freed) and engines.actor.device.type == "cuda":
+        if (s.phase is not phase or freed) and cuda:
             torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as the plan has it
         phase = s.phase
         if pager is not None and i in paged_steps:
@@ -107,12 +108,12 @@ def run_iteration(
             for each in (o, *beside):
                 if before_op is not None:
                     before_op(each)
-            start = time.perf_counter()
+            start = device_mark(cuda)
             if beside:
                 _decode(engines, g, o, store, record, beside)
             else:
                 _handler(o)(engines, g, o, store, record)
-            record.times[timer_of(o)] += time.perf_counter() - start  # host seconds: the GPU may still be busy
+            marks.append((timer_of(o), start, device_mark(cuda)))
             for each in (o, *beside):
                 done.add(each.id)
                 if after_op is not None:
@@ -120,6 +121,8 @@ def run_iteration(
         if pager is not None and i in paged_steps and i + 1 not in paged_steps:
             pager.page_out()  # the steps without the reference (actor backward, update) get its pages
         freed = free_dead(store, life, s.index)
+    for timer, start, end in marks:  # device seconds: from the device reaching the op to its last kernel's end
+        record.times[timer] += seconds_between(start, end)
     return record
 
 

@@ -385,3 +385,27 @@ def test_deterministic_kernels_train_the_same_on_the_cpu_and_the_setting_does_no
     b = run(tmp_path, "rollplex", 1, name="off")
     assert not torch.are_deterministic_algorithms_enabled()
     assert a[0]["param_digest"] == b[0]["param_digest"]  # the CPU's kernels are deterministic either way
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_phase_time_counts_the_device_work_its_ops_leave_queued(monkeypatch):
+    from rollplex.executors import runtime
+    from rollplex.graph.ir import NodeKind
+
+    spec = loaded(device="cuda")
+    plan = compile_plan(spec)
+    engines = build_engines(plan)
+    handler = runtime._handler
+
+    def slowed(o):  # the update's handler leaves ~0.5 s of device work queued when it returns
+        if o.kind is NodeKind.UPDATE:
+            return lambda *args: (handler(o)(*args), torch.cuda._sleep(10**9))
+        return handler(o)
+
+    monkeypatch.setattr(runtime, "_handler", slowed)
+    dataset = open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3)
+    began = time.perf_counter()
+    record = run_iteration(plan.graph, engines, batch_at(dataset, 0, 2))
+    assert record.times["update"] >= 0.3  # the device's time, not the host's launch
+    assert time.perf_counter() - began >= record.times["update"]  # the step's record waits for its last op
