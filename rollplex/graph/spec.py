@@ -285,9 +285,10 @@ class RunSpec(_Strict):
     deterministic: bool = Field(
         False,
         description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
-        "give bitwise the same weights. Off, the memory-efficient attention backward accumulates with atomics "
-        "and weights differ at rounding level between runs. On costs some attention-backward speed, and torch then "
-        "never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process.",
+        "give bitwise the same weights. Off, the memory-efficient and flash attention backwards accumulate with "
+        "atomics and weights differ at rounding level between runs. On costs some attention-backward speed: torch "
+        "then never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process, and the vision "
+        "tower attends through gathers and a mask instead of flash attention's variable-length kernel.",
     )
     cudnn_attention: bool = Field(
         True,
