@@ -196,8 +196,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     if sharing.policy is SharingPolicy.MPS:
         remote = make_remote_rollout(rollout_model, sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
     shard = Shard(dp.rank, dp.size, dp.group) if d.distributed_optimizer else None
+    on_device = d.optimizer_state is Residency.HBM
     optimizer = make_optimizer(
-        actor, a, tp, bound, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM, shard=shard
+        actor, a, tp, bound, d.optimizer_chunk_bytes, on_device, shard=shard, kept_bytes=d.optimizer_kept_bytes
     )
     sampling = SamplingParams(
         temperature=a.temperature,
@@ -280,11 +281,13 @@ def make_optimizer(
     state_on_device: bool,
     lr: float | None = None,
     shard: Shard | None = None,
+    kept_bytes: int = 0,
 ) -> ChunkedAdamW:
     """ChunkedAdamW over the actor's trainable parameters, gradients accumulated in FP32 (the plan's FP32
-    gradients, the paper's Table 1), its FP32 state in HBM or in the pinned pool as the plan has it, in the
-    plan's chunks; under tensor parallelism its grad norm counts the shards over the group, and it streams each
-    bound parameter's exchange as soon as it has written it. `shard`: ZeRO-1 over the data-parallel ranks."""
+    gradients, the paper's Table 1), its FP32 state in HBM or in the pinned pool as the plan has it (`kept_bytes`
+    of it in HBM all the same), in the plan's chunks; under tensor parallelism its grad norm counts the shards
+    over the group, and it streams each bound parameter's exchange as soon as it has written it. `shard`: ZeRO-1
+    over the data-parallel ranks."""
     params = [p for p in actor.parameters() if p.requires_grad]
     sharded = sharded_parameters(actor)
     return ChunkedAdamW(
@@ -300,6 +303,7 @@ def make_optimizer(
         write=None if bound is None else bound.writer(params),
         fp32_grads=True,
         state_on_device=state_on_device,
+        resident_bytes=kept_bytes,
         shard=shard,
     )
 

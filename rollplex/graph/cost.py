@@ -313,7 +313,7 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
 def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
     """The AdamW step: its state and gradients read and written in HBM; over the host link when the state lives in
     the pinned pool (loaded and written back at once, each way on its own copy engine: the bound is one way's
-    bytes)."""
+    bytes), but for the share the plan keeps in HBM."""
     params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
-    host = STATE_BYTES * params if d.optimizer_state is Residency.HOST else 0.0
+    host = max(STATE_BYTES * params - d.optimizer_kept_bytes, 0) if d.optimizer_state is Residency.HOST else 0.0
     return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)

@@ -66,6 +66,7 @@ class Decisions:
     sharing: Sharing
     freeze_vision: bool = False  # the vision tower is not trained; both prefixes share each prompt's vision output
     distributed_optimizer: bool = False  # ZeRO-1: the FP32 state split over the training data-parallel ranks
+    optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its last chunks)
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -109,6 +110,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         sharing=_sharing(spec),
         freeze_vision=spec.model.freeze_vision,
         distributed_optimizer=spec.parallel.distributed_optimizer and c.gpu.train_dp > 1,
+        optimizer_kept_bytes=r.state_share_bytes,
     )
 
 

@@ -2,8 +2,8 @@
 
 A lever is a change of spec keys that exists for this spec (a setting not already chosen, a TP degree within the
 cluster that splits the model's heads, a smaller workload). Each is applied to a copy of the spec and compiled
-(the compiler is cheap); the levers that lower the peak are reported with the peak they give, those that make
-the plan fit first.
+(the compiler is cheap); the levers that lower what the plan needs are reported with what it then needs, those
+that make the plan fit first.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ class Lever:
 @dataclass(frozen=True)
 class Priced:
     lever: Lever
-    peak_bytes: int
+    need_bytes: int  # the plan's peak without what it spends to save time (`ResidencyPlan.need_bytes`)
     fits: bool
 
     def line(self) -> str:
         verdict = "fits" if self.fits else "still over"
-        return f"{self.lever.text} (peak {self.peak_bytes / GIB:.1f} GiB, {verdict})"
+        return f"{self.lever.text} (needs {self.need_bytes / GIB:.1f} GiB, {verdict})"
 
 
 def candidate_levers(spec: Spec) -> list[Lever]:
@@ -67,22 +67,23 @@ def candidate_levers(spec: Spec) -> list[Lever]:
 MAX_CHAIN = 4  # levers combined at most, when none fits alone
 
 
-def price_levers(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
-    """Each lever that lowers the peak, with what it gives; those that fit first, then by peak. When none fits
-    alone, the first entry chains them (the best, then the best on top of it, ...) until the plan fits."""
-    singles = _priced(loaded, schedule, peak_bytes)
+def price_levers(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
+    """Each lever that lowers what the plan needs (`ResidencyPlan.need_bytes`), with what it gives; those that
+    fit first, then by need. When none fits alone, the first entry chains them (the best, then the best on top of
+    it, ...) until the plan fits."""
+    singles = _priced(loaded, schedule, need_bytes)
     chain, current, priced = [], loaded, singles
     while priced and not (chain and chain[-1].fits) and len(chain) < MAX_CHAIN:
         chain.append(priced[0])  # each entry lowers the peak below the last: `_priced` keeps only those
         current = _with(current, priced[0].lever)
-        priced = _priced(current, schedule, priced[0].peak_bytes)
+        priced = _priced(current, schedule, priced[0].need_bytes)
     if len(chain) > 1 and chain[-1].fits:
         text = ", then ".join(p.lever.text for p in chain)
-        return [Priced(Lever(text, {}), chain[-1].peak_bytes, True), *singles]
+        return [Priced(Lever(text, {}), chain[-1].need_bytes, True), *singles]
     return singles
 
 
-def _priced(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
+def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
     from rollplex.graph.plan import compile_plan
 
     priced = []
@@ -93,9 +94,9 @@ def _priced(loaded: LoadedSpec, schedule, peak_bytes: int) -> list[Priced]:
         except (ValidationError, SpecError, ValueError):
             continue  # not a lever for this spec after all (a TP degree the heads do not split, ...)
         r = plan.residency
-        if r.peak_bytes < peak_bytes:
-            priced.append(Priced(lever, r.peak_bytes, r.fits))
-    return sorted(priced, key=lambda x: (not x.fits, x.peak_bytes))
+        if r.need_bytes < need_bytes:
+            priced.append(Priced(lever, r.need_bytes, r.fits))
+    return sorted(priced, key=lambda x: (not x.fits, x.need_bytes))
 
 
 def _with(loaded: LoadedSpec, lever: Lever) -> LoadedSpec:

@@ -92,7 +92,7 @@ def check_fits(plan: Plan) -> None:
         phase = max(r.phases, key=lambda p: p.peak_bytes)
         top = sorted(r.in_hbm(phase.peak_step), key=lambda o: -o.bytes)[:3]
         largest = ", ".join(f"{_name(o)} {o.bytes / GIB:.1f}" for o in top)
-        priced = price_levers(plan.loaded, plan.schedule, r.peak_bytes)
+        priced = price_levers(plan.loaded, plan.schedule, r.need_bytes)
         fixes = "; ".join([p.line() for p in priced[:3]] or remedies(plan, top)[:2])
         raise PlanDoesNotFit(
             f"{plan.loaded.path}: plan does not fit: {phase.phase.title} peaks at {phase.peak_bytes / GIB:.1f} GiB > "

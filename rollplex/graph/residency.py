@@ -62,10 +62,17 @@ class ResidencyPlan:
     optimizer: OptimizerPlan | None
     host: HostPlan
     capacity_bytes: int
+    state_share_bytes: int = 0  # the share of the FP32 state kept in HBM where the rest streams (`keep_state_share`)
 
     @property
     def peak_bytes(self) -> int:
         return max(self.step_bytes, default=0)
+
+    @property
+    def need_bytes(self) -> int:
+        """The peak without the FP32 state's share kept in HBM (it only takes room the plan leaves idle): what
+        the plan needs, the figure a change of the spec lowers."""
+        return self.peak_bytes - self.state_share_bytes
 
     @property
     def fits_hbm(self) -> bool:
@@ -88,6 +95,9 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room)
+    share = 0
+    if c.spec.memory.optimizer_state == "auto":
+        objects, share = keep_state_share(objects, _spend_room(objects, capacity, update))
     if update:
         optimizer = plan_optimizer(c, objects, update, capacity)
         live = frozenset(update)
@@ -104,7 +114,7 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
         ]
     step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
     return ResidencyPlan(
-        tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity
+        tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share
     )
 
 
@@ -114,8 +124,7 @@ def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory)
     state (streamed at each update). `memory.prefix_saved` / `memory.optimizer_state` force either way; `auto`
     decides by fit."""
     objects = list(objects)
-    limit = int(capacity * SPEND_LIMIT)
-    room = {s: limit - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
+    room = _spend_room(objects, capacity, update)
     everywhere = frozenset(room)
     families = (
         (memory.prefix_saved, lambda o: o.component is Component.PREFIX_SAVED, None),
@@ -133,6 +142,44 @@ def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory)
         if choice == "hbm" or all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
             objects = trial
     return objects
+
+
+def _spend_room(objects: list[MemObject], capacity: int, update: set[int]) -> dict[int, int]:
+    """Per step, the HBM that choices made to save time may fill: SPEND_LIMIT of the card, less the smallest
+    optimizer pipeline in update steps."""
+    limit = int(capacity * SPEND_LIMIT)
+    return {s: limit - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
+
+
+STATE_SHARE_GRANULE = 256 * 2**20  # the share of the FP32 state kept in HBM, in these steps
+
+
+def keep_state_share(objects: list[MemObject], room: dict[int, int]) -> tuple[list[MemObject], int]:
+    """Where the actor's FP32 state stays on the host, the share of it that every step still has room for (after
+    every other choice: it takes only HBM that would sit idle) stays in HBM, the optimizer's last chunks: each
+    state object split in proportion, its kept part in HBM in every step, the rest on the host. Each byte kept is
+    a byte less over the host link in each direction. Returns the objects and the bytes kept."""
+    state = [o for o in objects if o.role == "actor" and o.component in (Component.MASTER, Component.MOMENTS)]
+    state = [o for o in state if o.host_bytes]
+    total = sum(o.host_bytes for o in state)
+    free = min(room[s] - sum(o.bytes for o in objects if s in o.live) for s in room) if room else 0
+    share = min(max(free, 0) // STATE_SHARE_GRANULE * STATE_SHARE_GRANULE, total)
+    if not state or share == 0:
+        return objects, 0
+    everywhere = frozenset(room)
+    out = []
+    for o in objects:
+        if o not in state:
+            out.append(o)
+            continue
+        kept = o.host_bytes * share // total
+        out.append(
+            replace(
+                o, bytes=kept, live=everywhere, host_bytes=0, outside=Residency.ABSENT, name=f"{o.label}, kept in HBM"
+            )
+        )
+        out.append(replace(o, bytes=o.bytes - kept, host_bytes=o.host_bytes - kept))
+    return out, sum(o.bytes for o in out if o.live and o.component in (Component.MASTER, Component.MOMENTS))
 
 
 def keep_in_hbm_when_room(objects: list[MemObject], capacity: int, update: set[int], host_room: int) -> list[MemObject]:

@@ -4,7 +4,9 @@ What it is: the Phase-3 update. Parameters (BF16 or FP32 model tensors) are cut 
 each chunk's FP32 state (master + exp_avg + exp_avg_sq, 12 bytes per element) is loaded into a device slot,
 updated, written back to the host, and its new values are written into a destination the caller chooses
 (by default the parameters themselves; in rollplex, the snapshot rollout reads). On CUDA three streams
-overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams.
+overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams. Where the
+plan keeps part of the state in HBM (`resident_bytes`), the last chunks live in a device pool and their loads
+and offloads are copies on the device: the host link carries only the others, which go first.
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
 form), op for op on each element. The global grad norm and the clipping coefficient are complete before any
@@ -94,11 +96,15 @@ class ChunkedAdamW:
         sharded: Sequence[bool] | None = None,
         fp32_grads: bool = False,
         state_on_device: bool = False,
+        resident_bytes: int = 0,
         shard: Shard | None = None,
     ) -> None:
         """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits) and the chunks are
-        copied device to device; by default it lives in pinned host memory. `shard`: this rank keeps and
-        updates only its share of the state (ZeRO-1); the gradients must already be summed over the ranks."""
+        copied device to device; by default it lives in pinned host memory. `resident_bytes`: with the state on
+        the host, the last chunks of at most that many bytes of state stay in HBM all the same (the plan's share
+        of the state that fits): a step streams the others, first, while those are copied on the device.
+        `shard`: this rank keeps and updates only its share of the state (ZeRO-1); the gradients must already be
+        summed over the ranks."""
         self.params = list(params)
         self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
         fold = _weak_fold(self)
@@ -119,10 +125,19 @@ class ChunkedAdamW:
         self.chunks = plan_chunks([p.numel() for p in self.params], chunk_bytes, self.lo, self.hi)
         self.chunk_elements = chunk_bytes // STATE_BYTES_PER_ELEMENT
         self.capacity = max(chunk.numel for chunk in self.chunks)
+        kept = 0 if state_on_device else resident_chunks(self.chunks, resident_bytes)
+        if kept == len(self.chunks):  # the whole state stays in HBM
+            state_on_device, kept = True, 0
+        self.num_streamed = len(self.chunks) - kept  # the first chunks, in `pool`; the kept ones in `device_pool`
         on_host = not state_on_device or self.device.type == "cpu"
         self.pool = pool or HostPool(
-            self._pool_bytes(), pin=on_host and self.device.type == "cuda", device=None if on_host else self.device
+            self._pool_bytes(self.chunks[: self.num_streamed]),
+            pin=on_host and self.device.type == "cuda",
+            device=None if on_host else self.device,
         )
+        kept_chunks = self.chunks[self.num_streamed :]
+        self.device_pool = HostPool(self._pool_bytes(kept_chunks), device=self.device) if kept else None
+        self.pools = [self.pool] * self.num_streamed + [self.device_pool] * kept
         self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
         self._segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]  # (chunk, segment)
@@ -130,7 +145,8 @@ class ChunkedAdamW:
             for seg in chunk.segments:
                 self._segments_of[seg.param_index].append((j, seg))
         self.blocks = tuple(
-            self.pool.allocate(STATE_BYTES_PER_ELEMENT * c.numel, f"adamw chunk {j}") for j, c in enumerate(self.chunks)
+            self.pools[j].allocate(STATE_BYTES_PER_ELEMENT * c.numel, f"adamw chunk {j}")
+            for j, c in enumerate(self.chunks)
         )
         cuda = self.device.type == "cuda"
         self._streams = tuple(torch.cuda.Stream(self.device) if cuda else None for _ in range(3))
@@ -150,8 +166,8 @@ class ChunkedAdamW:
 
     @property
     def num_bytes_moved(self) -> int:
-        """Host<->device bytes of one step: every chunk's state loaded and offloaded once."""
-        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks)
+        """Host<->device bytes of one step: every streamed chunk's state loaded and offloaded once."""
+        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[: self.num_streamed])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for i, p in enumerate(self.params):
@@ -309,8 +325,8 @@ class ChunkedAdamW:
         return () if event is None else (event,)
 
     def _host(self, j: int) -> torch.Tensor:
-        """Chunk j's FP32 state in the pool: rows master, exp_avg, exp_avg_sq."""
-        return self.pool.view(self.blocks[j], torch.float32, (3, self.chunks[j].numel))
+        """Chunk j's FP32 state in its pool: rows master, exp_avg, exp_avg_sq."""
+        return self.pools[j].view(self.blocks[j], torch.float32, (3, self.chunks[j].numel))
 
     def _join(self) -> None:
         if self._streams[1] is None:
@@ -320,8 +336,9 @@ class ChunkedAdamW:
             current.wait_stream(stream)
         self._done = current.record_event()
 
-    def _pool_bytes(self) -> int:
-        return sum(-(-STATE_BYTES_PER_ELEMENT * c.numel // ALIGNMENT) * ALIGNMENT for c in self.chunks)
+    @staticmethod
+    def _pool_bytes(chunks: Sequence[Chunk]) -> int:
+        return sum(-(-STATE_BYTES_PER_ELEMENT * c.numel // ALIGNMENT) * ALIGNMENT for c in chunks)
 
     def wait(self) -> None:
         """Until the last step's copies into the pool are done (the host reads the state after)."""
@@ -373,6 +390,17 @@ class ChunkedAdamW:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores a state dict, a part of one, or a torch AdamW state dict (`optimizer_state.load_state`)."""
         optimizer_state.load_state(self, state_dict)
+
+
+def resident_chunks(chunks: Sequence[Chunk], num_bytes: int) -> int:
+    """How many of the last chunks hold at most `num_bytes` of state together."""
+    kept, held = 0, 0
+    for chunk in reversed(chunks):
+        held += STATE_BYTES_PER_ELEMENT * chunk.numel
+        if held > num_bytes:
+            break
+        kept += 1
+    return kept
 
 
 def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:

@@ -221,10 +221,12 @@ def residency_choices(plan: Plan, peaks) -> str:
     ):
         members = component if isinstance(component, tuple) else (component,)
         role = "reference" if component is Component.WEIGHTS else "actor"
-        size = sum(o.bytes for o in plan.residency.objects if o.role == role and o.component in members)
-        moved = size if where is Residency.HOST else 0  # out and back, each way on its own copy engine
+        held = [o for o in plan.residency.objects if o.role == role and o.component in members]
+        size = sum(o.bytes for o in held)
+        moved = sum(o.host_bytes for o in held) if where is Residency.HOST else 0  # out and back, each way on its own
+        kept = f" ({gib(size - moved)} GiB of it kept in HBM)" if 0 < moved < size else ""  # copy engine
         lines.append(
-            f"{label}: {gib(size)} GiB in {where.value.upper()}"
+            f"{label}: {gib(size)} GiB in {where.value.upper()}{kept}"
             + (
                 f", {moved / 1e9:.1f} GB over the host link per step ({moved / peaks.host_bytes_s:.2f} s)"
                 if moved

@@ -409,3 +409,19 @@ def test_on_a_gpu_a_phase_time_counts_the_device_work_its_ops_leave_queued(monke
     record = run_iteration(plan.graph, engines, batch_at(dataset, 0, 2))
     assert record.times["update"] >= 0.3  # the device's time, not the host's launch
     assert time.perf_counter() - began >= record.times["update"]  # the step's record waits for its last op
+
+
+def test_the_optimizer_keeps_in_hbm_the_share_of_its_state_the_plan_keeps_there():
+    from dataclasses import replace
+
+    from rollplex.graph.objects import Residency
+
+    plan = compile_plan(loaded())
+    streamed = replace(plan.decisions, optimizer_state=Residency.HOST, optimizer_chunk_bytes=12 * 50_000)
+    whole = build_engines(replace(plan, decisions=streamed)).optimizer
+    assert whole.num_streamed == len(whole.chunks) > 2 and whole.device_pool is None
+    kept = sum(12 * chunk.numel for chunk in whole.chunks[-2:])
+    decisions = replace(streamed, optimizer_kept_bytes=kept)
+    optimizer = build_engines(replace(plan, decisions=decisions)).optimizer
+    assert optimizer.num_streamed == len(optimizer.chunks) - 2
+    assert sum(block.num_bytes for block in optimizer.device_pool.live_blocks) == kept

@@ -158,7 +158,8 @@ def test_recompute_shrinks_the_training_microbatch():
 
 
 def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
-    roomy, short = tiny(", page_reference: true"), tiny(", page_reference: true, host_pool_gib: 100")
+    extra = ", page_reference: true, optimizer_state: host"  # the whole FP32 state on the host: over 100 GiB in all
+    roomy, short = tiny(extra), tiny(extra + ", host_pool_gib: 100")
     assert roomy.residency.host.needed_bytes_per_node > 100 * GIB
     assert short.residency.host.needed_bytes_per_node <= 100 * GIB and short.residency.fits
     update = max(s.index for s in steps(roomy.graph))
@@ -169,7 +170,7 @@ def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead
 
 
 def test_the_reference_waits_on_the_host_between_its_steps_only_where_the_spec_lets_the_plan_page_it():
-    kept, paged = tiny(), tiny(", page_reference: true")
+    kept, paged = tiny(", optimizer_state: host"), tiny(", page_reference: true, optimizer_state: host")
     update = max(s.index for s in steps(kept.graph))
     for ref in both_parts(kept, "reference", "weights (BF16)"):
         assert ref.residency(update) is Residency.HBM and ref.host_bytes == 0
@@ -221,6 +222,32 @@ def test_the_planner_spends_free_hbm_on_what_would_cross_the_host_link_every_ste
         assert max(plan.residency.step_bytes) <= plan.residency.capacity_bytes
 
 
+def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_for_stays_in_hbm():
+    from rollplex.graph.cost import update
+    from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
+
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    auto = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
+    r, d = auto.residency, auto.decisions
+    share = r.state_share_bytes
+    assert d.optimizer_state is Residency.HOST and d.optimizer_kept_bytes == share > 0
+    assert -share % STATE_SHARE_GRANULE < 8  # whole granules, less each object's rounding down
+    state = lambda plan: [o for o in plan.residency.objects if o.role == "actor" and o.component in  # noqa: E731
+                          ("FP32 master weights", "Adam moments (FP32)")]  # fmt: skip
+    kept = [o for o in state(auto) if o.live]
+    assert kept and all(o.live == frozenset(range(len(r.step_bytes))) and not o.host_bytes for o in kept)
+    assert sum(o.bytes for o in state(auto)) == sum(o.bytes for o in state(host))  # split, not grown
+    assert sum(o.host_bytes for o in state(auto)) == sum(o.host_bytes for o in state(host)) - share
+    for a, b in zip(r.step_bytes, host.residency.step_bytes, strict=True):  # in every step, and nothing else moved
+        assert a - b == share or a - b - share == r.optimizer.workspace_bytes - host.residency.optimizer.workspace_bytes
+    assert r.need_bytes == host.residency.peak_bytes < r.peak_bytes <= SPEND_LIMIT * r.capacity_bytes
+    assert r.host.needed_bytes_per_node == host.residency.host.needed_bytes_per_node - share
+    t, v = auto.loaded.model.text, auto.loaded.model.vision
+    assert update(t, v, 1, host.decisions).host_bytes - update(t, v, 1, d).host_bytes == share
+    assert host.decisions.optimizer_kept_bytes == host.residency.state_share_bytes == 0  # forced: all of it streams
+
+
 @pytest.mark.parametrize("choice", ["host", "hbm"])
 def test_the_spec_forces_where_the_optimizer_state_and_the_prefix_saved_tensors_live(choice):
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
@@ -245,7 +272,7 @@ def test_a_frozen_vision_tower_is_held_once_with_no_gradients_optimizer_state_or
     assert vision(frozen, "actor", "weights (BF16)") and not vision(frozen, "reference", "weights (BF16)")
     assert objects(frozen, "actor", "shared vision output") and not objects(trained, "actor", "shared vision output")
     assert [o.bytes for o in objects(frozen, "actor", "shared vision output")] == [8 * 5600 * 3584 * 2]
-    assert frozen.residency.peak_bytes < trained.residency.peak_bytes
+    assert frozen.residency.need_bytes < trained.residency.need_bytes
 
 
 def test_an_infeasible_plan_names_levers_this_spec_has_each_with_the_peak_it_gives():
@@ -263,9 +290,9 @@ workload: {prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tok
     assert priced[0].fits and "set memory.recompute: full" in priced[0].lever.text  # a chain that fits comes first
     single = next(p for p in priced if p.lever.text == "set memory.recompute: full")
     by_hand = compile_plan(parse_spec(text + "memory: {recompute: full}\n"))
-    assert single.peak_bytes == by_hand.residency.peak_bytes and not single.fits
+    assert single.need_bytes == by_hand.residency.need_bytes and not single.fits
     chain = r"to fit: raise parallel\.train_tp to 4, then set memory\.recompute: full"
-    chain += r"(, then [^;(]+)? \(peak [0-9.]+ GiB, fits\)"
+    chain += r"(, then [^;(]+)? \(needs [0-9.]+ GiB, fits\)"
     with pytest.raises(PlanDoesNotFit, match=chain):
         check_fits(plan)
     alone = compile_plan(parse_spec(text.replace("gpus_per_node: 4", "gpus_per_node: 1")))

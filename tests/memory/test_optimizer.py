@@ -175,6 +175,38 @@ def test_the_host_pool_holds_all_fp32_state():
     assert held == STATE_BYTES_PER_ELEMENT * sum(p.numel() for p in params)
 
 
+@pytest.mark.parametrize("kept", [1, 3])
+def test_the_last_chunks_kept_apart_step_as_torch_adamw_and_only_the_others_count_as_streamed(kept):
+    ours, theirs = make_params(), make_params()
+    chunk_bytes = 12 * 40
+    whole = ChunkedAdamW(make_params(), chunk_bytes=chunk_bytes)
+    resident = sum(12 * c.numel for c in whole.chunks[-kept:])
+    opt = ChunkedAdamW(ours, lr=3e-3, max_grad_norm=0.5, chunk_bytes=chunk_bytes, resident_bytes=resident + 11)
+    ref = torch.optim.AdamW(theirs, lr=3e-3)
+    assert opt.num_streamed == len(opt.chunks) - kept == len(whole.chunks) - kept
+    assert [pool is opt.device_pool for pool in opt.pools] == [False] * opt.num_streamed + [True] * kept
+    held = sum(block.num_bytes for block in opt.device_pool.live_blocks)
+    assert held == resident
+    assert opt.num_bytes_moved == whole.num_bytes_moved - 2 * resident
+    for step in range(4):
+        set_grads(ours, seed=step)
+        twin_grads(ours, theirs)
+        torch.testing.assert_close(opt.step(), torch_step(theirs, ref, 0.5), rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    state = opt.state_dict()
+    again = ChunkedAdamW(make_params(), chunk_bytes=chunk_bytes, resident_bytes=resident)
+    again.load_state_dict(state)
+    for i in range(len(SHAPES)):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state_dict()["state"][i][key], state["state"][i][key])
+
+
+def test_a_resident_share_that_holds_the_whole_state_keeps_it_as_state_on_the_device():
+    opt = ChunkedAdamW(make_params(), chunk_bytes=12 * 40, resident_bytes=1 << 30)
+    assert opt.device_pool is None and opt.num_streamed == len(opt.chunks)  # one pool, as `state_on_device` has it
+
+
 GPU_SHAPES = [(32_000, 1024), *[(1024, 4096)] * 8, *[(4096,)] * 8, (1000,), (7, 13), (3, 1024, 5)]
 
 
@@ -219,6 +251,22 @@ def test_on_the_gpu_state_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_h
     for x, y in zip(host, device, strict=True):
         assert torch.equal(x, y)
     assert a.state_dict()["state"][0]["exp_avg"].equal(b.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_state_partly_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_host():
+    host, kept = make_params(GPU_SHAPES[1:6], device="cuda"), make_params(GPU_SHAPES[1:6], device="cuda")
+    a = ChunkedAdamW(host, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001)
+    b = ChunkedAdamW(kept, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001, resident_bytes=2 * 12 * 300_001)
+    assert b.device_pool.buffer.device.type == "cuda" and b.pool.pinned and 0 < b.num_streamed < len(b.chunks)
+    for step in range(3):
+        set_grads(host, seed=step)
+        set_grads(kept, seed=step)
+        a.step(), b.step()
+    for x, y in zip(host, kept, strict=True):
+        assert torch.equal(x, y)
+    assert a.state_dict()["state"][4]["exp_avg_sq"].equal(b.state_dict()["state"][4]["exp_avg_sq"])
 
 
 @pytest.mark.gpu
