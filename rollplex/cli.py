@@ -103,6 +103,9 @@ def _run(args: argparse.Namespace) -> int:
         last = records[-1]
         summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
         print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")
+        from rollplex.report.efficiency import run_summary
+
+        print(run_summary(records))
     finish()
     return 0
 

@@ -4,7 +4,8 @@
 SOURCE is one of:
 - `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `bound_s` / `time_s`, the first
-  step left out when there are more (it compiles and plans);
+  step left out when there are more (it compiles and plans; `run_efficiencies`, which `rollplex run` also prints
+  at its end, `run_summary`);
 - a `rollplex bench` result (JSON): its `efficiency` for the plan's schedule, serial's for a phase it has none
   for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial).
 A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
@@ -52,17 +53,48 @@ def _by_hand(source: str) -> dict[str, float]:
 def _of_run(path: Path) -> dict[str, float]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        ratios: dict[str, list[float]] = {}
-        for record in records[1:] if len(records) > 1 else records:
-            for phase, bound in record["bound_s"].items():
-                seconds = record["time_s"].get(phase, 0.0)
-                if bound > 0 and seconds > 0:  # a phase run beside another reports no seconds of its own
-                    ratios.setdefault(phase, []).append(bound / seconds)
+        found = run_efficiencies(records)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
-    if not ratios:
+    if not found:
         raise SpecError("", f"--efficiency {path}: no step with a phase's bound and seconds")
+    return found
+
+
+def _warm(records: list[dict]) -> list[dict]:
+    """The steps after the first (it compiles and plans), or the one step there is."""
+    return records[1:] if len(records) > 1 else records
+
+
+def run_efficiencies(records: list[dict]) -> dict[str, float]:
+    """Per phase of a run's metrics records, the median over its warm steps of `bound_s` / `time_s`; a phase run
+    beside another (no seconds of its own) or with no bound is left out."""
+    ratios: dict[str, list[float]] = {}
+    for record in _warm(records):
+        for phase, bound in record["bound_s"].items():
+            seconds = record["time_s"].get(phase, 0.0)
+            if bound > 0 and seconds > 0:
+                ratios.setdefault(phase, []).append(bound / seconds)
     return {phase: statistics.median(r) for phase, r in ratios.items()}
+
+
+def run_summary(records: list[dict]) -> str:
+    """One line of a run's phases over its warm steps: the median seconds of each phase that has seconds of its own,
+    slowest first, with its median bound and efficiency where it has a bound; then the step's median seconds."""
+    warm = _warm(records)
+    efficiency = run_efficiencies(records)
+    median = lambda key, phase: statistics.median(r[key].get(phase, 0.0) for r in warm)  # noqa: E731
+    timed = [phase for phase in warm[0]["time_s"] if phase != "step" and median("time_s", phase) > 0]
+    cells = [
+        f"{phase} {median('time_s', phase):.2f} s"
+        + (f" (bound {median('bound_s', phase):.2f}, {efficiency[phase]:.2f})" if phase in efficiency else "")
+        for phase in sorted(timed, key=lambda phase: -median("time_s", phase))
+    ]
+    first, last = warm[0]["step"], warm[-1]["step"]
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    return f"phases, medians of {steps} (seconds, bound, efficiency): " + "; ".join(
+        [*cells, f"step {statistics.median(r['time_s']['step'] for r in warm):.2f} s"]
+    )
 
 
 def _of_bench(path: Path, schedule: str) -> dict[str, float]:

@@ -228,6 +228,8 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
     assert records[1]["data_wait_s"] < records[0]["data_wait_s"]  # step 2's examples were made during step 1
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors").is_file()
+    last = proc.stdout.splitlines()[-1]  # each phase's seconds, bound and efficiency over the warm step
+    assert last.startswith("phases, medians of step 2 (seconds, bound, efficiency): ") and "rollout " in last
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")

@@ -72,3 +72,18 @@ def test_metrics_without_bounds_are_refused_in_one_line(tmp_path):
     path.write_text(json.dumps({"step": 1, "time_s": {"rollout": 0.0}, "bound_s": {"rollout": 1.0}}) + "\n")
     with pytest.raises(SpecError, match="no step with a phase's bound and seconds"):
         read_efficiencies(str(path), "serial")
+
+
+def test_a_run_ends_with_each_phases_median_seconds_bound_and_efficiency_slowest_first():
+    from rollplex.report.efficiency import run_summary
+
+    bounds = {"rollout": 4.0, "ref_prefix": 1.0, "update": 1.0, "reward": 0.0}
+    seconds = [(40.0, 9.0), (8.0, 2.0), (16.0, 4.0), (10.0, 5.0)]
+    times = [{"rollout": r, "ref_prefix": 0.0, "update": u, "reward": 0.5, "step": r + u + 0.5} for r, u in seconds]
+    records = [{"step": i + 3, "time_s": t, "bound_s": bounds} for i, t in enumerate(times)]
+    line = run_summary(records)
+    assert line == (  # ref_prefix ran beside decode: no seconds of its own; reward has no bound
+        "phases, medians of steps 4-6 (seconds, bound, efficiency): rollout 10.00 s (bound 4.00, 0.40); "
+        "update 4.00 s (bound 1.00, 0.25); reward 0.50 s; step 15.50 s"
+    )
+    assert run_summary(records[:1]).startswith("phases, medians of step 3 (")
