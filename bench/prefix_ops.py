@@ -178,7 +178,9 @@ def main() -> None:
                 "rollplex": (vision_module.packed_segment_attention, packed),
                 "torch_index_select": (torch_gathers, packed),
             }
-        if vision_module.runs_varlen(device):  # the patches already in window order: the tower's layout on a GPU
+        if vision_module.runs_varlen(
+            device, dtype, vd
+        ):  # the patches already in window order: the tower's layout on a GPU
             cases["varlen"] = (
                 vision_module.varlen_attention,
                 vision_module.varlen_segments(getattr(ordered, kind), device),

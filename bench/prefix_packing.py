@@ -85,7 +85,8 @@ def main() -> None:
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
     dataset = open_dataset(spec.workload.dataset, make_tokenizer(loaded), spec.run.seed, loaded.path.parent)
     size, rows, packed_of = spec.workload.prompts_per_step, [], PromptRows.of
-    layouts = ("padded", "packed", *(("packed_by_index",) if runs_varlen(device) else ()))
+    in_order = runs_varlen(device, model.model.visual.merger.mlp[0].weight.dtype, loaded.model.vision.head_dim)
+    layouts = ("padded", "packed", *(("packed_by_index",) if in_order else ()))
     for step in range(args.steps):
         prompts = [example.prompt for example in batch_at(dataset, step * size, size)]
         lens = [p.num_tokens for p in prompts]

@@ -176,7 +176,8 @@ def op_cost(
     if o.kind is NodeKind.DECODE:
         return total(op_parts(o, model, gpu, d, tokens, split, embeds_vision))
     if o.kind is NodeKind.UPDATE:
-        return update(t, v, tp, d)
+        shards = gpu.train_dp if d.distributed_optimizer else 1
+        return update(t, v, tp, d, keeps_share=o.role is Role.ACTOR, shards=shards)
     if o.kind is NodeKind.REWARD:
         return Cost()
     if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
@@ -310,10 +311,12 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
     return Cost(flops=flops, hbm_bytes=hbm)
 
 
-def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
+def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions, keeps_share: bool = True, shards: int = 1) -> Cost:
     """The AdamW step: its state and gradients read and written in HBM; over the host link when the state lives in
     the pinned pool (loaded and written back at once, each way on its own copy engine: the bound is one way's
-    bytes), but for the share the plan keeps in HBM."""
+    bytes), its `shards`-th under ZeRO-1, but for the share the plan keeps in HBM (`keeps_share`: the actor's
+    update; a critic's state streams whole)."""
     params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
-    host = max(STATE_BYTES * params - d.optimizer_kept_bytes, 0) if d.optimizer_state is Residency.HOST else 0.0
+    kept = d.optimizer_kept_bytes if keeps_share else 0
+    host = max(STATE_BYTES * -(-params // shards) - kept, 0) if d.optimizer_state is Residency.HOST else 0.0
     return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)

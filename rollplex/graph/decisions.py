@@ -93,7 +93,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
     reference = [o for o in objects if o.role == "reference" and o.component is Component.WEIGHTS]
     paged = bool(reference) and all(o.host_bytes > 0 for o in reference)
     planned = sum(o.host_bytes for o in objects if o.role == "actor" and o.component is Component.PREFIX_SAVED)
-    state = [o for o in objects if o.role == "actor" and o.component in (Component.MASTER, Component.MOMENTS)]
+    state = [o for o in objects if o.component in (Component.MASTER, Component.MOMENTS)]  # every trained role's
     pool = spec.memory.host_pool_gib
     offloaded = planned > 0
     pool_bytes = int(pool * GIB) if pool is not None else planned + planned // HOST_POOL_MARGIN

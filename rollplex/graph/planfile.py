@@ -42,7 +42,7 @@ from rollplex.graph.plan import Plan, plan_of
 from rollplex.graph.spec import Spec
 from rollplex.models.config import ModelConfig
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 
 
 def plan_dict(plan: Plan) -> dict:

@@ -95,11 +95,13 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room)
-    share = 0
+    unshared, share, room = objects, 0, _spend_room(objects, capacity, update)
     if c.spec.memory.optimizer_state == "auto":
-        objects, share = keep_state_share(objects, _spend_room(objects, capacity, update))
+        objects, share = keep_state_share(unshared, room, STATE_SHARE_GRANULE)
     if update:
         optimizer = plan_optimizer(c, objects, update, capacity)
+        if share % optimizer.chunk_bytes:  # the optimizer keeps whole chunks: so does the plan (less is still room)
+            objects, share = keep_state_share(unshared, room, optimizer.chunk_bytes)
         live = frozenset(update)
         objects = [
             *objects,
@@ -151,19 +153,20 @@ def _spend_room(objects: list[MemObject], capacity: int, update: set[int]) -> di
     return {s: limit - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
 
 
-STATE_SHARE_GRANULE = 256 * 2**20  # the share of the FP32 state kept in HBM, in these steps
+STATE_SHARE_GRANULE = 256 * 2**20  # the share of the FP32 state before the optimizer's chunk is known
 
 
-def keep_state_share(objects: list[MemObject], room: dict[int, int]) -> tuple[list[MemObject], int]:
+def keep_state_share(objects: list[MemObject], room: dict[int, int], granule: int) -> tuple[list[MemObject], int]:
     """Where the actor's FP32 state stays on the host, the share of it that every step still has room for (after
     every other choice: it takes only HBM that would sit idle) stays in HBM, the optimizer's last chunks: each
     state object split in proportion, its kept part in HBM in every step, the rest on the host. Each byte kept is
-    a byte less over the host link in each direction. Returns the objects and the bytes kept."""
+    a byte less over the host link in each direction. The share is whole `granule`s (the optimizer's chunks).
+    Returns the objects and the bytes kept."""
     state = [o for o in objects if o.role == "actor" and o.component in (Component.MASTER, Component.MOMENTS)]
     state = [o for o in state if o.host_bytes]
     total = sum(o.host_bytes for o in state)
     free = min(room[s] - sum(o.bytes for o in objects if s in o.live) for s in room) if room else 0
-    share = min(max(free, 0) // STATE_SHARE_GRANULE * STATE_SHARE_GRANULE, total)
+    share = min(max(free, 0) // granule * granule, total)
     if not state or share == 0:
         return objects, 0
     everywhere = frozenset(room)

@@ -44,11 +44,17 @@ class VarlenSegments(NamedTuple):
     longest: int
 
 
-def runs_varlen(device: torch.device) -> bool:
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def runs_varlen(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the tower runs in window order on flash attention's variable-length kernel: on a CUDA device of
-    compute capability 8.0 or more where torch has the kernel, unless deterministic algorithms are on (its
-    backward accumulates over key blocks with atomics)."""
+    compute capability 8.0 or more where torch has the kernel, in 16-bit floats at a head dim flash takes (a
+    multiple of 8, at most 256), unless deterministic algorithms are on (its backward accumulates over key
+    blocks with atomics)."""
     if device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return False
+    if dtype not in FLASH_DTYPES or head_dim % 8 or head_dim > 256:
         return False
     has_kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
     return has_kernel and torch.cuda.get_device_capability(device) >= (8, 0)
@@ -305,7 +311,8 @@ class VisionEncoder(nn.Module):
         block keeps only its input (`rollplex.models.rerun`)."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
-        in_window_order = runs_varlen(device) if self.varlen is None else self.varlen
+        dtype = self.merger.mlp[0].weight.dtype
+        in_window_order = runs_varlen(device, dtype, self.config.head_dim) if self.varlen is None else self.varlen
         order = window_order(layout) if in_window_order else None
         layout = layout if order is None else layout.take(order)
         cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)

@@ -80,7 +80,8 @@ def run_efficiencies(records: list[dict]) -> dict[str, float]:
 
 def run_summary(records: list[dict]) -> str:
     """One line of a run's phases over its warm steps: the median seconds of each phase that has seconds of its own,
-    slowest first, with its median bound and efficiency where it has a bound; then the step's median seconds."""
+    slowest first, with its median bound and its efficiency where it has a bound (the median of the steps'
+    bound / seconds, as `--efficiency` reads it: not always the ratio of the two medians); then the step's."""
     warm = _warm(records)
     efficiency = run_efficiencies(records)
     median = lambda key, phase: statistics.median(r[key].get(phase, 0.0) for r in warm)  # noqa: E731

@@ -246,6 +246,25 @@ def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_f
     t, v = auto.loaded.model.text, auto.loaded.model.vision
     assert update(t, v, 1, host.decisions).host_bytes - update(t, v, 1, d).host_bytes == share
     assert host.decisions.optimizer_kept_bytes == host.residency.state_share_bytes == 0  # forced: all of it streams
+    assert -share % r.optimizer.chunk_bytes < 8  # whole chunks, as the optimizer keeps them
+
+
+def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
+    from rollplex.graph.cost import op_cost, planned_tokens
+    from rollplex.graph.ir import NodeKind, ops
+
+    text = (SPECS / "ppo_critic_7b_h200.yaml").read_text().replace("qwen2_5_vl_7b", "qwen2_5_vl_3b")
+    plan = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 120")))
+    d, r = plan.decisions, plan.residency
+    state = [o for o in r.objects if o.component in ("FP32 master weights", "Adam moments (FP32)")]
+    assert any(o.host_bytes for o in state if o.role == "critic")
+    assert d.optimizer_state is Residency.HOST  # so the critic's optimizer streams, as the plan counts it
+    assert d.optimizer_kept_bytes == sum(o.bytes for o in state if o.role == "actor" and o.live) > 0
+    costs = {o.role.value: op_cost(o, plan.loaded.model, plan.context.gpu, d, planned_tokens(plan.context.gpu, 1), True)
+             for o in ops(plan.graph) if o.kind is NodeKind.UPDATE}  # fmt: skip
+    critic_state = sum(o.host_bytes for o in state if o.role == "critic")
+    assert costs["critic"].host_bytes == pytest.approx(critic_state, rel=1e-3)  # none of its state is kept
+    assert costs["actor"].host_bytes < costs["critic"].host_bytes
 
 
 @pytest.mark.parametrize("choice", ["host", "hbm"])

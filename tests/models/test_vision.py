@@ -124,6 +124,18 @@ def test_in_window_order_windows_and_frames_are_runs_and_merge_units_stay_whole(
         segment_bounds(layout.windows)  # in the processor's order a window is not a run
 
 
+def test_the_tower_takes_window_order_only_where_flash_attention_runs_it():
+    cuda = torch.device("cuda")  # checked before any CUDA call: a machine without a GPU answers too
+    assert not vision_module.runs_varlen(torch.device("cpu"), torch.bfloat16, 80)
+    assert not vision_module.runs_varlen(cuda, torch.float32, 80)  # flash takes 16-bit floats only
+    assert not vision_module.runs_varlen(cuda, torch.bfloat16, 84)  # nor a head dim off the multiples of 8
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not vision_module.runs_varlen(cuda, torch.bfloat16, 80)  # its backward adds atomically
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("rerun", [None, Rerun()])
 def test_the_tower_in_window_order_gives_the_same_tokens_and_gradients(model, inputs, rerun):
     visuals = [inputs.image((10, 6)), inputs.video((2, 12, 8), second_per_grid_t=2.0)]
@@ -241,7 +253,7 @@ def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_
 def test_on_a_gpu_varlen_vision_attention_equals_one_call_per_length():
     torch.manual_seed(0)
     device = torch.device("cuda")
-    assert vision_module.runs_varlen(device)
+    assert vision_module.runs_varlen(device, torch.bfloat16, 80)
     windows = torch.cat([torch.arange(54).repeat_interleave(64), torch.arange(54, 61).repeat_interleave(48)])
     groups = [g.cuda() for g in segment_groups(windows)]
     segments = vision_module.varlen_segments(windows, device)
