@@ -238,35 +238,26 @@ def test_on_the_gpu_a_bf16_model_steps_like_torch_adamw_on_an_fp32_copy_within_t
 
 @pytest.mark.gpu
 @needs_cuda
-def test_on_the_gpu_state_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_host_and_moves_nothing_over_it():
+@pytest.mark.parametrize("kept", ["all", "two chunks"])
+def test_on_the_gpu_state_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_host(kept):
     host, device = make_params(GPU_SHAPES[1:6], device="cuda"), make_params(GPU_SHAPES[1:6], device="cuda")
-    a = ChunkedAdamW(host, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001)
-    b = ChunkedAdamW(device, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001, state_on_device=True)
+    chunk = 12 * 300_001
+    a = ChunkedAdamW(host, lr=1e-2, max_grad_norm=0.5, chunk_bytes=chunk)
+    where = {"state_on_device": True} if kept == "all" else {"resident_bytes": 2 * chunk}
+    b = ChunkedAdamW(device, lr=1e-2, max_grad_norm=0.5, chunk_bytes=chunk, **where)
     assert a.pool.buffer.device.type == "cpu" and a.pool.pinned
-    assert b.pool.buffer.device.type == "cuda" and not b.pool.pinned
+    if kept == "all":  # one pool, on the device: nothing crosses the host link
+        assert b.pool.buffer.device.type == "cuda" and not b.pool.pinned and b.device_pool is None
+    else:  # the last chunks in a device pool, the others streamed from the pinned one
+        assert b.device_pool.buffer.device.type == "cuda" and b.pool.pinned and 0 < b.num_streamed < len(b.chunks)
     for step in range(3):
         set_grads(host, seed=step)
         set_grads(device, seed=step)
         a.step(), b.step()
     for x, y in zip(host, device, strict=True):
         assert torch.equal(x, y)
-    assert a.state_dict()["state"][0]["exp_avg"].equal(b.state_dict()["state"][0]["exp_avg"])
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_on_the_gpu_state_partly_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_host():
-    host, kept = make_params(GPU_SHAPES[1:6], device="cuda"), make_params(GPU_SHAPES[1:6], device="cuda")
-    a = ChunkedAdamW(host, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001)
-    b = ChunkedAdamW(kept, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 300_001, resident_bytes=2 * 12 * 300_001)
-    assert b.device_pool.buffer.device.type == "cuda" and b.pool.pinned and 0 < b.num_streamed < len(b.chunks)
-    for step in range(3):
-        set_grads(host, seed=step)
-        set_grads(kept, seed=step)
-        a.step(), b.step()
-    for x, y in zip(host, kept, strict=True):
-        assert torch.equal(x, y)
-    assert a.state_dict()["state"][4]["exp_avg_sq"].equal(b.state_dict()["state"][4]["exp_avg_sq"])
+    for i in (0, 4):
+        assert a.state_dict()["state"][i]["exp_avg_sq"].equal(b.state_dict()["state"][i]["exp_avg_sq"])
 
 
 @pytest.mark.gpu
