@@ -31,7 +31,15 @@ import torch.distributed as dist
 from rollplex.memory import optimizer_state
 from rollplex.memory.adamw import AdamWConfig, adamw_
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
-from rollplex.memory.state_layout import STATE_BYTES_PER_ELEMENT, Chunk, Segment, Shard, flat_segments, plan_chunks
+from rollplex.memory.state_layout import (
+    STATE_BYTES_PER_ELEMENT,
+    Chunk,
+    Segment,
+    Shard,
+    flat_segments,
+    plan_chunks,
+    resident_chunks,
+)
 
 if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
     from rollplex.parallel.group import TPGroup
@@ -390,17 +398,6 @@ class ChunkedAdamW:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores a state dict, a part of one, or a torch AdamW state dict (`optimizer_state.load_state`)."""
         optimizer_state.load_state(self, state_dict)
-
-
-def resident_chunks(chunks: Sequence[Chunk], num_bytes: int) -> int:
-    """How many of the last chunks hold at most `num_bytes` of state together."""
-    kept, held = 0, 0
-    for chunk in reversed(chunks):
-        held += STATE_BYTES_PER_ELEMENT * chunk.numel
-        if held > num_bytes:
-            break
-        kept += 1
-    return kept
 
 
 def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:

@@ -80,3 +80,14 @@ class Shard:
     def bounds(self, total: int, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
         return r * total // self.size, (r + 1) * total // self.size
+
+
+def resident_chunks(chunks: Sequence[Chunk], num_bytes: int) -> int:
+    """How many of the last chunks hold at most `num_bytes` of state together."""
+    kept, held = 0, 0
+    for chunk in reversed(chunks):
+        held += STATE_BYTES_PER_ELEMENT * chunk.numel
+        if held > num_bytes:
+            break
+        kept += 1
+    return kept

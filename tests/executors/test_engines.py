@@ -1,9 +1,11 @@
-"""What the engines refuse to build: the spec's run refusals that apply on their device."""
+"""What the engines build from a plan's decisions and the spec's run settings, and what they refuse: the run
+refusals that apply on their device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from run_testkit import loaded, spec_text
 
 from rollplex.errors import SpecError
 from rollplex.executors.engines import build_engines
@@ -24,3 +26,45 @@ def test_a_gpu_only_refusal_stops_a_gpu_build_before_anything_is_made(monkeypatc
     monkeypatch.setattr("rollplex.executors.engines.init_parallel", lambda *a: pytest.fail("built past the check"))
     with pytest.raises(SpecError, match=r"algorithm\.top_p.*top-p on a GPU draws per batch row"):
         build_engines(plan, torch.device("cuda"))  # a device object only: nothing reaches CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("expandable", [True, False])
+def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segments(expandable):
+    text = spec_text(kl=0.1, device="cuda") + f"memory: {{expandable_segments: {str(expandable).lower()}}}\n"
+    torch.cuda.empty_cache()
+    weight = build_engines(
+        compile_plan(parse_spec(text))
+    ).actor.lm_head.weight  # in segments made under the spec's setting
+    (segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
+                  if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]  # fmt: skip
+    assert segment["is_expandable"] == expandable
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_resets_it(cudnn):
+    text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{cudnn_attention: {str(cudnn).lower()}, ")
+    try:
+        build_engines(compile_plan(parse_spec(text)))
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
+        build_engines(compile_plan(parse_spec(spec_text(kl=0.1, device="cpu"))))  # the default: torch may choose cuDNN
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)  # whatever failed above, later tests see torch's default
+
+
+def test_the_optimizer_keeps_in_hbm_the_share_of_its_state_the_plan_keeps_there():
+    from dataclasses import replace
+
+    from rollplex.graph.objects import Residency
+
+    plan = compile_plan(loaded())
+    streamed = replace(plan.decisions, optimizer_state=Residency.HOST, optimizer_chunk_bytes=12 * 50_000)
+    whole = build_engines(replace(plan, decisions=streamed)).optimizer
+    assert whole.num_streamed == len(whole.chunks) > 2 and whole.device_pool is None
+    kept = sum(12 * chunk.numel for chunk in whole.chunks[-2:])
+    decisions = replace(streamed, optimizer_kept_bytes=kept)
+    optimizer = build_engines(replace(plan, decisions=decisions)).optimizer
+    assert optimizer.num_streamed == len(optimizer.chunks) - 2
+    assert sum(block.num_bytes for block in optimizer.device_pool.live_blocks) == kept

@@ -42,32 +42,6 @@ def test_on_a_gpu_serial_and_rollplex_train_identically_with_the_graph_captured_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("expandable", [True, False])
-def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segments(expandable):
-    text = spec_text(kl=0.1, device="cuda") + f"memory: {{expandable_segments: {str(expandable).lower()}}}\n"
-    torch.cuda.empty_cache()
-    weight = build_engines(
-        compile_plan(parse_spec(text))
-    ).actor.lm_head.weight  # in segments made under the spec's setting
-    (segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
-                  if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]  # fmt: skip
-    assert segment["is_expandable"] == expandable
-
-
-@pytest.mark.parametrize("cudnn", [False, True])
-def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_resets_it(cudnn):
-    text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{cudnn_attention: {str(cudnn).lower()}, ")
-    try:
-        build_engines(compile_plan(parse_spec(text)))
-        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
-        build_engines(compile_plan(parse_spec(spec_text(kl=0.1, device="cpu"))))  # the default: torch may choose cuDNN
-        assert torch.backends.cuda.cudnn_sdp_enabled()
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)  # whatever failed above, later tests see torch's default
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_attention_without_cudnn_runs_no_cudnn_kernel():
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
@@ -411,19 +385,3 @@ def test_on_a_gpu_a_phase_time_counts_the_device_work_its_ops_leave_queued(monke
     record = run_iteration(plan.graph, engines, batch_at(dataset, 0, 2))
     assert record.times["update"] >= 0.3  # the device's time, not the host's launch
     assert time.perf_counter() - began >= record.times["update"]  # the step's record waits for its last op
-
-
-def test_the_optimizer_keeps_in_hbm_the_share_of_its_state_the_plan_keeps_there():
-    from dataclasses import replace
-
-    from rollplex.graph.objects import Residency
-
-    plan = compile_plan(loaded())
-    streamed = replace(plan.decisions, optimizer_state=Residency.HOST, optimizer_chunk_bytes=12 * 50_000)
-    whole = build_engines(replace(plan, decisions=streamed)).optimizer
-    assert whole.num_streamed == len(whole.chunks) > 2 and whole.device_pool is None
-    kept = sum(12 * chunk.numel for chunk in whole.chunks[-2:])
-    decisions = replace(streamed, optimizer_kept_bytes=kept)
-    optimizer = build_engines(replace(plan, decisions=decisions)).optimizer
-    assert optimizer.num_streamed == len(optimizer.chunks) - 2
-    assert sum(block.num_bytes for block in optimizer.device_pool.live_blocks) == kept
