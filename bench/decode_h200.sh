@@ -20,7 +20,6 @@ OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   || { echo "decode_h200: installing .whl/*.whl failed (made by ../shared/tools/gpu-wheels.sh .whl pydantic)" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
-ln -sfn ../kernels rollplex/kernels
 R=$(mktemp -d)
 trap 'tar czf "$OUT/decode_h200.tgz" -C "$R" .' EXIT
 SETTINGS=${SETTINGS:-cublas rollplex_pdl rollplex_fused}

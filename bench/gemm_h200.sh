@@ -21,7 +21,6 @@ OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   || { echo "gemm_h200: installing .whl/*.whl failed (made by ../shared/tools/gpu-wheels.sh .whl pydantic)" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
-ln -sfn ../kernels rollplex/kernels
 case "$STAGE" in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests/kernels --tb=short -rfEs > "$OUT/kernels_gpu_tests.log" 2>&1

@@ -35,7 +35,6 @@ STAGE=${1:?stage: tests, profile, bench3b, policies3b, preset, naive7b or run7b 
 OUT=${OUT:?the device sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
-ln -sfn ../kernels rollplex/kernels
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
 [ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
 [ -n "${KERNELS:-}" ] && TAG=${TAG}_$KERNELS

@@ -1,0 +1,1 @@
+"""Triton kernels. Imported lazily: nothing here loads triton at import."""
