@@ -102,6 +102,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         else None
     )
     progress = opts.progress and main
+    bars = progress and sys.stderr.isatty()  # a log file gets one line a step instead of redrawn bars
     size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
@@ -110,7 +111,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
     try:
-        for step in _progress(range(start + 1, opts.steps + 1), progress, start, opts.steps):
+        for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
             examples = prefetch.take(position, position + size if step < opts.steps else None)
             check_budget(loaded, examples)
 
@@ -121,7 +122,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     updating = True
 
             begin = time.perf_counter()
-            with PhaseBars(g, step, progress) as after, PhaseMemory(engines.actor.device) as memory:
+            with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
                 hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after)}
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
@@ -138,6 +139,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
             if log is not None:
                 log.write(records[-1])
+            if progress and not bars:
+                print(_step_line(records[-1], opts.steps), file=sys.stderr, flush=True)
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False
             if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
                 checkpointing.save(opts.out_dir, saved, engines)
@@ -193,6 +196,14 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),
     }
+
+
+def _step_line(record: dict, total: int) -> str:
+    """A step's line where progress goes to a log rather than a terminal."""
+    return (
+        f"step {record['step']}/{total}: {record['time_s']['step']:.2f} s, reward {record['reward_mean']:.3f}, "
+        f"loss {record['loss']:.4f}"
+    )
 
 
 def _progress(it, enabled: bool, start: int, total: int):

@@ -92,3 +92,13 @@ def test_a_schedule_with_a_plan_file_and_a_resume_past_the_last_step_are_one_lin
     assert main(["run", TINY, "--out", str(tmp_path / "run"), "--steps", "1", "--quiet", "--resume"]) == 2
     err = capsys.readouterr().err
     assert "is step 1, and the run has 1 steps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_progress_into_a_log_is_one_plain_line_a_step(tmp_path, capsys):
+    """stderr is not a terminal here (pytest captures it): no redrawn bars, one line per step."""
+    assert main(["run", TINY, "--out", str(tmp_path), "--steps", "2", "--no-checkpoints"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1/2", "step 2/2"], err
+    assert "reward" in lines[0] and " s, " in lines[0]
+    assert "\x1b[" not in err and "\r" not in err  # no cursor moves or carriage returns
