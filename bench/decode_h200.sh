@@ -6,7 +6,7 @@
 #
 # 1. the GPU tests of the decode path: our GEMMs (`linear`, the fused variants), dependent launches and fused
 #    kernels changing no rollout
-# 2. for each setting of SETTINGS (default: cublas, rollplex_pdl and rollplex_fused, the run.decode_kernels names):
+# 2. for each setting of SETTINGS (default: cublas, rollplex_fused and rollplex_ahead, run.decode_kernels names):
 #    bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the rollout's shapes
 #    (5,888-token prompts, a 2,048-token cache, batch 32, 64)
 # 3. with BESIDE=1, bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix
@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 R=$(mktemp -d)
 trap 'tar czf "$OUT/decode_h200.tgz" -C "$R" .' EXIT
-SETTINGS=${SETTINGS:-cublas rollplex_pdl rollplex_fused}
+SETTINGS=${SETTINGS:-cublas rollplex_fused rollplex_ahead}
 # compile first, in parallel (triton compiles on the host; a cold cache would eat the timed runs' time limits)
 for k in $SETTINGS; do
   [ "$k" = cublas ] && continue

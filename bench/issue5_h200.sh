@@ -11,7 +11,7 @@
 #     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`; PPC=1
 #     puts one prompt in each chunk); tagged _ppcN
 #   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (cublas, rollplex,
-#     rollplex_pdl, rollplex_fused; both schedules decode with them); tagged _NAME. Without KERNELS and PREFILL a
+#     rollplex_pdl, rollplex_fused, rollplex_ahead; both schedules decode with them); tagged _NAME. Without KERNELS and PREFILL a
 #     stage runs the spec's defaults (`auto`: on an H200, rollplex_fused decode from the actor prefix's boundary)
 #   PREFILL=actor|rollout bash bench/issue5_h200.sh STAGE: the same with run.rollout_prefill actor_prefix (the
 #     rollout decodes from the actor prefix's boundary instead of prefilling; that prefix runs before decode: what

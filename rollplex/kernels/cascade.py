@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rollplex.kernels.pdl import enter, leave
+
 
 @triton.jit
 def _attend_chunk(
@@ -195,12 +197,12 @@ def partial_kernel(
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`tiles.pdl_options`)
+    USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
+    AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
     """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
     (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
     if pid < P * G * PROMPT_SPLITS:
         _prompt_partial(
@@ -216,8 +218,7 @@ def partial_kernel(
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
             H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK,
         )  # fmt: skip
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    leave(USE_GDC, AHEAD)
 
 
 @triton.jit
@@ -235,9 +236,9 @@ def combine_kernel(
     PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     USE_GDC: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
     g = tl.program_id(1)
     r = tl.arange(0, HEADS)
@@ -271,5 +272,4 @@ def combine_kernel(
     out = acc / tl.where(valid, total, 1.0)[:, None]
     dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    leave(USE_GDC, AHEAD)

@@ -22,7 +22,8 @@ import torch
 import triton
 
 from rollplex.kernels.cascade import combine_kernel, partial_kernel
-from rollplex.kernels.tiles import NUM_SMS_H200, pdl_options
+from rollplex.kernels.pdl import pdl_options
+from rollplex.kernels.tiles import NUM_SMS_H200
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -93,8 +94,8 @@ class DecodeAttentionShape:
 
 
 class DecodeAttention:
-    """Owns the partial-result workspaces of one decode shape and launches the two kernels (`pdl`: as
-    programmatic dependents, `tiles.pdl_options`)."""
+    """Owns the partial-result workspaces of one decode shape and launches the two kernels (`pdl`, `ahead`: as
+    programmatic dependents, `rollplex.kernels.pdl`)."""
 
     def __init__(self, shape: DecodeAttentionShape, device: torch.device) -> None:
         self.shape = shape
@@ -119,6 +120,7 @@ class DecodeAttention:
         step: torch.Tensor,  # [1] int64
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
         pdl: bool = False,
+        ahead: bool = False,
     ) -> torch.Tensor:
         sh = self.shape
         rows, h, d = q.shape
@@ -137,11 +139,11 @@ class DecodeAttention:
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q),
+            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         combine_kernel[(rows, g)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            **pdl_options(pdl, q),
+            **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         return out

@@ -11,7 +11,7 @@ K split, which they add in split order and round to the model dtype as `tiles.su
 needs no launch of its own: `transposed_gemm.linear_parts`), or one part in the model dtype (any product, [None]).
 Positions and the step come from device tensors, so a captured CUDA graph replays them step after step. Each
 takes `pdl`: launched as a programmatic dependent, it waits for the kernel before it first and lets the next
-one launch once its own stores are issued (`tiles.pdl_options`).
+one launch once its own stores are issued, or with `ahead` before it waits (`rollplex.kernels.pdl`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollplex.kernels.tiles import pdl_options
+from rollplex.kernels.pdl import enter, leave, pdl_options
 
 
 @triton.jit
@@ -45,10 +45,10 @@ def add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     PARTS: tl.constexpr = 1,
-    USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`tiles.pdl_options`)
+    USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
+    AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    enter(USE_GDC, AHEAD)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -61,8 +61,7 @@ def add_rms_norm_kernel(
     normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    leave(USE_GDC, AHEAD)
 
 
 def add_rms_norm(
@@ -72,10 +71,10 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor,
     pdl: bool = False,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """residual [rows, N] (+= delta), out [rows, N] = RMSNorm(residual) * weight; all contiguous, one dtype. delta:
-    [rows, N] in that dtype, or parts [S, rows, N] (see the module docstring). `pdl`: launched as a programmatic
-    dependent (`tiles.pdl_options`)."""
+    [rows, N] in that dtype, or parts [S, rows, N] (see the module docstring). `pdl`, `ahead`: see there."""
     rows, n = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
@@ -83,7 +82,7 @@ def add_rms_norm(
     add_rms_norm_kernel[(rows,)](
         residual if parts is None else parts, residual, weight, out, eps, rows * n, N=n,
         BLOCK=triton.next_power_of_2(n), HAS_DELTA=parts is not None, PARTS=1 if parts is None else parts.shape[0],
-        **pdl_options(pdl, out),
+        **pdl_options(pdl, out, ahead),
     )  # fmt: skip
     return out
 
@@ -107,9 +106,9 @@ def rotary_to_cache_kernel(
     NUM_SAMPLES: tl.constexpr,
     PARTS: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    enter(USE_GDC, AHEAD)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then kv heads
     slot = tl.load(slots_ptr + row)
@@ -133,8 +132,7 @@ def rotary_to_cache_kernel(
     x2 = summed(qkv_ptr, src + D // 2 + half, whole_half, part_stride, PARTS, dtype)
     tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    leave(USE_GDC, AHEAD)
 
 
 def rotary_to_cache(
@@ -149,6 +147,7 @@ def rotary_to_cache(
     v_cache: torch.Tensor,
     num_samples: int,
     pdl: bool = False,
+    ahead: bool = False,
 ) -> torch.Tensor:
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
@@ -159,7 +158,7 @@ def rotary_to_cache(
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
         parts, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache, rows * width,
         H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, PARTS=parts.shape[0],
-        **pdl_options(pdl, q_out),
+        **pdl_options(pdl, q_out, ahead),
     )  # fmt: skip
     return q_out
 

@@ -10,19 +10,22 @@ W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatro
 (`QKV`: column c reads row `stored_rows(c)`). A tile of BLOCK_N consecutive columns reads BLOCK_N consecutive
 stored rows when BLOCK_N divides head_dim (the row map keeps a head's rows together), so one descriptor load
 fetches it; `swap_fits` checks that and TMA's 16-byte alignment. A K split writes fp32 partials [SPLIT_K, M, N]
-in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel. With
+in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel. Launched
+`ahead` (`rollplex.kernels.pdl`), each program first pulls the start of its weight rows into L2. With
 `PAIR` (gate/up blocks, `transposed_gemm.gate_up_silu`) a program also accumulates the up rows PAIR below its
 gate rows and stores silu(gate) * up, K unsplit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from rollplex.kernels.pdl import enter, leave, line_elements, pdl_options, prefetch_k, prefetch_l2
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
     DECODE_SPLIT_MIN_K,
@@ -31,7 +34,6 @@ from rollplex.kernels.tiles import (
     Tiles,
     check_dtypes,
     k_per_split,
-    pdl_options,
     shortest_part,
     sm_count,
     sum_splits,
@@ -74,6 +76,7 @@ def stored_rows(
 def swap_gemm_kernel(
     x_desc,  # [M, K], blocks [BLOCK_M, BLOCK_K] (rows past M read as zeros)
     w_desc,  # [rows, K], blocks [BLOCK_N, BLOCK_K]
+    w_ptr,  # the same weight, for the lines PREFETCH_K pulls into L2
     b_ptr,  # [rows] bias, stored like W's rows, or a dummy when not HAS_BIAS
     y_ptr,  # [M, N] row-major
     p_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
@@ -93,6 +96,9 @@ def swap_gemm_kernel(
     K_SPLIT: tl.constexpr,  # K per split, a multiple of BLOCK_K
     USE_GDC: tl.constexpr = False,  # see `transposed_gemm_kernel`
     PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, as `transposed_gemm_kernel`'s PAIR (K unsplit)
+    AHEAD: tl.constexpr = False,  # `pdl.enter`
+    PREFETCH_K: tl.constexpr = 0,  # with AHEAD: elements of each of its W rows a program pulls into L2 first
+    LINE: tl.constexpr = 64,  # elements per L2 line
 ):
     first_col = tl.program_id(0) * BLOCK_N
     first_k = tl.program_id(1) * K_SPLIT
@@ -102,9 +108,14 @@ def swap_gemm_kernel(
         first_row = (first_col // PAIR) * (2 * PAIR) + first_col % PAIR
     else:
         first_row = first_col
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC and AHEAD and PREFETCH_K > 0:  # the weights: no kernel of the chain writes them
+        lines = first_k + tl.arange(0, PREFETCH_K // LINE) * LINE
+        lines = w_ptr + (first_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + lines[None, :]
+        prefetch_l2(lines)
+        if PAIR > 0:
+            prefetch_l2(lines + PAIR * K)
+    enter(USE_GDC, AHEAD)
+    leave(USE_GDC, AHEAD)
     acc = zero_tile(BLOCK_N, BLOCK_M)  # y^T's tile
     up = zero_tile(BLOCK_N, BLOCK_M)  # the up rows' sums (PAIR > 0)
     for k0 in range(first_k, tl.minimum(first_k + K_SPLIT, K), BLOCK_K):  # past K, TMA reads zeros
@@ -177,12 +188,14 @@ def swap_product(
     pdl: bool = False,
     unsummed: bool = False,
     pair: int = 0,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """x [M, K] by w [rows, K] (`swap_fits`) -> y [M, num_cols] = x W^T (+ bias), W's column c at row c, or at
     Megatron's stored row of grouped column c when `heads` are given.
     `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. `pair` > 0:
     y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
-    or `swap_tiles`' for `num_sms` (default: the device's)."""
+    or `swap_tiles`' for `num_sms` (default: the device's). `pdl`, `ahead`: `rollplex.kernels.pdl`; with `ahead`
+    each program first pulls up to `pdl.prefetch_k` of its weight into L2."""
     run = heads.head_dim if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
     assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
@@ -204,11 +217,14 @@ def swap_product(
     h = heads or QKVHeads(1, 1, 1)
     x_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [t.block_n, t.block_k])
-    swap_gemm_kernel[(triton.cdiv(n, t.block_n), t.split_k)](
-        x_desc, w_desc, w if bias is None else bias, y, partials, m, n, k,
+    grid, per_split = (triton.cdiv(n, t.block_n), t.split_k), k_per_split(k, t.split_k, t)
+    rows = t.block_n * (2 if pair else 1)
+    ahead_options = {"PREFETCH_K": prefetch_k(math.prod(grid), rows, per_split, w.element_size())} if ahead else {}
+    swap_gemm_kernel[grid](
+        x_desc, w_desc, w, w if bias is None else bias, y, partials, m, n, k,
         heads is not None, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_replicas, bias is not None,
-        t.block_m, t.block_n, t.block_k, t.split_k, k_per_split(k, t.split_k, t),
-        PAIR=pair, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
+        t.block_m, t.block_n, t.block_k, t.split_k, per_split, PAIR=pair, LINE=line_elements(w),
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead), **ahead_options,
     )  # fmt: skip
     if unsummed:
         return partials if t.split_k > 1 else y[None]

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollplex.kernels.pdl import pdl_options
+
 DECODE_MAX_M = 64
 NUM_SMS_H200 = 132
 SHARED_BYTES = 200 * 1024  # of the 228 KiB an H200 SM has, what a decode tile's pipeline may take
@@ -222,15 +224,6 @@ def sum_splits(partials: torch.Tensor, y: torch.Tensor, pdl: bool = False) -> No
     sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
         partials, y, y.numel(), partials.shape[0], block, **pdl_options(pdl, y)
     )
-
-
-def pdl_options(pdl: bool, x: torch.Tensor) -> dict:
-    """The launch keywords of a kernel with a USE_GDC constexpr, launched as a programmatic dependent (Hopper) or
-    not: it may start while the kernel before it drains, and waits for that kernel's writes before it touches
-    memory. Both come from here so that a kernel never launches early without waiting (the CPU interpreter knows
-    no launch_pdl, so it is absent when off)."""
-    assert not pdl or x.is_cuda, "pdl: programmatic dependent launch needs a CUDA GPU (Hopper or newer)"
-    return {"USE_GDC": True, "launch_pdl": True} if pdl else {"USE_GDC": False}
 
 
 def check_dtypes(*tensors: torch.Tensor) -> None:

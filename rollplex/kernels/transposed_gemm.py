@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollplex.kernels.pdl import enter, leave, pdl_options
 from rollplex.kernels.swap_gemm import swap_fits, swap_product
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
@@ -35,7 +36,6 @@ from rollplex.kernels.tiles import (
     k_per_split,
     launch_in_parts,
     num_programs,
-    pdl_options,
     pick_tiles,
     sm_count,
     tile_position,
@@ -64,12 +64,12 @@ def transposed_gemm_kernel(
     HAS_BIAS: tl.constexpr = False,
     USE_GDC: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (`pdl`)
     PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, output column c from W rows g(c) and g(c) + PAIR (below)
+    AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
     pid_m, pid_n = tile_position(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     first = tl.program_id(1) * K_SPLIT
-    if USE_GDC:  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    enter(USE_GDC, AHEAD)  # x may be the last kernel's output: wait for it, and let the next kernel launch meanwhile
+    leave(USE_GDC, AHEAD)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # PAIR > 0: W holds blocks of PAIR gate rows then PAIR up rows; column c's gate row is g(c), its up row g(c) + PAIR
@@ -147,27 +147,38 @@ def linear(
 
 
 def linear_parts(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, num_sms: int | None = None, pdl: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    num_sms: int | None = None,
+    pdl: bool = False,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """`linear` left unsummed for the kernel that reads it next: [S, M, O] fp32 partials of a K split (S > 1, in
     split order, the bias in the first) or [1, M, O] in x's dtype, one launch at decode rows (M <= DECODE_MAX_M;
-    more rows give `linear`'s product as [1, M, O]). Through `swap_gemm` where `linear` takes it."""
+    more rows give `linear`'s product as [1, M, O]). Through `swap_gemm` where `linear` takes it. `ahead`: launched
+    so (`rollplex.kernels.pdl`), and the swapped kernel pulls its weights' first blocks into L2 while it waits."""
     _check_hf(x, w, bias)
     if swap_fits(x, w, w.shape[0]):
-        return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl, unsummed=True)
-    return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl)
+        return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl, unsummed=True, ahead=ahead)
+    return _parts(x, w.T, bias, (1, w.shape[1]), num_sms, pdl, ahead)
 
 
 def matmul_transposed_parts(
-    x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False
+    x: torch.Tensor, s: torch.Tensor, num_sms: int | None = None, pdl: bool = False, ahead: bool = False
 ) -> torch.Tensor:
     """`matmul_transposed` left unsummed (see `linear_parts`)."""
     _check_slab(x, s)
-    return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl)
+    return _parts(x, s, None, (s.shape[1], 1), num_sms, pdl, ahead)
 
 
 def gate_up_silu(
-    x: torch.Tensor, w: torch.Tensor, block_rows: int, num_sms: int | None = None, pdl: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    block_rows: int,
+    num_sms: int | None = None,
+    pdl: bool = False,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
     rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
@@ -175,17 +186,17 @@ def gate_up_silu(
     before the activation). Bitwise what `linear(..., swap=gate_up_swaps(...))` then `silu_mul` give where
     `linear` does not split K either, which holds for every shipped model's decode shapes at the TP degrees it
     allows (a test checks that); where it would split, the two round differently (within bf16 rounding).
-    Through `swap_gemm` where `gate_up_swaps`."""
+    Through `swap_gemm` where `gate_up_swaps`. `ahead`: as `linear_parts`."""
     _check_hf(x, w)
     assert w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
     _check(x, w)
     (m, k), n = x.shape, w.shape[0] // 2
     if gate_up_swaps(x, w, block_rows):
-        return swap_product(x, w, None, n, num_sms=num_sms, pdl=pdl, pair=block_rows)
+        return swap_product(x, w, None, n, num_sms=num_sms, pdl=pdl, pair=block_rows, ahead=ahead)
     tiles = gate_up_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows)
+        _launch(x, w.T, None, (1, k), y, y, tiles, pdl, pair=block_rows, ahead=ahead)
     return y
 
 
@@ -234,13 +245,14 @@ def _launch(
     t: Tiles,
     pdl: bool,
     pair: int = 0,
+    ahead: bool = False,
 ) -> None:
     """One launch over x's rows: out = x @ s (+ bias), or its split's partials (t.split_k > 1)."""
     (m, k), n = x.shape, out.shape[-1]
     transposed_gemm_kernel[(num_programs(m, n, t), t.split_k)](
         x, s, s if bias is None else bias, out, partials, m, n, k, t.block_m, t.block_n, t.block_k,
         t.group_m, t.split_k, k_per_split(k, t.split_k, t), *strides, bias is not None, PAIR=pair,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x),
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead),
     )  # fmt: skip
 
 
@@ -251,6 +263,7 @@ def _parts(
     strides: tuple[int, int],
     num_sms: int | None,
     pdl: bool,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """x @ s (+ bias) for s [K, N] at `strides`, unsummed (see `linear_parts`)."""
     (m, k), n = x.shape, s.shape[1]
@@ -259,7 +272,7 @@ def _parts(
     _check(x, s, bias)
     t = pick_tiles(m, n, k, sm_count(x.device) if num_sms is None else num_sms, n_contiguous=strides[1] == 1)
     parts = torch.empty(t.split_k, m, n, dtype=x.dtype if t.split_k == 1 else torch.float32, device=x.device)
-    _launch(x, s, bias, strides, parts[0], parts, t, pdl)
+    _launch(x, s, bias, strides, parts[0], parts, t, pdl, ahead=ahead)
     return parts
 
 

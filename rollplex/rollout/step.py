@@ -192,22 +192,22 @@ class DecodeStep:
         heads = self.weights[0].num_heads
         q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
         attended = torch.empty_like(q_rot)
-        delta, pdl = None, self.weights[0].kernels.pdl
+        delta, pdl, ahead = None, self.weights[0].kernels.pdl, self.weights[0].kernels.ahead
         for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
-            add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl)
+            add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl, ahead)
             qkv = w.qkv(normed)  # parts [S, rows, (H + 2G) D]
             rotary_to_cache(
                 qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
-                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl,
+                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl, ahead,
             )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
-                self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl,
+                self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl, ahead,
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
-            add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl)
+            add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl, ahead)
             delta = w.mlp(normed)  # parts [S, rows, hidden], added by the next norm
-        add_rms_norm(delta, residual, lm.norm.weight, eps, normed, pdl)
+        add_rms_norm(delta, residual, lm.norm.weight, eps, normed, pdl, ahead)
         logits = self._logits(normed, rows)
         self.step += 1
         if self.shape.fused_sampling:

@@ -13,9 +13,11 @@ through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and wi
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
 kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
 after it and silu inside the gate_up GEMM: up to four launches fewer per layer (two at 3B, where only down_proj
-splits). At decode rows the HF-layout products run on `rollplex.kernels.swap_gemm` where it fits; the unfused
-gate_up takes the kernel the fused one would (`gate_up_swaps`), so both give the same bits. `BY_NAME` maps the
-spec's `run.decode_kernels` to these.
+splits). With `ahead`, each of the fused chain's kernels lets the next one launch before it waits for the one
+before it, and each swapped GEMM pulls the first blocks of its weights into L2 while the kernels before it run
+(`rollplex.kernels.pdl`). At decode rows the HF-layout products run on `rollplex.kernels.swap_gemm` where it
+fits; the unfused gate_up takes the kernel the fused one would (`gate_up_swaps`), so both give the same bits.
+`BY_NAME` maps the spec's `run.decode_kernels` to these.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class DecodeKernels:
     triton_gemm: bool = False  # every projection through our GEMMs
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
     fused: bool = False  # splits summed by the kernel after them, silu inside the gate_up GEMM (our GEMMs only)
+    ahead: bool = False  # each kernel lets the next launch before it waits; GEMMs prefetch weights meanwhile
 
     def __post_init__(self) -> None:
         assert self.triton_gemm or not self.fused, "fused decode kernels run on our GEMMs: set triton_gemm"
+        assert self.fused or not self.ahead, "ahead launches chain the fused kernels: set fused"
 
 
 CUBLAS = DecodeKernels()  # the default
@@ -59,6 +63,7 @@ BY_NAME = {  # `run.decode_kernels`
     "rollplex": DecodeKernels(triton_gemm=True),
     "rollplex_pdl": DecodeKernels(triton_gemm=True, pdl=True),
     "rollplex_fused": DecodeKernels(triton_gemm=True, pdl=True, fused=True),
+    "rollplex_ahead": DecodeKernels(triton_gemm=True, pdl=True, fused=True, ahead=True),
 }
 
 
@@ -88,7 +93,7 @@ class LayerWeights:
             w, b = self.qkv_weight, self.qkv_bias
             return qkv_grouped_from_megatron(x, w, b, self.num_heads, self.num_groups, self.head_dim)[None]
         if self.kernels.fused:
-            return linear_parts(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)
+            return linear_parts(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl, ahead=self.kernels.ahead)
         if self.kernels.triton_gemm:
             return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)[None]
         return F.linear(x, self.qkv_weight, self.qkv_bias)[None]
@@ -102,7 +107,7 @@ class LayerWeights:
         (`fused`) or through a view of its output."""
         block_rows = self.gate_up.shape[0] // (2 * self.num_blocks)
         if self.kernels.fused:
-            hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=self.kernels.pdl)
+            hidden = gate_up_silu(x, self.gate_up, block_rows, pdl=self.kernels.pdl, ahead=self.kernels.ahead)
             return self._row_parallel(hidden, self.down)
         if self.kernels.triton_gemm:  # the kernel `gate_up_silu` would take: the fused step gives the same bits
             swap = gate_up_swaps(x, self.gate_up, block_rows)
@@ -118,7 +123,8 @@ class LayerWeights:
         """Parts of x W^T for o_proj / down_proj, summed over the rollout group (one part) when it has several ranks:
         w is the stored [I, O] slab (transposed) or HF's [O, I]."""
         if self.kernels.fused and self.group.size == 1:
-            return (matmul_transposed_parts if self.transposed else linear_parts)(x, w, pdl=self.kernels.pdl)
+            parts = matmul_transposed_parts if self.transposed else linear_parts
+            return parts(x, w, pdl=self.kernels.pdl, ahead=self.kernels.ahead)
         if self.kernels.triton_gemm:
             y = (matmul_transposed if self.transposed else linear)(x, w, pdl=self.kernels.pdl)
         else:

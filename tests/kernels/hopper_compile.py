@@ -33,6 +33,7 @@ KERNELS = {
             "HAS_BIAS": False,
             "USE_GDC": False,
             "PAIR": 0,
+            "AHEAD": False,
         },  # down_proj of the 3B model at TP 2
     ),
     "linear": (  # the same kernel on HF's [O, I] weight with its bias: the decode step's qkv of the 3B model
@@ -48,6 +49,7 @@ KERNELS = {
             "HAS_BIAS": True,
             "USE_GDC": False,
             "PAIR": 0,
+            "AHEAD": False,
         },
     ),
     "gate_up": (  # the same kernel's silu(gate) * up: the fused decode step's gate_up of the 3B model
@@ -63,6 +65,7 @@ KERNELS = {
             "HAS_BIAS": False,
             "USE_GDC": False,
             "PAIR": 11008,
+            "AHEAD": False,
         },
     ),
     "qkv": (
@@ -116,17 +119,17 @@ def decode_kernels() -> dict:
             **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
             **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", t="i32"),
             "scale": "fp32"}, {**heads, "P": 8, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
-            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True}),
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True, "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {**heads, "HEADS": 8, "PROMPT_SPLITS": 24,
-            "OWN_SPLITS": 8, "USE_GDC": True}),
+            "OWN_SPLITS": 8, "USE_GDC": True, "AHEAD": False}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
             "eps": "fp32", "part_stride": "i32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "PARTS": 4,
-            "USE_GDC": True}),
+            "USE_GDC": True, "AHEAD": False}),
         "rotary_to_cache": (ops.rotary_to_cache_kernel, {**ptrs("qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"),
             **ptrs("cos_ptr", "sin_ptr", t="*fp32"), **ptrs("slots_ptr", "next_positions_ptr", "step_ptr", t="*i64"),
             "part_stride": "i32"}, {"H": 28, "G": 4, "D": 128, "R": 2048, "NUM_SAMPLES": 8, "PARTS": 2,
-            "USE_GDC": True}),
+            "USE_GDC": True, "AHEAD": False}),
         "silu_mul": (ops.silu_mul_kernel, ptrs("gate_up_ptr", "out_ptr"), {"N": 18944, "BLOCK": 1024, "USE_GDC": True}),
         "sample_partial": (sa.sample_partial_kernel, {"logits_ptr": "*bf16", "temperature_ptr": "*fp32",
             "partial_ptr": "*fp32", "index_ptr": "*i32",
@@ -151,6 +154,40 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
             "wait_first": wait_first(ptx)}  # fmt: skip
 
 
+def swap_kernel(pair: int) -> tuple:
+    """The swapped decode GEMM at the 3B model's decode shapes: qkv with its bias (pair 0) or the fused gate_up."""
+    from rollplex.kernels.swap_gemm import swap_gemm_kernel
+
+    signature = {"x_desc": "tensordesc<bf16[32, 128]>", "w_desc": "tensordesc<bf16[64, 128]>", "w_ptr": "*bf16",
+                 "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32"}  # fmt: skip
+    shape = {"N": 11008, "HAS_BIAS": False} if pair else {"N": 2560, "HAS_BIAS": True}
+    constexprs = {**shape, "K": 2048, "QKV": False, "NUM_HEADS": 1, "NUM_KV_HEADS": 1, "HEAD_DIM": 1, "KV_REP": 1,
+                  "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "K_SPLIT": 2048, "PAIR": pair,
+                  "USE_GDC": True, "LINE": 64}  # fmt: skip
+    return swap_gemm_kernel, signature, constexprs
+
+
+def ahead_kernels() -> dict:
+    """The kernels `ahead` launches (`rollplex.kernels.pdl`), each with AHEAD set: the swapped GEMM also with its
+    weight prefetch."""
+    chain = {
+        n: k for n, k in decode_kernels().items() if n in ("partial", "combine", "add_rms_norm", "rotary_to_cache")
+    }
+    gemms = {"swap_qkv": (*swap_kernel(0)[:2], {**swap_kernel(0)[2], "PREFETCH_K": 2048}),
+             "swap_gate_up": (*swap_kernel(11008)[:2], {**swap_kernel(11008)[2], "PREFETCH_K": 256})}  # fmt: skip
+    return {name: (fn, sig, {**ce, "AHEAD": True}) for name, (fn, sig, ce) in {**chain, **gemms}.items()}
+
+
+def launch_order(ptx: str) -> dict:
+    """Where a dependent launch lets the next kernel go (before or after it waits) and what it touches before it
+    waits: only L2 prefetches are allowed there."""
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    before = ptx[:wait]
+    touches = [op for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global") if op in before]
+    return {"launch_first": 0 <= launch < wait, "touches_before_wait": touches,
+            "prefetches_before_wait": before.count("prefetch.global.L2")}  # fmt: skip
+
+
 def wait_first(ptx: str) -> bool | None:
     """Whether griddepcontrol.wait comes before every global memory access of the kernel (None: it never waits):
     a dependent launch that read or wrote before it could race the kernel before it."""
@@ -162,6 +199,13 @@ def wait_first(ptx: str) -> bool | None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["ahead"]:
+        for name, (fn, signature, constexprs) in ahead_kernels().items():
+            names = list(fn.arg_names)
+            ordered = {n: signature[n] for n in names if n in signature}
+            ptx = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER).asm["ptx"]
+            print(json.dumps({"kernel": name, **launch_order(ptx)}))
+        sys.exit()
     if sys.argv[1:] == ["decode"]:
         for name, (fn, signature, constexprs) in decode_kernels().items():
             print(json.dumps(compile_decode_kernel(name, fn, signature, constexprs)))

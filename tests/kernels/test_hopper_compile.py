@@ -46,3 +46,18 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
     assert [r["gdc"] for r in results] == [True] * 5 + [False, False, True]  # sampling: no dependent launch
     assert all(r["wait_first"] is (True if r["gdc"] else None) for r in results)  # before any global access
+
+
+@pytest.mark.slow
+def test_ahead_each_kernel_lets_the_next_launch_first_and_touches_nothing_but_weight_prefetches_before_it_waits():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    out = subprocess.run([sys.executable, str(script), "ahead"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = {r.pop("kernel"): r for r in map(json.loads, out.stdout.splitlines())}
+    assert list(results) == ["partial", "combine", "add_rms_norm", "rotary_to_cache", "swap_qkv", "swap_gate_up"]
+    assert all(r["launch_first"] and r["touches_before_wait"] == [] for r in results.values()), results
+    # 64 weight rows x 2048 elements in 128-byte lines over 128 threads; the pair: gate and up rows, 256 elements
+    assert results["swap_qkv"]["prefetches_before_wait"] == 64 * 2048 // 64 // 128
+    assert results["swap_gate_up"]["prefetches_before_wait"] == 2 * 64 * 256 // 64 // 128
+    assert all(results[k]["prefetches_before_wait"] == 0 for k in ("partial", "combine", "add_rms_norm"))

@@ -117,8 +117,11 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
     assert set(get_args(RunSpec.model_fields["decode_kernels"].annotation)) == {"auto", *BY_NAME}
     assert BY_NAME["cublas"] == DecodeKernels() and BY_NAME["rollplex_pdl"].pdl and BY_NAME["rollplex"].triton_gemm
     assert BY_NAME["rollplex_fused"] == DecodeKernels(triton_gemm=True, pdl=True, fused=True)
+    assert BY_NAME["rollplex_ahead"] == replace(BY_NAME["rollplex_fused"], ahead=True)
     with pytest.raises(AssertionError, match="fused decode kernels run on our GEMMs"):
         DecodeKernels(fused=True)
+    with pytest.raises(AssertionError, match="ahead launches chain the fused kernels"):
+        DecodeKernels(triton_gemm=True, pdl=True, ahead=True)
 
 
 @pytest.mark.gpu
@@ -127,9 +130,10 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
 @pytest.mark.parametrize("shapes", ["tiny", "3b"])
 def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, prompts, shapes):
     """Our kernels launched plainly, as programmatic dependents (a kernel that read before the one before it had
-    written would change a token or a log-prob), and fused (splits summed by the norm and rotary kernels, silu
-    inside the gate_up GEMM, rounded as the unfused kernels round): the sampled rollout is bitwise the same. At 3B
-    shapes (two layers, bf16) down_proj splits K."""
+    written would change a token or a log-prob), fused (splits summed by the norm and rotary kernels, silu inside
+    the gate_up GEMM, rounded as the unfused kernels round), and ahead (each kernel letting the next launch before
+    it waits, the GEMMs prefetching their weights): the sampled rollout is bitwise the same. At 3B shapes (two
+    layers, bf16) down_proj splits K."""
     if shapes == "3b":
         config = load_model_config("qwen2_5_vl_3b")
         torch.manual_seed(0)
@@ -139,7 +143,7 @@ def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, 
         RolloutEngine(model, kernels=BY_NAME[name]).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
         )
-        for name in ("rollplex", "rollplex_pdl", "rollplex_fused")
+        for name in ("rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead")
     )
     for other in others:
         assert torch.equal(plain.responses, other.responses) and torch.equal(plain.logprobs, other.logprobs)
