@@ -1,6 +1,7 @@
 """Without a GPU, both kernels (and the transposed one's fused gate_up) still compile for sm_90 with the picked tiles
 (and with K split), software-pipelined (cp.async), within Hopper's shared memory, and on wgmma tensor cores once the
-M tile reaches 64."""
+M tile reaches 64; every decode kernel compiles too, and launched `ahead` lets the next kernel launch first and
+touches nothing but its weights' L2 prefetches before it waits."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ pytest.importorskip("triton")
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
-@pytest.mark.slow
-def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
+def compiled(*args: str) -> list[dict]:
+    """The JSON lines of hopper_compile.py run with args, in a process without TRITON_INTERPRET (which would
+    replace the kernels by interpreted functions)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    results = [json.loads(line) for line in out.stdout.splitlines()]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
+    results = compiled()
     assert len(results) == 15  # per GEMM: decode 1 and 64 rows, prefill, decode with K in 4 masked parts; + PDL x 3
     for r in results:
         assert r["cp_async"] and r["shared_bytes"] <= HOPPER_SHARED_BYTES, r
@@ -34,11 +41,7 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
 
 @pytest.mark.slow
 def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("hopper_compile.py")
-    out = subprocess.run([sys.executable, str(script), "decode"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    results = [json.loads(line) for line in out.stdout.splitlines()]
+    results = compiled("decode")
     assert [r["kernel"] for r in results] == [
         "partial", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial", "sample_finish",
         "sum_splits",
@@ -50,11 +53,7 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory():
 
 @pytest.mark.slow
 def test_ahead_each_kernel_lets_the_next_launch_first_and_touches_nothing_but_weight_prefetches_before_it_waits():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("hopper_compile.py")
-    out = subprocess.run([sys.executable, str(script), "ahead"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    results = {r.pop("kernel"): r for r in map(json.loads, out.stdout.splitlines())}
+    results = {r.pop("kernel"): r for r in compiled("ahead")}
     assert list(results) == ["partial", "combine", "add_rms_norm", "rotary_to_cache", "swap_qkv", "swap_gate_up"]
     assert all(r["launch_first"] and r["touches_before_wait"] == [] for r in results.values()), results
     # 64 weight rows x 2048 elements in 128-byte lines over 128 threads; the pair: gate and up rows, 256 elements
