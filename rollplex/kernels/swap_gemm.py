@@ -109,8 +109,8 @@ def swap_gemm_kernel(
     else:
         first_row = first_col
     if USE_GDC and AHEAD and PREFETCH_K > 0:  # the weights: no kernel of the chain writes them
-        lines = first_k + tl.arange(0, PREFETCH_K // LINE) * LINE
-        lines = w_ptr + (first_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + lines[None, :]
+        ks = tl.minimum(first_k + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)  # a last part's end: within W
+        lines = w_ptr + (first_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + ks[None, :]
         prefetch_l2(lines)
         if PAIR > 0:
             prefetch_l2(lines + PAIR * K)
