@@ -14,6 +14,7 @@ Phase 2 and 3 ops are measured as usual.
 
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix   # both prefixes' kernels
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix,suffix,backward  # a table each
+    python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels backward_through_prefix  # that call only
 
 With `--memory-history PATH` the allocator's history is recorded over the measured step's Phase 2 (the phase
 whose driver-side peak sits above the plan) and its summary written as JSON (`bench/memory_history.py`): where
@@ -61,7 +62,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="actor_backward",
-        help="profile the ops whose id contains this (comma-separated: a table each)",
+        help="profile the ops whose id contains this, or each call of backward_through_prefix or suffix_rows "
+        "(comma-separated: a table each)",
     )
     ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
     ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
@@ -230,8 +232,15 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
 
 
+PART_FUNCTIONS = {  # `--kernels` names that profile each call of a function inside an op: (owner, attribute)
+    "backward_through_prefix": (scoring.LeafBoundary, "backward_through_prefix"),
+    "suffix_rows": (Qwen2_5_VL, "suffix_rows"),
+}
+
+
 def _profile_group(engines, g, dataset, size, args) -> None:
-    """Kernels of one more step's ops whose id contains one of `--kernels` (comma-separated), by GPU time (CUDA
+    """Kernels of one more step's ops whose id contains one of `--kernels` (comma-separated), or of each call of
+    a function `PART_FUNCTIONS` names, by GPU time (CUDA
     activity only: a whole step's host events take minutes to collect), one table per filter, each with its
     kernels' GPU time by class (`kernel_class`). Under rollplex a prefix op runs beside decode (its chunks are
     not ops of their own): profile it under serial."""
@@ -244,30 +253,51 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     picked = {f: [] for f in filters}
 
     def matching(o: Op) -> str | None:
-        return next((f for f in filters if f in o.id), None)
+        return next((f for f in filters if f in o.id and f not in PART_FUNCTIONS), None)
 
-    def before(o: Op) -> None:
-        if matching(o) is not None:
-            _sync()
-            running.append((profile(activities=[activity]), time.perf_counter()))
-            running[-1][0].__enter__()
+    def start() -> None:
+        _sync()
+        running.append((profile(activities=[activity]), time.perf_counter()))
+        running[-1][0].__enter__()
 
-    def after(o: Op) -> None:
-        f = matching(o)
-        if f is None:
-            return
+    def stop(f: str, name: str) -> None:
         _sync()
         prof, t0 = running.pop()
         wall[f] += time.perf_counter() - t0
         prof.__exit__(None, None, None)
-        picked[f].append(o.id)
+        picked[f].append(name)
         for e in prof.key_averages():
             seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
             seconds_calls[0] += getattr(e, key) / 1e6
             seconds_calls[1] += e.count
 
+    def before(o: Op) -> None:
+        if matching(o) is not None:
+            start()
+
+    def after(o: Op) -> None:
+        if (f := matching(o)) is not None:
+            stop(f, o.id)
+
+    def profiled(f: str, fn):
+        def wrapper(*a, **kw):
+            start()
+            try:
+                return fn(*a, **kw)
+            finally:
+                stop(f, f)
+
+        return wrapper
+
+    originals = {f: getattr(*PART_FUNCTIONS[f]) for f in filters if f in PART_FUNCTIONS}
+    for f, fn in originals.items():
+        setattr(*PART_FUNCTIONS[f], profiled(f, fn))
     batch = staged_batch(dataset, (args.warmup + 1) * size, size, CUDA)
-    run_iteration(g, engines, batch, before_op=before, after_op=after)
+    try:
+        run_iteration(g, engines, batch, before_op=before, after_op=after)
+    finally:
+        for f, fn in originals.items():
+            setattr(*PART_FUNCTIONS[f], fn)
     for f in filters:
         _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
 
@@ -278,7 +308,8 @@ def _print_kernels(name: str, picked: list[str], wall: float, kernels: dict, top
         return
     events = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     total = sum(seconds for seconds, _ in kernels.values())
-    print(f"\n{', '.join(picked)}: {wall:.2f} s wall (profiled), kernels {total:.2f} s in all")
+    calls = f" ({len(picked)} calls)" if len(set(picked)) < len(picked) else ""
+    print(f"\n{', '.join(dict.fromkeys(picked))}{calls}: {wall:.2f} s wall (profiled), kernels {total:.2f} s in all")
     by_class: dict[str, list] = {}
     for kernel, (seconds, calls) in kernels.items():
         entry = by_class.setdefault(kernel_class(kernel), [0.0, 0])

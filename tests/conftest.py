@@ -17,6 +17,16 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture
+def nondeterministic():
+    """torch's deterministic mode off for one test, as it was after (a spec with `run.deterministic` sets it
+    process-wide, and while it is on torch refuses kernels that accumulate with atomics, flash's backward too)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@pytest.fixture
 def cudnn_attention():
     """SDPA may pick cuDNN for one test, as things were after: cuDNN's SDPA switched on, and torch's deterministic
     mode off (a spec with `run.deterministic` sets it process-wide, and while it is on SDPA never picks cuDNN)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("schedule, grouping", [("serial", ["--prompts-per-chunk", "all"]), ("rollplex", [])])
 def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
-               "--schedule", schedule, "--kernels", "ref_score.suffix,actor_backward,nothing", "--top", "3",
+               "--schedule", schedule, "--kernels", "ref_score.suffix,actor_backward,nothing,suffix_rows", "--top", "3",
                *grouping]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -30,7 +31,8 @@ def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
     # under rollplex the prefixes run beside decode: their befores all come before their afters
     assert {"rollout", "ref_score.prefix", "actor_score.prefix", "ref_score.suffix", "actor_backward"} <= timed
     assert "ref_score.suffix: " in out.stdout and "actor_backward: " in out.stdout  # a table per filter
-    assert out.stdout.count("by class: ") == 2 and "no op id contains 'nothing'" in out.stdout
+    assert out.stdout.count("by class: ") == 3 and "no op id contains 'nothing'" in out.stdout
+    assert re.search(r"^suffix_rows \(\d+ calls\): ", out.stdout, re.M)  # each call of a function inside ops
 
 
 def test_kernel_classes_sort_a_profiles_kernel_names():

@@ -250,6 +250,7 @@ def test_on_a_gpu_the_packed_vision_attention_runs_on_cudnn_equals_one_call_per_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("nondeterministic")
 def test_on_a_gpu_varlen_vision_attention_equals_one_call_per_length():
     torch.manual_seed(0)
     device = torch.device("cuda")
