@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from rollplex.bench.variants import with_prompts_per_chunk
@@ -66,6 +67,11 @@ def main() -> None:
         "(comma-separated: a table each)",
     )
     ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="also record host activity in the profiled ops and list their torch ops by self host time",
+    )
     ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
@@ -244,9 +250,12 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     activity only: a whole step's host events take minutes to collect), one table per filter, each with its
     kernels' GPU time by class (`kernel_class`). Under rollplex a prefix op runs beside decode (its chunks are
     not ops of their own): profile it under serial."""
-    activity = ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU
+    activities = [ProfilerActivity.CUDA] if CUDA else []
+    if args.host or not CUDA:
+        activities.append(ProfilerActivity.CPU)
     key = "device_time_total" if CUDA else "cpu_time_total"
     filters = [f for f in args.kernels.split(",") if f]
+    host = {f: {} for f in filters}  # filter -> torch op -> [self host seconds, calls]
     running: list = []  # (profiler, start) of the op being profiled
     wall = dict.fromkeys(filters, 0.0)
     kernels = {f: {} for f in filters}  # filter -> kernel name -> [seconds, calls]
@@ -257,7 +266,7 @@ def _profile_group(engines, g, dataset, size, args) -> None:
 
     def start() -> None:
         _sync()
-        running.append((profile(activities=[activity]), time.perf_counter()))
+        running.append((profile(activities=activities), time.perf_counter()))
         running[-1][0].__enter__()
 
     def stop(f: str, name: str) -> None:
@@ -267,8 +276,12 @@ def _profile_group(engines, g, dataset, size, args) -> None:
         prof.__exit__(None, None, None)
         picked[f].append(name)
         for e in prof.key_averages():
-            seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
-            seconds_calls[0] += getattr(e, key) / 1e6
+            if CUDA and e.device_type == DeviceType.CPU:  # a host event (under --host): its self time, by op
+                seconds_calls = host[f].setdefault(e.key, [0.0, 0])
+                seconds_calls[0] += e.self_cpu_time_total / 1e6
+            else:
+                seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
+                seconds_calls[0] += getattr(e, key) / 1e6
             seconds_calls[1] += e.count
 
     def before(o: Op) -> None:
@@ -300,6 +313,11 @@ def _profile_group(engines, g, dataset, size, args) -> None:
             setattr(*PART_FUNCTIONS[f], fn)
     for f in filters:
         _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
+        if host[f]:
+            print(f"host: torch ops by self host time, {sum(s for s, _ in host[f].values()):.2f} s in all")
+            print(f"{'host s':>7} {'calls':>7}  op")
+            for op, (seconds, calls) in sorted(host[f].items(), key=lambda kv: -kv[1][0])[: args.top]:
+                print(f"{seconds:>7.3f} {calls:>7}  {op[:110]}")
 
 
 def _print_kernels(name: str, picked: list[str], wall: float, kernels: dict, top: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from typing import TypeVar
 
 import torch
@@ -19,7 +19,7 @@ Fn = TypeVar("Fn", bound=Callable[..., Tensor | tuple[Tensor, ...]])
 RECOMPILE_LIMIT = 64  # compiled variants per function (input ranks, widths, grad modes), beyond which torch runs eager
 
 
-def gpu_compiled(fn: Fn) -> Fn:
+def gpu_compiled(fn: Fn, *, unbacked: bool = False) -> Fn:
     """`fn`, an elementwise chain on tensors, compiled by Inductor (fused kernels in forward and backward, for any
     lengths) when its first argument is on a GPU, run as it is elsewhere (`.eager`). Unfused, a norm, a rotary or
     a gated activation is several kernels each reading and writing the whole activation; with many of them per
@@ -32,11 +32,19 @@ def gpu_compiled(fn: Fn) -> Fn:
     (`bench/prefix_ops.py`: the decoder's norm 1.6x, its q and k rotary 12x). Torch keeps which dimensions
     changed per function, and a call with inputs of another rank turns all of them symbolic; so each layout of
     the inputs (their ranks and last widths: the vision tower's [S, 1280] beside the decoder's [B, T, 2048])
-    compiles its own copy of `fn` (`_copy`)."""
-    return layout_compiled(fn, "inductor", lambda x: x.is_cuda)
+    compiles its own copy of `fn` (`_copy`).
+
+    A chain whose backward sums over a changing dimension (a norm's weight gradient, summed over tokens) takes
+    `unbacked`: its changing dimensions turn unbacked symbols rather than backed ones. Inductor picks such a
+    sum's strategy by its length's range and guards on that range, so every batch length in a range not seen
+    before would compile the chain again, forward and backward (seconds, in the middle of a step, for as long as
+    new ranges turn up); an unbacked length admits no guard, and one compile serves every length."""
+    return layout_compiled(fn, "inductor", lambda x: x.is_cuda, unbacked=unbacked)
 
 
-def layout_compiled(fn: Fn, backend: str | Callable, applies: Callable[[Tensor], bool]) -> Fn:
+def layout_compiled(
+    fn: Fn, backend: str | Callable, applies: Callable[[Tensor], bool], *, unbacked: bool = False
+) -> Fn:
     """`gpu_compiled` with torch.compile's `backend`, compiled where `applies(first argument)`."""
     compiled: dict[tuple, Callable[..., Tensor]] = {}
 
@@ -52,7 +60,12 @@ def layout_compiled(fn: Fn, backend: str | Callable, applies: Callable[[Tensor],
             compiled[layout] = torch.compile(_copy(fn, len(compiled)), backend=backend)
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        return compiled[layout](*args)
+        if not unbacked:
+            return compiled[layout](*args)
+        from torch import _dynamo
+
+        with _dynamo.config.patch(automatic_dynamic_shapes_mark_as="unbacked"):  # read when a call compiles
+            return compiled[layout](*args)
 
     run.eager = fn
     return run  # type: ignore[return-value]
@@ -66,7 +79,7 @@ def _copy(fn: Callable, index: int) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-@gpu_compiled
+@partial(gpu_compiled, unbacked=True)
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) in float32 over the last dimension, cast back to x's dtype, then times
     `weight` in that dtype (as HF does)."""

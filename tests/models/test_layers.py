@@ -3,6 +3,8 @@ included, for inputs of any length; elsewhere they are their eager form."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -72,3 +74,42 @@ def test_on_a_gpu_the_compiled_chains_equal_their_eager_form_gradients_included(
         ours, eager = (torch.autograd.grad(loss, leaves) for loss in losses)
         for a, b in zip(ours, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(device):
+    """Inductor picks how to sum the weight's gradient over tokens by the tokens' range and guards on it: with
+    backed lengths, a length past 4,096 (on the CPU) or in another range (on a GPU: under 2,560, up to 4,095,
+    beyond) compiled the norm again."""
+    compiles = []
+
+    def counted(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiles.append(len(compiles))
+        return compile_fx(gm, example_inputs)
+
+    fresh = types.FunctionType(
+        rms_norm.eager.__code__.replace(co_name=f"fresh_norm_{device}"), rms_norm.eager.__globals__
+    )
+    norm = layout_compiled(fresh, counted, lambda x: True, unbacked=True)  # torch keeps no state of its name yet
+    dtype, width = (torch.float32, 8) if device == "cpu" else (torch.bfloat16, 2048)
+    tolerance = {} if device == "cpu" else {"rtol": 2e-2, "atol": 2e-2}
+    weight = torch.randn(width, device=device, dtype=dtype, requires_grad=True)
+    for length in [300, 200, 5000, 2, 3226, 9000, 965]:
+        x = torch.randn(1, length, width, device=device, dtype=dtype, requires_grad=True)
+        ours, eager = norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6)
+        torch.testing.assert_close(ours, eager, **tolerance)
+        grads = [torch.autograd.grad(out.float().square().sum(), (x, weight)) for out in (ours, eager)]
+        for a, b in zip(*grads, strict=True):  # the weight's sums over tokens in another order
+            torch.testing.assert_close(a, b, **(tolerance or {"rtol": 1e-5, "atol": 1e-5}))
+    assert len(compiles) == 2  # static, then the length unbacked
