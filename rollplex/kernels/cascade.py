@@ -230,46 +230,38 @@ def combine_kernel(
     out_ptr,  # [rows, H, D] in the model's dtype
     max_rows,
     H: tl.constexpr,
-    HPG: tl.constexpr,
     D: tl.constexpr,
-    HEADS: tl.constexpr,  # power of two >= HPG
     PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
 ):
+    """One program per (row, head): the head's partials of every chunk merged through their log-sum-exp. A
+    program per head rather than per kv-head group: at a batch of one prompt the merge still spreads over the
+    GPU, each program's loads few enough to be in flight at once."""
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    r = tl.arange(0, HEADS)
-    head = g * HPG + r
-    valid = r < HPG
+    head = tl.program_id(1)
     d = tl.arange(0, D)
-    m = tl.full((HEADS,), float("-inf"), dtype=tl.float32)
+    m = float("-inf")
     for s in tl.static_range(PROMPT_SPLITS):  # unrolled: the loads of all splits are in flight at once
-        at = (s * max_rows + row).to(tl.int64) * H + head
-        m = tl.maximum(m, tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf")))
+        m = tl.maximum(m, tl.load(prompt_lse_ptr + (s * max_rows + row).to(tl.int64) * H + head))
     for s in tl.static_range(OWN_SPLITS):
-        at = (s * max_rows + row).to(tl.int64) * H + head
-        m = tl.maximum(m, tl.load(own_lse_ptr + at, mask=valid, other=float("-inf")))
-    m = tl.where(valid, m, 0.0)  # finite on valid heads: a row always sees its own token
-    total = tl.full((HEADS,), 0.0, dtype=tl.float32)
-    acc = tl.full((HEADS, D), 0.0, dtype=tl.float32)
+        m = tl.maximum(m, tl.load(own_lse_ptr + (s * max_rows + row).to(tl.int64) * H + head))
+    total = 0.0  # m is finite: a row always sees its own token
+    acc = tl.zeros((D,), dtype=tl.float32)
     for s in tl.static_range(PROMPT_SPLITS):  # an empty chunk (lse -inf) weighs 0: its output is not read
         at = (s * max_rows + row).to(tl.int64) * H + head
-        lse = tl.load(prompt_lse_ptr + at, mask=valid, other=float("-inf"))
+        lse = tl.load(prompt_lse_ptr + at)
         w = tl.exp(lse - m)
-        has = (valid & (lse > float("-inf")))[:, None]
-        acc += w[:, None] * tl.load(prompt_out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)
+        acc += w * tl.load(prompt_out_ptr + at * D + d, mask=tl.broadcast_to(lse, (D,)) > float("-inf"), other=0.0)
         total += w
     for s in tl.static_range(OWN_SPLITS):
         at = (s * max_rows + row).to(tl.int64) * H + head
-        lse = tl.load(own_lse_ptr + at, mask=valid, other=float("-inf"))
+        lse = tl.load(own_lse_ptr + at)
         w = tl.exp(lse - m)
-        has = (valid & (lse > float("-inf")))[:, None]
-        acc += w[:, None] * tl.load(own_out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)
+        acc += w * tl.load(own_out_ptr + at * D + d, mask=tl.broadcast_to(lse, (D,)) > float("-inf"), other=0.0)
         total += w
-    out = acc / tl.where(valid, total, 1.0)[:, None]
-    dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    dst = out_ptr + (row * H + head).to(tl.int64) * D + d
+    tl.store(dst, (acc / total).to(out_ptr.dtype.element_ty))
     leave(USE_GDC, AHEAD)

@@ -7,7 +7,7 @@ Two launches, split over keys so that a handful of prompts still fill the GPU (f
   the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile) against
   the chunk of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its
   own response cache.
-- `combine_kernel`, grid (rows, kv heads): merges every chunk's partial output through its log-sum-exp.
+- `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
@@ -141,9 +141,8 @@ class DecodeAttention:
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
             num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
-        combine_kernel[(rows, g)](
+        combine_kernel[(rows, h)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
-            H=h, HPG=hpg, D=d, HEADS=_pow2(hpg), PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            **pdl_options(pdl, q, ahead),
+            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         return out
