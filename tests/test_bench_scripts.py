@@ -267,3 +267,18 @@ def test_prefix_packing_times_both_layouts_on_the_tiny_spec(tmp_path):
     (step,) = json.loads(out.read_text())["steps"]
     assert step["padded_tokens"] > step["prompt_tokens"]  # the tiny spec's prompts differ in length
     assert set(step["padded"]) == set(step["packed"]) == {"reference_s", "actor_forward_s", "actor_backward_s"}
+
+
+def test_decode_attention_times_every_option_set_and_checks_it_against_the_default(tmp_path):
+    command = [sys.executable, str(ROOT / "bench/decode_attention.py"), "--batch", "8", "--live", "5",
+               "--prompt-tokens", "40", "--tokens", "24", "--heads", "4", "2", "16", "--layers", "1",
+               "--prompt-chunks", "16", "32", "--own-chunks", "16", "--block", "16",
+               "--out", str(tmp_path / "a.json")]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT / "bench")  # it imports decode.py
+    assert out.returncode == 0, out.stderr[-2000:]
+    cases = json.loads((tmp_path / "a.json").read_text())["cases"]
+    assert [(c["batch"], c["options"]) for c in cases] == [
+        (8, o) for o in ("p64/o64/w4/s3", "p16/o16/w4/s3", "p32/o16/w4/s3")
+    ]  # the default first: the shape's picks (here the longest chunks) at 4 warps, 3 stages
+    assert all(c["max_diff_from_default"] < 1e-2 and c["us_per_layer"] > 0 for c in cases)
+    assert out.stdout.count("(default)") == 1 and "p32/o16/w4/s3" in out.stdout.split("(default)")[1]  # the table
