@@ -233,35 +233,36 @@ def combine_kernel(
     D: tl.constexpr,
     PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
+    PROMPT_LANES: tl.constexpr,  # powers of two >= the splits
+    OWN_LANES: tl.constexpr,
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
 ):
-    """One program per (row, head): the head's partials of every chunk merged through their log-sum-exp. A
-    program per head rather than per kv-head group: at a batch of one prompt the merge still spreads over the
-    GPU, each program's loads few enough to be in flight at once."""
+    """One program per (row, head): the head's partials of every chunk, loaded at once, merged through their
+    log-sum-exp. A program per head rather than per kv-head group: at a batch of one prompt the merge still
+    spreads over the GPU."""
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
     head = tl.program_id(1)
-    d = tl.arange(0, D)
-    m = float("-inf")
-    for s in tl.static_range(PROMPT_SPLITS):  # unrolled: the loads of all splits are in flight at once
-        m = tl.maximum(m, tl.load(prompt_lse_ptr + (s * max_rows + row).to(tl.int64) * H + head))
-    for s in tl.static_range(OWN_SPLITS):
-        m = tl.maximum(m, tl.load(own_lse_ptr + (s * max_rows + row).to(tl.int64) * H + head))
-    total = 0.0  # m is finite: a row always sees its own token
-    acc = tl.zeros((D,), dtype=tl.float32)
-    for s in tl.static_range(PROMPT_SPLITS):  # an empty chunk (lse -inf) weighs 0: its output is not read
-        at = (s * max_rows + row).to(tl.int64) * H + head
-        lse = tl.load(prompt_lse_ptr + at)
-        w = tl.exp(lse - m)
-        acc += w * tl.load(prompt_out_ptr + at * D + d, mask=tl.broadcast_to(lse, (D,)) > float("-inf"), other=0.0)
-        total += w
-    for s in tl.static_range(OWN_SPLITS):
-        at = (s * max_rows + row).to(tl.int64) * H + head
-        lse = tl.load(own_lse_ptr + at)
-        w = tl.exp(lse - m)
-        acc += w * tl.load(own_out_ptr + at * D + d, mask=tl.broadcast_to(lse, (D,)) > float("-inf"), other=0.0)
-        total += w
-    dst = out_ptr + (row * H + head).to(tl.int64) * D + d
+    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, PROMPT_SPLITS, PROMPT_LANES)
+    lse_o, out_o = _partials(own_out_ptr, own_lse_ptr, row, head, max_rows, H, D, OWN_SPLITS, OWN_LANES)
+    m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite: a row always sees its own token
+    w_p, w_o = tl.exp(lse_p - m), tl.exp(lse_o - m)  # an empty chunk or a padding lane weighs 0
+    acc = tl.sum(w_p[:, None] * out_p, 0) + tl.sum(w_o[:, None] * out_o, 0)
+    total = tl.sum(w_p, 0) + tl.sum(w_o, 0)
+    dst = out_ptr + (row * H + head).to(tl.int64) * D + tl.arange(0, D)
     tl.store(dst, (acc / total).to(out_ptr.dtype.element_ty))
     leave(USE_GDC, AHEAD)
+
+
+@triton.jit
+def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+              LANES: tl.constexpr):  # fmt: skip
+    """lse [LANES] and out [LANES, D] of one (row, head) over SPLITS chunks: lanes past SPLITS, and empty chunks,
+    give (-inf, 0) and read no output."""
+    s = tl.arange(0, LANES)
+    at = (s * max_rows + row).to(tl.int64) * H + head
+    lse = tl.load(lse_ptr + at, mask=s < SPLITS, other=float("-inf"))
+    d = tl.arange(0, D)
+    has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
+    return lse, tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)

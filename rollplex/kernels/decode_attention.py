@@ -143,6 +143,7 @@ class DecodeAttention:
         )  # fmt: skip
         combine_kernel[(rows, h)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
-            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits, **pdl_options(pdl, q, ahead),
+            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
+            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         return out

@@ -123,7 +123,7 @@ def decode_kernels() -> dict:
             "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 24,
-            "OWN_SPLITS": 8, "USE_GDC": True, "AHEAD": False}),
+            "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
             "eps": "fp32", "part_stride": "i32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "PARTS": 4,
             "USE_GDC": True, "AHEAD": False}),
