@@ -60,9 +60,8 @@ def main() -> None:
             step = torch.tensor([min(live, args.tokens - 1)], device=device)
             default = None
             for option in options:
-                case = time_option(args, layers, batch, step, option, default, bandwidth)
-                default = case.pop("out") if option is None else default
-                case.pop("out", None)
+                case, out = time_option(args, layers, batch, step, option, default, bandwidth)
+                default = out if option is None else default
                 cases.append(case)
                 if args.compile_only:
                     continue
@@ -105,9 +104,11 @@ class Layer:
         )  # fmt: skip
 
 
-def time_option(args, layers: list[Layer], batch: int, step: torch.Tensor, option, default, bandwidth) -> dict:
-    """One option set at one batch and live length: microseconds per layer, bound, and the largest difference
-    of its output from the default's (`out`: layer 0's output, kept for the default)."""
+def time_option(
+    args, layers: list[Layer], batch: int, step: torch.Tensor, option, default, bandwidth
+) -> tuple[dict, torch.Tensor]:
+    """One option set at one batch and live length: its case (microseconds per layer, bound, and the largest
+    difference of its output from the default's) and its output at layer 0."""
     heads, kv_heads, dim = args.heads
     prompt_chunk, own_chunk, warps, stages = option or (0, 0, 4, 3)
     shape = DecodeAttentionShape(
@@ -122,14 +123,14 @@ def time_option(args, layers: list[Layer], batch: int, step: torch.Tensor, optio
         "max_diff_from_default": 0.0 if default is None else float((out.float() - default.float()).abs().max()),
     }  # fmt: skip
     if args.compile_only:
-        return case
+        return case, out
     seconds = _replay(layers, attention, step, args.replays)
     read = sum(x.element_size() * x[..., : int(step) + 1, :].numel() for x in (layers[0].own_k, layers[0].own_v))
     read += 2 * layers[0].prompt_k.numel() * layers[0].prompt_k.element_size()
-    case.update(us_per_layer=seconds / len(layers) * 1e6, mbytes_per_layer=read / 1e6, out=out)
+    case.update(us_per_layer=seconds / len(layers) * 1e6, mbytes_per_layer=read / 1e6)
     if bandwidth:
         case.update(bound_us=read / bandwidth * 1e6, of_bound=read / bandwidth / (seconds / len(layers)))
-    return case
+    return case, out
 
 
 def _name(shape: DecodeAttentionShape) -> str:
