@@ -284,3 +284,14 @@ def test_decode_attention_times_every_option_set_and_checks_it_against_the_defau
     assert out.stdout.count("(default)") == 1 and "p32/o16/w4/s3" in out.stdout.split("(default)")[1]  # the table
     compiled = subprocess.run([*command[:-2], "--compile-only"], capture_output=True, text=True, cwd=ROOT / "bench")
     assert compiled.returncode == 0 and compiled.stdout == "", compiled.stderr[-2000:]  # runs each set, times none
+
+
+def test_gemm_host_times_each_product_at_a_new_row_count_and_again(tmp_path):
+    command = [sys.executable, str(ROOT / "bench/gemm_host.py"), "--rows", "2", "--scale", "0.01",
+               "--out", str(tmp_path / "h.json")]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    calls = json.loads((tmp_path / "h.json").read_text())["calls"]
+    assert len(calls) == 5 * 2 * 3 and len({c["m"] for c in calls}) == 2  # shapes x row counts x products
+    assert all(c["first_us"] > 0 and c["again_us"] > 0 for c in calls)
+    assert len(out.stdout.splitlines()) == 1 + 5 * 3
