@@ -111,5 +111,8 @@ def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(dev
         torch.testing.assert_close(ours, eager, **tolerance)
         grads = [torch.autograd.grad(out.float().square().sum(), (x, weight)) for out in (ours, eager)]
         for a, b in zip(*grads, strict=True):  # the weight's sums over tokens in another order
-            torch.testing.assert_close(a, b, **(tolerance or {"rtol": 1e-5, "atol": 1e-5}))
+            if device == "cpu":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:  # bf16 sums over thousands of tokens: within 2 % of the largest
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, float(b.abs().max())))
     assert len(compiles) == 2  # static, then the length unbacked
