@@ -12,9 +12,9 @@ so no layer's keys are in L2 from the call before) is replayed and timed. Every 
 against the default's (the shape's own picks, 4 warps, 3 stages). The bound: the live prompt and own keys and
 values over the measured copy bandwidth. The table lists each case's default and its fastest option sets.
 
-With `--compile-only` each option set runs once per batch and nothing is timed: Triton compiles on the host, so
-start a few of those in parallel (split the option lists) before the timed run. Off a GPU (the tests) the same
-runs under Triton's interpreter at the sizes given, times from the host clock.
+With `--compile-only` each option set runs once per batch and live length and nothing is timed: Triton compiles
+on the host, so start a few of those in parallel (split the option lists) before the timed run. Off a GPU (the
+tests) the same runs under Triton's interpreter at the sizes given, times from the host clock.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bandwidth = copy_bandwidth() / 2 if device.type == "cuda" else None  # bytes read per second
+    bandwidth = copy_bandwidth() if device.type == "cuda" else None  # bytes moved per second, as decode.py
     options = [None, *itertools.product(args.prompt_chunks, args.own_chunks, args.warps, args.stages)]
     cases = []
     for batch in args.batch:

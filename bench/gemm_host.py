@@ -45,7 +45,7 @@ def main() -> None:
         n, k = max(8, int(n * args.scale)), max(8, int(k * args.scale))
         w = torch.randn(n, k, device=device, dtype=dtype)
         torch.matmul(w[:64], w[:64].t())  # the library's first call at these widths
-        torch.empty(max(draws) * max(n, k), device=device, dtype=dtype)  # freed at once, the allocator keeps it
+        torch.empty(max(draws) * (k + 2 * n), device=device, dtype=dtype)  # x, dy and the output: kept once freed
         for m in draws:
             x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, n, device=device, dtype=dtype)
             for product, a, b in (("x W^T", x, w.t()), ("dy W", dy, w), ("dy^T x", dy.t(), x)):

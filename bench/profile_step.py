@@ -74,6 +74,10 @@ def main() -> None:
     )
     ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
     args = ap.parse_args()
+    functions = [f in PART_FUNCTIONS for f in args.kernels.split(",") if f]
+    if any(functions) and not all(functions):
+        # a function runs inside ops: its profiler would nest in the op's, and stopping it ends the op's session
+        sys.exit(f"profile_step: --kernels takes op ids or {', '.join(PART_FUNCTIONS)}, not both in one run")
     loaded = load_spec(args.spec)
     if args.prompts_per_chunk:
         loaded = with_prompts_per_chunk(loaded, args.prompts_per_chunk)
@@ -276,7 +280,9 @@ def _profile_group(engines, g, dataset, size, args) -> None:
         prof.__exit__(None, None, None)
         picked[f].append(name)
         for e in prof.key_averages():
-            if CUDA and e.device_type == DeviceType.CPU:  # a host event (under --host): its self time, by op
+            if CUDA and e.device_type == DeviceType.CPU:  # a host event: its self time, by op (under --host)
+                if not args.host:
+                    continue  # CUDA runtime calls, recorded with the device's activity
                 seconds_calls = host[f].setdefault(e.key, [0.0, 0])
                 seconds_calls[0] += e.self_cpu_time_total / 1e6
             else:
@@ -314,7 +320,7 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     for f in filters:
         _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
         if host[f]:
-            print(f"host: torch ops by self host time, {sum(s for s, _ in host[f].values()):.2f} s in all")
+            print(f"host: torch ops and runtime calls by self host time, {sum(s for s, _ in host[f].values()):.2f} s")
             print(f"{'host s':>7} {'calls':>7}  op")
             for op, (seconds, calls) in sorted(host[f].items(), key=lambda kv: -kv[1][0])[: args.top]:
                 print(f"{seconds:>7.3f} {calls:>7}  {op[:110]}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,19 +19,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, grouping", [("serial", ["--prompts-per-chunk", "all"]), ("rollplex", [])])
-def test_profile_step_times_every_op_of_either_schedule(schedule, grouping):
+@pytest.mark.parametrize(
+    "schedule, grouping, kernels, tables",
+    [
+        ("serial", ["--prompts-per-chunk", "all"], "ref_score.suffix,actor_backward,nothing", ["ref_score.suffix: ",
+                                                                                             "actor_backward: "]),
+        ("rollplex", [], "suffix_rows,backward_through_prefix", ["suffix_rows (",
+                                                                  "backward_through_prefix: "]),
+    ],
+)  # fmt: skip
+def test_profile_step_times_every_op_of_either_schedule(schedule, grouping, kernels, tables):
     command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
-               "--schedule", schedule, "--kernels", "ref_score.suffix,actor_backward,nothing,suffix_rows", "--top", "3",
-               *grouping]  # fmt: skip
+               "--schedule", schedule, "--kernels", kernels, "--top", "3", *grouping]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     timed = {line.split()[0] for line in out.stdout.splitlines() if line[:1].isalpha() and len(line.split()) == 5}
     # under rollplex the prefixes run beside decode: their befores all come before their afters
     assert {"rollout", "ref_score.prefix", "actor_score.prefix", "ref_score.suffix", "actor_backward"} <= timed
-    assert "ref_score.suffix: " in out.stdout and "actor_backward: " in out.stdout  # a table per filter
-    assert out.stdout.count("by class: ") == 3 and "no op id contains 'nothing'" in out.stdout
-    assert re.search(r"^suffix_rows \(\d+ calls\): ", out.stdout, re.M)  # each call of a function inside ops
+    for table in tables:  # a table per filter, each with kernels in it (an op's or each call of a function)
+        heading = next(line for line in out.stdout.splitlines() if line.startswith(table))
+        assert float(heading.split("kernels ")[1].split(" s")[0]) > 0, heading
+    assert out.stdout.count("by class: ") == len(tables)
+    assert ("no op id contains 'nothing'" in out.stdout) is (schedule == "serial")
+
+
+def test_profile_step_refuses_op_ids_beside_a_function_in_one_line():
+    command = [sys.executable, str(ROOT / "bench/profile_step.py"), str(ROOT / "specs/tiny_cpu.yaml"),
+               "--kernels", "actor_backward,suffix_rows"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "not both" in out.stderr
 
 
 def test_kernel_classes_sort_a_profiles_kernel_names():

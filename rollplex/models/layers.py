@@ -47,6 +47,7 @@ def layout_compiled(
 ) -> Fn:
     """`gpu_compiled` with torch.compile's `backend`, compiled where `applies(first argument)`."""
     compiled: dict[tuple, Callable[..., Tensor]] = {}
+    unbacked_lengths = []  # the config patch, made once (a patch made per call costs its call as much again)
 
     @wraps(fn)
     def run(*args):
@@ -62,9 +63,11 @@ def layout_compiled(
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
         if not unbacked:
             return compiled[layout](*args)
-        from torch import _dynamo
+        if not unbacked_lengths:
+            from torch import _dynamo
 
-        with _dynamo.config.patch(automatic_dynamic_shapes_mark_as="unbacked"):  # read when a call compiles
+            unbacked_lengths.append(_dynamo.config.patch(automatic_dynamic_shapes_mark_as="unbacked"))
+        with unbacked_lengths[0]:  # read when a call compiles
             return compiled[layout](*args)
 
     run.eager = fn
