@@ -27,12 +27,10 @@ def nondeterministic():
 
 
 @pytest.fixture
-def cudnn_attention():
-    """SDPA may pick cuDNN for one test, as things were after: cuDNN's SDPA switched on, and torch's deterministic
-    mode off (a spec with `run.deterministic` sets it process-wide, and while it is on SDPA never picks cuDNN)."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
-    torch.use_deterministic_algorithms(False)
+def cudnn_attention(nondeterministic):
+    """SDPA may pick cuDNN for one test (while torch's deterministic mode is on it never does), as things were
+    after: cuDNN's SDPA switched on."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     yield
-    torch.use_deterministic_algorithms(was[0])
-    torch.backends.cuda.enable_cudnn_sdp(was[1])
+    torch.backends.cuda.enable_cudnn_sdp(was)
