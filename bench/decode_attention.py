@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from decode import copy_bandwidth  # bench/: this folder
 
+from rollplex.bench.provenance import source_commit
 from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
 
 NUM_SAMPLES = 8
@@ -74,7 +76,8 @@ def main() -> None:
         return
     table(cases)
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        meta = {"gpu": gpu, "torch": torch.__version__, "commit": source_commit(), "command": " ".join(sys.argv)}
         args.out.write_text(json.dumps({**meta, "read_bandwidth_gb_s": (bandwidth or 0) / 1e9, "cases": cases}))
 
 

@@ -17,10 +17,13 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from rollplex.bench.provenance import source_commit
 
 SHAPES = {  # the 3B decoder's projections and LM head: [N, K] of W
     "qkv": (2560, 2048),
@@ -61,7 +64,17 @@ def main() -> None:
             print(f"{name:<8} {product:<7} {first:9.1f} {again:9.1f}")
     if args.out:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        args.out.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "calls": rows}))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "gpu": gpu,
+                    "torch": torch.__version__,
+                    "commit": source_commit(),
+                    "command": " ".join(sys.argv),
+                    "calls": rows,
+                }
+            )
+        )
 
 
 def _host_seconds(a: torch.Tensor, b: torch.Tensor) -> float:

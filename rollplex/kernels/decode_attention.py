@@ -46,6 +46,14 @@ def _prompt_chunk(num_sequences: int, num_keys: int) -> int:
     return _chunk(num_sequences, num_keys, NUM_SMS_H200 // 2, 512)
 
 
+def _own_chunk(max_tokens: int) -> int:
+    """Own chunks of 256 keys (fewer on a shorter cache) whatever the batch: an own chunk the response has not
+    reached costs a program that writes an empty partial, and early in a long rollout most chunks are such, so
+    the longest chunk wins even at a batch of one prompt, where it leaves part of the GPU idle
+    (bench/results/decode_attention_3b_h200.json)."""
+    return min(256, _pow2(max_tokens, 64))
+
+
 def _rows(num_samples: int, heads_per_group: int) -> int:
     """Sequences per prompt tile: a power of two >= N, raised so that the tile has the 16 rows tl.dot needs."""
     return max(_pow2(num_samples), 16 // min(16, _pow2(heads_per_group)))
@@ -74,8 +82,7 @@ class DecodeAttentionShape:
             prompt = _prompt_chunk(self.num_prompts * self.num_kv_heads, self.max_prompt_len)
             object.__setattr__(self, "prompt_chunk", prompt)
         if not self.own_chunk:
-            own = _chunk(self.max_rows * self.num_kv_heads, self.max_tokens, 2 * NUM_SMS_H200, 256)
-            object.__setattr__(self, "own_chunk", own)
+            object.__setattr__(self, "own_chunk", _own_chunk(self.max_tokens))
         for chunk in (self.prompt_chunk, self.own_chunk):
             assert chunk % self.block == 0 and self.block >= 16, f"chunk {chunk}, block {self.block}"
         assert self.head_dim & (self.head_dim - 1) == 0, f"head_dim {self.head_dim} must be a power of two"
