@@ -15,6 +15,7 @@ Phase 2 and 3 ops are measured as usual.
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix   # both prefixes' kernels
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix,suffix,backward  # a table each
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels backward_through_prefix  # that call only
+    python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels suffix_rows,suffix_backward  # each call
 
 With `--memory-history PATH` the allocator's history is recorded over the measured step's Phase 2 (the phase
 whose driver-side peak sits above the plan) and its summary written as JSON (`bench/memory_history.py`): where
@@ -63,8 +64,9 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="actor_backward",
-        help="profile the ops whose id contains this, or each call of backward_through_prefix or suffix_rows "
-        "(comma-separated: a table each)",
+        help="profile the ops whose id contains this, or each call of a function: backward_through_prefix, "
+        "suffix_rows (a length batch's scoring forward) or suffix_backward (its loss backward); comma-separated: "
+        "a table each",
     )
     ap.add_argument("--prompts-per-chunk", help="the prefixes' prompt grouping (N or all; default: the spec's)")
     ap.add_argument(
@@ -245,6 +247,7 @@ def kernel_class(name: str) -> str:
 PART_FUNCTIONS = {  # `--kernels` names that profile each call of a function inside an op: (owner, attribute)
     "backward_through_prefix": (scoring.LeafBoundary, "backward_through_prefix"),
     "suffix_rows": (Qwen2_5_VL, "suffix_rows"),
+    "suffix_backward": (torch.Tensor, "backward"),  # each length batch's loss backward (the prefix's is separate)
 }
 
 

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("serial", ["--prompts-per-chunk", "all"], "ref_score.suffix,actor_backward,nothing", ["ref_score.suffix: ",
                                                                                              "actor_backward: "]),
-        ("rollplex", [], "suffix_rows,backward_through_prefix", ["suffix_rows (",
-                                                                  "backward_through_prefix: "]),
+        ("rollplex", [], "suffix_rows,backward_through_prefix,suffix_backward",
+         ["suffix_rows (", "backward_through_prefix: ", "suffix_backward ("]),
     ],
 )  # fmt: skip
 def test_profile_step_times_every_op_of_either_schedule(schedule, grouping, kernels, tables):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rollplex.models.boundary import Boundary
 from rollplex.models.generate import Rollout
-from rollplex.models.inputs import Prompt
+from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.scores import SuffixOut, token_scores
 
@@ -84,7 +84,7 @@ def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
     num_samples, device = rollout.responses.shape[1], rollout.responses.device
     return [
         RowBatch(
-            index=torch.tensor(b, device=device),
+            index=to_device(torch.tensor(b, dtype=torch.long), device),
             rows=tuple(i // num_samples for i in b),
             lens=tuple(lens[i] for i in b),
             width=max(1, max(lens[i] for i in b)),

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rollplex.models.inputs import to_device
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -127,11 +129,12 @@ class PackedPrefixAttention:
         self.boundary = boundary
         device = pack.index.device
         used = sorted(set(pack.rows))
-        self.used = None if used == list(range(boundary.num_prompts)) else torch.tensor(used, device=device)
+        used_rows = to_device(torch.tensor(used, dtype=torch.long), device)
+        self.used = None if used == list(range(boundary.num_prompts)) else used_rows
         prompt_lens = boundary.prompt_lens if self.used is None else boundary.prompt_lens.index_select(0, self.used)
         span = boundary.max_prompt_len
         real = torch.arange(span, device=device) < prompt_lens[:, None]  # [U, S]
-        owner = torch.tensor(used, device=device)[:, None].expand(-1, span)
+        owner = used_rows[:, None].expand(-1, span)
         prompt_keys = torch.where(real, owner, -1).flatten()  # [U*S]: the prompt of each real prompt key, else -1
         own_keys = torch.full((pack.num_tokens,), -1, device=device)
         no_row = torch.full((prompt_keys.numel(),), -1, device=device)

@@ -205,8 +205,9 @@ class Qwen2_5_VL(nn.Module):
         hidden = self.packed_hidden(boundary, pack, pack.gather(responses[:, :-1]))  # [M, hidden]
         targets = pack.gather(responses[:, 1:])
         rest = token_scores(hidden, self.lm_head, targets, self.config.text.vocab_size, temperature)
-        first = boundary.first_logprobs.index_select(0, torch.as_tensor(rows, device=self.device))
-        lens_now = torch.as_tensor(lens, device=responses.device)
+        rows_lens = to_device(torch.tensor([list(rows), list(lens)], dtype=torch.long), self.device)
+        first = boundary.first_logprobs.index_select(0, rows_lens[0])
+        lens_now = rows_lens[1].to(responses.device)
         return join_first(first, pack.scatter(rest[0]), pack.scatter(rest[1]), responses, lens_now, temperature)
 
     def response_pack(self, rows: Sequence[int], responses: Tensor, lens: Sequence[int]) -> ResponsePack:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollplex.models.inputs import to_device
+
 
 @dataclass(frozen=True)
 class ResponsePack:
@@ -36,7 +38,8 @@ class ResponsePack:
 
     @staticmethod
     def of(rows: Sequence[int], counts: Sequence[int], width: int, device: torch.device) -> ResponsePack:
-        """From host integers (no device sync): counts[b] tokens of row b, each within [0, width]."""
+        """From host integers (one copy to the device, which the host does not wait for): counts[b] tokens of row b,
+        each within [0, width]."""
         if len(rows) != len(counts) or any(not 0 <= c <= width for c in counts):
             raise ValueError(f"a pack needs one count in [0, {width}] per row, got rows {rows}, counts {counts}")
         sizes = torch.tensor(counts, dtype=torch.long)
@@ -44,15 +47,8 @@ class ResponsePack:
         starts = torch.cumsum(sizes, 0) - sizes
         offset = torch.arange(owner.numel()) - starts[owner]
         prompt = torch.tensor(rows, dtype=torch.long)[owner] if rows else owner
-        return ResponsePack(
-            rows=tuple(rows),
-            counts=tuple(counts),
-            width=width,
-            index=(owner * width + offset).to(device),
-            owner=owner.to(device),
-            offset=offset.to(device),
-            prompt=prompt.to(device),
-        )
+        index, owner, offset, prompt = to_device(torch.stack([owner * width + offset, owner, offset, prompt]), device)
+        return ResponsePack(tuple(rows), tuple(counts), width, index, owner, offset, prompt)
 
     @property
     def num_tokens(self) -> int:
