@@ -91,3 +91,24 @@ def test_suffix_of_one_token_responses_reads_only_the_boundary(model, prompts):
     tokens = torch.arange(8, 8 + len(prompts) * 2).view(len(prompts), 2, 1)
     out = model.suffix(boundary, tokens, torch.ones(len(prompts), 2, dtype=torch.long))
     assert torch.equal(out.logprobs[..., 0], boundary.first_logprobs.gather(-1, tokens[..., 0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_scoring_a_length_batch_never_makes_the_host_wait(model, prompts, responses):
+    """suffix_rows takes its rows and lengths from the host: the pack's index lists, the block mask and the
+    scores reach the device without a stream sync, so the host stays ahead of the kernels (a sync here raises)."""
+    tokens, lens = responses
+    model = model.cuda()
+    boundary = model.prefix(prompts, attached=False)
+    rows = [p for p in range(tokens.shape[0]) for _ in range(tokens.shape[1])]
+    batch, counts = tokens.flatten(0, 1).cuda(), lens.flatten().tolist()
+    with torch.no_grad():
+        first = model.suffix_rows(boundary, rows, batch, counts)  # compiles: Inductor may sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = model.suffix_rows(boundary, rows, batch, counts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again.logprobs, first.logprobs) and torch.equal(again.entropy, first.entropy)
