@@ -70,7 +70,7 @@ class DecodeAttentionShape:
     head_dim: int
     max_prompt_len: int  # S: the prompt KV's padded length
     max_tokens: int  # R: the response cache's length
-    prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_chunk`)
+    prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_own_chunk`)
     own_chunk: int = 0
     block: int = 64
     num_warps: int = 4  # of the partial kernel (triton's defaults)
