@@ -172,9 +172,15 @@ def swap_tiles(
         if s == 1
         or (not paired and col_tiles * s <= num_sms and shortest_part(num_inner, s, SWAP_BLOCK_K) >= DECODE_SPLIT_MIN_K)
     ]
-    stage_bytes = (block_m + SWAP_BLOCK_N * (2 if paired else 1)) * SWAP_BLOCK_K * element_size
-    stages = min(SWAP_MAX_STAGES, SHARED_BYTES // stage_bytes)
+    stages = swap_stages(block_m, SWAP_BLOCK_N, paired, element_size)
     return Tiles(block_m, SWAP_BLOCK_N, SWAP_BLOCK_K, num_stages=stages, split_k=max(splits, default=1))
+
+
+def swap_stages(block_m: int, block_n: int, paired: bool = False, element_size: int = 2) -> int:
+    """The deepest pipeline (up to SWAP_MAX_STAGES) whose stages, each an x block and one weight block (two for a
+    gate/up pair) of SWAP_BLOCK_K columns, fit in shared memory."""
+    stage_bytes = (block_m + block_n * (2 if paired else 1)) * SWAP_BLOCK_K * element_size
+    return min(SWAP_MAX_STAGES, SHARED_BYTES // stage_bytes)
 
 
 def swap_product(
@@ -194,7 +200,9 @@ def swap_product(
     Megatron's stored row of grouped column c when `heads` are given.
     `unsummed`: [S, M, N] (fp32 partials of a K split, or [1, M, N] in x's dtype) instead of y. `pair` > 0:
     y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
-    or `swap_tiles`' for `num_sms` (default: the device's). `pdl`, `ahead`: `rollplex.kernels.pdl`; with `ahead`
+    or `swap_tiles`' for `num_sms` (default: the device's); hand-given tiles may be 16 or 32 weight rows wide (each
+    lies within a 64-row tile that `swap_fits` checked; `bench/swap_tiles.py` times them). `pdl`, `ahead`:
+    `rollplex.kernels.pdl`; with `ahead`
     each program first pulls up to `pdl.prefetch_k` of its weight into L2."""
     run = heads.head_dim if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
@@ -210,7 +218,7 @@ def swap_product(
     num_sms = sm_count(x.device) if num_sms is None else num_sms
     t = tiles or swap_tiles(m, n, k, num_sms, paired=pair > 0, element_size=x.element_size())
     assert t.block_m >= m and t.split_k is not None, f"{t}: tokens must fit one tile, split_k set"
-    assert t.block_n == SWAP_BLOCK_N, f"{t}: swap_fits checked {SWAP_BLOCK_N}-row tiles"
+    assert SWAP_BLOCK_N % t.block_n == 0, f"{t}: swap_fits checked {SWAP_BLOCK_N}-row tiles (or their halves)"
     assert not pair or t.split_k == 1, "gate/up pairs need K unsplit (the activation needs whole sums)"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device) if t.split_k > 1 else y

@@ -71,10 +71,24 @@ def test_a_k_split_adds_the_bias_once_and_its_parts_add_up(split):
     assert_matches(parts.sum(0).to(x.dtype), linear_reference(x, w, b))
 
 
-def test_hand_given_tiles_must_be_the_width_swap_fits_checked():
+def test_hand_given_tiles_must_lie_within_the_width_swap_fits_checked():
     w, x = random(128, 256, seed=22), random(4, 256, seed=23)
     with pytest.raises(AssertionError, match="64-row tiles"):
         swap_product(x, w, None, 128, tiles=Tiles(16, 128, 128, split_k=1))
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_narrower_weight_tiles_give_the_same_products_split_paired_and_with_bias(block_n):
+    w, b = random(128, 640, seed=24, scale=640**-0.5), random(128, seed=25)
+    x = random(7, 640, seed=26)
+    for split in (1, 3):
+        wide, narrow = (Tiles(16, n, 128, num_stages=2, split_k=split) for n in (64, block_n))
+        assert torch.equal(
+            swap_product(x, w, b, 128, tiles=narrow, unsummed=True),
+            swap_product(x, w, b, 128, tiles=wide, unsummed=True),
+        )  # the same sums over the same K blocks, in the same order
+    pair = Tiles(16, block_n, 128, num_stages=2, split_k=1)
+    assert torch.equal(swap_product(x, w, None, 64, tiles=pair, pair=64), swap_product(x, w, None, 64, pair=64))
 
 
 def test_unsplit_unsummed_is_the_product_as_one_part():

@@ -1,0 +1,177 @@
+"""The decode step's four GEMMs through `swap_gemm` over its tiles: where each choice of weight rows per program
+and K split puts a product against the weight bytes it must read.
+
+    python bench/swap_tiles.py --rows 8 32 64 --out bench/results/swap_tiles_3b_h200.json
+
+Each product is launched as the fused decode step launches it (Qwen2.5-VL-3B at TP 1): the QKV projection with
+its bias, o_proj and down_proj as the fp32 parts of a K split (the kernel after them adds them), gate_up with
+silu(gate) * up inside the GEMM (K unsplit). For each row count, the default tile (`swap_tiles`) and every
+alternative (64, 32 or 16 weight rows a program, K in 1-4 parts where the product may split) run as a CUDA graph
+of one call per layer (36 layers, each its own weight, so no call finds its weight in L2) and are checked against
+the default (parts added in fp32). A program count past one wave (132 SMs) is what the default avoids; gate_up's
+172 tiles of 64 rows are 1.3 waves, which the 32-row tile turns into 2.6. The bound: the weight bytes over the
+measured copy bandwidth.
+
+With `--compile-only` each tile runs once and nothing is timed (Triton compiles on the host: start a few with
+different `--products` in parallel first). Off a GPU (the tests) it runs under Triton's interpreter at the widths
+times `--scale`, times from the host clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from decode import copy_bandwidth  # bench/: this folder
+
+from rollplex.bench.provenance import source_commit
+from rollplex.kernels.swap_gemm import swap_product, swap_stages, swap_tiles
+from rollplex.kernels.tiles import NUM_SMS_H200, Tiles, shortest_part
+
+PRODUCTS = {  # name: (weight rows, K, bias, pair: gate rows of the [gate; up] block or 0), the 3B model at TP 1
+    "qkv": (2560, 2048, True, 0),
+    "o_proj": (2048, 2048, False, 0),
+    "gate_up": (22016, 2048, False, 11008),
+    "down": (2048, 11008, False, 0),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="+", type=int, default=[8, 32, 64], help="decode rows (tokens)")
+    ap.add_argument("--products", nargs="+", default=list(PRODUCTS), choices=list(PRODUCTS))
+    ap.add_argument("--block-n", nargs="+", type=int, default=[64, 32, 16], help="weight rows a program")
+    ap.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4], help="K parts (unpaired products)")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--scale", type=float, default=1.0, help="the widths times this (tests: small)")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bandwidth = copy_bandwidth() if device.type == "cuda" else None
+    cases = []
+    for name in args.products:
+        rows_w, k, has_bias, pair = PRODUCTS[name]
+        rows_w, k = _scaled(rows_w, args.scale), _scaled(k, args.scale)
+        pair = rows_w // 2 if pair else 0  # one [gate; up] block
+        weights = [_weight(rows_w, k, has_bias, seed, device) for seed in range(args.layers)]
+        for m in args.rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, _dtype(device))
+            n = rows_w // 2 if pair else rows_w
+            default = swap_tiles(m, n, k, NUM_SMS_H200, paired=pair > 0, element_size=x.element_size())
+            expected = None
+            for tiles in [
+                default,
+                *(t for t in _alternatives(default, k, args, pair > 0, x.element_size()) if t != default),
+            ]:
+                call = _call(x, n, pair, tiles)
+                out = call(weights[0]).float().sum(0)
+                expected = out if expected is None else expected
+                case = {"product": name, "rows": m, "tiles": dataclasses.asdict(tiles), "default": tiles == default,
+                        "programs": -(-n // tiles.block_n) * tiles.split_k,
+                        "max_diff_from_default": float((out - expected).abs().max())}  # fmt: skip
+                if not args.compile_only:
+                    seconds = _replay([lambda w=w, c=call: c(w) for w in weights], args.replays) / len(weights)
+                    read = weights[0][0].numel() * weights[0][0].element_size()
+                    case.update(us=seconds * 1e6, weight_mbytes=read / 1e6)
+                    if bandwidth:
+                        case.update(of_bound=read / bandwidth / seconds)
+                    print(f"{name:<8} rows {m:>3} {_label(case):<22} {case['us']:8.2f} us"
+                          + (f" ({case['of_bound']:.1%} of the bound)" if bandwidth else ""), flush=True)  # fmt: skip
+                cases.append(case)
+    if args.compile_only:
+        return
+    table(cases)
+    if args.out:
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        meta = {"gpu": gpu, "torch": torch.__version__, "commit": source_commit(), "command": " ".join(sys.argv)}
+        args.out.write_text(json.dumps({**meta, "read_bandwidth_gb_s": (bandwidth or 0) / 1e9, "cases": cases}))
+
+
+def _scaled(value: int, scale: float) -> int:
+    """A width times `scale`, kept a multiple of 128 (whole swapped tiles, also in each half of a [gate; up]
+    block) and at least 128."""
+    return max(128, round(value * scale / 128) * 128)
+
+
+def _weight(rows: int, k: int, has_bias: bool, seed: int, device: torch.device) -> tuple:
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(rows, k, generator=g, device=device, dtype=_dtype(device)) * k**-0.5
+    return w, torch.randn(rows, generator=g, device=device, dtype=_dtype(device)) if has_bias else None
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU; fp32 under the interpreter, which has no bf16."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _alternatives(default: Tiles, k: int, args: argparse.Namespace, paired: bool, size: int) -> list[Tiles]:
+    """Every (weight rows a program, K parts with none empty) of the options, each at the deepest pipeline that
+    fits."""
+    return [
+        dataclasses.replace(default, block_n=n, split_k=s, num_stages=swap_stages(default.block_m, n, paired, size))
+        for n in args.block_n
+        for s in ([1] if paired else args.splits)
+        if shortest_part(k, s, default.block_k) > 0
+    ]
+
+
+def _call(x: torch.Tensor, n: int, pair: int, tiles: Tiles):
+    """The product at `tiles` as the decode step launches it, as parts [S, M, N] (a paired product: one part)."""
+    if pair:
+        return lambda w: swap_product(x, w[0], None, n, tiles=tiles, pair=pair)[None]
+    return lambda w: swap_product(x, w[0], w[1], n, tiles=tiles, unsummed=True)
+
+
+def _replay(calls: list, replays: int) -> float:
+    """Seconds per pass over the calls: a captured graph's replays timed by events on a GPU, else host time."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return time.perf_counter() - start
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm: compiled and its launch cached before the capture
+            call()
+        with torch.cuda.graph(graph, stream=stream):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / replays
+
+
+def _label(case: dict) -> str:
+    t = case["tiles"]
+    return f"n{t['block_n']}/k{t['split_k']}/s{t['num_stages']} ({case['programs']} programs)"
+
+
+def table(cases: list[dict]) -> None:
+    """Each product and row count: the default, then the three fastest alternatives."""
+    print(f"\n{'product':<8} {'rows':>4} {'tiles':<32} {'us':>8} {'of bound':>8} {'max diff':>8}")
+    for key in dict.fromkeys((c["product"], c["rows"]) for c in cases):
+        mine = [c for c in cases if (c["product"], c["rows"]) == key]
+        best = sorted((c for c in mine if not c["default"]), key=lambda c: c["us"])[:3]
+        for c in [next(c for c in mine if c["default"]), *best]:
+            share = f"{c['of_bound']:8.1%}" if "of_bound" in c else f"{'-':>8}"
+            label = _label(c) + (" default" if c["default"] else "")
+            print(f"{key[0]:<8} {key[1]:>4} {label:<32} {c['us']:8.2f} {share} {c['max_diff_from_default']:8.4f}")
+
+
+if __name__ == "__main__":
+    main()
