@@ -9,7 +9,8 @@ them. What makes the run the one-process run of the same global batch:
   keeps its own (`rows`), and a rank whose responses end first draws on until the longest of the step's
   responses ended (`burn`), so every rank's generator follows the one-process run's;
 - the loss is normalised by the whole step's tokens (or sequences), summed over ranks (`global_scale`), so that
-  summing the ranks' gradients (`all_reduce_grads`, in buckets) gives the one-process gradient;
+  summing the ranks' gradients (`all_reduce_grads`, in buckets) gives the one-process gradient; the actor's are
+  summed while its last backward of a mini-batch (the one through the prefix) still runs (`OverlappedSum`);
 - metrics are reduced over the ranks before rank 0 writes them.
 The optimizer state is replicated (each rank steps the same reduced gradients; rank 0 writes checkpoints), or
 with `parallel.distributed_optimizer` sharded (ZeRO-1, `rollplex.memory.state_layout.Shard`): each rank updates
@@ -88,7 +89,77 @@ class DataParallel:
 def _reduce_bucket(grads: list[Tensor], group) -> None:
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=group)
+    _unflatten(flat, grads)
+
+
+def _unflatten(flat: Tensor, grads: list[Tensor]) -> None:
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+class OverlappedSum:
+    """`all_reduce_grads` of an optimizer's gradients started while the last backward before its step runs, as
+    torch's DDP does: the parameters in buckets of at most BUCKET_BYTES in the order a backward reaches them
+    (the reverse of the model's), each bucket's sum launched (asynchronously) once the backward has accumulated
+    the final gradient of every parameter in it. Armed (`arm`) just before that backward, it learns of each
+    gradient through a hook that runs after the optimizer's own (which folds it into an FP32 main grad); `finish`,
+    before the step, sums what the backward did not reach (gradients of earlier backwards only) and waits."""
+
+    def __init__(self, dp: DataParallel, optimizer) -> None:
+        self.dp, self.optimizer = dp, optimizer
+        self.buckets: list[list[int]] = []
+        size = 0
+        for i in reversed(range(len(optimizer.params))):
+            nbytes = 4 * optimizer.params[i].numel()  # an FP32 gradient
+            if not optimizer.params[i].requires_grad:
+                continue
+            if not self.buckets or size + nbytes > BUCKET_BYTES:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._waiting: list[set[int]] = []
+        self._launched: list[tuple] = []  # (work, flat, grads) of each bucket sent
+        self._hooks: list = []
+        self.launched_in_backward = 0  # buckets sent from the backward's hooks (the rest by `finish`)
+
+    def arm(self) -> None:
+        """Before the last backward: from now on a gradient the backward accumulates is final."""
+        self._waiting = [set(bucket) for bucket in self.buckets]
+        self._launched, self.launched_in_backward = [], 0
+        self._hooks = [
+            self.optimizer.params[i].register_post_accumulate_grad_hook(lambda _, i=i: self._reached(i))
+            for bucket in self.buckets
+            for i in bucket
+        ]
+
+    def finish(self) -> None:
+        """Sends the buckets the backward left, waits for every sum and writes it into the gradients."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for b, waiting in enumerate(self._waiting):
+            if waiting:
+                self._send(b)
+        for work, flat, grads in self._launched:
+            work.wait()
+            _unflatten(flat, grads)
+        self._launched, self._waiting = [], []
+
+    def _reached(self, i: int) -> None:
+        b = self._bucket_of[i]
+        waiting = self._waiting[b]
+        waiting.discard(i)
+        if not waiting:
+            self._send(b)
+            self.launched_in_backward += 1
+
+    def _send(self, b: int) -> None:
+        self._waiting[b] = set()
+        grads = [g for g in (self.optimizer.grad_of(i) for i in self.buckets[b]) if g is not None]
+        if grads:
+            flat = torch.cat([g.flatten() for g in grads])
+            self._launched.append((dist.all_reduce(flat, group=self.dp.group, async_op=True), flat, grads))

@@ -338,7 +338,11 @@ def _actor_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Step
 
 
 def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
-    _sum_grads(e.dp, e.optimizer)
+    pending, record.train.pending_sum = record.train.pending_sum, None
+    if pending is not None:  # started inside the backward (`OverlappedSum`)
+        pending.finish()
+    else:
+        _sum_grads(e.dp, e.optimizer)
     record.train.grad_norms.append(float(e.optimizer.step()))
     record.stats["grad_norm"] = sum(record.train.grad_norms) / len(record.train.grad_norms)
     e.optimizer.zero_grad()

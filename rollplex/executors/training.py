@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rollplex.executors.dataparallel import OverlappedSum
 from rollplex.executors.engines import Engines
 from rollplex.executors.grpo import GroupLoss, LossScale, group_advantages, grpo_loss, loss_scale
 from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
@@ -53,6 +54,7 @@ class TrainTotals:
     diff_max: Tensor | float = 0.0
     grad_norms: list[float] = field(default_factory=list)
     prefix_marks: list = field(default_factory=list)  # device marks around each backward through the prefix
+    pending_sum: OverlappedSum | None = None  # data-parallel: the gradients' sum the last backward started
 
     def add(self, g: GroupLoss) -> None:
         self.losses[-1] = self.losses[-1] + g.loss.detach()
@@ -138,6 +140,9 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
         # backpropagated on the stream it ran on, a green partition's beside decode): two marks here bracket it all
         cuda = part.responses.device.type == "cuda"
         start = device_mark(cuda)
+        if e.dp is not None:  # the mini-batch's last backward: sum each bucket over the ranks as it completes
+            totals.pending_sum = OverlappedSum(e.dp, e.optimizer)
+            totals.pending_sum.arm()
         x.boundary.backward_through_prefix()
         totals.prefix_marks.append((start, device_mark(cuda)))
     else:
