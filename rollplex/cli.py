@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise loaded.locate(SpecError("run.device", str(e))) from None
         try:
-            check_world(spec.cluster.num_gpus)
+            check_world(spec.cluster.nodes, spec.cluster.gpus_per_node)
         except ValueError as e:
             raise loaded.locate(SpecError("cluster.gpus_per_node", str(e))) from None
         records = train(plan, opts)

@@ -64,20 +64,31 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def check_world(num_gpus: int) -> None:
-    """ValueError unless one process per GPU of the spec's cluster was launched (`rollplex run`)."""
-    _check_processes(num_gpus, f"the cluster has {num_gpus} GPUs", ", or describe the machines you run on in `cluster`")
+def check_world(nodes: int, gpus_per_node: int) -> None:
+    """ValueError unless one process per GPU of the spec's cluster was launched (`rollplex run`): nodes x
+    gpus_per_node in all, gpus_per_node on this node (torchrun's LOCAL_WORLD_SIZE; absent outside torchrun)."""
+    from rollplex.report.tables import launch_command
+
+    launch, more = launch_command(nodes, gpus_per_node), ", or describe the machines you run on in `cluster`"
+    _check_processes(nodes * gpus_per_node, f"the cluster has {nodes * gpus_per_node} GPUs", launch, more)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", gpus_per_node))
+    if local != gpus_per_node:
+        raise ValueError(
+            f"the cluster has {gpus_per_node} GPUs per node but {local} processes were launched on this node: "
+            f"use {launch}{more}"
+        )
 
 
 def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (`rollplex bench`, one TP group)."""
-    _check_processes(train_tp, f"train_tp is {train_tp}")
+    from rollplex.report.tables import launch_command
+
+    _check_processes(train_tp, f"train_tp is {train_tp}", launch_command(1, train_tp))
 
 
-def _check_processes(expected: int, why: str, more: str = "") -> None:
+def _check_processes(expected: int, why: str, launch: str, more: str = "") -> None:
     world = launched_processes()  # torchrun sets WORLD_SIZE
     if world != expected:
-        launch = f"torchrun --nproc-per-node {expected} -m rollplex run SPEC" if expected > 1 else "rollplex run SPEC"
         raise ValueError(f"{why} but {world} processes were launched: use {launch}{more}")
 
 

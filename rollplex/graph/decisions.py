@@ -59,7 +59,8 @@ class Decisions:
     optimizer_state: Residency  # HBM: the FP32 state updated in place; HOST: streamed from the pinned pool
     prefix_activations: PrefixActivations
     recompute_microbatch: bool  # the training microbatch checkpoints every decoder layer and vision block
-    host_pool_bytes: int  # the pinned pool for the prefix's saved tensors (0 when they stay in HBM)
+    host_pool_bytes: int  # this process's pinned pool for the prefix's saved tensors (its GPU's share of the
+    # node's `memory.host_pool_gib`, else what the plan puts there; 0 when they stay in HBM)
     optimizer_chunk_bytes: int  # FP32 state (master + moments) per streamed chunk
     rollout_kv_bytes: int  # the rollout KV arena's capacity: a rollout that needs more is refused
     weight_sharing: bool  # rollout reads the actor's weights; False: a copy, refreshed after each update
@@ -96,7 +97,8 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
     state = [o for o in objects if o.component in (Component.MASTER, Component.MOMENTS)]  # every trained role's
     pool = spec.memory.host_pool_gib
     offloaded = planned > 0
-    pool_bytes = int(pool * GIB) if pool is not None else planned + planned // HOST_POOL_MARGIN
+    per_node = int(pool * GIB) // spec.cluster.gpus_per_node if pool is not None else None  # one process a GPU
+    pool_bytes = per_node if per_node is not None else planned + planned // HOST_POOL_MARGIN
     return Decisions(
         reference_weights=Residency.HOST if paged else Residency.HBM,
         prefix_saved=Residency.HOST if offloaded else Residency.HBM,

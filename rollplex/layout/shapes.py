@@ -1,8 +1,9 @@
 """Model shapes in bytes: parameter families, parameters per TP rank, KV and activation bytes per token.
 
 Pure arithmetic over a `ModelConfig`; no torch. Conventions: BF16 weights and activations (2 bytes),
-flash attention (no score matrix saved), sequence parallelism whenever TP > 1 (every saved activation
-is divided by the TP degree), the vision encoder replicated on every GPU of a role.
+flash attention (no score matrix saved); a rank holds its heads' and its MLP slice's activations, and the
+hidden-sized ones whole, or split over the TP ranks under sequence parallelism (`sp`); the vision encoder
+replicated on every GPU of a role.
 """
 
 from __future__ import annotations

@@ -52,6 +52,16 @@ def rollout_line(plan: Plan) -> str:
     return f"{prefill} (run.rollout_prefill {run.rollout_prefill}{why}); decode kernels {kernels}"
 
 
+def launch_command(nodes: int, gpus_per_node: int, spec: str = "SPEC") -> str:
+    """The command that starts one process per GPU of a cluster of `nodes` x `gpus_per_node`."""
+    if nodes * gpus_per_node == 1:
+        return f"rollplex run {spec}"
+    if nodes == 1:
+        return f"torchrun --nproc-per-node {gpus_per_node} -m rollplex run {spec}"
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --node-rank R --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:PORT -m rollplex run {spec}   (on each node R)")  # fmt: skip
+
+
 def launch_lines(plan: Plan) -> str:
     """How many processes the spec needs, the command that starts them, and which ranks form each group: TP
     groups of consecutive ranks, DP groups of the same TP position, rollout replicas of one rank per q-rank
@@ -59,14 +69,7 @@ def launch_lines(plan: Plan) -> str:
     s = plan.loaded.spec
     nodes, per_node, t, r = s.cluster.nodes, s.cluster.gpus_per_node, s.parallel.train_tp, s.parallel.rollout_tp
     world, q = nodes * per_node, t // r
-    spec = plan.loaded.path
-    if world == 1:
-        command = f"rollplex run {spec}"
-    elif nodes == 1:
-        command = f"torchrun --nproc-per-node {per_node} -m rollplex run {spec}"
-    else:
-        command = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --node-rank R --rdzv-backend c10d "
-                   f"--rdzv-endpoint HOST:PORT -m rollplex run {spec}   (on each node R)")  # fmt: skip
+    command = launch_command(nodes, per_node, str(plan.loaded.path))
     tp = [list(range(first, first + t)) for first in range(0, world, t)]
     dp = [list(range(j, world, t)) for j in range(t)]
     replicas = [group[j::q] for group in tp for j in range(q)]

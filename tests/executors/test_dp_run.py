@@ -67,10 +67,19 @@ def assert_trains_as(out: Path, reference: Path, weights_rel: float = 1e-5, loss
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_train_as_one_process_on_the_same_global_batch(tmp_path, one_process):
+def test_two_data_parallel_ranks_train_as_one_process_and_resume_bitwise(tmp_path, one_process):
     two = launch(2, DP2, tmp_path / "two", "--steps", "2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert_trains_as(tmp_path / "two", one_process)
+    for steps, more in (("1", ()), ("2", ("--resume",))):  # stopped after step 1, resumed on the same layout
+        part = launch(2, DP2, tmp_path / "resumed", "--steps", steps, *more)
+        assert part.returncode == 0, part.stderr[-3000:]
+    whole, resumed = weights(tmp_path / "two", 2), weights(tmp_path / "resumed", 2)
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    keys = ("loss", "kl", "entropy", "grad_norm", "reward_mean")
+    assert [[r[k] for k in keys] for r in metrics(tmp_path / "resumed")] == [
+        [r[k] for k in keys] for r in metrics(tmp_path / "two")
+    ]
 
 
 @pytest.mark.slow

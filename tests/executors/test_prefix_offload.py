@@ -119,3 +119,16 @@ def test_a_prefix_under_torch_checkpoint_keeps_one_kv_per_layer_and_its_gradient
     assert len(boundary.keys) == len(boundary.values) == len(model.model.language_model.layers)
     for name, g in expected.items():
         torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_each_process_pins_its_gpus_share_of_the_nodes_host_pool():
+    base = load_spec(ROOT / "specs/tiny_cpu.yaml")
+    pools = {}
+    for gpus in (1, 2):
+        memory = base.spec.memory.model_copy(update={"prefix_saved": "host", "host_pool_gib": 2.0})
+        cluster = base.spec.cluster.model_copy(update={"gpus_per_node": gpus})
+        loaded = replace(base, spec=base.spec.model_copy(update={"memory": memory, "cluster": cluster}))
+        decisions = compile_plan(loaded).decisions
+        assert decisions.prefix_saved is Residency.HOST
+        pools[gpus] = decisions.host_pool_bytes
+    assert pools == {1: 2 << 30, 2: 1 << 30}  # the spec's pool is per node: one process a GPU pins its share
