@@ -92,3 +92,25 @@ def test_sharded_ranks_step_to_the_parameters_of_one_whole_optimizer_and_resume_
     tmp_path, world_size, clip
 ):
     spawn(_sharded_equals_whole, world_size, clip, str(tmp_path))
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "zero1"])
+def test_the_plans_optimizer_state_per_gpu_is_what_each_ranks_chunked_adamw_holds(distributed):
+    from dataclasses import replace
+
+    from rollplex.graph.load import load_spec
+    from rollplex.graph.objects import Component
+    from rollplex.graph.plan import compile_plan
+    from rollplex.memory.optimizer import STATE_BYTES_PER_ELEMENT
+    from rollplex.models.config import load_model_config
+    from rollplex.models.model import Qwen2_5_VL
+
+    base = load_spec(Path(__file__).resolve().parents[2] / "specs/tiny_cpu_dp2.yaml")  # DP 2, vision trained
+    parallel = base.spec.parallel.model_copy(update={"distributed_optimizer": distributed})
+    plan = compile_plan(replace(base, spec=base.spec.model_copy(update={"parallel": parallel})))
+    state = (Component.MASTER, Component.MOMENTS)
+    planned = sum(o.bytes for o in plan.residency.objects if o.role == "actor" and o.component in state)
+    params = [p for p in Qwen2_5_VL(load_model_config("tiny")).parameters() if p.requires_grad]
+    for rank in range(2 if distributed else 1):
+        optimizer = ChunkedAdamW(params, lr=1e-3, shard=Shard(rank, 2) if distributed else None)
+        assert STATE_BYTES_PER_ELEMENT * sum(c.numel for c in optimizer.chunks) == planned, rank
