@@ -104,3 +104,30 @@ def test_the_split_path_under_sequence_parallelism_scores_and_updates_like_the_w
     """Prefix chunks with reruns (their units rerun with the collectives inside) and the packed suffix; the prefix
     one prompt per chunk and all prompts in one packed group."""
     spawn(_sequence_parallel_split_path, 2)
+
+
+def _prefix_keeps_what_the_plan_counts(rank: int, world_size: int, sequence_parallel: bool) -> None:
+    from rollplex.layout.shapes import BF16, layer_input_bytes_per_token
+
+    kept = []
+
+    class Counting(Rerun):  # keeps what Rerun keeps (each unit's input, its `x`) and notes its bytes
+        def __call__(self, unit, x, params, *consts):
+            kept.append(x.numel() * x.element_size())
+            return super().__call__(unit, x, params, *consts)
+
+    config = config_for(world_size)
+    torch.manual_seed(0)
+    model = parallelize(
+        Qwen2_5_VL(config), TPGroup(world_size, rank, dist.group.WORLD), sequence_parallel=sequence_parallel
+    )
+    prompts = text_prompts()  # 22 tokens end to end: whole rows on either rank under sequence parallelism
+    drain(model.prefix_chunks(prompts, attached=True, rerun=Counting()))
+    tokens, t = sum(p.num_tokens for p in prompts), config.text
+    planned = tokens * t.num_hidden_layers * layer_input_bytes_per_token(t, world_size, sequence_parallel)
+    assert sum(kept) == planned * 4 // BF16  # the plan's bf16 bytes; the CPU runs float32
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated-rows", "sequence-parallel"])
+def test_the_recomputed_prefix_keeps_on_each_rank_the_layer_inputs_the_plan_counts(sequence_parallel):
+    spawn(_prefix_keeps_what_the_plan_counts, 2, sequence_parallel)
