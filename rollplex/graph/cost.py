@@ -287,12 +287,10 @@ def _prefix_saved_bytes(
 ) -> float:
     """What the attached prefix keeps for its backward (all of it, or the layer inputs under recompute)."""
     prompt, patches = sum(tokens.prompt_tokens), 0 if d.freeze_vision else sum(tokens.patches)
-    if d.prefix_activations is PrefixActivations.RECOMPUTE:
-        return prompt * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + patches * v.depth * (
-            v.hidden_size * S.BF16
-        )
-    llm = prompt * t.num_hidden_layers * S.layer_activation_bytes_per_token(t, tp, sp)
-    return llm + patches * v.depth * S.vision_activation_bytes_per_patch(v, tp)
+    recompute = d.prefix_activations is PrefixActivations.RECOMPUTE
+    llm = prompt * S.prefix_saved_bytes_per_token(t, tp, sp, recompute)
+    per_patch = v.hidden_size * S.BF16 if recompute else S.vision_activation_bytes_per_patch(v, tp)
+    return llm + patches * v.depth * per_patch
 
 
 def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:

@@ -247,11 +247,10 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     P, patches = g.prompt_tokens, g.patches_per_prompt
     sp = g.sequence_parallel
     full_llm, full_vis = S.layer_activation_bytes_per_token(t, tp, sp), S.vision_activation_bytes_per_patch(v, tp)
-    if c.spec.memory.prefix_activations == "offload":
-        llm, vis = P * t.num_hidden_layers * full_llm, patches * v.depth * full_vis
-    else:
-        llm = P * t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp)
-        vis = patches * v.depth * v.hidden_size * S.BF16  # the vision tower is replicated on every rank
+    recompute = c.spec.memory.prefix_activations != "offload"
+    llm = P * S.prefix_saved_bytes_per_token(t, tp, sp, recompute)
+    # the vision tower is replicated on every rank: whole blocks' inputs under recompute
+    vis = patches * v.depth * (v.hidden_size * S.BF16 if recompute else full_vis)
     if c.spec.model.freeze_vision:
         vis = 0  # the shared vision output carries no graph: the gradient stops at the embeddings
     prefix = role_steps(c, role, part=Part.PREFIX)

@@ -133,6 +133,14 @@ def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:
     return elems * BF16
 
 
+def prefix_saved_bytes_per_token(t: TextConfig, tp: int, sp: bool = False, recompute: bool = True) -> int:
+    """What the attached prefix keeps for its backward per prompt token on one rank: each decoder layer's input
+    (`recompute`: its unit reruns in backward) or all its saved tensors, and the final norm's input (the norm runs
+    over every prompt token before the boundary takes each prompt's last)."""
+    per_layer = layer_input_bytes_per_token(t, tp, sp) if recompute else layer_activation_bytes_per_token(t, tp, sp)
+    return t.num_hidden_layers * per_layer + layer_input_bytes_per_token(t, tp, sp)
+
+
 def layer_input_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
     """What full recompute keeps per layer: the layer's input, the whole hidden state on every rank (split over
     the TP ranks under sequence parallelism)."""
