@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rollplex.bench.provenance import source_commit
 from rollplex.models.config import CONFIG_DIR, load_model_config
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
@@ -66,6 +67,41 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * nbytes * 5 / (time.perf_counter() - start)
+
+
+def replay_seconds(calls: list, replays: int) -> float:
+    """Seconds per pass over `calls`: captured in one CUDA graph (after a warm pass: compiled, launches cached)
+    and its replays timed by events on a GPU; else host time of one pass (the interpreter's tests)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return time.perf_counter() - start
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+        with torch.cuda.graph(graph, stream=stream):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / replays
+
+
+def write_sweep(out: Path, cases: list[dict], bandwidth: float | None) -> None:
+    """A sweep's cases as JSON with the GPU, torch, the code's commit, the command and the copy bandwidth."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    meta = {"gpu": gpu, "torch": torch.__version__, "commit": source_commit(), "command": " ".join(sys.argv)}
+    out.write_text(json.dumps({**meta, "read_bandwidth_gb_s": (bandwidth or 0) / 1e9, "cases": cases}))
 
 
 def weight_bytes(model: Qwen2_5_VL) -> int:

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
-import time
 from pathlib import Path
 
 import torch
-from decode import copy_bandwidth  # bench/: this folder
+from decode import copy_bandwidth, replay_seconds, write_sweep  # bench/: this folder
 
-from rollplex.bench.provenance import source_commit
 from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
 
 NUM_SAMPLES = 8
@@ -76,9 +72,7 @@ def main() -> None:
         return
     table(cases)
     if args.out:
-        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        meta = {"gpu": gpu, "torch": torch.__version__, "commit": source_commit(), "command": " ".join(sys.argv)}
-        args.out.write_text(json.dumps({**meta, "read_bandwidth_gb_s": (bandwidth or 0) / 1e9, "cases": cases}))
+        write_sweep(args.out, cases, bandwidth)
 
 
 class Layer:
@@ -127,7 +121,7 @@ def time_option(
     }  # fmt: skip
     if args.compile_only:
         return case, out
-    seconds = _replay(layers, attention, step, args.replays)
+    seconds = replay_seconds([lambda x=x: x.call(attention, step) for x in layers], args.replays)
     read = sum(x.element_size() * x[..., : int(step) + 1, :].numel() for x in (layers[0].own_k, layers[0].own_v))
     read += 2 * layers[0].prompt_k.numel() * layers[0].prompt_k.element_size()
     case.update(us_per_layer=seconds / len(layers) * 1e6, mbytes_per_layer=read / 1e6)
@@ -138,34 +132,6 @@ def time_option(
 
 def _name(shape: DecodeAttentionShape) -> str:
     return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
-
-
-def _replay(layers: list[Layer], attention: DecodeAttention, step: torch.Tensor, replays: int) -> float:
-    """Seconds per pass over the layers: a captured graph's replays timed by events on a GPU, else host time."""
-    if not step.is_cuda:
-        start = time.perf_counter()
-        for layer in layers:
-            layer.call(attention, step)
-        return time.perf_counter() - start
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in layers:  # warm: compiled and its launch cached before the capture
-            layer.call(attention, step)
-        with torch.cuda.graph(graph, stream=stream):
-            for layer in layers:
-                layer.call(attention, step)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / replays
 
 
 def table(cases: list[dict]) -> None:

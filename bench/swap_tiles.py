@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
-import time
 from pathlib import Path
 
 import torch
-from decode import copy_bandwidth  # bench/: this folder
+from decode import copy_bandwidth, replay_seconds, write_sweep  # bench/: this folder
 
-from rollplex.bench.provenance import source_commit
 from rollplex.kernels.swap_gemm import swap_product, swap_stages, swap_tiles
 from rollplex.kernels.tiles import NUM_SMS_H200, Tiles, shortest_part
 
@@ -77,7 +73,7 @@ def main() -> None:
                         "programs": -(-n // tiles.block_n) * tiles.split_k,
                         "max_diff_from_default": float((out - expected).abs().max())}  # fmt: skip
                 if not args.compile_only:
-                    seconds = _replay([lambda w=w, c=call: c(w) for w in weights], args.replays) / len(weights)
+                    seconds = replay_seconds([lambda w=w, c=call: c(w) for w in weights], args.replays) / len(weights)
                     read = weights[0][0].numel() * weights[0][0].element_size()
                     case.update(us=seconds * 1e6, weight_mbytes=read / 1e6)
                     if bandwidth:
@@ -89,9 +85,7 @@ def main() -> None:
         return
     table(cases)
     if args.out:
-        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        meta = {"gpu": gpu, "torch": torch.__version__, "commit": source_commit(), "command": " ".join(sys.argv)}
-        args.out.write_text(json.dumps({**meta, "read_bandwidth_gb_s": (bandwidth or 0) / 1e9, "cases": cases}))
+        write_sweep(args.out, cases, bandwidth)
 
 
 def _scaled(value: int, scale: float) -> int:
@@ -127,33 +121,6 @@ def _call(x: torch.Tensor, n: int, pair: int, tiles: Tiles):
     if pair:
         return lambda w: swap_product(x, w[0], None, n, tiles=tiles, pair=pair)[None]
     return lambda w: swap_product(x, w[0], w[1], n, tiles=tiles, unsummed=True)
-
-
-def _replay(calls: list, replays: int) -> float:
-    """Seconds per pass over the calls: a captured graph's replays timed by events on a GPU, else host time."""
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return time.perf_counter() - start
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm: compiled and its launch cached before the capture
-            call()
-        with torch.cuda.graph(graph, stream=stream):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / replays
 
 
 def _label(case: dict) -> str:
