@@ -112,9 +112,9 @@ class OverlappedSum:
         self.buckets: list[list[int]] = []
         size = 0
         for i in reversed(range(len(optimizer.params))):
-            nbytes = 4 * optimizer.params[i].numel()  # an FP32 gradient
             if not optimizer.params[i].requires_grad:
                 continue
+            nbytes = 4 * optimizer.params[i].numel()  # an FP32 gradient
             if not self.buckets or size + nbytes > BUCKET_BYTES:
                 self.buckets.append([])
                 size = 0

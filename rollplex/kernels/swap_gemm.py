@@ -202,8 +202,7 @@ def swap_product(
     y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
     or `swap_tiles`' for `num_sms` (default: the device's); hand-given tiles may be 16 or 32 weight rows wide (each
     lies within a 64-row tile that `swap_fits` checked; `bench/swap_tiles.py` times them). `pdl`, `ahead`:
-    `rollplex.kernels.pdl`; with `ahead`
-    each program first pulls up to `pdl.prefetch_k` of its weight into L2."""
+    `rollplex.kernels.pdl`; with `ahead` each program first pulls up to `pdl.prefetch_k` of its weight into L2."""
     run = heads.head_dim if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
     assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
