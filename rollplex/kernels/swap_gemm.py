@@ -28,7 +28,6 @@ import triton.language as tl
 from rollplex.kernels.pdl import enter, leave, line_elements, pdl_options, prefetch_k, prefetch_l2
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
-    DECODE_SPLIT_MIN_K,
     MAX_SPLIT,
     SHARED_BYTES,
     Tiles,
@@ -43,6 +42,7 @@ from rollplex.kernels.tiles import (
 SWAP_BLOCK_N = 64  # weight rows per program: one warpgroup MMA's side
 SWAP_BLOCK_K = 128
 SWAP_MAX_STAGES = 6
+SWAP_SPLIT_MIN_K = 512  # K rows each part of a swapped split reads (bench/swap_tiles.py: a wave's worth of parts wins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +161,7 @@ def swap_tiles(
     num_rows: int, num_cols: int, num_inner: int, num_sms: int, paired: bool = False, element_size: int = 2
 ) -> Tiles:
     """The swapped kernel's tile: tokens rounded up to a power of two (16-64), 64 weight rows, K in 128-row
-    blocks, split as many ways as still fits one wave with parts of at least DECODE_SPLIT_MIN_K rows, and the
+    blocks, split as many ways as still fits one wave with parts of at least SWAP_SPLIT_MIN_K rows, and the
     deepest pipeline (up to 6 stages) that fits in shared memory (`element_size`: bytes per element, 4 for the
     fp32 the tests may run in). `paired` (gate/up pairs): K unsplit, two weight blocks a stage."""
     block_m = max(16, triton.next_power_of_2(num_rows))
@@ -170,7 +170,7 @@ def swap_tiles(
         s
         for s in range(1, MAX_SPLIT + 1)
         if s == 1
-        or (not paired and col_tiles * s <= num_sms and shortest_part(num_inner, s, SWAP_BLOCK_K) >= DECODE_SPLIT_MIN_K)
+        or (not paired and col_tiles * s <= num_sms and shortest_part(num_inner, s, SWAP_BLOCK_K) >= SWAP_SPLIT_MIN_K)
     ]
     stages = swap_stages(block_m, SWAP_BLOCK_N, paired, element_size)
     return Tiles(block_m, SWAP_BLOCK_N, SWAP_BLOCK_K, num_stages=stages, split_k=max(splits, default=1))

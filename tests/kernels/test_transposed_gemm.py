@@ -217,10 +217,10 @@ def test_linear_parts_add_up_to_the_product_and_leave_a_split_unsummed(in_featur
 
 
 def test_linear_parts_at_decode_rows_through_swap_gemm_sum_to_linear_bitwise():
-    w = random(128, 3200, seed=8, scale=3200**-0.5)  # 2 column tiles of 64 rows, K split in two 1,664-row parts
+    w = random(128, 3200, seed=8, scale=3200**-0.5)  # 2 column tiles of 64 rows, K split in five 640-row parts
     bias, x = random(128, seed=9), random(5, 3200, seed=10)
     parts = linear_parts(x, w, bias)
-    assert parts.shape == (2, 5, 128) and parts.dtype == torch.float32
+    assert parts.shape == (5, 5, 128) and parts.dtype == torch.float32
     assert torch.equal(summed(parts), linear(x, w, bias))
     assert_matches(summed(parts), torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(DTYPE))
 
