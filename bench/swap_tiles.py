@@ -6,11 +6,11 @@ and K split puts a product against the weight bytes it must read.
 Each product is launched as the fused decode step launches it (Qwen2.5-VL-3B at TP 1): the QKV projection with
 its bias, o_proj and down_proj as the fp32 parts of a K split (the kernel after them adds them), gate_up with
 silu(gate) * up inside the GEMM (K unsplit). For each row count, the default tile (`swap_tiles`) and every
-alternative (64, 32 or 16 weight rows a program, K in 1-4 parts where the product may split) run as a CUDA graph
-of one call per layer (36 layers, each its own weight, so no call finds its weight in L2) and are checked against
-the default (parts added in fp32). A program count past one wave (132 SMs) is what the default avoids; gate_up's
-172 tiles of 64 rows are 1.3 waves, which the 32-row tile turns into 2.6. The bound: the weight bytes over the
-measured copy bandwidth.
+alternative (64, 32 or 16 weight rows a program, K in 1-4 parts where the product may split, and with `--stages`
+shallower pipelines, which let two programs share an SM) run as a CUDA graph of one call per layer (36 layers,
+each its own weight, so no call finds its weight in L2) and are checked against the default (parts added in
+fp32). Programs past one wave (132 SMs, one program an SM at the deepest pipeline) run as a second, partly idle
+wave: gate_up's 172 tiles of 64 rows are 1.3 waves. The bound: the weight bytes over the measured copy bandwidth.
 
 With `--compile-only` each tile runs once and nothing is timed (Triton compiles on the host: start a few with
 different `--products` in parallel first). Off a GPU (the tests) it runs under Triton's interpreter at the widths
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--products", nargs="+", default=list(PRODUCTS), choices=list(PRODUCTS))
     ap.add_argument("--block-n", nargs="+", type=int, default=[64, 32, 16], help="weight rows a program")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4], help="K parts (unpaired products)")
+    ap.add_argument("--stages", nargs="+", type=int, default=[0],
+                    help="pipeline stages (0: the deepest that fits; fewer let two programs share an SM)")  # fmt: skip
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--scale", type=float, default=1.0, help="the widths times this (tests: small)")
     ap.add_argument("--replays", type=int, default=20)
@@ -106,14 +108,16 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 
 def _alternatives(default: Tiles, k: int, args: argparse.Namespace, paired: bool, size: int) -> list[Tiles]:
-    """Every (weight rows a program, K parts with none empty) of the options, each at the deepest pipeline that
-    fits."""
-    return [
-        dataclasses.replace(default, block_n=n, split_k=s, num_stages=swap_stages(default.block_m, n, paired, size))
-        for n in args.block_n
-        for s in ([1] if paired else args.splits)
-        if shortest_part(k, s, default.block_k) > 0
-    ]
+    """Every (weight rows a program, K parts with none empty, pipeline stages) of the options; a stage count is
+    capped at the deepest that fits, 0 is that deepest."""
+    out = []
+    for n in args.block_n:
+        deepest = swap_stages(default.block_m, n, paired, size)
+        stage_counts = dict.fromkeys(min(s, deepest) if s else deepest for s in args.stages)
+        for split in [1] if paired else args.splits:
+            if shortest_part(k, split, default.block_k) > 0:
+                out += [dataclasses.replace(default, block_n=n, split_k=split, num_stages=s) for s in stage_counts]
+    return out
 
 
 def _call(x: torch.Tensor, n: int, pair: int, tiles: Tiles):

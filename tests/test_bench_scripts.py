@@ -314,16 +314,18 @@ def test_gemm_host_times_each_product_at_a_new_row_count_and_again(tmp_path):
 
 def test_swap_tiles_times_each_products_tiles_against_its_default(tmp_path):
     command = [sys.executable, str(ROOT / "bench/swap_tiles.py"), "--rows", "5", "--layers", "1", "--scale", "0.12",
-               "--block-n", "64", "32", "--splits", "1", "2", "--products", "o_proj", "gate_up",
+               "--block-n", "64", "32", "--splits", "1", "2", "--stages", "0", "2", "--products", "o_proj", "gate_up",
                "--out", str(tmp_path / "s.json")]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT / "bench")  # it imports decode.py
     assert out.returncode == 0, out.stderr[-2000:]
     cases = json.loads((tmp_path / "s.json").read_text())["cases"]
-    shown = [(c["product"], c["tiles"]["block_n"], c["tiles"]["split_k"], c["programs"]) for c in cases]
-    # 256 x 256 o_proj: the default unsplit 64-row tiles first, then the others; gate_up pairs: K never split
-    assert shown == [("o_proj", 64, 1, 4), ("o_proj", 64, 2, 8), ("o_proj", 32, 1, 8), ("o_proj", 32, 2, 16),
-                     ("gate_up", 64, 1, 21), ("gate_up", 32, 1, 42)]  # fmt: skip
-    assert [c["default"] for c in cases] == [True, False, False, False, True, False]
+    shown = [(c["product"], c["tiles"]["block_n"], c["tiles"]["split_k"], c["tiles"]["num_stages"]) for c in cases]
+    # 256 x 256 o_proj (fp32: 5 stages fit a 64-row tile, 6 a 32-row one): the default unsplit 64-row tiles at
+    # the deepest pipeline first, then the others at it and at 2; gate_up pairs: K never split, 2 stages deepest
+    assert shown == [("o_proj", 64, 1, 5), ("o_proj", 64, 1, 2), ("o_proj", 64, 2, 5), ("o_proj", 64, 2, 2),
+                     ("o_proj", 32, 1, 6), ("o_proj", 32, 1, 2), ("o_proj", 32, 2, 6), ("o_proj", 32, 2, 2),
+                     ("gate_up", 64, 1, 2), ("gate_up", 32, 1, 5), ("gate_up", 32, 1, 2)]  # fmt: skip
+    assert [c["default"] for c in cases] == [True, *[False] * 7, True, False, False]
     assert all(c["max_diff_from_default"] < 1e-4 and c["us"] > 0 for c in cases)
     compiled = subprocess.run([*command[:-2], "--compile-only"], capture_output=True, text=True, cwd=ROOT / "bench")
     assert compiled.returncode == 0 and compiled.stdout == "", compiled.stderr[-2000:]  # runs each tile, times none
