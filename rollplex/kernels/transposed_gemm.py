@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from rollplex.kernels.pdl import enter, leave, pdl_options
-from rollplex.kernels.swap_gemm import swap_fits, swap_product
+from rollplex.kernels.swap_gemm import swap_fits, swap_product, swap_tiles
 from rollplex.kernels.tiles import (
     DECODE_MAX_M,
     Tiles,
@@ -135,14 +135,18 @@ def linear(
     num_sms: int | None = None,
     pdl: bool = False,
     swap: bool = True,
+    split: bool = True,
 ) -> torch.Tensor:
     """F.linear with our kernel: x [M, I], w [O, I] contiguous (HF's layout), bias [O] -> [M, O] in x's dtype.
     `num_sms`, `pdl`: see `matmul_transposed`. Decode rows take `swap_gemm`'s kernel where it fits, unless
     `tiles` are given or `swap` is off (this module's kernel: a [gate; up] weight whose `gate_up_silu` cannot
-    swap, `gate_up_swaps`)."""
+    swap, `gate_up_swaps`); there `split` off reads K in one part, as `gate_up_silu` does."""
     _check_hf(x, w, bias)
     if swap and tiles is None and swap_fits(x, w, w.shape[0]):
-        return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl)
+        num_sms = sm_count(x.device) if num_sms is None else num_sms
+        whole = swap_tiles(x.shape[0], w.shape[0], w.shape[1], num_sms, element_size=x.element_size())
+        unsplit = None if split else replace(whole, split_k=1)
+        return swap_product(x, w, bias, w.shape[0], tiles=unsplit, num_sms=num_sms, pdl=pdl)
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 
@@ -183,9 +187,10 @@ def gate_up_silu(
     """silu(x G^T) * (x U^T) in one launch: w [blocks * 2 * block_rows, I] contiguous holds per block its gate
     rows, then its up rows (HF's packed [gate; up] is one block; a TP layer's `gate_up` one per training rank)
     -> [M, blocks * block_rows]. Tiles: `gate_up_tiles` (K never split: a program must hold both sums whole
-    before the activation). Bitwise what `linear(..., swap=gate_up_swaps(...))` then `silu_mul` give where
-    `linear` does not split K either, which holds for every shipped model's decode shapes at the TP degrees it
-    allows (a test checks that); where it would split, the two round differently (within bf16 rounding).
+    before the activation). Bitwise what `linear(..., swap=gate_up_swaps(...), split=False)` then `silu_mul` give
+    where `linear`'s own kernel does not split K either, which holds for every shipped model's decode shapes at the
+    TP degrees it allows (a test checks that); where it would split, the two round differently (within bf16
+    rounding).
     Through `swap_gemm` where `gate_up_swaps`. `ahead`: as `linear_parts`."""
     _check_hf(x, w)
     assert w.shape[0] % (2 * block_rows) == 0, f"w {tuple(w.shape)}: not [gate; up] blocks"
@@ -202,8 +207,8 @@ def gate_up_silu(
 
 def gate_up_swaps(x: torch.Tensor, w: torch.Tensor, block_rows: int) -> bool:
     """Whether `gate_up_silu` reads [gate; up] blocks of `block_rows` rows through `swap_gemm` (each 64-row tile
-    within one gate or up half). The unfused path passes it to `linear` as `swap`, so that both products come
-    from the same kernel and agree bitwise."""
+    within one gate or up half). The unfused path passes it to `linear` as `swap` (with `split` off), so that
+    both products come from the same kernel and agree bitwise."""
     return swap_fits(x, w, w.shape[0] // 2, block_rows)
 
 

@@ -111,7 +111,7 @@ class LayerWeights:
             return self._row_parallel(hidden, self.down)
         if self.kernels.triton_gemm:  # the kernel `gate_up_silu` would take: the fused step gives the same bits
             swap = gate_up_swaps(x, self.gate_up, block_rows)
-            y = linear(x, self.gate_up, pdl=self.kernels.pdl, swap=swap)
+            y = linear(x, self.gate_up, pdl=self.kernels.pdl, swap=swap, split=False)
         else:
             y = F.linear(x, self.gate_up)
         rows, width = y.shape[0], y.shape[1] // self.num_blocks

@@ -10,7 +10,6 @@ from kernels_testkit import DEVICE, DTYPE, ON_GPU, assert_matches, needs_cuda, r
 
 pytest.importorskip("triton")
 from rollplex.kernels.decode_ops import silu_mul
-from rollplex.kernels.swap_gemm import swap_tiles
 from rollplex.kernels.tiles import Tiles, pick_tiles, sum_splits, wave_parts
 from rollplex.kernels.transposed_gemm import (
     gate_up_silu,
@@ -241,17 +240,18 @@ def test_transposed_parts_of_a_long_slab_split_and_add_up_to_the_product():
         (4, 24, 64, 70),  # prefill rows: the prefill tile, masked columns
         (1, 32, 256, 5),  # whole K tiles and 16-wide tiles that divide N: the pointer kernel's unmasked loads
         (1, 64, 256, 5),  # whole 64-row gate and up tiles: both through swap_gemm
+        (1, 64, 1024, 3),  # K long enough that swap_gemm would split it for `linear`, which is told not to
         (2, 20, 512, 9),  # 20 columns a block: the 16-wide tiles mask a tail
     ],
 )
 def test_gate_up_silu_equals_the_gemm_then_silu_mul_per_block(blocks, block_rows, in_features, num_rows):
     """w holds per block its gate rows then its up rows (HF's packed [gate; up] is one block, a TP layer's
     gate_up one per training rank): the output's block b is silu(x G_b^T) * (x U_b^T), at decode rows bitwise
-    what `linear` (unsplit here) then `silu_mul` give."""
+    what `linear` (K unsplit) then `silu_mul` give."""
     w = random(blocks * 2 * block_rows, in_features, seed=6, scale=in_features**-0.5)
     x = random(num_rows, in_features, seed=7)
     swap = gate_up_swaps(x, w, block_rows)  # the kernel family both products take (the unfused step's rule)
-    y = linear(x, w, swap=swap).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] per row and block
+    y = linear(x, w, swap=swap, split=False).view(num_rows * blocks, 2 * block_rows)  # [gate_b up_b] a row, block
     expected = silu_mul(y, torch.empty(num_rows * blocks, block_rows, dtype=DTYPE, device=DEVICE))
     out = gate_up_silu(x, w, block_rows)
     assert out.shape == (num_rows, blocks * block_rows)
@@ -265,8 +265,9 @@ def test_gate_up_silu_equals_the_gemm_then_silu_mul_per_block(blocks, block_rows
 @pytest.mark.parametrize("name", ["qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"])
 def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is_bitwise_the_same(name):
     """`gate_up_silu` never splits K; it equals `linear` + `silu_mul` bitwise only where `linear` (told the same
-    kernel family, `gate_up_swaps`) does not split either: at every training TP and every rollout TP dividing
-    it, with blocks = train / rollout blocks of intermediate / train gate rows each."""
+    kernel family, `gate_up_swaps`, and through `swap_gemm` K unsplit) does not split either: its own kernel's
+    tiles, at every training TP and every rollout TP dividing it, with blocks = train / rollout blocks of
+    intermediate / train gate rows each, where `swap_gemm` does not take the product."""
     from rollplex.models.config import load_model_config
     from rollplex.parallel.layout import check_train_tp
 
@@ -281,9 +282,7 @@ def test_linear_never_splits_a_shipped_models_decode_gate_up_so_the_fused_one_is
             rows = 2 * block_rows * (tp // rollout_tp)  # a rollout rank's [gate; up] blocks
             w, x = (torch.empty(*shape, device="meta", dtype=torch.bfloat16) for shape in ((rows, k), (1, k)))
             for m in range(1, 65):
-                if gate_up_swaps(x.expand(m, k).contiguous(), w, block_rows):
-                    assert swap_tiles(m, rows, k, 132).split_k == 1, (tp, rollout_tp, m)
-                else:
+                if not gate_up_swaps(x.expand(m, k).contiguous(), w, block_rows):
                     splits = [p[2].split_k for p in wave_parts(m, rows, k, pick_tiles(m, rows, k), 132)]
                     assert splits == [1], (tp, rollout_tp, m)
 
