@@ -42,8 +42,8 @@ from rollplex.kernels.tiles import (
 SWAP_BLOCK_N = 64  # weight rows per program: one warpgroup MMA's side
 SWAP_BLOCK_K = 128
 SWAP_MAX_STAGES = 6
-SWAP_SPLIT_MIN_K = 256  # K rows each part of a swapped split reads at least
-SWAP_RESIDENT_STAGES = 3  # the pipeline depth of a tile whose programs are all resident at once
+SWAP_SPLIT_MIN_K = 512  # K rows each part of a swapped split reads at least
+SWAP_RESIDENT_STAGES = 3  # the pipeline depth of a tile whose programs share SMs to be resident at once
 SM_SHARED_BYTES = 228 * 1024  # a Hopper SM's shared memory, divided among the programs resident on it
 RESERVED_BYTES = 1024  # shared memory the driver keeps for each resident program
 
@@ -164,34 +164,25 @@ def swap_tiles(
     num_rows: int, num_cols: int, num_inner: int, num_sms: int, paired: bool = False, element_size: int = 2
 ) -> Tiles:
     """The swapped kernel's tile: tokens rounded up to a power of two (16-64), 64 weight rows, K in 128-row blocks
-    (`element_size`: bytes per element, 4 for the fp32 the tests may run in). Reading the weights is the work, so
-    the tile keeps as many reads in flight as the SMs can: K split as many ways (up to MAX_SPLIT, parts of at least
-    SWAP_SPLIT_MIN_K rows) as leaves every program resident at once at a SWAP_RESIDENT_STAGES-deep pipeline, and
-    that pipeline where programs must then share SMs to be resident, else the deepest that fits (up to
-    SWAP_MAX_STAGES).
-    `paired` (gate/up pairs): K unsplit, two weight blocks a stage. On an H200 (`bench/swap_tiles.py`) the 3B decode
-    GEMMs at batch 8 take 2-9 % less time so than split to fill one wave at the deepest pipeline (QKV in 8 parts,
-    gate_up's 172 programs two an SM rather than 1.3 waves)."""
+    (`element_size`: bytes per element, 4 for the fp32 the tests may run in), split as many ways (up to MAX_SPLIT,
+    parts of at least SWAP_SPLIT_MIN_K rows) as still fits one wave, at the deepest pipeline that fits (up to
+    SWAP_MAX_STAGES), or at SWAP_RESIDENT_STAGES where more programs than SMs then all fit at once, several an SM.
+    `paired` (gate/up pairs): K unsplit, two weight blocks a stage. On an H200 (`bench/swap_tiles.py`) gate_up's
+    172 programs at batch 8 run 8 % faster two an SM at 3 stages than as 1.3 waves at 5; splitting the others
+    further, their programs sharing SMs, takes 3-9 % off each product but as much again in the kernels that add
+    the parts (`bench/decode_profile.py`)."""
     block_m = max(16, triton.next_power_of_2(num_rows))
     col_tiles = triton.cdiv(num_cols, SWAP_BLOCK_N)
     stage_bytes = (block_m + SWAP_BLOCK_N * (2 if paired else 1)) * SWAP_BLOCK_K * element_size
-
-    def resident(stages: int) -> int:
-        return num_sms * (SM_SHARED_BYTES // (stages * stage_bytes + RESERVED_BYTES))
-
     split = max(
         s
         for s in range(1, MAX_SPLIT + 1)
         if s == 1
-        or (
-            not paired
-            and col_tiles * s <= resident(SWAP_RESIDENT_STAGES)
-            and shortest_part(num_inner, s, SWAP_BLOCK_K) >= SWAP_SPLIT_MIN_K
-        )
+        or (not paired and col_tiles * s <= num_sms and shortest_part(num_inner, s, SWAP_BLOCK_K) >= SWAP_SPLIT_MIN_K)
     )
+    resident = num_sms * (SM_SHARED_BYTES // (SWAP_RESIDENT_STAGES * stage_bytes + RESERVED_BYTES))
     deepest = swap_stages(block_m, SWAP_BLOCK_N, paired, element_size)
-    shares_sms = num_sms < col_tiles * split <= resident(SWAP_RESIDENT_STAGES)
-    stages = min(SWAP_RESIDENT_STAGES, deepest) if shares_sms else deepest
+    stages = min(SWAP_RESIDENT_STAGES, deepest) if num_sms < col_tiles * split <= resident else deepest
     return Tiles(block_m, SWAP_BLOCK_N, SWAP_BLOCK_K, num_stages=stages, split_k=split)
 
 

@@ -12,10 +12,10 @@ from rollplex.kernels.tiles import k_per_split
 @pytest.mark.parametrize(
     ("name", "rows", "cols", "inner", "paired", "expected"),
     [
-        ("qkv", 32, 2560, 2048, False, 256),  # K split 8 ways: 320 programs, each whole 256-row part
-        ("o_proj", 32, 2048, 2048, False, 256),  # 256 programs, each whole 256-row part
+        ("qkv", 32, 2560, 2048, False, 512),  # K split 3 ways: 120 programs, a power of two of 640
+        ("o_proj", 32, 2048, 2048, False, 512),  # K split 4 ways: 128 programs of 512 rows
         ("gate_up", 32, 11008, 2048, True, 256),  # 172 programs of gate and up rows: two blocks of K each
-        ("down_proj", 32, 2048, 11008, False, 512),  # K split 8 ways: 256 programs, a power of two of 1,408
+        ("down_proj", 32, 2048, 11008, False, 1024),  # K split 4 ways: 128 programs, a power of two of 2,752
     ],
 )
 def test_the_3b_decode_gemms_prefetch_a_power_of_two_within_their_part_and_the_budget(

@@ -133,17 +133,18 @@ def test_gate_up_pairs_give_silu_of_gate_times_up_as_the_product_then_silu_mul(b
         swap_product(x, w, None, blocks * block_rows, tiles=Tiles(16, 64, 128, split_k=2), pair=block_rows)
 
 
-def test_tiles_keep_every_program_resident_and_cover_the_tokens():
-    """The 3B decode GEMMs at TP 1 as `bench/swap_tiles.py` found them fast: QKV (40 column tiles), o_proj and
-    down (32) in eight parts at 3 stages (three programs an SM at batch 8), at batch 64 QKV in four (five or more
-    leave a part under 256 rows); gate_up's 172 paired programs at 3 stages (two an SM) at batch 8, at the deepest
-    pipeline from batch 32 (two would not fit an SM); 7B TP-1 QKV (72 column tiles) in five parts."""
-    assert swap_tiles(8, 2560, 2048, NUM_SMS_H200) == Tiles(16, 64, 128, num_stages=3, split_k=8)
-    assert swap_tiles(64, 2560, 2048, NUM_SMS_H200) == Tiles(64, 64, 128, num_stages=3, split_k=4)
-    assert swap_tiles(8, 2048, 2048, NUM_SMS_H200).split_k == swap_tiles(8, 2048, 11008, NUM_SMS_H200).split_k == 8
+def test_tiles_split_k_to_fill_the_wave_and_cover_the_tokens():
+    """The 3B decode GEMMs at TP 1: QKV (40 column tiles) in three parts, o_proj and down (32) in four; gate_up's
+    172 paired programs at 3 stages, two an SM, at batch 8, and at the deepest pipeline from batch 32 (two would
+    not fit an SM); 7B TP-1 QKV: 72 column tiles, a split would pass 132 SMs; 7B TP-2 QKV: 36, in three (1280-row
+    parts at most); 3B TP-2 QKV (1280 x 2048): 20, in four 512-row parts (five would leave one empty)."""
+    assert swap_tiles(8, 2560, 2048, NUM_SMS_H200) == Tiles(16, 64, 128, num_stages=6, split_k=3)
+    assert swap_tiles(8, 2048, 2048, NUM_SMS_H200).split_k == swap_tiles(8, 2048, 11008, NUM_SMS_H200).split_k == 4
     assert swap_tiles(8, 11008, 2048, NUM_SMS_H200, paired=True) == Tiles(16, 64, 128, num_stages=3, split_k=1)
     assert swap_tiles(32, 11008, 2048, NUM_SMS_H200, paired=True) == Tiles(32, 64, 128, num_stages=5, split_k=1)
-    assert swap_tiles(32, 4608, 3584, NUM_SMS_H200) == Tiles(32, 64, 128, num_stages=3, split_k=5)
+    assert swap_tiles(32, 4608, 3584, NUM_SMS_H200) == Tiles(32, 64, 128, num_stages=6, split_k=1)
+    assert swap_tiles(1, 2304, 3584, NUM_SMS_H200) == Tiles(16, 64, 128, num_stages=6, split_k=3)
+    assert swap_tiles(64, 1280, 2048, NUM_SMS_H200).split_k == 4
     assert swap_tiles(64, 1280, 2048, NUM_SMS_H200).num_stages * (64 + 64) * 128 * 2 <= 200 * 1024
     assert swap_tiles(17, 512, 18944, NUM_SMS_H200) == Tiles(32, 64, 128, num_stages=6, split_k=8)
     paired = swap_tiles(64, 512, 18944, NUM_SMS_H200, paired=True)  # gate/up: never split, two blocks a stage
