@@ -5,12 +5,14 @@ and K split puts a product against the weight bytes it must read.
 
 Each product is launched as the fused decode step launches it (Qwen2.5-VL-3B at TP 1): the QKV projection with
 its bias, o_proj and down_proj as the fp32 parts of a K split (the kernel after them adds them), gate_up with
-silu(gate) * up inside the GEMM (K unsplit). For each row count, the default tile (`swap_tiles`) and every
-alternative (64, 32 or 16 weight rows a program, K in 1-4 parts where the product may split, and with `--stages`
-shallower pipelines, which let two programs share an SM) run as a CUDA graph of one call per layer (36 layers,
-each its own weight, so no call finds its weight in L2) and are checked against the default (parts added in
-fp32). Programs past one wave (132 SMs, one program an SM at the deepest pipeline) run as a second, partly idle
-wave: gate_up's 172 tiles of 64 rows are 1.3 waves. The bound: the weight bytes over the measured copy bandwidth.
+silu(gate) * up inside the GEMM (K unsplit), and each but gate_up followed by the kernel that reads its parts in
+the step (the residual add and the next norm, or the rotary and the cache write: a split's extra parts cost there;
+`--alone` leaves it out). For each row count, the default tile (`swap_tiles`) and every alternative (64, 32 or 16
+weight rows a program, K in 1-4 parts where the product may split, and with `--stages` shallower pipelines, which
+let two programs share an SM) run as a CUDA graph of one call per layer (36 layers, each its own weight, so no
+call finds its weight in L2) and are checked against the default (parts added in fp32). Programs past one wave
+(132 SMs, one program an SM at the deepest pipeline) run as a second, partly idle wave: gate_up's 172 tiles of 64
+rows are 1.3 waves. The bound: the weight bytes over the measured copy bandwidth.
 
 With `--compile-only` each tile runs once and nothing is timed (Triton compiles on the host: start a few with
 different `--products` in parallel first). Off a GPU (the tests) it runs under Triton's interpreter at the widths
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--scale", type=float, default=1.0, help="the widths times this (tests: small)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--alone", action="store_true", help="time each product without the kernel that reads it")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -62,6 +65,7 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, _dtype(device))
             n = rows_w // 2 if pair else rows_w
+            read = None if args.alone else _reader(name, m, n, x.dtype, device)
             default = swap_tiles(m, n, k, NUM_SMS_H200, paired=pair > 0, element_size=x.element_size())
             expected = None
             for tiles in [
@@ -75,11 +79,12 @@ def main() -> None:
                         "programs": -(-n // tiles.block_n) * tiles.split_k,
                         "max_diff_from_default": float((out - expected).abs().max())}  # fmt: skip
                 if not args.compile_only:
-                    seconds = replay_seconds([lambda w=w, c=call: c(w) for w in weights], args.replays) / len(weights)
-                    read = weights[0][0].numel() * weights[0][0].element_size()
-                    case.update(us=seconds * 1e6, weight_mbytes=read / 1e6)
+                    timed = call if read is None else lambda w, c=call, r=read: r(c(w))
+                    seconds = replay_seconds([lambda w=w, c=timed: c(w) for w in weights], args.replays) / len(weights)
+                    weight_bytes = weights[0][0].numel() * weights[0][0].element_size()
+                    case.update(us=seconds * 1e6, weight_mbytes=weight_bytes / 1e6, with_reader=read is not None)
                     if bandwidth:
-                        case.update(of_bound=read / bandwidth / seconds)
+                        case.update(of_bound=weight_bytes / bandwidth / seconds)
                     print(f"{name:<8} rows {m:>3} {_label(case):<22} {case['us']:8.2f} us"
                           + (f" ({case['of_bound']:.1%} of the bound)" if bandwidth else ""), flush=True)  # fmt: skip
                 cases.append(case)
@@ -125,6 +130,32 @@ def _call(x: torch.Tensor, n: int, pair: int, tiles: Tiles):
     if pair:
         return lambda w: swap_product(x, w[0], None, n, tiles=tiles, pair=pair)[None]
     return lambda w: swap_product(x, w[0], w[1], n, tiles=tiles, unsummed=True)
+
+
+def _reader(name: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
+    """The kernel the fused decode step runs on `name`'s parts, as a function of them (None for gate_up, read by a
+    GEMM), timed only (its output is not checked here: tests/kernels/test_decode_ops.py does): o_proj's and down's
+    parts go into the residual add and the next norm, QKV's into the rotary and the cache write (head_dim 128, one
+    kv head for every ten heads, as the 3B model's 16 + 2 x 2)."""
+    from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache
+
+    if name in ("o_proj", "down"):
+        residual, weight = torch.randn(m, n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        return lambda parts: add_rms_norm(parts, residual, weight, 1e-6, out)
+    if name != "qkv":
+        return None
+    head_dim = 128
+    groups = max(1, n // head_dim // 10)
+    heads = n // head_dim - 2 * groups
+    angles = torch.arange(8, device=device, dtype=torch.float32)[:, None] * torch.ones(head_dim, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    slots, step = torch.arange(m, device=device), torch.zeros(1, dtype=torch.long, device=device)
+    next_positions = torch.zeros(m + 1, dtype=torch.long, device=device)
+    q = torch.empty(m, heads, head_dim, device=device, dtype=dtype)
+    k_cache, v_cache = (torch.zeros(m, groups, 4, head_dim, device=device, dtype=dtype) for _ in range(2))
+
+    return lambda parts: rotary_to_cache(parts, cos, sin, slots, next_positions, step, q, k_cache, v_cache, 1)
 
 
 def _label(case: dict) -> str:

@@ -326,6 +326,8 @@ def test_swap_tiles_times_each_products_tiles_against_its_default(tmp_path):
                      ("o_proj", 32, 1, 6), ("o_proj", 32, 1, 2), ("o_proj", 32, 2, 6), ("o_proj", 32, 2, 2),
                      ("gate_up", 64, 1, 2), ("gate_up", 32, 1, 5), ("gate_up", 32, 1, 2)]  # fmt: skip
     assert [c["default"] for c in cases] == [True, *[False] * 7, True, False, False]
+    # o_proj timed with the residual add and norm that read its parts; gate_up (read by a GEMM) alone
+    assert [c["with_reader"] for c in cases] == [True] * 8 + [False] * 3
     assert all(c["max_diff_from_default"] < 1e-4 and c["us"] > 0 for c in cases)
     compiled = subprocess.run([*command[:-2], "--compile-only"], capture_output=True, text=True, cwd=ROOT / "bench")
     assert compiled.returncode == 0 and compiled.stdout == "", compiled.stderr[-2000:]  # runs each tile, times none
