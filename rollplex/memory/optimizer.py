@@ -4,9 +4,9 @@ What it is: the Phase-3 update. Parameters (BF16 or FP32 model tensors) are cut 
 each chunk's FP32 state (master + exp_avg + exp_avg_sq, 12 bytes per element) is loaded into a device slot,
 updated, written back to the host, and its new values are written into a destination the caller chooses
 (by default the parameters themselves; in rollplex, the snapshot rollout reads). On CUDA three streams
-overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams. Where the
-plan keeps part of the state in HBM (`resident_bytes`), the last chunks live in a device pool and their loads
-and offloads are copies on the device: the host link carries only the others, which go first.
+overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams. State the
+plan keeps in HBM (all of it, `state_on_device`, or the last chunks, `resident_bytes`) is updated in its pool
+block, nothing copied: the host link carries only the others, which go first.
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
 form), op for op on each element. The global grad norm and the clipping coefficient are complete before any
@@ -83,8 +83,9 @@ class ChunkedAdamW:
         loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
         end:    the caller's stream waits for all three; the workspace goes back to the allocator
 
-    Peak extra device bytes of a step: `peak_device_bytes` = NUM_SLOTS x the chunk state + an FP32 gradient
-    buffer and a scratch buffer of one chunk + one norm per segment + SCRATCH_BYTES.
+    Peak extra device bytes of a step: `peak_device_bytes` = `num_slots` x the chunk state (NUM_SLOTS, none where
+    the state lives on the device) + an FP32 gradient buffer and a scratch buffer of one chunk + one norm per
+    segment + SCRATCH_BYTES.
     Change hyperparameters (the learning rate, say) with `opt.config = replace(opt.config, lr=...)`.
     """
 
@@ -107,10 +108,11 @@ class ChunkedAdamW:
         resident_bytes: int = 0,
         shard: Shard | None = None,
     ) -> None:
-        """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits) and the chunks are
-        copied device to device; by default it lives in pinned host memory. `resident_bytes`: with the state on
-        the host, the last chunks of at most that many bytes of state stay in HBM all the same (the plan's share
-        of the state that fits): a step streams the others, first, while those are copied on the device.
+        """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits; on a CPU model, in the
+        model's memory) and each chunk is updated where it lives; by default it lives in pinned host memory.
+        `resident_bytes`: with the state on the host, the last chunks of at most that many bytes of state stay in
+        HBM all the same (the plan's share of the state that fits): a step streams the others, first, and updates
+        those in place.
         `shard`: this rank keeps and updates only its share of the state (ZeRO-1); the gradients must already be
         summed over the ranks."""
         self.params = list(params)
@@ -137,6 +139,7 @@ class ChunkedAdamW:
         if kept == len(self.chunks):  # the whole state stays in HBM
             state_on_device, kept = True, 0
         self.num_streamed = len(self.chunks) - kept  # the first chunks, in `pool`; the kept ones in `device_pool`
+        self.num_moved = 0 if state_on_device else self.num_streamed  # the others are updated where they live
         on_host = not state_on_device or self.device.type == "cpu"
         self.pool = pool or HostPool(
             self._pool_bytes(self.chunks[: self.num_streamed]),
@@ -165,8 +168,13 @@ class ChunkedAdamW:
             self.write_param_state(i, p.detach(), None, None)
 
     @property
+    def num_slots(self) -> int:
+        """Device slots a step stages chunks in: none where every chunk's state already lives on the device."""
+        return min(NUM_SLOTS, self.num_moved)
+
+    @property
     def workspace_bytes(self) -> int:
-        return 4 * (self.capacity * (3 * NUM_SLOTS + 2) + self.num_segments)
+        return 4 * (self.capacity * (3 * self.num_slots + 2) + self.num_segments)
 
     @property
     def peak_device_bytes(self) -> int:
@@ -174,8 +182,8 @@ class ChunkedAdamW:
 
     @property
     def num_bytes_moved(self) -> int:
-        """Host<->device bytes of one step: every streamed chunk's state loaded and offloaded once."""
-        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[: self.num_streamed])
+        """Bytes copied in one step: every moved chunk's state loaded and offloaded once (host<->device on a GPU)."""
+        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[: self.num_moved])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for i, p in enumerate(self.params):
@@ -216,11 +224,16 @@ class ChunkedAdamW:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
         loaded, offloaded = [()] * NUM_SLOTS, [()] * NUM_SLOTS
-        loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
+        if self.num_moved:
+            loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
         with _on(adam):
             coef = self._grad_norm_pass(grad, norms)
         for j in range(len(self.chunks)):
-            if j + 1 < len(self.chunks):
+            if j >= self.num_moved:  # its state lives on the device: updated in its pool block, nothing copied
+                with _on(adam):
+                    self._adam(j, self._host(j).view(-1), grad, scratch, coef)
+                continue
+            if j + 1 < self.num_moved:
                 k = (j + 1) % NUM_SLOTS
                 loaded[k] = self._copy(load, j + 1, slots[k], into_host=False, after=offloaded[k])
             with _on(adam):
@@ -234,12 +247,12 @@ class ChunkedAdamW:
         return self.last_grad_norm
 
     def _carve_workspace(self) -> tuple[torch.Tensor, ...]:
-        """slots [NUM_SLOTS, 3 * capacity], FP32 grad [capacity], scratch [capacity], norms [num_segments]."""
-        c = self.capacity
+        """slots [num_slots, 3 * capacity], FP32 grad [capacity], scratch [capacity], norms [num_segments]."""
+        c, n = self.capacity, self.num_slots
         workspace = torch.empty(self.workspace_bytes // 4, dtype=torch.float32, device=self.device)
-        slots = workspace[: NUM_SLOTS * 3 * c].view(NUM_SLOTS, 3 * c)
-        grad, scratch = workspace[NUM_SLOTS * 3 * c : (NUM_SLOTS * 3 + 2) * c].view(2, c)
-        return slots, grad, scratch, workspace[(NUM_SLOTS * 3 + 2) * c :]
+        slots = workspace[: n * 3 * c].view(n, 3 * c)
+        grad, scratch = workspace[n * 3 * c : (n * 3 + 2) * c].view(2, c)
+        return slots, grad, scratch, workspace[(n * 3 + 2) * c :]
 
     def _grad_norm_pass(self, grad: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
         """Per segment the L2 norm of its FP32 gradient, then the global norm (as `clip_grad_norm_`)."""

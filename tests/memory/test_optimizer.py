@@ -205,6 +205,37 @@ def test_the_last_chunks_kept_apart_step_as_torch_adamw_and_only_the_others_coun
 def test_a_resident_share_that_holds_the_whole_state_keeps_it_as_state_on_the_device():
     opt = ChunkedAdamW(make_params(), chunk_bytes=12 * 40, resident_bytes=1 << 30)
     assert opt.device_pool is None and opt.num_streamed == len(opt.chunks)  # one pool, as `state_on_device` has it
+    assert opt.num_moved == opt.num_slots == opt.num_bytes_moved == 0
+
+
+@pytest.mark.parametrize("where", [{"state_on_device": True}, {"resident_bytes": 12 * 80}])
+def test_state_kept_on_the_device_is_updated_in_its_block_bitwise_as_streamed_and_copies_nothing(where, monkeypatch):
+    """All of the state on the device, or its last two chunks: those chunks are neither staged nor written back
+    (no copy of their state), and the step gives the streamed optimizer's bits, clipped, over several steps."""
+    import rollplex.memory.optimizer as optimizer
+
+    streamed_params, kept_params = make_params(), make_params()
+    streamed = ChunkedAdamW(streamed_params, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 40)
+    kept = ChunkedAdamW(kept_params, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 40, **where)
+    moved = 0 if "state_on_device" in where else len(kept.chunks) - 2
+    assert kept.num_moved == moved and kept.num_slots == min(3, moved)
+    copied, inner = [], optimizer.copy_on
+
+    def counted(stream, dst, src, after=()):
+        copied.append(dst.numel())
+        return inner(stream, dst, src, after)
+
+    monkeypatch.setattr(optimizer, "copy_on", counted)
+    for step in range(3):
+        set_grads(streamed_params, seed=step)
+        set_grads(kept_params, seed=step)
+        copied.clear()
+        norm = kept.step()
+        assert len(copied) == 2 * moved  # each moved chunk loaded and offloaded once, the kept ones never
+        assert torch.equal(norm, streamed.step())
+    for a, b in zip(streamed_params, kept_params, strict=True):
+        assert torch.equal(a, b)
+    assert kept.state_dict()["state"][3]["exp_avg_sq"].equal(streamed.state_dict()["state"][3]["exp_avg_sq"])
 
 
 GPU_SHAPES = [(32_000, 1024), *[(1024, 4096)] * 8, *[(4096,)] * 8, (1000,), (7, 13), (3, 1024, 5)]
