@@ -2,7 +2,8 @@
 
 Like a tinygrad-style planner: each object is open over its live steps; the peak of a phase is the largest
 sum of open objects over the phase's steps. The streamed optimizer is sized last, into what the update
-step leaves free: `pipeline_depth` chunks of FP32 state (load j+1, update j, offload j-1) at once.
+step leaves free: `pipeline_depth` chunks of FP32 state (load j+1, update j, offload j-1) at once, none where
+all of the state stays in HBM (the optimizer updates it in place).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class OptimizerPlan:
     state_bytes: int  # FP32 master + moments this GPU updates
     chunk_bytes: int
     num_chunks: int
-    pipeline_depth: int
+    pipeline_depth: int  # chunks staged at once; 0 where the whole state lives in HBM (updated in place)
 
     @property
     def workspace_bytes(self) -> int:
@@ -223,7 +224,8 @@ def plan_optimizer(c: Context, objects: list[MemObject], update: set[int], capac
         free = max(capacity - used - SCRATCH_BYTES, 0) * STATE_BYTES_PER_ELEMENT // (PIPELINE_DEPTH * 12 + 8)
         chunk = max(CHUNK_ALIGN, min(MAX_AUTO_CHUNK, free) // CHUNK_ALIGN * CHUNK_ALIGN)
     chunk = min(chunk, max(state, 1))
-    return OptimizerPlan(state, chunk, -(-state // chunk), PIPELINE_DEPTH)
+    streams = any(o.host_bytes for o in objects if o.component in (Component.MASTER, Component.MOMENTS))
+    return OptimizerPlan(state, chunk, -(-state // chunk), PIPELINE_DEPTH if streams else 0)
 
 
 def plan_host(c: Context, objects: list[MemObject]) -> HostPlan:

@@ -143,10 +143,11 @@ def linear(
     swap, `gate_up_swaps`); there `split` off reads K in one part, as `gate_up_silu` does."""
     _check_hf(x, w, bias)
     if swap and tiles is None and swap_fits(x, w, w.shape[0]):
+        if split:
+            return swap_product(x, w, bias, w.shape[0], num_sms=num_sms, pdl=pdl)
         num_sms = sm_count(x.device) if num_sms is None else num_sms
         whole = swap_tiles(x.shape[0], w.shape[0], w.shape[1], num_sms, element_size=x.element_size())
-        unsplit = None if split else replace(whole, split_k=1)
-        return swap_product(x, w, bias, w.shape[0], tiles=unsplit, num_sms=num_sms, pdl=pdl)
+        return swap_product(x, w, bias, w.shape[0], tiles=replace(whole, split_k=1), pdl=pdl)
     return _product(x, w.T, bias, (1, w.shape[1]), tiles, num_sms, pdl)
 
 

@@ -75,6 +75,7 @@ class ChunkedAdamW:
 
         HOST (pool block) --load--> STAGED (device slot j % 3) --adam--> UPDATED --offload--> HOST
                                                                     \\--write--> destination (BF16 or FP32)
+        HBM (pool block, state kept on the device) --adam, in place--> UPDATED --write--> destination
 
     One step:
 

@@ -144,9 +144,10 @@ def peak_table(plan: Plan) -> str:
     ]
     if r.optimizer:
         o = r.optimizer
+        how = f"streamed, {o.pipeline_depth} in flight" if o.pipeline_depth else "updated in HBM"
         lines.append(
-            f"optimizer: {gib(o.state_bytes)} GiB FP32 state streamed in {o.num_chunks} chunks of "
-            f"{o.chunk_bytes / 2**20:.0f} MiB, {o.pipeline_depth} in flight ({gib(o.workspace_bytes)} GiB)"
+            f"optimizer: {gib(o.state_bytes)} GiB FP32 state in {o.num_chunks} chunks of "
+            f"{o.chunk_bytes / 2**20:.0f} MiB, {how} ({gib(o.workspace_bytes)} GiB workspace)"
         )
     return "\n".join(lines)
 

@@ -190,6 +190,9 @@ def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
         opt = ChunkedAdamW(params, chunk_bytes=chunk)
         planned = OptimizerPlan(total, chunk, -(-total // chunk), 3)
         assert opt.peak_device_bytes <= planned.workspace_bytes
+        in_hbm = ChunkedAdamW(params, chunk_bytes=chunk, state_on_device=True)  # updated in place: no slots
+        assert in_hbm.peak_device_bytes <= OptimizerPlan(total, chunk, -(-total // chunk), 0).workspace_bytes
+        assert in_hbm.peak_device_bytes < opt.peak_device_bytes
 
 
 @pytest.mark.parametrize(("split", "expected"), [("true", 4), ("false", 8)])
@@ -218,6 +221,8 @@ def test_the_planner_spends_free_hbm_on_what_would_cross_the_host_link_every_ste
     seven = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))  # 85 GiB of FP32 state does not fit beside
     assert seven.decisions.optimizer_state is Residency.HOST and not _in_hbm(seven, "Adam moments (FP32)")
     assert seven.residency.fits and seven.residency.peak_bytes <= seven.residency.capacity_bytes
+    # state in HBM is updated in place (no chunks staged); the 7B's streams three chunks at once
+    assert three.residency.optimizer.pipeline_depth == 0 and seven.residency.optimizer.pipeline_depth == 3
     for plan in (three, seven):  # every step still fits with the smallest optimizer pipeline beside it
         assert max(plan.residency.step_bytes) <= plan.residency.capacity_bytes
 
