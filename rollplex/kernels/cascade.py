@@ -234,13 +234,61 @@ def partial_kernel(
             written = tl.atomic_add(counts_ptr + row * G + g, 1, sem="acq_rel", scope="gpu")
             if written == PROMPT_SPLITS + OWN_SPLITS - 1:  # the last partial of (row, g): merge them
                 tl.debug_barrier()
-                for h in tl.static_range(HPG):  # unrolled: the heads' loads overlap
-                    _merge_head(
-                        prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, g * HPG + h,
-                        max_rows, H, D, PROMPT_SPLITS, OWN_SPLITS, PROMPT_LANES, OWN_LANES,
-                    )  # fmt: skip
+                _merge(
+                    prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, g, max_rows,
+                    H, HPG, D, OWN_HEADS, PROMPT_SPLITS, OWN_SPLITS, PROMPT_LANES, OWN_LANES,
+                )  # fmt: skip
                 tl.store(counts_ptr + row * G + g, 0)  # every other program has counted: ready for the next call
     leave(USE_GDC, AHEAD)
+
+
+@triton.jit
+def _merge(
+    prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, g, max_rows,
+    H: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, PROMPT_SPLITS: tl.constexpr,
+    OWN_SPLITS: tl.constexpr, PROMPT_LANES: tl.constexpr, OWN_LANES: tl.constexpr,
+):  # fmt: skip
+    """Row `row`'s heads of group g: every chunk's partial (read from L2: other SMs wrote them) weighed through
+    the log-sum-exps, written to out in its dtype. An empty chunk weighs 0 and its output is not read."""
+    r = tl.arange(0, HEADS)
+    head = g * HPG + r
+    valid = r < HPG
+    lse_p = _lses(prompt_lse_ptr, row, head, valid, max_rows, H, PROMPT_SPLITS, PROMPT_LANES)
+    lse_o = _lses(own_lse_ptr, row, head, valid, max_rows, H, OWN_SPLITS, OWN_LANES)
+    m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite on a valid head: a row sees its own token
+    m = tl.where(valid, m, 0.0)
+    total = tl.sum(tl.exp(lse_p - m[None, :]), 0) + tl.sum(tl.exp(lse_o - m[None, :]), 0)
+    d = tl.arange(0, D)
+    acc = tl.zeros((HEADS, D), dtype=tl.float32)
+    acc += _weighed(prompt_out_ptr, prompt_lse_ptr, row, head, valid, m, max_rows, H, D, HEADS, PROMPT_SPLITS)
+    acc += _weighed(own_out_ptr, own_lse_ptr, row, head, valid, m, max_rows, H, D, HEADS, OWN_SPLITS)
+    total = tl.where(valid, total, 1.0)
+    dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]
+    tl.store(dst, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _lses(lse_ptr, row, head, valid, max_rows, H: tl.constexpr, SPLITS: tl.constexpr, LANES: tl.constexpr):
+    """lse [LANES, heads] of one row over SPLITS chunks; lanes past SPLITS and invalid heads give -inf."""
+    s = tl.arange(0, LANES)
+    at = (s[:, None] * max_rows + row).to(tl.int64) * H + head[None, :]
+    mask = (s < SPLITS)[:, None] & valid[None, :]
+    return tl.load(lse_ptr + at, mask=mask, other=float("-inf"), cache_modifier=".cg")
+
+
+@triton.jit
+def _weighed(out_ptr, lse_ptr, row, head, valid, m, max_rows, H: tl.constexpr, D: tl.constexpr,
+             HEADS: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+    """Sum over the SPLITS chunks of exp(lse - m) * out, [HEADS, D]; a chunk at once, in split order."""
+    d = tl.arange(0, D)
+    acc = tl.zeros((HEADS, D), dtype=tl.float32)
+    for split in range(SPLITS):
+        at = (split * max_rows + row).to(tl.int64) * H + head
+        lse = tl.load(lse_ptr + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
+        out = tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0, cache_modifier=".cg")
+        acc += tl.exp(lse - m)[:, None] * out
+    return acc
 
 
 @triton.jit
@@ -264,20 +312,8 @@ def combine_kernel(
     log-sum-exp. A program per head rather than per kv-head group: at a batch of one prompt the merge still
     spreads over the GPU."""
     enter(USE_GDC, AHEAD)
-    _merge_head(
-        prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-        max_rows, H, D, PROMPT_SPLITS, OWN_SPLITS, PROMPT_LANES, OWN_LANES,
-    )  # fmt: skip
-    leave(USE_GDC, AHEAD)
-
-
-@triton.jit
-def _merge_head(
-    prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, head, max_rows, H: tl.constexpr,
-    D: tl.constexpr, PROMPT_SPLITS: tl.constexpr, OWN_SPLITS: tl.constexpr, PROMPT_LANES: tl.constexpr,
-    OWN_LANES: tl.constexpr,
-):  # fmt: skip
-    """One (row, head): its partials of every chunk, loaded at once, merged through their log-sum-exp."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
     lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, PROMPT_SPLITS, PROMPT_LANES)
     lse_o, out_o = _partials(own_out_ptr, own_lse_ptr, row, head, max_rows, H, D, OWN_SPLITS, OWN_LANES)
     m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite: a row always sees its own token
@@ -286,16 +322,17 @@ def _merge_head(
     total = tl.sum(w_p, 0) + tl.sum(w_o, 0)
     dst = out_ptr + (row * H + head).to(tl.int64) * D + tl.arange(0, D)
     tl.store(dst, (acc / total).to(out_ptr.dtype.element_ty))
+    leave(USE_GDC, AHEAD)
 
 
 @triton.jit
 def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
               LANES: tl.constexpr):  # fmt: skip
     """lse [LANES] and out [LANES, D] of one (row, head) over SPLITS chunks: lanes past SPLITS, and empty chunks,
-    give (-inf, 0) and read no output. Read from L2 (`.cg`): other SMs wrote them, possibly in this launch."""
+    give (-inf, 0) and read no output."""
     s = tl.arange(0, LANES)
     at = (s * max_rows + row).to(tl.int64) * H + head
-    lse = tl.load(lse_ptr + at, mask=s < SPLITS, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(lse_ptr + at, mask=s < SPLITS, other=float("-inf"))
     d = tl.arange(0, D)
     has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
-    return lse, tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0, cache_modifier=".cg")
+    return lse, tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)
