@@ -1,9 +1,9 @@
 """Decode attention alone at the rollout's shapes, over its launch options: where each choice of
-`DecodeAttentionShape`'s chunk lengths, the partial kernel's warps and stages and where the partials are merged
-puts a layer's attention against the bytes it must read.
+`DecodeAttentionShape`'s chunk lengths and the partial kernel's warps and stages puts a layer's attention against
+the bytes it must read.
 
     python bench/decode_attention.py --batch 8 32 64 --live 512 1536 --prompt-chunks 128 256 512 \
-        --own-chunks 64 128 256 --warps 4 8 --merges in_place combine --out bench/results/decode_attention_3b_h200.json
+        --own-chunks 64 128 256 --warps 4 8 --out bench/results/decode_attention_3b_h200.json
 
 Per batch (batch / 8 prompts of 8 sequences each; Qwen2.5-VL-3B's 16 heads over 2 kv heads of 128 by default),
 per live response length (the step counter: each sequence has that many own keys, plus the one it writes) and per
@@ -43,10 +43,6 @@ def main() -> None:
     ap.add_argument("--own-chunks", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--warps", nargs="+", type=int, default=[4])
     ap.add_argument("--stages", nargs="+", type=int, default=[3])
-    ap.add_argument(
-        "--merges", nargs="+", choices=["in_place", "combine"], default=["in_place"],
-        help="where the partials are merged: by the program that writes a row's last one, or a launch of its own",
-    )  # fmt: skip
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--compile-only", action="store_true")
@@ -54,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = copy_bandwidth() if device.type == "cuda" else None  # bytes moved per second, as decode.py
-    options = [None, *itertools.product(args.prompt_chunks, args.own_chunks, args.warps, args.stages, args.merges)]
+    options = [None, *itertools.product(args.prompt_chunks, args.own_chunks, args.warps, args.stages)]
     cases = []
     for batch in args.batch:
         layers = [Layer(args, batch, seed) for seed in range(args.layers)]
@@ -111,16 +107,16 @@ def time_option(
     """One option set at one batch and live length: its case (microseconds per layer, bound, and the largest
     difference of its output from the default's) and its output at layer 0."""
     heads, kv_heads, dim = args.heads
-    prompt_chunk, own_chunk, warps, stages, merge = option or (0, 0, 4, 3, "in_place")
+    prompt_chunk, own_chunk, warps, stages = option or (0, 0, 4, 3)
     shape = DecodeAttentionShape(
         batch // NUM_SAMPLES, NUM_SAMPLES, heads, kv_heads, dim, args.prompt_tokens, args.tokens, prompt_chunk,
-        own_chunk, block=args.block, num_warps=warps, num_stages=stages, combine=merge == "combine",
+        own_chunk, block=args.block, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     attention = DecodeAttention(shape, step.device)
     out = layers[0].call(attention, step).clone()
     case = {
         "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.prompt_chunk,
-        "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "merge": merge, "default": option is None,
+        "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "default": option is None,
         "max_diff_from_default": 0.0 if default is None else float((out.float() - default.float()).abs().max()),
     }  # fmt: skip
     if args.compile_only:
@@ -135,8 +131,7 @@ def time_option(
 
 
 def _name(shape: DecodeAttentionShape) -> str:
-    merge = "/combine" if shape.combine else ""
-    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}{merge}"
+    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
 
 
 def table(cases: list[dict]) -> None:

@@ -112,7 +112,6 @@ def _prompt_partial(
     at = (split * max_rows + row).to(tl.int64) * H + head
     tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
     tl.store(lse_ptr + at, lse, mask=valid)
-    return start.to(tl.int32), count.to(tl.int32)
 
 
 @triton.jit
@@ -176,8 +175,6 @@ def partial_kernel(
     prompt_lse_ptr,
     own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
     own_lse_ptr,
-    counts_ptr,  # [MAX_ROWS, G] int32, zero between calls: partials written of each (row, group) (MERGE)
-    out_ptr,  # [rows, H, D] in the model's dtype (MERGE)
     stride_kp,
     stride_kg,
     stride_ks,
@@ -200,95 +197,28 @@ def partial_kernel(
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    MERGE: tl.constexpr = False,  # the program that writes a (row, group)'s last partial merges them into out
-    PROMPT_LANES: tl.constexpr = 1,  # powers of two >= the splits (MERGE)
-    OWN_LANES: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
     """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
-    (rows * G * OWN_SPLITS) a chunk of one row's own keys. With MERGE no combine follows: each program counts
-    the partials it wrote per (row, group), and the one whose count completes a (row, group) merges it."""
+    (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
     enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
     if pid < P * G * PROMPT_SPLITS:
-        g = (pid // PROMPT_SPLITS) % G
-        start, count = _prompt_partial(
-            pid // (G * PROMPT_SPLITS), g, pid % PROMPT_SPLITS,
+        _prompt_partial(
+            pid // (G * PROMPT_SPLITS), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
             max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
         )  # fmt: skip
     else:
         own = pid - P * G * PROMPT_SPLITS
-        g = (own // OWN_SPLITS) % G
-        start, count = own // (G * OWN_SPLITS), tl.full((), 1, tl.int32)
         _own_partial(
-            start, g, own % OWN_SPLITS,
+            own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
             H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK,
         )  # fmt: skip
-    if MERGE:
-        tl.debug_barrier()  # every thread's partial stored before the count says so
-        for row in range(start, start + count):
-            written = tl.atomic_add(counts_ptr + row * G + g, 1, sem="acq_rel", scope="gpu")
-            if written == PROMPT_SPLITS + OWN_SPLITS - 1:  # the last partial of (row, g): merge them
-                tl.debug_barrier()
-                _merge(
-                    prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, g, max_rows,
-                    H, HPG, D, OWN_HEADS, PROMPT_SPLITS, OWN_SPLITS, PROMPT_LANES, OWN_LANES,
-                )  # fmt: skip
-                tl.store(counts_ptr + row * G + g, 0)  # every other program has counted: ready for the next call
     leave(USE_GDC, AHEAD)
-
-
-@triton.jit
-def _merge(
-    prompt_out_ptr, prompt_lse_ptr, own_out_ptr, own_lse_ptr, out_ptr, row, g, max_rows,
-    H: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, PROMPT_SPLITS: tl.constexpr,
-    OWN_SPLITS: tl.constexpr, PROMPT_LANES: tl.constexpr, OWN_LANES: tl.constexpr,
-):  # fmt: skip
-    """Row `row`'s heads of group g: every chunk's partial (read from L2: other SMs wrote them) weighed through
-    the log-sum-exps, written to out in its dtype. An empty chunk weighs 0 and its output is not read."""
-    r = tl.arange(0, HEADS)
-    head = g * HPG + r
-    valid = r < HPG
-    lse_p = _lses(prompt_lse_ptr, row, head, valid, max_rows, H, PROMPT_SPLITS, PROMPT_LANES)
-    lse_o = _lses(own_lse_ptr, row, head, valid, max_rows, H, OWN_SPLITS, OWN_LANES)
-    m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite on a valid head: a row sees its own token
-    m = tl.where(valid, m, 0.0)
-    total = tl.sum(tl.exp(lse_p - m[None, :]), 0) + tl.sum(tl.exp(lse_o - m[None, :]), 0)
-    d = tl.arange(0, D)
-    acc = tl.zeros((HEADS, D), dtype=tl.float32)
-    acc += _weighed(prompt_out_ptr, prompt_lse_ptr, row, head, valid, m, max_rows, H, D, HEADS, PROMPT_SPLITS)
-    acc += _weighed(own_out_ptr, own_lse_ptr, row, head, valid, m, max_rows, H, D, HEADS, OWN_SPLITS)
-    total = tl.where(valid, total, 1.0)
-    dst = out_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :]
-    tl.store(dst, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
-
-
-@triton.jit
-def _lses(lse_ptr, row, head, valid, max_rows, H: tl.constexpr, SPLITS: tl.constexpr, LANES: tl.constexpr):
-    """lse [LANES, heads] of one row over SPLITS chunks; lanes past SPLITS and invalid heads give -inf."""
-    s = tl.arange(0, LANES)
-    at = (s[:, None] * max_rows + row).to(tl.int64) * H + head[None, :]
-    mask = (s < SPLITS)[:, None] & valid[None, :]
-    return tl.load(lse_ptr + at, mask=mask, other=float("-inf"), cache_modifier=".cg")
-
-
-@triton.jit
-def _weighed(out_ptr, lse_ptr, row, head, valid, m, max_rows, H: tl.constexpr, D: tl.constexpr,
-             HEADS: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-    """Sum over the SPLITS chunks of exp(lse - m) * out, [HEADS, D]; a chunk at once, in split order."""
-    d = tl.arange(0, D)
-    acc = tl.zeros((HEADS, D), dtype=tl.float32)
-    for split in range(SPLITS):
-        at = (split * max_rows + row).to(tl.int64) * H + head
-        lse = tl.load(lse_ptr + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
-        out = tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0, cache_modifier=".cg")
-        acc += tl.exp(lse - m)[:, None] * out
-    return acc
 
 
 @triton.jit

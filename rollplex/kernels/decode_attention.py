@@ -1,16 +1,13 @@
 """Decode attention over a shared prompt (cascade attention): one query token per sequence, N sequences per
 prompt, each attending to its prompt's KV (shared by the group, read once for all N) and to its own response KV.
 
-Split over keys so that a handful of prompts still fill the GPU (flash-decoding):
+Two launches, split over keys so that a handful of prompts still fill the GPU (flash-decoding):
 
 - `partial_kernel`, one program per chunk of keys, of two kinds: (prompt p, kv-head group g, prompt chunk):
   the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile) against
   the chunk of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its
   own response cache.
-- the merge of every chunk's partial output through its log-sum-exp: by default inside the partial launch, by
-  the program that writes a (row, kv-head group)'s last partial (each program counts what it wrote in a
-  per-(row, group) counter, which the merging program zeroes again); with `combine`, a launch of its own,
-  `combine_kernel`, grid (rows, heads).
+- `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
@@ -78,7 +75,6 @@ class DecodeAttentionShape:
     block: int = 64
     num_warps: int = 4  # of the partial kernel (triton's defaults)
     num_stages: int = 3
-    combine: bool = False  # merge the partials in a launch of their own, not in the partial launch
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} heads over {self.num_kv_heads} kv heads"
@@ -105,8 +101,8 @@ class DecodeAttentionShape:
 
 
 class DecodeAttention:
-    """Owns the partial-result workspaces and merge counters of one decode shape and launches the kernels (`pdl`,
-    `ahead`: as programmatic dependents, `rollplex.kernels.pdl`)."""
+    """Owns the partial-result workspaces of one decode shape and launches the two kernels (`pdl`, `ahead`: as
+    programmatic dependents, `rollplex.kernels.pdl`)."""
 
     def __init__(self, shape: DecodeAttentionShape, device: torch.device) -> None:
         self.shape = shape
@@ -116,7 +112,6 @@ class DecodeAttention:
         self.prompt_lse = torch.full((shape.prompt_splits, rows, h), float("-inf"), **f32)
         self.own_out = torch.zeros(shape.own_splits, rows, h, d, **f32)
         self.own_lse = torch.full((shape.own_splits, rows, h), float("-inf"), **f32)
-        self.counts = torch.zeros(rows, shape.num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(
         self,
@@ -146,16 +141,13 @@ class DecodeAttention:
         num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
         partial_kernel[(num_programs,)](
             q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
-            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, self.counts, out,
+            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
             *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
             P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            MERGE=not sh.combine, PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits),
             num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
-        if not sh.combine:
-            return out
         combine_kernel[(rows, h)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,

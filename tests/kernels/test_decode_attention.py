@@ -24,7 +24,6 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
     return out
 
 
-@pytest.mark.parametrize("combine", [False, True], ids=["merged_in_place", "combine_launch"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "num_samples", "live_slots", "step"),
     [
@@ -35,22 +34,10 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
         (4, 2, 3, None, 0),  # the first decode step: one own key
     ],
 )
-def test_cascade_attention_equals_attention_over_the_concatenated_keys(
-    heads, kv_heads, num_samples, live_slots, step, combine
-):
+def test_cascade_attention_equals_attention_over_the_concatenated_keys(heads, kv_heads, num_samples, live_slots, step):
     num_prompts, head_dim, max_prompt_len, max_tokens = 3, 16, 80, 40
     shape = DecodeAttentionShape(
-        num_prompts,
-        num_samples,
-        heads,
-        kv_heads,
-        head_dim,
-        max_prompt_len,
-        max_tokens,
-        32,
-        16,
-        block=16,
-        combine=combine,
+        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, 32, 16, block=16
     )
     slots = torch.arange(num_prompts * num_samples) if live_slots is None else torch.tensor(live_slots)
     rows = len(slots)
@@ -70,31 +57,3 @@ def test_cascade_attention_equals_attention_over_the_concatenated_keys(
         step, num_samples,
     )  # fmt: skip
     assert_matches(out.cpu(), expected.to(out.dtype))
-
-
-def test_the_merge_counters_are_ready_for_the_next_call_on_the_same_workspace():
-    """The program that merges a (row, group) zeroes its counter: a second call, at another step and with fewer
-    live rows, merges every row again (a counter left over would merge none, leaving the first call's output)."""
-    num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens = 2, 3, 4, 2, 16, 48, 40
-    shape = DecodeAttentionShape(
-        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, 16, 16, block=16
-    )
-    attention = DecodeAttention(shape, DEVICE)
-    prompt_lens = torch.tensor([48, 20])
-    prompt_kv = random(2, num_prompts, kv_heads, max_prompt_len, head_dim, seed=4)
-    own_kv = random(2, num_prompts * num_samples + 1, kv_heads, max_tokens, head_dim, seed=5)
-    for step, live in [(30, [0, 1, 2, 3, 4, 5]), (7, [1, 4, 5])]:
-        slots = torch.tensor(live)
-        q = random(len(live), heads, head_dim, seed=step)
-        counts = torch.bincount(slots // num_samples, minlength=num_prompts)
-        out = torch.empty_like(q)
-        attention(
-            q, prompt_kv[0], prompt_kv[1], prompt_lens.to(DEVICE), (counts.cumsum(0) - counts).to(DEVICE),
-            counts.to(DEVICE), own_kv[0], own_kv[1], slots.to(DEVICE), torch.tensor([step], device=DEVICE), out,
-        )  # fmt: skip
-        expected = reference(
-            q.cpu(), prompt_kv[0].cpu(), prompt_kv[1].cpu(), prompt_lens, own_kv[0].cpu(), own_kv[1].cpu(), slots,
-            step, num_samples,
-        )  # fmt: skip
-        assert_matches(out.cpu(), expected.to(out.dtype))
-        assert not attention.counts.any()
