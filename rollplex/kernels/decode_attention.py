@@ -33,17 +33,18 @@ def _pow2(n: int, at_least: int = 1) -> int:
 def _chunk(num_sequences: int, num_keys: int, min_programs: int, longest: int) -> int:
     """Keys per program: the longest chunk (fewest partials to write and merge) up to `longest` that still gives
     min_programs programs."""
-    for chunk in (512, 256, 128):
+    for chunk in (1024, 512, 256, 128):
         if chunk <= longest and num_sequences * triton.cdiv(num_keys, chunk) >= min_programs:
             return chunk
     return 64
 
 
 def _prompt_chunk(num_sequences: int, num_keys: int) -> int:
-    """Prompt chunks of up to 512 keys while they give half a wave of programs: the own chunks share the launch
-    and fill it. Longer chunks write and merge fewer partials, which pays on long prompts; on short prompts the
-    chunk length barely matters."""
-    return _chunk(num_sequences, num_keys, NUM_SMS_H200 // 2, 512)
+    """Prompt chunks of up to 1,024 keys while they give half a wave of programs: the own chunks share the launch
+    and fill it. Longer chunks write and merge fewer partials, which pays on long prompts (at 5,888 keys: 1,024 at
+    a batch of 8 prompts, 512 at 4, 128 at one, each the fastest of the three,
+    bench/results/decode_attention_3b_h200.json); on short prompts the chunk length barely matters."""
+    return _chunk(num_sequences, num_keys, NUM_SMS_H200 // 2, 1024)
 
 
 def _own_chunk(max_tokens: int) -> int:
