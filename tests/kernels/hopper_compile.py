@@ -8,6 +8,7 @@ at Qwen2.5-VL-7B shapes instead.
 from __future__ import annotations
 
 import json
+import struct
 import sys
 
 import triton
@@ -152,7 +153,32 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
     kernel = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER)
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "shared_bytes": kernel.metadata.shared, "gdc": "griddepcontrol.wait" in ptx,
-            "wait_first": wait_first(ptx)}  # fmt: skip
+            "wait_first": wait_first(ptx), **registers(kernel.asm["cubin"])}  # fmt: skip
+
+
+def registers(cubin: bytes) -> dict:
+    """Registers a thread and local-memory bytes a thread (where registers spill) of the cubin's kernel, read from
+    its ELF `.nv.info` attributes (REGCOUNT 0x2f, FRAME_SIZE 0x11), which `triton.compile` fills without a GPU
+    (Triton's own register counts need the driver)."""
+    section_at = struct.unpack_from("<Q", cubin, 0x28)[0]  # ELF64: the section headers' offset, then their size,
+    entry_size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)  # count and the names section's index
+    sections = [struct.unpack_from("<IIQQQQ", cubin, section_at + i * entry_size) for i in range(count)]
+    strings = sections[names][4]
+    found = {}
+    for name, _, _, _, offset, size in sections:
+        if cubin[strings + name : cubin.index(b"\0", strings + name)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:  # records: format byte, attribute byte, then by format a value or a sized one
+            form, attribute = cubin[at], cubin[at + 1]
+            if form == 0x04:  # sized: u16 size, then (kernel symbol, value) for the attributes read here
+                length = struct.unpack_from("<H", cubin, at + 2)[0]
+                if length == 8:
+                    found[attribute] = struct.unpack_from("<I", cubin, at + 8)[0]
+                at += 4 + length
+            else:
+                at += 2 if form == 0x01 else 4
+    return {"registers": found.get(0x2F), "local_bytes": found.get(0x11, 0)}
 
 
 def swap_kernel(pair: int) -> tuple:
