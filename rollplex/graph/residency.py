@@ -95,7 +95,7 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     update = _update_steps(c)
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
-    objects = keep_in_hbm_when_room(objects, capacity, update, host_room)
+    objects = keep_in_hbm_when_room(objects, capacity, update, host_room, c.spec.memory)
     unshared, share, room = objects, 0, _spend_room(objects, capacity, update)
     if c.spec.memory.optimizer_state == "auto":
         objects, share = keep_state_share(unshared, room, STATE_SHARE_GRANULE)
@@ -186,16 +186,21 @@ def keep_state_share(objects: list[MemObject], room: dict[int, int], granule: in
     return out, sum(o.bytes for o in out if o.live and o.component in (Component.MASTER, Component.MOMENTS))
 
 
-def keep_in_hbm_when_room(objects: list[MemObject], capacity: int, update: set[int], host_room: int) -> list[MemObject]:
+def keep_in_hbm_when_room(
+    objects: list[MemObject], capacity: int, update: set[int], host_room: int, memory
+) -> list[MemObject]:
     """The host pool takes what HBM need not hold. Only when the pool would exceed `host_room` (bytes per
     GPU) do frozen weights and prefix saved tensors stay in HBM over their window instead: largest first, a
     role's component whole (its decoder and vision parts together), each only if every step still fits
-    (update steps keeping room for the smallest optimizer pipeline)."""
+    (update steps keeping room for the smallest optimizer pipeline). Prefix saved tensors the spec sends to the
+    host (`memory.prefix_saved: host`) stay there: the HBM they leave goes to the FP32 state's share
+    (`keep_state_share`), which lowers the pool in turn."""
     objects = list(objects)
     room = {s: capacity - (PIPELINE_DEPTH * MIN_AUTO_CHUNK if s in update else 0) for s in _all_steps(objects)}
+    forced = Component.PREFIX_SAVED if memory.prefix_saved == "host" else None
     groups: dict[tuple[str, str], list[int]] = {}  # a role's component, decoder and vision parts: moved together,
     for i, o in enumerate(objects):  # as the runtime moves them (one pager, one offload context)
-        if o.movable:
+        if o.movable and o.component is not forced:
             groups.setdefault((o.role, o.component), []).append(i)
     for members in sorted(groups.values(), key=lambda m: -sum(objects[i].bytes for i in m)):
         if sum(o.host_bytes for o in objects) <= host_room:

@@ -235,7 +235,8 @@ class MemorySpec(_Strict):
     prefix_saved: Literal["auto", "hbm", "host"] = Field(
         "auto",
         description="Where the actor prefix's saved tensors wait for its backward: hbm, host (the pinned pool: "
-        "copied out and back each step), or auto: hbm when every step still fits, else host.",
+        "copied out and back each step; the HBM they leave goes to the FP32 state's share kept in HBM), or auto: hbm "
+        "when every step still fits, else host.",
     )
     page_reference: bool = Field(
         False,

@@ -254,6 +254,24 @@ def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_f
     assert -share % r.optimizer.chunk_bytes < 8  # whole chunks, as the optimizer keeps them
 
 
+def test_prefix_saved_tensors_sent_to_the_host_stay_there_and_their_hbm_goes_to_the_fp32_states_share():
+    """On the 7B spec the pool cannot hold the streamed FP32 state and the prefix's saved tensors at once: with
+    `prefix_saved: host` the plan keeps the tensors on the host (it used to pull them back into HBM) and keeps a
+    larger share of the state in HBM instead, so the pool still fits and less state crosses the link."""
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    auto = compile_plan(parse_spec(text))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
+    saved = lambda plan: sum(  # noqa: E731
+        o.host_bytes for o in plan.residency.objects if o.role == "actor" and o.component == "prefix saved tensors"
+    )
+    assert auto.decisions.prefix_saved is Residency.HBM and saved(auto) == 0
+    assert host.decisions.prefix_saved is Residency.HOST and saved(host) > 20 * GIB
+    gained = host.residency.state_share_bytes - auto.residency.state_share_bytes
+    assert gained > saved(host) - 2 * GIB  # about the HBM the tensors left, in whole optimizer chunks
+    assert host.residency.fits and host.residency.host.needed_bytes_per_node <= 100 * GIB
+    assert max(host.residency.step_bytes) <= host.residency.capacity_bytes
+
+
 def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
     from rollplex.graph.cost import op_cost, planned_tokens
     from rollplex.graph.ir import NodeKind, ops
