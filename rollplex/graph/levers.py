@@ -1,9 +1,11 @@
-"""What would make an infeasible plan fit: the levers this spec has, each priced by compiling the spec with it.
+"""What would make an infeasible plan fit, and what would make a feasible one faster: the levers this spec has,
+each priced by compiling the spec with it.
 
 A lever is a change of spec keys that exists for this spec (a setting not already chosen, a TP degree within the
 cluster that splits the model's heads, a smaller workload). Each is applied to a copy of the spec and compiled
 (the compiler is cheap); the levers that lower what the plan needs are reported with what it then needs, those
-that make the plan fit first.
+that make the plan fit first (`price_levers`). For a plan that fits, `faster_residencies` prices the other
+placement of the prefix's saved tensors and of the FP32 state by the time plan's step bound.
 """
 
 from __future__ import annotations
@@ -81,6 +83,46 @@ def price_levers(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
         text = ", then ".join(p.lever.text for p in chain)
         return [Priced(Lever(text, {}), chain[-1].need_bytes, True), *singles]
     return singles
+
+
+@dataclass(frozen=True)
+class Faster:
+    lever: Lever
+    bound_s: float  # the step's bound with the lever (the time plan's phases summed)
+    predicted_s: float | None  # at the given efficiencies
+
+
+RESIDENCY_KEYS = ("prefix_saved", "optimizer_state")
+
+
+def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> list[Faster]:
+    """The other placement (hbm or host) of each of `RESIDENCY_KEYS`, where its plan fits and its step bound is
+    lower than `plan`'s: fastest first."""
+    from rollplex.graph.plan import compile_plan
+
+    bound, _ = step_seconds(plan, efficiencies)
+    found = []
+    for key in RESIDENCY_KEYS:
+        other = "host" if getattr(plan.decisions, key).value == "hbm" else "hbm"
+        lever = Lever(f"set memory.{key}: {other}", {"memory": {key: other}})
+        try:
+            alternative = compile_plan(_with(plan.loaded, lever), plan.schedule)
+        except (ValidationError, SpecError, ValueError):
+            continue
+        if alternative.residency.fits:
+            faster = Faster(lever, *step_seconds(alternative, efficiencies))
+            if faster.bound_s < bound:
+                found.append(faster)
+    return sorted(found, key=lambda f: f.bound_s)
+
+
+def step_seconds(plan, efficiencies: dict[str, float] | None = None) -> tuple[float, float | None]:
+    """The step's bound and (given efficiencies) predicted seconds: the time plan's phases summed."""
+    from rollplex.graph.timeplan import time_plan
+
+    rows = time_plan(plan, efficiencies)
+    predicted = sum(r.predicted_s or 0.0 for r in rows) if efficiencies else None
+    return sum(r.bound_s for r in rows), predicted
 
 
 def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:

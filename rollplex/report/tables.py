@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rollplex.graph.cost import KNOWN_PEAKS
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
+from rollplex.graph.levers import faster_residencies
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
@@ -211,7 +212,13 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
         f"TB/s HBM, {peaks.host_bytes_s / 1e9:.0f} GB/s host link each way; phases one after another)"
     )
-    return f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
+    out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
+    for f in faster_residencies(plan, efficiencies):
+        out += f"\nalso fits, and faster by the bound: {f.lever.text} (step bound {f.bound_s:.2f} s against {bound:.2f}"
+        if f.predicted_s is not None:
+            out += f"; predicted {f.predicted_s:.2f} s against {predicted:.2f}"
+        out += ")"
+    return out
 
 
 def residency_choices(plan: Plan, peaks) -> str:

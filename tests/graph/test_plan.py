@@ -272,6 +272,18 @@ def test_prefix_saved_tensors_sent_to_the_host_stay_there_and_their_hbm_goes_to_
     assert max(host.residency.step_bytes) <= host.residency.capacity_bytes
 
 
+def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lowers_the_step_bound():
+    from rollplex.graph.levers import faster_residencies, step_seconds
+
+    seven = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    (faster,) = faster_residencies(seven)
+    assert faster.lever.changes == {"memory": {"prefix_saved": "host"}} and faster.predicted_s is None
+    bound, _ = step_seconds(seven)
+    assert faster.bound_s < bound - 0.3  # the update's exposed host traffic falls by about 28 GB each way
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # all in HBM: the host is never faster
+    assert faster_residencies(three) == []
+
+
 def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
     from rollplex.graph.cost import op_cost, planned_tokens
     from rollplex.graph.ir import NodeKind, ops
