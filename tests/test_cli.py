@@ -93,13 +93,20 @@ def test_the_dry_run_says_where_the_rollouts_prefill_comes_from_and_why(capsys):
     assert line.startswith("rollout: the engine prefills (run.rollout_prefill auto: actor_prefix needs one GPU")
 
 
-def test_the_dry_run_names_the_other_residency_that_also_fits_and_is_faster_by_the_bound(capsys):
+def test_the_dry_run_names_the_other_residency_that_also_fits_and_is_faster_by_the_bound(capsys, tmp_path):
     """The 7B spec's pool holds its streamed FP32 state or the prefix's saved tensors: sending the tensors to the
     host frees HBM for more of the state, whose traffic is exposed in the update (the prefix's hides under its
-    compute); on the 3B spec everything is in HBM already and nothing else is faster."""
+    compute). Forced into HBM, the dry-run names the host; under auto the plan is the host one and the dry-run
+    says why; on the 3B spec everything is in HBM already and nothing else is faster."""
     efficiency = str(SPECS.parent / "bench/results/qwen2_5_vl_3b_h200_green66.json")
-    assert main(["compile", str(SPECS / "qwen2_5_vl_7b_h200.yaml"), "--dry-run", "--efficiency", efficiency]) == 0
+    seven = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    forced = tmp_path / "seven_hbm.yaml"
+    forced.write_text(seven.replace("memory:\n", "memory:\n  prefix_saved: hbm\n"))
+    assert main(["compile", str(forced), "--dry-run", "--efficiency", efficiency]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("also fits")]
     assert "set memory.prefix_saved: host (step bound" in line and "predicted" in line
+    assert main(["compile", str(SPECS / "qwen2_5_vl_7b_h200.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "also fits" not in out and "memory.prefix_saved auto: host, the HBM they leave" in out
     assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run"]) == 0
     assert "also fits" not in capsys.readouterr().out

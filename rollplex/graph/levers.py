@@ -77,7 +77,7 @@ def price_levers(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
     chain, current, priced = [], loaded, singles
     while priced and not (chain and chain[-1].fits) and len(chain) < MAX_CHAIN:
         chain.append(priced[0])  # each entry lowers the peak below the last: `_priced` keeps only those
-        current = _with(current, priced[0].lever)
+        current = with_changes(current, priced[0].lever.changes)
         priced = _priced(current, schedule, priced[0].need_bytes)
     if len(chain) > 1 and chain[-1].fits:
         text = ", then ".join(p.lever.text for p in chain)
@@ -106,7 +106,7 @@ def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> li
         other = "host" if getattr(plan.decisions, key).value == "hbm" else "hbm"
         lever = Lever(f"set memory.{key}: {other}", {"memory": {key: other}})
         try:
-            alternative = compile_plan(_with(plan.loaded, lever), plan.schedule)
+            alternative = compile_plan(with_changes(plan.loaded, lever.changes), plan.schedule)
         except (ValidationError, SpecError, ValueError):
             continue
         if alternative.residency.fits:
@@ -131,7 +131,7 @@ def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
     priced = []
     for lever in candidate_levers(loaded.spec):
         try:
-            changed = _with(loaded, lever)
+            changed = with_changes(loaded, lever.changes)
             plan = compile_plan(changed, schedule)
         except (ValidationError, SpecError, ValueError):
             continue  # not a lever for this spec after all (a TP degree the heads do not split, ...)
@@ -141,8 +141,9 @@ def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
     return sorted(priced, key=lambda x: (not x.fits, x.need_bytes))
 
 
-def _with(loaded: LoadedSpec, lever: Lever) -> LoadedSpec:
-    spec = Spec.model_validate(_merged(loaded.spec.model_dump(by_alias=True), lever.changes))
+def with_changes(loaded: LoadedSpec, changes: dict) -> LoadedSpec:
+    """The loaded spec with `changes` (nested spec keys -> new values), validated again."""
+    spec = Spec.model_validate(_merged(loaded.spec.model_dump(by_alias=True), changes))
     check_model_fits_parallel(spec, loaded.model)
     return LoadedSpec(spec, loaded.model, loaded.path, loaded.yaml_root)
 

@@ -2,7 +2,9 @@
 footprint and weight sharing. The runtime's only input: it walks `graph`'s steps and builds its engines from
 `decisions`, the spec's algorithm, workload and run settings and the model config.
 
-`compile_plan` is the whole compiler from a loaded spec; `check_fits` turns an infeasible plan into the
+`compile_plan` is the whole compiler from a loaded spec (with `memory.prefix_saved: auto`, where the FP32 state
+streams, it compiles the spec with the tensors on the host too and keeps the plan with the lower step bound);
+`check_fits` turns an infeasible plan into the
 one error a user sees (phase, peak, capacity, largest objects, and the levers this spec has with the peak each
 gives, `levers.py`). `planfile` writes and
 reads it as `plan.json`.
@@ -10,17 +12,17 @@ reads it as `plan.json`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
 from rollplex.errors import PlanDoesNotFit, SpecError
 from rollplex.graph.decisions import Decisions
 from rollplex.graph.ir import Schedule
-from rollplex.graph.levers import price_levers
+from rollplex.graph.levers import price_levers, step_seconds, with_changes
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.naive import NaiveRow, naive_rows
-from rollplex.graph.objects import GIB, Component, Context, MemObject
+from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
 from rollplex.graph.pipeline import compile_graph, lower
 from rollplex.graph.residency import ResidencyPlan
 from rollplex.layout.sharing import SharingReport
@@ -35,6 +37,7 @@ class Plan:
     residency: ResidencyPlan
     naive: tuple[NaiveRow, ...]
     decisions: Decisions
+    chosen: str = ""  # what `auto` chose by the step bound, and why ("" where it chose by fit alone)
 
     @property
     def sharing(self) -> SharingReport:
@@ -43,6 +46,33 @@ class Plan:
 
 def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check: bool = False) -> Plan:
     schedule = schedule or Schedule(loaded.spec.schedule)
+    plan = _compiled(loaded, schedule, check)
+    d = plan.decisions
+    if (
+        loaded.spec.memory.prefix_saved == "auto"
+        and d.prefix_saved is Residency.HBM
+        and d.optimizer_state is Residency.HOST
+    ):
+        plan = _saved_on_host_if_faster(plan, check)
+    return plan
+
+
+def _saved_on_host_if_faster(plan: Plan, check: bool) -> Plan:
+    """`memory.prefix_saved: auto` where the FP32 state streams: the prefix's saved tensors kept in HBM crowd the
+    state's share out, and the state's traffic is exposed in the update, where theirs hides under the prefix's
+    compute. The plan with them on the host, where it fits and its step bound is lower."""
+    host = _compiled(with_changes(plan.loaded, {"memory": {"prefix_saved": "host"}}), plan.schedule, check)
+    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(host)
+    if not host.residency.fits or theirs >= ours:
+        return plan
+    why = (
+        f"memory.prefix_saved auto: host, the HBM they leave keeps more of the FP32 state (step bound {theirs:.2f} s "
+        f"against {ours:.2f} with them in HBM)"
+    )
+    return replace(host, chosen=why)
+
+
+def _compiled(loaded: LoadedSpec, schedule: Schedule, check: bool) -> Plan:
     try:
         g = compile_graph(loaded.spec, schedule=schedule, check=check)
     except SpecError as e:

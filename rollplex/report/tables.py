@@ -245,6 +245,8 @@ def residency_choices(plan: Plan, peaks) -> str:
             )
         )
     out = "residency choices: " + "; ".join(lines)
+    if plan.chosen:
+        out += f"\n{plan.chosen}"
     if d.freeze_vision:
         out += "\nvision tower frozen (model.freeze_vision): held once, run once per step for both prefixes, "
         out += "no gradients"

@@ -231,8 +231,8 @@ def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_f
     from rollplex.graph.cost import update
     from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
 
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
-    auto = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n")
+    auto = compile_plan(parse_spec(text))  # the prefix's saved tensors held where they are: only the state moves
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
     r, d = auto.residency, auto.decisions
     share = r.state_share_bytes
@@ -259,29 +259,50 @@ def test_prefix_saved_tensors_sent_to_the_host_stay_there_and_their_hbm_goes_to_
     `prefix_saved: host` the plan keeps the tensors on the host (it used to pull them back into HBM) and keeps a
     larger share of the state in HBM instead, so the pool still fits and less state crosses the link."""
     text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
-    auto = compile_plan(parse_spec(text))
+    hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
     saved = lambda plan: sum(  # noqa: E731
         o.host_bytes for o in plan.residency.objects if o.role == "actor" and o.component == "prefix saved tensors"
     )
-    assert auto.decisions.prefix_saved is Residency.HBM and saved(auto) == 0
+    assert hbm.decisions.prefix_saved is Residency.HBM and saved(hbm) == 0
     assert host.decisions.prefix_saved is Residency.HOST and saved(host) > 20 * GIB
-    gained = host.residency.state_share_bytes - auto.residency.state_share_bytes
+    gained = host.residency.state_share_bytes - hbm.residency.state_share_bytes
     assert gained > saved(host) - 2 * GIB  # about the HBM the tensors left, in whole optimizer chunks
     assert host.residency.fits and host.residency.host.needed_bytes_per_node <= 100 * GIB
     assert max(host.residency.step_bytes) <= host.residency.capacity_bytes
+    assert hbm.chosen == host.chosen == ""  # forced, not chosen
+
+
+def test_auto_sends_the_prefixs_saved_tensors_to_the_host_where_that_lowers_the_step_bound():
+    """`prefix_saved: auto` on the 7B spec: the tensors' traffic hides under the prefix's compute while the FP32
+    state's HBM share they would crowd out is exposed in the update, so auto takes the host plan (as the dry-run
+    says); on the 3B spec the whole state is in HBM, nothing is gained, and the tensors stay in HBM."""
+    from rollplex.graph.levers import step_seconds
+
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    auto = compile_plan(parse_spec(text))
+    hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
+    assert auto.decisions == host.decisions and auto.residency == host.residency
+    assert step_seconds(auto)[0] < step_seconds(hbm)[0] - 0.3  # about 28 GB less each way in the update
+    assert auto.chosen.startswith("memory.prefix_saved auto: host") and "against" in auto.chosen
+    assert auto.loaded.spec.memory.prefix_saved == "host"  # the plan carries the choice to plan.json
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
+    assert three.decisions.prefix_saved is Residency.HBM and three.chosen == ""
 
 
 def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lowers_the_step_bound():
     from rollplex.graph.levers import faster_residencies, step_seconds
 
-    seven = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    seven = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     (faster,) = faster_residencies(seven)
     assert faster.lever.changes == {"memory": {"prefix_saved": "host"}} and faster.predicted_s is None
     bound, _ = step_seconds(seven)
     assert faster.bound_s < bound - 0.3  # the update's exposed host traffic falls by about 28 GB each way
     three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # all in HBM: the host is never faster
     assert faster_residencies(three) == []
+    assert faster_residencies(compile_plan(parse_spec(text))) == []  # auto took the faster placement itself
 
 
 def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
