@@ -13,7 +13,7 @@ from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
 from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun, recomputed_modules
 from rollplex.executors.scoring import LeafBoundary
-from rollplex.graph.load import load_spec
+from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
@@ -94,8 +94,8 @@ def test_recompute_offloads_the_kept_layer_inputs_when_the_plan_puts_them_on_the
 def test_recompute_keeps_the_layer_inputs_in_hbm_when_the_plan_does(monkeypatch):
     made = []
     monkeypatch.setattr(offload_module, "SavedTensorOffload", lambda *a, **k: made.append(a))
-    loaded = load_spec(ROOT / "specs/qwen2_5_vl_7b_h200.yaml")  # its host pool is too small: the plan keeps them
-    decisions = compile_plan(loaded).decisions
+    text = (ROOT / "specs/qwen2_5_vl_7b_h200.yaml").read_text()
+    decisions = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n"))).decisions
     assert decisions.prefix_saved is Residency.HBM and decisions.host_pool_bytes == 0
     torch.manual_seed(0)
     model = Qwen2_5_VL(load_model_config("tiny"))
