@@ -1,16 +1,15 @@
 """Decode attention alone at the rollout's shapes, over its launch options: where each choice of
-`DecodeAttentionShape`'s chunk lengths, sequences a prompt program takes, key block and the partial kernel's warps
-and stages puts a layer's attention against the bytes it must read.
+`DecodeAttentionShape`'s chunk lengths and the partial kernel's warps and stages puts a layer's attention against
+the bytes it must read.
 
-    python bench/decode_attention.py --batch 8 32 64 --live 512 1536 --prompt-chunks 128 512 1024 \
-        --own-chunks 256 512 --prompt-samples 0 4 --blocks 32 64 --out bench/results/decode_attention_3b_h200.json
+    python bench/decode_attention.py --batch 8 32 64 --live 512 1536 --prompt-chunks 128 256 512 \
+        --own-chunks 64 128 256 --warps 4 8 --out bench/results/decode_attention_3b_h200.json
 
 Per batch (batch / 8 prompts of 8 sequences each; Qwen2.5-VL-3B's 16 heads over 2 kv heads of 128 by default),
 per live response length (the step counter: each sequence has that many own keys, plus the one it writes) and per
 option set, a CUDA graph of one call per layer (each layer its own prompt and response KV, as in a decode step,
 so no layer's keys are in L2 from the call before) is replayed and timed. Every option set's output is checked
-against the default's (the shape's own picks: chunks, every sequence of a prompt in one program, 64-key blocks,
-4 warps, 3 stages). The bound: the live prompt and own keys and
+against the default's (the shape's own picks, 4 warps, 3 stages). The bound: the live prompt and own keys and
 values over the measured copy bandwidth. The table lists each case's default and its fastest option sets.
 
 With `--compile-only` each option set runs once per batch and live length and nothing is timed: Triton compiles
@@ -44,18 +43,14 @@ def main() -> None:
     ap.add_argument("--own-chunks", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--warps", nargs="+", type=int, default=[4])
     ap.add_argument("--stages", nargs="+", type=int, default=[3])
-    ap.add_argument(
-        "--prompt-samples", nargs="+", type=int, default=[0], help="sequences a prompt program takes (0: all)"
-    )
-    ap.add_argument("--blocks", nargs="+", type=int, default=[64], help="keys a program loads at once")
+    ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = copy_bandwidth() if device.type == "cuda" else None  # bytes moved per second, as decode.py
-    lists = (args.prompt_chunks, args.own_chunks, args.warps, args.stages, args.prompt_samples, args.blocks)
-    options = [None, *itertools.product(*lists)]
+    options = [None, *itertools.product(args.prompt_chunks, args.own_chunks, args.warps, args.stages)]
     cases = []
     for batch in args.batch:
         layers = [Layer(args, batch, seed) for seed in range(args.layers)]
@@ -112,17 +107,16 @@ def time_option(
     """One option set at one batch and live length: its case (microseconds per layer, bound, and the largest
     difference of its output from the default's) and its output at layer 0."""
     heads, kv_heads, dim = args.heads
-    prompt_chunk, own_chunk, warps, stages, samples, block = option or (0, 0, 4, 3, 0, 64)
+    prompt_chunk, own_chunk, warps, stages = option or (0, 0, 4, 3)
     shape = DecodeAttentionShape(
         batch // NUM_SAMPLES, NUM_SAMPLES, heads, kv_heads, dim, args.prompt_tokens, args.tokens, prompt_chunk,
-        own_chunk, samples, block=block, num_warps=warps, num_stages=stages,
+        own_chunk, block=args.block, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     attention = DecodeAttention(shape, step.device)
     out = layers[0].call(attention, step).clone()
     case = {
         "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.prompt_chunk,
-        "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "prompt_samples": shape.prompt_samples,
-        "block": shape.block, "default": option is None,
+        "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "default": option is None,
         "max_diff_from_default": 0.0 if default is None else float((out.float() - default.float()).abs().max()),
     }  # fmt: skip
     if args.compile_only:
@@ -137,8 +131,7 @@ def time_option(
 
 
 def _name(shape: DecodeAttentionShape) -> str:
-    samples = f"/n{shape.prompt_samples}" if shape.prompt_samples < shape.num_samples else ""
-    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}/b{shape.block}{samples}"
+    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
 
 
 def table(cases: list[dict]) -> None:

@@ -64,7 +64,6 @@ def _empty_chunk(M: tl.constexpr, D: tl.constexpr):
 def _prompt_partial(
     p,
     g,
-    part,
     split,
     q_ptr,  # [rows, H, D] rotated queries, contiguous
     k_ptr,  # [P, G, S, D] prompt keys (post-rotary), last dim contiguous
@@ -85,22 +84,19 @@ def _prompt_partial(
     H: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
-    SAMPLES: tl.constexpr,  # live rows a program takes at most
-    ROWS: tl.constexpr,  # power of two >= SAMPLES
+    ROWS: tl.constexpr,  # power of two >= N
     HEADS: tl.constexpr,  # power of two >= HPG
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Prompt p's live rows [part * SAMPLES, (part + 1) * SAMPLES), kv-head group g, keys [split * CHUNK,
-    (split + 1) * CHUNK)."""
-    first = part * SAMPLES
-    count = tl.load(row_count_ptr + p) - first
-    start = tl.load(row_start_ptr + p) + first
-    length = tl.load(prompt_lens_ptr + p) * (count > 0)  # no live rows in this part: it reads no keys
+    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK)."""
+    count = tl.load(row_count_ptr + p)
+    start = tl.load(row_start_ptr + p)
+    length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
     r = tl.arange(0, ROWS * HEADS)
     row = start + r // HEADS
     head = g * HPG + r % HEADS
-    valid = (r // HEADS < count) & (r // HEADS < SAMPLES) & (r % HEADS < HPG)
+    valid = (r // HEADS < count) & (r % HEADS < HPG)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
     key_at = split * CHUNK
@@ -194,8 +190,6 @@ def partial_kernel(
     D: tl.constexpr,
     R: tl.constexpr,
     ROWS: tl.constexpr,
-    PROMPT_SAMPLES: tl.constexpr,
-    PROMPT_PARTS: tl.constexpr,
     PROMPT_HEADS: tl.constexpr,
     OWN_HEADS: tl.constexpr,
     PROMPT_CHUNK: tl.constexpr,
@@ -206,22 +200,19 @@ def partial_kernel(
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
-    """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS * PROMPT_PARTS) take a prompt chunk
-    for up to PROMPT_SAMPLES of the prompt's live rows (the parts of one chunk side by side, so that all but the
-    first read its keys from L2), the rest (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
+    """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
+    (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
     enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
-    num_prompt = P * G * PROMPT_SPLITS * PROMPT_PARTS
-    if pid < num_prompt:
-        chunk = pid // PROMPT_PARTS
+    if pid < P * G * PROMPT_SPLITS:
         _prompt_partial(
-            chunk // (G * PROMPT_SPLITS), (chunk // PROMPT_SPLITS) % G, pid % PROMPT_PARTS, chunk % PROMPT_SPLITS,
+            pid // (G * PROMPT_SPLITS), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-            max_rows, scale, H, HPG, D, PROMPT_SAMPLES, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
+            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
         )  # fmt: skip
     else:
-        own = pid - num_prompt
+        own = pid - P * G * PROMPT_SPLITS
         _own_partial(
             own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,

@@ -4,10 +4,9 @@ prompt, each attending to its prompt's KV (shared by the group, read once for al
 Two launches, split over keys so that a handful of prompts still fill the GPU (flash-decoding):
 
 - `partial_kernel`, one program per chunk of keys, of two kinds: (prompt p, kv-head group g, prompt chunk):
-  the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile; with
-  `prompt_samples` < N, that many sequences a program, the programs of one chunk side by side) against the chunk
-  of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its own response
-  cache.
+  the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile) against
+  the chunk of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its
+  own response cache.
 - `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
@@ -57,8 +56,7 @@ def _own_chunk(max_tokens: int) -> int:
 
 
 def _rows(num_samples: int, heads_per_group: int) -> int:
-    """Sequences per prompt tile: a power of two >= the sequences a program takes, raised so that the tile has the
-    16 rows tl.dot needs."""
+    """Sequences per prompt tile: a power of two >= N, raised so that the tile has the 16 rows tl.dot needs."""
     return max(_pow2(num_samples), 16 // min(16, _pow2(heads_per_group)))
 
 
@@ -75,7 +73,6 @@ class DecodeAttentionShape:
     max_tokens: int  # R: the response cache's length
     prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_own_chunk`)
     own_chunk: int = 0
-    prompt_samples: int = 0  # a prompt's live rows one prompt program takes at most; 0: all N
     block: int = 64
     num_warps: int = 4  # of the partial kernel (triton's defaults)
     num_stages: int = 3
@@ -87,9 +84,6 @@ class DecodeAttentionShape:
             object.__setattr__(self, "prompt_chunk", prompt)
         if not self.own_chunk:
             object.__setattr__(self, "own_chunk", _own_chunk(self.max_tokens))
-        if not self.prompt_samples:
-            object.__setattr__(self, "prompt_samples", self.num_samples)
-        assert 0 < self.prompt_samples <= self.num_samples, f"{self.prompt_samples} of {self.num_samples} samples"
         for chunk in (self.prompt_chunk, self.own_chunk):
             assert chunk % self.block == 0 and self.block >= 16, f"chunk {chunk}, block {self.block}"
         assert self.head_dim & (self.head_dim - 1) == 0, f"head_dim {self.head_dim} must be a power of two"
@@ -105,11 +99,6 @@ class DecodeAttentionShape:
     @property
     def own_splits(self) -> int:
         return triton.cdiv(self.max_tokens, self.own_chunk)
-
-    @property
-    def prompt_parts(self) -> int:
-        """Prompt programs a chunk: each takes up to `prompt_samples` of the prompt's live rows."""
-        return triton.cdiv(self.num_samples, self.prompt_samples)
 
 
 class DecodeAttention:
@@ -150,13 +139,12 @@ class DecodeAttention:
         assert own_k.shape[1:] == (g, sh.max_tokens, d) and own_k.is_contiguous() and own_v.is_contiguous()
         assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
         scale = d**-0.5
-        num_programs = sh.num_prompts * g * sh.prompt_splits * sh.prompt_parts + rows * g * sh.own_splits
+        num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
         partial_kernel[(num_programs,)](
             q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
             *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
-            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.prompt_samples, hpg),
-            PROMPT_SAMPLES=sh.prompt_samples, PROMPT_PARTS=sh.prompt_parts,
+            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
             PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
             num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),

@@ -24,7 +24,6 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
     return out
 
 
-@pytest.mark.parametrize("prompt_samples", [0, 2], ids=["all_samples", "two_a_program"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "num_samples", "live_slots", "step"),
     [
@@ -35,23 +34,10 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
         (4, 2, 3, None, 0),  # the first decode step: one own key
     ],
 )
-def test_cascade_attention_equals_attention_over_the_concatenated_keys(
-    heads, kv_heads, num_samples, live_slots, step, prompt_samples
-):
-    """prompt_samples 2: a prompt's live rows over several programs, the last one's part short or empty."""
+def test_cascade_attention_equals_attention_over_the_concatenated_keys(heads, kv_heads, num_samples, live_slots, step):
     num_prompts, head_dim, max_prompt_len, max_tokens = 3, 16, 80, 40
     shape = DecodeAttentionShape(
-        num_prompts,
-        num_samples,
-        heads,
-        kv_heads,
-        head_dim,
-        max_prompt_len,
-        max_tokens,
-        32,
-        16,
-        prompt_samples=min(prompt_samples, num_samples),
-        block=16,
+        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, 32, 16, block=16
     )
     slots = torch.arange(num_prompts * num_samples) if live_slots is None else torch.tensor(live_slots)
     rows = len(slots)
