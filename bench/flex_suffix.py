@@ -7,9 +7,11 @@ random), responses of long-tailed lengths packed to at most 16,384 tokens, the m
 forward + backward (CUDA events, medians) for each option set of FlexAttention (`kernel_options`, or Inductor's
 max-autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and
 its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the
-two-part form (`models/cascade.py`: the prompt part and the own-response part as FlashAttention's variable-length
-calls). Beside them, cuDNN's dense attention of each prompt's queries over its prompt (no mask; the prompt part
-alone) shows what a dense kernel reaches at these shapes.
+two-part form (`models/cascade.py`: the prompt part and the own-response part merged by log-sum-exps), on
+FlashAttention's variable-length calls, and with the prompt part on cuDNN's dense calls padded to buckets
+(`CUDNN_PADDED`; its first call, which builds cuDNN's graphs, timed apart). Beside them, cuDNN's dense attention
+of each prompt's queries over its prompt (no mask; the prompt part alone) shows what a dense kernel reaches at
+these shapes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from rollplex.bench.provenance import source_commit
 from rollplex.models.attention import PackedPrefixAttention
 from rollplex.models.boundary import Boundary
-from rollplex.models.cascade import PackedCascadeAttention
+from rollplex.models.cascade import CUDNN_PADDED, FLASH, PackedCascadeAttention
 from rollplex.models.config import load_model_config
 from rollplex.models.packed import ResponsePack
 
@@ -88,10 +91,11 @@ def main() -> None:
         })  # fmt: skip
         print(f"{name:<26} fwd {fwd:6.2f} ms ({rows[-1]['forward_efficiency']:.2f})"
               f"  fwd+bwd {both:6.2f} ms ({rows[-1]['forward_backward_efficiency']:.2f})", flush=True)  # fmt: skip
-    if args.cascade:
-        fwd, both, out = timed_cascade(PackedCascadeAttention(boundary, pack), q, k, v, args.iters)
+    cascades = {"cascade (FlashAttention 2)": FLASH, "cascade (cuDNN padded prompts)": (CUDNN_PADDED, FLASH)}
+    for name, kernels in cascades.items() if args.cascade else ():
+        fwd, both, out, first_s = timed_cascade(PackedCascadeAttention(boundary, pack, kernels), q, k, v, args.iters)
         rows.append({
-            "options": "cascade (FlashAttention 2)", "forward_ms": fwd, "forward_backward_ms": both,
+            "options": name, "forward_ms": fwd, "forward_backward_ms": both, "first_call_s": first_s,
             "forward_efficiency": flop / fwd / 1e-3 / (PEAK_TFLOPS * 1e12),
             "forward_backward_efficiency": 3.5 * flop / both / 1e-3 / (PEAK_TFLOPS * 1e12),
             "max_abs_difference": None if reference is None else float((out.float() - reference.float()).abs().max()),
@@ -107,9 +111,10 @@ def main() -> None:
     }  # fmt: skip
     print(f"\n{'options':<26} {'fwd ms':>7} {'eff':>5} {'f+b ms':>7} {'eff':>5} {'max diff':>9}")
     for r in rows:
+        first = f"  first call {r['first_call_s']:.2f} s" if "first_call_s" in r else ""
         print(f"{r['options']:<26} {r['forward_ms']:>7.2f} {r['forward_efficiency']:>5.2f} "
               f"{r['forward_backward_ms']:>7.2f} {r['forward_backward_efficiency']:>5.2f} "
-              f"{r['max_abs_difference'] or 0:>9.2e}")  # fmt: skip
+              f"{r['max_abs_difference'] or 0:>9.2e}{first}")  # fmt: skip
     print(
         f"cuDNN dense, prompt part only: fwd {dense['forward_ms']:.2f} ms ({dense['forward_efficiency']:.2f}), "
         f"fwd+bwd {dense['forward_backward_ms']:.2f} ms ({dense['forward_backward_efficiency']:.2f})"
@@ -167,7 +172,8 @@ def timed(attention: PackedPrefixAttention, q, k, v, options: dict | None, iters
 
 
 def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
-    """Median forward and forward + backward ms of the cascade's layer call (boundary KV gradients included)."""
+    """Median forward and forward + backward ms of the cascade's layer call (boundary KV gradients included), and
+    the seconds of the first forward + backward (what the kernels build on their first call included)."""
     keys, values = attention.boundary.keys[0], attention.boundary.values[0]
     leaves = [t.detach().requires_grad_() for t in (q, k, v, keys, values)]
     attention.boundary = dataclasses.replace(attention.boundary, keys=(leaves[3],), values=(leaves[4],))
@@ -175,10 +181,15 @@ def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
     def forward():
         return attention(0, *leaves[:3])
 
+    torch.cuda.synchronize()
+    began = time.perf_counter()
     out = forward()
     grad = torch.randn_like(out)
-    forward().backward(grad)
-    return median_ms(forward, iters), median_ms(lambda: forward().backward(grad), iters), out.detach()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - began
+    fwd, both = median_ms(forward, iters), median_ms(lambda: forward().backward(grad), iters)
+    return fwd, both, out.detach(), first_s
 
 
 def median_ms(fn, iters: int) -> float:

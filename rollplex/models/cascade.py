@@ -16,13 +16,17 @@ Hopper) the cascade's forward is slower than FlexAttention's and its backward on
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
-Layouts (FlashAttention's): queries [T, H, D], keys and values [Tk, G, D] with H a multiple of G; a part's
-segments are `cu_q` / `cu_k` int32 offsets; log-sum-exps are [H, T] float32.
+Each part may have its own: `PaddedDenseKernels` runs a part without a mask as one dense call per segment
+(cuDNN's on a GPU, `CUDNN_PADDED`), padded to few shapes. Layouts (FlashAttention's): queries [T, H, D], keys
+and values [Tk, G, D] with H a multiple of G; a part's segments are `cu_q` / `cu_k` int32 offsets (and their
+lengths on the host); log-sum-exps are [H, T] float32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -42,6 +46,8 @@ class Segments:
     max_q: int
     max_k: int
     causal: bool
+    q_lens: tuple[int, ...] = ()  # on the host, for kernels that loop over segments
+    k_lens: tuple[int, ...] = ()
 
     @staticmethod
     def of(q_lens: list[int], k_lens: list[int], causal: bool, device: torch.device) -> Segments:
@@ -49,7 +55,7 @@ class Segments:
         if len(q_lens) != len(k_lens) or not q_lens or min(q_lens) < 1 or min(k_lens) < 1:
             raise ValueError(f"segments need >= 1 query and key each, got {q_lens} and {k_lens}")
         offsets = [torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32) for lens in (q_lens, k_lens)]
-        return Segments(offsets[0], offsets[1], max(q_lens), max(k_lens), causal)
+        return Segments(offsets[0], offsets[1], max(q_lens), max(k_lens), causal, tuple(q_lens), tuple(k_lens))
 
 
 class Kernels(Protocol):
@@ -64,12 +70,14 @@ class Kernels(Protocol):
 
 
 def cascade_attention(
-    q: Tensor, parts: list[tuple[Tensor, Tensor, Segments]], kernels: Kernels | None = None
+    q: Tensor, parts: list[tuple[Tensor, Tensor, Segments]], kernels: Kernels | Sequence[Kernels] | None = None
 ) -> Tensor:
-    """Softmax attention of q [T, H, D] over every part's keys at once: [T, H, D]."""
+    """Softmax attention of q [T, H, D] over every part's keys at once: [T, H, D]. kernels: one for every part,
+    or one a part."""
     kernels = kernels or (FLASH if q.is_cuda else REFERENCE)
+    each = list(kernels) if isinstance(kernels, Sequence) else [kernels] * len(parts)
     flat = [t for k, v, _ in parts for t in (k, v)]
-    return _Cascade.apply(q, kernels, [s for _, _, s in parts], q.shape[-1] ** -0.5, *flat)
+    return _Cascade.apply(q, each, [s for _, _, s in parts], q.shape[-1] ** -0.5, *flat)
 
 
 class PackedCascadeAttention:
@@ -79,7 +87,10 @@ class PackedCascadeAttention:
     autograd sums their gradients into the one boundary KV. Host lengths come from the pack and one read of the
     boundary's prompt lengths."""
 
-    def __init__(self, boundary: Boundary, pack: ResponsePack, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self, boundary: Boundary, pack: ResponsePack, kernels: Kernels | Sequence[Kernels] | None = None
+    ) -> None:
+        """kernels: as `cascade_attention`'s, the prompts' part first."""
         self.boundary, self.kernels, device = boundary, kernels, pack.index.device
         lens, span = boundary.prompt_lens.tolist(), boundary.max_prompt_len
         runs: list[list[int]] = []  # [prompt, tokens] of each run of responses answering one prompt
@@ -106,8 +117,8 @@ class PackedCascadeAttention:
 
 class _Cascade(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, kernels: Kernels, segments: list[Segments], scale: float, *kv: Tensor) -> Tensor:
-        outs = [kernels.forward(q, kv[2 * i], kv[2 * i + 1], s, scale) for i, s in enumerate(segments)]
+    def forward(ctx, q: Tensor, kernels: list[Kernels], segments: list[Segments], scale: float, *kv: Tensor) -> Tensor:
+        outs = [kernels[i].forward(q, kv[2 * i], kv[2 * i + 1], s, scale) for i, s in enumerate(segments)]
         lse = torch.logsumexp(torch.stack([lse for _, lse, _ in outs]), dim=0)  # [H, T]
         out = sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse, _ in outs).to(q.dtype)
         ctx.kernels, ctx.segments, ctx.scale, ctx.saved = kernels, segments, scale, [s for _, _, s in outs]
@@ -119,7 +130,7 @@ class _Cascade(torch.autograd.Function):
         q, out, lse, *kv = ctx.saved_tensors
         dout, dq, dkv = dout.contiguous(), None, []
         for i, s in enumerate(ctx.segments):
-            grads = ctx.kernels.backward(dout, q, kv[2 * i], kv[2 * i + 1], out, lse, s, ctx.scale, ctx.saved[i])
+            grads = ctx.kernels[i].backward(dout, q, kv[2 * i], kv[2 * i + 1], out, lse, s, ctx.scale, ctx.saved[i])
             dq = grads[0] if dq is None else dq + grads[0]
             dkv += grads[1:]
         return dq, None, None, None, *dkv
@@ -170,8 +181,131 @@ class ReferenceKernels:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+class PaddedDenseKernels:
+    """A part without a mask as one dense call per segment (`DenseCall`: cuDNN's on a GPU), each segment's
+    queries padded with zero rows to a whole `query_bucket` and its keys and values with zero rows to a whole
+    `key_bucket`, so that a kernel built for each shape it meets (cuDNN builds a graph per shape, tens of
+    milliseconds) meets few.
+
+    A zero key scores 0 against every query and a zero value adds nothing to the output: with n padded keys the
+    call's log-sum-exp is log(Z + n) for the segment's own log(Z), which is recovered as lse + log1p(-n e^-lse)
+    (exact in float32 unless every real score is far below zero, Z < 1e-6 n), and its output is the call's times
+    e^(lse_call - lse). Backward is given the whole softmax's output and log-sum-exp: a zero key adds nothing to
+    dq and the padded keys' own gradients are dropped, so it is exact. Padded queries have zero gradient in,
+    zero output and a log-sum-exp of 0; their rows are dropped."""
+
+    def __init__(self, dense: DenseCall, query_bucket: int = 256, key_bucket: int = 512) -> None:
+        self.dense, self.query_bucket, self.key_bucket = dense, query_bucket, key_bucket
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        assert not s.causal, "padded dense calls take a part without a mask"
+        out = q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        saved = []
+        for (a, b), (c, d) in _bounds(s):
+            keys = _padded_rows(k[c:d], self.key_bucket)
+            call_out, call_lse, call = self.dense.forward(
+                _padded_rows(q[a:b], self.query_bucket), keys, _padded_rows(v[c:d], self.key_bucket), scale
+            )
+            call_lse = call_lse[:, : b - a]
+            own = call_lse + torch.log1p(-(keys.shape[0] - (d - c)) * torch.exp(-call_lse))
+            out[a:b] = call_out[: b - a].float() * torch.exp(call_lse - own).T[..., None]
+            lse[:, a:b] = own
+            saved.append(call)
+        return out, lse, tuple(saved)
+
+    def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for ((a, b), (c, d)), call in zip(_bounds(s), saved, strict=True):
+            grads = self.dense.backward(
+                _padded_rows(dout[a:b], self.query_bucket), _padded_rows(q[a:b], self.query_bucket),
+                _padded_rows(k[c:d], self.key_bucket), _padded_rows(v[c:d], self.key_bucket),
+                _padded_rows(out[a:b], self.query_bucket), _padded_rows(lse[:, a:b].T, self.query_bucket).T,
+                scale, call,
+            )  # fmt: skip
+            dq[a:b], dk[c:d], dv[c:d] = grads[0][: b - a], grads[1][: d - c], grads[2][: d - c]
+        return dq, dk, dv
+
+
+class DenseCall(Protocol):
+    """Attention of every query over every key, one segment: q [n, H, D], k and v [m, G, D]."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        """(out [n, H, D], lse [H, n] float32, what backward needs of this call)."""
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, saved: tuple) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) with probabilities exp(scores - lse) and D = rowsum(dout * out), for the given out/lse."""
+
+
+class CudnnDense:
+    """cuDNN's fused attention as torch ships it (`torch.ops.aten._scaled_dot_product_cudnn_attention` and its
+    backward), on [1, heads, length, D] views of the [length, heads, D] rows (the layout cuDNN reads best). Keys
+    and values go in with their own G heads where this torch's cuDNN path takes that (found at the first call),
+    else repeated to H heads and their gradients summed back."""
+
+    def __init__(self) -> None:
+        self.grouped: bool | None = None  # whether cuDNN takes fewer key heads than query heads
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        if self.grouped is None:
+            try:
+                out = self._forward(q, k, v, scale, grouped=True)
+                self.grouped = True
+                return out
+            except RuntimeError:
+                self.grouped = False
+        return self._forward(q, k, v, scale, self.grouped)
+
+    def _forward(self, q, k, v, scale: float, grouped: bool) -> tuple[Tensor, Tensor, tuple]:
+        heads = q.shape[1]
+        k, v = (x if grouped else _heads(x, heads) for x in (k, v))
+        out, lse, *call = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, False, False, scale=scale
+        )
+        return out[0].transpose(0, 1), lse.reshape(heads, -1), tuple(call[:6])
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, saved: tuple):
+        heads, groups = q.shape[1], k.shape[1]
+        kh, vh = (x if self.grouped else _heads(x, heads) for x in (k, v))
+        cum_q, cum_k, max_q, max_k, seed, offset = saved
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(kh), _bhsd(vh), _bhsd(out.to(q.dtype)), lse.contiguous().view(1, heads, -1, 1),
+            seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
+        )  # fmt: skip
+        dq, dk, dv = (x[0].transpose(0, 1) for x in (dq, dk, dv))
+        if not self.grouped:
+            dk, dv = (x.unflatten(1, (groups, heads // groups)).sum(2) for x in (dk, dv))
+        return dq, dk, dv
+
+
+class MathDense:
+    """`DenseCall` in plain torch (float32 inside): `PaddedDenseKernels`' oracle off a GPU."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        s = Segments.of([q.shape[0]], [k.shape[0]], False, q.device)
+        out, lse, _ = REFERENCE.forward(q, k, v, s, scale)
+        return out, lse, (s,)
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, saved: tuple):
+        return REFERENCE.backward(dout, q, k, v, out, lse, saved[0], scale, ())
+
+
+def _bhsd(x: Tensor) -> Tensor:
+    """[length, heads, D] -> [1, heads, length, D], a view."""
+    return x[None].transpose(1, 2)
+
+
+def _padded_rows(x: Tensor, bucket: int) -> Tensor:
+    """x [n, ...] with zero rows appended up to a whole number of `bucket`s."""
+    missing = -x.shape[0] % bucket
+    return torch.cat([x, x.new_zeros(missing, *x.shape[1:])]) if missing else x
+
+
 def _bounds(s: Segments) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    q, k = s.cu_q.tolist(), s.cu_k.tolist()
+    if s.q_lens:
+        q, k = [0, *accumulate(s.q_lens)], [0, *accumulate(s.k_lens)]
+    else:
+        q, k = s.cu_q.tolist(), s.cu_k.tolist()
     return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
 
 
@@ -190,3 +324,4 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
 
 
 FLASH, REFERENCE = FlashKernels(), ReferenceKernels()
+CUDNN_PADDED = PaddedDenseKernels(CudnnDense())
