@@ -9,10 +9,11 @@ sets' gradients are exact and the query's is their sum.
 
 Why: a masked single call (FlexAttention with a block mask) runs these shapes well below a dense kernel's speed
 (`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
-dense kernels it is given. The runtime still scores with FlexAttention: on FlashAttention 2 (not tuned for
-Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little faster
-(docs/results.md). `Kernels` is where a faster dense kernel plugs in; cuDNN's variable-length path
-(torch 2.11) builds its graph on every call, which costs more than the attention (docs/results.md).
+dense kernels it is given. The runtime still scores with FlexAttention (docs/results.md): on FlashAttention 2
+(not tuned for Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little
+faster; cuDNN's variable-length path (torch 2.11) builds its graph on every call, which costs more than the
+attention; with the prompt part on cuDNN's dense calls padded to buckets the backward is a third faster, the
+forward no faster, and a step slower (each new shape's graph build, a step meets new ones for many steps).
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+from rollplex.models.inputs import to_device
 
 if TYPE_CHECKING:
     from rollplex.models.boundary import Boundary
@@ -54,7 +57,9 @@ class Segments:
         """From host lengths; every segment needs a query and a key."""
         if len(q_lens) != len(k_lens) or not q_lens or min(q_lens) < 1 or min(k_lens) < 1:
             raise ValueError(f"segments need >= 1 query and key each, got {q_lens} and {k_lens}")
-        offsets = [torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32) for lens in (q_lens, k_lens)]
+        offsets = [
+            to_device(torch.tensor([0, *accumulate(lens)], dtype=torch.int32), device) for lens in (q_lens, k_lens)
+        ]
         return Segments(offsets[0], offsets[1], max(q_lens), max(k_lens), causal, tuple(q_lens), tuple(k_lens))
 
 
@@ -100,7 +105,7 @@ class PackedCascadeAttention:
             elif count:
                 runs.append([prompt, count])
         own = [c for c in pack.counts if c]
-        self.prompt_rows = torch.cat([torch.arange(p * span, p * span + lens[p]) for p, _ in runs]).to(device)
+        self.prompt_rows = to_device(torch.cat([torch.arange(p * span, p * span + lens[p]) for p, _ in runs]), device)
         self.prompts = Segments.of([n for _, n in runs], [lens[p] for p, _ in runs], False, device)
         self.own = Segments.of(own, own, True, device)
 
@@ -183,9 +188,10 @@ class ReferenceKernels:
 
 class PaddedDenseKernels:
     """A part without a mask as one dense call per segment (`DenseCall`: cuDNN's on a GPU), each segment's
-    queries padded with zero rows to a whole `query_bucket` and its keys and values with zero rows to a whole
-    `key_bucket`, so that a kernel built for each shape it meets (cuDNN builds a graph per shape, tens of
-    milliseconds) meets few.
+    queries padded with zero rows to the next of `query_bucket` x 1, 1.25, 1.5, 1.75, 2, 2.5, ... (four sizes a
+    doubling: at most a quarter more rows) and its keys and values with zero rows to a whole `key_bucket`, so
+    that a kernel built for each shape it meets (cuDNN builds a graph per shape, tens of milliseconds) meets
+    few.
 
     A zero key scores 0 against every query and a zero value adds nothing to the output: with n padded keys the
     call's log-sum-exp is log(Z + n) for the segment's own log(Z), which is recovered as lse + log1p(-n e^-lse)
@@ -203,12 +209,12 @@ class PaddedDenseKernels:
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
         saved = []
         for (a, b), (c, d) in _bounds(s):
-            keys = _padded_rows(k[c:d], self.key_bucket)
+            rows, keys = _bucket(b - a, self.query_bucket), -(-(d - c) // self.key_bucket) * self.key_bucket
             call_out, call_lse, call = self.dense.forward(
-                _padded_rows(q[a:b], self.query_bucket), keys, _padded_rows(v[c:d], self.key_bucket), scale
+                _padded_rows(q[a:b], rows), _padded_rows(k[c:d], keys), _padded_rows(v[c:d], keys), scale
             )
             call_lse = call_lse[:, : b - a]
-            own = call_lse + torch.log1p(-(keys.shape[0] - (d - c)) * torch.exp(-call_lse))
+            own = call_lse + torch.log1p(-(keys - (d - c)) * torch.exp(-call_lse))
             out[a:b] = call_out[: b - a].float() * torch.exp(call_lse - own).T[..., None]
             lse[:, a:b] = own
             saved.append(call)
@@ -217,10 +223,10 @@ class PaddedDenseKernels:
     def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for ((a, b), (c, d)), call in zip(_bounds(s), saved, strict=True):
+            rows, keys = _bucket(b - a, self.query_bucket), -(-(d - c) // self.key_bucket) * self.key_bucket
             grads = self.dense.backward(
-                _padded_rows(dout[a:b], self.query_bucket), _padded_rows(q[a:b], self.query_bucket),
-                _padded_rows(k[c:d], self.key_bucket), _padded_rows(v[c:d], self.key_bucket),
-                _padded_rows(out[a:b], self.query_bucket), _padded_rows(lse[:, a:b].T, self.query_bucket).T,
+                _padded_rows(dout[a:b], rows), _padded_rows(q[a:b], rows), _padded_rows(k[c:d], keys),
+                _padded_rows(v[c:d], keys), _padded_rows(out[a:b], rows), _padded_rows(lse[:, a:b].T, rows).T,
                 scale, call,
             )  # fmt: skip
             dq[a:b], dk[c:d], dv[c:d] = grads[0][: b - a], grads[1][: d - c], grads[2][: d - c]
@@ -295,10 +301,21 @@ def _bhsd(x: Tensor) -> Tensor:
     return x[None].transpose(1, 2)
 
 
-def _padded_rows(x: Tensor, bucket: int) -> Tensor:
-    """x [n, ...] with zero rows appended up to a whole number of `bucket`s."""
-    missing = -x.shape[0] % bucket
+def _padded_rows(x: Tensor, rows: int) -> Tensor:
+    """x [n, ...] with zero rows appended up to `rows`."""
+    missing = rows - x.shape[0]
     return torch.cat([x, x.new_zeros(missing, *x.shape[1:])]) if missing else x
+
+
+def _bucket(n: int, first: int) -> int:
+    """The smallest size >= n of first x (1, 1.25, 1.5, 1.75) x 2^k (whole rows, at least one)."""
+    size = first
+    while True:
+        for quarter in range(4):
+            candidate = max(1, size + size * quarter // 4)
+            if candidate >= n:
+                return candidate
+        size *= 2
 
 
 def _bounds(s: Segments) -> list[tuple[tuple[int, int], tuple[int, int]]]:

@@ -11,6 +11,7 @@ from rollplex.models.cascade import (
     MathDense,
     PaddedDenseKernels,
     Segments,
+    _bucket,
     cascade_attention,
 )
 
@@ -75,6 +76,12 @@ def test_the_prompt_part_padded_to_buckets_equals_the_unpadded_part_with_every_g
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     lse = padded.forward(q, k1, v1, prompts, DIM**-0.5)[1]
     torch.testing.assert_close(lse, REFERENCE.forward(q, k1, v1, prompts, DIM**-0.5)[1], rtol=1e-6, atol=1e-6)
+
+
+def test_query_buckets_add_at_most_a_quarter_and_stay_few():
+    sizes = [_bucket(n, 256) for n in range(1, 16385)]
+    assert all(n <= size <= max(256, 1.25 * n) for n, size in enumerate(sizes, 1))
+    assert len(set(sizes)) == 25  # 256, then four a doubling up to 16,384
 
 
 def test_a_segment_without_queries_or_keys_is_refused():
