@@ -116,13 +116,6 @@ def set_cudnn_attention(on: bool) -> None:
     torch.backends.cuda.enable_cudnn_sdp(on)
 
 
-def suffix_attention(run) -> str:
-    """`run.suffix_attention` resolved: "cudnn" or "flex" (what a model's scoring runs on a GPU)."""
-    if run.suffix_attention != "auto":
-        return run.suffix_attention
-    return "cudnn" if run.cudnn_attention and not run.deterministic else "flex"
-
-
 def set_expandable_segments(on: bool, device: torch.device) -> None:
     """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
     spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
@@ -274,7 +267,6 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     spec = loaded.spec
     torch.manual_seed(spec.run.seed)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
-    model.suffix_attention = suffix_attention(spec.run)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, _checkpoint_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)

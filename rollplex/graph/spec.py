@@ -297,15 +297,7 @@ class RunSpec(_Strict):
         description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
         "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
-        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is `suffix_attention`'s.",
-    )
-    suffix_attention: Literal["auto", "flex", "cudnn"] = Field(
-        "auto",
-        description="The scoring attention on a GPU (each packed response token over its prompt's KV and its own "
-        "earlier tokens): flex (one FlexAttention call with a block mask); cudnn (the prompt part as cuDNN's dense "
-        "calls, one a prompt, padded to few shapes, the own part on FlashAttention's variable-length kernel, merged "
-        "by their log-sum-exps); auto: cudnn where `cudnn_attention` is on and `deterministic` off, else flex. The "
-        "CPU scores with SDPA and a dense mask either way.",
+        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
     )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",
@@ -326,13 +318,6 @@ class RunSpec(_Strict):
         "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
         "before it. All decode bitwise alike; their speeds are in docs/results.md.",
     )
-
-    @model_validator(mode="after")
-    def _cudnn_scoring(self) -> RunSpec:
-        if self.suffix_attention == "cudnn" and (self.deterministic or not self.cudnn_attention):
-            why = "deterministic is on" if self.deterministic else "cudnn_attention is off"
-            raise ValueError(f"suffix_attention cudnn runs cuDNN's attention, but {why}; set suffix_attention: flex")
-        return self
 
 
 class SharingSpec(_Strict):

@@ -33,7 +33,6 @@ from rollplex.models.attention import (
 from rollplex.models.batching import PackedSequences, pack_sequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
-from rollplex.models.cascade import CUDNN_PADDED, FLASH, PackedCascadeAttention
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
 from rollplex.models.decoder import SelfAttention, TextDecoder
@@ -75,7 +74,6 @@ class Qwen2_5_VL(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.suffix_attention = "flex"  # the scoring attention on a GPU in 16 bits: "flex" or "cudnn"
         with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
             self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
@@ -231,10 +229,7 @@ class Qwen2_5_VL(nn.Module):
             return x
         positions = boundary.next_positions.index_select(0, pack.prompt) + pack.offset  # [M]
         cos, sin = text_rotary(positions.expand(3, 1, -1), self.config.text)
-        if self.suffix_attention == "cudnn" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            attention = PackedCascadeAttention(boundary, pack, (CUDNN_PADDED, FLASH))
-        else:
-            attention = PackedPrefixAttention(boundary, pack)
+        attention = PackedPrefixAttention(boundary, pack)
         return self.model.language_model(x[None], cos, sin, attention)[0]
 
     def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
@@ -378,5 +373,4 @@ class _GroupPrefix:
             first_logprobs=first_logprobs,
             next_positions=to_device(self.packed.next_positions, device),
             prompt_lens=lens,
-            host_prompt_lens=tuple(self.packed.lens.tolist()) if not self.packed.lens.is_cuda else (),
         )
