@@ -20,7 +20,7 @@ no closures, no AMSGrad); its state dict (`optimizer_state`) has torch's layout 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rollplex.memory import optimizer_state
 from rollplex.memory.adamw import AdamWConfig, adamw_
 from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
+from rollplex.memory.in_flight import UpdateInFlight
 from rollplex.memory.state_layout import (
     STATE_BYTES_PER_ELEMENT,
     Chunk,
@@ -83,6 +84,7 @@ class ChunkedAdamW:
                 grad-norm pass over all chunks   (adam stream: global norm, clip coefficient)
         loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
         end:    the caller's stream waits for all three; the workspace goes back to the allocator
+                (deferred: it waits for the norm only, and for the rest as `wait_for` / `finish` say: `in_flight.py`)
 
     Peak extra device bytes of a step: `peak_device_bytes` = `num_slots` x the chunk state (NUM_SLOTS, none where
     the state lives on the device) + an FP32 gradient buffer and a scratch buffer of one chunk + one norm per
@@ -163,6 +165,7 @@ class ChunkedAdamW:
         cuda = self.device.type == "cuda"
         self._streams = tuple(torch.cuda.Stream(self.device) if cuda else None for _ in range(3))
         self._done: torch.cuda.Event | None = None
+        self.in_flight: UpdateInFlight | None = None  # a deferred step's work still on the streams
         self.num_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
         for i, p in enumerate(self.params):
@@ -213,8 +216,11 @@ class ChunkedAdamW:
         p.grad = None
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        """One AdamW step over every chunk; returns the global grad norm (0-d FP32 on the device)."""
+    def step(self, defer: bool = False) -> torch.Tensor:
+        """One AdamW step over every chunk; returns the global grad norm (0-d FP32 on the device). With `defer`
+        (on a GPU) the caller's stream waits for the norm only: the rest runs on (`in_flight`; `wait_for`,
+        `finish`)."""
+        self.finish()
         missing = [i for i in range(len(self.params)) if self.grad_of(i) is None]
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
@@ -229,10 +235,12 @@ class ChunkedAdamW:
             loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
         with _on(adam):
             coef = self._grad_norm_pass(grad, norms)
+        normed, written = _after(adam), []  # written: each chunk's event once its new values are in place
         for j in range(len(self.chunks)):
             if j >= self.num_moved:  # its state lives on the device: updated in its pool block, nothing copied
                 with _on(adam):
                     self._adam(j, self._host(j).view(-1), grad, scratch, coef)
+                written.append(_after(adam))
                 continue
             if j + 1 < self.num_moved:
                 k = (j + 1) % NUM_SLOTS
@@ -241,11 +249,42 @@ class ChunkedAdamW:
                 for event in loaded[j % NUM_SLOTS]:
                     adam.wait_event(event)
                 self._adam(j, slots[j % NUM_SLOTS], grad, scratch, coef)
-            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=_after(adam))
-        self._join()
+            written.append(_after(adam))
+            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=written[-1])
+        if defer and adam is not None and self.shard is None:
+            self._defer(normed, written, (slots, grad, scratch, norms))
+        else:
+            self._join()
         if self.shard is not None:
             self._share_updates()
         return self.last_grad_norm
+
+    def _defer(self, normed: tuple, written: list[tuple], workspace: tuple) -> None:
+        """The caller's stream waits for the grad norm only; the step's remaining work is `in_flight`."""
+        current = torch.cuda.current_stream(self.device)
+        for event in normed:
+            current.wait_event(event)
+        events = {}
+        for j, chunk in enumerate(self.chunks):  # a parameter's last chunk is the last one its segments reach
+            for s in chunk.segments:
+                events[s.param_index] = written[j][0]
+        grads = [self.grad_of(i) for i in range(len(self.params))]
+        last = tuple(stream.record_event() for stream in self._streams)
+        self.in_flight = UpdateInFlight(events, last, (*workspace, grads))
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """The caller's stream waits until these parameters hold a deferred step's new values (nothing to wait for
+        when no step is in flight)."""
+        if self.in_flight is not None:
+            indices = (self._index[id(p)] for p in params if id(p) in self._index)
+            self.in_flight.wait_for(indices, torch.cuda.current_stream(self.device))
+
+    def finish(self) -> None:
+        """The caller's stream waits for all of a deferred step (parameters, state, gradients); its workspace and
+        the gradients it read go back to the allocator."""
+        if self.in_flight is not None:
+            self._done = self.in_flight.finish(torch.cuda.current_stream(self.device))
+            self.in_flight = None
 
     def _carve_workspace(self) -> tuple[torch.Tensor, ...]:
         """slots [num_slots, 3 * capacity], FP32 grad [capacity], scratch [capacity], norms [num_segments]."""
@@ -364,12 +403,14 @@ class ChunkedAdamW:
 
     def wait(self) -> None:
         """Until the last step's copies into the pool are done (the host reads the state after)."""
+        self.finish()
         if self._done is not None:
             self._done.synchronize()
 
     def write_param_state(self, i: int, *rows: torch.Tensor | None, base: int = 0) -> None:
         """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros); each source holds the
         parameter's flat elements from `base` on (0: the whole parameter)."""
+        self.finish()
         for j, s in self._segments_of[i]:
             host = self._host(j)
             for row, source in enumerate(rows):
@@ -392,6 +433,7 @@ class ChunkedAdamW:
 
     def read_param_state(self, i: int, row: int) -> torch.Tensor:
         """Row `row` of parameter i's state: its shape, or under ZeRO-1 the flat elements of `own_range`."""
+        self.finish()
         start, stop = self.own_range(i)
         whole = self.shard is None
         out = torch.empty(self.params[i].shape if whole else (stop - start,), dtype=torch.float32)

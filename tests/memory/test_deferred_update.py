@@ -1,0 +1,60 @@
+"""A deferred step (`ChunkedAdamW.step(defer=True)`): the caller's stream goes on after the grad norm; a reader
+that waits for a parameter (`wait_for`) or for all of it (`finish`) sees what a joined step writes, bit for bit."""
+
+import pytest
+import torch
+from test_optimizer import make_params, set_grads
+
+from rollplex.memory.optimizer import ChunkedAdamW
+
+SHAPES = [(96, 130)] * 12 + [(7,), (3, 50)]  # many chunks of one parameter or several
+# on the GPU, state large enough that the streams are still busy when the host reads (0.8 GB, ~15 ms over the link):
+# a reader that did not wait, or gradients handed back too early, would read or feed stale values
+GPU_SHAPES = [(2048, 4096)] * 8 + [(7,), (3, 50)]
+
+
+def pair(device, dtype, shapes=SHAPES, **kwargs):
+    kwargs = {"chunk_bytes": 12 * 4096, "max_grad_norm": 0.5, "fp32_grads": True, **kwargs}
+    ours, theirs = make_params(shapes, device=device, dtype=dtype), make_params(shapes, device=device, dtype=dtype)
+    return ours, theirs, ChunkedAdamW(ours, **kwargs), ChunkedAdamW(theirs, **kwargs)
+
+
+def test_off_a_gpu_a_deferred_step_is_the_step_and_leaves_nothing_in_flight():
+    ours, theirs, deferred, joined = pair("cpu", torch.float32)
+    for seed in (1, 2):
+        set_grads(ours, seed)
+        set_grads(theirs, seed)
+        assert torch.equal(deferred.step(defer=True), joined.step())
+        assert deferred.in_flight is None
+        deferred.wait_for(ours)
+        deferred.finish()
+        deferred.zero_grad()
+        joined.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kept", [0, 5 << 26])  # every chunk streamed; the last five kept in HBM
+def test_on_the_gpu_a_deferred_step_gives_each_reader_that_waits_the_joined_steps_values(kept):
+    ours, theirs, deferred, joined = pair("cuda", torch.bfloat16, GPU_SHAPES, chunk_bytes=1 << 26, resident_bytes=kept)
+    for seed in (1, 2):  # the second step starts with the first still in flight
+        set_grads(ours, seed)
+        set_grads(theirs, seed)
+        expected = joined.step()
+        norm = deferred.step(defer=True)
+        assert deferred.in_flight is not None and float(norm) == float(expected)
+        deferred.zero_grad()  # the gradients the streams still read stay held
+        clutter = [torch.full(p.shape, float("nan"), device="cuda") for p in ours for _ in range(2)]  # reuse bait
+        seen = []
+        for p in ours:  # as the next prefix reads its modules, in order
+            deferred.wait_for([p])
+            seen.append(p.detach().clone())
+        del clutter
+        assert all(torch.equal(a, b) for a, b in zip(seen, theirs, strict=True))
+        joined.zero_grad()
+    deferred.finish()
+    assert deferred.in_flight is None
+    for i in range(len(ours)):
+        for row in range(3):
+            assert torch.equal(deferred.read_param_state(i, row), joined.read_param_state(i, row))
