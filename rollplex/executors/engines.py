@@ -37,6 +37,7 @@ from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
@@ -82,6 +83,7 @@ class Engines:
     ppo: PpoConfig | None = None
     dp: DataParallel | None = None  # data-parallel ranks (`dataparallel.py`); None in a one-replica run
     rollout_draws_per_step: bool = True  # the CPU loop draws from `generator` each step; a GPU rollout once
+    update_beside_prefix: bool = False  # the update runs on into the next actor prefix (`sharing.update_beside_prefix`)
 
     @property
     def temperature(self) -> float:
@@ -220,6 +222,8 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     if reference is not None and d.reference_weights is Residency.HOST:
         reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
     rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
+    if d.update_beside_prefix:
+        gate_modules(actor, optimizer)  # the next prefix's modules wait for their own chunks of the update
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange, keyed=device.type == "cuda")  # the fused sampler keys rows
     return Engines(
@@ -250,6 +254,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         ppo=PpoConfig(a.gamma, a.lam, a.value_clip) if critic is not None else None,
         dp=dp,
         rollout_draws_per_step=device.type != "cuda",
+        update_beside_prefix=d.update_beside_prefix,
     )
 
 

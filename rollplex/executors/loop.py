@@ -26,7 +26,7 @@ from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
-from rollplex.graph.ir import NodeKind, Op, Phase, Schedule, steps
+from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
 from rollplex.graph.plan import Plan
 
 
@@ -110,6 +110,25 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
+    waiting: list[dict] = []  # a step's metrics while its update runs on (`sharing.update_beside_prefix`)
+
+    def emit(r: dict) -> None:
+        if log is not None:
+            log.write(r)
+        if progress and not bars:
+            print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
+
+    def complete(o: Op | None = None) -> None:
+        """After the next step's actor prefix (or at the end): the waiting step's weights digest, once its update
+        is done, then its metrics line."""
+        if o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
+            return
+        for r in waiting:
+            engines.optimizer.finish()
+            r["param_digest"] = param_digest(engines.actor)
+            emit(r)
+        waiting.clear()
+
     try:
         for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
             examples = prefetch.take(position, position + size if step < opts.steps else None)
@@ -123,13 +142,14 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
 
             begin = time.perf_counter()
             with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
-                hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after)}
+                hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after, complete)}
                 record = run_iteration(g, engines, examples, **hooks)
             position += size
             local_lens = record.response_lens  # this rank's: its bound is of its own share
             if engines.dp is not None:
                 record = _over_ranks(record, engines.dp)
-            records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin))
+            in_flight = engines.optimizer.in_flight is not None  # its digest waits for the update to end
+            records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight))
             records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
             records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
             records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
@@ -137,16 +157,17 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
                 peak_allocated = max(peak_allocated, memory.high_water())
                 records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
-            if log is not None:
-                log.write(records[-1])
-            if progress and not bars:
-                print(_step_line(records[-1], opts.steps), file=sys.stderr, flush=True)
+            if in_flight:
+                waiting.append(records[-1])
+            else:
+                emit(records[-1])
             saved, updating = checkpointing.Snapshot.of(step, position, engines), False
             if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
                 checkpointing.save(opts.out_dir, saved, engines)
             gate.release()
     finally:
         prefetch.close()
+        complete()
         if log is not None:
             log.close()
         if (
@@ -174,7 +195,10 @@ def _over_ranks(record: StepRecord, dp) -> StepRecord:
     return record
 
 
-def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule, seconds: float) -> dict:
+def _metrics(
+    record: StepRecord, engines: Engines, step: int, schedule: Schedule, seconds: float, digest: bool = True
+) -> dict:
+    """The step's metrics; `digest` False leaves `param_digest` None (its update still runs: `complete` fills it)."""
     rewards, lens = record.rewards, record.response_lens.float()
     return {
         "step": step,
@@ -191,7 +215,7 @@ def _metrics(record: StepRecord, engines: Engines, step: int, schedule: Schedule
         "prefix_beside_decode": record.stats.get("prefix_chunks_during_decode", 0.0),
         "decode_slowdown": record.stats.get("decode_slowdown"),
         **{k: record.stats[k] for k in ("value_loss", "critic_grad_norm") if k in record.stats},  # PPO's critic
-        "param_digest": param_digest(engines.actor),
+        "param_digest": param_digest(engines.actor) if digest else None,
         **({"critic_digest": param_digest(engines.critic)} if engines.critic is not None else {}),
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),

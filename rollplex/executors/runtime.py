@@ -95,7 +95,7 @@ def run_iteration(
     cuda = engines.actor.device.type == "cuda"
     marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
     for i, s in enumerate(steps(g)):
-        if (s.phase is not phase or freed) and cuda:
+        if (s.phase is not phase or freed) and cuda and engines.optimizer.in_flight is None:  # (it would wait)
             torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as the plan has it
         phase = s.phase
         if pager is not None and i in paged_steps:
@@ -104,6 +104,8 @@ def run_iteration(
             if name in done:
                 continue  # ran beside decode
             o = op(g, name)
+            if (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
+                engines.optimizer.finish()  # only the actor prefix runs beside the last step's deferred update
             beside = [op(g, n) for n in beside_decode(g, name)] if o.kind is NodeKind.DECODE else []
             for each in (o, *beside):
                 if before_op is not None:
@@ -343,7 +345,7 @@ def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) 
         pending.finish()
     else:
         _sum_grads(e.dp, e.optimizer)
-    record.train.grad_norms.append(float(e.optimizer.step()))
+    record.train.grad_norms.append(float(e.optimizer.step(defer=e.update_beside_prefix)))  # the norm waited for
     record.stats["grad_norm"] = sum(record.train.grad_norms) / len(record.train.grad_norms)
     e.optimizer.zero_grad()
     e.publish()

@@ -24,6 +24,7 @@ from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
 
 STATE_BYTES = 12  # FP32 master weight and two Adam moments per parameter
 UPDATE_HBM_BYTES = 30  # per parameter: state read and written, FP32 gradient read, BF16 weight written
+GRAD_NORM_BYTES = 12  # per parameter: the FP32 gradient gathered into the chunk buffer, then read for its norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,9 @@ def phase_costs(
     for o in ops_:
         key = timer_of(o)
         out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, o is embedder, o.id in prefilled)
+    if d.update_beside_prefix and "update" in out and "actor_prefix" in out:  # one resource's work after another's
+        out["actor_prefix"] = (total(out["actor_prefix"]) + total(out["update"]),)
+        out["update"] = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
     return out
 
 
@@ -307,6 +311,13 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
     hbm = steps * weights + kv * (own + live_prompts)
     flops = 2 * S.llm_params_per_rank(t, tp) * sum(lens)
     return Cost(flops=flops, hbm_bytes=hbm)
+
+
+def grad_norm_pass(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
+    """What of the update its step waits for when the rest runs beside the next prefix (`update_beside_prefix`):
+    the global gradient norm, each FP32 gradient gathered (read and written) and read again."""
+    params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
+    return Cost(hbm_bytes=GRAD_NORM_BYTES * params)
 
 
 def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions, keeps_share: bool = True, shards: int = 1) -> Cost:

@@ -68,6 +68,7 @@ class Decisions:
     freeze_vision: bool = False  # the vision tower is not trained; both prefixes share each prompt's vision output
     distributed_optimizer: bool = False  # ZeRO-1: the FP32 state split over the training data-parallel ranks
     optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its last chunks)
+    update_beside_prefix: bool = False  # the actor's update runs on into the next step's actor prefix
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -113,6 +114,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         freeze_vision=spec.model.freeze_vision,
         distributed_optimizer=spec.parallel.distributed_optimizer and c.gpu.train_dp > 1,
         optimizer_kept_bytes=r.state_share_bytes,
+        update_beside_prefix=bool(r.update_beside),
     )
 
 

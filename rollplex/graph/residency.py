@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rollplex.graph.ir import NodeKind, Phase, TensorClass, steps
+from rollplex.graph.ir import NodeKind, Part, Phase, Role, TensorClass, ops, prefilled_decodes, steps
 from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
 
 PIPELINE_DEPTH = 3
@@ -64,6 +64,7 @@ class ResidencyPlan:
     host: HostPlan
     capacity_bytes: int
     state_share_bytes: int = 0  # the share of the FP32 state kept in HBM where the rest streams (`keep_state_share`)
+    update_beside: tuple[int, ...] = ()  # the steps the actor's update runs on into (`update_beside_steps`)
 
     @property
     def peak_bytes(self) -> int:
@@ -92,7 +93,10 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     Ensures: every step's HBM sum; the phase peaks; an optimizer workspace object in each update step."""
     capacity = int(c.spec.cluster.hbm_gib * GIB)
     optimizer = None
-    update = _update_steps(c)
+    beside = update_beside_steps(c)
+    update = _update_steps(c) | beside  # where the update's workspace and the gradients it reads are held
+    if beside:
+        objects = [replace(o, live=o.live | beside) if _held_by_update(o) else o for o in objects]
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room, c.spec.memory)
@@ -117,8 +121,9 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
         ]
     step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
     return ResidencyPlan(
-        tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share
-    )
+        tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share,
+        tuple(sorted(beside)),
+    )  # fmt: skip
 
 
 def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory) -> list[MemObject]:
@@ -213,6 +218,20 @@ def keep_in_hbm_when_room(
 
 def _all_steps(objects: list[MemObject]) -> set[int]:
     return {s for o in objects for s in o.live | o.window}
+
+
+def update_beside_steps(c: Context) -> set[int]:
+    """With `sharing.update_beside_prefix`, where decode reads the actor prefix's boundary (the prefix runs first,
+    alone): that prefix's steps, which the actor's update of the step before runs on into. Else none."""
+    if not c.spec.sharing.update_beside_prefix or not prefilled_decodes(ops(c.g)):
+        return set()
+    prefixes = {o.id for o in ops(c.g) if o.role is Role.ACTOR and o.part is Part.PREFIX}
+    return {s.index for s in steps(c.g) if prefixes & set(s.ops)}
+
+
+def _held_by_update(o: MemObject) -> bool:
+    """The actor's gradients: a deferred update reads them until its last chunk."""
+    return o.role == "actor" and o.component is Component.GRADIENTS
 
 
 def _update_steps(c: Context) -> set[int]:

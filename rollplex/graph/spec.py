@@ -347,6 +347,13 @@ class SharingSpec(_Strict):
         description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
         "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
     )
+    update_beside_prefix: bool = Field(
+        False,
+        description="The actor's update runs on while the next step's actor prefix starts: each module of the "
+        "prefix waits for its own parameters' chunks, decode and everything after it for the whole update. Takes "
+        "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first; the plan counts "
+        "the update's workspace and the gradients it reads in that prefix's steps. Off: the update ends its step.",
+    )
 
 
 class Spec(_Strict):

@@ -13,10 +13,12 @@ else (the rest of the model, the optimizer's own state, the gradients) waits for
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -40,3 +42,18 @@ class UpdateInFlight:
         self.param_events.clear()
         self.held = ()
         return stream.record_event()
+
+
+def gate_modules(model: nn.Module, optimizer) -> None:
+    """A forward pre-hook on each module of `model` with parameters of its own: before it runs, the caller's stream
+    waits for a deferred update's chunks of those parameters (`ChunkedAdamW.wait_for`; nothing when no update is in
+    flight). The optimizer is held weakly (its pinned pool must not live on in the model's hooks)."""
+    ref = weakref.ref(optimizer)
+
+    def wait(module: nn.Module, args) -> None:
+        if (alive := ref()) is not None and alive.in_flight is not None:
+            alive.wait_for(module.parameters(recurse=False))
+
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            m.register_forward_pre_hook(wait)

@@ -247,6 +247,13 @@ def residency_choices(plan: Plan, peaks) -> str:
     out = "residency choices: " + "; ".join(lines)
     if plan.chosen:
         out += f"\n{plan.chosen}"
+    if d.update_beside_prefix:
+        out += "\nthe actor's update runs on into the next step's actor prefix (sharing.update_beside_prefix), priced "
+        out += "beside it; its own step waits for the gradient norm only"
+    elif plan.loaded.spec.sharing.update_beside_prefix:
+        out += (
+            "\nsharing.update_beside_prefix has no effect: decode does not read the actor prefix (run.rollout_prefill)"
+        )
     if d.freeze_vision:
         out += "\nvision tower frozen (model.freeze_vision): held once, run once per step for both prefixes, "
         out += "no gradients"

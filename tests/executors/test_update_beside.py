@@ -1,0 +1,118 @@
+"""`sharing.update_beside_prefix`: the plan holds the update's workspace and the gradients it reads into the next
+step's actor prefix and prices the update beside that prefix; the runtime defers the step, the prefix's modules
+wait for their own chunks, everything else for all of it, and a step's metrics line waits for its weights'
+digest. On the CPU an update is never in flight, so a stand-in keeps it in flight until `finish`: the run must
+then train and log exactly as without."""
+
+from __future__ import annotations
+
+import json
+
+from run_testkit import ROOT, spec_text
+
+from rollplex.executors import loop, runtime
+from rollplex.executors.engines import build_engines
+from rollplex.executors.loop import RunOptions, train
+from rollplex.graph.ir import Part, Phase, Role
+from rollplex.graph.levers import step_seconds
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.graph.timeplan import time_plan
+from rollplex.memory.optimizer import ChunkedAdamW
+
+SEVEN = (ROOT / "specs/qwen2_5_vl_7b_h200.yaml").read_text()
+
+
+def beside(text: str) -> str:
+    return (
+        text.replace("sharing:\n", "sharing:\n  update_beside_prefix: true\n")
+        if "sharing:\n" in text
+        else (text + "\nsharing: {update_beside_prefix: true}\n")
+    )
+
+
+def test_the_plan_holds_the_update_into_the_next_actor_prefix_and_prices_it_beside_that_prefix():
+    off, on = compile_plan(parse_spec(SEVEN)), compile_plan(parse_spec(beside(SEVEN)))
+    assert on.decisions.update_beside_prefix and not off.decisions.update_beside_prefix
+    (first,) = on.residency.update_beside  # the actor prefix's step, alone before decode
+    grads = sum(o.bytes for o in on.residency.objects if o.role == "actor" and o.component == "FP32 gradients")
+    held = on.residency.step_bytes[first] - off.residency.step_bytes[first]
+    assert held == grads + on.residency.optimizer.workspace_bytes
+    phase1 = lambda plan: next(p.peak_bytes for p in plan.residency.phases if p.phase is Phase.ROLLOUT)  # noqa: E731
+    assert phase1(on) > phase1(off) and on.residency.fits
+    was, now = ({r.timer: r for r in time_plan(plan)} for plan in (off, on))
+    assert now["update"].bound_s < 0.1 < was["update"].bound_s  # the grad norm is all its step waits for
+    assert now["actor_prefix"].cost.host_bytes == was["actor_prefix"].cost.host_bytes + was["update"].cost.host_bytes
+    assert step_seconds(on)[0] < step_seconds(off)[0] - 0.5  # the update's link time, largely under the prefix's
+    prefilling = compile_plan(parse_spec(beside(SEVEN) + "run: {rollout_prefill: rollout}\n"))
+    assert not prefilling.decisions.update_beside_prefix and prefilling.residency.update_beside == ()
+
+
+def test_the_engines_gate_each_actor_module_with_parameters_of_its_own_on_its_chunks():
+    counts = []
+    for text in (spec_text(), beside(spec_text())):
+        engines = build_engines(compile_plan(parse_spec(text)))
+        counts.append(sum(len(m._forward_pre_hooks) for m in engines.actor.modules()))
+        owners = sum(1 for m in engines.actor.modules() if next(m.parameters(recurse=False), None) is not None)
+    assert engines.update_beside_prefix and counts[1] - counts[0] == owners > 0
+
+
+def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch):
+    events = []
+    step, finish = ChunkedAdamW.step, ChunkedAdamW.finish
+
+    live = {}
+
+    def deferred_step(self, defer=False):
+        norm = step(self)
+        if defer:
+            self.in_flight, self.waited = "in flight", 0  # the stand-in
+            live["optimizer"] = self
+        return norm
+
+    def checked_digest(model):  # read only once the update is done
+        assert live["optimizer"].in_flight is None
+        return digest(model)
+
+    def stand_in_wait(self, params):
+        self.waited += len(list(params))
+
+    def stand_in_finish(self):
+        if self.in_flight is not None:
+            events.append(self.waited)
+            self.in_flight = None
+        finish(self)
+
+    handler, decode, digest = runtime._handler, runtime._decode, loop.param_digest
+
+    def checked(o):  # every op but the actor prefix starts with no update in flight
+        def run(e, *args):
+            assert e.optimizer.in_flight is None or (o.role, o.part) == (Role.ACTOR, Part.PREFIX), o.id
+            return handler(o)(e, *args)
+
+        return run
+
+    def checked_decode(e, *args):
+        assert e.optimizer.in_flight is None
+        return decode(e, *args)
+
+    records = []
+    for name, text in (("joined", spec_text()), ("deferred", beside(spec_text()))):
+        with monkeypatch.context() as m:
+            if name == "deferred":
+                m.setattr(ChunkedAdamW, "step", deferred_step)
+                m.setattr(ChunkedAdamW, "wait_for", stand_in_wait)
+                m.setattr(ChunkedAdamW, "finish", stand_in_finish)
+                m.setattr(runtime, "_handler", checked)
+                m.setattr(runtime, "_decode", checked_decode)
+                m.setattr(loop, "param_digest", checked_digest)
+            records.append(train(compile_plan(parse_spec(text)), RunOptions(3, tmp_path / name, progress=False,
+                                                                          tensorboard=False)))  # fmt: skip
+    joined, deferred = records
+    assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
+    assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
+    assert len(events) == 3 and all(waited > 0 for waited in events[:2])  # steps 2, 3's prefixes waited; the end
+    lines = [json.loads(x) for x in (tmp_path / "deferred" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and [x["param_digest"] for x in lines] == [
+        r["param_digest"] for r in joined
+    ]
