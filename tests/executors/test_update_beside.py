@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from run_testkit import ROOT, spec_text
 
 from rollplex.executors import loop, runtime
@@ -116,3 +118,19 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["param_digest"] for x in lines] == [
         r["param_digest"] for r in joined
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_deferred_update_trains_bitwise_as_a_joined_one(tmp_path):
+    """The real thing: the update on the optimizer's streams while the next prefix runs (deterministic kernels)."""
+    text = spec_text(device="cuda").replace("device: cuda,", "device: cuda, deterministic: true,")
+    records = []
+    for name, spec in (("joined", text), ("deferred", beside(text))):
+        plan = compile_plan(parse_spec(spec))
+        assert plan.decisions.update_beside_prefix is (name == "deferred")
+        records.append(train(plan, RunOptions(3, tmp_path / name, progress=False, tensorboard=False)))
+    joined, deferred = records
+    assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
+    assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
+    assert len({r["param_digest"] for r in joined}) == 3
