@@ -55,7 +55,8 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     (`optimizer[-rank{r}]-dp{d}/`, flat pieces in the runtime's stored shapes: resume on the same layout)."""
     final = checkpoint_dir(out_dir, snap.step)
     tmp = final.with_name(final.name + ".tmp")
-    engines.optimizer.finish()  # a deferred update's weights and state complete
+    if engines.update_beside_prefix:
+        engines.optimizer.finish()  # a deferred update's weights and state complete
     try:
         return _save(final, tmp, snap, engines)
     except OSError as e:

@@ -148,7 +148,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             local_lens = record.response_lens  # this rank's: its bound is of its own share
             if engines.dp is not None:
                 record = _over_ranks(record, engines.dp)
-            in_flight = engines.optimizer.in_flight is not None  # its digest waits for the update to end
+            in_flight = engines.update_beside_prefix and engines.optimizer.in_flight is not None  # digest: later
             records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight))
             records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
             records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step

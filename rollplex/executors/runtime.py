@@ -95,7 +95,7 @@ def run_iteration(
     cuda = engines.actor.device.type == "cuda"
     marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
     for i, s in enumerate(steps(g)):
-        if (s.phase is not phase or freed) and cuda and engines.optimizer.in_flight is None:  # (it would wait)
+        if (s.phase is not phase or freed) and cuda and not _update_in_flight(engines):  # (it would wait for it)
             torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as the plan has it
         phase = s.phase
         if pager is not None and i in paged_steps:
@@ -104,7 +104,7 @@ def run_iteration(
             if name in done:
                 continue  # ran beside decode
             o = op(g, name)
-            if (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
+            if engines.update_beside_prefix and (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
                 engines.optimizer.finish()  # only the actor prefix runs beside the last step's deferred update
             beside = [op(g, n) for n in beside_decode(g, name)] if o.kind is NodeKind.DECODE else []
             for each in (o, *beside):
@@ -126,6 +126,11 @@ def run_iteration(
     for timer, start, end in marks:  # device seconds: from the device reaching the op to its last kernel's end
         record.times[timer] += seconds_between(start, end)
     return record
+
+
+def _update_in_flight(engines: Engines) -> bool:
+    """Whether the last step's update still runs (`sharing.update_beside_prefix`)."""
+    return engines.update_beside_prefix and engines.optimizer.in_flight is not None
 
 
 def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> list[str]:
@@ -345,7 +350,8 @@ def _update(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) 
         pending.finish()
     else:
         _sum_grads(e.dp, e.optimizer)
-    record.train.grad_norms.append(float(e.optimizer.step(defer=e.update_beside_prefix)))  # the norm waited for
+    norm = e.optimizer.step(defer=True) if e.update_beside_prefix else e.optimizer.step()  # (the norm is waited for)
+    record.train.grad_norms.append(float(norm))
     record.stats["grad_norm"] = sum(record.train.grad_norms) / len(record.train.grad_norms)
     e.optimizer.zero_grad()
     e.publish()
