@@ -410,7 +410,7 @@ class ChunkedAdamW:
     def write_param_state(self, i: int, *rows: torch.Tensor | None, base: int = 0) -> None:
         """Parameter i's master, exp_avg and exp_avg_sq into the pool (None: zeros); each source holds the
         parameter's flat elements from `base` on (0: the whole parameter)."""
-        self.finish()
+        self.wait()  # no step still reads or writes the pool
         for j, s in self._segments_of[i]:
             host = self._host(j)
             for row, source in enumerate(rows):
@@ -433,7 +433,7 @@ class ChunkedAdamW:
 
     def read_param_state(self, i: int, row: int) -> torch.Tensor:
         """Row `row` of parameter i's state: its shape, or under ZeRO-1 the flat elements of `own_range`."""
-        self.finish()
+        self.wait()  # the last step's state is in the pool
         start, stop = self.own_range(i)
         whole = self.shard is None
         out = torch.empty(self.params[i].shape if whole else (stop - start,), dtype=torch.float32)
