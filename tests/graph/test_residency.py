@@ -1,0 +1,177 @@
+"""Residency: where each object a plan could move lives (HBM, the pinned pool, kept or streamed), what the planner
+spends free HBM on, and what the spec forces."""
+
+from pathlib import Path
+
+import pytest
+from test_plan import both_parts, tiny
+
+from rollplex.graph.ir import steps
+from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.objects import GIB, Residency
+from rollplex.graph.plan import compile_plan
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+
+
+def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
+    extra = ", page_reference: true, optimizer_state: host"  # the whole FP32 state on the host: over 100 GiB in all
+    roomy, short = tiny(extra), tiny(extra + ", host_pool_gib: 100")
+    assert roomy.residency.host.needed_bytes_per_node > 100 * GIB
+    assert short.residency.host.needed_bytes_per_node <= 100 * GIB and short.residency.fits
+    update = max(s.index for s in steps(roomy.graph))
+    for ref in both_parts(roomy, "reference", "weights (BF16)"):
+        assert ref.residency(update) is Residency.HOST
+    for ref in both_parts(short, "reference", "weights (BF16)"):  # moved back together, as one pager moves them
+        assert ref.residency(update) is Residency.HBM
+
+
+def test_the_reference_waits_on_the_host_between_its_steps_only_where_the_spec_lets_the_plan_page_it():
+    kept, paged = tiny(", optimizer_state: host"), tiny(", page_reference: true, optimizer_state: host")
+    update = max(s.index for s in steps(kept.graph))
+    for ref in both_parts(kept, "reference", "weights (BF16)"):
+        assert ref.residency(update) is Residency.HBM and ref.host_bytes == 0
+    for ref in both_parts(paged, "reference", "weights (BF16)"):
+        assert ref.residency(update) is Residency.HOST and ref.host_bytes == ref.bytes
+    assert paged.residency.phases[-1].peak_bytes < kept.residency.phases[-1].peak_bytes
+
+
+def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
+    torch = pytest.importorskip("torch")
+    from rollplex.graph.residency import OptimizerPlan
+    from rollplex.memory.optimizer import ChunkedAdamW
+
+    params = [torch.zeros(n, requires_grad=True) for n in (1000, 30_000, 7, 123_456)]
+    total = sum(p.numel() for p in params) * 12
+    for chunk in (12 * 1000, 12 * 40_000, total):
+        opt = ChunkedAdamW(params, chunk_bytes=chunk)
+        planned = OptimizerPlan(total, chunk, -(-total // chunk), 3)
+        assert opt.peak_device_bytes <= planned.workspace_bytes
+        in_hbm = ChunkedAdamW(params, chunk_bytes=chunk, state_on_device=True)  # updated in place: no slots
+        assert in_hbm.peak_device_bytes <= OptimizerPlan(total, chunk, -(-total // chunk), 0).workspace_bytes
+        assert in_hbm.peak_device_bytes < opt.peak_device_bytes
+
+
+def _in_hbm(plan, component: str) -> bool:
+    return all(o.host_bytes == 0 for o in plan.residency.objects if o.role == "actor" and o.component == component)
+
+
+def test_the_planner_spends_free_hbm_on_what_would_cross_the_host_link_every_step():
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # 139 GiB and a 3B model: room for both
+    assert _in_hbm(three, "prefix saved tensors") and _in_hbm(three, "Adam moments (FP32)")
+    d = three.decisions
+    assert d.prefix_saved is Residency.HBM and d.optimizer_state is Residency.HBM and three.residency.fits
+    seven = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))  # 85 GiB of FP32 state does not fit beside
+    assert seven.decisions.optimizer_state is Residency.HOST and not _in_hbm(seven, "Adam moments (FP32)")
+    assert seven.residency.fits and seven.residency.peak_bytes <= seven.residency.capacity_bytes
+    # state in HBM is updated in place (no chunks staged); the 7B's streams three chunks at once
+    assert three.residency.optimizer.pipeline_depth == 0 and seven.residency.optimizer.pipeline_depth == 3
+    for plan in (three, seven):  # every step still fits with the smallest optimizer pipeline beside it
+        assert max(plan.residency.step_bytes) <= plan.residency.capacity_bytes
+
+
+def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_for_stays_in_hbm():
+    from rollplex.graph.cost import update
+    from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
+
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n")
+    auto = compile_plan(parse_spec(text))  # the prefix's saved tensors held where they are: only the state moves
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
+    r, d = auto.residency, auto.decisions
+    share = r.state_share_bytes
+    assert d.optimizer_state is Residency.HOST and d.optimizer_kept_bytes == share > 0
+    assert -share % STATE_SHARE_GRANULE < 8  # whole granules, less each object's rounding down
+    state = lambda plan: [o for o in plan.residency.objects if o.role == "actor" and o.component in  # noqa: E731
+                          ("FP32 master weights", "Adam moments (FP32)")]  # fmt: skip
+    kept = [o for o in state(auto) if o.live]
+    assert kept and all(o.live == frozenset(range(len(r.step_bytes))) and not o.host_bytes for o in kept)
+    assert sum(o.bytes for o in state(auto)) == sum(o.bytes for o in state(host))  # split, not grown
+    assert sum(o.host_bytes for o in state(auto)) == sum(o.host_bytes for o in state(host)) - share
+    for a, b in zip(r.step_bytes, host.residency.step_bytes, strict=True):  # in every step, and nothing else moved
+        assert a - b == share or a - b - share == r.optimizer.workspace_bytes - host.residency.optimizer.workspace_bytes
+    assert r.need_bytes == host.residency.peak_bytes < r.peak_bytes <= SPEND_LIMIT * r.capacity_bytes
+    assert r.host.needed_bytes_per_node == host.residency.host.needed_bytes_per_node - share
+    t, v = auto.loaded.model.text, auto.loaded.model.vision
+    assert update(t, v, 1, host.decisions).host_bytes - update(t, v, 1, d).host_bytes == share
+    assert host.decisions.optimizer_kept_bytes == host.residency.state_share_bytes == 0  # forced: all of it streams
+    assert -share % r.optimizer.chunk_bytes < 8  # whole chunks, as the optimizer keeps them
+
+
+def test_prefix_saved_tensors_sent_to_the_host_stay_there_and_their_hbm_goes_to_the_fp32_states_share():
+    """On the 7B spec the pool cannot hold the streamed FP32 state and the prefix's saved tensors at once: with
+    `prefix_saved: host` the plan keeps the tensors on the host (it used to pull them back into HBM) and keeps a
+    larger share of the state in HBM instead, so the pool still fits and less state crosses the link."""
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
+    saved = lambda plan: sum(  # noqa: E731
+        o.host_bytes for o in plan.residency.objects if o.role == "actor" and o.component == "prefix saved tensors"
+    )
+    assert hbm.decisions.prefix_saved is Residency.HBM and saved(hbm) == 0
+    assert host.decisions.prefix_saved is Residency.HOST and saved(host) > 20 * GIB
+    gained = host.residency.state_share_bytes - hbm.residency.state_share_bytes
+    assert gained > saved(host) - 2 * GIB  # about the HBM the tensors left, in whole optimizer chunks
+    assert host.residency.fits and host.residency.host.needed_bytes_per_node <= 100 * GIB
+    assert max(host.residency.step_bytes) <= host.residency.capacity_bytes
+    assert hbm.chosen == host.chosen == ""  # forced, not chosen
+
+
+def test_auto_sends_the_prefixs_saved_tensors_to_the_host_where_that_lowers_the_step_bound():
+    """`prefix_saved: auto` on the 7B spec: the tensors' traffic hides under the prefix's compute while the FP32
+    state's HBM share they would crowd out is exposed in the update, so auto takes the host plan (as the dry-run
+    says); on the 3B spec the whole state is in HBM, nothing is gained, and the tensors stay in HBM."""
+    from rollplex.graph.levers import step_seconds
+
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    auto = compile_plan(parse_spec(text))
+    hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
+    host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
+    assert auto.decisions == host.decisions and auto.residency == host.residency
+    assert step_seconds(auto)[0] < step_seconds(hbm)[0] - 0.3  # about 28 GB less each way in the update
+    assert auto.chosen.startswith("memory.prefix_saved auto: host") and "against" in auto.chosen
+    assert auto.loaded.spec.memory.prefix_saved == "host"  # the plan carries the choice to plan.json
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
+    assert three.decisions.prefix_saved is Residency.HBM and three.chosen == ""
+
+
+def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lowers_the_step_bound():
+    from rollplex.graph.levers import faster_residencies, step_seconds
+
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    seven = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
+    (faster,) = faster_residencies(seven)
+    assert faster.lever.changes == {"memory": {"prefix_saved": "host"}} and faster.predicted_s is None
+    bound, _ = step_seconds(seven)
+    assert faster.bound_s < bound - 0.3  # the update's exposed host traffic falls by about 28 GB each way
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # all in HBM: the host is never faster
+    assert faster_residencies(three) == []
+    assert faster_residencies(compile_plan(parse_spec(text))) == []  # auto took the faster placement itself
+
+
+def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
+    from rollplex.graph.cost import op_cost, planned_tokens
+    from rollplex.graph.ir import NodeKind, ops
+
+    text = (SPECS / "ppo_critic_7b_h200.yaml").read_text().replace("qwen2_5_vl_7b", "qwen2_5_vl_3b")
+    plan = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 120")))
+    d, r = plan.decisions, plan.residency
+    state = [o for o in r.objects if o.component in ("FP32 master weights", "Adam moments (FP32)")]
+    assert any(o.host_bytes for o in state if o.role == "critic")
+    assert d.optimizer_state is Residency.HOST  # so the critic's optimizer streams, as the plan counts it
+    assert d.optimizer_kept_bytes == sum(o.bytes for o in state if o.role == "actor" and o.live) > 0
+    costs = {o.role.value: op_cost(o, plan.loaded.model, plan.context.gpu, d, planned_tokens(plan.context.gpu, 1), True)
+             for o in ops(plan.graph) if o.kind is NodeKind.UPDATE}  # fmt: skip
+    critic_state = sum(o.host_bytes for o in state if o.role == "critic")
+    assert costs["critic"].host_bytes == pytest.approx(critic_state, rel=1e-3)  # none of its state is kept
+    assert costs["actor"].host_bytes < costs["critic"].host_bytes
+
+
+@pytest.mark.parametrize("choice", ["host", "hbm"])
+def test_the_spec_forces_where_the_optimizer_state_and_the_prefix_saved_tensors_live(choice):
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    text = text.replace("memory:\n", f"memory:\n  optimizer_state: {choice}\n  prefix_saved: {choice}\n")
+    plan = compile_plan(parse_spec(text))
+    assert _in_hbm(plan, "FP32 master weights") == _in_hbm(plan, "prefix saved tensors") == (choice == "hbm")
+    assert plan.decisions.optimizer_state is Residency(choice)
+    forced = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 80")))
+    assert not forced.residency.fits_hbm or choice == "host"  # hbm is obeyed even where it cannot fit
