@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,7 +26,6 @@ class UpdateInFlight:
     param_events: dict[int, torch.cuda.Event]  # parameter index -> event after its new values are written
     last_events: tuple[torch.cuda.Event, ...]  # each stream's last work of the step
     held: tuple  # what the streams still use: freed once the caller's stream is past `last_events`
-    waited: set[int] = field(default_factory=set)
 
     def wait_for(self, indices: Iterable[int], stream: torch.cuda.Stream) -> None:
         """`stream` waits until the new values of these parameters are written (once per parameter)."""
