@@ -91,12 +91,14 @@ def run_iteration(
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
     life = lifetimes(g)
-    phase, freed = None, []
+    phase, freed, uncached = None, [], False
     cuda = engines.actor.device.type == "cuda"
     marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
     for i, s in enumerate(steps(g)):
-        if (s.phase is not phase or freed) and cuda and not _update_in_flight(engines):  # (it would wait for it)
-            torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as the plan has it
+        if (s.phase is not phase or freed) and cuda:
+            uncached = _update_in_flight(engines)  # emptying the cache now would wait for the update: after it
+            if not uncached:
+                torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as planned
         phase = s.phase
         if pager is not None and i in paged_steps:
             pager.page_in()  # the plan's window: resident in the steps where the reference runs
@@ -106,6 +108,9 @@ def run_iteration(
             o = op(g, name)
             if engines.update_beside_prefix and (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
                 engines.optimizer.finish()  # only the actor prefix runs beside the last step's deferred update
+                if uncached:  # its workspace and gradients back to the driver (a graph capture needs it there)
+                    torch.cuda.empty_cache()
+                    uncached = False
             beside = [op(g, n) for n in beside_decode(g, name)] if o.kind is NodeKind.DECODE else []
             for each in (o, *beside):
                 if before_op is not None:
