@@ -1,46 +1,68 @@
 """An update still running on the optimizer's streams: `ChunkedAdamW.step(defer=True)` returns without making the
 caller's stream wait for it, so that the next step's work can start while the FP32 state streams.
 
-What it holds: per parameter, the event after which its new values are written (its last chunk's Adam), the
-streams' last events, and the tensors those streams still read or write (the step's workspace, the gradients),
-which stay allocated until `finish` so the caching allocator cannot hand their memory to the caller's stream
-early. Readers of a parameter wait for its event (`wait_for`, from a module's forward pre-hook, say); anything
-else (the rest of the model, the optimizer's own state, the gradients) waits for all of it (`finish`).
+The chunks are enqueued as the caller goes on, never all at once: a step of many parameters is thousands of
+launches on the optimizer's streams, and once the device's queue of pending launches is full the host blocks in
+the launch until the update has drained it, so an update enqueued whole would hold the host (and the caller's
+stream, which it feeds) for the update's length. `pump` keeps AHEAD chunks enqueued and unfinished; a reader of a
+parameter enqueues through the parameter's last chunk and waits for it (`wait_for`, from a module's forward
+pre-hook, say); anything else (the rest of the model, the optimizer's own state, the gradients) enqueues the rest
+and waits for all of it (`finish`). What the streams still read or write (the step's workspace, the gradients)
+stays allocated until `finish`, so the caching allocator cannot hand its memory to the caller's stream early.
 
-    step(defer=True) --> IN FLIGHT --wait_for(params): the caller's stream waits for those params' chunks
-                                   --finish(): the caller's stream waits for every stream; the tensors go back
+    step(defer=True) --> IN FLIGHT --pump(): up to AHEAD chunks enqueued and unfinished
+                                   --wait_for(params): the caller's stream waits for those params' chunks
+                                   --finish(): every chunk enqueued; the caller's stream waits for every stream
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+AHEAD = 6  # chunks enqueued ahead of the last finished one: twice the optimizer's load | adam | offload pipeline
+
 
 @dataclass
 class UpdateInFlight:
-    param_events: dict[int, torch.cuda.Event]  # parameter index -> event after its new values are written
-    last_events: tuple[torch.cuda.Event, ...]  # each stream's last work of the step
-    held: tuple  # what the streams still use: freed once the caller's stream is past `last_events`
+    work: Iterator[torch.cuda.Event]  # enqueues the next chunk; yields the event after its new values are written
+    last_chunk: dict[int, int]  # parameter index -> the last chunk that writes it
+    streams: tuple[torch.cuda.Stream, ...]  # the optimizer's
+    held: tuple  # what the streams still use: freed once the caller's stream waits for them (`finish`)
+    written: list[torch.cuda.Event] = field(default_factory=list)  # per chunk enqueued so far
+    done: int = 0  # chunks known finished (a prefix of `written`)
+
+    def pump(self) -> None:
+        """Enqueues chunks until AHEAD of them are unfinished (asks the device, never waits for it)."""
+        while self.done < len(self.written) and self.written[self.done].query():
+            self.done += 1
+        self._enqueue_through(self.done + AHEAD - 1)
 
     def wait_for(self, indices: Iterable[int], stream: torch.cuda.Stream) -> None:
         """`stream` waits until the new values of these parameters are written (once per parameter)."""
+        self.pump()
         for i in indices:
-            event = self.param_events.pop(i, None)
-            if event is not None:
-                stream.wait_event(event)
+            j = self.last_chunk.pop(i, None)
+            if j is not None:
+                self._enqueue_through(j)
+                stream.wait_event(self.written[j])
 
     def finish(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """`stream` waits for all of the step; returns the event that marks it done there."""
-        for event in self.last_events:
-            stream.wait_event(event)
-        self.param_events.clear()
+        """Enqueues the rest; `stream` waits for all of the step; returns the event that marks it done there."""
+        self.written.extend(self.work)
+        for s in self.streams:
+            stream.wait_stream(s)
+        self.last_chunk.clear()
         self.held = ()
         return stream.record_event()
+
+    def _enqueue_through(self, j: int) -> None:
+        while len(self.written) <= j and (event := next(self.work, None)) is not None:
+            self.written.append(event)
 
 
 def gate_modules(model: nn.Module, optimizer) -> None:

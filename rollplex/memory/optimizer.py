@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,16 @@ def _after(stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Event, ...]:
     return () if stream is None else (stream.record_event(),)
 
 
+@dataclass(frozen=True)
+class _StepArgs:
+    """What each chunk of one step reads: the settings, the step number, the clip coefficient, the writer."""
+
+    config: AdamWConfig
+    number: int
+    coef: torch.Tensor | None
+    write: Writer
+
+
 class ChunkedAdamW:
     """AdamW whose FP32 state lives in a host pool and visits the device one chunk at a time.
 
@@ -84,7 +95,7 @@ class ChunkedAdamW:
                 grad-norm pass over all chunks   (adam stream: global norm, clip coefficient)
         loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
         end:    the caller's stream waits for all three; the workspace goes back to the allocator
-                (deferred: it waits for the norm only, and for the rest as `wait_for` / `finish` say: `in_flight.py`)
+                (deferred: it waits for the norm only; the chunks are enqueued as `wait_for` / `finish` ask: `in_flight.py`)
 
     Peak extra device bytes of a step: `peak_device_bytes` = `num_slots` x the chunk state (NUM_SLOTS, none where
     the state lives on the device) + an FP32 gradient buffer and a scratch buffer of one chunk + one norm per
@@ -230,17 +241,37 @@ class ChunkedAdamW:
         for stream in (load, adam, offload):
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-        loaded, offloaded = [()] * NUM_SLOTS, [()] * NUM_SLOTS
+        loaded = [()] * NUM_SLOTS
         if self.num_moved:
             loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
         with _on(adam):
             coef = self._grad_norm_pass(grad, norms)
-        normed, written = _after(adam), []  # written: each chunk's event once its new values are in place
+        normed = _after(adam)
+        work = self._chunk_work(slots, grad, scratch, _StepArgs(self.config, self.num_steps, coef, self.write), loaded)
+        if defer and adam is not None and self.shard is None:
+            self._defer(normed, work, (slots, grad, scratch, norms))
+        else:
+            for _ in work:
+                pass
+            self._join()
+        if self.shard is not None:
+            self._share_updates()
+        return self.last_grad_norm
+
+    @torch.no_grad()
+    def _chunk_work(
+        self, slots: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs, loaded: list
+    ) -> Iterator[torch.cuda.Event | None]:
+        """Enqueues the chunks one at a time (load j+1 | adam j + write j | offload j); yields, after each, the
+        event that marks chunk j's new values written (None on CPU). What a chunk reads of the optimizer's
+        settings is fixed in `step` (a deferred step's last chunks are enqueued after the caller may change them)."""
+        load, adam, offload = self._streams
+        offloaded = [()] * NUM_SLOTS
         for j in range(len(self.chunks)):
             if j >= self.num_moved:  # its state lives on the device: updated in its pool block, nothing copied
                 with _on(adam):
-                    self._adam(j, self._host(j).view(-1), grad, scratch, coef)
-                written.append(_after(adam))
+                    self._adam(j, self._host(j).view(-1), grad, scratch, step)
+                yield next(iter(_after(adam)), None)
                 continue
             if j + 1 < self.num_moved:
                 k = (j + 1) % NUM_SLOTS
@@ -248,29 +279,20 @@ class ChunkedAdamW:
             with _on(adam):
                 for event in loaded[j % NUM_SLOTS]:
                     adam.wait_event(event)
-                self._adam(j, slots[j % NUM_SLOTS], grad, scratch, coef)
-            written.append(_after(adam))
-            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=written[-1])
-        if defer and adam is not None and self.shard is None:
-            self._defer(normed, written, (slots, grad, scratch, norms))
-        else:
-            self._join()
-        if self.shard is not None:
-            self._share_updates()
-        return self.last_grad_norm
+                self._adam(j, slots[j % NUM_SLOTS], grad, scratch, step)
+            written = _after(adam)
+            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=written)
+            yield next(iter(written), None)
 
-    def _defer(self, normed: tuple, written: list[tuple], workspace: tuple) -> None:
-        """The caller's stream waits for the grad norm only; the step's remaining work is `in_flight`."""
+    def _defer(self, normed: tuple, work: Iterator[torch.cuda.Event], workspace: tuple) -> None:
+        """The caller's stream waits for the grad norm only; the chunks are enqueued as `in_flight` is asked."""
         current = torch.cuda.current_stream(self.device)
         for event in normed:
             current.wait_event(event)
-        events = {}
-        for j, chunk in enumerate(self.chunks):  # a parameter's last chunk is the last one its segments reach
-            for s in chunk.segments:
-                events[s.param_index] = written[j][0]
+        last_chunk = {s.param_index: j for j, chunk in enumerate(self.chunks) for s in chunk.segments}
         grads = [self.grad_of(i) for i in range(len(self.params))]
-        last = tuple(stream.record_event() for stream in self._streams)
-        self.in_flight = UpdateInFlight(events, last, (*workspace, grads))
+        self.in_flight = UpdateInFlight(work, last_chunk, self._streams, (*workspace, grads))
+        self.in_flight.pump()
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
         """The caller's stream waits until these parameters hold a deferred step's new values (nothing to wait for
@@ -365,18 +387,16 @@ class ChunkedAdamW:
         for s in chunk.segments:
             grad[s.offset : s.offset + s.numel].copy_(self.grad_of(s.param_index).reshape(-1)[s.start : s.stop])
 
-    def _adam(
-        self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, coef: torch.Tensor | None
-    ) -> None:
-        chunk, c = self.chunks[j], self.config
+    def _adam(self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs) -> None:
+        chunk = self.chunks[j]
         master, exp_avg, exp_avg_sq = slot[: 3 * chunk.numel].view(3, chunk.numel)
         g, denom = grad[: chunk.numel], scratch[: chunk.numel]
         self._gather_grads(chunk, g)
-        if coef is not None:
-            g.mul_(coef)
-        adamw_(master, exp_avg, exp_avg_sq, g, denom, c, self.num_steps)
+        if step.coef is not None:
+            g.mul_(step.coef)
+        adamw_(master, exp_avg, exp_avg_sq, g, denom, step.config, step.number)
         for s in chunk.segments:
-            self.write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
+            step.write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
 
     def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
         """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""

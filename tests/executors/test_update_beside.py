@@ -123,14 +123,16 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_deferred_update_trains_bitwise_as_a_joined_one(tmp_path):
-    """The real thing: the update on the optimizer's streams while the next prefix runs (deterministic kernels)."""
+    """The real thing: the update on the optimizer's streams while the next prefix runs (deterministic kernels).
+    A process's first run differs from later ones in the last bits (kernels picked on first use): both compared
+    runs follow one."""
     text = spec_text(device="cuda").replace("device: cuda,", "device: cuda, deterministic: true,")
     records = []
-    for name, spec in (("joined", text), ("deferred", beside(text))):
+    for name, spec in (("first", text), ("deferred", beside(text)), ("joined", text)):
         plan = compile_plan(parse_spec(spec))
         assert plan.decisions.update_beside_prefix is (name == "deferred")
         records.append(train(plan, RunOptions(3, tmp_path / name, progress=False, tensorboard=False)))
-    joined, deferred = records
+    _, deferred, joined = records
     assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
     assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
     assert len({r["param_digest"] for r in joined}) == 3

@@ -5,6 +5,7 @@ import pytest
 import torch
 from test_optimizer import make_params, set_grads
 
+from rollplex.memory.in_flight import AHEAD, UpdateInFlight
 from rollplex.memory.optimizer import ChunkedAdamW
 
 SHAPES = [(96, 130)] * 12 + [(7,), (3, 50)]  # many chunks of one parameter or several
@@ -58,3 +59,48 @@ def test_on_the_gpu_a_deferred_step_gives_each_reader_that_waits_the_joined_step
     for i in range(len(ours)):
         for row in range(3):
             assert torch.equal(deferred.read_param_state(i, row), joined.read_param_state(i, row))
+
+
+class FakeEvent:
+    def __init__(self, chunk, finished):
+        self.chunk, self.finished = chunk, finished
+
+    def query(self):
+        return self.chunk in self.finished
+
+
+class FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event.chunk)
+
+    def wait_stream(self, stream):
+        self.waited.append(stream)
+
+    def record_event(self):
+        return "done"
+
+
+def test_an_update_in_flight_is_enqueued_a_few_chunks_ahead_and_through_each_readers_chunk():
+    finished, enqueued = set(), []
+
+    def work():
+        for j in range(20):
+            enqueued.append(j)
+            yield FakeEvent(j, finished)
+
+    update = UpdateInFlight(work(), {0: 0, 1: 3, 2: 12, 3: 19}, ("load", "adam"), held=("workspace",))
+    update.pump()
+    assert enqueued == list(range(AHEAD))  # nothing finished: AHEAD chunks, no more
+    finished.update({0, 1, 3})  # the first unfinished one bounds what goes ahead
+    update.pump()
+    assert len(enqueued) == 2 + AHEAD
+    caller = FakeStream()
+    update.wait_for([2, 0], caller)  # a reader enqueues through its parameter's last chunk, and waits for it
+    assert len(enqueued) == 13 and caller.waited == [12, 0]
+    update.wait_for([2], caller)  # once per parameter
+    assert caller.waited == [12, 0]
+    assert update.finish(caller) == "done" and enqueued == list(range(20))
+    assert caller.waited[2:] == ["load", "adam"] and update.held == ()
