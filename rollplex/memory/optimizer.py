@@ -72,12 +72,14 @@ def _after(stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Event, ...]:
 
 @dataclass(frozen=True)
 class _StepArgs:
-    """What each chunk of one step reads: the settings, the step number, the clip coefficient, the writer."""
+    """What each chunk of one step reads: the settings, the step number, the clip coefficient, the writer, and
+    the gradients (as they were when the step began: `zero_grad` may follow before the last chunk is enqueued)."""
 
     config: AdamWConfig
     number: int
     coef: torch.Tensor | None
     write: Writer
+    grads: list[torch.Tensor]
 
 
 class ChunkedAdamW:
@@ -95,7 +97,7 @@ class ChunkedAdamW:
                 grad-norm pass over all chunks   (adam stream: global norm, clip coefficient)
         loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
         end:    the caller's stream waits for all three; the workspace goes back to the allocator
-                (deferred: it waits for the norm only; the chunks are enqueued as `wait_for` / `finish` ask: `in_flight.py`)
+                (deferred: it waits for the norm only; the chunks go as `wait_for` / `finish` ask: `in_flight.py`)
 
     Peak extra device bytes of a step: `peak_device_bytes` = `num_slots` x the chunk state (NUM_SLOTS, none where
     the state lives on the device) + an FP32 gradient buffer and a scratch buffer of one chunk + one norm per
@@ -232,7 +234,8 @@ class ChunkedAdamW:
         (on a GPU) the caller's stream waits for the norm only: the rest runs on (`in_flight`; `wait_for`,
         `finish`)."""
         self.finish()
-        missing = [i for i in range(len(self.params)) if self.grad_of(i) is None]
+        grads = [self.grad_of(i) for i in range(len(self.params))]
+        missing = [i for i, g in enumerate(grads) if g is None]
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
         self.num_steps += 1
@@ -245,11 +248,12 @@ class ChunkedAdamW:
         if self.num_moved:
             loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
         with _on(adam):
-            coef = self._grad_norm_pass(grad, norms)
+            coef = self._grad_norm_pass(grad, norms, grads)
         normed = _after(adam)
-        work = self._chunk_work(slots, grad, scratch, _StepArgs(self.config, self.num_steps, coef, self.write), loaded)
+        step = _StepArgs(self.config, self.num_steps, coef, self.write, grads)
+        work = self._chunk_work(slots, grad, scratch, step, loaded)
         if defer and adam is not None and self.shard is None:
-            self._defer(normed, work, (slots, grad, scratch, norms))
+            self._defer(normed, work, (slots, grad, scratch, norms, grads))
         else:
             for _ in work:
                 pass
@@ -284,14 +288,14 @@ class ChunkedAdamW:
             offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=written)
             yield next(iter(written), None)
 
-    def _defer(self, normed: tuple, work: Iterator[torch.cuda.Event], workspace: tuple) -> None:
-        """The caller's stream waits for the grad norm only; the chunks are enqueued as `in_flight` is asked."""
+    def _defer(self, normed: tuple, work: Iterator[torch.cuda.Event], held: tuple) -> None:
+        """The caller's stream waits for the grad norm only; the chunks are enqueued as `in_flight` is asked; `held`
+        (the workspace, the gradients) stays allocated until then."""
         current = torch.cuda.current_stream(self.device)
         for event in normed:
             current.wait_event(event)
         last_chunk = {s.param_index: j for j, chunk in enumerate(self.chunks) for s in chunk.segments}
-        grads = [self.grad_of(i) for i in range(len(self.params))]
-        self.in_flight = UpdateInFlight(work, last_chunk, self._streams, (*workspace, grads))
+        self.in_flight = UpdateInFlight(work, last_chunk, self._streams, held)
         self.in_flight.pump()
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
@@ -316,11 +320,13 @@ class ChunkedAdamW:
         grad, scratch = workspace[n * 3 * c : (n * 3 + 2) * c].view(2, c)
         return slots, grad, scratch, workspace[(n * 3 + 2) * c :]
 
-    def _grad_norm_pass(self, grad: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
+    def _grad_norm_pass(
+        self, grad: torch.Tensor, norms: torch.Tensor, grads: list[torch.Tensor]
+    ) -> torch.Tensor | None:
         """Per segment the L2 norm of its FP32 gradient, then the global norm (as `clip_grad_norm_`)."""
         k = 0
         for chunk in self.chunks:
-            self._gather_grads(chunk, grad)
+            self._gather_grads(chunk, grad, grads)
             for s in chunk.segments:
                 torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], out=norms[k])
                 k += 1
@@ -383,15 +389,15 @@ class ChunkedAdamW:
                 out[a - first : b - first].copy_(self._host(j)[0, a - begin : b - begin])
             begin += chunk.numel
 
-    def _gather_grads(self, chunk: Chunk, grad: torch.Tensor) -> None:
+    def _gather_grads(self, chunk: Chunk, grad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         for s in chunk.segments:
-            grad[s.offset : s.offset + s.numel].copy_(self.grad_of(s.param_index).reshape(-1)[s.start : s.stop])
+            grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1)[s.start : s.stop])
 
     def _adam(self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs) -> None:
         chunk = self.chunks[j]
         master, exp_avg, exp_avg_sq = slot[: 3 * chunk.numel].view(3, chunk.numel)
         g, denom = grad[: chunk.numel], scratch[: chunk.numel]
-        self._gather_grads(chunk, g)
+        self._gather_grads(chunk, g, step.grads)
         if step.coef is not None:
             g.mul_(step.coef)
         adamw_(master, exp_avg, exp_avg_sq, g, denom, step.config, step.number)
