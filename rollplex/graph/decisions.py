@@ -67,7 +67,7 @@ class Decisions:
     sharing: Sharing
     freeze_vision: bool = False  # the vision tower is not trained; both prefixes share each prompt's vision output
     distributed_optimizer: bool = False  # ZeRO-1: the FP32 state split over the training data-parallel ranks
-    optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its last chunks)
+    optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its first chunks)
     update_beside_prefix: bool = False  # the actor's update runs on into the next step's actor prefix
 
     def as_dict(self) -> dict:

@@ -164,7 +164,7 @@ STATE_SHARE_GRANULE = 256 * 2**20  # the share of the FP32 state before the opti
 
 def keep_state_share(objects: list[MemObject], room: dict[int, int], granule: int) -> tuple[list[MemObject], int]:
     """Where the actor's FP32 state stays on the host, the share of it that every step still has room for (after
-    every other choice: it takes only HBM that would sit idle) stays in HBM, the optimizer's last chunks: each
+    every other choice: it takes only HBM that would sit idle) stays in HBM, the optimizer's first chunks: each
     state object split in proportion, its kept part in HBM in every step, the rest on the host. Each byte kept is
     a byte less over the host link in each direction. The share is whole `granule`s (the optimizer's chunks).
     Returns the objects and the bytes kept."""

@@ -5,7 +5,7 @@ each chunk's FP32 state (master + exp_avg + exp_avg_sq, 12 bytes per element) is
 updated, written back to the host, and its new values are written into a destination the caller chooses
 (by default the parameters themselves; in rollplex, the snapshot rollout reads). On CUDA three streams
 overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams. State the
-plan keeps in HBM (all of it, `state_on_device`, or the last chunks, `resident_bytes`) is updated in its pool
+plan keeps in HBM (all of it, `state_on_device`, or the first chunks, `resident_bytes`) is updated in its pool
 block, nothing copied: the host link carries only the others, which go first.
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
@@ -87,15 +87,15 @@ class ChunkedAdamW:
 
     A chunk's FP32 state, each step:
 
-        HOST (pool block) --load--> STAGED (device slot j % 3) --adam--> UPDATED --offload--> HOST
+        HOST (pool block) --load--> STAGED (device slot m % 3) --adam--> UPDATED --offload--> HOST
                                                                     \\--write--> destination (BF16 or FP32)
         HBM (pool block, state kept on the device) --adam, in place--> UPDATED --write--> destination
 
     One step:
 
-        start:  load 0                           (load stream)
+        start:  load the first streamed chunk    (load stream)
                 grad-norm pass over all chunks   (adam stream: global norm, clip coefficient)
-        loop j: load j+1 | adam j + write j | offload j-1    (three streams, ordered by events)
+        loop j: the kept chunks in place, then load j+1 | adam j + write j | offload j-1  (three streams, events)
         end:    the caller's stream waits for all three; the workspace goes back to the allocator
                 (deferred: it waits for the norm only; the chunks go as `wait_for` / `finish` ask: `in_flight.py`)
 
@@ -126,9 +126,10 @@ class ChunkedAdamW:
     ) -> None:
         """`state_on_device`: the FP32 state lives in HBM (the plan's choice when it fits; on a CPU model, in the
         model's memory) and each chunk is updated where it lives; by default it lives in pinned host memory.
-        `resident_bytes`: with the state on the host, the last chunks of at most that many bytes of state stay in
-        HBM all the same (the plan's share of the state that fits): a step streams the others, first, and updates
-        those in place.
+        `resident_bytes`: with the state on the host, the first chunks of at most that many bytes of state stay in
+        HBM all the same (the plan's share of the state that fits): a step updates those first, in place, while the
+        others stream. The first are the parameters a forward reads first (the model's order), so that the next
+        step's prefix can start on them while a deferred step still streams the rest.
         `shard`: this rank keeps and updates only its share of the state (ZeRO-1); the gradients must already be
         summed over the ranks."""
         self.params = list(params)
@@ -154,17 +155,17 @@ class ChunkedAdamW:
         kept = 0 if state_on_device else resident_chunks(self.chunks, resident_bytes)
         if kept == len(self.chunks):  # the whole state stays in HBM
             state_on_device, kept = True, 0
-        self.num_streamed = len(self.chunks) - kept  # the first chunks, in `pool`; the kept ones in `device_pool`
+        self.num_streamed = len(self.chunks) - kept  # the last chunks, in `pool`; the kept ones in `device_pool`
         self.num_moved = 0 if state_on_device else self.num_streamed  # the others are updated where they live
+        self.first_moved = len(self.chunks) - self.num_moved  # chunks from here on visit the device slots
         on_host = not state_on_device or self.device.type == "cpu"
         self.pool = pool or HostPool(
-            self._pool_bytes(self.chunks[: self.num_streamed]),
+            self._pool_bytes(self.chunks[kept:]),
             pin=on_host and self.device.type == "cuda",
             device=None if on_host else self.device,
         )
-        kept_chunks = self.chunks[self.num_streamed :]
-        self.device_pool = HostPool(self._pool_bytes(kept_chunks), device=self.device) if kept else None
-        self.pools = [self.pool] * self.num_streamed + [self.device_pool] * kept
+        self.device_pool = HostPool(self._pool_bytes(self.chunks[:kept]), device=self.device) if kept else None
+        self.pools = [self.device_pool] * kept + [self.pool] * self.num_streamed
         self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
         self._segments_of: list[list[tuple[int, Segment]]] = [[] for _ in self.params]  # (chunk, segment)
@@ -200,7 +201,7 @@ class ChunkedAdamW:
     @property
     def num_bytes_moved(self) -> int:
         """Bytes copied in one step: every moved chunk's state loaded and offloaded once (host<->device on a GPU)."""
-        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[: self.num_moved])
+        return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[self.first_moved :])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for i, p in enumerate(self.params):
@@ -246,7 +247,7 @@ class ChunkedAdamW:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
         loaded = [()] * NUM_SLOTS
         if self.num_moved:
-            loaded[0] = self._copy(load, 0, slots[0], into_host=False, after=())
+            loaded[0] = self._copy(load, self.first_moved, slots[0], into_host=False, after=())
         with _on(adam):
             coef = self._grad_norm_pass(grad, norms, grads)
         normed = _after(adam)
@@ -266,26 +267,29 @@ class ChunkedAdamW:
     def _chunk_work(
         self, slots: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs, loaded: list
     ) -> Iterator[torch.cuda.Event | None]:
-        """Enqueues the chunks one at a time (load j+1 | adam j + write j | offload j); yields, after each, the
-        event that marks chunk j's new values written (None on CPU). What a chunk reads of the optimizer's
-        settings is fixed in `step` (a deferred step's last chunks are enqueued after the caller may change them)."""
+        """Enqueues the chunks one at a time (the kept in place, then load j+1 | adam j + write j | offload j);
+        yields, after each, the event that marks chunk j's new values written (None on CPU). What a chunk reads of
+        the optimizer's settings is fixed in `step` (a deferred step's last chunks are enqueued after the caller
+        may change them)."""
         load, adam, offload = self._streams
         offloaded = [()] * NUM_SLOTS
         for j in range(len(self.chunks)):
-            if j >= self.num_moved:  # its state lives on the device: updated in its pool block, nothing copied
+            if j < self.first_moved:  # its state lives on the device: updated in its pool block, nothing copied
                 with _on(adam):
                     self._adam(j, self._host(j).view(-1), grad, scratch, step)
                 yield next(iter(_after(adam)), None)
                 continue
-            if j + 1 < self.num_moved:
-                k = (j + 1) % NUM_SLOTS
+            m = j - self.first_moved  # its turn among the moved chunks, which take the slots in turn
+            if m + 1 < self.num_moved:
+                k = (m + 1) % NUM_SLOTS
                 loaded[k] = self._copy(load, j + 1, slots[k], into_host=False, after=offloaded[k])
+            slot = slots[m % NUM_SLOTS]
             with _on(adam):
-                for event in loaded[j % NUM_SLOTS]:
+                for event in loaded[m % NUM_SLOTS]:
                     adam.wait_event(event)
-                self._adam(j, slots[j % NUM_SLOTS], grad, scratch, step)
+                self._adam(j, slot, grad, scratch, step)
             written = _after(adam)
-            offloaded[j % NUM_SLOTS] = self._copy(offload, j, slots[j % NUM_SLOTS], into_host=True, after=written)
+            offloaded[m % NUM_SLOTS] = self._copy(offload, j, slot, into_host=True, after=written)
             yield next(iter(written), None)
 
     def _defer(self, normed: tuple, work: Iterator[torch.cuda.Event], held: tuple) -> None:

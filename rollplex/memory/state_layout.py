@@ -83,9 +83,9 @@ class Shard:
 
 
 def resident_chunks(chunks: Sequence[Chunk], num_bytes: int) -> int:
-    """How many of the last chunks hold at most `num_bytes` of state together."""
+    """How many of the first chunks hold at most `num_bytes` of state together."""
     kept, held = 0, 0
-    for chunk in reversed(chunks):
+    for chunk in chunks:
         held += STATE_BYTES_PER_ELEMENT * chunk.numel
         if held > num_bytes:
             break

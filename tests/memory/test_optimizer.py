@@ -176,15 +176,15 @@ def test_the_host_pool_holds_all_fp32_state():
 
 
 @pytest.mark.parametrize("kept", [1, 3])
-def test_the_last_chunks_kept_apart_step_as_torch_adamw_and_only_the_others_count_as_streamed(kept):
+def test_the_first_chunks_kept_apart_step_as_torch_adamw_and_only_the_others_count_as_streamed(kept):
     ours, theirs = make_params(), make_params()
     chunk_bytes = 12 * 40
     whole = ChunkedAdamW(make_params(), chunk_bytes=chunk_bytes)
-    resident = sum(12 * c.numel for c in whole.chunks[-kept:])
+    resident = sum(12 * c.numel for c in whole.chunks[:kept])
     opt = ChunkedAdamW(ours, lr=3e-3, max_grad_norm=0.5, chunk_bytes=chunk_bytes, resident_bytes=resident + 11)
     ref = torch.optim.AdamW(theirs, lr=3e-3)
     assert opt.num_streamed == len(opt.chunks) - kept == len(whole.chunks) - kept
-    assert [pool is opt.device_pool for pool in opt.pools] == [False] * opt.num_streamed + [True] * kept
+    assert [pool is opt.device_pool for pool in opt.pools] == [True] * kept + [False] * opt.num_streamed
     held = sum(block.num_bytes for block in opt.device_pool.live_blocks)
     assert held == resident
     assert opt.num_bytes_moved == whole.num_bytes_moved - 2 * resident
@@ -210,7 +210,7 @@ def test_a_resident_share_that_holds_the_whole_state_keeps_it_as_state_on_the_de
 
 @pytest.mark.parametrize("where", [{"state_on_device": True}, {"resident_bytes": 12 * 80}])
 def test_state_kept_on_the_device_is_updated_in_its_block_bitwise_as_streamed_and_copies_nothing(where, monkeypatch):
-    """All of the state on the device, or its last two chunks: those chunks are neither staged nor written back
+    """All of the state on the device, or its first two chunks: those chunks are neither staged nor written back
     (no copy of their state), and the step gives the streamed optimizer's bits, clipped, over several steps."""
     import rollplex.memory.optimizer as optimizer
 
@@ -279,7 +279,7 @@ def test_on_the_gpu_state_kept_in_hbm_steps_bitwise_as_state_streamed_from_the_h
     assert a.pool.buffer.device.type == "cpu" and a.pool.pinned
     if kept == "all":  # one pool, on the device: nothing crosses the host link
         assert b.pool.buffer.device.type == "cuda" and not b.pool.pinned and b.device_pool is None
-    else:  # the last chunks in a device pool, the others streamed from the pinned one
+    else:  # the first chunks in a device pool, the others streamed from the pinned one
         assert b.device_pool.buffer.device.type == "cuda" and b.pool.pinned and 0 < b.num_streamed < len(b.chunks)
     for step in range(3):
         set_grads(host, seed=step)
