@@ -27,7 +27,6 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from rollplex.memory import optimizer_state
 from rollplex.memory.adamw import AdamWConfig, adamw_
@@ -38,10 +37,10 @@ from rollplex.memory.state_layout import (
     Chunk,
     Segment,
     Shard,
-    flat_segments,
     plan_chunks,
     resident_chunks,
 )
+from rollplex.memory.update_ranks import global_norm, share_updates
 
 if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
     from rollplex.parallel.group import TPGroup
@@ -138,7 +137,7 @@ class ChunkedAdamW:
         self._hooks = [p.register_post_accumulate_grad_hook(fold) for p in self.params] if fp32_grads else []
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
-        self._sharded_segments: torch.Tensor | None = None
+        self.sharded_segments: torch.Tensor | None = None  # per segment, sharded over TP: `update_ranks.global_norm`
         assert len(self.sharded) == len(self.params), "one sharded flag per parameter"
         if sum(p.numel() for p in self.params) == 0:
             raise ValueError(f"ChunkedAdamW got {len(self.params)} parameters and no elements to update")
@@ -260,7 +259,7 @@ class ChunkedAdamW:
                 pass
             self._join()
         if self.shard is not None:
-            self._share_updates()
+            share_updates(self)
         return self.last_grad_norm
 
     @torch.no_grad()
@@ -276,7 +275,7 @@ class ChunkedAdamW:
         for j in range(len(self.chunks)):
             if j < self.first_moved:  # its state lives on the device: updated in its pool block, nothing copied
                 with _on(adam):
-                    self._adam(j, self._host(j).view(-1), grad, scratch, step)
+                    self._adam(j, self.chunk_state(j).view(-1), grad, scratch, step)
                 yield next(iter(_after(adam)), None)
                 continue
             m = j - self.first_moved  # its turn among the moved chunks, which take the slots in turn
@@ -334,64 +333,10 @@ class ChunkedAdamW:
             for s in chunk.segments:
                 torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], out=norms[k])
                 k += 1
-        self.last_grad_norm = self._global_norm(norms)
+        self.last_grad_norm = global_norm(self, norms)
         if self.config.max_grad_norm is None:
             return None
         return torch.clamp(self.config.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
-
-    def _global_norm(self, norms: torch.Tensor) -> torch.Tensor:
-        """The norm of every segment's norm; under tensor parallelism the sharded segments' squares are summed
-        over the group and the replicated ones counted once (Megatron's rule); under ZeRO-1 each rank's squares
-        are of its own elements, summed over the data-parallel ranks first."""
-        if self.shard is not None:
-            return self._sharded_global_norm(norms)
-        if self.tp is None or self.tp.size == 1:
-            return torch.linalg.vector_norm(norms)
-        if self._sharded_segments is None:  # built on the first step, on the norms' device
-            flags = [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments]
-            self._sharded_segments = torch.tensor(flags, device=norms.device)
-        mask = self._sharded_segments
-        squares = norms.square()
-        sharded = torch.where(mask, squares, 0.0).sum()
-        dist.all_reduce(sharded, group=self.tp.group)
-        return (sharded + torch.where(mask, 0.0, squares).sum()).sqrt()
-
-    def _sharded_global_norm(self, norms: torch.Tensor) -> torch.Tensor:
-        squares = norms.square()
-        flags = [self.sharded[s.param_index] for chunk in self.chunks for s in chunk.segments]
-        mask = torch.tensor(flags, dtype=torch.bool, device=norms.device)
-        sums = torch.stack([torch.where(mask, squares, 0.0).sum(), torch.where(mask, 0.0, squares).sum()])
-        dist.all_reduce(sums, group=self.shard.group)  # every element is one rank's: the whole model's squares
-        if self.tp is not None and self.tp.size > 1:
-            dist.all_reduce(sums[0], group=self.tp.group)
-        return sums.sum().sqrt()
-
-    def _share_updates(self) -> None:
-        """ZeRO-1's all-gather: every rank's new FP32 values, written here through `write` (this rank's own went
-        there in `_adam`). A window of `capacity` elements of each rank's share at a time, read from the state."""
-        self.wait()
-        s, total = self.shard, self.starts[-1]
-        ranks = [s.bounds(total, r) for r in range(s.size)]
-        window = self.chunk_elements  # the same on every rank
-        for w in range(0, max(b - a for a, b in ranks), window):
-            send = torch.zeros(window, dtype=torch.float32, device=self.device)
-            self._read_masters(self.lo + w, min(self.hi, self.lo + w + window), send)
-            parts = [torch.empty_like(send) for _ in range(s.size)]
-            dist.all_gather(parts, send, group=s.group)
-            for r, (a, b) in enumerate(ranks):
-                if r == s.rank or a + w >= b:
-                    continue
-                for seg in flat_segments(self.starts, a + w, min(b, a + w + window)):
-                    self.write(seg.param_index, seg.start, parts[r][seg.offset : seg.offset + seg.numel])
-
-    def _read_masters(self, first: int, last: int, out: torch.Tensor) -> None:
-        """This rank's FP32 master weights of flat elements [first, last) into out[: last - first]."""
-        begin = self.lo
-        for j, chunk in enumerate(self.chunks):
-            a, b = max(first, begin), min(last, begin + chunk.numel)
-            if a < b:
-                out[a - first : b - first].copy_(self._host(j)[0, a - begin : b - begin])
-            begin += chunk.numel
 
     def _gather_grads(self, chunk: Chunk, grad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         for s in chunk.segments:
@@ -410,12 +355,12 @@ class ChunkedAdamW:
 
     def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
         """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""
-        host = self._host(j).view(-1)
+        host = self.chunk_state(j).view(-1)
         device = slot[: host.numel()]
         event = copy_on(stream, *((host, device) if into_host else (device, host)), after=after)
         return () if event is None else (event,)
 
-    def _host(self, j: int) -> torch.Tensor:
+    def chunk_state(self, j: int) -> torch.Tensor:
         """Chunk j's FP32 state in its pool: rows master, exp_avg, exp_avg_sq."""
         return self.pools[j].view(self.blocks[j], torch.float32, (3, self.chunks[j].numel))
 
@@ -442,7 +387,7 @@ class ChunkedAdamW:
         parameter's flat elements from `base` on (0: the whole parameter)."""
         self.wait()  # no step still reads or writes the pool
         for j, s in self._segments_of[i]:
-            host = self._host(j)
+            host = self.chunk_state(j)
             for row, source in enumerate(rows):
                 part = host[row, s.offset : s.offset + s.numel]
                 if source is None:
@@ -469,7 +414,7 @@ class ChunkedAdamW:
         out = torch.empty(self.params[i].shape if whole else (stop - start,), dtype=torch.float32)
         base = 0 if whole else start
         for j, s in self._segments_of[i]:
-            out.view(-1)[s.start - base : s.stop - base].copy_(self._host(j)[row, s.offset : s.offset + s.numel])
+            out.view(-1)[s.start - base : s.stop - base].copy_(self.chunk_state(j)[row, s.offset : s.offset + s.numel])
         return out
 
     def state_dict(self) -> dict:
