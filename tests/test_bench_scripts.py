@@ -331,3 +331,25 @@ def test_swap_tiles_times_each_products_tiles_against_its_default(tmp_path):
     assert all(c["max_diff_from_default"] < 1e-4 and c["us"] > 0 for c in cases)
     compiled = subprocess.run([*command[:-2], "--compile-only"], capture_output=True, text=True, cwd=ROOT / "bench")
     assert compiled.returncode == 0 and compiled.stdout == "", compiled.stderr[-2000:]  # runs each tile, times none
+
+
+def test_op_timeline_counts_each_engines_busy_time_once_and_clips_it_to_the_span():
+    spec = importlib.util.spec_from_file_location("op_timeline", ROOT / "bench/op_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    overlapping = [(0.0, 4.0), (2.0, 6.0), (8.0, 9.0), (1.0, 3.0)]
+    assert module.union_s(overlapping, 0.0, 10.0) == 7.0
+    assert module.union_s(overlapping, 3.0, 8.5) == 3.5
+    assert module.engine("Memcpy HtoD (Pinned -> Device)", 7) == "copy host->device"
+    assert module.engine("Memcpy DtoH (Device -> Pinned)", 7) == "copy device->host"
+    assert module.engine("ampere_bf16_s16816gemm", 7) == "compute, stream 7"
+
+
+def test_op_timeline_profiles_the_op_it_is_asked_for(tmp_path):
+    out = tmp_path / "timeline.json"
+    command = [sys.executable, str(ROOT / "bench/op_timeline.py"), str(ROOT / "specs/tiny_cpu.yaml"), "--warmup",
+               "1", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["ops"]
+    assert row["op"] == "actor_score.prefix" and row["host_s"] > 0
