@@ -39,9 +39,9 @@ class OptimizerPlan:
 
     @property
     def workspace_bytes(self) -> int:
-        """The chunks in flight, plus one chunk's FP32 gradient and scratch (what ChunkedAdamW carves)."""
+        """The chunks in flight, plus one chunk's FP32 gradient (what ChunkedAdamW carves)."""
         elements = self.chunk_bytes // STATE_BYTES_PER_ELEMENT
-        return min(self.pipeline_depth, self.num_chunks) * self.chunk_bytes + 8 * elements + SCRATCH_BYTES
+        return min(self.pipeline_depth, self.num_chunks) * self.chunk_bytes + 4 * elements + SCRATCH_BYTES
 
 
 @dataclass(frozen=True, slots=True)

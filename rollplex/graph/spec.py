@@ -230,7 +230,8 @@ class MemorySpec(_Strict):
         "auto",
         description="Where the FP32 master weights and Adam moments live: hbm (updated in place, no host traffic), "
         "host (the pinned pool, streamed through HBM in chunks at each update), or auto: hbm when every step still "
-        "fits, else host but for the share that every step has room for, which stays in HBM (the first chunks: the parameters a forward reads first).",
+        "fits, else host but for the share that every step has room for, which stays in HBM (the first chunks: "
+        "the parameters a forward reads first).",
     )
     prefix_saved: Literal["auto", "hbm", "host"] = Field(
         "auto",

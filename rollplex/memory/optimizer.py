@@ -8,8 +8,8 @@ overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in ord
 plan keeps in HBM (all of it, `state_on_device`, or the first chunks, `resident_bytes`) is updated in its pool
 block, nothing copied: the host link carries only the others, which go first.
 
-Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW.step()` (single-tensor
-form), op for op on each element. The global grad norm and the clipping coefficient are complete before any
+Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW(fused=True).step()` on each
+element (its kernel: `adamw.adamw_`). The global grad norm and the clipping coefficient are complete before any
 chunk commits. Gradients are read, never modified. With `fp32_grads` the gradients accumulate in FP32
 (Megatron's main grads): a hook adds each parameter's fresh low-precision `.grad` into an FP32 buffer and
 frees it, so microbatches sum in FP32 and one low-precision gradient per parameter is alive at a time at
@@ -75,7 +75,7 @@ class _StepArgs:
     the gradients (as they were when the step began: `zero_grad` may follow before the last chunk is enqueued)."""
 
     config: AdamWConfig
-    number: int
+    number: torch.Tensor  # 0-d FP32 on the device, made on the Adam stream (freed there, reused only there)
     coef: torch.Tensor | None
     write: Writer
     grads: list[torch.Tensor]
@@ -99,7 +99,7 @@ class ChunkedAdamW:
                 (deferred: it waits for the norm only; the chunks go as `wait_for` / `finish` ask: `in_flight.py`)
 
     Peak extra device bytes of a step: `peak_device_bytes` = `num_slots` x the chunk state (NUM_SLOTS, none where
-    the state lives on the device) + an FP32 gradient buffer and a scratch buffer of one chunk + one norm per
+    the state lives on the device) + an FP32 gradient buffer of one chunk + one norm per
     segment + SCRATCH_BYTES.
     Change hyperparameters (the learning rate, say) with `opt.config = replace(opt.config, lr=...)`.
     """
@@ -191,7 +191,7 @@ class ChunkedAdamW:
 
     @property
     def workspace_bytes(self) -> int:
-        return 4 * (self.capacity * (3 * self.num_slots + 2) + self.num_segments)
+        return 4 * (self.capacity * (3 * self.num_slots + 1) + self.num_segments)
 
     @property
     def peak_device_bytes(self) -> int:
@@ -239,7 +239,7 @@ class ChunkedAdamW:
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
         self.num_steps += 1
-        slots, grad, scratch, norms = self._carve_workspace()
+        slots, grad, norms = self._carve_workspace()
         load, adam, offload = self._streams
         for stream in (load, adam, offload):
             if stream is not None:
@@ -249,11 +249,12 @@ class ChunkedAdamW:
             loaded[0] = self._copy(load, self.first_moved, slots[0], into_host=False, after=())
         with _on(adam):
             coef = self._grad_norm_pass(grad, norms, grads)
+            number = torch.full((), float(self.num_steps), dtype=torch.float32, device=self.device)
         normed = _after(adam)
-        step = _StepArgs(self.config, self.num_steps, coef, self.write, grads)
-        work = self._chunk_work(slots, grad, scratch, step, loaded)
+        step = _StepArgs(self.config, number, coef, self.write, grads)
+        work = self._chunk_work(slots, grad, step, loaded)
         if defer and adam is not None and self.shard is None:
-            self._defer(normed, work, (slots, grad, scratch, norms, grads))
+            self._defer(normed, work, (slots, grad, norms, grads))
         else:
             for _ in work:
                 pass
@@ -264,7 +265,7 @@ class ChunkedAdamW:
 
     @torch.no_grad()
     def _chunk_work(
-        self, slots: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs, loaded: list
+        self, slots: torch.Tensor, grad: torch.Tensor, step: _StepArgs, loaded: list
     ) -> Iterator[torch.cuda.Event | None]:
         """Enqueues the chunks one at a time (the kept in place, then load j+1 | adam j + write j | offload j);
         yields, after each, the event that marks chunk j's new values written (None on CPU). What a chunk reads of
@@ -275,7 +276,7 @@ class ChunkedAdamW:
         for j in range(len(self.chunks)):
             if j < self.first_moved:  # its state lives on the device: updated in its pool block, nothing copied
                 with _on(adam):
-                    self._adam(j, self.chunk_state(j).view(-1), grad, scratch, step)
+                    self._adam(j, self.chunk_state(j).view(-1), grad, step)
                 yield next(iter(_after(adam)), None)
                 continue
             m = j - self.first_moved  # its turn among the moved chunks, which take the slots in turn
@@ -286,7 +287,7 @@ class ChunkedAdamW:
             with _on(adam):
                 for event in loaded[m % NUM_SLOTS]:
                     adam.wait_event(event)
-                self._adam(j, slot, grad, scratch, step)
+                self._adam(j, slot, grad, step)
             written = _after(adam)
             offloaded[m % NUM_SLOTS] = self._copy(offload, j, slot, into_host=True, after=written)
             yield next(iter(written), None)
@@ -316,12 +317,12 @@ class ChunkedAdamW:
             self.in_flight = None
 
     def _carve_workspace(self) -> tuple[torch.Tensor, ...]:
-        """slots [num_slots, 3 * capacity], FP32 grad [capacity], scratch [capacity], norms [num_segments]."""
+        """slots [num_slots, 3 * capacity], FP32 grad [capacity], norms [num_segments]."""
         c, n = self.capacity, self.num_slots
         workspace = torch.empty(self.workspace_bytes // 4, dtype=torch.float32, device=self.device)
         slots = workspace[: n * 3 * c].view(n, 3 * c)
-        grad, scratch = workspace[n * 3 * c : (n * 3 + 2) * c].view(2, c)
-        return slots, grad, scratch, workspace[(n * 3 + 2) * c :]
+        grad = workspace[n * 3 * c : (n * 3 + 1) * c]
+        return slots, grad, workspace[(n * 3 + 1) * c :]
 
     def _grad_norm_pass(
         self, grad: torch.Tensor, norms: torch.Tensor, grads: list[torch.Tensor]
@@ -342,14 +343,14 @@ class ChunkedAdamW:
         for s in chunk.segments:
             grad[s.offset : s.offset + s.numel].copy_(grads[s.param_index].reshape(-1)[s.start : s.stop])
 
-    def _adam(self, j: int, slot: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor, step: _StepArgs) -> None:
+    def _adam(self, j: int, slot: torch.Tensor, grad: torch.Tensor, step: _StepArgs) -> None:
         chunk = self.chunks[j]
         master, exp_avg, exp_avg_sq = slot[: 3 * chunk.numel].view(3, chunk.numel)
-        g, denom = grad[: chunk.numel], scratch[: chunk.numel]
+        g = grad[: chunk.numel]
         self._gather_grads(chunk, g, step.grads)
         if step.coef is not None:
             g.mul_(step.coef)
-        adamw_(master, exp_avg, exp_avg_sq, g, denom, step.config, step.number)
+        adamw_(master, exp_avg, exp_avg_sq, g, step.number, step.config)
         for s in chunk.segments:
             step.write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
 

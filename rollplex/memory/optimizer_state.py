@@ -28,7 +28,7 @@ def state_parts(opt: ChunkedAdamW, max_bytes: int | None) -> Iterator[dict]:
     opt.wait()
     step = torch.tensor(float(opt.num_steps))
     c = opt.config
-    group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
+    group = {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay, "fused": True}  # its kernel
     group |= {"max_grad_norm": c.max_grad_norm, "params": list(range(len(opt.params)))}
     if opt.shard is not None:
         group["shard"] = [opt.shard.rank, opt.shard.size]
