@@ -24,7 +24,7 @@ from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
 
 STATE_BYTES = 12  # FP32 master weight and two Adam moments per parameter
 UPDATE_HBM_BYTES = 30  # per parameter: state read and written, FP32 gradient read, BF16 weight written
-GRAD_NORM_BYTES = 12  # per parameter: the FP32 gradient gathered into the chunk buffer, then read for its norm
+GRAD_NORM_BYTES = 4  # per parameter: the FP32 gradient read once for its norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +315,7 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
 
 def grad_norm_pass(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cost:
     """What of the update its step waits for when the rest runs beside the next prefix (`update_beside_prefix`):
-    the global gradient norm, each FP32 gradient gathered (read and written) and read again."""
+    the global gradient norm, each FP32 gradient read once."""
     params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
     return Cost(hbm_bytes=GRAD_NORM_BYTES * params)
 

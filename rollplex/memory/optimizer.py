@@ -248,7 +248,7 @@ class ChunkedAdamW:
         if self.num_moved:
             loaded[0] = self._copy(load, self.first_moved, slots[0], into_host=False, after=())
         with _on(adam):
-            coef = self._grad_norm_pass(grad, norms, grads)
+            coef = self._grad_norm_pass(norms, grads)
             number = torch.full((), float(self.num_steps), dtype=torch.float32, device=self.device)
         normed = _after(adam)
         step = _StepArgs(self.config, number, coef, self.write, grads)
@@ -324,16 +324,11 @@ class ChunkedAdamW:
         grad = workspace[n * 3 * c : (n * 3 + 1) * c]
         return slots, grad, workspace[(n * 3 + 1) * c :]
 
-    def _grad_norm_pass(
-        self, grad: torch.Tensor, norms: torch.Tensor, grads: list[torch.Tensor]
-    ) -> torch.Tensor | None:
-        """Per segment the L2 norm of its FP32 gradient, then the global norm (as `clip_grad_norm_`)."""
-        k = 0
-        for chunk in self.chunks:
-            self._gather_grads(chunk, grad, grads)
-            for s in chunk.segments:
-                torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], out=norms[k])
-                k += 1
+    def _grad_norm_pass(self, norms: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Per segment the L2 norm of its gradient in FP32, read where it lies (torch's multi-tensor norm, as
+        `clip_grad_norm_` takes it: a few launches for all of them, not two a segment), then the global norm."""
+        views = [grads[s.param_index].reshape(-1)[s.start : s.stop] for chunk in self.chunks for s in chunk.segments]
+        torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32), out=norms)
         self.last_grad_norm = global_norm(self, norms)
         if self.config.max_grad_norm is None:
             return None
