@@ -6,7 +6,7 @@ updated, written back to the host, and its new values are written into a destina
 (by default the parameters themselves; in rollplex, the snapshot rollout reads). On CUDA three streams
 overlap load (j+1), Adam (j) and offload (j-1); on CPU the same loop runs in order with no streams. State the
 plan keeps in HBM (all of it, `state_on_device`, or the first chunks, `resident_bytes`) is updated in its pool
-block, nothing copied: the host link carries only the others, which go first.
+block, nothing copied, first: the host link carries only the others, whose loads start at once.
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW(fused=True).step()` on each
 element (its kernel: `adamw.adamw_`). The global grad norm and the clipping coefficient are complete before any
