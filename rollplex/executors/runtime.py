@@ -23,6 +23,7 @@ from rollplex.data.rewards import is_correct
 from rollplex.data.tokenizer import response_text
 from rollplex.errors import SpecError
 from rollplex.executors.critic import train_critic
+from rollplex.executors.draws import burn, length_budgets
 from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import advantages
 from rollplex.executors.scoring import LeafBoundary, score_all
@@ -44,8 +45,6 @@ from rollplex.graph.ir import (
 )
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
-from rollplex.models.generate import Rollout
-from rollplex.models.sampling import sample
 from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
@@ -175,10 +174,10 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
         shared["boundary"] = prefilled[0].leaf.detached()
     rollout = e.rollout(
         prompts, num_samples=e.group_size, params=e.sampling, generator=e.generator, beside=beside,
-        max_lens=_length_budgets(e, len(prompts)), **shared,
+        max_lens=length_budgets(e, len(prompts)), **shared,
     )  # fmt: skip
     if e.dp is not None and e.rollout_draws_per_step:
-        _burn(e, rollout, shared["rows"][1])
+        burn(e, rollout, shared["rows"][1])
     store[o.outputs[0]] = rollout
     record.response_lens, record.responses = rollout.response_lens, rollout.responses
     stats = e.rollout_stats()
@@ -195,29 +194,6 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
         slowdown = None if stats is None else decode_slowdown(stats.step_spans, [(s, t) for _, s, t in record.chunks])
         if slowdown is not None:
             record.stats["decode_slowdown"] = slowdown
-
-
-def _length_budgets(e: Engines, num_prompts: int) -> torch.Tensor | None:
-    """[P, N] response lengths drawn from the workload's distribution (`workload.replay_lengths`), capped at
-    max tokens; the seed comes from the sampling generator, so a run (and its resume) draws the same ones. A
-    data-parallel rank draws the whole step's and keeps its share."""
-    if e.response_lengths is None:
-        return None
-    every = num_prompts * (1 if e.dp is None else e.dp.size)
-    seed = int(torch.randint(2**31, (1,), generator=e.generator, device=e.generator.device))
-    lengths = e.response_lengths.sample(every * e.group_size, seed).clip(max=e.sampling.max_tokens)
-    lengths = torch.from_numpy(lengths).view(every, e.group_size)
-    return lengths if e.dp is None else lengths[e.dp.share(every)]
-
-
-def _burn(e: Engines, rollout: Rollout, total_rows: int) -> None:
-    """A data-parallel rank's generator draws on to the step's longest response, as one process sampling every
-    rank's rows would (each decode step draws the random numbers of all of them)."""
-    drawn = rollout.responses.shape[-1]
-    longest = int(e.dp.max(drawn))
-    vocab = e.actor.config.text.vocab_size
-    for _ in range(longest - drawn):
-        sample(torch.zeros(total_rows, vocab, device=e.generator.device), e.sampling, e.generator)
 
 
 def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
