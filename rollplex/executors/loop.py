@@ -121,12 +121,12 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     def complete(o: Op | None = None) -> None:
         """After the next step's actor prefix (or at the end): the waiting step's weights digest, once its update
         is done, then its metrics line."""
-        if o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX):
+        if not waiting or (o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX)):
             return
-        for r in waiting:
-            engines.optimizer.finish()
-            r["param_digest"] = param_digest(engines.actor)
-            emit(r)
+        engines.optimizer.finish()
+        (r,) = waiting  # one step's update runs on at a time: the next step's starts by finishing it
+        r["param_digest"] = param_digest(engines.actor)
+        emit(r)
         waiting.clear()
 
     try:
