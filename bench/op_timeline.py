@@ -15,8 +15,12 @@ whose device queue is full).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
+from bisect import bisect_left
 from pathlib import Path
 
 import torch
@@ -57,12 +61,21 @@ def union_s(intervals: list[tuple[float, float]], lo: float, hi: float) -> float
 
 
 def summarise(prof, op_id: str) -> dict:
-    device, launches = {}, []
+    device, launches, calls, kernels, launched, host = {}, [], {}, {}, {}, []
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            device.setdefault(engine(e.name, e.device_resource_id), []).append((e.time_range.start, e.time_range.end))
-        elif e.name in LAUNCHES:
-            launches.append(e.time_range.end - e.time_range.start)
+            name = engine(e.name, e.device_resource_id)
+            device.setdefault(name, []).append((e.time_range.start, e.time_range.end))
+            kernels.setdefault(name, []).append((e.time_range.start, e.id, e.name))
+            continue
+        took = e.time_range.end - e.time_range.start
+        if e.name.startswith(("cuda", "cu")):
+            host.append((e.time_range.start, e.time_range.end))
+        if e.name in LAUNCHES:
+            launches.append(took)
+            launched[e.id] = e.time_range.start
+        elif e.name.startswith(("cuda", "cu")):
+            calls.setdefault(e.name, []).append(took)
     spans = [iv for ivs in device.values() for iv in ivs]
     if not spans:
         return {"op": op_id, "device_s": 0.0}
@@ -77,6 +90,7 @@ def summarise(prof, op_id: str) -> dict:
             ],
         }
     launches.sort(reverse=True)
+    busiest = max((n for n in device if n.startswith("compute")), key=lambda n: union_s(device[n], lo, hi))
     return {
         "op": op_id,
         "device_s": round((hi - lo) / 1e6, 4),
@@ -84,7 +98,52 @@ def summarise(prof, op_id: str) -> dict:
         "launches": len(launches),
         "launch_s": round(sum(launches) / 1e6, 4),
         "longest_launches_ms": [round(x / 1e3, 2) for x in launches[:5]],
+        "runtime_calls": runtime_calls(calls),
+        "idle_gaps": idle_gaps(device[busiest], lo, hi, busiest, sorted(kernels[busiest]), launched),
+        "host_gaps_ms": host_gaps(host, lo),
     }
+
+
+def runtime_calls(calls: dict[str, list[float]], top: int = 8) -> list[dict]:
+    """The host's other CUDA runtime calls by total time (a synchronisation, or an allocation that frees the
+    cache, is one that blocks)."""
+    rows = [
+        {"name": n, "count": len(ts), "total_ms": round(sum(ts) / 1e3, 2), "max_ms": round(max(ts) / 1e3, 2)}
+        for n, ts in calls.items()
+    ]
+    return sorted(rows, key=lambda r: -r["total_ms"])[:top]
+
+
+def idle_gaps(
+    intervals: list[tuple[float, float]], lo: float, hi: float, stream: str, kernels: list, launched: dict, top: int = 6
+) -> dict:
+    """The longest stretches with nothing running on the busiest compute stream: [offset into the span, length,
+    when the host launched the kernel that ends it (ms from the gap's start: before 0, the device waited on
+    something else, after it the host was late)], and that kernel's name."""
+    gaps, end = [], lo
+    for a, b in sorted(intervals):
+        if a > end:
+            gaps.append((end, a))
+        end = max(end, b)
+    gaps.sort(key=lambda g: g[0] - g[1])
+    starts = [k[0] for k in kernels]
+    rows = []
+    for a, b in gaps[:top]:
+        _, corr, name = kernels[min(bisect_left(starts, b), len(kernels) - 1)]
+        late = round((launched[corr] - a) / 1e3, 1) if corr in launched else None
+        rows.append([round((a - lo) / 1e3, 1), round((b - a) / 1e3, 1), late, name[:60]])
+    return {"stream": stream, "gaps": rows}
+
+
+def host_gaps(calls: list[tuple[float, float]], lo: float, top: int = 6) -> list[list[float]]:
+    """The longest stretches in which the host made no CUDA call: [offset into the device span, length] in ms."""
+    gaps, end = [], None
+    for a, b in sorted(calls):
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    gaps.sort(key=lambda g: g[0] - g[1])
+    return [[round((a - lo) / 1e3, 1), round((b - a) / 1e3, 1)] for a, b in gaps[:top]]
 
 
 def main() -> None:
@@ -94,6 +153,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--schedule", default="rollplex", choices=[s.value for s in Schedule])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--python", action="store_true", help="one more step with the op under cProfile (host time)")
     args = ap.parse_args()
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule))
@@ -129,8 +189,35 @@ def main() -> None:
               f"{row.get('longest_launches_ms', [])} ms)")  # fmt: skip
         for name, e in row.get("engines", {}).items():
             print(f"  {name:<28} busy {e['busy_s']:>7.3f} s  per tenth {e['busy_per_tenth']}")
+        for c in row.get("runtime_calls", []):
+            print(f"  host {c['name']:<32} x{c['count']:<6} {c['total_ms']:>9.1f} ms (longest {c['max_ms']} ms)")
+        if gaps := row.get("idle_gaps"):
+            print(f"  {gaps['stream']} idle [offset ms, length ms, launched ms after its start, next kernel]:")
+            for gap in gaps["gaps"]:
+                print(f"    {gap}")
+            print(f"  host without a CUDA call [offset ms, length ms]: {row['host_gaps_ms']}")
+    if args.python:
+        python_profile(g, engines, staged_batch(dataset, (args.warmup + 1) * size, size, cuda), args.op)
     if args.out:
         args.out.write_text(json.dumps({"spec": args.spec, "op": args.op, "ops": rows}, indent=1))
+
+
+def python_profile(g, engines, batch, op_id: str, top: int = 25) -> None:
+    """One step with the matching ops under cProfile: where the host's time goes, by Python function."""
+    prof = cProfile.Profile()
+
+    def before(o: Op) -> None:
+        if op_id in o.id:
+            prof.enable()
+
+    def after(o: Op) -> None:
+        if op_id in o.id:
+            prof.disable()
+
+    run_iteration(g, engines, batch, before_op=before, after_op=after)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(out.getvalue())
 
 
 if __name__ == "__main__":
