@@ -7,9 +7,12 @@ Runs `--warmup` steps of the spec's schedule, then one more under torch.profiler
 contains `--op` (the profiler starts before the op and stops after it; nothing is synchronised inside). With
 `sharing.update_beside_prefix` the actor prefix's span also holds the last step's update, so this shows whether
 the two share the device or wait on each other. Per op: its device span, the busy time of each engine (the union of
-its intervals: compute kernels by stream, copies by direction) and their bytes where the profiler records them, the
-busy share of each engine per tenth of the span, and the host's longest launch calls (a launch that blocks is one
-whose device queue is full).
+its intervals: compute kernels by stream, copies by direction), the busy share of each engine per tenth of the span,
+the host's longest launch calls (a launch that blocks is one whose device queue is full) and its other CUDA runtime
+calls by total time (a synchronisation blocks), the longest idle stretches of the busiest compute stream with the
+kernel that ends each and when the host launched it (launched before the stretch began: the stream waited on the
+device for something queued before that kernel, a copy or an event), and the longest stretches in which the host
+made no CUDA call. `--python` runs one more step with the op under cProfile: the host's time by Python function.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from rollplex.graph.ir import (
 )
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import drain, each_inside
-from rollplex.models.inputs import patches_on
 from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
@@ -239,8 +238,6 @@ def _actor_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRe
     prompts = store["prompts"]
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
-    if e.optimizer.in_flight is not None:  # the update's state loads the host link: the patches go first, at once
-        prompts = patches_on(prompts, e.actor.device)
     store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts, store["vision"]))
 
 

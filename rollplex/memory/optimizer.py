@@ -47,9 +47,6 @@ if TYPE_CHECKING:  # the group is only passed through: memory does not import pa
 
 NUM_SLOTS = 3  # pipeline depth: load j+1 | adam j | offload j-1
 SCRATCH_BYTES = 4 << 20  # allowance beside the workspace: allocator rounding, reduction scratch, scalars
-# a chunk's state crosses the host link in copies of at most this many bytes: a copy another stream queues on the
-# same link (a prefix's inputs, beside a deferred step) waits for a piece, not for a whole chunk
-LINK_PIECE_BYTES = 64 << 20
 Writer = Callable[[int, int, torch.Tensor], None]  # (param index, first flat element, new FP32 values)
 
 
@@ -353,14 +350,10 @@ class ChunkedAdamW:
             step.write(s.param_index, s.start, master[s.offset : s.offset + s.numel])
 
     def _copy(self, stream, j: int, slot: torch.Tensor, into_host: bool, after: tuple) -> tuple:
-        """Chunk j's FP32 state between its pool block and a device slot, in pieces (`LINK_PIECE_BYTES`); the event
-        that ends the copy."""
+        """Chunk j's FP32 state between its pool block and a device slot; the event that ends the copy."""
         host = self.chunk_state(j).view(-1)
         device = slot[: host.numel()]
-        dst, src = (host, device) if into_host else (device, host)
-        event = None
-        for d, s in zip(dst.split(LINK_PIECE_BYTES // 4), src.split(LINK_PIECE_BYTES // 4), strict=True):
-            event, after = copy_on(stream, d, s, after=after), ()
+        event = copy_on(stream, *((host, device) if into_host else (device, host)), after=after)
         return () if event is None else (event,)
 
     def chunk_state(self, j: int) -> torch.Tensor:

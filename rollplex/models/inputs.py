@@ -73,25 +73,9 @@ def back_to_back(prompts: Sequence[Prompt], pin: bool) -> list[Prompt]:
     visuals = [visual for prompt in prompts for visual in prompt.visuals]
     if not visuals:
         return list(prompts)
+    rows = [visual.pixel_values.shape[0] for visual in visuals]
     first = visuals[0].pixel_values
-    store = torch.empty(
-        sum(v.pixel_values.shape[0] for v in visuals), *first.shape[1:], dtype=first.dtype, pin_memory=pin
-    )
+    store = torch.empty(sum(rows), *first.shape[1:], dtype=first.dtype, pin_memory=pin)
     torch.cat([visual.pixel_values for visual in visuals], out=store)
-    return _with_patches(prompts, store)
-
-
-def patches_on(prompts: Sequence[Prompt], device: torch.device) -> list[Prompt]:
-    """The same prompts with every visual's patches in one tensor on `device`, copied at once (from where they lie
-    back to back, `back_to_back`): a prefix that runs while other copies load the host link (a deferred update's
-    state) then copies none of its own, each of which would wait behind them."""
-    visuals = [visual for prompt in prompts for visual in prompt.visuals]
-    if not visuals or visuals[0].pixel_values.device == torch.device(device):
-        return list(prompts)
-    return _with_patches(prompts, to_device(pixels_of(visuals), device))
-
-
-def _with_patches(prompts: Sequence[Prompt], store: torch.Tensor) -> list[Prompt]:
-    """The prompts with their visuals' patches as consecutive rows of `store`, in order."""
-    parts = iter(store.split([visual.pixel_values.shape[0] for prompt in prompts for visual in prompt.visuals]))
+    parts = iter(store.split(rows))
     return [replace(p, visuals=tuple(replace(v, pixel_values=next(parts)) for v in p.visuals)) for p in prompts]

@@ -238,35 +238,6 @@ def test_state_kept_on_the_device_is_updated_in_its_block_bitwise_as_streamed_an
     assert kept.state_dict()["state"][3]["exp_avg_sq"].equal(streamed.state_dict()["state"][3]["exp_avg_sq"])
 
 
-def test_a_chunk_crosses_the_link_in_pieces_and_steps_bitwise_as_in_one_copy(monkeypatch):
-    import rollplex.memory.optimizer as optimizer
-
-    whole_params, pieces_params = make_params(), make_params()
-    whole = ChunkedAdamW(whole_params, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 40)
-    pieces = ChunkedAdamW(pieces_params, lr=1e-2, max_grad_norm=0.5, chunk_bytes=12 * 40)
-    copied, inner = [], optimizer.copy_on
-
-    def counted(stream, dst, src, after=()):
-        copied.append(dst.numel())
-        return inner(stream, dst, src, after)
-
-    monkeypatch.setattr(optimizer, "copy_on", counted)
-    monkeypatch.setattr(optimizer, "LINK_PIECE_BYTES", 4 * 7)
-    for step in range(3):
-        set_grads(whole_params, seed=step)
-        set_grads(pieces_params, seed=step)
-        copied.clear()
-        norm = pieces.step()
-        assert max(copied) == 7 and sum(copied) == 2 * 3 * sum(c.numel for c in pieces.chunks)
-        assert len(copied) == 2 * sum(-(-3 * c.numel // 7) for c in pieces.chunks)
-        monkeypatch.setattr(optimizer, "LINK_PIECE_BYTES", 64 << 20)
-        assert torch.equal(norm, whole.step())
-        monkeypatch.setattr(optimizer, "LINK_PIECE_BYTES", 4 * 7)
-    for a, b in zip(whole_params, pieces_params, strict=True):
-        assert torch.equal(a, b)
-    assert pieces.state_dict()["state"][3]["exp_avg"].equal(whole.state_dict()["state"][3]["exp_avg"])
-
-
 GPU_SHAPES = [(32_000, 1024), *[(1024, 4096)] * 8, *[(4096,)] * 8, (1000,), (7, 13), (3, 1024, 5)]
 
 

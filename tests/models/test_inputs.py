@@ -1,11 +1,11 @@
-"""`back_to_back`, `pixels_of` and `patches_on`: a step's patches in one tensor, read by the prefixes without a copy."""
+"""`back_to_back` and `pixels_of`: a step's patches in one host tensor, read by the prefixes without a copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rollplex.models.inputs import back_to_back, patches_on, pixels_of
+from rollplex.models.inputs import back_to_back, pixels_of
 
 
 def test_back_to_back_keeps_every_patch_and_lays_them_out_one_after_another(prompts):
@@ -35,19 +35,6 @@ def test_pixels_of_a_run_of_staged_visuals_is_a_view_and_of_others_a_copy(prompt
 def test_prompts_without_visuals_are_returned_as_they_are(inputs):
     text = [inputs.prompt(5), inputs.prompt(3)]
     assert back_to_back(text, pin=False) == text
-    assert patches_on(text, torch.device("meta")) == text
-
-
-def test_patches_on_a_device_lie_in_one_tensor_there_in_order_and_patches_there_already_stay(prompts):
-    moved = patches_on(back_to_back(prompts, pin=False), torch.device("meta"))
-    visuals, laid = [v for p in prompts for v in p.visuals], [v for p in moved for v in p.visuals]
-    store = laid[0].pixel_values._base
-    assert store is not None and store.device.type == "meta" and store.shape[0] == sum(v.num_patches for v in visuals)
-    for before, after in zip(visuals, laid, strict=True):
-        assert after.pixel_values._base is store and after.pixel_values.shape == before.pixel_values.shape
-        assert after.grid_thw == before.grid_thw
-    assert [p.input_ids for p in moved] == [p.input_ids for p in prompts]
-    assert patches_on(prompts, torch.device("cpu")) == list(prompts)
 
 
 def test_the_prefix_of_staged_prompts_is_the_prefix_of_the_prompts(model, prompts):
@@ -65,6 +52,3 @@ def test_on_a_gpu_staged_patches_are_pinned_and_copied_from_where_they_lie(model
     assert run.is_pinned()
     gpu = model.to("cuda")
     assert torch.equal(gpu.model.visual(laid).cpu(), gpu.model.visual([v for p in prompts for v in p.visuals]).cpu())
-    on_device = [v for p in patches_on(back_to_back(prompts, pin=True), torch.device("cuda")) for v in p.visuals]
-    assert all(v.pixel_values.is_cuda for v in on_device)
-    assert torch.equal(gpu.model.visual(on_device).cpu(), gpu.model.visual(laid).cpu())
