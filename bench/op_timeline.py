@@ -11,8 +11,10 @@ its intervals: compute kernels by stream, copies by direction), the busy share o
 the host's longest launch calls (a launch that blocks is one whose device queue is full) and its other CUDA runtime
 calls by total time (a synchronisation blocks), the longest idle stretches of the busiest compute stream with the
 kernel that ends each and when the host launched it (launched before the stretch began: the stream waited on the
-device for something queued before that kernel, a copy or an event), and the longest stretches in which the host
-made no CUDA call. `--python` runs one more step with the op under cProfile: the host's time by Python function.
+device for something queued before that kernel) and the last copy on that stream within the stretch (a copy that
+was launched early and started late waited in the copy engine's queue; no copy: the stream waited on an event),
+and the longest stretches in which the host made no CUDA call. `--python` runs one more step with the op under
+cProfile: the host's time by Python function.
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ def union_s(intervals: list[tuple[float, float]], lo: float, hi: float) -> float
 
 
 def summarise(prof, op_id: str) -> dict:
-    device, launches, calls, kernels, launched, host = {}, [], {}, {}, {}, []
+    device, launches, calls, kernels, launched, host, copies = {}, [], {}, {}, {}, [], {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             name = engine(e.name, e.device_resource_id)
             device.setdefault(name, []).append((e.time_range.start, e.time_range.end))
             kernels.setdefault(name, []).append((e.time_range.start, e.id, e.name))
+            if name.startswith("copy"):
+                copies.setdefault(e.device_resource_id, []).append((e.time_range.end, e.time_range.start, e.id, e.name))
             continue
         took = e.time_range.end - e.time_range.start
         if e.name.startswith(("cuda", "cu")):
@@ -94,6 +98,7 @@ def summarise(prof, op_id: str) -> dict:
         }
     launches.sort(reverse=True)
     busiest = max((n for n in device if n.startswith("compute")), key=lambda n: union_s(device[n], lo, hi))
+    stream_id = int(busiest.rsplit(" ", 1)[1])
     return {
         "op": op_id,
         "device_s": round((hi - lo) / 1e6, 4),
@@ -102,7 +107,9 @@ def summarise(prof, op_id: str) -> dict:
         "launch_s": round(sum(launches) / 1e6, 4),
         "longest_launches_ms": [round(x / 1e3, 2) for x in launches[:5]],
         "runtime_calls": runtime_calls(calls),
-        "idle_gaps": idle_gaps(device[busiest], lo, hi, busiest, sorted(kernels[busiest]), launched),
+        "idle_gaps": idle_gaps(
+            device[busiest], lo, hi, busiest, sorted(kernels[busiest]), launched, sorted(copies.get(stream_id, []))
+        ),
         "host_gaps_ms": host_gaps(host, lo),
     }
 
@@ -118,11 +125,20 @@ def runtime_calls(calls: dict[str, list[float]], top: int = 8) -> list[dict]:
 
 
 def idle_gaps(
-    intervals: list[tuple[float, float]], lo: float, hi: float, stream: str, kernels: list, launched: dict, top: int = 6
+    intervals: list[tuple[float, float]],
+    lo: float,
+    hi: float,
+    stream: str,
+    kernels: list,
+    launched: dict,
+    copies: list,
+    top: int = 6,
 ) -> dict:
     """The longest stretches with nothing running on the busiest compute stream: [offset into the span, length,
     when the host launched the kernel that ends it (ms from the gap's start: before 0, the device waited on
-    something else, after it the host was late)], and that kernel's name."""
+    something else, after it the host was late), that kernel's name, and the last copy on the same stream that
+    ended within the stretch as [its start, its length, its launch (ms from the gap's start), its name] (a copy
+    launched early that starts late waited in the copy engine's queue; none: the stream waited on an event)]."""
     gaps, end = [], lo
     for a, b in sorted(intervals):
         if a > end:
@@ -134,7 +150,13 @@ def idle_gaps(
     for a, b in gaps[:top]:
         _, corr, name = kernels[min(bisect_left(starts, b), len(kernels) - 1)]
         late = round((launched[corr] - a) / 1e3, 1) if corr in launched else None
-        rows.append([round((a - lo) / 1e3, 1), round((b - a) / 1e3, 1), late, name[:60]])
+        ends = [c for c in copies if a < c[0] <= b + 100]  # (end, start, correlation, name), within 0.1 ms
+        copy = None
+        if ends:
+            end_c, start_c, corr_c, name_c = ends[-1]
+            launch_c = round((launched[corr_c] - a) / 1e3, 1) if corr_c in launched else None
+            copy = [round((start_c - a) / 1e3, 1), round((end_c - start_c) / 1e3, 2), launch_c, name_c[:40]]
+        rows.append([round((a - lo) / 1e3, 1), round((b - a) / 1e3, 1), late, name[:60], copy])
     return {"stream": stream, "gaps": rows}
 
 

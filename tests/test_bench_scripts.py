@@ -171,6 +171,19 @@ def test_share_efficiency_refuses_bad_ways_and_a_machine_without_a_gpu_in_one_li
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--cases", "gated", "bogus"], "unknown cases ['bogus']"), (["--cases", "idle"], "needs a CUDA GPU")],
+)
+def test_link_queue_refuses_unknown_cases_and_a_machine_without_a_gpu_in_one_line(tmp_path, args, message):
+    if torch.cuda.is_available() and message == "needs a CUDA GPU":
+        pytest.skip("checks the refusal on a machine without a GPU")
+    command = [sys.executable, str(ROOT / "bench/link_queue.py"), *args, "--out", str(tmp_path / "out.json")]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_gemm_sweep_candidates_fit_in_shared_memory_and_never_leave_a_k_part_empty(monkeypatch):
     spec = importlib.util.spec_from_file_location("gemm_layouts", ROOT / "bench/gemm_layouts.py")
     module = importlib.util.module_from_spec(spec)
@@ -343,6 +356,27 @@ def test_op_timeline_counts_each_engines_busy_time_once_and_clips_it_to_the_span
     assert module.engine("Memcpy HtoD (Pinned -> Device)", 7) == "copy host->device"
     assert module.engine("Memcpy DtoH (Device -> Pinned)", 7) == "copy device->host"
     assert module.engine("ampere_bf16_s16816gemm", 7) == "compute, stream 7"
+
+
+def test_op_timeline_names_what_ends_each_idle_stretch_and_when_the_host_made_no_cuda_call():
+    spec = importlib.util.spec_from_file_location("op_timeline", ROOT / "bench/op_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    us = [(0, 10_000), (50_000, 60_000), (62_000, 70_000)]  # a stream's kernels, in microseconds
+    kernels = [(0, 1, "gemm"), (50_000, 2, "gather"), (62_000, 3, "norm")]
+    launched = {1: -5_000, 2: 5_000, 3: 55_000, 11: 12_000}
+    copies = [(49_950, 48_000, 11, "Memcpy HtoD (Pinned -> Device)")]  # (end, start, correlation, name)
+    gaps = module.idle_gaps(us, 0, 100_000, "compute, stream 7", kernels, launched, copies)
+    # the longest first: the gather, launched 5 ms before its stretch began, waited on its own copy, which was
+    # launched 2 ms into the stretch and ran only in its last 2 ms; the norm's stretch has no copy on the stream
+    assert gaps == {
+        "stream": "compute, stream 7",
+        "gaps": [
+            [10.0, 40.0, -5.0, "gather", [38.0, 1.95, 2.0, "Memcpy HtoD (Pinned -> Device)"]],
+            [60.0, 2.0, -5.0, "norm", None],
+        ],
+    }
+    assert module.host_gaps([(0, 1_000), (500, 2_000), (10_000, 11_000)], 0) == [[2.0, 8.0]]
 
 
 def test_op_timeline_profiles_the_op_it_is_asked_for(tmp_path):
