@@ -238,7 +238,8 @@ def _actor_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRe
     prompts = store["prompts"]
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
-    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts, store["vision"]))
+    first = _update_in_flight(e)  # its inputs cross the link before the update's state does
+    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts, store["vision"], inputs_first=first))
 
 
 def _ref_prefix_job(e: Engines, prompts: Sequence, vision: SharedVision | None) -> Generator[None, None, Boundary]:
@@ -249,18 +250,19 @@ def _ref_prefix_job(e: Engines, prompts: Sequence, vision: SharedVision | None) 
 
 
 def _actor_prefix_job(
-    e: Engines, prompts: Sequence, vision: SharedVision | None
+    e: Engines, prompts: Sequence, vision: SharedVision | None, inputs_first: bool = False
 ) -> Generator[None, None, LeafBoundary]:
-    return _attached_prefix_job(e, e.actor, prompts, vision, e.prefix_memory)
+    return _attached_prefix_job(e, e.actor, prompts, vision, e.prefix_memory, inputs_first)
 
 
 def _attached_prefix_job(
-    e: Engines, model, prompts: Sequence, vision: SharedVision | None, memory
+    e: Engines, model, prompts: Sequence, vision: SharedVision | None, memory, inputs_first: bool = False
 ) -> Generator[None, None, LeafBoundary]:
-    """A trained role's prefix, its graph kept for the backward through it, each chunk inside `memory`."""
+    """A trained role's prefix, its graph kept for the backward through it, each chunk inside `memory`;
+    `inputs_first`: all of its inputs copied to the device before it runs (`Qwen2_5_VL.prefix_chunks`)."""
     chunks = model.prefix_chunks(
         prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
-        rerun=e.prefix_rerun, vision=vision,
+        rerun=e.prefix_rerun, vision=vision, inputs_first=inputs_first,
     )  # fmt: skip
     boundary = yield from each_inside(memory, chunks)
     return LeafBoundary.of(boundary)

@@ -52,6 +52,9 @@ class Component(StrEnum):
     DATA = "data"  # a tensor the graph passes between nodes (`MemObject.name` says which)
 
 
+PROMPT_INPUTS = "prompt inputs, copied first"  # `prompt_inputs_first`
+
+
 @dataclass(frozen=True, slots=True)
 class MemObject:
     role: str
@@ -363,9 +366,7 @@ def _data(c: Context) -> Iterator[MemObject]:
         if info.cls is TensorClass.BOUNDARY or (prod and prod.kind in (NodeKind.BACKWARD, NodeKind.UPDATE)):
             continue
         if name == DATASET:
-            v = c.model.vision
-            pixels = g.patches_per_prompt * v.in_channels * v.temporal_patch_size * v.patch_size**2 * S.FP32
-            b = 2 * g.prompts_per_rank * (pixels + g.prompt_tokens * 8)
+            b = 2 * g.prompts_per_rank * (g.patches_per_prompt * _patch_bytes(c) + g.prompt_tokens * 8)
             yield MemObject("data", Component.DATA, info.cls, b, frozenset(), Residency.HOST, host_bytes=b, name=name)
             continue
         per_seq = S.FP32 if prod.kind is NodeKind.REWARD else g.response_tokens * S.FP32
@@ -373,3 +374,20 @@ def _data(c: Context) -> Iterator[MemObject]:
         yield MemObject(
             "data", Component.DATA, info.cls, g.sequences_per_rank * per_seq, live, Residency.ABSENT, name=name
         )
+
+
+def prompt_inputs_first(c: Context, live: set[int]) -> MemObject:
+    """The actor prefix's inputs, copied to the device before it runs while a deferred update's state takes the host
+    link (`Qwen2_5_VL.prefix_chunks` with `inputs_first`): a step's patches in FP32 with four int64 index lists
+    each, its tokens with six."""
+    g = c.gpu
+    b = g.prompts_per_rank * (g.patches_per_prompt * (_patch_bytes(c) + 4 * 8) + g.prompt_tokens * 6 * 8)
+    return MemObject(
+        "data", Component.DATA, TensorClass.PHASE_LOCAL, b, frozenset(live), Residency.ABSENT, name=PROMPT_INPUTS
+    )
+
+
+def _patch_bytes(c: Context) -> int:
+    """One patch as the processor gives it: FP32 pixels."""
+    v = c.model.vision
+    return v.in_channels * v.temporal_patch_size * v.patch_size**2 * S.FP32

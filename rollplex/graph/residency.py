@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Part, Phase, Role, TensorClass, ops, prefilled_decodes, steps
-from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
+from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency, prompt_inputs_first
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
@@ -97,6 +97,7 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
     update = _update_steps(c) | beside  # where the update's workspace and the gradients it reads are held
     if beside:
         objects = [replace(o, live=o.live | beside) if _held_by_update(o) else o for o in objects]
+        objects = [*objects, prompt_inputs_first(c, beside)]
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room, c.spec.memory)

@@ -352,8 +352,9 @@ class SharingSpec(_Strict):
         False,
         description="The actor's update runs on while the next step's actor prefix starts: each module of the "
         "prefix waits for its own parameters' chunks, decode and everything after it for the whole update. Takes "
-        "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first; the plan counts "
-        "the update's workspace and the gradients it reads in that prefix's steps. Off: the update ends its step.",
+        "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first and copies all "
+        "of its inputs to the device before it starts; the plan counts the update's workspace, the gradients it "
+        "reads and those inputs in that prefix's steps. Off: the update ends its step.",
     )
 
 

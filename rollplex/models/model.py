@@ -30,7 +30,7 @@ from rollplex.models.attention import (
     PackedPrefixAttention,
     SharedPrefixAttention,
 )
-from rollplex.models.batching import PackedSequences, pack_sequences
+from rollplex.models.batching import PackedSequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
 from rollplex.models.chunks import drain, each_inside
@@ -40,7 +40,8 @@ from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packed import ResponsePack
 from rollplex.models.packing import pack
 from rollplex.models.positions import num_visual_tokens
-from rollplex.models.prompt_rows import PackedPromptKV, PromptRows
+from rollplex.models.prompt_inputs import PromptInputs, prompt_inputs
+from rollplex.models.prompt_rows import PackedPromptKV
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, join_first, token_scores
@@ -148,6 +149,7 @@ class Qwen2_5_VL(nn.Module):
         prompts_per_chunk: int | None = None,
         rerun: Rerun | None = None,
         vision: SharedVision | None = None,
+        inputs_first: bool = False,
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
         with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
@@ -156,14 +158,22 @@ class Qwen2_5_VL(nn.Module):
         prompts, which it returns. The grad mode is entered and left inside each chunk, never held across a
         pause. With one group, the same work as `prefix`, in the same order. `rerun` (attached only): each
         vision block and decoder layer keeps only its input, and backward reruns it (`rollplex.models.rerun`).
-        `vision` (a frozen tower): the prompts' vision output comes from it, run there once per step."""
+        `vision` (a frozen tower): the prompts' vision output comes from it, run there once per step.
+        `inputs_first`: every group's inputs are copied to the device before the first group runs (for a prefix
+        beside other copies on the host link, `prompt_inputs`); else each group's as it starts."""
         size = prompts_per_chunk or len(prompts)
+        shared = vision is not None
+        batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        if inputs_first:
+            batches = [prompt_inputs(self, batch, shared) for batch in batches]
         groups: list[_GroupPrefix] = []
-        for i in range(0, len(prompts), size):
+        for i, batch in enumerate(batches):
             if groups:
                 yield  # each group's embedding and vision encoder start a chunk of their own
             group = _GroupPrefix(self, attached, rerun, vision)
-            yield from group.start(prompts[i : i + size], blocks_per_chunk=layers_per_chunk)
+            batches[i] = None  # a group's patches are the tower's to free once it has run
+            inputs = batch if inputs_first else prompt_inputs(self, batch, shared)
+            yield from group.start(inputs, blocks_per_chunk=layers_per_chunk)
             groups.append(group)
         layers = self.model.language_model.layers
         for start in range(0, len(layers), layers_per_chunk):
@@ -273,29 +283,28 @@ class Qwen2_5_VL(nn.Module):
     def _inputs(self, sequences: Sequence[Prompt]) -> tuple[PackedSequences, Tensor, Tensor, Tensor]:
         """The packed batch, its input embeddings [B, L, hidden] (image/video tokens replaced by the vision
         encoder's outputs) and its rotary cos, sin [B, 1, L, D]."""
-        return drain(self._input_chunks(sequences, blocks_per_chunk=len(self.model.visual.blocks)))
+        return drain(self._input_chunks(prompt_inputs(self, sequences), blocks_per_chunk=len(self.model.visual.blocks)))
 
     def _input_chunks(
         self,
-        sequences: Sequence[Prompt],
+        inputs: PromptInputs,
         blocks_per_chunk: int,
         rerun: Rerun | None = None,
         vision: SharedVision | None = None,
     ) -> Generator[None, None, tuple[PackedSequences, Tensor, Tensor, Tensor]]:
-        """`_inputs`, pausing after every `blocks_per_chunk` vision blocks (each under `rerun` if given); the
-        vision output from `vision` when given (`SharedVision`)."""
-        packed = pack_sequences(sequences, self.config)
-        cos, sin = text_rotary(to_device(packed.positions, self.device), self.config.text)
-        x = self.model.language_model.embed_tokens(to_device(packed.input_ids, self.device))
+        """`_inputs` of inputs already on the device, pausing after every `blocks_per_chunk` vision blocks (each
+        under `rerun` if given); the vision output from `vision` when given (`SharedVision`)."""
+        packed = inputs.packed
+        cos, sin = text_rotary(inputs.positions, self.config.text)
+        x = self.model.language_model.embed_tokens(inputs.input_ids)
         if packed.visuals:
             if vision is not None:
-                counts = [sum(num_visual_tokens(v, self.config.vision) for v in s.visuals) for s in sequences]
+                counts = [sum(num_visual_tokens(v, self.config.vision) for v in s.visuals) for s in inputs.prompts]
                 compute = partial(self.model.visual.chunks, packed.visuals, blocks_per_chunk)
-                features = yield from vision.features(sequences, counts, compute)
+                features = yield from vision.features(inputs.prompts, counts, compute)
             else:
-                features = yield from self.model.visual.chunks(packed.visuals, blocks_per_chunk, rerun)
-            slots = to_device(packed.visual_slots(self.config.tokens), self.device)
-            x = x.masked_scatter(slots[..., None], features.to(x.dtype))  # [num_visual_tokens, hidden] in place
+                features = yield from self.model.visual.chunks(inputs.vision, blocks_per_chunk, rerun)
+            x = x.masked_scatter(inputs.slots[..., None], features.to(x.dtype))  # [visual tokens, hidden] in place
         return packed, x, cos, sin
 
 
@@ -331,13 +340,14 @@ class _GroupPrefix:
         self.values: list[Tensor] = []
         self.rerun = rerun if attached else None
 
-    def start(self, prompts: Sequence[Prompt], blocks_per_chunk: int) -> Generator[None, None, None]:
+    def start(self, inputs: PromptInputs, blocks_per_chunk: int) -> Generator[None, None, None]:
         """Embeds the prompts (vision encoder included), pausing between chunks of vision blocks; the grad
         mode is entered around each chunk only."""
-        self.num_prompts = len(prompts)
-        chunks = self.model._input_chunks(prompts, blocks_per_chunk, self.rerun, self.vision)
+        self.num_prompts, self.rows = len(inputs.prompts), inputs.rows  # rows None: no padding to drop
+        self.lens, self.next_positions = inputs.lens, inputs.next_positions
+        chunks = self.model._input_chunks(inputs, blocks_per_chunk, self.rerun, self.vision)
+        del inputs  # the patches go once the tower has read them
         self.packed, x, cos, sin = yield from each_inside(self.mode, chunks)
-        self.rows = PromptRows.of(self.packed.lens, x.device)  # None: no padding to drop
         with self.mode():
             if self.rows is not None:  # the layers see the real tokens only, end to end
                 x = self.rows.pack(x)
@@ -360,7 +370,7 @@ class _GroupPrefix:
         with self.mode():
             lm = self.model.model.language_model
             hidden = lm.region.leave(lm.norm(self.x), self.length)
-            lens = to_device(self.packed.lens, device)
+            lens = self.lens
             if self.rows is None:
                 last = hidden[torch.arange(self.num_prompts, device=device), lens - 1]  # [P, hidden]
             else:
@@ -371,6 +381,6 @@ class _GroupPrefix:
             keys=tuple(self.keys),
             values=tuple(self.values),
             first_logprobs=first_logprobs,
-            next_positions=to_device(self.packed.next_positions, device),
+            next_positions=self.next_positions,
             prompt_lens=lens,
         )

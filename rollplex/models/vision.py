@@ -44,6 +44,20 @@ class VarlenSegments(NamedTuple):
     longest: int
 
 
+class VisionInputs(NamedTuple):
+    """What the tower reads of some visuals, on its device: built (the layout's index work on the host, then the
+    copies) before any of the tower's compute, so that a caller can copy every group's inputs at once
+    (`Qwen2_5_VL.prefix_chunks` with `inputs_first`)."""
+
+    pixels: Tensor  # [S, C]: the patches in the processor's order
+    order: Tensor | None  # [S]: the window order the tower runs in (`window_order`); None: the processor's
+    rows: Tensor  # [S]: each patch's row and column in its frame, in the tower's order (the 2D rotary)
+    cols: Tensor
+    frames: VarlenSegments | tuple[Tensor, ...]  # the full-attention blocks' segments
+    windows: VarlenSegments | tuple[Tensor, ...]  # the window blocks'
+    units: Tensor | None  # the merged tokens back to the processor's order (`unit_positions`); None: in it
+
+
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -303,35 +317,46 @@ class VisionEncoder(nn.Module):
         """Visuals -> [num_visual_tokens, out_hidden]: their merged tokens, concatenated in order."""
         return drain(self.chunks(visuals, blocks_per_chunk=len(self.blocks)))
 
-    def chunks(
-        self, visuals: Sequence[Visual], blocks_per_chunk: int, rerun: Rerun | None = None
-    ) -> Generator[None, None, Tensor]:
-        """`forward` as a generator that pauses after every `blocks_per_chunk` blocks (the patch embedding runs
-        with the first ones, the merger with the last): the same ops in the same order. Under `rerun` each
-        block keeps only its input (`rollplex.models.rerun`)."""
+    def inputs(self, visuals: Sequence[Visual]) -> VisionInputs:
+        """What the tower reads of `visuals`, on its device (`VisionInputs`)."""
         device = self.merger.mlp[0].weight.device
         layout = patch_layout([visual.grid_thw for visual in visuals], self.config)
         dtype = self.merger.mlp[0].weight.dtype
         in_window_order = runs_varlen(device, dtype, self.config.head_dim) if self.varlen is None else self.varlen
         order = window_order(layout) if in_window_order else None
         layout = layout if order is None else layout.take(order)
-        cos, sin = vision_rotary(to_device(layout.rows, device), to_device(layout.cols, device), self.config.head_dim)
+        rows, cols = to_device(layout.rows, device), to_device(layout.cols, device)
         frames, windows = (
             segment_layout(ids, device) if order is None else varlen_segments(ids, device)
             for ids in (layout.frames, layout.windows)
         )
         pixels = to_device(pixels_of(visuals), device)
-        x = self.patch_embed(pixels if order is None else pixels.index_select(0, to_device(order, device)))
+        if order is None:
+            return VisionInputs(pixels, None, rows, cols, frames, windows, None)
+        units = to_device(unit_positions(order, self.config.merge_unit), device)
+        return VisionInputs(pixels, to_device(order, device), rows, cols, frames, windows, units)
+
+    def chunks(
+        self, visuals: Sequence[Visual] | VisionInputs, blocks_per_chunk: int, rerun: Rerun | None = None
+    ) -> Generator[None, None, Tensor]:
+        """`forward` as a generator that pauses after every `blocks_per_chunk` blocks (the patch embedding runs
+        with the first ones, the merger with the last): the same ops in the same order. Under `rerun` each
+        block keeps only its input (`rollplex.models.rerun`). `visuals`: or their inputs, already on the device
+        (`inputs`)."""
+        inputs = visuals if isinstance(visuals, VisionInputs) else self.inputs(visuals)
+        cos, sin = vision_rotary(inputs.rows, inputs.cols, self.config.head_dim)
+        pixels = inputs.pixels
+        x = self.patch_embed(pixels if inputs.order is None else pixels.index_select(0, inputs.order))
         for index, block in enumerate(self.blocks):
             if index and index % blocks_per_chunk == 0:
                 yield
-            groups = frames if index in self.config.fullatt_block_indexes else windows
+            groups = inputs.frames if index in self.config.fullatt_block_indexes else inputs.windows
             longest, consts = (groups.longest, groups[:1]) if isinstance(groups, VarlenSegments) else (None, groups)
             (x,) = run_unit(rerun, partial(_block_unit, block, longest), x, block.parameters(), cos, sin, *consts)
         merged = self.merger(x)
-        if order is None:
+        if inputs.units is None:
             return merged
-        return Rows.apply(merged, to_device(unit_positions(order, self.config.merge_unit), device), None)
+        return Rows.apply(merged, inputs.units, None)
 
 
 def varlen_segments(segment_ids: Tensor, device: torch.device) -> VarlenSegments:

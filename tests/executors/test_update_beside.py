@@ -18,6 +18,7 @@ from rollplex.executors.loop import RunOptions, train
 from rollplex.graph.ir import Part, Phase, Role
 from rollplex.graph.levers import step_seconds
 from rollplex.graph.load import parse_spec
+from rollplex.graph.objects import GIB, PROMPT_INPUTS
 from rollplex.graph.plan import compile_plan
 from rollplex.graph.timeplan import time_plan
 from rollplex.memory.optimizer import ChunkedAdamW
@@ -38,8 +39,11 @@ def test_the_plan_holds_the_update_into_the_next_actor_prefix_and_prices_it_besi
     assert on.decisions.update_beside_prefix and not off.decisions.update_beside_prefix
     (first,) = on.residency.update_beside  # the actor prefix's step, alone before decode
     grads = sum(o.bytes for o in on.residency.objects if o.role == "actor" and o.component == "FP32 gradients")
+    (inputs,) = [o for o in on.residency.objects if o.name == PROMPT_INPUTS]  # the prefix copies its inputs first
+    assert inputs.live == {first} and 0.5 * GIB < inputs.bytes < 1 * GIB  # the 7B's patches in FP32, mostly
+    assert not [o for o in off.residency.objects if o.name == PROMPT_INPUTS]
     held = on.residency.step_bytes[first] - off.residency.step_bytes[first]
-    assert held == grads + on.residency.optimizer.workspace_bytes
+    assert held == grads + on.residency.optimizer.workspace_bytes + inputs.bytes
     phase1 = lambda plan: next(p.peak_bytes for p in plan.residency.phases if p.phase is Phase.ROLLOUT)  # noqa: E731
     assert phase1(on) > phase1(off) and on.residency.fits
     was, now = ({r.timer: r for r in time_plan(plan)} for plan in (off, on))

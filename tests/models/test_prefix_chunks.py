@@ -59,3 +59,65 @@ def test_an_attached_prefix_of_several_groups_drained_under_no_grad_stays_attach
     assert all(t.requires_grad for t in (*boundary.keys, *boundary.values, boundary.first_logprobs))
     (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
     assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("prompts_per_chunk", [None, 1])
+def test_inputs_first_copies_every_groups_inputs_before_the_first_pause_and_changes_no_bit(
+    model, prompts, prompts_per_chunk, monkeypatch
+):
+    import rollplex.models.model as model_module
+    import rollplex.models.prompt_inputs as prompt_inputs_module
+    import rollplex.models.prompt_rows as prompt_rows_module
+    import rollplex.models.vision as vision_module
+
+    copies: list[int] = []  # per call of to_device: the pauses seen so far
+    pauses = [0]
+
+    def counted(tensor, device):
+        copies.append(pauses[0])
+        return tensor.to(device)
+
+    for module in (model_module, prompt_inputs_module, prompt_rows_module, vision_module):
+        monkeypatch.setattr(module, "to_device", counted)
+
+    def run(first: bool):
+        copies.clear()
+        pauses[0] = 0
+        model.zero_grad(set_to_none=True)
+        chunks = model.prefix_chunks(prompts, attached=True, prompts_per_chunk=prompts_per_chunk, inputs_first=first)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                boundary = done.value
+                break
+            pauses[0] += 1
+        (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()
+        grads = [p.grad.clone() for p in (model.model.visual.blocks[0].attn.qkv.weight, model.lm_head.weight)]
+        return boundary, grads, list(copies)
+
+    joined, joined_grads, joined_copies = run(False)
+    first, first_grads, first_copies = run(True)
+    assert first_copies and set(first_copies) == {0}  # all before the first group has run a chunk
+    assert len(first_copies) == len(joined_copies)  # the same copies, earlier
+    assert (max(joined_copies) > 0) == (prompts_per_chunk == 1)  # by group, later groups' after pauses
+    for a, b in zip(joined.keys + joined.values, first.keys + first.values, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(joined.first_logprobs, first.first_logprobs)
+    assert torch.equal(joined.next_positions, first.next_positions) and torch.equal(
+        joined.prompt_lens, first.prompt_lens
+    )
+    for a, b in zip(joined_grads, first_grads, strict=True):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+def test_prompt_inputs_hold_what_a_prefix_reads_and_leave_a_shared_towers_patches_to_it(model, prompts):
+    from rollplex.models.prompt_inputs import prompt_inputs
+
+    own, shared = prompt_inputs(model, prompts), prompt_inputs(model, prompts, shared_vision=True)
+    assert own.vision is not None and shared.vision is None and shared.slots is not None
+    assert own.vision.pixels.shape[0] == sum(v.num_patches for p in prompts for v in p.visuals)
+    assert own.input_ids.shape == own.slots.shape == (len(prompts), max(p.num_tokens for p in prompts))
+    assert own.lens.tolist() == [p.num_tokens for p in prompts] and own.rows is not None  # the prompts differ in length
+    text = prompt_inputs(model, prompts[2:])
+    assert text.vision is None and text.slots is None and text.rows is None

@@ -61,7 +61,7 @@ def unpacked(monkeypatch):
     """The prefix as before packing: its layers over the padded batch."""
 
     def padded():
-        monkeypatch.setattr(model_module.PromptRows, "of", staticmethod(lambda lens, device: None))
+        monkeypatch.setattr(PromptRows, "of", staticmethod(lambda lens, device: None))
 
     return padded
 
