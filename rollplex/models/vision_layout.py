@@ -31,8 +31,9 @@ class PatchLayout:
     windows: Tensor
 
     def take(self, order: Tensor) -> PatchLayout:
-        """The layout of the patches in `order` (patch indices)."""
-        return PatchLayout(self.rows[order], self.cols[order], self.frames[order], self.windows[order])
+        """The layout of the patches in `order` (patch indices; `index_select`, which on the host takes a fiftieth of
+        the time of `t[order]`)."""
+        return PatchLayout(*(t.index_select(0, order) for t in (self.rows, self.cols, self.frames, self.windows)))
 
 
 def patch_layout(grids: Sequence[tuple[int, int, int]], vision: VisionConfig) -> PatchLayout:
