@@ -25,7 +25,6 @@ from rollplex.bench.provenance import source_commit
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import make_tokenizer
 from rollplex.graph.load import load_spec
-from rollplex.models import model as model_module
 from rollplex.models.chunks import drain
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.prompt_rows import PromptRows
@@ -93,10 +92,10 @@ def main() -> None:
         row = {"step": step, "prompt_tokens": sum(lens), "padded_tokens": max(lens) * len(lens)}
         for layout in layouts:
             padded = staticmethod(lambda lens, device: None)
-            model_module.PromptRows.of = padded if layout == "padded" else packed_of
+            PromptRows.of = padded if layout == "padded" else packed_of
             model.model.visual.varlen = False if layout == "packed_by_index" else None
             row[layout] = measure(model, prompts, args.iters)
-        model_module.PromptRows.of, model.model.visual.varlen = packed_of, None
+        PromptRows.of, model.model.visual.varlen = packed_of, None
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
