@@ -155,30 +155,19 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("script", "args", "message"),
     [
-        (["--ways", "bogus"], "unknown ways ['bogus']"),
-        (["--ways", "rest"], "the way rest is the partition beside --decode-sms D"),
-        (["--ways", "stream", "green:33"], "needs a CUDA GPU"),
+        ("share_efficiency", ["--ways", "bogus"], "unknown ways ['bogus']"),
+        ("share_efficiency", ["--ways", "rest"], "the way rest is the partition beside --decode-sms D"),
+        ("share_efficiency", ["--ways", "stream", "green:33"], "needs a CUDA GPU"),
+        ("link_queue", ["--cases", "gated", "bogus"], "unknown cases ['bogus']"),
+        ("link_queue", ["--cases", "idle"], "needs a CUDA GPU"),
     ],
 )
-def test_share_efficiency_refuses_bad_ways_and_a_machine_without_a_gpu_in_one_line(tmp_path, args, message):
+def test_gpu_benches_refuse_bad_arguments_and_a_machine_without_a_gpu_in_one_line(tmp_path, script, args, message):
     if torch.cuda.is_available() and message == "needs a CUDA GPU":
         pytest.skip("checks the refusal on a machine without a GPU")
-    command = [sys.executable, str(ROOT / "bench/share_efficiency.py"), *args, "--out", str(tmp_path / "out.json")]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "out.json").exists()
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [(["--cases", "gated", "bogus"], "unknown cases ['bogus']"), (["--cases", "idle"], "needs a CUDA GPU")],
-)
-def test_link_queue_refuses_unknown_cases_and_a_machine_without_a_gpu_in_one_line(tmp_path, args, message):
-    if torch.cuda.is_available() and message == "needs a CUDA GPU":
-        pytest.skip("checks the refusal on a machine without a GPU")
-    command = [sys.executable, str(ROOT / "bench/link_queue.py"), *args, "--out", str(tmp_path / "out.json")]
+    command = [sys.executable, str(ROOT / f"bench/{script}.py"), *args, "--out", str(tmp_path / "out.json")]
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.json").exists()
