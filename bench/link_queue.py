@@ -4,11 +4,12 @@ the actor prefix's inputs do beside a deferred ChunkedAdamW step (`sharing.updat
     python bench/link_queue.py --gib 16 --out bench/results/link_queue_h200.json
 
 The streaming side is the optimizer's pipeline over pinned host memory: chunk m loads into device slot m % 3 once
-the offload of the chunk that held the slot has ended, a kernel touches it, it offloads; beside it another stream
-sends --saved-gib device-to-host (the prefix's saved tensors). The 'prefix' stream meanwhile runs stretches of
-matmuls, each followed by a small pinned input (--small-kib) brought to the device and a kernel reading it; an
-input's latency runs from the moment the prefix stream reaches it (an event recorded just before) to the end of
-that kernel. The host keeps two stretches queued ahead. Cases, the same traffic each:
+the offload of the chunk that held the slot has ended, a kernel touches it, it offloads. The 'prefix' stream
+meanwhile runs stretches of matmuls, each followed by a small pinned input (--small-kib) brought to the device and
+a kernel reading it; an input's latency runs from the moment the prefix stream reaches it (an event recorded just
+before) to the end of that kernel. After each stretch a side stream also sends --saved-mib device-to-host (a saved
+tensor's offload), timed from when it may start to its end. The host keeps two stretches queued ahead. Cases, the
+same traffic each:
 
 - idle: nothing streams; the input's own latency
 - gated: every chunk's copies enqueued up front, each load behind a wait on the offload that frees its slot and
@@ -41,8 +42,9 @@ PIECE_BYTES = 64 << 20
 
 
 @dataclass
-class Stream:
-    """The optimizer-like pipeline: per chunk a load, a kernel, an offload; `enqueue` issues one stage."""
+class Pipeline:
+    """The optimizer-like pipeline: per chunk a load, a kernel, an offload, each on a stream of its own;
+    `enqueue_all` issues every stage at once, `pace` those whose inputs have ended."""
 
     host: torch.Tensor  # [chunks, elements] fp32, pinned
     slots: torch.Tensor  # [SLOTS, elements] fp32 on the device
@@ -126,7 +128,7 @@ class Buffers:
 
     host: torch.Tensor  # [chunks, elements] fp32, pinned
     slots: torch.Tensor  # [SLOTS, elements] fp32
-    saved_dev: torch.Tensor
+    saved_dev: torch.Tensor  # one saved tensor
     saved_host: torch.Tensor
     small_host: torch.Tensor
     small_dev: torch.Tensor
@@ -136,7 +138,7 @@ class Buffers:
     def make(args: argparse.Namespace) -> Buffers:
         elements = (args.chunk_mib << 20) // 4
         chunks = max(SLOTS, (args.gib << 30) // (args.chunk_mib << 20))
-        saved, small = (args.saved_gib << 30) // 4, (args.small_kib << 10) // 4
+        saved, small = (args.saved_mib << 20) // 4, (args.small_kib << 10) // 4
         return Buffers(
             torch.empty(chunks, elements, pin_memory=True),
             torch.zeros(SLOTS, elements, device="cuda"),
@@ -150,7 +152,7 @@ class Buffers:
 
 def run_case(case: str, args: argparse.Namespace, b: Buffers) -> dict:
     streaming = case != "idle"
-    pipe = Stream(b.host if streaming else b.host[:0], b.slots, pieces=case == "pieces")
+    pipe = Pipeline(b.host if streaming else b.host[:0], b.slots, pieces=case == "pieces")
     read = read_kernel() if case == "mapped" else None
     if read is not None:
         read(b.small_host, b.small_dev)  # compiled before the clock starts
@@ -159,13 +161,10 @@ def run_case(case: str, args: argparse.Namespace, b: Buffers) -> dict:
     torch.cuda.synchronize()
 
     begin = time.perf_counter()
-    if streaming:
-        if case != "paced":
-            pipe.enqueue_all()
-        with torch.cuda.stream(side):
-            for d, s in zip(b.saved_host.split(PIECE_BYTES // 4), b.saved_dev.split(PIECE_BYTES // 4), strict=True):
-                d.copy_(s, non_blocking=True)
+    if streaming and case != "paced":
+        pipe.enqueue_all()
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    saved_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     while (streaming and not pipe.done()) or len(marks) < args.min_inputs:
         if case == "paced":
             pipe.pace()
@@ -183,21 +182,39 @@ def run_case(case: str, args: argparse.Namespace, b: Buffers) -> dict:
             b.small_dev.add_(1.0)
             end.record(prefix)
         marks.append((start, end))
+        saved_marks.append(timed_on(side, start, lambda: b.saved_host.copy_(b.saved_dev, non_blocking=True)))
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - begin
-    latencies = sorted(s.elapsed_time(e) for s, e in marks)
     moved = pipe.host.numel() * 4
     return {
         "case": case,
-        "inputs": len(latencies),
-        "latency_ms": {
-            "median": round(statistics.median(latencies), 3),
-            "p90": round(latencies[int(0.9 * (len(latencies) - 1))], 3),
-            "max": round(latencies[-1], 3),
-        },
+        "inputs": len(marks),
+        "latency_ms": spread(marks),
+        "saved_latency_ms": spread(saved_marks),
         "seconds": round(elapsed, 3),
         "state_gb_each_way": round(moved / 1e9, 2),
         "state_gb_s_each_way": round(moved / elapsed / 1e9, 1) if streaming else None,
+    }
+
+
+def timed_on(stream: torch.cuda.Stream, after: torch.cuda.Event, work) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """`work` on `stream` once `after` has happened there; events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        work()
+        end.record(stream)
+    return start, end
+
+
+def spread(marks: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> dict[str, float]:
+    """Median, 90th percentile and longest of the times between each pair of events, in ms."""
+    ms = sorted(s.elapsed_time(e) for s, e in marks)
+    return {
+        "median": round(statistics.median(ms), 3),
+        "p90": round(ms[int(0.9 * (len(ms) - 1))], 3),
+        "max": round(ms[-1], 3),
     }
 
 
@@ -206,7 +223,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--gib", type=int, default=16, help="state streamed each way")
     ap.add_argument("--chunk-mib", type=int, default=1024)
-    ap.add_argument("--saved-gib", type=int, default=4, help="other device-to-host traffic beside it")
+    ap.add_argument("--saved-mib", type=int, default=64, help="a saved tensor offloaded after each stretch")
     ap.add_argument("--small-kib", type=int, default=256, help="the prefix's input")
     ap.add_argument("--matmuls", type=int, default=8, help="4096^2 bf16 matmuls between two inputs")
     ap.add_argument("--min-inputs", type=int, default=50)
@@ -228,14 +245,16 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args) | {"out": None}}
     result["command"] = "python bench/link_queue.py " + " ".join(sys.argv[1:])
     result["cases"] = rows
-    print(f"{'case':<8} {'inputs':>6} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} {'state GB/s':>10}")
+    head = "ms (median / p90 / max)"
+    print(f"{'case':<8} {'inputs':>6}  {'input ' + head:<30} {'saved ' + head:<30} state GB/s")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<8} {r['error']}")
             continue
-        lat = r["latency_ms"]
-        print(f"{r['case']:<8} {r['inputs']:>6} {lat['median']:>10} {lat['p90']:>8} {lat['max']:>8} "
-              f"{r['state_gb_s_each_way'] or '-':>10}")  # fmt: skip
+        lat, saved = (
+            " / ".join(str(r[k][q]) for q in ("median", "p90", "max")) for k in ("latency_ms", "saved_latency_ms")
+        )
+        print(f"{r['case']:<8} {r['inputs']:>6}  {lat:<30} {saved:<30} {r['state_gb_s_each_way'] or '-'}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -173,6 +173,23 @@ def test_gpu_benches_refuse_bad_arguments_and_a_machine_without_a_gpu_in_one_lin
     assert not (tmp_path / "out.json").exists()
 
 
+def test_link_queue_summarises_each_pair_of_events_as_median_p90_and_longest(monkeypatch):
+    spec = importlib.util.spec_from_file_location("link_queue", ROOT / "bench/link_queue.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "link_queue", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+
+    class Mark:
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def elapsed_time(self, other: Mark) -> float:
+            return other.ms - self.ms
+
+    pairs = [(Mark(10.0), Mark(10.0 + ms)) for ms in (3.0, 1.0, 250.0, 2.0, 4.0)]
+    assert module.spread(pairs) == {"median": 3.0, "p90": 4.0, "max": 250.0}
+
+
 def test_gemm_sweep_candidates_fit_in_shared_memory_and_never_leave_a_k_part_empty(monkeypatch):
     spec = importlib.util.spec_from_file_location("gemm_layouts", ROOT / "bench/gemm_layouts.py")
     module = importlib.util.module_from_spec(spec)
