@@ -51,6 +51,7 @@ from rollplex.bench.variants import policy_label
 from rollplex.data.prefetch import staged
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.bounds import step_bounds
+from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.policies import decode_kernels_for
@@ -100,51 +101,53 @@ def run_schedule(
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     device, out = engines.actor.device, ScheduleRun()
     batches = {} if batches is None else batches
-    for i in range(warmup + steps):
-        if i not in batches:
-            size = spec.workload.prompts_per_step
-            batches[i] = batch_at(dataset, i * size, size)
-        examples = staged(batches[i], pin=device.type == "cuda")  # as `rollplex run` stages them, per schedule
-        clock = _OpClock(device)
-        _sync(device)
-        begin = time.perf_counter()
-        with PhaseMemory(device) as memory, StepStalls(device) as stalls:
-            before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
-            if i == 0:
-                before = chain(before, _sketch_before_update(engines.optimizer, out))
-            record = run_iteration(g, engines, examples, before_op=before, after_op=after)
+    with collections_between_steps(spec.run.manual_gc) as collect:
+        for i in range(warmup + steps):
+            if i not in batches:
+                size = spec.workload.prompts_per_step
+                batches[i] = batch_at(dataset, i * size, size)
+            examples = staged(batches[i], pin=device.type == "cuda")  # as `rollplex run` stages them, per schedule
+            clock = _OpClock(device)
             _sync(device)
-            elapsed = time.perf_counter() - begin
-        if i == 0:
-            out.first_rollout = (record.responses.cpu(), record.response_lens.cpu())
-        times = {k: clock.times.get(k, 0.0) for k in record.times}  # per phase, until the device is done
-        if engines.is_main:  # a line per step: what a bench cut short by a time limit still tells
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if v)
-            peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
-            kind = "warm-up" if i < warmup else "step"
-            longest, stalled = int(record.response_lens.max()), stalls.describe()
-            print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases}; longest "
-                  f"response {longest} tokens)" + (f"; GiB per phase {peaks}" if peaks else "")
-                  + (f"; {stalled}" if stalled else ""), file=sys.stderr, flush=True)  # fmt: skip
-        if i < warmup:
-            continue
-        for phase, num_bytes in memory.peaks().items():
-            out.peak_bytes[phase] = max(out.peak_bytes.get(phase, 0), num_bytes)
-        for phase, (allocated, reserved) in memory.allocator_peaks().items():
-            was = out.allocator_bytes.get(phase, (0, 0))
-            out.allocator_bytes[phase] = (max(was[0], allocated), max(was[1], reserved))
-        out.step_s.append(elapsed)
-        out.times.append(times)
-        out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
-        out.device_slowdown.extend([record.stats["decode_slowdown"]] if "decode_slowdown" in record.stats else [])
-        out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
-        out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
-        out.longest_response.append(int(record.response_lens.max()))
-        out.bounds.append(step_bounds(plan, examples, record.response_lens))
-        out.stalls.append(stalls.as_dict())
-        beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
-        ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
-        out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
+            begin = time.perf_counter()
+            with PhaseMemory(device) as memory, StepStalls(device) as stalls:
+                before, after = chain(clock.before, memory.before), chain(clock.after, memory.after)
+                if i == 0:
+                    before = chain(before, _sketch_before_update(engines.optimizer, out))
+                record = run_iteration(g, engines, examples, before_op=before, after_op=after)
+                collect()  # as `rollplex run` does at a step's end (`run.manual_gc`)
+                _sync(device)
+                elapsed = time.perf_counter() - begin
+            if i == 0:
+                out.first_rollout = (record.responses.cpu(), record.response_lens.cpu())
+            times = {k: clock.times.get(k, 0.0) for k in record.times}  # per phase, until the device is done
+            if engines.is_main:  # a line per step: what a bench cut short by a time limit still tells
+                phases = ", ".join(f"{k} {v:.2f}" for k, v in times.items() if v)
+                peaks = " / ".join(f"{b / 2**30:.1f}" for _, b in sorted(memory.peaks().items()))
+                kind = "warm-up" if i < warmup else "step"
+                longest, stalled = int(record.response_lens.max()), stalls.describe()
+                print(f"  {schedule.value} {kind} {i + 1}/{warmup + steps}: {elapsed:.2f} s ({phases}; longest "
+                      f"response {longest} tokens)" + (f"; GiB per phase {peaks}" if peaks else "")
+                      + (f"; {stalled}" if stalled else ""), file=sys.stderr, flush=True)  # fmt: skip
+            if i < warmup:
+                continue
+            for phase, num_bytes in memory.peaks().items():
+                out.peak_bytes[phase] = max(out.peak_bytes.get(phase, 0), num_bytes)
+            for phase, (allocated, reserved) in memory.allocator_peaks().items():
+                was = out.allocator_bytes.get(phase, (0, 0))
+                out.allocator_bytes[phase] = (max(was[0], allocated), max(was[1], reserved))
+            out.step_s.append(elapsed)
+            out.times.append(times)
+            out.decode_s.extend([record.stats["decode_s"]] if "decode_s" in record.stats else [])
+            out.device_slowdown.extend([record.stats["decode_slowdown"]] if "decode_slowdown" in record.stats else [])
+            out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
+            out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
+            out.longest_response.append(int(record.response_lens.max()))
+            out.bounds.append(step_bounds(plan, examples, record.response_lens))
+            out.stalls.append(stalls.as_dict())
+            beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
+            ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
+            out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
     out.params = {n: p.detach().to("cpu", copy=True) for n, p in engines.actor.named_parameters()}
     examples = []  # their pinned patches recorded the engines' streams
     engines.prefix_streams.free_allocator_events()  # while the engines' green contexts live

@@ -20,6 +20,7 @@ from rollplex.data.source import open_dataset
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import step_bounds
+from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
@@ -129,54 +130,62 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         emit(r)
         waiting.clear()
 
-    try:
-        for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
-            examples = prefetch.take(position, position + size if step < opts.steps else None)
-            check_budget(loaded, examples)
+    with collections_between_steps(loaded.spec.run.manual_gc) as collect:
+        try:
+            for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
+                examples = prefetch.take(position, position + size if step < opts.steps else None)
+                check_budget(loaded, examples)
 
-            def before(o: Op) -> None:
-                nonlocal updating
-                if o.kind is NodeKind.UPDATE and not updating:
-                    gate.hold()
-                    updating = True
+                def before(o: Op) -> None:
+                    nonlocal updating
+                    if o.kind is NodeKind.UPDATE and not updating:
+                        gate.hold()
+                        updating = True
 
-            begin = time.perf_counter()
-            with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
-                hooks = {"before_op": chain(before, memory.before), "after_op": chain(after, memory.after, complete)}
-                record = run_iteration(g, engines, examples, **hooks)
-            position += size
-            local_lens = record.response_lens  # this rank's: its bound is of its own share
-            if engines.dp is not None:
-                record = _over_ranks(record, engines.dp)
-            in_flight = engines.update_beside_prefix and engines.optimizer.in_flight is not None  # digest: later
-            records.append(_metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight))
-            records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
-            records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
-            records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
-            if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
-                records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
-                peak_allocated = max(peak_allocated, memory.high_water())
-                records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
-            if in_flight:
-                waiting.append(records[-1])
-            else:
-                emit(records[-1])
-            saved, updating = checkpointing.Snapshot.of(step, position, engines), False
-            if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
+                begin = time.perf_counter()
+                with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
+                    hooks = {
+                        "before_op": chain(before, memory.before),
+                        "after_op": chain(after, memory.after, complete),
+                    }
+                    record = run_iteration(g, engines, examples, **hooks)
+                gc_s = collect()  # inside the step's time; beside a deferred update the device is busy meanwhile
+                position += size
+                local_lens = record.response_lens  # this rank's: its bound is of its own share
+                if engines.dp is not None:
+                    record = _over_ranks(record, engines.dp)
+                in_flight = engines.update_beside_prefix and engines.optimizer.in_flight is not None  # digest: later
+                records.append(
+                    _metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight)
+                )
+                records[-1]["bound_s"] = step_bounds(plan, examples, local_lens)
+                records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
+                records[-1]["gc_s"] = round(gc_s, 4)
+                records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
+                if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
+                    records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
+                    peak_allocated = max(peak_allocated, memory.high_water())
+                    records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
+                if in_flight:
+                    waiting.append(records[-1])
+                else:
+                    emit(records[-1])
+                saved, updating = checkpointing.Snapshot.of(step, position, engines), False
+                if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
+                    checkpointing.save(opts.out_dir, saved, engines)
+                gate.release()
+        finally:
+            prefetch.close()
+            complete()
+            if log is not None:
+                log.close()
+            if (
+                opts.checkpoints
+                and not updating
+                and saved.step > start
+                and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
+            ):
                 checkpointing.save(opts.out_dir, saved, engines)
-            gate.release()
-    finally:
-        prefetch.close()
-        complete()
-        if log is not None:
-            log.close()
-        if (
-            opts.checkpoints
-            and not updating
-            and saved.step > start
-            and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
-        ):
-            checkpointing.save(opts.out_dir, saved, engines)
     examples = []  # their pinned patches recorded the prefix streams: freed while those live
     engines.prefix_streams.free_allocator_events()  # a later run in this process may free what recorded them
     return records

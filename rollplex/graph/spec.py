@@ -300,6 +300,13 @@ class RunSpec(_Strict):
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
         "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
     )
+    manual_gc: bool = Field(
+        True,
+        description="Python's garbage collector never starts inside a step: `rollplex run` freezes the objects "
+        "alive once the engines are built, turns automatic collection off and collects once at each step's end "
+        "(metrics: gc_s). A full collection that starts mid-step holds the host, and the device waits for it. "
+        "false: Python's default collector.",
+    )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",
         description="Where the rollout's prompt KV and first-token log-probs come from: rollout (the rollout engine "

@@ -1,6 +1,7 @@
 """`rollplex run` on the tiny model: the schedules learn the same thing, on the CPU and the GPU; memory settings
 change no number. Checkpoints: `test_checkpointing.py`."""
 
+import gc
 import json
 import re
 import subprocess
@@ -167,6 +168,16 @@ def test_the_shipped_graph_without_a_reference_trains_alike_in_every_schedule(tm
         assert s["kl"] == 0.0 and s["loss"] != 0.0 and s["loss"] == pytest.approx(u["loss"], rel=1e-5)
 
 
+def test_no_automatic_collection_inside_the_steps_and_the_collector_as_it_was_after(tmp_path):
+    manual = train(compile_plan(loaded()), RunOptions(1, tmp_path / "manual", progress=False, tensorboard=False))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert manual[0]["gc_s"] > 0.0  # a collection at the step's end
+    off = parse_spec(spec_text().replace("seed: 3,", "seed: 3, manual_gc: false,"))
+    assert not off.spec.run.manual_gc
+    records = train(compile_plan(off), RunOptions(1, tmp_path / "auto", progress=False, tensorboard=False))
+    assert records[0]["gc_s"] == 0.0 and records[0]["param_digest"] == manual[0]["param_digest"]
+
+
 METRIC_KEYS = {
     "peak_gib_by_phase",
     "prefix_beside_decode",
@@ -183,6 +194,7 @@ METRIC_KEYS = {
     "time_s",
     "peak_mem_bytes",
     "data_wait_s",
+    "gc_s",
 }
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 

@@ -1,0 +1,55 @@
+import gc
+import weakref
+
+from rollplex.executors.collector import collections_between_steps
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def cycle() -> weakref.ref:
+    """A reference cycle nothing else reaches: only a collection frees it."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def test_inside_no_automatic_collection_and_what_was_alive_frozen():
+    before = gc.isenabled()
+    with collections_between_steps() as collect:
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0
+        collect()
+    assert gc.isenabled() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_cycle_made_inside_a_step_lives_until_the_step_end_collection():
+    with collections_between_steps() as collect:
+        ref = cycle()
+        for _ in range(2000):  # enough allocations to trigger automatic collections, were they on
+            [Node() for _ in range(10)]
+        assert ref() is not None
+        assert collect() >= 0.0
+        assert ref() is None
+
+
+def test_off_leaves_python_collector_alone():
+    gc.enable()
+    with collections_between_steps(on=False) as collect:
+        assert gc.isenabled()
+        assert gc.get_freeze_count() == 0
+        assert collect() == 0.0
+
+
+def test_objects_frozen_by_someone_else_stay_frozen():
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        with collections_between_steps():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
