@@ -6,8 +6,12 @@ that launches the step's kernels, and the device idles for as long. So, while a 
 
     ENTRY:      collect once, then freeze what is alive (`gc.freeze`: never walked again; reference counting still
                 frees it), and turn automatic collection off
-    EACH STEP:  `collect()` at its end walks only what is not frozen (beside a deferred update the device is busy
-                meanwhile); a reference cycle that becomes garbage inside a step lives until then
+    EACH STEP:  `collect()` at its end collects the two young generations: what the step made (nothing is
+                collected while it runs, so all of it is young) and what the step before left; every FULL_EVERY-th
+                call collects every generation that is not frozen (what outlived two steps: compiled kernels'
+                caches, long-lived records); beside a deferred update the device is busy meanwhile. A reference
+                cycle that becomes garbage inside a step lives until its end, one among older objects until the
+                next full collection
     EXIT:       the collector as it was (what entry froze thawed, unless something else had frozen objects first)
 """
 
@@ -17,12 +21,15 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import count
+
+FULL_EVERY = 10  # step-end collections from one full collection to the next
 
 
 @contextmanager
 def collections_between_steps(on: bool = True) -> Iterator[Callable[[], float]]:
-    """Yields `collect()`: a collection of every generation, returning its seconds. `on=False` leaves Python's
-    collector alone; `collect()` then does nothing and returns 0."""
+    """Yields `collect()`: a step's collection (generations 0 and 1, every FULL_EVERY-th call all three), returning
+    its seconds. `on=False` leaves Python's collector alone; `collect()` then does nothing and returns 0."""
     if not on:
         yield lambda: 0.0
         return
@@ -30,16 +37,17 @@ def collections_between_steps(on: bool = True) -> Iterator[Callable[[], float]]:
     gc.collect()
     gc.freeze()
     gc.disable()
+    calls = count(1)
+
+    def collect() -> float:
+        began = time.perf_counter()
+        gc.collect(2 if next(calls) % FULL_EVERY == 0 else 1)
+        return time.perf_counter() - began
+
     try:
-        yield _collect
+        yield collect
     finally:
         if not was_frozen:
             gc.unfreeze()
         if was_enabled:
             gc.enable()
-
-
-def _collect() -> float:
-    began = time.perf_counter()
-    gc.collect()
-    return time.perf_counter() - began

@@ -303,9 +303,9 @@ class RunSpec(_Strict):
     manual_gc: bool = Field(
         True,
         description="Python's garbage collector never starts inside a step: `rollplex run` freezes the objects "
-        "alive once the engines are built, turns automatic collection off and collects once at each step's end "
-        "(metrics: gc_s). A full collection that starts mid-step holds the host, and the device waits for it. "
-        "false: Python's default collector.",
+        "alive once the engines are built, turns automatic collection off, and collects at each step's end, the "
+        "young generations each time and everything every 10th step (metrics: gc_s). A full collection that starts "
+        "mid-step holds the host, and the device waits for it. false: Python's default collector.",
     )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",

@@ -1,7 +1,7 @@
 import gc
 import weakref
 
-from rollplex.executors.collector import collections_between_steps
+from rollplex.executors.collector import FULL_EVERY, collections_between_steps
 
 
 class Node:
@@ -34,6 +34,27 @@ def test_a_cycle_made_inside_a_step_lives_until_the_step_end_collection():
         assert ref() is not None
         assert collect() >= 0.0
         assert ref() is None
+
+
+def test_a_cycle_among_older_objects_goes_by_the_next_full_collection():
+    collected = []
+    gc.callbacks.append(lambda phase, info: phase == "stop" and collected.append(info["generation"]))
+    try:
+        with collections_between_steps() as collect:
+            old = Node()
+            old.other = Node()
+            old.other.other = old
+            for _ in range(3):  # it outlives steps: promoted out of the young generations
+                collect()
+            ref = weakref.ref(old)
+            del old
+            collected.clear()
+            for _ in range(FULL_EVERY):
+                collect()
+            assert ref() is None
+            assert collected.count(2) == 1 and collected.count(1) == FULL_EVERY - 1  # one full, the rest young
+    finally:
+        gc.callbacks.pop()
 
 
 def test_off_leaves_python_collector_alone():
