@@ -25,7 +25,7 @@ from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
-from rollplex.executors.metrics import MetricsLog, param_digest, peak_mem_bytes
+from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.runtime import StepRecord, run_iteration
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
 from rollplex.graph.plan import Plan
@@ -112,6 +112,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
     waiting: list[dict] = []  # a step's metrics while its update runs on (`sharing.update_beside_prefix`)
+    fingerprints: list[Fingerprints] = []  # of the weights that update wrote, launched once it has joined
 
     def emit(r: dict) -> None:
         if log is not None:
@@ -120,15 +121,21 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
 
     def complete(o: Op | None = None) -> None:
-        """After the next step's actor prefix (or at the end): the waiting step's weights digest, once its update
-        is done, then its metrics line."""
-        if not waiting or (o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX)):
+        """After the next step's actor prefix (or at the end): the waiting step's update joins and the fingerprints
+        of the weights it wrote are launched, read by `emit_waiting` (no wait for the device here)."""
+        if not waiting or fingerprints or (o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX)):
             return
-        engines.optimizer.finish()
-        (r,) = waiting  # one step's update runs on at a time: the next step's starts by finishing it
-        r["param_digest"] = param_digest(engines.actor)
-        emit(r)
-        waiting.clear()
+        engines.optimizer.finish()  # one step's update runs on at a time: the next step's starts by finishing it
+        fingerprints.append(Fingerprints.of(engines.actor))
+
+    def emit_waiting() -> None:
+        """The waiting step's metrics line, its weights' digest read (at the next step's end, or the run's)."""
+        complete()
+        if waiting:
+            (r,) = waiting
+            r["param_digest"] = fingerprints.pop().digest()
+            emit(r)
+            waiting.clear()
 
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
@@ -166,6 +173,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
                     peak_allocated = max(peak_allocated, memory.high_water())
                     records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
+                emit_waiting()  # the step before's, whose update this step's actor prefix joined
                 if in_flight:
                     waiting.append(records[-1])
                 else:
@@ -176,7 +184,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 gate.release()
         finally:
             prefetch.close()
-            complete()
+            emit_waiting()
             if log is not None:
                 log.close()
             if (

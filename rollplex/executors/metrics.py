@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,12 +21,31 @@ def param_digest(model: nn.Module) -> str:
     is two sums over its bytes read as 64-bit words, each word times an odd multiplier drawn from its position,
     modulo 2^64: computed where the parameter lives (nothing copied to the host), the same in any summation
     order and on any device, and changed by any change to a single word."""
-    named = sorted(model.named_parameters(), key=lambda kv: kv[0])
-    sums = [_fingerprint(p.detach()).cpu().tolist() for _, p in named]
-    h = hashlib.sha256()
-    for (name, p), (first, second) in zip(named, sums, strict=True):
-        h.update(f"{name} {p.dtype} {tuple(p.shape)} {first} {second};".encode())
-    return h.hexdigest()
+    return Fingerprints.of(model).digest()
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """`param_digest` in two halves: `of` launches the fingerprints where the parameters live and returns without
+    waiting for them; `digest` reads them (one copy to the host) and hashes."""
+
+    heads: tuple[str, ...]  # per parameter in name order: its name, dtype and shape
+    sums: torch.Tensor  # [parameters, 2] int64 on the parameters' device
+
+    @staticmethod
+    def of(model: nn.Module) -> Fingerprints:
+        named = sorted(model.named_parameters(), key=lambda kv: kv[0])
+        sums = [_fingerprint(p.detach()) for _, p in named]
+        return Fingerprints(
+            tuple(f"{name} {p.dtype} {tuple(p.shape)}" for name, p in named),
+            torch.stack(sums) if sums else torch.zeros(0, len(_MIXERS), dtype=torch.int64),
+        )
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for head, (first, second) in zip(self.heads, self.sums.cpu().tolist(), strict=True):
+            h.update(f"{head} {first} {second};".encode())
+        return h.hexdigest()
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from rollplex.executors.metrics import param_digest
+from rollplex.executors.metrics import Fingerprints, param_digest
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -64,3 +64,12 @@ def test_a_parameter_larger_than_a_chunk_is_summed_over_its_chunks(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_digest_is_the_cpus():
     assert param_digest(model().cuda()) == param_digest(model())
+
+
+def test_fingerprints_launched_then_read_give_the_digest_of_the_weights_at_launch():
+    m = model()
+    expected = param_digest(m)
+    launched = Fingerprints.of(m)
+    with torch.no_grad():
+        next(m.parameters()).add_(1.0)  # written after the launch: the fingerprints hold the values before
+    assert launched.digest() == expected != param_digest(m)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from run_testkit import ROOT, spec_text
 
-from rollplex.executors import loop, runtime
+from rollplex.executors import runtime
 from rollplex.executors.engines import build_engines
 from rollplex.executors.loop import RunOptions, train
+from rollplex.executors.metrics import Fingerprints
 from rollplex.graph.ir import Part, Phase, Role
 from rollplex.graph.levers import step_seconds
 from rollplex.graph.load import parse_spec
@@ -76,9 +77,9 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
             live["optimizer"] = self
         return norm
 
-    def checked_digest(model):  # read only once the update is done
+    def checked_fingerprints(model):  # launched only once the update is done
         assert live["optimizer"].in_flight is None
-        return digest(model)
+        return fingerprints_of(model)
 
     def stand_in_wait(self, params):
         self.waited += len(list(params))
@@ -89,7 +90,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
             self.in_flight = None
         finish(self)
 
-    handler, decode, digest = runtime._handler, runtime._decode, loop.param_digest
+    handler, decode, fingerprints_of = runtime._handler, runtime._decode, Fingerprints.of
 
     def checked(o):  # every op but the actor prefix starts with no update in flight
         def run(e, *args):
@@ -111,7 +112,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
                 m.setattr(ChunkedAdamW, "finish", stand_in_finish)
                 m.setattr(runtime, "_handler", checked)
                 m.setattr(runtime, "_decode", checked_decode)
-                m.setattr(loop, "param_digest", checked_digest)
+                m.setattr(Fingerprints, "of", staticmethod(checked_fingerprints))
             records.append(train(compile_plan(parse_spec(text)), RunOptions(3, tmp_path / name, progress=False,
                                                                           tensorboard=False)))  # fmt: skip
     joined, deferred = records
