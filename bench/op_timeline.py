@@ -13,7 +13,8 @@ calls by total time (a synchronisation blocks), the longest idle stretches of th
 kernel that ends each and when the host launched it (launched before the stretch began: the stream waited on the
 device for something queued before that kernel) and the last copy on that stream within the stretch (a copy that
 was launched early and started late waited in the copy engine's queue; no copy: the stream waited on an event),
-and the longest stretches in which the host made no CUDA call. `--python` runs one more step with the op under
+the longest stretches in which the host made no CUDA call, and the garbage collector's time inside the op (the steps
+run under `run.manual_gc` as `rollplex run` runs them). `--python` runs one more step with the op under
 cProfile: the host's time by Python function.
 """
 
@@ -32,8 +33,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from rollplex.bench.stalls import StepStalls
 from rollplex.data.prefetch import staged_batch
 from rollplex.data.source import open_dataset
+from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.engines import build_engines
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Op, Schedule
@@ -186,32 +189,15 @@ def main() -> None:
     cuda = engines.actor.device.type == "cuda"
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     size = spec.workload.prompts_per_step
-    for i in range(args.warmup):
-        begin = time.perf_counter()
-        run_iteration(g, engines, staged_batch(dataset, i * size, size, cuda))
-        print(f"warm-up step {i + 1}: {time.perf_counter() - begin:.2f} s", flush=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    rows, running = [], {}
-
-    def before(o: Op) -> None:
-        if args.op in o.id:
-            running[o.id] = (profile(activities=activities), time.perf_counter())
-            running[o.id][0].__enter__()
-
-    def after(o: Op) -> None:
-        if o.id in running:
-            prof, began = running.pop(o.id)
-            host_s = time.perf_counter() - began  # the host's part: until its last launch returned
-            if cuda:
-                torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
-            rows.append({**summarise(prof, o.id), "host_s": round(host_s, 4)})
-
-    run_iteration(g, engines, staged_batch(dataset, args.warmup * size, size, cuda), before_op=before, after_op=after)
+    with collections_between_steps(spec.run.manual_gc) as collect:  # the collector as `rollplex run` has it
+        rows = measure(g, engines, dataset, size, args, collect)
+        if args.python:
+            python_profile(g, engines, staged_batch(dataset, (args.warmup + 1) * size, size, cuda), args.op)
     for row in rows:
         print(f"\n{row['op']}: device span {row['device_s']:.3f} s, host {row['host_s']:.3f} s, "
               f"{row.get('launches', 0)} launches taking {row.get('launch_s', 0):.3f} s (longest "
-              f"{row.get('longest_launches_ms', [])} ms)")  # fmt: skip
+              f"{row.get('longest_launches_ms', [])} ms); garbage collector {row['gc_s']:.3f} s "
+              f"({row['full_collections']} full)")  # fmt: skip
         for name, e in row.get("engines", {}).items():
             print(f"  {name:<28} busy {e['busy_s']:>7.3f} s  per tenth {e['busy_per_tenth']}")
         for c in row.get("runtime_calls", []):
@@ -221,10 +207,40 @@ def main() -> None:
             for gap in gaps["gaps"]:
                 print(f"    {gap}")
             print(f"  host without a CUDA call [offset ms, length ms]: {row['host_gaps_ms']}")
-    if args.python:
-        python_profile(g, engines, staged_batch(dataset, (args.warmup + 1) * size, size, cuda), args.op)
     if args.out:
         args.out.write_text(json.dumps({"spec": args.spec, "op": args.op, "ops": rows}, indent=1))
+
+
+def measure(g, engines, dataset, size: int, args: argparse.Namespace, collect) -> list[dict]:
+    """`--warmup` steps, then one with the matching ops profiled; each step ends with `collect()`."""
+    cuda = engines.actor.device.type == "cuda"
+    for i in range(args.warmup):
+        begin = time.perf_counter()
+        run_iteration(g, engines, staged_batch(dataset, i * size, size, cuda))
+        collect()
+        print(f"warm-up step {i + 1}: {time.perf_counter() - begin:.2f} s", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows, running = [], {}
+
+    def before(o: Op) -> None:
+        if args.op in o.id:
+            running[o.id] = (profile(activities=activities), StepStalls(engines.actor.device), time.perf_counter())
+            running[o.id][0].__enter__()
+            running[o.id][1].__enter__()
+
+    def after(o: Op) -> None:
+        if o.id in running:
+            prof, stalls, began = running.pop(o.id)
+            host_s = time.perf_counter() - began  # the host's part: until its last launch returned
+            stalls.__exit__()
+            if cuda:
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            rows.append({**summarise(prof, o.id), "host_s": round(host_s, 4), **stalls.as_dict()})
+
+    run_iteration(g, engines, staged_batch(dataset, args.warmup * size, size, cuda), before_op=before, after_op=after)
+    collect()
+    return rows
 
 
 def python_profile(g, engines, batch, op_id: str, top: int = 25) -> None:
