@@ -4,15 +4,13 @@ A collection of the oldest generation walks every object Python tracks, and a pr
 modules, a tokenizer and a dataset tracks hundreds of thousands. One that starts while a step runs holds the host
 that launches the step's kernels, and the device idles for as long. So, while a run trains (`run.manual_gc`):
 
-    ENTRY:      collect once, then freeze what is alive (`gc.freeze`: never walked again; reference counting still
-                frees it), and turn automatic collection off
+    ENTRY:      automatic collection off
     EACH STEP:  `collect()` at its end collects the two young generations: what the step made (nothing is
                 collected while it runs, so all of it is young) and what the step before left; every FULL_EVERY-th
-                call collects every generation that is not frozen (what outlived two steps: compiled kernels'
-                caches, long-lived records); beside a deferred update the device is busy meanwhile. A reference
-                cycle that becomes garbage inside a step lives until its end, one among older objects until the
-                next full collection
-    EXIT:       the collector as it was (what entry froze thawed, unless something else had frozen objects first)
+                call collects all three (the old generation: what outlived two steps); beside a deferred update
+                the device is busy meanwhile. A reference cycle that becomes garbage inside a step lives until the
+                step's end, one among old objects until the next full collection
+    EXIT:       automatic collection as it was
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ def collections_between_steps(on: bool = True) -> Iterator[Callable[[], float]]:
     if not on:
         yield lambda: 0.0
         return
-    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
+    was_enabled = gc.isenabled()
     gc.disable()
     calls = count(1)
 
@@ -47,7 +43,5 @@ def collections_between_steps(on: bool = True) -> Iterator[Callable[[], float]]:
     try:
         yield collect
     finally:
-        if not was_frozen:
-            gc.unfreeze()
         if was_enabled:
             gc.enable()

@@ -302,10 +302,10 @@ class RunSpec(_Strict):
     )
     manual_gc: bool = Field(
         True,
-        description="Python's garbage collector never starts inside a step: `rollplex run` freezes the objects "
-        "alive once the engines are built, turns automatic collection off, and collects at each step's end, the "
-        "young generations each time and everything every 10th step (metrics: gc_s). A full collection that starts "
-        "mid-step holds the host, and the device waits for it. false: Python's default collector.",
+        description="Python's garbage collector never starts inside a step: `rollplex run` turns automatic "
+        "collection off and collects at each step's end, the young generations each time and all of them every "
+        "10th step (metrics: gc_s). A full collection that starts mid-step holds the host, and the device waits for "
+        "it. false: Python's default collector.",
     )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",
