@@ -1,7 +1,12 @@
 import gc
 import weakref
 
+from run_testkit import loaded, spec_text
+
 from rollplex.executors.collector import FULL_EVERY, collections_between_steps
+from rollplex.executors.loop import RunOptions, train
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
 
 
 class Node:
@@ -62,3 +67,20 @@ def test_off_leaves_python_collector_alone():
     with collections_between_steps(on=False) as collect:
         assert gc.isenabled()
         assert collect() == 0.0
+
+
+def test_a_run_collects_at_each_step_end_only_and_gives_the_collector_back(tmp_path):
+    collections = []  # while automatic collection is off
+    gc.callbacks.append(
+        lambda phase, info: phase == "stop" and not gc.isenabled() and collections.append(info["generation"])
+    )
+    try:
+        manual = train(compile_plan(loaded()), RunOptions(1, tmp_path / "manual", progress=False, tensorboard=False))
+    finally:
+        gc.callbacks.pop()
+    assert gc.isenabled()
+    assert collections == [1] and manual[0]["gc_s"] >= 0.0  # the step's end: the young generations
+    off = parse_spec(spec_text().replace("seed: 3,", "seed: 3, manual_gc: false,"))
+    assert not off.spec.run.manual_gc
+    records = train(compile_plan(off), RunOptions(1, tmp_path / "auto", progress=False, tensorboard=False))
+    assert records[0]["gc_s"] == 0.0 and records[0]["param_digest"] == manual[0]["param_digest"]

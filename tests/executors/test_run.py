@@ -1,7 +1,6 @@
 """`rollplex run` on the tiny model: the schedules learn the same thing, on the CPU and the GPU; memory settings
 change no number. Checkpoints: `test_checkpointing.py`."""
 
-import gc
 import json
 import re
 import subprocess
@@ -166,23 +165,6 @@ def test_the_shipped_graph_without_a_reference_trains_alike_in_every_schedule(tm
     assert [r["param_digest"] for r in runs["serial"]] == [r["param_digest"] for r in runs["rollplex"]]
     for s, u in zip(runs["rollplex"], runs["unsplit"], strict=True):
         assert s["kl"] == 0.0 and s["loss"] != 0.0 and s["loss"] == pytest.approx(u["loss"], rel=1e-5)
-
-
-def test_no_automatic_collection_inside_the_steps_and_the_collector_as_it_was_after(tmp_path):
-    collections = []  # while automatic collection is off
-    gc.callbacks.append(
-        lambda phase, info: phase == "stop" and not gc.isenabled() and collections.append(info["generation"])
-    )
-    try:
-        manual = train(compile_plan(loaded()), RunOptions(1, tmp_path / "manual", progress=False, tensorboard=False))
-    finally:
-        gc.callbacks.pop()
-    assert gc.isenabled()
-    assert collections == [1] and manual[0]["gc_s"] >= 0.0  # the step's end: the young generations
-    off = parse_spec(spec_text().replace("seed: 3,", "seed: 3, manual_gc: false,"))
-    assert not off.spec.run.manual_gc
-    records = train(compile_plan(off), RunOptions(1, tmp_path / "auto", progress=False, tensorboard=False))
-    assert records[0]["gc_s"] == 0.0 and records[0]["param_digest"] == manual[0]["param_digest"]
 
 
 METRIC_KEYS = {
