@@ -11,7 +11,7 @@ Runs `--warmup` steps under Python's own collector, then one step per `--gc` var
 
 A call whose device time is long and whose host time is as long held the host (a collection, a synchronisation, a
 plan built for a new shape), and the device waited for it; one whose device time is long and whose host time is
-short waited on the device (an event, a copy).
+short waited on the device (an event, a copy). On a CPU the device's times are the host's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +50,21 @@ def units(model) -> dict[str, torch.nn.Module]:
     return out | {f"layer {i}": layer for i, layer in enumerate(lm.layers)}
 
 
+@dataclass(frozen=True)
+class HostMark:
+    """On a CPU, where the device is the host: a moment, read as a CUDA event is."""
+
+    seconds: float
+
+    def elapsed_time(self, other: HostMark) -> float:
+        return (other.seconds - self.seconds) * 1e3
+
+
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {k: stats.get(k, 0) for k in ALLOCATOR}
+
+
 class CallTimer:
     """Forward hooks on `modules` that, while `on`, record each call's events on the current stream and host
     times; `collections` records the garbage collector's meanwhile."""
@@ -62,7 +78,10 @@ class CallTimer:
         gc.callbacks.append(self._on_gc)
 
     @staticmethod
-    def mark() -> tuple[torch.cuda.Event, float]:
+    def mark() -> tuple[torch.cuda.Event | HostMark, float]:
+        """An event on the current stream (on a CPU, the moment), and the host's time."""
+        if not torch.cuda.is_available():
+            return HostMark(time.perf_counter()), time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream())
         return event, time.perf_counter()
@@ -102,7 +121,7 @@ def measured_step(
 
     def before(o: Op) -> None:
         if o.id == op_id:
-            marks["stats"] = torch.cuda.memory_stats()
+            marks["stats"] = allocator_counts()
             marks["begin"] = CallTimer.mark()
             timer.on = True
 
@@ -110,11 +129,12 @@ def measured_step(
         if o.id == op_id:
             marks["end"] = CallTimer.mark()
             timer.on = False
-            marks["stats"] = {k: torch.cuda.memory_stats().get(k, 0) - marks["stats"].get(k, 0) for k in ALLOCATOR}
+            marks["stats"] = {k: v - marks["stats"][k] for k, v in allocator_counts().items()}
 
     run_iteration(g, engines, batch, before_op=before, after_op=after)
     collect()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     if "begin" not in marks:
         raise SystemExit(f"module_times: the step has no op {op_id!r}")
     (first, host0), (last, host1) = marks["begin"], marks["end"]
@@ -166,21 +186,20 @@ def main() -> None:
     unknown = sorted(set(args.gc) - set(VARIANTS))
     if unknown:
         sys.exit(f"module_times: unknown --gc variants {unknown}; choose from {list(VARIANTS)}")
-    if not torch.cuda.is_available():
-        sys.exit("module_times: needs a CUDA GPU (it times calls with CUDA events)")
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule))
     engines, g, spec = build_engines(plan), plan.graph, loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
     size, timer = spec.workload.prompts_per_step, CallTimer(units(engines.actor))
+    cuda = engines.actor.device.type == "cuda"
     for i in range(args.warmup):
         begin = time.perf_counter()
-        run_iteration(g, engines, staged_batch(dataset, i * size, size, True))
+        run_iteration(g, engines, staged_batch(dataset, i * size, size, cuda))
         print(f"warm-up step {i + 1}: {time.perf_counter() - begin:.2f} s", flush=True)
     rows = {}
     for i, name in enumerate(args.gc):
         with variant(name) as collect:
-            batch = staged_batch(dataset, (args.warmup + i) * size, size, True)
+            batch = staged_batch(dataset, (args.warmup + i) * size, size, cuda)
             row, calls = measured_step(g, engines, batch, args.op, timer, collect)
         row["stalls"] = [c for c in calls if c[2] >= args.stall_ms or c[4] >= args.stall_ms]
         rows[name] = row
