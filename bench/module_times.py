@@ -1,6 +1,7 @@
 """Where one op's time goes module by module, and what held the host: per call of each vision block, decoder layer,
 embedding, merger, final norm and LM head, its device time (CUDA events on the op's stream) and its host time; the
-garbage collector's collections inside the op; the allocator's counters over it.
+device's wait at each module's gate on a deferred update (`sharing.update_beside_prefix`); the garbage collector's
+collections inside the op; the allocator's counters over it.
 
     python bench/module_times.py specs/qwen2_5_vl_7b_h200.yaml --op actor_score.prefix --warmup 3 --out F.json
 
@@ -67,15 +68,28 @@ def allocator_counts() -> dict[str, int]:
 
 class CallTimer:
     """Forward hooks on `modules` that, while `on`, record each call's events on the current stream and host
-    times; `collections` records the garbage collector's meanwhile."""
+    times; around the forward pre-hooks of each module with parameters of its own (where a deferred update's gate
+    waits for their chunks, `memory.in_flight.gate_modules`), an event before and one after (`gates`); the garbage
+    collector's collections meanwhile (`collections`)."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
-        self.on, self.calls, self.collections, self._open = False, [], [], {}
+    def __init__(self, modules: dict[str, torch.nn.Module], model: torch.nn.Module | None = None) -> None:
+        self.on, self.calls, self.gates, self.collections, self._open = False, [], [], [], {}
         self._gc_began: float | None = None
         for name, module in modules.items():
             module.register_forward_pre_hook(self._pre(name))
             module.register_forward_hook(self._post(name))
+        for name, module in model.named_modules() if model is not None else ():
+            if next(module.parameters(recurse=False), None) is not None:  # built: its gate is registered already
+                module.register_forward_pre_hook(self._pre(f"gate {name}"), prepend=True)
+                module.register_forward_pre_hook(self._gated(name))
         gc.callbacks.append(self._on_gc)
+
+    def _gated(self, name: str) -> Callable:
+        def hook(module, args) -> None:
+            if self.on and f"gate {name}" in self._open:
+                self.gates.append((name, self._open.pop(f"gate {name}"), self.mark()))
+
+        return hook
 
     @staticmethod
     def mark() -> tuple[torch.cuda.Event | HostMark, float]:
@@ -116,6 +130,7 @@ def measured_step(
     """One step, the op's calls timed: the op's summary, and its calls [module, device ms from the op's start,
     device ms, host ms from its start, host ms]."""
     timer.calls.clear()
+    timer.gates.clear()
     timer.collections.clear()
     marks: dict = {}
 
@@ -151,12 +166,17 @@ def measured_step(
         kind = name.rsplit(" ", 1)[0] if name[-1].isdigit() else name
         by_kind[kind] = round(by_kind.get(kind, 0.0) + device_ms, 1)
     collections = [(gen, round((t0 - host0) * 1e3, 1), round((t1 - t0) * 1e3, 1)) for gen, t0, t1 in timer.collections]
+    gates = sorted(
+        ((name, ms(a), round(a.elapsed_time(b), 1)) for name, (a, _), (b, _) in timer.gates), key=lambda w: -w[2]
+    )
     row = {
         "device_ms": round(first.elapsed_time(last), 1),
         "host_ms": round((host1 - host0) * 1e3, 1),
         "device_ms_by_module": by_kind,
         "collections": [c for c in collections if c[2] >= 1.0],  # [generation, host ms from the op's start, ms]
         "gc_ms": round(sum(c[2] for c in collections), 1),
+        "gate_wait_ms": round(sum(w[2] for w in gates), 1),  # the device's, at the gates of a deferred update
+        "longest_gate_waits": gates[:8],  # [module, device ms from the op's start, ms]
         "allocator": marks["stats"],
         "calls": len(calls),
     }
@@ -190,7 +210,7 @@ def main() -> None:
     plan = compile_plan(loaded, Schedule(args.schedule))
     engines, g, spec = build_engines(plan), plan.graph, loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
-    size, timer = spec.workload.prompts_per_step, CallTimer(units(engines.actor))
+    size, timer = spec.workload.prompts_per_step, CallTimer(units(engines.actor), engines.actor)
     cuda = engines.actor.device.type == "cuda"
     for i in range(args.warmup):
         begin = time.perf_counter()
@@ -209,7 +229,7 @@ def main() -> None:
     )
     for name, row in rows.items():
         print(f"  {name:<7} device {row['device_ms']:>8.1f}  host {row['host_ms']:>8.1f}  gc {row['gc_ms']:>7.1f} "
-              f"{row['collections']}  allocator {row['allocator']}")  # fmt: skip
+              f"{row['collections']}  gates {row['gate_wait_ms']:.1f}  allocator {row['allocator']}")  # fmt: skip
         for stall in row["stalls"]:
             print(f"      {stall}")
     if args.out:
