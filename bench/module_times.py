@@ -162,9 +162,11 @@ def measured_step(
         for name, (a, ha), (b, hb) in timer.calls
     ]
     by_kind: dict[str, float] = {}
-    for name, _, device_ms, _, _ in calls:
+    host_by_kind: dict[str, float] = {}
+    for name, _, device_ms, _, host_ms in calls:
         kind = name.rsplit(" ", 1)[0] if name[-1].isdigit() else name
         by_kind[kind] = round(by_kind.get(kind, 0.0) + device_ms, 1)
+        host_by_kind[kind] = round(host_by_kind.get(kind, 0.0) + host_ms, 1)
     collections = [(gen, round((t0 - host0) * 1e3, 1), round((t1 - t0) * 1e3, 1)) for gen, t0, t1 in timer.collections]
     gates = sorted(
         ((name, ms(a), round(a.elapsed_time(b), 1)) for name, (a, _), (b, _) in timer.gates), key=lambda w: -w[2]
@@ -173,9 +175,11 @@ def measured_step(
         "device_ms": round(first.elapsed_time(last), 1),
         "host_ms": round((host1 - host0) * 1e3, 1),
         "device_ms_by_module": by_kind,
+        "host_ms_by_module": host_by_kind,
         "collections": [c for c in collections if c[2] >= 1.0],  # [generation, host ms from the op's start, ms]
         "gc_ms": round(sum(c[2] for c in collections), 1),
         "gate_wait_ms": round(sum(w[2] for w in gates), 1),  # the device's, at the gates of a deferred update
+        "gate_host_ms": round(sum((hb - ha) * 1e3 for _, (_, ha), (_, hb) in timer.gates), 1),  # enqueueing its chunks
         "longest_gate_waits": gates[:8],  # [module, device ms from the op's start, ms]
         "allocator": marks["stats"],
         "calls": len(calls),
@@ -223,13 +227,18 @@ def main() -> None:
             row, calls = measured_step(g, engines, batch, args.op, timer, collect)
         row["stalls"] = [c for c in calls if c[2] >= args.stall_ms or c[4] >= args.stall_ms]
         rows[name] = row
+    engines.optimizer.finish()  # a deferred update still in flight would free its buffers after CUDA at exit
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     print(
         f"\n{args.op}: per variant, device and host ms, the garbage collector's ms inside it, the calls of at "
         f"least {args.stall_ms} ms [module, device ms from the op's start, device ms, host ms from it, host ms]"
     )
     for name, row in rows.items():
         print(f"  {name:<7} device {row['device_ms']:>8.1f}  host {row['host_ms']:>8.1f}  gc {row['gc_ms']:>7.1f} "
-              f"{row['collections']}  gates {row['gate_wait_ms']:.1f}  allocator {row['allocator']}")  # fmt: skip
+              f"{row['collections']}  gates {row['gate_wait_ms']:.1f} (host {row['gate_host_ms']:.1f})  allocator {row['allocator']}")  # fmt: skip
+        print(f"      device ms by module {row['device_ms_by_module']}")
+        print(f"      host ms by module {row['host_ms_by_module']}")
         for stall in row["stalls"]:
             print(f"      {stall}")
     if args.out:

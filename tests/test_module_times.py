@@ -29,6 +29,7 @@ def test_module_times_times_every_module_call_of_the_op_under_each_collector(tmp
         assert 0 < sum(kinds.values()) <= row["device_ms"] + 0.1 * len(kinds)  # no module timed inside another
         assert len(row["stalls"]) == row["calls"] > 0  # at 0 ms every call is listed
         assert row["gate_wait_ms"] >= 0.0 and len(row["longest_gate_waits"]) == 8  # modules with parameters
+        assert set(row["host_ms_by_module"]) == set(kinds) and row["gate_host_ms"] >= 0.0
     assert result["variants"]["manual"]["gc_ms"] == 0.0  # no collection inside a step under run.manual_gc
 
 
