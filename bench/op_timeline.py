@@ -196,6 +196,7 @@ def main() -> None:
     engines.optimizer.finish()  # a deferred update still in flight would free its buffers after CUDA at exit
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    engines.prefix_streams.free_allocator_events()  # as `rollplex run` ends: no event outlives its green context
     for row in rows:
         print(f"\n{row['op']}: device span {row['device_s']:.3f} s, host {row['host_s']:.3f} s, "
               f"{row.get('launches', 0)} launches taking {row.get('launch_s', 0):.3f} s (longest "

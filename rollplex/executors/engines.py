@@ -37,12 +37,9 @@ from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
-from rollplex.graph.timeplan import planned_steps
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
-from rollplex.models.attention import plans_per_shape
-from rollplex.models.attention_plans import plan_prefix_attention, prefix_attention_shapes
 from rollplex.models.checkpoint import load_checkpoint
 from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate
@@ -227,10 +224,6 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
     if d.update_beside_prefix:
         gate_modules(actor, optimizer)  # the next prefix's modules wait for their own chunks of the update
-    if device.type == "cuda" and tp is None and plans_per_shape(device):  # the steps then find them made
-        lens = (s.prompt_tokens for s in planned_steps(plan))
-        plan_prefix_attention(actor, prefix_attention_shapes(lens, sharing.prompts_per_chunk))
-        torch.cuda.empty_cache()
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange, keyed=device.type == "cuda")  # the fused sampler keys rows
     return Engines(

@@ -120,6 +120,10 @@ def run_iteration(
             else:
                 _handler(o)(engines, g, o, store, record)
             marks.append((timer_of(o), start, device_mark(cuda)))
+            if (o.role, o.part) == (Role.ACTOR, Part.PREFIX) and _update_in_flight(engines):
+                start = device_mark(cuda)  # what the prefix left of the last step's update: the stream waits for it
+                engines.optimizer.finish()
+                marks.append(("update", start, device_mark(cuda)))
             for each in (o, *beside):
                 done.add(each.id)
                 if after_op is not None:

@@ -83,15 +83,13 @@ def plans_per_shape(device: torch.device) -> bool:
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, *, bucketed: bool) -> Tensor:
     """Causal GQA attention q [B, heads, L, D] over k/v [B, kv_heads, L, D]. `bucketed`: the call runs at
-    `attention_length(L)`, zeros appended, on contiguous copies (a plan is made for strides as well as sizes, so
-    a length that needs no padding meets the plan of the others in its bucket); a real query sees no appended key
-    (they come after it), and the appended queries' outputs are dropped, so the result is attention over the L
-    tokens."""
-    if not bucketed:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    `attention_length(L)`, zeros appended; a real query sees no appended key (they come after it), and the
+    appended queries' outputs are dropped, so the result is attention over the L tokens."""
     length = q.shape[2]
-    extra = attention_length(length) - length
-    q, k, v = ((F.pad(x, (0, 0, 0, extra)) if extra else x).contiguous() for x in (q, k, v))
+    extra = attention_length(length) - length if bucketed else 0
+    if extra == 0:  # no copies of q, k and v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, :length]
 
 

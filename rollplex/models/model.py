@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from rollplex.models.attention import (
     Attention,
     CausalAttention,
+    LayerKV,
     PackedPrefixAttention,
     SharedPrefixAttention,
 )
@@ -40,7 +41,7 @@ from rollplex.models.packed import ResponsePack
 from rollplex.models.packing import pack
 from rollplex.models.positions import num_visual_tokens
 from rollplex.models.prompt_inputs import PromptInputs, prompt_inputs
-from rollplex.models.prompt_rows import layer_kv
+from rollplex.models.prompt_rows import PackedPromptKV
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, join_first, token_scores
@@ -318,6 +319,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _layer_kv(
+    layer: nn.Module, shape: tuple[int, int] | None, x: Tensor, cos: Tensor, sin: Tensor, *real: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
+    `shape` (P, L) x holds the packed real rows `real` of P prompts padded to L (`PromptRows`)."""
+    attention = LayerKV() if shape is None else PackedPromptKV(real[0], *shape)
+    return layer(x, cos, sin, attention), attention.key, attention.value
+
+
 class _GroupPrefix:
     """The prefix state of one group of prompts between chunks: hidden states, rotary tables, each layer's KV."""
 
@@ -350,7 +360,7 @@ class _GroupPrefix:
             rows = self.rows
             shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length), (rows.real,))
             for layer in layers:
-                unit = partial(layer_kv, layer, shape)
+                unit = partial(_layer_kv, layer, shape)
                 self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin, *real)
                 self.keys.append(key)
                 self.values.append(value)

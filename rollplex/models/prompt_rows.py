@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rollplex.models.attention import LayerKV
 from rollplex.models.inputs import to_device
@@ -87,12 +87,3 @@ class PackedPromptKV(LayerKV):
                    for t in (q, k, v))  # fmt: skip
         out = super().__call__(layer, q, k, v)  # [P, heads, L, D]
         return Rows.apply(out.transpose(1, 2).flatten(0, 1), self.real, None).transpose(0, 1)[None]
-
-
-def layer_kv(
-    layer: nn.Module, shape: tuple[int, int] | None, x: Tensor, cos: Tensor, sin: Tensor, *real: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """A prefix's decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
-    `shape` (P, L) x holds the packed real rows `real` of P prompts padded to L (`PromptRows`)."""
-    attention = LayerKV() if shape is None else PackedPromptKV(real[0], *shape)
-    return layer(x, cos, sin, attention), attention.key, attention.value

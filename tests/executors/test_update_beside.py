@@ -7,6 +7,7 @@ then train and log exactly as without."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -123,6 +124,31 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["param_digest"] for x in lines] == [
         r["param_digest"] for r in joined
     ]
+
+
+def test_the_rest_of_a_deferred_update_after_the_actor_prefix_counts_as_the_updates_time(tmp_path, monkeypatch):
+    """Where the actor prefix ends before the last step's update, the stream waits for the rest before decode: that
+    wait is the update's, in the step whose prefix it follows (not a gap between the step's phases)."""
+    rest_s, step = 0.3, ChunkedAdamW.step
+
+    def deferred_step(self, defer=False):
+        norm = step(self)
+        if defer:
+            self.in_flight = "in flight"  # the stand-in: its rest takes rest_s
+        return norm
+
+    def slow_finish(self):
+        if self.in_flight is not None:
+            time.sleep(rest_s)
+            self.in_flight = None
+
+    monkeypatch.setattr(ChunkedAdamW, "step", deferred_step)
+    monkeypatch.setattr(ChunkedAdamW, "wait_for", lambda self, params: None)
+    monkeypatch.setattr(ChunkedAdamW, "finish", slow_finish)
+    records = train(compile_plan(parse_spec(beside(spec_text()))), RunOptions(3, tmp_path, progress=False,
+                                                                              tensorboard=False))  # fmt: skip
+    updates = [r["time_s"]["update"] for r in records]
+    assert updates[0] < rest_s <= min(updates[1:]), updates  # steps 2 and 3 waited for the step before's
 
 
 @pytest.mark.gpu
