@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 import networkx as nx
 import torch
@@ -64,6 +65,7 @@ class StepRecord:
     chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
     prefix_backward_s: float | None = None  # device seconds of the actor's backward through its prefix (split)
     train: TrainTotals = field(default_factory=TrainTotals)  # the training sums over the step's mini-batches
+    gaps_s: float = 0.0  # device seconds from each op's end to the next's start (the host's work between ops)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ def run_iteration(
         freed = free_dead(store, life, s.index)
     for timer, start, end in marks:  # device seconds: from the device reaching the op to its last kernel's end
         record.times[timer] += seconds_between(start, end)
+    record.gaps_s = sum(max(seconds_between(a[2], b[1]), 0.0) for a, b in pairwise(marks))
     return record
 
 

@@ -184,6 +184,7 @@ METRIC_KEYS = {
     "peak_mem_bytes",
     "data_wait_s",
     "gc_s",
+    "gaps_s",
 }
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 
