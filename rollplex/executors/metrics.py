@@ -49,15 +49,26 @@ class Fingerprints:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """`param_digest`'s two sums of `t`'s bytes, as an int64 tensor on `t`'s device."""
+    """`param_digest`'s two sums of `t`'s bytes, as an int64 tensor on `t`'s device: on a GPU one fused launch
+    (`rollplex.kernels.fingerprint`), on the CPU torch's ops chunk by chunk (`summed`); the same sums."""
     data = t.reshape(-1).view(torch.uint8)
     if data.numel() % 8 or data.storage_offset() % 8:  # a fresh copy, zero-padded to whole words
         data = torch.cat([data, data.new_zeros(-data.numel() % 8)])
     words = data.view(torch.int64)
-    total = torch.zeros(len(_MIXERS), dtype=torch.int64, device=t.device)
+    if words.is_cuda:
+        from rollplex.kernels.fingerprint import fingerprint_words
+
+        return fingerprint_words(words, _MIXERS, torch.zeros(len(_MIXERS), dtype=torch.int64, device=t.device))
+    return summed(words)
+
+
+def summed(words: torch.Tensor) -> torch.Tensor:
+    """The two position-weighted sums of words [n] int64 modulo 2^64, with torch's ops over chunks of at most
+    `_WORDS_PER_CHUNK` words (bounded scratch memory)."""
+    total = torch.zeros(len(_MIXERS), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _WORDS_PER_CHUNK):
         chunk = words[start : start + _WORDS_PER_CHUNK]
-        position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device)
+        position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=words.device)
         for k, mixer in enumerate(_MIXERS):
             weight = position * mixer
             weight = (weight ^ (weight >> 29)) | 1

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from rollplex.executors.metrics import Fingerprints, param_digest
+from rollplex.executors.metrics import _MIXERS, Fingerprints, param_digest, summed
+from rollplex.kernels.fingerprint import BLOCK, fingerprint_words
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -60,10 +61,24 @@ def test_a_parameter_larger_than_a_chunk_is_summed_over_its_chunks(monkeypatch):
     assert param_digest(m) == expected
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, BLOCK, 3 * BLOCK + 5])
+def test_the_fused_fingerprint_equals_torchs_sums_bit_for_bit(n):
+    """The GPU's one-launch kernel (here under Triton's interpreter) against torch's ops: words of every magnitude
+    (products and sums wrap modulo 2^64), a length that ends inside a block."""
+    generator = torch.Generator().manual_seed(n)
+    words = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=generator)
+    words[: min(n, 3)] = torch.tensor([-1, 2**63 - 1, -(2**63)])[: min(n, 3)]
+    fused = fingerprint_words(words, _MIXERS, torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(fused, summed(words))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_digest_is_the_cpus():
     assert param_digest(model().cuda()) == param_digest(model())
+    words = torch.randint(-(2**63), 2**63 - 1, (5 * 2**22 + 3,), dtype=torch.int64)  # more than a chunk of torch's
+    fused = fingerprint_words(words.cuda(), _MIXERS, torch.zeros(2, dtype=torch.int64, device="cuda"))
+    assert torch.equal(fused.cpu(), summed(words))
 
 
 def test_fingerprints_launched_then_read_give_the_digest_of_the_weights_at_launch():
