@@ -121,11 +121,12 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
 
     def complete(o: Op | None = None) -> None:
-        """After the next step's actor prefix (or at the end): the waiting step's update joins and the fingerprints
-        of the weights it wrote are launched, read by `emit_waiting` (no wait for the device here)."""
+        """After the next step's actor prefix (which the runtime ends by joining the update) or at the run's end (the
+        update joins here): the fingerprints of the weights it wrote are launched, read by `emit_waiting` (no wait
+        for the device here)."""
         if not waiting or fingerprints or (o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX)):
             return
-        engines.optimizer.finish()  # one step's update runs on at a time: the next step's starts by finishing it
+        engines.optimizer.finish()  # joined already after a prefix; at the run's end, here
         fingerprints.append(Fingerprints.of(engines.actor))
 
     def emit_waiting() -> None:
