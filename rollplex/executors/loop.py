@@ -170,6 +170,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)
+                records[-1]["gaps_at_s"] = {k: round(v, 4) for k, v in record.gaps_at.items()}
                 records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
                 if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                     records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())

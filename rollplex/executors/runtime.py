@@ -66,6 +66,7 @@ class StepRecord:
     prefix_backward_s: float | None = None  # device seconds of the actor's backward through its prefix (split)
     train: TrainTotals = field(default_factory=TrainTotals)  # the training sums over the step's mini-batches
     gaps_s: float = 0.0  # device seconds from each op's end to the next's start (the host's work between ops)
+    gaps_at: dict[str, float] = field(default_factory=dict)  # gaps_s by boundary ("timer-next timer"), summed
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,10 @@ def run_iteration(
         freed = free_dead(store, life, s.index)
     for timer, start, end in marks:  # device seconds: from the device reaching the op to its last kernel's end
         record.times[timer] += seconds_between(start, end)
-    record.gaps_s = sum(max(seconds_between(a[2], b[1]), 0.0) for a, b in pairwise(marks))
+    for a, b in pairwise(marks):
+        boundary = f"{a[0]}-{b[0]}"
+        record.gaps_at[boundary] = record.gaps_at.get(boundary, 0.0) + max(seconds_between(a[2], b[1]), 0.0)
+    record.gaps_s = sum(record.gaps_at.values())
     return record
 
 

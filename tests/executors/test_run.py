@@ -185,6 +185,7 @@ METRIC_KEYS = {
     "data_wait_s",
     "gc_s",
     "gaps_s",
+    "gaps_at_s",
 }
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 

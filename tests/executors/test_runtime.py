@@ -1,5 +1,5 @@
 """The runtime's step: after each step it drops the graph tensors no later step reads (`free_dead`), and keeps the
-rest; the time between its ops is the record's `gaps_s`."""
+rest; the time between its ops is the record's `gaps_s`, by boundary its `gaps_at`."""
 
 import time
 
@@ -44,3 +44,6 @@ def test_the_host_work_between_ops_is_the_steps_gaps(monkeypatch):
     between = len(calls) - 1  # after every step; the last one's after the last op
     assert paused.gaps_s - plain.gaps_s >= between * pause_s * 0.9 and between >= 4
     assert sum(paused.times.values()) - sum(plain.times.values()) < between * pause_s / 2
+    assert paused.gaps_s == sum(paused.gaps_at.values())  # every boundary's gap, named by the two ops' phases
+    assert set(paused.gaps_at) == set(plain.gaps_at) and "actor_suffix_backward-update" in paused.gaps_at
+    assert all(paused.gaps_at[k] - plain.gaps_at[k] >= pause_s * 0.9 for k in paused.gaps_at)
