@@ -236,9 +236,10 @@ class MemorySpec(_Strict):
     prefix_saved: Literal["auto", "hbm", "host"] = Field(
         "auto",
         description="Where the actor prefix's saved tensors wait for its backward: hbm, host (the pinned pool: "
-        "copied out and back each step under the prefix's compute; the HBM they leave goes to the FP32 state's share "
-        "kept in HBM), or auto: hbm when every step still fits, else host; and host where the FP32 state streams and "
-        "the host plan fits with a lower step bound (the state's traffic is exposed in the update, theirs is not).",
+        "copied out under the prefix's compute and back under its backward's each step; the HBM they leave goes to "
+        "the FP32 state's share kept in HBM), or auto: hbm when every step still fits, else host; and host where the "
+        "FP32 state streams and the host plan fits with a lower step bound (the state's traffic is exposed in the "
+        "update, theirs is not).",
     )
     page_reference: bool = Field(
         False,

@@ -2,7 +2,8 @@
 
 What it is: the two ways the training prefix gives back the device memory its autograd graph would hold
 between Phase 1 and Phase 2. `SavedTensorOffload` copies every tensor autograd saves into a host pool
-(`torch.autograd.graph.saved_tensors_hooks`) and copies it back when backward asks; `recompute` runs the
+(`torch.autograd.graph.saved_tensors_hooks`) and copies it back for backward, the next one it will ask for
+while it works on this one; `recompute` runs the
 given modules under `torch.utils.checkpoint` so backward recomputes their activations. Neither changes a
 gradient: the copies are exact and the recomputation replays the same ops. What it is not: a policy — which
 module is offloaded or recomputed is the plan's decision.
@@ -22,6 +23,8 @@ import torch.utils.checkpoint
 
 from rollplex.memory.host_pool import Block, HostPool, copy_on
 
+LOOKBACK = 16  # saved tensors before the one backward asks for that may be sent back ahead of it
+
 
 @dataclass(frozen=True, slots=True)
 class OffloadStats:
@@ -29,20 +32,24 @@ class OffloadStats:
     num_bytes: int
     num_kept: int  # saved tensors left where they were: resident, small, or no room in the pool
     num_bytes_kept: int
+    num_ahead: int = 0  # saved tensors already on their way back when backward asked for them
 
 
 class _Saved:
-    """A saved tensor that lives in the pool: its host copy, device, and the events that order its bytes."""
+    """A saved tensor that lives in the pool: its host copy, device, the events that order its bytes, and its
+    place among the tensors offloaded (backward asks for them in about the reverse order)."""
 
-    __slots__ = ("__weakref__", "device", "events", "host", "unpacked")
+    __slots__ = ("__weakref__", "device", "events", "host", "index", "ready", "unpacked")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, events: list) -> None:
-        self.host, self.device, self.events = host, device, events
+    def __init__(self, host: torch.Tensor, device: torch.device, events: list, index: int) -> None:
+        self.host, self.device, self.events, self.index = host, device, events, index
         self.unpacked: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None  # the copy back, made ahead on the side stream
 
 
-def _free_after(pool: HostPool, block: Block, events: list) -> None:
+def _free_after(pool: HostPool, block: Block, events: list, alive: list[int]) -> None:
     pool.free(block, after=events[-1] if events else None)
+    alive[0] -= 1
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -55,8 +62,15 @@ class SavedTensorOffload:
     A saved tensor:
 
         DEVICE --pack (forward)--> HOST (pool block; on CUDA the copy runs on a side stream)
-        HOST --unpack (backward)--> DEVICE (a fresh contiguous tensor, same values, kept by the handle)
+        HOST --ahead (backward asked for the one saved after it)--> ON ITS WAY (side stream, a fresh tensor)
+        HOST or ON ITS WAY --unpack (backward)--> DEVICE (the caller's stream waits for the copy; kept by the handle)
         --autograd drops the saved handle--> device copy dropped, block FREE (once the copies are done)
+
+    Backward asks for saved tensors in about the reverse of their saving order (the last layer's first). So
+    when it asks for one, the tensors saved just before it start back on the side stream, as many as fit in the
+    bytes of the largest tensor saved (one layer's input of a checkpointed prefix): their copies run under this
+    one's backward instead of on the caller's stream, which waits for them only when it needs them. A guess
+    that misses (backward asks in another order) costs only the copies: every tensor is brought back once.
 
     The context:
 
@@ -72,12 +86,18 @@ class SavedTensorOffload:
         self.pool = pool
         self.min_bytes = min_bytes
         self._keep = {_storage_ptr(t) for t in keep}
-        self._counts = [0, 0, 0, 0]  # offloaded tensors, bytes; kept tensors, bytes
+        self._counts = [0, 0, 0, 0, 0]  # offloaded tensors, bytes; kept tensors, bytes; brought back ahead
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._order: list[weakref.ref] = []  # the offloaded tensors in saving order (`_Saved.index`)
+        self._alive = [0]  # how many of them live (a cell: their finalizers count down)
+        self._ahead: dict[int, int] = {}  # index -> bytes of the tensors on their way back, not yet asked for
+        self._largest = 0  # bytes of the largest tensor offloaded: how far ahead the copies back may run
         self._seen: dict[int, tuple[weakref.ref, tuple[int, int], weakref.ref]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> SavedTensorOffload:
+        if not self._alive[0]:  # the last backward consumed them (or their graphs were dropped): start over
+            self._order, self._ahead, self._largest = [], {}, 0
         self._hooks.__enter__()
         return self
 
@@ -102,8 +122,11 @@ class SavedTensorOffload:
             return tensor
         block, host = self.pool.allocate_like(tensor, f"saved {tuple(tensor.shape)} {tensor.dtype}")
         events = list(_copy_out(self._stream(tensor.device), host, tensor))
-        saved = _Saved(host, tensor.device, events)
-        weakref.finalize(saved, _free_after, self.pool, block, events)
+        saved = _Saved(host, tensor.device, events, len(self._order))
+        self._order.append(weakref.ref(saved))
+        self._alive[0] += 1
+        self._largest = max(self._largest, num_bytes)
+        weakref.finalize(saved, _free_after, self.pool, block, events, self._alive)
         # the version catches in-place writes, the address a `.data =` swap (which keeps the version)
         self._seen[id(tensor)] = (weakref.ref(tensor), (tensor._version, tensor.data_ptr()), weakref.ref(saved))
         self._counts[0] += 1
@@ -125,21 +148,53 @@ class SavedTensorOffload:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    @staticmethod
-    def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
+    def _unpack(self, saved: torch.Tensor | _Saved) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        if saved.unpacked is not None:
-            return saved.unpacked
+        if self._ahead.pop(saved.index, None) is not None:
+            self._counts[4] += 1
+        elif saved.unpacked is None:
+            self._bring_back(saved, torch.cuda.current_stream(saved.device) if saved.device.type == "cuda" else None)
+        if saved.ready is not None:  # its copy ran on the side stream: the caller's stream waits for it here
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            saved.ready = None
+        self._send_ahead(saved.index)
+        return saved.unpacked
+
+    def _send_ahead(self, index: int) -> None:
+        """Starts back the tensors saved just before `index` (the LOOKBACK before it at most), while the bytes on
+        their way stay within the largest tensor's (at least one goes)."""
+        for j in range(index - 1, max(index - 1 - LOOKBACK, -1), -1):
+            saved = self._order[j]()
+            if saved is None or saved.unpacked is not None:
+                continue
+            num_bytes = saved.host.numel() * saved.host.element_size()
+            if self._ahead and sum(self._ahead.values()) + num_bytes > self._largest:
+                return
+            self._bring_back(saved, self._stream(saved.device))
+            self._ahead[j] = num_bytes
+
+    @staticmethod
+    def _bring_back(saved: _Saved, stream: torch.cuda.Stream | None) -> None:
+        """A fresh device tensor with the saved values, copied on `stream` (the caller's or the side stream; on
+        the CPU at once). The tensor is taken from the caller's stream's memory: a side-stream copy first waits
+        for what that stream has queued (the memory may still be read there) and the tensor is marked used by
+        the side stream (its memory is not reused before the copy ends, even if backward never asks for it)."""
         out = saved.unpacked = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
-        if saved.device.type != "cuda":
-            return out.copy_(saved.host)
+        if stream is None:
+            out.copy_(saved.host)
+            return
         current = torch.cuda.current_stream(saved.device)
-        for event in saved.events[-1:]:
-            current.wait_event(event)
-        out.copy_(saved.host, non_blocking=True)
-        saved.events.append(current.record_event())
-        return out
+        if stream != current:
+            stream.wait_stream(current)
+            out.record_stream(stream)
+        for event in saved.events[-1:]:  # its copy out has ended
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            out.copy_(saved.host, non_blocking=True)
+            saved.events.append(stream.record_event())
+        if stream != current:
+            saved.ready = saved.events[-1]
 
 
 def _copy_out(stream: torch.cuda.Stream | None, host: torch.Tensor, tensor: torch.Tensor) -> tuple:

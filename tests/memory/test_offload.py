@@ -1,3 +1,5 @@
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -191,6 +193,57 @@ def test_recompute_inside_offload_still_gives_the_same_gradients():
         assert_bitwise(grads_of(model, inputs, Both()), grads_of(model, inputs))
 
 
+def checkpointed_layers(model, inputs, pool, offload):
+    """The prefix's way: each layer checkpointed (its input saved, its activations rerun), under offload."""
+    model.zero_grad(set_to_none=True)
+    x = inputs.clone().requires_grad_(True)
+    with offload, recompute(model):
+        loss = model(x).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def test_backward_finds_each_layer_input_on_its_way_back_before_it_asks():
+    """Backward asks for the layers' inputs last first; each one asked for starts the one saved before it back,
+    so all but the first are already coming when asked for, and the gradients stay bitwise those without."""
+    model, inputs = mlp(depth=6), torch.randn(16, 64)
+    with HostPool(8 << 20) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters())
+        grads = checkpointed_layers(model, inputs, pool, offload)
+        assert_bitwise(grads, grads_of(model, inputs))
+        stats = offload.stats()
+        assert stats.num_tensors == 7  # each layer's input and the loss's (16 x 64 fp32 each)
+        assert stats.num_ahead == 6  # all but the loss's, which backward asks for first
+        assert pool.live_blocks == ()
+        again = checkpointed_layers(model, inputs, pool, offload)  # the next step starts its order over
+        assert_bitwise(again, grads)
+        assert offload.stats().num_ahead == 12 and pool.live_blocks == ()
+
+
+def test_a_tensor_sent_back_that_backward_never_asks_for_is_freed_with_its_graph():
+    """Two inputs through the checkpointed layers, one after the other; backward of the second only: its first
+    layer's input starts back the last tensor the first input saved, which no backward asks for. Dropping the
+    first graph frees it and its block; the second input's gradients are those without offload."""
+    model, inputs = mlp(depth=3), torch.randn(16, 64)
+
+    def second_grads(offload=None):
+        model.zero_grad(set_to_none=True)
+        x, y = inputs.clone().requires_grad_(True), (inputs + 1).requires_grad_(True)
+        with offload or nullcontext(), recompute(model):
+            first, second = model(x).square().mean(), model(y).square().mean()
+        second.backward()
+        return [p.grad.clone() for p in model.parameters()] + [y.grad.clone()], first
+
+    with HostPool(8 << 20) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters())
+        grads, first = second_grads(offload)
+        assert offload.stats().num_tensors == 8 and offload.stats().num_ahead == 3  # 4 an input, the loss's last
+        assert len(pool.live_blocks) == 4  # the first input's: its loss's input already brought back
+        del first
+        assert pool.live_blocks == ()
+        assert_bitwise(grads, second_grads()[0])
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_on_the_gpu_offload_lowers_the_forward_peak_and_keeps_gradients_bitwise():
@@ -216,3 +269,4 @@ def test_on_the_gpu_offload_lowers_the_forward_peak_and_keeps_gradients_bitwise(
     print(f"peak {plain_peak / 2**20:.0f} MiB without, {offload_peak / 2**20:.0f} MiB with")
     assert stats.num_bytes > 8 * 4096 * 2048 * 4, "every block's activations went to the pool"
     assert offload_peak < plain_peak
+    assert stats.num_ahead > 0  # brought back on the side stream, ahead of backward, and still bitwise
