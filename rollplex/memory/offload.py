@@ -156,7 +156,9 @@ class SavedTensorOffload:
         elif saved.unpacked is None:
             self._bring_back(saved, torch.cuda.current_stream(saved.device) if saved.device.type == "cuda" else None)
         if saved.ready is not None:  # its copy ran on the side stream: the caller's stream waits for it here
-            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            current = torch.cuda.current_stream(saved.device)
+            current.wait_event(saved.ready)
+            saved.unpacked.record_stream(current)  # taken on the stream that asked before it, maybe another
             saved.ready = None
         self._send_ahead(saved.index)
         return saved.unpacked
