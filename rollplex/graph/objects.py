@@ -246,8 +246,9 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     """Saved tensors of the attached prefix: offloaded (or reduced to layer inputs) as they are produced;
     one layer of one group of prompts (`sharing.prompts_per_chunk`) is in HBM while the prefix runs and again
     while backward rematerializes it. Offloaded, the next layer's saved tensors come back during that layer's
-    backward (`SavedTensorOffload`: at most the largest saved tensor, a layer's input, ahead): not counted
-    here, as the suffix's activations, which the backward's step counts, are freed before the prefix's backward."""
+    backward (`SavedTensorOffload`: at most the largest saved tensor ahead, a layer's input or the boundary
+    norm's FP32 input): not counted here, as the suffix's activations, which the backward's step counts, are
+    freed before the prefix's backward."""
     t, v, tp, g = c.model.text, c.model.vision, c.gpu.train_tp, c.gpu
     P, patches = g.prompt_tokens, g.patches_per_prompt
     sp = g.sequence_parallel

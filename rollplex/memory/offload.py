@@ -39,17 +39,19 @@ class _Saved:
     """A saved tensor that lives in the pool: its host copy, device, the events that order its bytes, and its
     place among the tensors offloaded (backward asks for them in about the reverse order)."""
 
-    __slots__ = ("__weakref__", "device", "events", "host", "index", "ready", "unpacked")
+    __slots__ = ("__weakref__", "device", "events", "host", "index", "served", "shared", "unpacked")
 
     def __init__(self, host: torch.Tensor, device: torch.device, events: list, index: int) -> None:
         self.host, self.device, self.events, self.index = host, device, events, index
         self.unpacked: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None  # the copy back, made ahead on the side stream
+        self.served: set = set()  # the streams that asked for it: each waited for the copy back, each marked a user
+        self.shared = False  # saved again later: its place in the order says nothing of when backward asks
 
 
-def _free_after(pool: HostPool, block: Block, events: list, alive: list[int]) -> None:
+def _free_after(pool: HostPool, block: Block, events: list, alive: list[int], ahead: dict, index: int) -> None:
     pool.free(block, after=events[-1] if events else None)
     alive[0] -= 1
+    ahead.pop(index, None)  # sent back, never asked for: its bytes are no longer on their way
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -63,14 +65,16 @@ class SavedTensorOffload:
 
         DEVICE --pack (forward)--> HOST (pool block; on CUDA the copy runs on a side stream)
         HOST --ahead (backward asked for the one saved after it)--> ON ITS WAY (side stream, a fresh tensor)
-        HOST or ON ITS WAY --unpack (backward)--> DEVICE (the caller's stream waits for the copy; kept by the handle)
+        HOST or ON ITS WAY --unpack (backward)--> DEVICE (each stream that asks waits for the copy once and is
+            marked a user of the tensor; kept by the handle)
         --autograd drops the saved handle--> device copy dropped, block FREE (once the copies are done)
 
     Backward asks for saved tensors in about the reverse of their saving order (the last layer's first). So
     when it asks for one, the tensors saved just before it start back on the side stream, as many as fit in the
-    bytes of the largest tensor saved (one layer's input of a checkpointed prefix): their copies run under this
-    one's backward instead of on the caller's stream, which waits for them only when it needs them. A guess
-    that misses (backward asks in another order) costs only the copies: every tensor is brought back once.
+    bytes of the largest tensor saved (under a checkpointed prefix, a layer's input or the boundary norm's FP32
+    input): their copies run under this one's backward instead of on the caller's stream, which waits for them
+    only when it needs them. A guess that misses (backward asks in another order) costs only the copies: every
+    tensor is brought back once, and one never asked for leaves the bytes ahead when its graph is dropped.
 
     The context:
 
@@ -97,7 +101,9 @@ class SavedTensorOffload:
 
     def __enter__(self) -> SavedTensorOffload:
         if not self._alive[0]:  # the last backward consumed them (or their graphs were dropped): start over
-            self._order, self._ahead, self._largest = [], {}, 0
+            self._order.clear()
+            self._ahead.clear()
+            self._largest = 0
         self._hooks.__enter__()
         return self
 
@@ -114,7 +120,8 @@ class SavedTensorOffload:
         seen = self._seen.get(id(tensor))
         same = seen is not None and seen[0]() is tensor and seen[1] == (tensor._version, tensor.data_ptr())
         if same and seen[2]() is not None:
-            return seen[2]()  # saved again (q, k, v of one input; a rotary table in every layer): one copy
+            seen[2]().shared = True  # saved again (q, k, v of one input; a rotary table in every layer): one copy
+            return seen[2]()
         num_bytes = tensor.numel() * tensor.element_size()
         if not self._offloadable(tensor, num_bytes):
             self._counts[2] += 1
@@ -126,7 +133,7 @@ class SavedTensorOffload:
         self._order.append(weakref.ref(saved))
         self._alive[0] += 1
         self._largest = max(self._largest, num_bytes)
-        weakref.finalize(saved, _free_after, self.pool, block, events, self._alive)
+        weakref.finalize(saved, _free_after, self.pool, block, events, self._alive, self._ahead, saved.index)
         # the version catches in-place writes, the address a `.data =` swap (which keeps the version)
         self._seen[id(tensor)] = (weakref.ref(tensor), (tensor._version, tensor.data_ptr()), weakref.ref(saved))
         self._counts[0] += 1
@@ -155,25 +162,31 @@ class SavedTensorOffload:
             self._counts[4] += 1
         elif saved.unpacked is None:
             self._bring_back(saved, torch.cuda.current_stream(saved.device) if saved.device.type == "cuda" else None)
-        if saved.ready is not None:  # its copy ran on the side stream: the caller's stream waits for it here
+        if saved.device.type == "cuda":
             current = torch.cuda.current_stream(saved.device)
-            current.wait_event(saved.ready)
-            saved.unpacked.record_stream(current)  # taken on the stream that asked before it, maybe another
-            saved.ready = None
-        self._send_ahead(saved.index)
+            if current not in saved.served:  # the copy back ran on the side stream or another asker's
+                current.wait_event(saved.events[-1])
+                saved.unpacked.record_stream(current)
+                saved.served.add(current)
+        if not saved.shared:
+            self._send_ahead(saved.index)
         return saved.unpacked
 
     def _send_ahead(self, index: int) -> None:
         """Starts back the tensors saved just before `index` (the LOOKBACK before it at most), while the bytes on
-        their way stay within the largest tensor's (at least one goes)."""
+        their way stay within the largest tensor's (at least one goes). Not a tensor saved more than once (its
+        place in the order is its first save's), and none where the device has no room for it."""
         for j in range(index - 1, max(index - 1 - LOOKBACK, -1), -1):
             saved = self._order[j]()
-            if saved is None or saved.unpacked is not None:
+            if saved is None or saved.unpacked is not None or saved.shared:
                 continue
             num_bytes = saved.host.numel() * saved.host.element_size()
             if self._ahead and sum(self._ahead.values()) + num_bytes > self._largest:
                 return
-            self._bring_back(saved, self._stream(saved.device))
+            try:
+                self._bring_back(saved, self._stream(saved.device))
+            except torch.OutOfMemoryError:  # no room to guess: backward brings each back when it asks
+                return
             self._ahead[j] = num_bytes
 
     @staticmethod
@@ -195,8 +208,6 @@ class SavedTensorOffload:
         with torch.cuda.stream(stream):
             out.copy_(saved.host, non_blocking=True)
             saved.events.append(stream.record_event())
-        if stream != current:
-            saved.ready = saved.events[-1]
 
 
 def _copy_out(stream: torch.cuda.Stream | None, host: torch.Tensor, tensor: torch.Tensor) -> tuple:

@@ -244,6 +244,54 @@ def test_a_tensor_sent_back_that_backward_never_asks_for_is_freed_with_its_graph
         assert_bitwise(grads, second_grads()[0])
 
 
+def test_a_table_every_layer_saves_sends_nothing_ahead_so_the_layers_own_tensors_all_go():
+    """As the rotary tables of a prefix: saved once, asked for by every layer. Its place in the saving order is
+    its first save's, so it sends nothing back ahead; every layer's own tensors but the first asked still come
+    back ahead of backward."""
+    torch.manual_seed(0)
+    ups, downs = [nn.Linear(64, 256) for _ in range(6)], [nn.Linear(256, 64) for _ in range(6)]
+    params, table = [p for m in ups + downs for p in m.parameters()], torch.randn(64, 64)
+
+    def grads(offload=None):
+        for p in params:
+            p.grad = None
+        x = y = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        with offload or nullcontext():
+            for up, down in zip(ups, downs, strict=True):
+                y = y + down(nn.functional.gelu(up(torch.tanh(y) * table)))
+            loss = y.square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in params] + [x.grad.clone()]
+
+    with HostPool(64 << 20) as pool:
+        offload = SavedTensorOffload(pool, keep=params)
+        assert_bitwise(grads(offload), grads())
+        stats = offload.stats()
+        assert stats.num_ahead == stats.num_tensors - 2  # not the loss's input (asked first), not the table
+
+
+def test_a_tensor_sent_ahead_and_dropped_unasked_leaves_room_for_the_next_backward():
+    """With an older graph still alive (so the order does not start over), a graph dropped with a tensor on its
+    way back must not keep that tensor's bytes counted as ahead: the next backward sends its own ahead."""
+    model, inputs = mlp(depth=3), torch.randn(16, 64)
+
+    def forward(offload):
+        with offload, recompute(model):
+            return model(inputs.clone().requires_grad_(True)).square().mean()
+
+    with HostPool(8 << 20) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters())
+        older, first, second = forward(offload), forward(offload), forward(offload)
+        second.backward()  # its first layer's input sends back the first graph's last tensor, never asked for
+        del first
+        third = forward(offload)
+        before = offload.stats().num_ahead
+        third.backward()
+        assert offload.stats().num_ahead - before == 3  # every layer input of the third graph
+        del older
+        assert pool.live_blocks == ()
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_on_the_gpu_offload_lowers_the_forward_peak_and_keeps_gradients_bitwise():
@@ -270,3 +318,43 @@ def test_on_the_gpu_offload_lowers_the_forward_peak_and_keeps_gradients_bitwise(
     assert stats.num_bytes > 8 * 4096 * 2048 * 4, "every block's activations went to the pool"
     assert offload_peak < plain_peak
     assert stats.num_ahead > 0  # brought back on the side stream, ahead of backward, and still bitwise
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_layers_run_on_two_streams_find_their_tensors_sent_ahead_only_once_copied(monkeypatch):
+    """As prefix chunks beside decode: the first half of the layers forward on one stream, the rest on another,
+    so backward asks from both. Every copy back ahead is held up on the side stream (a spin kernel before it):
+    a stream that read a tensor before its copy ended would change the gradients."""
+    model = mlp(width=1024, depth=8).cuda()
+    inputs = torch.randn(2048, 1024, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    bring_back = SavedTensorOffload._bring_back
+
+    def slowed(saved, stream):
+        if stream is not None and stream != torch.cuda.current_stream():
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(2_000_000)
+        bring_back(saved, stream)
+
+    def grads(context=None):
+        model.zero_grad(set_to_none=True)
+        x = y = inputs.clone().requires_grad_(True)
+        with context or nullcontext():
+            for half, stream in zip((model[:4], model[4:]), streams, strict=True):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    y = half(y)
+                torch.cuda.current_stream().wait_stream(stream)
+            loss = y.square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    monkeypatch.setattr(SavedTensorOffload, "_bring_back", staticmethod(slowed))
+    with HostPool(1 << 30, pin=True) as pool:
+        offload = SavedTensorOffload(pool, keep=model.parameters())
+        assert_bitwise(grads(offload), grads())
+        assert offload.stats().num_ahead > 0
+        assert pool.live_blocks == ()
