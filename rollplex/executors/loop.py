@@ -26,7 +26,8 @@ from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
-from rollplex.executors.runtime import StepRecord, run_iteration
+from rollplex.executors.record import StepRecord
+from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
 from rollplex.graph.plan import Plan
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import networkx as nx
@@ -27,9 +27,10 @@ from rollplex.executors.critic import train_critic
 from rollplex.executors.draws import burn, length_budgets
 from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import advantages
+from rollplex.executors.record import StepRecord
 from rollplex.executors.scoring import LeafBoundary, score_all
-from rollplex.executors.training import MiniBatchInputs, TrainTotals, train_minibatch
-from rollplex.graph.cost import TIMERS, timer_of
+from rollplex.executors.training import MiniBatchInputs, train_minibatch
+from rollplex.graph.cost import timer_of
 from rollplex.graph.ir import (
     DATASET,
     Lifetime,
@@ -50,23 +51,6 @@ from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
 Store = dict[str, object]
-
-
-@dataclass
-class StepRecord:
-    """What one iteration produced, for metrics."""
-
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
-    stats: dict[str, float] = field(default_factory=dict)
-    rewards: torch.Tensor | None = None
-    response_lens: torch.Tensor | None = None
-    responses: torch.Tensor | None = None  # [P, N, R] token ids of the rollout
-    reward_terms: dict[str, float] = field(default_factory=dict)  # each reward's mean over the step's responses
-    chunks: list[tuple[str, float, float]] = field(default_factory=list)  # (op, start, end) of prefix chunks
-    prefix_backward_s: float | None = None  # device seconds of the actor's backward through its prefix (split)
-    train: TrainTotals = field(default_factory=TrainTotals)  # the training sums over the step's mini-batches
-    gaps_s: float = 0.0  # device seconds from each op's end to the next's start (the host's work between ops)
-    gaps_at: dict[str, float] = field(default_factory=dict)  # gaps_s by boundary ("timer-next timer"), summed
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from run_testkit import loaded
 
 from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import Engines, build_engines
-from rollplex.executors.runtime import StepRecord, run_iteration
+from rollplex.executors.record import StepRecord
+from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
