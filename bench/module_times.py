@@ -229,10 +229,7 @@ def main() -> None:
             row, calls = measured_step(g, engines, batch, args.op, timer, collect)
         row["stalls"] = [c for c in calls if c[2] >= args.stall_ms or c[4] >= args.stall_ms]
         rows[name] = row
-    engines.optimizer.finish()  # a deferred update still in flight would free its buffers after CUDA at exit
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    engines.prefix_streams.free_allocator_events()  # as `rollplex run` ends: no event outlives its green context
+    engines.settle()  # as `rollplex run` ends: no deferred update or allocator event outlives the green contexts
     print(
         f"\n{args.op}: per variant, device and host ms, the garbage collector's ms inside it, the calls of at "
         f"least {args.stall_ms} ms [module, device ms from the op's start, device ms, host ms from it, host ms]"

@@ -193,10 +193,7 @@ def main() -> None:
         rows = measure(g, engines, dataset, size, args, collect)
         if args.python:
             python_profile(g, engines, staged_batch(dataset, (args.warmup + 1) * size, size, cuda), args.op)
-    engines.optimizer.finish()  # a deferred update still in flight would free its buffers after CUDA at exit
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    engines.prefix_streams.free_allocator_events()  # as `rollplex run` ends: no event outlives its green context
+    engines.settle()  # as `rollplex run` ends: no deferred update or allocator event outlives the green contexts
     for row in rows:
         print(f"\n{row['op']}: device span {row['device_s']:.3f} s, host {row['host_s']:.3f} s, "
               f"{row.get('launches', 0)} launches taking {row.get('launch_s', 0):.3f} s (longest "

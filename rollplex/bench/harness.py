@@ -150,7 +150,7 @@ def run_schedule(
             out.timeline = ops + [("prefix stream", op_id, t0 - begin, t1 - begin) for op_id, t0, t1 in record.chunks]
     out.params = {n: p.detach().to("cpu", copy=True) for n, p in engines.actor.named_parameters()}
     examples = []  # their pinned patches recorded the engines' streams
-    engines.prefix_streams.free_allocator_events()  # while the engines' green contexts live
+    engines.settle()  # while the engines' green contexts live
     return out
 
 

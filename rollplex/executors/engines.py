@@ -95,6 +95,13 @@ class Engines:
         """The rank that writes metrics and checkpoints (the only one without tensor or data parallelism)."""
         return (self.tp is None or self.tp.is_main) and (self.dp is None or self.dp.rank == 0)
 
+    def settle(self) -> None:
+        """The end of a run in this process (call after dropping the tensors that recorded the prefix streams): a
+        deferred update joins, and no allocator event outlives the green contexts (`free_allocator_events`, which
+        waits for the device)."""
+        self.optimizer.finish()
+        self.prefix_streams.free_allocator_events()
+
 
 def resolve_device(setting: str) -> torch.device:
     """`run.device`: auto is the GPU when torch sees one; cuda without one is a one-line error."""

@@ -199,7 +199,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             ):
                 checkpointing.save(opts.out_dir, saved, engines)
     examples = []  # their pinned patches recorded the prefix streams: freed while those live
-    engines.prefix_streams.free_allocator_events()  # a later run in this process may free what recorded them
+    engines.settle()  # a later run in this process may free what recorded the prefix streams
     return records
 
 
