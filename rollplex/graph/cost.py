@@ -102,13 +102,17 @@ def phase_costs(
     split = any(o.part is Part.SUFFIX for o in ops_)
     embedder = vision_embedder(ops_)
     prefilled = prefilled_decodes(ops_)
+    beside = d.update_beside_prefix and any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops_)
     out: dict[str, tuple[Cost, ...]] = {}
+    deferred: tuple[Cost, ...] = ()
     for o in ops_:
-        key = timer_of(o)
-        out[key] = out.get(key, ()) + op_parts(o, model, gpu, d, tokens, split, o is embedder, o.id in prefilled)
-    if d.update_beside_prefix and "update" in out and "actor_prefix" in out:  # one resource's work after another's
-        out["actor_prefix"] = (total(out["actor_prefix"]) + total(out["update"]),)
-        out["update"] = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
+        parts = op_parts(o, model, gpu, d, tokens, split, o is embedder, o.id in prefilled)
+        if beside and o.kind is NodeKind.UPDATE and o.role is Role.ACTOR:  # runs on into the next actor prefix
+            deferred += parts
+            parts = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
+        out[timer_of(o)] = out.get(timer_of(o), ()) + parts
+    if deferred:  # one resource's work beside another's: a single part
+        out["actor_prefix"] = (total(out["actor_prefix"]) + total(deferred),)
     return out
 
 

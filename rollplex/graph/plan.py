@@ -2,8 +2,9 @@
 footprint and weight sharing. The runtime's only input: it walks `graph`'s steps and builds its engines from
 `decisions`, the spec's algorithm, workload and run settings and the model config.
 
-`compile_plan` is the whole compiler from a loaded spec (with `memory.prefix_saved: auto`, where the FP32 state
-streams, it compiles the spec with the tensors on the host too and keeps the plan with the lower step bound);
+`compile_plan` is the whole compiler from a loaded spec (where the FP32 state streams, `memory.prefix_saved:
+auto` compiles the spec with the tensors on the host too and `sharing.update_beside_prefix: auto` with the update
+beside the next actor prefix, each keeping the plan with the lower step bound);
 `check_fits` turns an infeasible plan into the
 one error a user sees (phase, peak, capacity, largest objects, and the levers this spec has with the peak each
 gives, `levers.py`). `planfile` writes and
@@ -37,7 +38,7 @@ class Plan:
     residency: ResidencyPlan
     naive: tuple[NaiveRow, ...]
     decisions: Decisions
-    chosen: str = ""  # what `auto` chose by the step bound, and why ("" where it chose by fit alone)
+    chosen: str = ""  # what each `auto` chose by the step bound, and why, a line each ("" where fit alone chose)
 
     @property
     def sharing(self) -> SharingReport:
@@ -54,6 +55,8 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
         and d.optimizer_state is Residency.HOST
     ):
         plan = _saved_on_host_if_faster(plan, check)
+    if loaded.spec.sharing.update_beside_prefix == "auto" and plan.decisions.optimizer_state is Residency.HOST:
+        plan = _update_beside_if_faster(plan, check)
     return plan
 
 
@@ -70,6 +73,22 @@ def _saved_on_host_if_faster(plan: Plan, check: bool) -> Plan:
         f"against {ours:.2f} with them in HBM)"
     )
     return replace(host, chosen=why)
+
+
+def _update_beside_if_faster(plan: Plan, check: bool) -> Plan:
+    """`sharing.update_beside_prefix: auto` where the actor's FP32 state streams: its update is the host link's
+    time and the next actor prefix's is compute, so the one can run under the other. The plan with the update
+    beside that prefix, where decode reads the prefix (else the setting has no effect), the plan fits and its step
+    bound is lower."""
+    beside = _compiled(with_changes(plan.loaded, {"sharing": {"update_beside_prefix": True}}), plan.schedule, check)
+    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(beside)
+    if not beside.decisions.update_beside_prefix or not beside.residency.fits or theirs >= ours:
+        return plan
+    why = (
+        f"sharing.update_beside_prefix auto: true, the streamed update runs under the next actor prefix's compute "
+        f"(step bound {theirs:.2f} s against {ours:.2f} with the update ending its step)"
+    )
+    return replace(beside, chosen="\n".join(x for x in (plan.chosen, why) if x))
 
 
 def _compiled(loaded: LoadedSpec, schedule: Schedule, check: bool) -> Plan:

@@ -222,9 +222,10 @@ def _all_steps(objects: list[MemObject]) -> set[int]:
 
 
 def update_beside_steps(c: Context) -> set[int]:
-    """With `sharing.update_beside_prefix`, where decode reads the actor prefix's boundary (the prefix runs first,
-    alone): that prefix's steps, which the actor's update of the step before runs on into. Else none."""
-    if not c.spec.sharing.update_beside_prefix or not prefilled_decodes(ops(c.g)):
+    """With `sharing.update_beside_prefix: true` (`compile_plan` settles auto), where decode reads the actor
+    prefix's boundary (the prefix runs first, alone): that prefix's steps, which the actor's update of the step
+    before runs on into. Else none."""
+    if c.spec.sharing.update_beside_prefix is not True or not prefilled_decodes(ops(c.g)):
         return set()
     prefixes = {o.id for o in ops(c.g) if o.role is Role.ACTOR and o.part is Part.PREFIX}
     return {s.index for s in steps(c.g) if prefixes & set(s.ops)}

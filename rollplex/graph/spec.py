@@ -356,13 +356,15 @@ class SharingSpec(_Strict):
         description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
         "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
     )
-    update_beside_prefix: bool = Field(
-        False,
+    update_beside_prefix: bool | Literal["auto"] = Field(
+        "auto",
         description="The actor's update runs on while the next step's actor prefix starts: each module of the "
         "prefix waits for its own parameters' chunks, decode and everything after it for the whole update. Takes "
         "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first and copies all "
         "of its inputs to the device before it starts; the plan counts the update's workspace, the gradients it "
-        "reads and those inputs in that prefix's steps. Off: the update ends its step.",
+        "reads and those inputs in that prefix's steps. auto: on where the actor's FP32 state streams from the "
+        "host pool (its update is the link's time, the prefix's is compute) and the plan with it fits with a lower "
+        "step bound; false: the update ends its step.",
     )
 
 

@@ -250,7 +250,7 @@ def residency_choices(plan: Plan, peaks) -> str:
     if d.update_beside_prefix:
         out += "\nthe actor's update runs on into the next step's actor prefix (sharing.update_beside_prefix), priced "
         out += "beside it; its own step waits for the gradient norm only"
-    elif plan.loaded.spec.sharing.update_beside_prefix:
+    elif plan.loaded.spec.sharing.update_beside_prefix is True:
         out += (
             "\nsharing.update_beside_prefix has no effect: decode does not read the actor prefix (run.rollout_prefill)"
         )

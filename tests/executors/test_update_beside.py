@@ -28,16 +28,16 @@ from rollplex.memory.optimizer import ChunkedAdamW
 SEVEN = (ROOT / "specs/qwen2_5_vl_7b_h200.yaml").read_text()
 
 
-def beside(text: str) -> str:
+def beside(text: str, value: str = "true") -> str:
     return (
-        text.replace("sharing:\n", "sharing:\n  update_beside_prefix: true\n")
+        text.replace("sharing:\n", f"sharing:\n  update_beside_prefix: {value}\n")
         if "sharing:\n" in text
-        else (text + "\nsharing: {update_beside_prefix: true}\n")
+        else (text + f"\nsharing: {{update_beside_prefix: {value}}}\n")
     )
 
 
 def test_the_plan_holds_the_update_into_the_next_actor_prefix_and_prices_it_beside_that_prefix():
-    off, on = compile_plan(parse_spec(SEVEN)), compile_plan(parse_spec(beside(SEVEN)))
+    off, on = compile_plan(parse_spec(beside(SEVEN, "false"))), compile_plan(parse_spec(beside(SEVEN)))
     assert on.decisions.update_beside_prefix and not off.decisions.update_beside_prefix
     (first,) = on.residency.update_beside  # the actor prefix's step, alone before decode
     grads = sum(o.bytes for o in on.residency.objects if o.role == "actor" and o.component == "FP32 gradients")
@@ -54,6 +54,37 @@ def test_the_plan_holds_the_update_into_the_next_actor_prefix_and_prices_it_besi
     assert step_seconds(on)[0] < step_seconds(off)[0] - 0.5  # the update's link time, largely under the prefix's
     prefilling = compile_plan(parse_spec(beside(SEVEN) + "run: {rollout_prefill: rollout}\n"))
     assert not prefilling.decisions.update_beside_prefix and prefilling.residency.update_beside == ()
+
+
+def test_auto_runs_a_streamed_update_beside_the_next_prefix_where_that_lowers_the_step_bound():
+    """`update_beside_prefix: auto` (the default): the 7B's FP32 state streams, so its update (the link's time)
+    runs under the next actor prefix (compute) and the dry-run says why; the 3B keeps its state in HBM and its
+    update ends its step, unless its state is sent to the host; where decode does not read the actor prefix there
+    is nothing to run beside."""
+    auto, on = compile_plan(parse_spec(SEVEN)), compile_plan(parse_spec(beside(SEVEN)))
+    assert auto.decisions == on.decisions and auto.residency == on.residency
+    assert (
+        auto.chosen.splitlines()[-1].startswith("sharing.update_beside_prefix auto: true") and "against" in auto.chosen
+    )
+    assert auto.loaded.spec.sharing.update_beside_prefix is True  # the plan carries the choice to plan.json
+    assert step_seconds(auto)[0] < step_seconds(compile_plan(parse_spec(beside(SEVEN, "false"))))[0] - 0.5
+    three = (ROOT / "specs/qwen2_5_vl_3b_h200.yaml").read_text()
+    assert not compile_plan(parse_spec(three)).decisions.update_beside_prefix  # in HBM: nothing to hide
+    streamed = compile_plan(parse_spec(three.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
+    assert streamed.decisions.update_beside_prefix and "update_beside_prefix auto" in streamed.chosen
+    prefilling = compile_plan(parse_spec(SEVEN + "run: {rollout_prefill: rollout}\n"))
+    assert not prefilling.decisions.update_beside_prefix and "update_beside_prefix" not in prefilling.chosen
+
+
+def test_a_critics_update_stays_in_its_step_when_the_actors_runs_beside_the_next_prefix():
+    """PPO: only the actor's optimizer defers its step; the critic's update is priced where it runs."""
+    text = (ROOT / "specs/ppo_critic_7b_h200.yaml").read_text()
+    off, on = (compile_plan(parse_spec(beside(text, v))) for v in ("false", "true"))
+    was, now = ({r.timer: r for r in time_plan(plan)} for plan in (off, on))
+    assert on.decisions.update_beside_prefix
+    moved = now["actor_prefix"].cost.host_bytes - was["actor_prefix"].cost.host_bytes
+    assert 0 < moved < was["update"].cost.host_bytes  # the actor's state, not the critic's
+    assert now["update"].cost.host_bytes == pytest.approx(was["update"].cost.host_bytes - moved)
 
 
 def test_the_engines_gate_each_actor_module_with_parameters_of_its_own_on_its_chunks():

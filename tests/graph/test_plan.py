@@ -94,6 +94,7 @@ cluster: {{hbm_gib: 139, host_gib: 1000}}
 parallel: {{qkv_sharing: {qkv_sharing}}}
 workload: {{prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}}
 memory: {{recompute: full, prefix_activations: recompute{extra}}}
+sharing: {{update_beside_prefix: false}}
 schedule: {schedule}
 """
 

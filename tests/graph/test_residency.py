@@ -14,6 +14,12 @@ from rollplex.graph.plan import compile_plan
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 
 
+def seven_text() -> str:
+    """The 7B spec with its update ending its step (auto would run it beside the next actor prefix): the
+    residency choices alone."""
+    return (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text() + "sharing:\n  update_beside_prefix: false\n"
+
+
 def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
     extra = ", page_reference: true, optimizer_state: host"  # the whole FP32 state on the host: over 100 GiB in all
     roomy, short = tiny(extra), tiny(extra + ", host_pool_gib: 100")
@@ -74,7 +80,7 @@ def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_f
     from rollplex.graph.cost import update
     from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
 
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n")
+    text = seven_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n")
     auto = compile_plan(parse_spec(text))  # the prefix's saved tensors held where they are: only the state moves
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
     r, d = auto.residency, auto.decisions
@@ -101,7 +107,7 @@ def test_prefix_saved_tensors_sent_to_the_host_stay_there_and_their_hbm_goes_to_
     """On the 7B spec the pool cannot hold the streamed FP32 state and the prefix's saved tensors at once: with
     `prefix_saved: host` the plan keeps the tensors on the host (it used to pull them back into HBM) and keeps a
     larger share of the state in HBM instead, so the pool still fits and less state crosses the link."""
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    text = seven_text()
     hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
     saved = lambda plan: sum(  # noqa: E731
@@ -122,7 +128,7 @@ def test_auto_sends_the_prefixs_saved_tensors_to_the_host_where_that_lowers_the_
     says); on the 3B spec the whole state is in HBM, nothing is gained, and the tensors stay in HBM."""
     from rollplex.graph.levers import step_seconds
 
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    text = seven_text()
     auto = compile_plan(parse_spec(text))
     hbm = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: host\n")))
@@ -137,7 +143,7 @@ def test_auto_sends_the_prefixs_saved_tensors_to_the_host_where_that_lowers_the_
 def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lowers_the_step_bound():
     from rollplex.graph.levers import faster_residencies, step_seconds
 
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    text = seven_text()
     seven = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     (faster,) = faster_residencies(seven)
     assert faster.lever.changes == {"memory": {"prefix_saved": "host"}} and faster.predicted_s is None

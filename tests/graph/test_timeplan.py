@@ -13,7 +13,11 @@ SPECS = Path(__file__).resolve().parents[2] / "specs"
 
 
 def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_efficiencies():
-    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    text = (
+        (SPECS / "qwen2_5_vl_3b_h200.yaml")
+        .read_text()
+        .replace("sharing:\n", "sharing:\n  update_beside_prefix: false\n")
+    )
 
     hbm = compile_plan(parse_spec(text))
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
