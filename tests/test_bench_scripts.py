@@ -394,3 +394,24 @@ def test_op_timeline_profiles_the_op_it_is_asked_for(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["ops"]
     assert row["op"] == "actor_score.prefix" and row["host_s"] > 0
+
+
+def test_the_7b_variants_set_their_keys_in_a_spec_the_loader_takes_and_summarise_a_run(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("run_variants", ROOT / "bench/run_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seven = ROOT / "specs/qwen2_5_vl_7b_h200.yaml"
+    monkeypatch.chdir(tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "bench/run_variants.py"), "spec", str(seven),
+                          "nocudnn+joined+chunk128"], capture_output=True, text=True)  # fmt: skip
+    loaded = load_spec(out.stdout.strip()).spec
+    assert loaded.run.cudnn_attention is False and loaded.sharing.update_beside_prefix is False
+    assert loaded.memory.optimizer_chunk_mib == 128 and loaded.memory.page_reference is True  # the rest kept
+    data = module.yaml.safe_load(seven.read_text())
+    assert module.variant(data, "shipped") == data and module.variant(data, "hbm") != data
+    with pytest.raises(SystemExit, match="unknown variant part 'fast'"):
+        module.variant({}, "hbm+fast")
+    text = module.summary(ROOT / "bench/results/run_7b_h200_update_beside_metrics.jsonl", seven)
+    phases, peaks, steps = text.splitlines()
+    assert phases.startswith("phases, medians of steps 2-5") and "actor_prefix 2.56 s" in phases
+    assert peaks.startswith("peaks GiB (measured / plan): 1: 113.3 / ") and steps.count(",") == 4
