@@ -55,7 +55,7 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
         and d.optimizer_state is Residency.HOST
     ):
         plan = _saved_on_host_if_faster(plan, check)
-    if loaded.spec.sharing.update_beside_prefix == "auto" and plan.decisions.optimizer_state is Residency.HOST:
+    if loaded.spec.sharing.update_beside_prefix == "auto" and _actor_state_streams(plan):
         plan = _update_beside_if_faster(plan, check)
     return plan
 
@@ -73,6 +73,12 @@ def _saved_on_host_if_faster(plan: Plan, check: bool) -> Plan:
         f"against {ours:.2f} with them in HBM)"
     )
     return replace(host, chosen=why)
+
+
+def _actor_state_streams(plan: Plan) -> bool:
+    """Whether part of the actor's FP32 state lives in the pinned pool (a critic's may while the actor's is kept)."""
+    state = (Component.MASTER, Component.MOMENTS)
+    return any(o.role == "actor" and o.component in state and o.host_bytes for o in plan.residency.objects)
 
 
 def _update_beside_if_faster(plan: Plan, check: bool) -> Plan:

@@ -74,6 +74,9 @@ def test_auto_runs_a_streamed_update_beside_the_next_prefix_where_that_lowers_th
     assert streamed.decisions.update_beside_prefix and "update_beside_prefix auto" in streamed.chosen
     prefilling = compile_plan(parse_spec(SEVEN + "run: {rollout_prefill: rollout}\n"))
     assert not prefilling.decisions.update_beside_prefix and "update_beside_prefix" not in prefilling.chosen
+    ppo = (ROOT / "specs/ppo_critic_7b_h200.yaml").read_text().replace("qwen2_5_vl_7b", "qwen2_5_vl_3b")
+    kept = compile_plan(parse_spec(ppo.replace("hbm_gib: 139", "hbm_gib: 120")))  # only the critic's state streams
+    assert kept.decisions.optimizer_kept_bytes > 0 and not kept.decisions.update_beside_prefix
 
 
 def test_a_critics_update_stays_in_its_step_when_the_actors_runs_beside_the_next_prefix():
