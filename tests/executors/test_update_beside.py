@@ -99,11 +99,18 @@ def test_the_engines_gate_each_actor_module_with_parameters_of_its_own_on_its_ch
     assert engines.update_beside_prefix and counts[1] - counts[0] == owners > 0
 
 
-def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch):
+def ppo_text() -> str:
+    return (ROOT / "specs/ppo_critic_tiny.yaml").read_text()
+
+
+@pytest.mark.parametrize("text_of", [spec_text, ppo_text], ids=["grpo", "ppo"])
+def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch, text_of):
+    """PPO too: the critic's update, in the step before the actor's, runs with none in flight, and the critic's
+    digest (of weights the actor's update does not touch) is read at its step's end."""
     events = []
     step, finish = ChunkedAdamW.step, ChunkedAdamW.finish
 
-    live = {}
+    live, actor_digests = {}, []
 
     def deferred_step(self, defer=False):
         norm = step(self)
@@ -112,8 +119,11 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
             live["optimizer"] = self
         return norm
 
-    def checked_fingerprints(model):  # launched only once the update is done
-        assert live["optimizer"].in_flight is None
+    def checked_fingerprints(model):  # the actor's: launched only once its update is done
+        optimizer = live["optimizer"]
+        if any(p is next(model.parameters()) for p in optimizer.params):
+            assert optimizer.in_flight is None
+            actor_digests.append(model)
         return fingerprints_of(model)
 
     def stand_in_wait(self, params):
@@ -139,7 +149,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
         return decode(e, *args)
 
     records = []
-    for name, text in (("joined", spec_text()), ("deferred", beside(spec_text()))):
+    for name, text in (("joined", text_of()), ("deferred", beside(text_of()))):
         with monkeypatch.context() as m:
             if name == "deferred":
                 m.setattr(ChunkedAdamW, "step", deferred_step)
@@ -153,6 +163,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     joined, deferred = records
     assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
     assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
+    assert len(actor_digests) == 3  # one a step, each after its update
     assert len(events) == 3 and all(waited > 0 for waited in events[:2])  # steps 2, 3's prefixes waited; the end
     lines = [json.loads(x) for x in (tmp_path / "deferred" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["param_digest"] for x in lines] == [
