@@ -32,6 +32,9 @@ def test_the_spec_reference_is_generated_from_the_schema_and_names_every_key():
     assert doc == spec_reference(), "docs/spec.md is stale: python -m rollplex.report.specdoc > docs/spec.md"
     missing = [k for k in spec_keys(Spec) if f"`{k}`" not in doc]
     assert not missing, f"docs/spec.md lacks {missing}"
+    # an optional section has a row of its own, and its keys are required only with it
+    assert "| `workload.video` | VideoSpec or null | `null` |" in doc
+    assert "| `workload.video.frames` | int (> 0) | required with `workload.video` |" in doc
 
 
 def test_ci_runs_the_readme_test_command():
@@ -40,3 +43,12 @@ def test_ci_runs_the_readme_test_command():
     command = next(line.strip() for line in tests[1:] if line.startswith("    "))
     ci = (ROOT / ".ci" / "run").read_text()
     assert any(line.split("#")[0].strip() == command for line in ci.splitlines())
+
+
+def test_every_package_of_rollplex_is_listed_for_the_wheel():
+    """A non-editable install holds only the packages pyproject.toml lists: each one with an __init__.py."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "rollplex").rglob("__init__.py")}
+    assert found == listed

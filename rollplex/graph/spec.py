@@ -209,7 +209,8 @@ class MemorySpec(_Strict):
     recompute: Literal["none", "full"] = Field("none", description="Activation recompute for the training microbatch.")
     prefix_activations: Literal["offload", "recompute"] = Field(
         "offload",
-        description="Actor-prefix saved tensors: offload to the pinned host pool, or keep layer inputs.",
+        description="What the actor prefix saves for its backward: offload, every tensor autograd saves (where "
+        "they wait: `prefix_saved`), or recompute, only each layer's input (backward reruns the layer).",
     )
     optimizer_chunk_mib: PositiveInt | None = Field(
         None,

@@ -34,18 +34,21 @@ def spec_reference() -> str:
     return "\n".join(parts)
 
 
-def _rows(model: type[BaseModel], prefix: str):
+def _rows(model: type[BaseModel], prefix: str, within: str = ""):
+    """`within`: the optional section these keys belong to (their `required` holds only when it is given)."""
     for name, field in model.model_fields.items():
         key = prefix + (field.alias or name)
         nested = _model_of(field.annotation)
-        if nested is None or _is_sequence(field.annotation):
-            yield _row(key, field)  # a list of sections: the list, then the keys of each item
+        optional = nested is not None and not field.is_required() and field.default is None
+        if nested is None or _is_sequence(field.annotation) or optional:
+            yield _row(key, field, within)  # a list of sections: the list, then the keys of each item
         if nested is not None:
-            yield from _rows(nested, key + ".")
+            yield from _rows(nested, key + ".", key if optional else within)
 
 
-def _row(key: str, field) -> tuple[str, str, str, str]:
-    default = "required" if field.is_required() else _value(field.default)
+def _row(key: str, field, within: str = "") -> tuple[str, str, str, str]:
+    required = f"required with `{within}`" if within else "required"
+    default = required if field.is_required() else _value(field.default)
     bounds = ", ".join(_bound(m) for m in field.metadata if _bound(m))
     kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
     return f"`{key}`", kind, default, (field.description or "").replace("|", "\\|")
