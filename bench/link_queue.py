@@ -18,10 +18,13 @@ same traffic each:
   so that no copy in the queue waits on an event
 - pieces: as gated, every copy in 64 MiB pieces
 - mapped: as gated, the input read from the pinned host memory by a kernel (no copy engine)
+- memset: as gated, the input zeroed on the device by `cudaMemsetAsync` (through cupy) instead of copied in, as
+  cuDNN zeroes its attention workspace: whether a memset on the prefix's stream waits behind the streamed copies
+- fill: as memset, the input set by a fill kernel (torch's `fill_`) instead
 
 The cases tell a copy engine that serves its queue in order (gated slow, paced fast) from one that gives a small
 copy no turn while large ones stream (gated and paced slow, pieces fast) and from a link too full for any copy
-(all but mapped slow).
+(all but mapped slow); memset slow and fill fast, that a device memset queues with the copies.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-CASES = ("idle", "gated", "paced", "pieces", "mapped")
+CASES = ("idle", "gated", "paced", "pieces", "mapped", "memset", "fill")
 SLOTS = 3
 PIECE_BYTES = 64 << 20
 
@@ -107,6 +110,17 @@ class Pipeline:
         return stream.record_event()
 
 
+def memset_async():
+    """`cudaMemsetAsync` of a device tensor on the current stream (torch's own `zero_` may launch a fill kernel)."""
+    import cupy
+
+    def zero(t: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        cupy.cuda.runtime.memsetAsync(t.data_ptr(), 0, t.numel() * t.element_size(), stream)
+
+    return zero
+
+
 def read_kernel():
     """A Triton kernel that copies n fp32 from src to dst: src may be pinned host memory, read over the link by
     the SMs (a pinned allocation is mapped into the device's address space)."""
@@ -156,6 +170,7 @@ def run_case(case: str, args: argparse.Namespace, b: Buffers) -> dict:
     read = read_kernel() if case == "mapped" else None
     if read is not None:
         read(b.small_host, b.small_dev)  # compiled before the clock starts
+    zero = memset_async() if case == "memset" else None
     torch.mm(b.a, b.a)
     prefix, side = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -175,10 +190,14 @@ def run_case(case: str, args: argparse.Namespace, b: Buffers) -> dict:
             for _ in range(args.matmuls):
                 torch.mm(b.a, b.a)
             start.record(prefix)
-            if read is None:
-                b.small_dev.copy_(b.small_host, non_blocking=True)
-            else:
+            if read is not None:
                 read(b.small_host, b.small_dev)
+            elif zero is not None:
+                zero(b.small_dev)
+            elif case == "fill":
+                b.small_dev.fill_(1.0)
+            else:
+                b.small_dev.copy_(b.small_host, non_blocking=True)
             b.small_dev.add_(1.0)
             end.record(prefix)
         marks.append((start, end))
@@ -238,8 +257,8 @@ def main() -> None:
     for case in args.cases:
         try:
             rows.append(run_case(case, args, buffers))
-        except ValueError as e:  # triton refusing a pinned host pointer: the case cannot run here
-            if case != "mapped":
+        except (ValueError, ImportError) as e:  # triton refusing a pinned host pointer, no cupy: not here
+            if case not in ("mapped", "memset"):
                 raise
             rows.append({"case": case, "error": str(e).splitlines()[0]})
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args) | {"out": None}}
