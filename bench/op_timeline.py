@@ -13,9 +13,10 @@ calls by total time (a synchronisation blocks), the longest idle stretches of th
 kernel that ends each and when the host launched it (launched before the stretch began: the stream waited on the
 device for something queued before that kernel) and the last copy on that stream within the stretch (a copy that
 was launched early and started late waited in the copy engine's queue; no copy: the stream waited on an event),
-the longest stretches in which the host made no CUDA call, and the garbage collector's time inside the op (the steps
-run under `run.manual_gc` as `rollplex run` runs them). `--python` runs one more step with the op under
-cProfile: the host's time by Python function.
+the longest stretches in which the host made no CUDA call, the torch ops that issued the device memsets
+(`cudaMemsetAsync`: a library's workspace zeroing, which may queue behind other streams' copies), and the garbage
+collector's time inside the op (the steps run under `run.manual_gc` as `rollplex run` runs them). `--python` runs
+one more step with the op under cProfile: the host's time by Python function.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def union_s(intervals: list[tuple[float, float]], lo: float, hi: float) -> float
 
 def summarise(prof, op_id: str) -> dict:
     device, launches, calls, kernels, launched, host, copies = {}, [], {}, {}, {}, [], {}
-    for e in prof.events():
+    events = prof.events()
+    for e in events:
         if e.device_type == DeviceType.CUDA:
             name = engine(e.name, e.device_resource_id)
             device.setdefault(name, []).append((e.time_range.start, e.time_range.end))
@@ -114,7 +116,24 @@ def summarise(prof, op_id: str) -> dict:
             device[busiest], lo, hi, busiest, sorted(kernels[busiest]), launched, sorted(copies.get(stream_id, []))
         ),
         "host_gaps_ms": host_gaps(host, lo),
+        "memsets_by_op": issuers(events, "cudaMemsetAsync"),
     }
+
+
+def issuers(events, call: str, top: int = 8) -> list[dict]:
+    """Who issued each host `call`: the innermost torch op above it (its profiler parent that is not itself a CUDA
+    runtime call), by total host time in the call."""
+    found: dict[str, list[float]] = {}
+    for e in events:
+        if e.name != call:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name.startswith(("cuda", "cu")):
+            parent = parent.cpu_parent
+        found.setdefault(parent.name if parent is not None else "(none)", []).append(
+            e.time_range.end - e.time_range.start
+        )
+    return runtime_calls(found, top)
 
 
 def runtime_calls(calls: dict[str, list[float]], top: int = 8) -> list[dict]:
@@ -203,6 +222,10 @@ def main() -> None:
             print(f"  {name:<28} busy {e['busy_s']:>7.3f} s  per tenth {e['busy_per_tenth']}")
         for c in row.get("runtime_calls", []):
             print(f"  host {c['name']:<32} x{c['count']:<6} {c['total_ms']:>9.1f} ms (longest {c['max_ms']} ms)")
+        for c in row.get("memsets_by_op", []):
+            print(
+                f"  memsets from {c['name']:<40} x{c['count']:<6} {c['total_ms']:>9.1f} ms (longest {c['max_ms']} ms)"
+            )
         if gaps := row.get("idle_gaps"):
             print(f"  {gaps['stream']} idle [offset ms, length ms, launched ms after its start, next kernel]:")
             for gap in gaps["gaps"]:

@@ -415,3 +415,29 @@ def test_the_7b_variants_set_their_keys_in_a_spec_the_loader_takes_and_summarise
     phases, peaks, steps = text.splitlines()
     assert phases.startswith("phases, medians of steps 2-5") and "actor_prefix 2.56 s" in phases
     assert peaks.startswith("peaks GiB (measured / plan): 1: 113.3 / ") and steps.count(",") == 4
+
+
+def test_op_timeline_names_the_torch_op_that_issued_each_memset():
+    spec = importlib.util.spec_from_file_location("op_timeline", ROOT / "bench/op_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Event:
+        def __init__(self, name: str, parent, start: float = 0.0, end: float = 0.0) -> None:
+            self.name, self.cpu_parent = name, parent
+            self.time_range = type("Range", (), {"start": start, "end": end})()
+
+    attention = Event("aten::_cudnn_attention_forward", None)
+    zero = Event("aten::zero_", Event("aten::zeros", None))
+    events = [
+        Event("cudaMemsetAsync", attention, 0, 3_000),
+        Event("cudaMemsetAsync", Event("cuLaunchKernel", attention), 10, 1_010),  # under another runtime call
+        Event("cudaMemsetAsync", zero, 20, 40),
+        Event("cudaMemsetAsync", None, 50, 60),
+        Event("cudaLaunchKernel", zero, 70, 80),
+    ]
+    assert module.issuers(events, "cudaMemsetAsync") == [
+        {"name": "aten::_cudnn_attention_forward", "count": 2, "total_ms": 4.0, "max_ms": 3.0},
+        {"name": "aten::zero_", "count": 1, "total_ms": 0.02, "max_ms": 0.02},
+        {"name": "(none)", "count": 1, "total_ms": 0.01, "max_ms": 0.01},
+    ]
