@@ -207,3 +207,19 @@ def test_op_timeline_names_the_torch_op_that_issued_each_memset(monkeypatch):
         {"name": "aten::zero_", "count": 1, "total_ms": 0.02, "max_ms": 0.02},
         {"name": "(none)", "count": 1, "total_ms": 0.01, "max_ms": 0.01},
     ]
+
+
+def test_the_time_plan_check_prices_each_phase_at_the_plan_and_at_the_runs_own_steps(monkeypatch):
+    check = bench_module("timeplan_check", monkeypatch)
+    run = ROOT / "bench/results/run_3b_h200_6steps_metrics.jsonl"
+    rows = check.compare(ROOT / "specs/qwen2_5_vl_3b_h200.yaml", run, str(check.BENCH_3B))
+    by = {phase: (predicted, at_steps, measured) for phase, predicted, at_steps, measured in rows}
+    assert list(by)[-1] == "step" and "ref_prefix" not in by  # beside decode: no seconds of its own
+    predicted, at_steps, measured = by["rollout"]
+    assert at_steps > predicted * 1.2 and measured == pytest.approx(
+        7.08, abs=0.005
+    )  # those steps decoded longer than the plan's average
+    shift = sum(at - predicted for phase, (predicted, at, _) in by.items() if phase != "step")
+    assert by["step"][1] - by["step"][0] == pytest.approx(shift) and by["step"][2] == pytest.approx(
+        14.46, abs=0.005
+    )  # the run's median step
