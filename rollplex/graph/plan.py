@@ -54,47 +54,37 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
         and d.prefix_saved is Residency.HBM
         and d.optimizer_state is Residency.HOST
     ):
-        plan = _saved_on_host_if_faster(plan, check)
+        # the saved tensors in HBM crowd the FP32 state's share out: its traffic is exposed in the update, theirs
+        # hides under the prefix's compute
+        plan = _if_faster(
+            plan, {"memory": {"prefix_saved": "host"}}, check,
+            "memory.prefix_saved auto: host, the HBM they leave keeps more of the FP32 state", "with them in HBM",
+        )  # fmt: skip
     if loaded.spec.sharing.update_beside_prefix == "auto" and _actor_state_streams(plan):
-        plan = _update_beside_if_faster(plan, check)
+        # the streamed update is the host link's time, the next actor prefix's is compute: one under the other
+        plan = _if_faster(
+            plan, {"sharing": {"update_beside_prefix": True}}, check,
+            "sharing.update_beside_prefix auto: true, the streamed update runs under the next actor prefix's compute",
+            "with the update ending its step",
+        )  # fmt: skip
     return plan
 
 
-def _saved_on_host_if_faster(plan: Plan, check: bool) -> Plan:
-    """`memory.prefix_saved: auto` where the FP32 state streams: the prefix's saved tensors kept in HBM crowd the
-    state's share out, and the state's traffic is exposed in the update, where theirs hides under the prefix's
-    compute. The plan with them on the host, where it fits and its step bound is lower."""
-    host = _compiled(with_changes(plan.loaded, {"memory": {"prefix_saved": "host"}}), plan.schedule, check)
-    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(host)
-    if not host.residency.fits or theirs >= ours:
+def _if_faster(plan: Plan, changes: dict, check: bool, chose: str, otherwise: str) -> Plan:
+    """An `auto` setting: the plan compiled with `changes` where it fits, differs in its decisions (a change that
+    has no effect is none) and has the lower step bound, with why added to `chosen`; else `plan`."""
+    other = _compiled(with_changes(plan.loaded, changes), plan.schedule, check)
+    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(other)
+    if other.decisions == plan.decisions or not other.residency.fits or theirs >= ours:
         return plan
-    why = (
-        f"memory.prefix_saved auto: host, the HBM they leave keeps more of the FP32 state (step bound {theirs:.2f} s "
-        f"against {ours:.2f} with them in HBM)"
-    )
-    return replace(host, chosen=why)
+    why = f"{chose} (step bound {theirs:.2f} s against {ours:.2f} {otherwise})"
+    return replace(other, chosen="\n".join(x for x in (plan.chosen, why) if x))
 
 
 def _actor_state_streams(plan: Plan) -> bool:
     """Whether part of the actor's FP32 state lives in the pinned pool (a critic's may while the actor's is kept)."""
     state = (Component.MASTER, Component.MOMENTS)
     return any(o.role == "actor" and o.component in state and o.host_bytes for o in plan.residency.objects)
-
-
-def _update_beside_if_faster(plan: Plan, check: bool) -> Plan:
-    """`sharing.update_beside_prefix: auto` where the actor's FP32 state streams: its update is the host link's
-    time and the next actor prefix's is compute, so the one can run under the other. The plan with the update
-    beside that prefix, where decode reads the prefix (else the setting has no effect), the plan fits and its step
-    bound is lower."""
-    beside = _compiled(with_changes(plan.loaded, {"sharing": {"update_beside_prefix": True}}), plan.schedule, check)
-    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(beside)
-    if not beside.decisions.update_beside_prefix or not beside.residency.fits or theirs >= ours:
-        return plan
-    why = (
-        f"sharing.update_beside_prefix auto: true, the streamed update runs under the next actor prefix's compute "
-        f"(step bound {theirs:.2f} s against {ours:.2f} with the update ending its step)"
-    )
-    return replace(beside, chosen="\n".join(x for x in (plan.chosen, why) if x))
 
 
 def _compiled(loaded: LoadedSpec, schedule: Schedule, check: bool) -> Plan:
