@@ -1,4 +1,5 @@
-"""The YAML spec, validated with pydantic. This is the only place pydantic is used.
+"""The YAML spec's schema, in pydantic (the YAML boundary: nothing past it declares a pydantic model); with
+`spec_base.py` (what any setting must be) and `spec_runtime.py` (the `run` and `sharing` sections).
 
 Sections: model, cluster, parallel, workload, algorithm, memory, schedule, sharing, graph (optional), run.
 Checks that need the model's shapes (TP divides the heads) live in `graph.load`, after the model is read.
@@ -6,47 +7,19 @@ Checks that need the model's shapes (TP divides the heads) live in `graph.load`,
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from rollplex.graph.spec_base import Strict
+from rollplex.graph.spec_runtime import RunSpec, SharingSpec
 
 NodeKindName = Literal["decode", "forward", "backward", "update", "reward"]
 RoleName = Literal["rollout", "reference", "actor", "critic"]
 TensorClassName = Literal["permanent", "regenerable", "boundary", "phase-local"]
 
 
-MAX_NUMBER = 10**12  # no count, size or rate of a real run comes near it
-
-
-class _Strict(BaseModel):
-    """Unknown keys, NaN and infinity refused; a boolean is not a number; a number beyond MAX_NUMBER is no real
-    setting (a typo, or a value meant to overflow)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sane_numbers(cls, data: object) -> object:
-        if not isinstance(data, dict):
-            return data
-        for name, field in cls.model_fields.items():
-            key = field.alias or name
-            value = data.get(key)
-            if isinstance(value, bool) and not _takes_bool(field.annotation):
-                raise ValueError(f"{key} takes a number or a name, not the boolean {str(value).lower()}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{key} must be a finite number, not {value}")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
-                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
-        return data
-
-
-def _takes_bool(annotation: object) -> bool:
-    return annotation is bool or bool in getattr(annotation, "__args__", ())
-
-
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     name: str = Field(description="A shipped config name, an HF config.json, or a checkpoint directory.")
     freeze_vision: bool = Field(
         False,
@@ -56,7 +29,7 @@ class ModelSpec(_Strict):
     )
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(Strict):
     nodes: PositiveInt = Field(1, description="Number of nodes.")
     gpus_per_node: PositiveInt = Field(1, description="GPUs per node.")
     hbm_gib: PositiveFloat = Field(le=4096, description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
@@ -70,7 +43,7 @@ class ClusterSpec(_Strict):
         return self.nodes * self.gpus_per_node
 
 
-class ParallelSpec(_Strict):
+class ParallelSpec(Strict):
     train_tp: PositiveInt = Field(1, description="Tensor-parallel degree of the trainer (actor, reference, critic).")
     rollout_tp: PositiveInt = Field(1, description="Tensor-parallel degree of rollout; must divide train_tp.")
     qkv_sharing: Literal["in_place", "copy"] = Field(
@@ -108,13 +81,13 @@ class ParallelSpec(_Strict):
         return self
 
 
-class VideoSpec(_Strict):
+class VideoSpec(Strict):
     frames: PositiveInt = Field(description="Frames sampled per video.")
     height: PositiveInt = Field(description="Frame height in pixels after resizing (a multiple of 28).")
     width: PositiveInt = Field(description="Frame width in pixels after resizing (a multiple of 28).")
 
 
-class WorkloadSpec(_Strict):
+class WorkloadSpec(Strict):
     prompts_per_step: PositiveInt = Field(description="Prompts per training step, over the whole cluster.")
     group_size: PositiveInt = Field(description="Responses sampled per prompt (GRPO's N).")
     prompt_tokens: PositiveInt = Field(description="Prompt token budget per prompt, visual tokens included.")
@@ -156,12 +129,12 @@ class WorkloadSpec(_Strict):
         return self.visual_tokens or 0
 
 
-class RewardSpec(_Strict):
+class RewardSpec(Strict):
     name: str = Field(description="A registered reward (`format`, `accuracy`, ...) or `module:function`.")
     weight: float = Field(1.0, description="Weight in the summed reward.")
 
 
-class AlgorithmSpec(_Strict):
+class AlgorithmSpec(Strict):
     name: Literal["grpo", "ppo"] = Field(
         "grpo",
         description="The RL algorithm: grpo (advantages normalised within each prompt's group) or ppo (a critic: "
@@ -202,7 +175,7 @@ class AlgorithmSpec(_Strict):
     )
 
 
-class MemorySpec(_Strict):
+class MemorySpec(Strict):
     rollout_kv_gib: PositiveFloat | None = Field(
         None, description="Rollout KV-cache budget per GPU, GiB; null sizes it to the workload."
     )
@@ -250,7 +223,7 @@ class MemorySpec(_Strict):
     )
 
 
-class NodeSpec(_Strict):
+class NodeSpec(Strict):
     id: str = Field(description="Unique node id.")
     kind: NodeKindName = Field(description="decode, forward, backward, update or reward.")
     role: RoleName | None = Field(None, description="Whose model runs it; reward nodes have none.")
@@ -268,108 +241,17 @@ class NodeSpec(_Strict):
         return self
 
 
-class TensorSpec(_Strict):
+class TensorSpec(Strict):
     name: str = Field(description="Tensor name, as used in node inputs and outputs.")
     cls: TensorClassName = Field(alias="class", description="permanent, regenerable, boundary or phase-local.")
 
 
-class GraphSpec(_Strict):
+class GraphSpec(Strict):
     nodes: tuple[NodeSpec, ...] = Field(description="The iteration's nodes, in any order.")
     tensors: tuple[TensorSpec, ...] = Field((), description="Tensor classes; undeclared tensors are phase-local.")
 
 
-class RunSpec(_Strict):
-    steps: PositiveInt = Field(10, description="Training steps.")
-    seed: int = Field(0, description="Seed of sampling, data order and initial weights.")
-    checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
-    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
-    init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where `rollplex run` trains: auto is the GPU when there is one, else the CPU."
-    )
-    deterministic: bool = Field(
-        False,
-        description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
-        "give bitwise the same weights. Off, the memory-efficient and flash attention backwards accumulate with "
-        "atomics and weights differ at rounding level between runs. On costs some attention-backward speed: torch "
-        "then never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process, and the vision "
-        "tower attends through gathers and a mask instead of flash attention's variable-length kernel.",
-    )
-    cudnn_attention: bool = Field(
-        True,
-        description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
-        "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
-        "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
-        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
-    )
-    manual_gc: bool = Field(
-        True,
-        description="Python's garbage collector never starts inside a step: `rollplex run` turns automatic "
-        "collection off and collects at each step's end, the young generations each time and all of them every "
-        "10th step (metrics: gc_s). A full collection that starts mid-step holds the host, and the device waits for "
-        "it. false: Python's default collector.",
-    )
-    rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
-        "auto",
-        description="Where the rollout's prompt KV and first-token log-probs come from: rollout (the rollout engine "
-        "prefills each prompt); actor_prefix (the actor's prefix, which computes the same numbers on the same "
-        "weights: it then runs before decode instead of beside it, and the rollout prefills nothing); auto: "
-        "actor_prefix where the spec allows it, else rollout. actor_prefix needs one GPU, one mini-batch, "
-        "weight_sharing and a rollout in the trainer's process (not sharing.policy mps); the unsplit schedule, "
-        "which has no prefix, prefills.",
-    )
-    decode_kernels: Literal["auto", "cublas", "rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead"] = Field(
-        "auto",
-        description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
-        "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
-        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
-        "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
-        "GEMM); rollplex_ahead (rollplex_fused with each kernel letting the next launch before it waits, and each "
-        "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
-        "before it. All decode bitwise alike; their speeds are in docs/results.md.",
-    )
-
-
-class SharingSpec(_Strict):
-    policy: Literal["inline", "streams", "green", "mps"] = Field(
-        "green",
-        description="How `rollplex` runs prefix work beside rollout decode on a GPU: inline (between decode "
-        "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
-        "`prefix_sms` SMs, torch green contexts), mps (rollout in a child process reading the actor's weights "
-        "in place, both processes clients of an MPS daemon the run starts and stops; both schedules use it). "
-        "One chunk at most is in flight; the CPU runs prefix work inline (under mps, rollout still runs in "
-        "its own process).",
-    )
-    mps_trainer_percent: int | None = Field(
-        None, ge=1, le=100, description="Under mps: the trainer process's active-thread percentage (null: no cap)."
-    )
-    mps_rollout_percent: int | None = Field(
-        None, ge=1, le=100, description="Under mps: the rollout process's active-thread percentage (null: no cap)."
-    )
-    prefix_sms: PositiveInt | Literal["adaptive"] = Field(
-        66,
-        description="SMs of the prefix partition under `green` (an H200 has 132), or adaptive: each chunk gets "
-        "a partition sized by the live decode batch (half the SMs at the rollout's full batch, more as it drains).",
-    )
-    layers_per_chunk: PositiveInt = Field(1, description="Decoder layers (and vision blocks) of prefix work per chunk.")
-    prompts_per_chunk: PositiveInt | None = Field(
-        1,
-        description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
-        "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
-    )
-    update_beside_prefix: bool | Literal["auto"] = Field(
-        "auto",
-        description="The actor's update runs on while the next step's actor prefix starts: each module of the "
-        "prefix waits for its own parameters' chunks, decode and everything after it for the whole update. Takes "
-        "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first and copies all "
-        "of its inputs to the device before it starts; the plan counts the update's workspace, the gradients it "
-        "reads and those inputs in that prefix's steps. auto: on where the actor's FP32 state streams from the "
-        "host pool (its update is the link's time, the prefix's is compute) and the plan with it fits with a lower "
-        "step bound; false: the update ends its step.",
-    )
-
-
-class Spec(_Strict):
+class Spec(Strict):
     model: ModelSpec = Field(description="The model: a name (shipped config, HF config.json or checkpoint directory).")
     cluster: ClusterSpec
     parallel: ParallelSpec = ParallelSpec()

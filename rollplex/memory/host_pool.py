@@ -12,6 +12,8 @@ stream (`copy_on`). On CPU it is plain memory and the same code runs without str
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from math import prod
 
@@ -236,6 +238,21 @@ class HostPool:
 
 def _ignore(buffer: torch.Tensor) -> None:
     del buffer
+
+
+def aligned_total(sizes: Iterable[int]) -> int:
+    """The bytes a pool needs for blocks of these sizes, each rounded up to ALIGNMENT."""
+    return sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
+
+
+def on_stream(stream: torch.cuda.Stream | None):
+    """A context that runs work on `stream`; none on CPU (stream None)."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def tail_event(stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Event, ...]:
+    """An event at the tail of `stream`, to order later work after it (nothing on CPU)."""
+    return () if stream is None else (stream.record_event(),)
 
 
 def copy_on(

@@ -10,18 +10,14 @@ block, nothing copied, first: the host link carries only the others, whose loads
 
 Numerics: `clip_grad_norm_` (when `max_grad_norm` is set) then `torch.optim.AdamW(fused=True).step()` on each
 element (its kernel: `adamw.adamw_`). The global grad norm and the clipping coefficient are complete before any
-chunk commits. Gradients are read, never modified. With `fp32_grads` the gradients accumulate in FP32
-(Megatron's main grads): a hook adds each parameter's fresh low-precision `.grad` into an FP32 buffer and
-frees it, so microbatches sum in FP32 and one low-precision gradient per parameter is alive at a time at
-most; the buffers exist from the first backward to `zero_grad`. What it is not: a `torch.optim.Optimizer` (one group,
-no closures, no AMSGrad); its state dict (`optimizer_state`) has torch's layout plus each parameter's FP32 "master".
+chunk commits. Gradients are read, never modified; with `fp32_grads` they accumulate in FP32 (`main_grads.py`).
+What it is not: a `torch.optim.Optimizer` (one group, no closures, no AMSGrad); its state dict (`optimizer_state`)
+has torch's layout plus each parameter's FP32 "master".
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -30,8 +26,9 @@ import torch
 
 from rollplex.memory import optimizer_state
 from rollplex.memory.adamw import AdamWConfig, adamw_
-from rollplex.memory.host_pool import ALIGNMENT, HostPool, copy_on
+from rollplex.memory.host_pool import HostPool, aligned_total, copy_on, on_stream, tail_event
 from rollplex.memory.in_flight import UpdateInFlight
+from rollplex.memory.main_grads import MainGrads
 from rollplex.memory.state_layout import (
     STATE_BYTES_PER_ELEMENT,
     Chunk,
@@ -58,15 +55,6 @@ def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
         flats[index][start : start + values.numel()].copy_(values)
 
     return write
-
-
-def _on(stream: torch.cuda.Stream | None):
-    return nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
-def _after(stream: torch.cuda.Stream | None) -> tuple[torch.cuda.Event, ...]:
-    """An event at the tail of `stream`, to order later work after it (nothing on CPU)."""
-    return () if stream is None else (stream.record_event(),)
 
 
 @dataclass(frozen=True)
@@ -132,9 +120,7 @@ class ChunkedAdamW:
         `shard`: this rank keeps and updates only its share of the state (ZeRO-1); the gradients must already be
         summed over the ranks."""
         self.params = list(params)
-        self.main_grads: list[torch.Tensor | None] | None = [None] * len(self.params) if fp32_grads else None
-        fold = _weak_fold(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(fold) for p in self.params] if fp32_grads else []
+        self.main_grads = MainGrads(self.params) if fp32_grads else None
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.tp, self.sharded = tp, list(sharded or [False] * len(self.params))
         self.sharded_segments: torch.Tensor | None = None  # per segment, sharded over TP: `update_ranks.global_norm`
@@ -159,11 +145,15 @@ class ChunkedAdamW:
         self.first_moved = len(self.chunks) - self.num_moved  # chunks from here on visit the device slots
         on_host = not state_on_device or self.device.type == "cpu"
         self.pool = pool or HostPool(
-            self._pool_bytes(self.chunks[kept:]),
+            aligned_total(STATE_BYTES_PER_ELEMENT * c.numel for c in self.chunks[kept:]),
             pin=on_host and self.device.type == "cuda",
             device=None if on_host else self.device,
         )
-        self.device_pool = HostPool(self._pool_bytes(self.chunks[:kept]), device=self.device) if kept else None
+        self.device_pool = (
+            HostPool(aligned_total(STATE_BYTES_PER_ELEMENT * c.numel for c in self.chunks[:kept]), device=self.device)
+            if kept
+            else None
+        )
         self.pools = [self.device_pool] * kept + [self.pool] * self.num_streamed
         self.write = write or copy_into(self.params)  # where new values go; may be swapped between steps
         self.num_segments = sum(len(chunk.segments) for chunk in self.chunks)
@@ -203,9 +193,9 @@ class ChunkedAdamW:
         return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[self.first_moved :])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for i, p in enumerate(self.params):
-            if self.main_grads is not None and self.main_grads[i] is not None:
-                self.main_grads[i] = None if set_to_none else self.main_grads[i].zero_()
+        if self.main_grads is not None:
+            self.main_grads.zero(set_to_none)
+        for p in self.params:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
@@ -213,20 +203,7 @@ class ChunkedAdamW:
 
     def grad_of(self, i: int) -> torch.Tensor | None:
         """Parameter i's gradient as the next step reads it (its FP32 main grad under `fp32_grads`)."""
-        if self.main_grads is None:
-            return self.params[i].grad
-        if self.params[i].grad is not None:  # set by hand, not by a backward: fold it in now
-            self._fold(self.params[i])
-        return self.main_grads[i]
-
-    @torch.no_grad()
-    def _fold(self, p: torch.Tensor) -> None:  # a parameter's grad is complete: into its FP32 main grad
-        i = self._index[id(p)]
-        if self.main_grads[i] is None:
-            self.main_grads[i] = p.grad.to(torch.float32, copy=True)
-        else:
-            self.main_grads[i].add_(p.grad)
-        p.grad = None
+        return self.params[i].grad if self.main_grads is None else self.main_grads.grad_of(i)
 
     @torch.no_grad()
     def step(self, defer: bool = False) -> torch.Tensor:
@@ -247,10 +224,10 @@ class ChunkedAdamW:
         loaded = [()] * NUM_SLOTS
         if self.num_moved:
             loaded[0] = self._copy(load, self.first_moved, slots[0], into_host=False, after=())
-        with _on(adam):
+        with on_stream(adam):
             coef = self._grad_norm_pass(norms, grads)
             number = torch.full((), float(self.num_steps), dtype=torch.float32, device=self.device)
-        normed = _after(adam)
+        normed = tail_event(adam)
         step = _StepArgs(self.config, number, coef, self.write, grads)
         work = self._chunk_work(slots, grad, step, loaded)
         if defer and adam is not None and self.shard is None:
@@ -275,20 +252,20 @@ class ChunkedAdamW:
         offloaded = [()] * NUM_SLOTS
         for j in range(len(self.chunks)):
             if j < self.first_moved:  # its state lives on the device: updated in its pool block, nothing copied
-                with _on(adam):
+                with on_stream(adam):
                     self._adam(j, self.chunk_state(j).view(-1), grad, step)
-                yield next(iter(_after(adam)), None)
+                yield next(iter(tail_event(adam)), None)
                 continue
             m = j - self.first_moved  # its turn among the moved chunks, which take the slots in turn
             if m + 1 < self.num_moved:
                 k = (m + 1) % NUM_SLOTS
                 loaded[k] = self._copy(load, j + 1, slots[k], into_host=False, after=offloaded[k])
             slot = slots[m % NUM_SLOTS]
-            with _on(adam):
+            with on_stream(adam):
                 for event in loaded[m % NUM_SLOTS]:
                     adam.wait_event(event)
                 self._adam(j, slot, grad, step)
-            written = _after(adam)
+            written = tail_event(adam)
             offloaded[m % NUM_SLOTS] = self._copy(offload, j, slot, into_host=True, after=written)
             yield next(iter(written), None)
 
@@ -368,10 +345,6 @@ class ChunkedAdamW:
             current.wait_stream(stream)
         self._done = current.record_event()
 
-    @staticmethod
-    def _pool_bytes(chunks: Sequence[Chunk]) -> int:
-        return sum(-(-STATE_BYTES_PER_ELEMENT * c.numel // ALIGNMENT) * ALIGNMENT for c in chunks)
-
     def wait(self) -> None:
         """Until the last step's copies into the pool are done (the host reads the state after)."""
         self.finish()
@@ -425,16 +398,3 @@ class ChunkedAdamW:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores a state dict, a part of one, or a torch AdamW state dict (`optimizer_state.load_state`)."""
         optimizer_state.load_state(self, state_dict)
-
-
-def _weak_fold(optimizer: ChunkedAdamW) -> Callable[[torch.Tensor], None]:
-    """The post-accumulate-grad hook, holding the optimizer weakly. A bound method would tie the optimizer (and
-    its pinned host pool) to the parameters through torch's C++ hook storage, a cycle the garbage collector
-    cannot see: a bench's serial engines then outlived it and the next schedule's pool OOM-killed the host."""
-    ref = weakref.ref(optimizer)
-
-    def fold(p: torch.Tensor) -> None:
-        if (alive := ref()) is not None:
-            alive._fold(p)
-
-    return fold

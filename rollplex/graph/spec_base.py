@@ -1,0 +1,36 @@
+"""The base of every section of the YAML spec (`spec.py`): what any setting must be to be read at all."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+MAX_NUMBER = 10**12  # no count, size or rate of a real run comes near it
+
+
+class Strict(BaseModel):
+    """Unknown keys, NaN and infinity refused; a boolean is not a number; a number beyond MAX_NUMBER is no real
+    setting (a typo, or a value meant to overflow)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sane_numbers(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            value = data.get(key)
+            if isinstance(value, bool) and not _takes_bool(field.annotation):
+                raise ValueError(f"{key} takes a number or a name, not the boolean {str(value).lower()}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, not {value}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+        return data
+
+
+def _takes_bool(annotation: object) -> bool:
+    return annotation is bool or bool in getattr(annotation, "__args__", ())

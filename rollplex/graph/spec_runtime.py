@@ -1,0 +1,101 @@
+"""The spec's sections that choose how the runtime runs a plan on the device (`run`, `sharing`); the rest of the
+YAML spec is in `spec.py`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt
+
+from rollplex.graph.spec_base import Strict
+
+
+class RunSpec(Strict):
+    steps: PositiveInt = Field(10, description="Training steps.")
+    seed: int = Field(0, description="Seed of sampling, data order and initial weights.")
+    checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
+    init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where `rollplex run` trains: auto is the GPU when there is one, else the CPU."
+    )
+    deterministic: bool = Field(
+        False,
+        description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
+        "give bitwise the same weights. Off, the memory-efficient and flash attention backwards accumulate with "
+        "atomics and weights differ at rounding level between runs. On costs some attention-backward speed: torch "
+        "then never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process, and the vision "
+        "tower attends through gathers and a mask instead of flash attention's variable-length kernel.",
+    )
+    cudnn_attention: bool = Field(
+        True,
+        description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
+        "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
+        "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
+        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
+    )
+    manual_gc: bool = Field(
+        True,
+        description="Python's garbage collector never starts inside a step: `rollplex run` turns automatic "
+        "collection off and collects at each step's end, the young generations each time and all of them every "
+        "10th step (metrics: gc_s). A full collection that starts mid-step holds the host, and the device waits for "
+        "it. false: Python's default collector.",
+    )
+    rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
+        "auto",
+        description="Where the rollout's prompt KV and first-token log-probs come from: rollout (the rollout engine "
+        "prefills each prompt); actor_prefix (the actor's prefix, which computes the same numbers on the same "
+        "weights: it then runs before decode instead of beside it, and the rollout prefills nothing); auto: "
+        "actor_prefix where the spec allows it, else rollout. actor_prefix needs one GPU, one mini-batch, "
+        "weight_sharing and a rollout in the trainer's process (not sharing.policy mps); the unsplit schedule, "
+        "which has no prefix, prefills.",
+    )
+    decode_kernels: Literal["auto", "cublas", "rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead"] = Field(
+        "auto",
+        description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
+        "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
+        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
+        "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
+        "GEMM); rollplex_ahead (rollplex_fused with each kernel letting the next launch before it waits, and each "
+        "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
+        "before it. All decode bitwise alike; their speeds are in docs/results.md.",
+    )
+
+
+class SharingSpec(Strict):
+    policy: Literal["inline", "streams", "green", "mps"] = Field(
+        "green",
+        description="How `rollplex` runs prefix work beside rollout decode on a GPU: inline (between decode "
+        "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
+        "`prefix_sms` SMs, torch green contexts), mps (rollout in a child process reading the actor's weights "
+        "in place, both processes clients of an MPS daemon the run starts and stops; both schedules use it). "
+        "One chunk at most is in flight; the CPU runs prefix work inline (under mps, rollout still runs in "
+        "its own process).",
+    )
+    mps_trainer_percent: int | None = Field(
+        None, ge=1, le=100, description="Under mps: the trainer process's active-thread percentage (null: no cap)."
+    )
+    mps_rollout_percent: int | None = Field(
+        None, ge=1, le=100, description="Under mps: the rollout process's active-thread percentage (null: no cap)."
+    )
+    prefix_sms: PositiveInt | Literal["adaptive"] = Field(
+        66,
+        description="SMs of the prefix partition under `green` (an H200 has 132), or adaptive: each chunk gets "
+        "a partition sized by the live decode batch (half the SMs at the rollout's full batch, more as it drains).",
+    )
+    layers_per_chunk: PositiveInt = Field(1, description="Decoder layers (and vision blocks) of prefix work per chunk.")
+    prompts_per_chunk: PositiveInt | None = Field(
+        1,
+        description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "
+        "prefix backward rematerialises one group's layer at a time); null: all in one batch.",
+    )
+    update_beside_prefix: bool | Literal["auto"] = Field(
+        "auto",
+        description="The actor's update runs on while the next step's actor prefix starts: each module of the "
+        "prefix waits for its own parameters' chunks, decode and everything after it for the whole update. Takes "
+        "effect where decode reads the actor prefix (`run.rollout_prefill`), which then runs first and copies all "
+        "of its inputs to the device before it starts; the plan counts the update's workspace, the gradients it "
+        "reads and those inputs in that prefix's steps. auto: on where the actor's FP32 state streams from the "
+        "host pool (its update is the link's time, the prefix's is compute) and the plan with it fits with a lower "
+        "step bound; false: the update ends its step.",
+    )
