@@ -145,6 +145,8 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
         ("share_efficiency", ["--ways", "stream", "green:33"], "needs a CUDA GPU"),
         ("link_queue", ["--cases", "gated", "bogus"], "unknown cases ['bogus']"),
         ("link_queue", ["--cases", "idle"], "needs a CUDA GPU"),
+        ("host_stalls", ["--cases", "memset", "bogus"], "unknown cases ['bogus']"),
+        ("host_stalls", ["--cases", "sdpa_new"], "needs a CUDA GPU"),
         ("module_times", ["specs/tiny_cpu.yaml", "--gc", "python", "bogus"], "unknown --gc variants ['bogus']"),
     ],
 )

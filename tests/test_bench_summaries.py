@@ -55,6 +55,21 @@ def test_link_queue_summarises_each_pair_of_events_as_median_p90_and_longest(mon
     assert module.spread(pairs) == {"median": 3.0, "p90": 4.0, "max": 250.0}
 
 
+def test_host_stalls_tables_each_calls_host_time_idle_and_queued(monkeypatch):
+    module = bench_module("host_stalls", monkeypatch)
+
+    def row(case: str, idle: float, queued: float, drain: float) -> dict:
+        times = {"idle": (idle, 2 * idle, 1.0), "queued": (queued, 2 * queued, drain)}
+        keys = ("host_ms_median", "host_ms_max", "drain_ms_median")
+        return {"case": case} | {k: dict(zip(keys, v, strict=True)) for k, v in times.items()}
+
+    text = module.table({"queued_gib": 6.0, "cases": [row("launch", 0.01, 0.02, 130.0), row("sdpa_new", 40, 161, 162)]})
+    lines = text.splitlines()
+    assert "6.0 GiB of state copies queued" in lines[0]
+    assert lines[2].split() == ["launch", "0.01", "/", "0.02", "0.02", "/", "0.04", "130.0"]
+    assert lines[3].split() == ["sdpa_new", "40.00", "/", "80.00", "161.00", "/", "322.00", "162.0"]
+
+
 def test_gemm_sweep_candidates_fit_in_shared_memory_and_never_leave_a_k_part_empty(monkeypatch):
     module = bench_module("gemm_layouts", monkeypatch)
     from rollplex.kernels.tiles import SHARED_BYTES, shortest_part
