@@ -29,18 +29,34 @@ class ModelSpec(Strict):
     )
 
 
+GPU_MEMORY_GIB = {"H200": 140.4, "H100": 79.6, "H800": 79.6, "A100": 80.0}  # nvidia-smi's total of each (80 GB parts)
+
+
 class ClusterSpec(Strict):
     nodes: PositiveInt = Field(1, description="Number of nodes.")
     gpus_per_node: PositiveInt = Field(1, description="GPUs per node.")
     hbm_gib: PositiveFloat = Field(le=4096, description="Usable HBM per GPU, GiB (an H800 80 GB: 79.6; an H200: 139).")
     host_gib: PositiveFloat = Field(le=1 << 20, description="Host memory per node that may be pinned, GiB.")
     gpu: Literal["H200", "H100", "H800", "A100"] = Field(
-        "H200", description="The GPU model, whose peaks (FLOP/s, HBM and host-link bandwidth) bound the time plan."
+        "H200",
+        description="The GPU model, whose peaks (FLOP/s, HBM and host-link bandwidth) bound the time plan and whose "
+        "memory bounds hbm_gib.",
     )
 
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _fits_the_gpu(self) -> ClusterSpec:
+        memory = GPU_MEMORY_GIB[self.gpu]
+        if self.hbm_gib > memory:
+            named = "gpu" in self.model_fields_set
+            raise ValueError(
+                f"hbm_gib {self.hbm_gib:g} is more than an {self.gpu}{'' if named else ' (the default gpu)'} has "
+                f"({memory} GiB); set cluster.gpu to the GPU the run is on, or lower hbm_gib"
+            )
+        return self
 
 
 class ParallelSpec(Strict):

@@ -212,6 +212,8 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
         f"TB/s HBM, {peaks.host_bytes_s / 1e9:.0f} GB/s host link each way; phases one after another)"
     )
+    if "gpu" not in plan.loaded.spec.cluster.model_fields_set:
+        title += f"\n(cluster.gpu is not set: priced on its default, the {plan.loaded.spec.cluster.gpu})"
     out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
     for f in faster_residencies(plan, efficiencies):
         out += f"\nalso fits, and faster by the bound: {f.lever.text} (step bound {f.bound_s:.2f} s against {bound:.2f}"

@@ -92,6 +92,14 @@ CASES = {
         BASE.replace("gpus_per_node: 1", "gpus_per_node: 2") + "run: {rollout_prefill: actor_prefix}\n",
         ["run.rollout_prefill actor_prefix needs one GPU"],
     ),
+    "more memory than the gpu has": (
+        BASE.replace("hbm_gib: 16, host_gib: 8}", "hbm_gib: 139, host_gib: 8, gpu: H800}"),
+        ["cluster.hbm_gib", "hbm_gib 139 is more than an H800 has (79.6 GiB)", "set cluster.gpu", ":2:"],
+    ),
+    "more memory than the default gpu has": (
+        BASE.replace("hbm_gib: 16", "hbm_gib: 192"),
+        ["cluster.hbm_gib", "more than an H200 (the default gpu) has (140.4 GiB)"],
+    ),
     "reward with a role": (
         GRAPH_HEAD + DECODE + "    - {id: r, kind: reward, role: actor, inputs: [responses], outputs: [rw]}\n",
         ["graph.nodes.1", "reward node has no role"],

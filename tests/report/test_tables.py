@@ -1,0 +1,24 @@
+"""The dry-run's time table: priced on the spec's GPU, and saying so when the spec leaves the GPU to its default."""
+
+from pathlib import Path
+
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.report.tables import time_table
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+
+
+def test_the_time_table_prices_the_specs_gpu_and_names_a_default_one():
+    text = (SPECS / "qwen2_5_vl_32b_h800.yaml").read_text()
+    h800 = time_table(compile_plan(parse_spec(text)))
+    assert h800.startswith("Time per step on one NVIDIA H800 (bound: 791 TFLOP/s, 3.02 TB/s HBM, 25 GB/s")
+    assert "not set" not in h800
+    default = time_table(compile_plan(parse_spec(text.replace("  gpu: H800\n", ""))))
+    assert default.startswith("Time per step on one NVIDIA H200")
+    assert "(cluster.gpu is not set: priced on its default, the H200)" in default
+    bound = {line.split()[0]: float(line.split()[-3]) for line in h800.splitlines() if line.startswith("update ")}
+    bound_default = {
+        line.split()[0]: float(line.split()[-3]) for line in default.splitlines() if line.startswith("update ")
+    }
+    assert bound["update"] > 2 * bound_default["update"]  # 25 GB/s of host link against 55: the streamed update
