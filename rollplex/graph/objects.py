@@ -132,15 +132,9 @@ def _reserve(c: Context) -> int:
     return int(c.spec.memory.runtime_reserve_gib * GIB)
 
 
-def _weights_window(c: Context, role: Role, trained: bool) -> frozenset[int]:
-    """Frozen weights are paged in only where their role runs; a trained snapshot stays from first use
-    on (rollout reads it through sharing) and is regenerated in place by the update."""
-    used = role_steps(c, role)
-    if not trained:
-        return frozenset(used)
-    if role is Role.ACTOR:
-        used |= role_steps(c, Role.ROLLOUT)
-    return span(used | role_steps(c, role, kinds=(NodeKind.UPDATE,)))
+def _paged_window(c: Context, role: Role) -> frozenset[int]:
+    """Frozen weights the plan may page (`memory.page_reference`) are in HBM only where their role runs."""
+    return frozenset(role_steps(c, role))
 
 
 def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
@@ -151,8 +145,8 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     vision = S.vision_params(c.model.vision, stored=True)
     trained_vision = 0 if frozen else vision
     paged = not trained and c.spec.memory.page_reference  # frozen weights may wait on the host between uses
-    live = _weights_window(c, role, trained) if trained or paged else _all(c)
-    outside = Residency.DROPPED if trained else Residency.HOST
+    live = _paged_window(c, role) if paged else _all(c)  # trained ones live on: each update writes them in place
+    outside = Residency.HOST
     llm_bytes = c.sharing.train_shard_bytes_per_gpu
     if role is Role.ACTOR and _shares(c):
         llm_bytes = c.sharing.shared_bytes_per_gpu

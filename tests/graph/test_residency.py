@@ -42,6 +42,17 @@ def test_the_reference_waits_on_the_host_between_its_steps_only_where_the_spec_l
     assert paged.residency.phases[-1].peak_bytes < kept.residency.phases[-1].peak_bytes
 
 
+def test_trained_weights_are_in_hbm_at_every_step_however_late_their_role_first_runs():
+    """The update writes them in place and nothing frees them between steps: a critic, which first runs after the
+    rollout, holds its weights through the next step's Phase 1 too."""
+    plan = compile_plan(load_spec(SPECS / "ppo_critic_7b_h200.yaml"))
+    first = min(s.index for s in steps(plan.graph) if any(name.startswith("critic") for name in s.ops))
+    assert first > 0
+    for role in ("actor", "critic"):
+        for weights in both_parts(plan, role, "weights (BF16)"):
+            assert all(weights.residency(s.index) is Residency.HBM for s in steps(plan.graph)), (role, weights)
+
+
 def test_the_planned_optimizer_workspace_bounds_what_chunked_adamw_allocates():
     torch = pytest.importorskip("torch")
     from rollplex.graph.residency import OptimizerPlan
