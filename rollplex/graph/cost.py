@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, ops, prefilled_decodes
-from rollplex.graph.objects import Residency
+from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps
+from rollplex.graph.objects import Component, Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
 from rollplex.models.config import ModelConfig, TextConfig, VisionConfig
@@ -63,6 +63,11 @@ class StepTokens:
     @property
     def response_tokens(self) -> int:
         return sum(sum(r) for r in self.response_lens)
+
+    def of_prompts(self, share: range) -> StepTokens:
+        """The token counts of the prompts in `share` and of their responses."""
+        fields = (self.prompt_tokens, self.patches, self.frames, self.response_lens)
+        return StepTokens(*(tuple(f[i] for i in share) for f in fields))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +129,29 @@ def vision_embedder(ops_: Sequence[Op]) -> Op | None:
 
 
 def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
-    """`phase_costs` of a compiled plan."""
-    return phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, plan.decisions, tokens)
+    """`phase_costs` of a compiled plan, the reference's page-ins first in the timers of the ops they precede."""
+    costs = phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, plan.decisions, tokens)
+    for timer, num_bytes in reference_page_ins(plan):
+        costs[timer] = (Cost(host_bytes=num_bytes), *costs[timer])
+    return costs
+
+
+def reference_page_ins(plan) -> list[tuple[str, int]]:
+    """Where the plan pages the reference (`memory.page_reference`), its weights cross the host link inwards at
+    the start of each run of consecutive steps that use them and leave without a copy (`WeightPager`): per run,
+    the timer of its first reference op and the bytes (per GPU)."""
+    if plan.decisions.reference_weights is not Residency.HOST:
+        return []
+    held = (o for o in plan.residency.objects if o.role == Role.REFERENCE.value and o.component is Component.WEIGHTS)
+    weights = sum(o.bytes for o in held)
+    used = [s for s in steps(plan.graph) if any(op(plan.graph, n).role is Role.REFERENCE for n in s.ops)]
+    indices = {s.index for s in used}
+    firsts = [
+        next(op(plan.graph, n) for n in s.ops if op(plan.graph, n).role is Role.REFERENCE)
+        for s in used
+        if s.index - 1 not in indices
+    ]
+    return [(timer_of(o), weights) for o in firsts]
 
 
 def phase_bounds(costs: dict[str, tuple[Cost, ...]], peaks: DevicePeaks) -> dict[str, float]:
@@ -169,9 +195,19 @@ def op_parts(
     `prefill_from_actor`) then its decode; one part for any other op."""
     if o.kind is NodeKind.DECODE:
         t, v = model.text, model.vision
+        tokens = slowest_replica(t, tokens, gpu)
         prefill = () if prefilled else (prefix_forward(t, v, tokens, gpu.rollout_tp),)
         return *prefill, decode(t, tokens, gpu.rollout_tp)
     return (op_cost(o, model, gpu, d, tokens, split, embeds_vision),)
+
+
+def slowest_replica(t: TextConfig, tokens: StepTokens, gpu: PerGpu) -> StepTokens:
+    """What a training rank's rollout waits for: where its replicas share the prompts (`parallel.split_rollout`),
+    the share that decodes the most bytes (they decode at once); else every prompt."""
+    if gpu.prompts_per_replica >= gpu.prompts_per_rank:
+        return tokens
+    parts = [tokens.of_prompts(share) for share in S.shares(len(tokens.prompt_tokens), gpu.train_tp // gpu.rollout_tp)]
+    return max(parts, key=lambda part: decode(t, part, gpu.rollout_tp).hbm_bytes)
 
 
 def op_cost(

@@ -43,6 +43,16 @@ class ParamFamily:
         return self.numel * self.count
 
 
+def shares(num_prompts: int, num_replicas: int) -> list[range]:
+    """Each rollout replica's prompts (`parallel.split_rollout`): contiguous, near-equal shares in replica order (the
+    first ones one prompt longer when uneven)."""
+    base, extra = divmod(num_prompts, num_replicas)
+    bounds = [0]
+    for j in range(num_replicas):
+        bounds.append(bounds[-1] + base + (j < extra))
+    return [range(bounds[j], bounds[j + 1]) for j in range(num_replicas)]
+
+
 def kv_heads_per_rank(t: TextConfig, tp: int) -> int:
     """KV heads a TP rank holds; when TP exceeds the KV heads, each rank holds one replicated head."""
     return max(1, t.num_key_value_heads // tp)

@@ -18,18 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rollplex.layout.shapes import shares
 from rollplex.models.generate import Rollout
 from rollplex.models.inputs import Prompt
 from rollplex.parallel.group import TPGroup
-
-
-def shares(num_prompts: int, num_replicas: int) -> list[range]:
-    """Contiguous, near-equal shares in replica order (the first ones one prompt longer when uneven)."""
-    base, extra = divmod(num_prompts, num_replicas)
-    bounds = [0]
-    for j in range(num_replicas):
-        bounds.append(bounds[-1] + base + (j < extra))
-    return [range(bounds[j], bounds[j + 1]) for j in range(num_replicas)]
 
 
 def gather_rollouts(part: Rollout, replicas: TPGroup) -> Rollout:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollplex.graph.cost import KNOWN_PEAKS
+from rollplex.graph.cost import KNOWN_PEAKS, reference_page_ins
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
 from rollplex.graph.levers import faster_residencies
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
@@ -237,6 +237,8 @@ def residency_choices(plan: Plan, peaks) -> str:
         held = [o for o in plan.residency.objects if o.role == role and o.component in members]
         size = sum(o.bytes for o in held)
         moved = sum(o.host_bytes for o in held) if where is Residency.HOST else 0  # out and back, each way on its own
+        if component is Component.WEIGHTS:
+            moved = sum(n for _, n in reference_page_ins(plan))  # in, once a window of steps; out without a copy
         kept = f" ({gib(size - moved)} GiB of it kept in HBM)" if 0 < moved < size else ""  # copy engine
         lines.append(
             f"{label}: {gib(size)} GiB in {where.value.upper()}{kept}"

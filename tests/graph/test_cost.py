@@ -14,6 +14,7 @@ from rollplex.executors.bounds import step_tokens
 from rollplex.graph import cost, timeplan
 from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
 from rollplex.graph.load import parse_spec
+from rollplex.graph.objects import Component
 from rollplex.graph.plan import compile_plan
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -123,3 +124,33 @@ def test_a_rollout_prefilled_by_the_actor_prefix_costs_its_decode_alone():
     assert cost.plan_phase_costs(shared, tokens)["rollout"] == (decoding,)
     assert cost.plan_phase_costs(shared, tokens)["actor_prefix"] == cost.plan_phase_costs(own, tokens)["actor_prefix"]
     assert prefill.flops == cost.plan_phase_costs(own, tokens)["actor_prefix"][0].flops  # the work it no longer does
+
+
+def test_replicas_sharing_the_prompts_cost_the_share_that_decodes_the_most():
+    text = (SPECS / "qwen2_5_vl_32b_h200x8.yaml").read_text()  # train TP 8, rollout TP 4: two replicas per rank
+    split, whole = (compile_plan(parse_spec(text.replace("parallel:\n", f"parallel:\n  split_rollout: {on}\n")))
+                    for on in ("true", "false"))  # fmt: skip
+    tokens = timeplan.planned_steps(split)[0]
+    n = len(tokens.prompt_tokens)
+    model = split.loaded.model.text
+    halves = [tokens.of_prompts(range(0, n // 2)), tokens.of_prompts(range(n // 2, n))]
+    slowest = max(halves, key=lambda h: decode(model, h, 4).hbm_bytes)
+    assert decode(model, halves[0], 4) != decode(model, halves[1], 4)  # the shares carry different lengths
+    assert cost.plan_phase_costs(split, tokens)["rollout"][-1] == decode(model, slowest, 4)
+    assert cost.plan_phase_costs(whole, tokens)["rollout"][-1] == decode(model, tokens, 4)  # each replica all
+
+
+def test_a_paged_reference_crosses_the_link_inwards_once_per_window_of_its_steps():
+    text = (SPECS / "qwen2_5_vl_32b_h800.yaml").read_text()
+    paged, kept = (compile_plan(parse_spec(text.replace("page_reference: true", f"page_reference: {on}")))
+                   for on in ("true", "false"))  # fmt: skip
+    tokens = timeplan.planned_steps(paged)[0]
+    weights = sum(
+        o.bytes for o in paged.residency.objects if o.role == "reference" and o.component is Component.WEIGHTS
+    )
+    ins = cost.reference_page_ins(paged)
+    assert [timer for timer, _ in ins] == ["ref_prefix", "ref_suffix"]  # Phase 1's step, then Phase 2's
+    assert all(n == weights for _, n in ins) and cost.reference_page_ins(kept) == []
+    for timer in ("ref_prefix", "ref_suffix"):
+        first, *rest = cost.plan_phase_costs(paged, tokens)[timer]
+        assert first == Cost(host_bytes=weights) and tuple(rest) == cost.plan_phase_costs(kept, tokens)[timer]

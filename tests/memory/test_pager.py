@@ -26,3 +26,26 @@ def test_paging_out_and_in_keeps_the_parameters_and_their_values():
     pager.page_in()  # already resident: nothing happens
     assert pager.resident and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert [c[0] for c in arena.calls] == ["allocate", "release", "map"]
+
+
+def test_a_frozen_model_is_copied_out_once_and_again_only_after_a_parameter_is_written():
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(load_model_config("tiny"))
+    arena = PoisoningArena()
+    copies = []
+    evict = arena.evict
+    arena.evict = lambda region, into: (copies.append(region), evict(region, into))
+    pager = WeightPager(model, arena)
+    pager.page_out()
+    pager.page_in()
+    pager.page_out()  # the host holds what the parameters hold: the pages go, nothing is copied
+    assert len(copies) == 1 and not pager.resident
+    pager.page_in()
+    head = next(model.parameters())
+    with torch.no_grad():
+        head.add_(1.0)  # a write (a reference synced to the actor, say): the host copy is stale
+    written = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pager.page_out()
+    pager.page_in()
+    assert len(copies) == 2
+    assert all(torch.equal(p, written[n]) for n, p in model.named_parameters())

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from rollplex.graph.cost import reference_page_ins
 from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
 from rollplex.report.tables import time_table
@@ -22,3 +23,11 @@ def test_the_time_table_prices_the_specs_gpu_and_names_a_default_one():
         line.split()[0]: float(line.split()[-3]) for line in default.splitlines() if line.startswith("update ")
     }
     assert bound["update"] > 2 * bound_default["update"]  # 25 GB/s of host link against 55: the streamed update
+
+
+def test_the_residency_line_counts_a_paged_reference_once_per_page_in():
+    plan = compile_plan(parse_spec((SPECS / "qwen2_5_vl_32b_h800.yaml").read_text()))
+    line = next(x for x in time_table(plan).splitlines() if x.startswith("residency choices"))
+    reference = line.split("reference weights: ")[1]
+    moved = sum(n for _, n in reference_page_ins(plan))
+    assert len(reference_page_ins(plan)) == 2 and f"{moved / 1e9:.1f} GB over the host link per step" in reference
