@@ -37,11 +37,13 @@ class DevicePeaks:
     host_bytes_s: float
 
 
-# Measured on the machines rollplex has run on (docs/results.md); others are the vendors' figures.
+# The H200's measured (docs/results.md); the others from the vendors' figures: 0.8 of dense bf16 peak, 0.9 of HBM,
+# the host link as the H200 measures over PCIe Gen5 x16 (the H100 and H800, one die: the H800's NVLink and FP64
+# are what is cut) and about half that over the A100's Gen4.
 KNOWN_PEAKS = {
     "H200": DevicePeaks("NVIDIA H200", 796e12, 4.27e12, 55.3e9),
     "H100": DevicePeaks("NVIDIA H100 SXM", 989e12 * 0.8, 3.35e12 * 0.9, 55e9),
-    "H800": DevicePeaks("NVIDIA H800", 989e12 * 0.8, 3.35e12 * 0.9, 25e9),
+    "H800": DevicePeaks("NVIDIA H800", 989e12 * 0.8, 3.35e12 * 0.9, 55e9),
     "A100": DevicePeaks("NVIDIA A100 80GB", 312e12 * 0.8, 2.0e12 * 0.9, 25e9),
 }
 

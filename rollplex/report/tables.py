@@ -270,8 +270,10 @@ def report(plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = N
     parts.append(sharing_table(plan))
     if naive:
         parts.append(naive_table(plan))
-    verdict = "FITS" if plan.residency.fits else "DOES NOT FIT"
-    parts.append(
-        f"plan {verdict}: peak {gib(plan.residency.peak_bytes)} GiB of {gib(plan.residency.capacity_bytes)} GiB"
-    )
+    r = plan.residency
+    verdict = "FITS" if r.fits else "DOES NOT FIT"
+    line = f"plan {verdict}: peak {gib(r.peak_bytes)} GiB of {gib(r.capacity_bytes)} GiB"
+    if not r.host.fits:
+        line += f"; pinned host {gib(r.host.needed_bytes_per_node)} GiB of {gib(r.host.capacity_bytes_per_node)} GiB"
+    parts.append(line)
     return "\n\n".join(parts)
