@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from rollplex.executors.training import TrainTotals
-from rollplex.graph.cost import TIMERS
 
 
 @dataclass
 class StepRecord:
     """What one iteration produced, for metrics."""
 
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
+    times: dict[str, float] = field(default_factory=dict)  # per timer of the graph's ops (`cost.timers`)
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
     response_lens: torch.Tensor | None = None

@@ -30,7 +30,7 @@ from rollplex.executors.ppo import advantages
 from rollplex.executors.record import StepRecord
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, train_minibatch
-from rollplex.graph.cost import timer_of
+from rollplex.graph.cost import timer_of, timers
 from rollplex.graph.ir import (
     DATASET,
     Lifetime,
@@ -42,6 +42,7 @@ from rollplex.graph.ir import (
     beside_decode,
     lifetimes,
     op,
+    ops,
     producer,
     steps,
 )
@@ -73,7 +74,7 @@ def run_iteration(
 ) -> StepRecord:
     store: Store = {"prompts": [e.prompt for e in examples], "examples": list(examples)}
     store["vision"] = SharedVision() if engines.freeze_vision else None
-    record = StepRecord()
+    record = StepRecord(times=dict.fromkeys(timers(list(ops(g))), 0.0))
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
     life = lifetimes(g)

@@ -168,19 +168,29 @@ def total(parts: Sequence[Cost]) -> Cost:
     return out
 
 
-TIMERS = ("rollout", "reward", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update")
+TIMERS = (
+    "rollout", "reward", "ref_prefix", "actor_prefix", "critic_prefix", "ref_suffix", "actor_suffix_backward",
+    "critic_suffix_backward", "update",
+)  # fmt: skip
 
 
 def timer_of(o: Op) -> str:
-    """The `time_s` key (one of `TIMERS`) an op's seconds count under, at run time and in the time plan."""
+    """The `time_s` key (one of `TIMERS`) an op's seconds count under, at run time and in the time plan (a step
+    records the timers of its graph's ops, `timers`)."""
     if o.kind is NodeKind.DECODE:
         return "rollout"
     if o.kind in (NodeKind.REWARD, NodeKind.UPDATE):
         return o.kind.value
-    who = "ref" if o.role is Role.REFERENCE else "actor"
+    who = {Role.REFERENCE: "ref", Role.CRITIC: "critic"}.get(o.role, "actor")
     if o.part is Part.PREFIX:
         return f"{who}_prefix"
-    return "ref_suffix" if who == "ref" else "actor_suffix_backward"
+    return "ref_suffix" if who == "ref" else f"{who}_suffix_backward"
+
+
+def timers(ops_: Sequence[Op]) -> tuple[str, ...]:
+    """The timers of these ops, in `TIMERS` order."""
+    used = {timer_of(o) for o in ops_}
+    return tuple(t for t in TIMERS if t in used)
 
 
 def op_parts(

@@ -228,13 +228,13 @@ def residency_choices(plan: Plan, peaks) -> str:
     d = plan.decisions
     lines = []
     for label, component, where in (
-        ("actor prefix saved tensors", Component.PREFIX_SAVED, d.prefix_saved),
+        ("prefix saved tensors", Component.PREFIX_SAVED, d.prefix_saved),
         ("FP32 optimizer state", (Component.MASTER, Component.MOMENTS), d.optimizer_state),
         ("reference weights", Component.WEIGHTS, d.reference_weights),
     ):
         members = component if isinstance(component, tuple) else (component,)
-        role = "reference" if component is Component.WEIGHTS else "actor"
-        held = [o for o in plan.residency.objects if o.role == role and o.component in members]
+        roles = ("reference",) if component is Component.WEIGHTS else ("actor", "critic")  # each trained role's
+        held = [o for o in plan.residency.objects if o.role in roles and o.component in members]
         size = sum(o.bytes for o in held)
         moved = sum(o.host_bytes for o in held) if where is Residency.HOST else 0  # out and back, each way on its own
         if component is Component.WEIGHTS:

@@ -88,6 +88,9 @@ def test_serial_and_rollplex_train_actor_and_critic_bitwise_alike(tmp_path):
     for key in ("param_digest", "critic_digest", "loss", "value_loss"):
         assert [r[key] for r in serial] == [r[key] for r in rollplex], key
     assert len({r["critic_digest"] for r in serial}) == 3 and len({r["param_digest"] for r in serial}) == 3
+    for records in (serial, rollplex):  # the critic's seconds under timers of its own, not the actor's
+        assert all(r["time_s"]["critic_suffix_backward"] > 0 for r in records)
+    assert all(r["time_s"]["critic_prefix"] > 0 for r in serial)  # rollplex runs it beside decode: in the rollout's
 
 
 def iteration_grads(schedule: Schedule) -> tuple[dict, dict, float]:

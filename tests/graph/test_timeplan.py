@@ -82,3 +82,15 @@ def test_a_prefix_beside_decode_has_no_seconds_of_its_own_and_one_decode_reads_r
     assert alone["actor_prefix"].predicted_s == pytest.approx(alone["actor_prefix"].bound_s / 0.5)
     assert timeplan.overlapped_timers(own.graph) == {"actor_prefix", "ref_prefix"}
     assert timeplan.overlapped_timers(shared.graph) == {"ref_prefix"}  # what the bench's T_P sums
+
+
+def test_a_critics_ops_have_timers_of_their_own_so_the_actor_prefix_alone_is_predicted():
+    plan = compile_plan(load_spec(SPECS / "ppo_critic_7b_h200.yaml"))
+    every = {timer: 0.5 for timer in cost.TIMERS}
+    rows = {r.timer: r for r in timeplan.time_plan(plan, every)}
+    assert {"critic_prefix", "critic_suffix_backward"} <= set(rows)
+    assert "critic_prefix" in timeplan.overlapped_timers(plan.graph)  # beside decode, as the reference's
+    assert rows["critic_prefix"].predicted_s is None and rows["ref_prefix"].predicted_s is None
+    assert rows["actor_prefix"].predicted_s is not None  # it runs alone, before decode reads its boundary
+    grpo = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    assert not any(r.timer.startswith("critic") for r in timeplan.time_plan(grpo))
