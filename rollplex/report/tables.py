@@ -240,10 +240,11 @@ def residency_choices(plan: Plan, peaks) -> str:
         if component is Component.WEIGHTS:
             moved = sum(n for _, n in reference_page_ins(plan))  # in, once a window of steps; out without a copy
         kept = f" ({gib(size - moved)} GiB of it kept in HBM)" if 0 < moved < size else ""  # copy engine
+        budget = " at the workload's budget" if component is Component.PREFIX_SAVED else ""  # the table: the mean
         lines.append(
             f"{label}: {gib(size)} GiB in {where.value.upper()}{kept}"
             + (
-                f", {moved / 1e9:.1f} GB over the host link per step ({moved / peaks.host_bytes_s:.2f} s)"
+                f", {moved / 1e9:.1f} GB over the host link per step{budget} ({moved / peaks.host_bytes_s:.2f} s)"
                 if moved
                 else ""
             )
