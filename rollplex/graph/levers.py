@@ -142,8 +142,9 @@ def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
 
 
 def with_changes(loaded: LoadedSpec, changes: dict) -> LoadedSpec:
-    """The loaded spec with `changes` (nested spec keys -> new values), validated again."""
-    spec = Spec.model_validate(_merged(loaded.spec.model_dump(by_alias=True), changes))
+    """The loaded spec with `changes` (nested spec keys -> new values), validated again; what the user left to its
+    default stays unset (the dry-run names the defaults it priced)."""
+    spec = Spec.model_validate(_merged(loaded.spec.model_dump(by_alias=True, exclude_unset=True), changes))
     check_model_fits_parallel(spec, loaded.model)
     return LoadedSpec(spec, loaded.model, loaded.path, loaded.yaml_root)
 

@@ -2,9 +2,11 @@
 footprint and weight sharing. The runtime's only input: it walks `graph`'s steps and builds its engines from
 `decisions`, the spec's algorithm, workload and run settings and the model config.
 
-`compile_plan` is the whole compiler from a loaded spec (where the FP32 state streams, `memory.prefix_saved:
-auto` compiles the spec with the tensors on the host too and `sharing.update_beside_prefix: auto` with the update
-beside the next actor prefix, each keeping the plan with the lower step bound);
+`compile_plan` is the whole compiler from a loaded spec (`memory.prefix_activations` and `memory.recompute` at auto
+compile the spec both ways, keeping what autograd saves where that fits and is no slower by the step bound; where
+the FP32 state streams, `memory.prefix_saved: auto` compiles the spec with the tensors on the host too and
+`sharing.update_beside_prefix: auto` with the update beside the next actor prefix, each keeping the plan with the
+lower step bound);
 `check_fits` turns an infeasible plan into the
 one error a user sees (phase, peak, capacity, largest objects, and the levers this spec has with the peak each
 gives, `levers.py`). `planfile` writes and
@@ -45,8 +47,15 @@ class Plan:
         return self.context.sharing
 
 
+# Each recompute setting: the value that keeps what autograd saves, and the one that reruns to save the memory.
+RECOMPUTE_SETTINGS = {"prefix_activations": ("offload", "recompute"), "recompute": ("none", "full")}
+
+
 def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check: bool = False) -> Plan:
     schedule = schedule or Schedule(loaded.spec.schedule)
+    for key, (keeps, reruns) in RECOMPUTE_SETTINGS.items():
+        if getattr(loaded.spec.memory, key) == "auto":
+            return _keeps_where_it_fits(loaded, schedule, check, key, keeps, reruns)
     plan = _compiled(loaded, schedule, check)
     d = plan.decisions
     if (
@@ -68,6 +77,22 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
             "with the update ending its step",
         )  # fmt: skip
     return plan
+
+
+def _keeps_where_it_fits(loaded: LoadedSpec, schedule: Schedule, check: bool, key: str, keeps: str, reruns: str):
+    """`memory.<key>: auto`: the plan that keeps what autograd saves where it fits at a step bound no higher than
+    the plan that reruns (each compiled whole, its other `auto` settings settled too); else the one that reruns,
+    whether or not it fits (its error then names the levers left)."""
+    kept, rerun = (
+        compile_plan(with_changes(loaded, {"memory": {key: v}}), schedule, check=check) for v in (keeps, reruns)
+    )
+    if not kept.residency.fits:
+        return rerun
+    (ours, _), (theirs, _) = step_seconds(kept), step_seconds(rerun)
+    if rerun.residency.fits and theirs < ours:
+        why = f"memory.{key} auto: {reruns} (step bound {theirs:.2f} s against {ours:.2f} with {keeps})"
+        return replace(rerun, chosen="\n".join(x for x in (rerun.chosen, why) if x))
+    return kept
 
 
 def _if_faster(plan: Plan, changes: dict, check: bool, chose: str, otherwise: str) -> Plan:
@@ -96,7 +121,10 @@ def _compiled(loaded: LoadedSpec, schedule: Schedule, check: bool) -> Plan:
 
 
 def plan_of(loaded: LoadedSpec, schedule: Schedule, g: nx.DiGraph, decisions: Decisions | None = None) -> Plan:
-    """The plan of a compiled graph: its memory lowered, and the decisions (`decide`'s, unless given)."""
+    """The plan of a compiled graph: its memory lowered, and the decisions (`decide`'s, unless given). The spec's
+    recompute settings are settled (`compile_plan` settles auto)."""
+    unsettled = [key for key in RECOMPUTE_SETTINGS if getattr(loaded.spec.memory, key) == "auto"]
+    assert not unsettled, f"memory.{unsettled[0]} auto reached the lowering: compile the spec with compile_plan"
     low = lower(g, loaded.spec, loaded.model, decisions)
     return Plan(loaded, schedule, g, low.context, low.residency, tuple(naive_rows(low.context)), low.decisions)
 

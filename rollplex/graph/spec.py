@@ -195,11 +195,17 @@ class MemorySpec(Strict):
     rollout_kv_gib: PositiveFloat | None = Field(
         None, description="Rollout KV-cache budget per GPU, GiB; null sizes it to the workload."
     )
-    recompute: Literal["none", "full"] = Field("none", description="Activation recompute for the training microbatch.")
-    prefix_activations: Literal["offload", "recompute"] = Field(
-        "offload",
+    recompute: Literal["auto", "none", "full"] = Field(
+        "auto",
+        description="Activation recompute for the training microbatch: none (every tensor autograd saves waits for "
+        "the backward), full (each decoder layer and vision block keeps its input; backward reruns it), or auto: "
+        "none where the plan fits with it at a step bound no higher than full's, else full.",
+    )
+    prefix_activations: Literal["auto", "offload", "recompute"] = Field(
+        "auto",
         description="What the actor prefix saves for its backward: offload, every tensor autograd saves (where "
-        "they wait: `prefix_saved`), or recompute, only each layer's input (backward reruns the layer).",
+        "they wait: `prefix_saved`), or recompute, only each layer's input (backward reruns the layer); auto: "
+        "offload where the plan fits with it at a step bound no higher than recompute's, else recompute.",
     )
     optimizer_chunk_mib: PositiveInt | None = Field(
         None,

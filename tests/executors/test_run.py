@@ -153,7 +153,7 @@ def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
     records = train(
         compile_plan(loaded(kl=0.0), Schedule.ROLLPLEX), RunOptions(1, tmp_path, progress=False, tensorboard=False)
     )
-    assert records[0]["time_s"]["ref_prefix"] == 0.0 and records[0]["kl"] == 0.0
+    assert not any(key.startswith("ref_") for key in records[0]["time_s"]) and records[0]["kl"] == 0.0
 
 
 def test_the_shipped_graph_without_a_reference_trains_alike_in_every_schedule(tmp_path):

@@ -126,9 +126,11 @@ def test_a_missing_spec_file_is_a_one_line_error(tmp_path, capsys):
 def test_a_plan_that_cannot_fit_exits_1_naming_phase_peak_capacity_and_remedies(tmp_path, capsys):
     text = BASE.replace("model: tiny", "model: qwen2_5_vl_7b").replace("hbm_gib: 16", "hbm_gib: 60")
     text = text.replace("host_gib: 8", "host_gib: 400").replace("response_tokens: 16", "response_tokens: 4096")
-    code, err = run_compile(tmp_path, text, capsys)
+    code, err = run_compile(tmp_path, text + "memory: {recompute: none}\n", capsys)
     assert code == 1
     assert "Phase 2" in err and "> 60.0 GiB" in err and "activations" in err and "memory.recompute: full" in err
+    code, err = run_compile(tmp_path, text, capsys)  # auto: recomputed already, and still over
+    assert code == 1 and "Phase 2" in err and "memory.recompute" not in err
 
 
 def test_the_console_script_prints_no_traceback(tmp_path):

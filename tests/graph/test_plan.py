@@ -1,9 +1,11 @@
 """The per-GPU plan: the paper's Table 1 from its spec, feasibility on one H200, and plan properties."""
 
+import re
 from pathlib import Path
 
 import pytest
 
+from rollplex.graph.decisions import PrefixActivations
 from rollplex.graph.ir import Phase, Schedule, steps
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.objects import GIB, Residency
@@ -198,17 +200,18 @@ model: qwen2_5_vl_7b
 cluster: {gpus_per_node: 4, hbm_gib: 40, host_gib: 1000}
 workload: {prompts_per_step: 8, group_size: 8, prompt_tokens: 6144, response_tokens: 2048, visual_tokens: 5600}
 """
-    plan = compile_plan(parse_spec(text))
+    kept = "memory: {recompute: %s, prefix_activations: offload}\n"  # forced: auto would try the levers itself
+    plan = compile_plan(parse_spec(text + kept % "none"))
     priced = price_levers(plan.loaded, plan.schedule, plan.residency.peak_bytes)
     assert priced[0].fits and "set memory.recompute: full" in priced[0].lever.text  # a chain that fits comes first
     single = next(p for p in priced if p.lever.text == "set memory.recompute: full")
-    by_hand = compile_plan(parse_spec(text + "memory: {recompute: full}\n"))
+    by_hand = compile_plan(parse_spec(text + kept % "full"))
     assert single.need_bytes == by_hand.residency.need_bytes and not single.fits
     chain = r"to fit: raise parallel\.train_tp to 4, then set memory\.recompute: full"
     chain += r"(, then [^;(]+)? \(needs [0-9.]+ GiB, fits\)"
     with pytest.raises(PlanDoesNotFit, match=chain):
         check_fits(plan)
-    alone = compile_plan(parse_spec(text.replace("gpus_per_node: 4", "gpus_per_node: 1")))
+    alone = compile_plan(parse_spec(text.replace("gpus_per_node: 4", "gpus_per_node: 1") + kept % "none"))
     texts = [p.lever.text for p in price_levers(alone.loaded, alone.schedule, alone.residency.peak_bytes)]
     assert texts and not any("train_tp" in t or "distributed_optimizer" in t for t in texts)  # one GPU: none
 
@@ -256,3 +259,32 @@ def test_the_dataset_prompts_wait_on_the_host_for_two_steps_the_one_training_and
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * 4  # float32
     one_step = g.prompts_per_rank * (g.patches_per_prompt * patch + g.prompt_tokens * 8)
     assert prompts.outside is Residency.HOST and not prompts.live and prompts.host_bytes == 2 * one_step
+
+
+def test_auto_recompute_keeps_what_autograd_saves_where_that_fits_and_reruns_elsewhere():
+    small = compile_plan(load_spec(SPECS / "tiny_cpu.yaml"))  # neither setting named: auto
+    assert (small.loaded.spec.memory.recompute, small.loaded.spec.memory.prefix_activations) == ("none", "offload")
+    assert small.decisions.prefix_activations is PrefixActivations.OFFLOAD and not small.decisions.recompute_microbatch
+    text = "\n".join(
+        line
+        for line in (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text().splitlines()
+        if not line.startswith(("  recompute:", "  prefix_activations:"))
+    )
+    big = compile_plan(parse_spec(text))
+    # every tensor of the prefix would need ~400 GiB of pinned host: it reruns; the microbatch's activations fit
+    # only by sending the FP32 state to the host, which the step bound prices above their recompute
+    assert (big.loaded.spec.memory.prefix_activations, big.loaded.spec.memory.recompute) == ("recompute", "full")
+    assert re.search(r"memory\.recompute auto: full \(step bound [0-9.]+ s against [0-9.]+ with none\)", big.chosen)
+    assert big.decisions == compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml")).decisions  # as named there
+
+
+def test_the_lowering_takes_only_settled_recompute_settings_and_changes_keep_the_users_defaults_unset():
+    from rollplex.graph.levers import with_changes
+    from rollplex.graph.pipeline import compile_graph
+    from rollplex.graph.plan import plan_of
+
+    loaded = load_spec(SPECS / "tiny_cpu.yaml")
+    with pytest.raises(AssertionError, match=r"memory\.prefix_activations auto reached the lowering"):
+        plan_of(loaded, Schedule.ROLLPLEX, compile_graph(loaded.spec))
+    changed = with_changes(loaded, {"memory": {"recompute": "full"}})
+    assert changed.spec.memory.recompute == "full" and "gpu" not in changed.spec.cluster.model_fields_set
