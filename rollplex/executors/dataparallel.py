@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 BUCKET_BYTES = 32 * 2**20  # gradients all-reduced per flat bucket of FP32 values
+IN_FLIGHT = 4  # buckets being summed at once (each holds a flat copy of its gradients until written back)
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,16 @@ class OverlappedSum:
     (the reverse of the model's), each bucket's sum launched (asynchronously) once the backward has accumulated
     the final gradient of every parameter in it. Armed (`arm`) just before that backward, it learns of each
     gradient through a hook that runs after the optimizer's own (which folds it into an FP32 main grad); `finish`,
-    before the step, sums what the backward did not reach (gradients of earlier backwards only) and waits."""
+    before the step, sums what the backward did not reach (gradients of earlier backwards only) and waits.
 
-    def __init__(self, dp: DataParallel, optimizer) -> None:
-        self.dp, self.optimizer = dp, optimizer
+    A bucket's sum needs a flat copy of its gradients until it is written back: at most IN_FLIGHT of them are
+    held (the oldest is waited for and written back before another is sent). `from_backward=False`, for a
+    backward that accumulates a parameter more than once (the prefix's reruns: one accumulation per unit and
+    prompt group, `rollplex.models.rerun`), so that no accumulation is known to be the last: every bucket is sent
+    by `finish`."""
+
+    def __init__(self, dp: DataParallel, optimizer, *, from_backward: bool = True) -> None:
+        self.dp, self.optimizer, self.from_backward = dp, optimizer, from_backward
         self.buckets: list[list[int]] = []
         size = 0
         for i in reversed(range(len(optimizer.params))):
@@ -122,14 +129,19 @@ class OverlappedSum:
             size += nbytes
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._waiting: list[set[int]] = []
-        self._launched: list[tuple] = []  # (work, flat, grads) of each bucket sent
+        self._sent: set[int] = set()  # buckets sent since `arm`
+        self._launched: list[tuple] = []  # (work, flat, grads) of each bucket sent and not yet written back
         self._hooks: list = []
         self.launched_in_backward = 0  # buckets sent from the backward's hooks (the rest by `finish`)
+        self.most_in_flight = 0  # the most flat copies held at once
 
     def arm(self) -> None:
-        """Before the last backward: from now on a gradient the backward accumulates is final."""
+        """Before the last backward: from now on a gradient the backward accumulates is final (unless
+        `from_backward` is off: then `finish` sends everything)."""
         self._waiting = [set(bucket) for bucket in self.buckets]
-        self._launched, self.launched_in_backward = [], 0
+        self._launched, self._sent, self.launched_in_backward = [], set(), 0
+        if not self.from_backward:
+            return
         self._hooks = [
             self.optimizer.params[i].register_post_accumulate_grad_hook(lambda _, i=i: self._reached(i))
             for bucket in self.buckets
@@ -144,13 +156,17 @@ class OverlappedSum:
         for b, waiting in enumerate(self._waiting):
             if waiting:
                 self._send(b)
-        for work, flat, grads in self._launched:
-            work.wait()
-            _unflatten(flat, grads)
-        self._launched, self._waiting = [], []
+        while self._launched:
+            self._write_back_oldest()
+        self._waiting = []
 
     def _reached(self, i: int) -> None:
         b = self._bucket_of[i]
+        if b in self._sent:  # its sum may be written back already: a later gradient would be summed twice
+            raise RuntimeError(
+                f"parameter {i} accumulated again after its bucket was summed: this backward accumulates a "
+                "parameter more than once, so its OverlappedSum needs from_backward=False"
+            )
         waiting = self._waiting[b]
         waiting.discard(i)
         if not waiting:
@@ -159,7 +175,16 @@ class OverlappedSum:
 
     def _send(self, b: int) -> None:
         self._waiting[b] = set()
+        self._sent.add(b)
         grads = [g for g in (self.optimizer.grad_of(i) for i in self.buckets[b]) if g is not None]
         if grads:
+            if len(self._launched) == IN_FLIGHT:
+                self._write_back_oldest()
             flat = torch.cat([g.flatten() for g in grads])
             self._launched.append((dist.all_reduce(flat, group=self.dp.group, async_op=True), flat, grads))
+            self.most_in_flight = max(self.most_in_flight, len(self._launched))
+
+    def _write_back_oldest(self) -> None:
+        work, flat, grads = self._launched.pop(0)
+        work.wait()  # NCCL: the current stream waits; gloo: the host
+        _unflatten(flat, grads)

@@ -79,6 +79,7 @@ class Engines:
     publish: Callable[[], None] = field(default=lambda: None)  # makes an update visible to rollout
     freeze_vision: bool = False  # the tower is frozen and the reference holds the actor's: prefixes share its output
     critic: Qwen2_5_VL | None = None  # PPO's value model (`rollplex.models.values`), when the graph has a critic
+    critic_microbatch_memory: Callable[[], AbstractContextManager] = nullcontext  # the critic's, as the actor's
     critic_optimizer: ChunkedAdamW | None = None
     ppo: PpoConfig | None = None
     dp: DataParallel | None = None  # data-parallel ranks (`dataparallel.py`); None in a one-replica run
@@ -257,6 +258,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
         freeze_vision=d.freeze_vision,
         critic=critic,
+        critic_microbatch_memory=nullcontext if critic is None else make_microbatch_memory(d, critic),
         critic_optimizer=critic_optimizer,
         ppo=PpoConfig(a.gamma, a.lam, a.value_clip) if critic is not None else None,
         dp=dp,

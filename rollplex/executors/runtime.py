@@ -78,6 +78,7 @@ def run_iteration(
     done: set[str] = set()
     pager, paged_steps = engines.reference_pager, steps_of(g, Role.REFERENCE)
     life = lifetimes(g)
+    last_prefix = max((s.index for s in steps(g) if any(op(g, n).part is Part.PREFIX for n in s.ops)), default=-1)
     phase, freed, uncached = None, [], False
     cuda = engines.actor.device.type == "cuda"
     marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
@@ -118,6 +119,8 @@ def run_iteration(
                     after_op(each)
         if pager is not None and i in paged_steps and i + 1 not in paged_steps:
             pager.page_out()  # the steps without the reference (actor backward, update) get its pages
+        if i == last_prefix:
+            store["vision"] = None  # the frozen tower's output: no prefix reads it after this step
         freed = free_dead(store, life, s.index)
     for timer, start, end in marks:  # device seconds: from the device reaching the op to its last kernel's end
         record.times[timer] += seconds_between(start, end)
@@ -161,7 +164,8 @@ def _handler(o: Op) -> Handler:
 
 def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
-    jobs = [PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]) for p in prefixes]
+    jobs = [_paged_out_after(e, g, p, PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]))
+            for p in prefixes]  # fmt: skip
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
     shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts), e.group_size)}
@@ -190,6 +194,23 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
         slowdown = None if stats is None else decode_slowdown(stats.step_spans, [(s, t) for _, s, t in record.chunks])
         if slowdown is not None:
             record.stats["decode_slowdown"] = slowdown
+
+
+def _paged_out_after(e: Engines, g: nx.DiGraph, p: Op, job: Generator) -> Generator:
+    """A paged reference's prefix beside decode whose step ends the reference's window of steps gives its pages
+    back as it ends, as the plan has them (resident in that step of decode only), not when decode ends."""
+    if p.role is not Role.REFERENCE or e.reference_pager is None:
+        return job
+    step = next(s.index for s in steps(g) if p.id in s.ops)
+    if step + 1 in steps_of(g, Role.REFERENCE):
+        return job  # the reference runs in the next step too: it stays
+    return _then(job, e.reference_pager.page_out)
+
+
+def _then(job: Generator, after: Callable[[], None]) -> Generator:
+    result = yield from job
+    after()
+    return result
 
 
 def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
@@ -281,7 +302,9 @@ def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Ste
     rollout = _read(g, store, scoring, NodeKind.DECODE)
     boundary = _read(g, store, scoring, NodeKind.FORWARD, Role.CRITIC, Part.PREFIX, required=False)
     rewards = _read(g, store, o, NodeKind.REWARD)
-    result = train_critic(e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, nullcontext, e.dp)
+    result = train_critic(
+        e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, e.critic_microbatch_memory, e.dp
+    )
     store[scoring.outputs[0]] = result.values
     record.stats["value_loss"] = float(result.loss) if e.dp is None else e.dp.sum([float(result.loss)])[0]
     store[o.outputs[0]] = Gradients(int(rollout.response_lens.sum()))

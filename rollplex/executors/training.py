@@ -141,7 +141,7 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
         cuda = part.responses.device.type == "cuda"
         start = device_mark(cuda)
         if e.dp is not None:  # the mini-batch's last backward: sum each bucket over the ranks as it completes
-            totals.pending_sum = OverlappedSum(e.dp, e.optimizer)
+            totals.pending_sum = OverlappedSum(e.dp, e.optimizer, from_backward=e.prefix_rerun is None)
             totals.pending_sum.arm()
         x.boundary.backward_through_prefix()
         totals.prefix_marks.append((start, device_mark(cuda)))

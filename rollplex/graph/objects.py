@@ -258,16 +258,20 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
     for b, is_vision in ((llm, False), (vis, True)):
         if not b:
             continue
-        host = b * g.prompts_per_rank
+        size = b * g.prompts_per_rank
+        if role is not Role.ACTOR:  # only the actor's go to the host pool (`SavedTensorOffload`); a critic's stay
+            yield MemObject(role.value, Component.PREFIX_SAVED, TensorClass.PHASE_LOCAL, size, window,
+                            Residency.ABSENT, is_vision)  # fmt: skip
+            continue
         yield MemObject(
             role.value,
             Component.PREFIX_SAVED,
             TensorClass.PHASE_LOCAL,
-            host,
+            size,
             frozenset(),
             Residency.HOST,
             is_vision,
-            host,
+            size,
             window,
         )
     in_flight = min(c.spec.sharing.prompts_per_chunk or g.prompts_per_rank, g.prompts_per_rank)  # one group's
@@ -284,7 +288,9 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
 
 def _shared_vision(c: Context) -> Iterator[MemObject]:
     """`model.freeze_vision`: the step's vision output, from the first prefix that embeds a prompt to the last."""
-    prefixes = set().union(*(role_steps(c, role, part=Part.PREFIX) for role in (Role.ACTOR, Role.REFERENCE)))
+    prefixes = set().union(
+        *(role_steps(c, role, part=Part.PREFIX) for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC))
+    )
     if not c.spec.model.freeze_vision or not prefixes:
         return
     itemsize = S.FP32 if c.spec.run.dtype == "float32" else S.BF16
@@ -327,18 +333,16 @@ def _rollout(c: Context) -> Iterator[MemObject]:
     yield MemObject(
         "rollout", Component.KV_CACHE, TensorClass.PHASE_LOCAL, rollout_kv_bytes(c), decode, Residency.ABSENT
     )
-    update = role_steps(c, Role.ACTOR, kinds=(NodeKind.UPDATE,))
+    always = _all(c)  # the Case-3 buffer and the rollout's own copy are allocated once and refreshed in place
     if _shares(c):
         buf = c.sharing.case3_buffer_bytes_per_gpu
         if buf:  # the paper's copy path; read in place, the Case-3 tensors are part of the shared storage
-            yield MemObject(
-                "rollout", Component.CASE3_BUFFER, TensorClass.REGENERABLE, buf, decode | update, Residency.DROPPED
-            )
+            yield MemObject("rollout", Component.CASE3_BUFFER, TensorClass.REGENERABLE, buf, always, Residency.ABSENT)
         return
     llm = S.llm_params_per_rank(t, g.rollout_tp) * S.BF16
     vision = S.vision_params(c.model.vision, stored=True) * S.BF16
-    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, llm, decode, Residency.DROPPED)
-    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, vision, decode, Residency.DROPPED, True)
+    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, llm, always, Residency.ABSENT)
+    yield MemObject("rollout", Component.WEIGHTS, TensorClass.REGENERABLE, vision, always, Residency.ABSENT, True)
 
 
 def rollout_kv_bytes(c: Context) -> int:

@@ -45,6 +45,15 @@ class RolloutStats:
     step_spans: tuple[StepSpan, ...] = ()  # (start s, end s, rows) of each step, when timed (see RolloutEngine)
 
 
+@dataclass(frozen=True)
+class _Started:
+    """A rollout whose decode buffers hold its prompts and first tokens (`RolloutEngine._start`)."""
+
+    graphs: StepGraphs
+    run: _Run
+    began: float  # perf_counter when decode began (after any prefill)
+
+
 class RolloutEngine:
     """Rollout for one model; keeps its decode buffers and graphs while later rollouts fit their shape.
 
@@ -101,16 +110,17 @@ class RolloutEngine:
         the prompts' prefill, already made (the actor prefix's: `run.rollout_prefill`); none runs here then.
         """
         start = time.perf_counter()
-        if boundary is None:
-            boundary = self.model.prefix(prompts, attached=False)
-            _sync(self.model.device)
-        prefill_s = time.perf_counter() - start
-        rollout, stats = self.decode(
-            boundary, num_samples=num_samples, params=params, generator=generator, max_lens=max_lens, beside=beside,
-            rows=rows,
-        )  # fmt: skip
-        self.stats = RolloutStats(prefill_s, *stats)
+        started = self._start(  # a prefill made here is held only until the decode buffers have its KV
+            self._prefill(prompts) if boundary is None else boundary, num_samples, params, generator, max_lens, rows
+        )
+        rollout, stats = self._steps(started, params, beside)
+        self.stats = RolloutStats(started.began - start, *stats)
         return rollout
+
+    def _prefill(self, prompts: Sequence[Prompt]) -> Boundary:
+        boundary = self.model.prefix(prompts, attached=False)
+        _sync(self.model.device)
+        return boundary
 
     @torch.no_grad()
     def decode(
@@ -125,13 +135,26 @@ class RolloutEngine:
         rows: tuple[Sequence[int], int] | None = None,
     ) -> tuple[Rollout, tuple]:
         """The rollout from prefilled prompts, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
+        return self._steps(self._start(boundary, num_samples, params, generator, max_lens, rows), params, beside)
+
+    def _start(
+        self,
+        boundary: Boundary,
+        num_samples: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        max_lens: Tensor | None,
+        rows: tuple[Sequence[int], int] | None,
+    ) -> _Started:
+        """The decode buffers loaded with the prompts' KV and the first tokens drawn: `boundary` is not needed
+        after this."""
         if num_samples < 1:
             raise ValueError(f"num_samples {num_samples} must be at least 1")
         if rows is not None and not can_fuse_sampling(params):
             raise ValueError("top-p sampling draws per batch row: a share of a step's rows needs top_p 1")
         if rows is not None:
             check_rows(rows, boundary.num_prompts * num_samples)
-        start = time.perf_counter()
+        began = time.perf_counter()
         graphs = self._graphs_for(boundary, num_samples, params)
         if self.kv_region is not None and self.kv_arena.state(self.kv_region) is RegionState.RELEASED:
             torch.cuda.empty_cache()  # the training phases' cached blocks go back first: the KV takes their pages
@@ -141,6 +164,11 @@ class RolloutEngine:
         step.load(boundary, params, seed, max_lens, rows)
         run = _Run(step, boundary.num_prompts, num_samples, params, generator)
         run.first_token(boundary.first_logprobs.repeat_interleave(num_samples, dim=0))
+        return _Started(graphs, run, began)
+
+    def _steps(self, started: _Started, params: SamplingParams, beside: Callable[[int], None] | None) -> tuple:
+        """The decode steps of a started rollout, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
+        graphs, run = started.graphs, started.run
         live = torch.arange(run.num_sequences)
         rows, sizes = run.place(live, graphs.sizes), []
         timed = beside is not None or self.time_steps
@@ -164,7 +192,7 @@ class RolloutEngine:
         if self.kv_region is not None:
             self.kv_arena.release(self.kv_region)  # the training phases get the KV's pages
         spans = tuple((clock.seconds(s), clock.seconds(e), r) for s, e, r in marks)
-        return rollout, (time.perf_counter() - start, len(sizes), sum(sizes), tuple(sizes), spans)
+        return rollout, (time.perf_counter() - started.began, len(sizes), sum(sizes), tuple(sizes), spans)
 
     def _graphs_for(self, boundary: Boundary, num_samples: int, params: SamplingParams) -> StepGraphs:
         if self.graphs is not None and self.graphs.step.shape.fits(boundary, num_samples, params):

@@ -55,3 +55,32 @@ def _sums_match(rank: int, world_size: int, fp32_grads: bool, whole: bool) -> No
 @pytest.mark.parametrize("whole", [True, False], ids=["every-layer-reached", "last-two-reached"])
 def test_a_sum_started_inside_the_last_backward_equals_the_sum_after_it(fp32_grads, whole):
     spawn(_sums_match, 2, fp32_grads, whole)
+
+
+def _twice(rank: int, world_size: int) -> None:
+    """The armed backward accumulates every parameter twice (as the prefix's reruns do, once per prompt group)."""
+    dataparallel.BUCKET_BYTES = 4 * (16 * 16 + 16)
+    dataparallel.IN_FLIGHT = 1  # one flat copy at a time
+    dp = DataParallel(world_size, rank)
+    ours, theirs = _model(), _model()
+    optimizers = [ChunkedAdamW(m.parameters(), lr=1e-2, fp32_grads=True) for m in (ours, theirs)]
+    summed = OverlappedSum(dp, optimizers[0], from_backward=False)
+    summed.arm()
+    for seed in (1, 2):
+        _loss(ours, rank, seed).backward()
+        _loss(theirs, rank, seed).backward()
+    summed.finish()
+    dp.all_reduce_grads([optimizers[1].grad_of(i) for i in range(6)])
+    for i in range(6):
+        assert torch.equal(optimizers[0].grad_of(i), optimizers[1].grad_of(i)), i
+    assert summed.launched_in_backward == 0 and summed.most_in_flight == 1
+    early = OverlappedSum(dp, optimizers[0])  # assumes one accumulation per parameter: a second one is refused
+    early.arm()
+    _loss(ours, rank, 3).backward()
+    with pytest.raises(RuntimeError, match="accumulated again after its bucket was summed"):
+        _loss(ours, rank, 4).backward()
+    dist.barrier()
+
+
+def test_a_backward_that_accumulates_twice_is_summed_once_after_it_one_bucket_copy_at_a_time():
+    spawn(_twice, 2)

@@ -115,9 +115,14 @@ def test_two_ranks_sharing_the_optimizer_state_zero1_train_as_one_process_and_re
 
 @pytest.mark.slow
 def test_two_ranks_with_two_mini_batches_train_as_one_process_with_two(tmp_path, one_process):
-    """Each rank takes its part of each mini-batch: its m-th local mini-batch is its part of the step's m-th."""
+    """Each rank takes its part of each mini-batch: its m-th local mini-batch is its part of the step's m-th. The
+    prefix reruns its layers in backward, one accumulation per layer and prompt group: the gradients' sum waits
+    for the backward's end (`OverlappedSum(from_backward=False)`)."""
     text = DP2.read_text().replace("  lr: 2.0e-3\n", "  lr: 2.0e-3\n  minibatches_per_step: 2\n")
-    assert "minibatches_per_step: 2" in text
+    text = text.replace(
+        "memory: {runtime_reserve_gib: 0.1}", "memory: {runtime_reserve_gib: 0.1, prefix_activations: recompute}"
+    )
+    assert "minibatches_per_step: 2" in text and "prefix_activations: recompute" in text
     one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
     one.write_text(text.replace("gpus_per_node: 2", "gpus_per_node: 1"))
     two.write_text(text)

@@ -84,3 +84,26 @@ def test_a_later_minibatchs_prefix_rerun_reads_the_steps_vision_output(monkeypat
     one, _, _ = iteration(True, monkeypatch, prefill="rollout")
     two, _, _ = iteration(True, monkeypatch, minibatches=2)  # auto: the rollout prefills under mini-batches
     assert one == two == 3  # the second mini-batch's actor prefix runs again, its vision does not
+
+
+def test_the_steps_vision_output_goes_once_the_last_prefix_has_read_it(monkeypatch):
+    import weakref
+
+    from rollplex.executors import runtime
+
+    made = []
+
+    class Watched(runtime.SharedVision):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(runtime, "SharedVision", Watched)
+    plan = compile_plan(spec(), Schedule.ROLLPLEX)
+    engines = build_engines(plan)
+    alive = {}
+    examples = batch_at(open_dataset(plan.loaded.spec.workload.dataset, engines.tokenizer, 3), 0, 2)
+    run_iteration(plan.graph, engines, examples, before_op=lambda o: alive.setdefault(o.id, made[0]() is not None))
+    prefixes = [o for o in alive if o.endswith("prefix")]
+    assert prefixes and all(alive[o] for o in prefixes)
+    assert alive["actor_backward"] is False  # the suffixes and the backward run without it

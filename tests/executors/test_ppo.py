@@ -148,3 +148,20 @@ def test_the_tiny_ppo_spec_trains_from_the_cli(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"value_loss"' in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_recomputing_the_critics_microbatch_as_the_plan_counts_it_changes_no_number():
+    base = spec_text(kl=0.1).replace("algorithm: {kl_coef:", "algorithm: {name: ppo, critic_lr: 1.0e-2, kl_coef:")
+    plans = [compile_plan(parse_spec(base + f"memory: {{recompute: {r}}}\n")) for r in ("none", "full")]
+    kept, recomputed = (build_engines(p) for p in plans)
+    critic = recomputed.critic
+    with recomputed.critic_microbatch_memory() as wrapped:  # the critic's own layers, not the actor's
+        assert wrapped == len(critic.model.language_model.layers) + len(critic.model.visual.blocks)
+    with kept.critic_microbatch_memory() as nothing:
+        assert nothing is None
+    dataset = open_dataset(plans[0].loaded.spec.workload.dataset, kept.tokenizer, 3)
+    a = run_iteration(plans[0].graph, kept, batch_at(dataset, 0, 2))
+    b = run_iteration(plans[1].graph, recomputed, batch_at(dataset, 0, 2))
+    assert a.stats["value_loss"] == b.stats["value_loss"]
+    for (name, p), q in zip(kept.critic.named_parameters(), recomputed.critic.parameters(), strict=True):
+        assert torch.equal(p, q), name
