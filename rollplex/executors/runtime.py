@@ -12,8 +12,7 @@ decode steps, on the stream of `sharing.policy` (inline on the CPU), one chunk i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
@@ -27,6 +26,14 @@ from rollplex.executors.critic import train_critic
 from rollplex.executors.draws import burn, length_budgets
 from rollplex.executors.engines import Engines
 from rollplex.executors.ppo import advantages
+from rollplex.executors.prefix_jobs import (
+    PREFIX_JOBS,
+    actor_prefix_job,
+    critic_prefix_job,
+    paged_out_after,
+    ref_prefix_job,
+    steps_of,
+)
 from rollplex.executors.record import StepRecord
 from rollplex.executors.scoring import LeafBoundary, score_all
 from rollplex.executors.training import MiniBatchInputs, train_minibatch
@@ -46,8 +53,7 @@ from rollplex.graph.ir import (
     producer,
     steps,
 )
-from rollplex.models.boundary import Boundary
-from rollplex.models.chunks import drain, each_inside
+from rollplex.models.chunks import drain
 from rollplex.models.shared_vision import SharedVision
 from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
 
@@ -145,11 +151,6 @@ def free_dead(store: Store, life: dict[str, Lifetime], step: int) -> list[str]:
     return dead
 
 
-def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
-    """Indices of the steps that hold one of the role's ops (the planner's residency window of frozen weights)."""
-    return {i for i, s in enumerate(steps(g)) if any(op(g, name).role is role for name in s.ops)}
-
-
 def _handler(o: Op) -> Handler:
     if o.fused_into is not None:
         return _in_backward
@@ -164,7 +165,7 @@ def _handler(o: Op) -> Handler:
 
 def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
-    jobs = [_paged_out_after(e, g, p, PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]))
+    jobs = [paged_out_after(e, g, p, PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]))
             for p in prefixes]  # fmt: skip
     beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
@@ -196,23 +197,6 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
             record.stats["decode_slowdown"] = slowdown
 
 
-def _paged_out_after(e: Engines, g: nx.DiGraph, p: Op, job: Generator) -> Generator:
-    """A paged reference's prefix beside decode whose step ends the reference's window of steps gives its pages
-    back as it ends, as the plan has them (resident in that step of decode only), not when decode ends."""
-    if p.role is not Role.REFERENCE or e.reference_pager is None:
-        return job
-    step = next(s.index for s in steps(g) if p.id in s.ops)
-    if step + 1 in steps_of(g, Role.REFERENCE):
-        return job  # the reference runs in the next step too: it stays
-    return _then(job, e.reference_pager.page_out)
-
-
-def _then(job: Generator, after: Callable[[], None]) -> Generator:
-    result = yield from job
-    after()
-    return result
-
-
 def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
     """Each response's text as a grader reads it (`response_text`), scored by every reward term; the summed
     reward goes on, the terms' means and the accuracy to the metrics."""
@@ -235,7 +219,7 @@ def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) 
 
 
 def _ref_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = drain(_ref_prefix_job(e, store["prompts"], store["vision"]))
+    store[o.outputs[0]] = drain(ref_prefix_job(e, store["prompts"], store["vision"]))
 
 
 def _ref_suffix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
@@ -256,43 +240,11 @@ def _actor_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRe
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
     first = _update_in_flight(e)  # its inputs cross the link before the update's state does
-    store[o.outputs[0]] = drain(_actor_prefix_job(e, prompts, store["vision"], inputs_first=first))
-
-
-def _ref_prefix_job(e: Engines, prompts: Sequence, vision: SharedVision | None) -> Generator[None, None, Boundary]:
-    return e.reference.prefix_chunks(
-        prompts, attached=False, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
-        vision=vision,
-    )  # fmt: skip
-
-
-def _actor_prefix_job(
-    e: Engines, prompts: Sequence, vision: SharedVision | None, inputs_first: bool = False
-) -> Generator[None, None, LeafBoundary]:
-    return _attached_prefix_job(e, e.actor, prompts, vision, e.prefix_memory, inputs_first)
-
-
-def _attached_prefix_job(
-    e: Engines, model, prompts: Sequence, vision: SharedVision | None, memory, inputs_first: bool = False
-) -> Generator[None, None, LeafBoundary]:
-    """A trained role's prefix, its graph kept for the backward through it, each chunk inside `memory`;
-    `inputs_first`: all of its inputs copied to the device before it runs (`Qwen2_5_VL.prefix_chunks`)."""
-    chunks = model.prefix_chunks(
-        prompts, attached=True, layers_per_chunk=e.layers_per_chunk, prompts_per_chunk=e.prompts_per_chunk,
-        rerun=e.prefix_rerun, vision=vision, inputs_first=inputs_first,
-    )  # fmt: skip
-    boundary = yield from each_inside(memory, chunks)
-    return LeafBoundary.of(boundary)
+    store[o.outputs[0]] = drain(actor_prefix_job(e, prompts, store["vision"], inputs_first=first))
 
 
 def _critic_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
-    store[o.outputs[0]] = drain(_critic_prefix_job(e, store["prompts"], store["vision"]))
-
-
-def _critic_prefix_job(
-    e: Engines, prompts: Sequence, vision: SharedVision | None
-) -> Generator[None, None, LeafBoundary]:
-    return _attached_prefix_job(e, e.critic, prompts, vision, nullcontext)
+    store[o.outputs[0]] = drain(critic_prefix_job(e, store["prompts"], store["vision"]))
 
 
 def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
@@ -390,12 +342,6 @@ def _made_by(g: nx.DiGraph, tensor: str, kind: NodeKind, role: Role | None = Non
         return False
     return maker.part is part if part is not None else maker.part is not Part.PREFIX
 
-
-PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence, SharedVision | None], Generator]] = {
-    (NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX): _ref_prefix_job,
-    (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): _actor_prefix_job,
-    (NodeKind.FORWARD, Role.CRITIC, Part.PREFIX): _critic_prefix_job,
-}
 
 HANDLERS: dict[tuple, Handler] = {
     (NodeKind.DECODE, Role.ROLLOUT, Part.WHOLE): _decode,
