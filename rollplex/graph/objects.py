@@ -147,7 +147,8 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     paged = not trained and c.spec.memory.page_reference  # frozen weights may wait on the host between uses
     live = _paged_window(c, role) if paged else _all(c)  # trained ones live on: each update writes them in place
     outside = Residency.HOST
-    llm_bytes = c.sharing.train_shard_bytes_per_gpu
+    llm = S.value_model_params_per_rank(t, tp) if role is Role.CRITIC else S.llm_params_per_rank(t, tp)
+    llm_bytes = llm * S.BF16 if role is Role.CRITIC else c.sharing.train_shard_bytes_per_gpu  # its scalar head
     if role is Role.ACTOR and _shares(c):
         llm_bytes = c.sharing.shared_bytes_per_gpu
     host = llm_bytes if paged else 0
@@ -164,7 +165,6 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     if not backward:
         return
     update = role_steps(c, role, kinds=(NodeKind.UPDATE,))
-    llm = S.llm_params_per_rank(t, tp)
     for n, is_vision in ((llm, False), (trained_vision, True)):
         if not n:
             continue
@@ -200,7 +200,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     tokens = c.gpu.microbatch_tokens if split else c.gpu.group_size * (c.gpu.prompt_tokens + c.gpu.response_tokens)
     sp = c.gpu.sequence_parallel
     layer = S.layer_activation_bytes_per_token(t, tp, sp)
-    out = S.output_activation_bytes_per_token(t, tp, sp)
+    out = S.output_activation_bytes_per_token(t, tp, sp, value=role is Role.CRITIC)
     if c.spec.memory.recompute == "full":
         per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + out + layer
     else:

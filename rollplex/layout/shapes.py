@@ -93,6 +93,13 @@ def llm_params_per_rank(t: TextConfig, tp: int) -> int:
     return sum(family_params_per_rank(f, t, tp) for f in llm_families(t))
 
 
+def value_model_params_per_rank(t: TextConfig, tp: int) -> int:
+    """A value model's (PPO's critic, `rollplex.models.values`): the language model's parameters with a scalar head
+    (hidden + 1) in place of the LM head; where the config ties the head to the embedding, the embedding stays."""
+    head = sum(family_params_per_rank(f, t, tp) for f in llm_families(t) if f.name == "lm_head")
+    return llm_params_per_rank(t, tp) - head + t.hidden_size + 1
+
+
 def vision_params(v: VisionConfig, *, stored: bool = False) -> int:
     """Parameters of the vision encoder as transformers has them, or `stored` as the runtime holds them (its MLP
     width padded: `VisionMLP`)."""
@@ -130,10 +137,11 @@ def layer_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -
     return (replicated // tp if sp else replicated) + (sharded * BF16) // tp + 2 * kv_heads_per_rank(t, tp) * d * BF16
 
 
-def output_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
+def output_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False, value: bool = False) -> int:
     """The final norm input (whole on every rank, or split under sequence parallelism) and this rank's
-    vocab-parallel logits kept for the log-prob / entropy backward."""
-    return t.hidden_size * BF16 // (tp if sp else 1) + t.vocab_size * BF16 // tp
+    vocab-parallel logits kept for the log-prob / entropy backward (a `value` model's one scalar instead)."""
+    head = BF16 if value else t.vocab_size * BF16 // tp
+    return t.hidden_size * BF16 // (tp if sp else 1) + head
 
 
 def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:

@@ -64,3 +64,16 @@ def test_stored_vision_parameter_counts_equal_what_the_runtime_model_holds(name)
     held = sum(p.numel() for p in model.model.visual.parameters())
     assert held == vision_params(c.vision, stored=True)
     assert (held > vision_params(c.vision)) == (c.vision.intermediate_size % 64 != 0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2_5_vl_3b", "qwen2_5_vl_7b"])  # 3B ties its head, 7B does not
+def test_a_value_models_parameter_count_equals_the_critic_the_runtime_builds(name):
+    pytest.importorskip("torch")
+    from rollplex.layout.shapes import value_model_params_per_rank
+    from rollplex.models.model import Qwen2_5_VL
+    from rollplex.models.values import make_value_model
+
+    c = load_model_config(name)
+    critic = make_value_model(Qwen2_5_VL(c, device="meta"), seed=0)
+    held = sum(p.numel() for n, p in critic.named_parameters() if not n.startswith("model.visual."))
+    assert held == value_model_params_per_rank(c.text, 1)
