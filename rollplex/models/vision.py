@@ -163,17 +163,24 @@ def packed_segment_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSegm
     return Rows.apply(o.transpose(1, 2).reshape(rows * width, *q.shape[1:]), packed.entry, None)
 
 
-class PatchEmbed(nn.Module):
-    """A Conv3d whose kernel is the whole patch, applied as the equivalent matmul over flattened patches."""
+class PatchProj(nn.Conv3d):
+    """A Conv3d whose kernel is the whole patch, applied as the equivalent matmul over flattened patches: pixels
+    [S, in_channels * temporal_patch_size * patch_size**2] -> [S, hidden]. Its own forward reads the weight, so
+    a forward pre-hook on it (a deferred update's gate, `rollplex.memory.in_flight.gate_modules`) runs first."""
 
+    def forward(self, pixels: Tensor) -> Tensor:
+        return F.linear(pixels.to(self.weight.dtype), self.weight.flatten(1))
+
+
+class PatchEmbed(nn.Module):
     def __init__(self, vision: VisionConfig) -> None:
         super().__init__()
         kernel = (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
-        self.proj = nn.Conv3d(vision.in_channels, vision.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = PatchProj(vision.in_channels, vision.hidden_size, kernel, stride=kernel, bias=False)
 
     def forward(self, pixels: Tensor) -> Tensor:
         """pixels [S, in_channels * temporal_patch_size * patch_size**2] -> [S, hidden]."""
-        return F.linear(pixels.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        return self.proj(pixels)
 
 
 class VisionAttention(nn.Module):

@@ -40,6 +40,8 @@ class Beside:
         self.num_chunks = 0
         self.num_skipped = 0  # calls that found the previous chunk still running
         self.clock = DeviceClock(cuda=self.stream is not None)
+        # the first chunk, on whichever stream, runs after what the caller queued before (its inputs are made there)
+        self.caller = torch.cuda.current_stream().record_event() if self.stream is not None else None
         self._marks: list[tuple[int, object, object]] = []  # (job, start, end): perf_counter or CUDA events
 
     @property
@@ -83,6 +85,9 @@ class Beside:
 
     def _advance(self) -> None:
         job = self.next_job
+        if self.caller is not None:
+            self.stream.wait_event(self.caller)
+            self.caller = None
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             start = self.clock.mark()
             try:

@@ -212,3 +212,47 @@ def test_on_a_gpu_a_deferred_update_trains_bitwise_as_a_joined_one(tmp_path):
     assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
     assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
     assert len({r["param_digest"] for r in joined}) == 3
+
+
+def test_a_gated_prefix_reads_no_parameter_before_its_gate_waited_for_it(monkeypatch):
+    """Each module with parameters waits for its chunks in a forward pre-hook (`gate_modules`): so a parameter
+    must be read inside its own module's forward (the patch embedding's weight was read by its parent's)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests/models"))
+    from models_testkit import TinyInputs
+
+    from rollplex.memory.in_flight import gate_modules
+    from rollplex.models.chunks import drain
+    from rollplex.models.config import load_model_config
+    from rollplex.models.model import Qwen2_5_VL
+    from rollplex.models.rerun import Rerun
+
+    config = load_model_config("tiny")
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(config)
+    inputs = TinyInputs(config, torch.Generator().manual_seed(1234))
+    prompts = [inputs.prompt(2, inputs.video((2, 8, 8), second_per_grid_t=1.5), 3), inputs.prompt(6)]
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    class InFlight:  # an update in flight, as `ChunkedAdamW` is after `step(defer=True)`
+        in_flight, waited = True, set()
+
+        def wait_for(self, params):
+            self.waited.update(id(p) for p in params)
+
+    update = InFlight()
+    gate_modules(model, update)
+    early, read = set(), set()
+
+    class Reads(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") != "__get__":  # a .dtype or .device reads no data
+                for a in (*args, *(kwargs or {}).values()):
+                    if isinstance(a, torch.Tensor) and id(a) in names:
+                        read.add(names[id(a)])
+                        if id(a) not in update.waited:
+                            early.add(names[id(a)])
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        drain(model.prefix_chunks(prompts, attached=True, rerun=Rerun()))
+    assert "model.visual.patch_embed.proj.weight" in read and not early, early
