@@ -182,11 +182,17 @@ def load(path: Path, engines: Engines) -> Snapshot:
         raise ValueError(f"{path} has no {_optimizer_dir(engines)}/: resume with the train_tp that wrote it")
     covered: set[int] = set()
     names = _optimizer_names(engines)
+    settings = engines.optimizer.config  # the spec's: a resumed run takes an edited lr, betas, ... from it
     for file in parts:  # one part in memory at a time
-        part = _in_stored_shapes(_load(file), engines, names)
-        engines.optimizer.load_state_dict(part)
+        part = _load(file)
+        held = len(part["param_groups"][0]["params"])
+        if held != len(engines.optimizer.params):  # before any reshaping: a toggled model.freeze_vision, say
+            raise ValueError(f"{file} holds the state of {held} parameters, this run trains "
+                             f"{len(engines.optimizer.params)}: resume with the spec that wrote it")  # fmt: skip
+        engines.optimizer.load_state_dict(_in_stored_shapes(part, engines, names))
         covered |= set(part["state"])
         del part
+    engines.optimizer.config = settings
     if covered != set(engines.optimizer.owned):
         raise ValueError(f"{path / _optimizer_dir(engines)} covers {len(covered)} of the optimizer's "
                          f"{len(engines.optimizer.owned)} parameters: an incomplete checkpoint")  # fmt: skip
@@ -194,8 +200,10 @@ def load(path: Path, engines: Engines) -> Snapshot:
         if not (path / "critic.pt").is_file():
             raise ValueError(f"{path} has no critic.pt: it was not written by a run with a critic")
         engines.critic.load_state_dict(_load(path / "critic.pt"))
+        settings = engines.critic_optimizer.config
         for file in sorted((path / "critic-optimizer").glob("part-*.pt")):
             engines.critic_optimizer.load_state_dict(_load(file))
+        engines.critic_optimizer.config = settings
     rng = _load(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])

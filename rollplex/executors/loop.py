@@ -51,6 +51,8 @@ class InterruptGate:
         self.previous = None
 
     def hold(self) -> None:
+        if self.previous is not None:  # held already
+            return
         try:
             self.previous = signal.signal(signal.SIGINT, self._note)
         except ValueError:  # not the main thread: signals are not ours to hold
@@ -59,18 +61,23 @@ class InterruptGate:
     def _note(self, signum, frame) -> None:
         self.pending = True
 
-    def release(self) -> None:
+    def release(self, raise_pending: bool = True) -> bool:
+        """Lets SIGINT through again; one that came meanwhile is raised now (or, not `raise_pending`, reported)."""
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.previous = None
-        if self.pending:
-            self.pending = False
+        came, self.pending = self.pending, False
+        if came and raise_pending:
             raise KeyboardInterrupt
+        return came
 
 
 def train(plan: Plan, opts: RunOptions) -> list[dict]:
     """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
     opts.out_dir.mkdir(parents=True, exist_ok=True)
+    if not opts.resume and (earlier := checkpointing.latest(opts.out_dir)) is not None:  # before any model is built
+        raise SpecError("", f"{opts.out_dir} holds an earlier run's checkpoints ({earlier.name})",
+                        "continue it with --resume, or give this run another --out")  # fmt: skip
     loaded, g = plan.loaded, plan.graph
     announce = opts.progress and is_main_process()
     if announce:  # a large model's start-up (weights, pinned optimizer state) takes a while: say what is happening
@@ -109,6 +116,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     records: list[dict] = []
     saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
     updating, peak_allocated = False, 0
+    ending, interrupted = False, False  # the run's last lines are being written; an interrupt came meanwhile
     share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
@@ -124,11 +132,20 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     def complete(o: Op | None = None) -> None:
         """After the next step's actor prefix (which the runtime ends by joining the update) or at the run's end (the
         update joins here): the fingerprints of the weights it wrote are launched, read by `emit_waiting` (no wait
-        for the device here)."""
+        for the device here); an interrupt held since the update began is let through."""
         if not waiting or fingerprints or (o is not None and (o.role, o.part) != (Role.ACTOR, Part.PREFIX)):
             return
         engines.optimizer.finish()  # joined already after a prefix; at the run's end, here
         fingerprints.append(Fingerprints.of(engines.actor))
+        joined()
+
+    def joined() -> None:
+        """The update is whole (ended in its step, or a deferred one joined): what a checkpoint saves is one step's.
+        While the run ends (`ending`), an interrupt held meanwhile waits for the last save."""
+        nonlocal updating, interrupted
+        if updating and engines.optimizer.in_flight is None:
+            updating = False
+            interrupted |= gate.release(raise_pending=not ending)
 
     def emit_waiting() -> None:
         """The waiting step's metrics line, its weights' digest read (at the next step's end, or the run's)."""
@@ -182,12 +199,14 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     waiting.append(records[-1])
                 else:
                     emit(records[-1])
-                saved, updating = checkpointing.Snapshot.of(step, position, engines), False
+                saved = checkpointing.Snapshot.of(step, position, engines)
                 if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
-                    checkpointing.save(opts.out_dir, saved, engines)
-                gate.release()
+                    checkpointing.save(opts.out_dir, saved, engines)  # joins a deferred update first
+                    emit_waiting()  # its line with it: a kill in the next step leaves no step without one
+                joined()  # a deferred update holds interrupts until the next actor prefix joins it
         finally:
             prefetch.close()
+            ending = True
             emit_waiting()
             if log is not None:
                 log.close()
@@ -198,6 +217,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
             ):
                 checkpointing.save(opts.out_dir, saved, engines)
+    if interrupted:
+        raise KeyboardInterrupt  # held while the last update ended, let through once it was saved
     examples = []  # their pinned patches recorded the prefix streams: freed while those live
     engines.settle()  # a later run in this process may free what recorded the prefix streams
     return records

@@ -90,7 +90,7 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [line for line in _whole_lines(self.path) if json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = _tensorboard(out_dir / "tb") if tensorboard else None
 
@@ -105,6 +105,17 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _whole_lines(path: Path) -> list[str]:
+    """The file's lines but a last one cut short (a run killed while writing it): that step is trained again."""
+    lines = path.read_text().splitlines()
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return lines
 
 
 def _scalars(record: dict, prefix: str = ""):

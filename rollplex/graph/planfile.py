@@ -38,11 +38,11 @@ from rollplex.graph.ir import (
     tensors,
 )
 from rollplex.graph.load import LoadedSpec, check_model_fits_parallel
-from rollplex.graph.plan import Plan, plan_of
+from rollplex.graph.plan import RECOMPUTE_SETTINGS, Plan, plan_of
 from rollplex.graph.spec import Spec
 from rollplex.models.config import ModelConfig
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 
 
 def plan_dict(plan: Plan) -> dict:
@@ -76,12 +76,18 @@ def read_plan(path: str | Path) -> Plan:
                         "compile the spec again with this rollplex", file=str(path))  # fmt: skip
     try:
         spec = Spec.model_validate(data["spec"])
+        unsettled = [key for key in RECOMPUTE_SETTINGS if getattr(spec.memory, key) == "auto"]
+        if unsettled:  # a plan holds what the compiler chose, never auto
+            raise ValueError(f"its spec has memory.{unsettled[0]} auto")
         model = ModelConfig.from_dict(data["model_config"])
         check_model_fits_parallel(spec, model)
         loaded = LoadedSpec(spec, model, Path(data["spec_path"]))
         return plan_of(loaded, Schedule(data["schedule"]), _graph(data), Decisions.from_dict(data["decisions"]))
     except (KeyError, TypeError, ValueError, ValidationError, SpecError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        if isinstance(e, ValidationError):
+            first = e.errors()[0]
+            what = f"spec.{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
         raise SpecError("", f"malformed plan ({what})", "write it again with `rollplex compile SPEC -o FILE`",
                         file=str(path)) from None  # fmt: skip
 

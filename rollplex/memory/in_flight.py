@@ -17,6 +17,7 @@ stays allocated until `finish`, so the caching allocator cannot hand its memory 
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class UpdateInFlight:
     held: tuple  # what the streams still use: freed once the caller's stream waits for them (`finish`)
     written: list[torch.cuda.Event] = field(default_factory=list)  # per chunk enqueued so far
     done: int = 0  # chunks known finished (a prefix of `written`)
+    broken: bool = False  # enqueueing a chunk raised: the step's later chunks will never be written
 
     def pump(self) -> None:
         """Enqueues chunks until AHEAD of them are unfinished (asks the device, never waits for it)."""
@@ -52,8 +54,12 @@ class UpdateInFlight:
                 stream.wait_event(self.written[j])
 
     def finish(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """Enqueues the rest; `stream` waits for all of the step; returns the event that marks it done there."""
-        self.written.extend(self.work)
+        """Enqueues the rest; `stream` waits for all of the step; returns the event that marks it done there. A
+        step whose enqueueing raised is refused: its parameters and state hold half an update."""
+        if self.broken:
+            raise RuntimeError("a deferred optimizer step was interrupted while enqueueing its chunks: the weights "
+                               "and state hold half an update (resume from the last checkpoint)")  # fmt: skip
+        self._enqueue_through(sys.maxsize)  # every chunk left
         for s in self.streams:
             stream.wait_stream(s)
         self.last_chunk.clear()
@@ -61,8 +67,12 @@ class UpdateInFlight:
         return stream.record_event()
 
     def _enqueue_through(self, j: int) -> None:
-        while len(self.written) <= j and (event := next(self.work, None)) is not None:
-            self.written.append(event)
+        try:
+            while len(self.written) <= j and (event := next(self.work, None)) is not None:
+                self.written.append(event)
+        except BaseException:
+            self.broken = True
+            raise
 
 
 def gate_modules(model: nn.Module, optimizer) -> None:

@@ -150,3 +150,35 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     assert len(err) == 1 and "checkpoint of step 2 not written (No space left on device); kept" in err[0]
     assert checkpointing.latest(out) == checkpointing.checkpoint_dir(out, 1)
     assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_model_is_built(tmp_path):
+    run(tmp_path, "rollplex", 1, name="earlier")
+    with pytest.raises(SpecError, match=r"holds an earlier run's checkpoints \(step-000001\).*--resume"):
+        run(tmp_path, "rollplex", 2, name="earlier")
+    proc = cli("--steps", "2", "--out", str(tmp_path / "earlier"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_resume_takes_the_specs_optimizer_settings_and_a_metrics_line_cut_short(tmp_path):
+    run(tmp_path, "rollplex", 1, name="a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "loss": 0.')  # a run killed while writing its next line
+    same = run(tmp_path, "rollplex", 2, name="a", resume=True)
+    text = spec_text().replace("lr: 1.0e-2", "lr: 1.0e-4")
+    assert text != spec_text()
+    opts = RunOptions(2, tmp_path / "b", progress=False, tensorboard=False, resume=True)
+    edited = train(compile_plan(parse_spec(text), Schedule.ROLLPLEX), opts)
+    assert edited[0]["loss"] == same[0]["loss"] and edited[0]["param_digest"] != same[0]["param_digest"]
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+
+
+def test_resuming_with_the_vision_tower_frozen_or_not_as_it_was_is_one_line(tmp_path):
+    run(tmp_path, "rollplex", 1, name="trained")
+    line = next(x for x in spec_text().splitlines() if x.startswith("model: "))
+    text = spec_text().replace(line, f"model: {{name: {line[7:]}, freeze_vision: true}}")
+    opts = RunOptions(2, tmp_path / "trained", progress=False, tensorboard=False, resume=True)
+    with pytest.raises(SpecError, match=r"holds the state of .* parameters, this run trains .*: resume with the spec"):
+        train(compile_plan(parse_spec(text), Schedule.ROLLPLEX), opts)

@@ -256,3 +256,41 @@ def test_a_gated_prefix_reads_no_parameter_before_its_gate_waited_for_it(monkeyp
     with Reads():
         drain(model.prefix_chunks(prompts, attached=True, rerun=Rerun()))
     assert "model.visual.patch_embed.proj.weight" in read and not early, early
+
+
+def test_an_interrupt_beside_a_deferred_update_waits_until_the_next_prefix_has_joined_it(tmp_path, monkeypatch):
+    """Ctrl-C while the next actor prefix drives a deferred update's chunks is held until that prefix has joined
+    the update: a checkpoint never holds half an update (stand-in update on the CPU, as above)."""
+    import os
+    import signal
+
+    step, finish = ChunkedAdamW.step, ChunkedAdamW.finish
+    waits = {"after_interrupt": 0, "sent": False}
+
+    def deferred_step(self, defer=False):
+        norm = step(self)
+        if defer:
+            self.in_flight = "in flight"
+        return norm
+
+    def stand_in_wait(self, params):
+        if waits["sent"]:
+            waits["after_interrupt"] += 1
+        elif self.num_steps == 2:  # step 2's update in flight: step 3's prefix is driving it
+            waits["sent"] = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def stand_in_finish(self):
+        self.in_flight = None
+        finish(self)
+
+    monkeypatch.setattr(ChunkedAdamW, "step", deferred_step)
+    monkeypatch.setattr(ChunkedAdamW, "wait_for", stand_in_wait)
+    monkeypatch.setattr(ChunkedAdamW, "finish", stand_in_finish)
+    plan = compile_plan(parse_spec(beside(spec_text())))
+    with pytest.raises(KeyboardInterrupt):
+        train(plan, RunOptions(4, tmp_path / "r", progress=False, tensorboard=False, checkpoint_every=100))
+    assert waits["sent"] and waits["after_interrupt"] > 1  # the prefix went on through its gates
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step-000002"]
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]

@@ -55,7 +55,11 @@ def test_the_decisions_of_the_file_are_the_ones_read(tmp_path):
         ),
         (lambda d: d.pop("decisions"), "malformed plan (missing key 'decisions')"),
         (lambda d: d["decisions"].update(prefix_saved="disk"), "malformed plan ('disk' is not a valid Residency)"),
-        (lambda d: d["spec"]["workload"].update(group_size=0), "malformed plan"),
+        (
+            lambda d: d["spec"]["workload"].update(group_size=0),
+            "malformed plan (spec.workload.group_size: Input should",
+        ),
+        (lambda d: d["spec"]["memory"].update(recompute="auto"), "malformed plan (its spec has memory.recompute auto)"),
     ],
 )
 def test_a_plan_of_another_version_or_a_broken_one_is_one_line(tmp_path, edit, message):
