@@ -242,12 +242,13 @@ def op_cost(
             cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d, gpu.sequence_parallel))
         return cost
     if o.kind is NodeKind.FORWARD:
-        if o.role is Role.ACTOR:
-            return Cost()  # the actor's scoring runs fused with its backward (the backward op counts it)
+        if o.fused_into is not None:
+            return Cost()  # a trained role's scoring runs fused with its backward (the backward op counts it)
         return (suffix_forward(t, tokens, tp) if o.part is Part.SUFFIX else whole_forward(t, v, tokens, tp)).scaled(
             share
         )
-    return backward(split, t, v, tokens, tp, d, gpu.sequence_parallel).scaled(share)
+    value = o.role is Role.CRITIC  # a value model: a scalar head in place of the LM head
+    return backward(split, t, v, tokens, tp, d, gpu.sequence_parallel, value).scaled(share)
 
 
 def _share(o: Op, tokens: StepTokens) -> float:
@@ -265,8 +266,8 @@ def _llm_flops(t: TextConfig, tokens: float, tp: int) -> float:
     return 2 * t.num_hidden_layers * layer_params(t) * tokens / tp
 
 
-def _head_flops(t: TextConfig, tokens: float, tp: int) -> float:
-    return 2 * t.hidden_size * t.vocab_size * tokens / tp
+def _head_flops(t: TextConfig, tokens: float, tp: int, value: bool = False) -> float:
+    return 2 * t.hidden_size * (1 if value else t.vocab_size) * tokens / tp
 
 
 def _attention_flops(t: TextConfig, queries: float, keys: float, tp: int, causal: bool) -> float:
@@ -299,17 +300,18 @@ def prefix_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, 
     return Cost(flops=flops)
 
 
-def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
-    """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself, the LM head."""
+def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int, value: bool = False) -> Cost:
+    """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself, the LM head (a
+    `value` model's scalar head)."""
     flops = 0.0
     for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
         for r in lens:
-            flops += _llm_flops(t, r, tp) + _head_flops(t, r, tp)
+            flops += _llm_flops(t, r, tp) + _head_flops(t, r, tp, value)
             flops += _attention_flops(t, r, length, tp, causal=False) + _attention_flops(t, r, r, tp, causal=True)
     return Cost(flops=flops)
 
 
-def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -> Cost:
+def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, value: bool = False) -> Cost:
     """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time."""
     flops = 0.0
     for length, patches, frames, lens in zip(
@@ -317,23 +319,31 @@ def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int) -
     ):
         for r in lens:
             flops += vision_forward(v, patches, frames, 1) + _llm_flops(t, length + r, tp)
-            flops += _attention_flops(t, length + r, length + r, tp, causal=True) + _head_flops(t, r, tp)
+            flops += _attention_flops(t, length + r, length + r, tp, causal=True) + _head_flops(t, r, tp, value)
     return Cost(flops=flops)
 
 
 def backward(
-    split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions, sp: bool = False
+    split: bool,
+    t: TextConfig,
+    v: VisionConfig,
+    tokens: StepTokens,
+    tp: int,
+    d: Decisions,
+    sp: bool = False,
+    value: bool = False,
 ) -> Cost:
-    """The actor's scoring forward, its backward (twice the forward), a recomputed forward where the plan
+    """A trained role's scoring forward, its backward (twice the forward), a recomputed forward where the plan
     recomputes; split, also the backward through the prefix (and its rerun under recompute) and the saved
-    tensors' way back from the host."""
-    scoring = suffix_forward(t, tokens, tp) if split else whole_forward(t, v, tokens, tp)
+    tensors' way back from the host. `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept
+    in HBM)."""
+    scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
     cost = scoring.scaled(4 if d.recompute_microbatch else 3)
     if split:
         prefix = prefix_forward(t, v, tokens, tp, vision=not d.freeze_vision)
         rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
         cost = cost + prefix.scaled(3 if rerun else 2)
-        if d.prefix_saved is Residency.HOST:
+        if d.prefix_saved is Residency.HOST and not value:
             cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d, sp))
     return cost
 

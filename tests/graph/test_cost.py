@@ -154,3 +154,16 @@ def test_a_paged_reference_crosses_the_link_inwards_once_per_window_of_its_steps
     for timer in ("ref_prefix", "ref_suffix"):
         first, *rest = cost.plan_phase_costs(paged, tokens)[timer]
         assert first == Cost(host_bytes=weights) and tuple(rest) == cost.plan_phase_costs(kept, tokens)[timer]
+
+
+def test_a_critics_scoring_is_priced_once_inside_its_backward_with_a_scalar_head():
+    from rollplex.graph.load import load_spec
+
+    plan = compile_plan(load_spec(SPECS / "ppo_critic_7b_h200.yaml"))
+    tokens = timeplan.planned_steps(plan)[0]
+    t, v, d = plan.loaded.model.text, plan.loaded.model.vision, plan.decisions
+    critic = cost.total(cost.plan_phase_costs(plan, tokens)["critic_suffix_backward"])
+    assert critic == cost.backward(True, t, v, tokens, 1, d, False, value=True)  # the fused scoring adds nothing
+    assert critic.host_bytes == 0 < d.host_pool_bytes  # its prefix tensors stay in HBM while the actor's travel
+    head = suffix_forward(t, tokens, 1).flops - suffix_forward(t, tokens, 1, value=True).flops
+    assert head == pytest.approx(2 * t.hidden_size * (t.vocab_size - 1) * tokens.response_tokens)
