@@ -11,7 +11,7 @@ import networkx as nx
 
 from rollplex.executors.engines import Engines
 from rollplex.executors.scoring import LeafBoundary
-from rollplex.graph.ir import NodeKind, Op, Part, Role, op, steps
+from rollplex.graph.ir import NodeKind, Op, Part, Role, steps, steps_of
 from rollplex.models.boundary import Boundary
 from rollplex.models.chunks import each_inside
 from rollplex.models.shared_vision import SharedVision
@@ -71,8 +71,3 @@ PREFIX_JOBS: dict[tuple, Callable[[Engines, Sequence, SharedVision | None], Gene
     (NodeKind.FORWARD, Role.ACTOR, Part.PREFIX): actor_prefix_job,
     (NodeKind.FORWARD, Role.CRITIC, Part.PREFIX): critic_prefix_job,
 }
-
-
-def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
-    """Indices of the steps that hold one of the role's ops (the planner's residency window of frozen weights)."""
-    return {i for i, s in enumerate(steps(g)) if any(op(g, name).role is role for name in s.ops)}

@@ -32,7 +32,6 @@ from rollplex.executors.prefix_jobs import (
     critic_prefix_job,
     paged_out_after,
     ref_prefix_job,
-    steps_of,
 )
 from rollplex.executors.record import StepRecord
 from rollplex.executors.scoring import LeafBoundary, score_all
@@ -52,6 +51,7 @@ from rollplex.graph.ir import (
     ops,
     producer,
     steps,
+    steps_of,
 )
 from rollplex.models.chunks import drain
 from rollplex.models.shared_vision import SharedVision

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps
+from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps, steps_of
 from rollplex.graph.objects import Component, Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
@@ -146,12 +146,11 @@ def reference_page_ins(plan) -> list[tuple[str, int]]:
         return []
     held = (o for o in plan.residency.objects if o.role == Role.REFERENCE.value and o.component is Component.WEIGHTS)
     weights = sum(o.bytes for o in held)
-    used = [s for s in steps(plan.graph) if any(op(plan.graph, n).role is Role.REFERENCE for n in s.ops)]
-    indices = {s.index for s in used}
+    used = steps_of(plan.graph, Role.REFERENCE)
     firsts = [
         next(op(plan.graph, n) for n in s.ops if op(plan.graph, n).role is Role.REFERENCE)
-        for s in used
-        if s.index - 1 not in indices
+        for s in steps(plan.graph)
+        if s.index in used and s.index - 1 not in used
     ]
     return [(timer_of(o), weights) for o in firsts]
 

@@ -166,6 +166,11 @@ def steps(g: nx.DiGraph) -> tuple[Step, ...]:
     return g.graph.get("steps", ())
 
 
+def steps_of(g: nx.DiGraph, role: Role) -> set[int]:
+    """Indices of the steps that hold one of the role's ops (a paged role's window of resident steps)."""
+    return {s.index for s in steps(g) if any(op(g, name).role is role for name in s.ops)}
+
+
 def prefilled_decodes(ops_: Iterable[Op]) -> set[str]:
     """The decode ops that read a prefix's boundary (`prefill_from_actor`): their rollout prefills nothing."""
     ops_ = list(ops_)
