@@ -16,18 +16,21 @@ import torch
 from torch import Tensor
 
 ADVANTAGE_EPS = 1e-6
+LOG_RATIO_LIMIT = 20.0  # |log ratio| before exp, as verl clamps it: FP32 stays finite, so no inf x 0 = NaN
 
 
 def group_advantages(rewards: Tensor) -> Tensor:
-    """rewards [P, N] -> (r - mean over the group) / (unbiased std over the group + eps), [P, N]."""
+    """rewards [P, N] -> (r - mean over the group) / (unbiased std over the group + eps), [P, N]. A group of one
+    response has advantage 0 (verl's is its raw reward): it has nothing to be compared with."""
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
     return (rewards - mean) / (std + ADVANTAGE_EPS)
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """The k3 estimator of KL(pi || ref) per token: exp(ref - lp) - (ref - lp) - 1 (non-negative)."""
-    delta = ref_logprobs - logprobs
+    """The k3 estimator of KL(pi || ref) per token: exp(ref - lp) - (ref - lp) - 1 (non-negative), with
+    ref - lp clamped to +-LOG_RATIO_LIMIT."""
+    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return torch.exp(delta) - delta - 1
 
 
@@ -73,7 +76,7 @@ def grpo_loss(
     """logprobs, old_logprobs, ref_logprobs, entropy, mask: [..., R]; advantages: [...] per sequence (GRPO) or
     [..., R] per token (PPO)."""
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = advantages if advantages.dim() == logprobs.dim() else advantages.unsqueeze(-1)
     clipped_ratio = ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)

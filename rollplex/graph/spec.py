@@ -158,7 +158,13 @@ class AlgorithmSpec(Strict):
         "optimizer). Without a `graph`, each has its standard graph; a custom graph with a critic needs ppo.",
     )
     kl_coef: float = Field(0.04, ge=0, description="KL-to-reference coefficient; 0 drops the reference model.")
-    clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon.")
+    clip_ratio: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The clip range epsilon of the ratio to the rollout's policy. It binds in a step's later "
+        "mini-batches only (minibatches_per_step > 1): the first trains on-policy, at a ratio of exactly 1.",
+    )
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="How token losses are averaged.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     lr: PositiveFloat = Field(1e-6, description="AdamW learning rate.")
@@ -170,7 +176,8 @@ class AlgorithmSpec(Strict):
         1.0,
         ge=0,
         description="Rollout sampling temperature (0 = greedy). The trainer's log-probs, KL and entropy are of the "
-        "logits divided by it too (by 1 when greedy), so that each token is scored as it was sampled.",
+        "logits divided by it too (by 1 when greedy), so that each token is scored as it was sampled. Under "
+        "top_p < 1 they are of the whole tempered distribution, not the truncated one (as verl scores).",
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling threshold.")
     rewards: tuple[RewardSpec, ...] = Field(
@@ -179,7 +186,10 @@ class AlgorithmSpec(Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: the discount of GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE's lambda.")
     value_clip: PositiveFloat = Field(
-        0.2, description="PPO: how far a value may move from the first scoring's before its loss is clipped."
+        0.2,
+        description="PPO: how far a value may move from the first scoring's before its loss is clipped. PPO runs one "
+        "mini-batch a step, which trains on that first scoring: the clip does not bind there (nor in verl's one "
+        "epoch of one mini-batch).",
     )
     critic_lr: PositiveFloat | None = Field(None, description="PPO: the critic's AdamW learning rate; null: `lr`.")
     minibatches_per_step: PositiveInt = Field(
@@ -302,6 +312,33 @@ class Spec(Strict):
             raise ValueError("algorithm.minibatches_per_step > 1 runs with grpo only; set it to 1 under ppo")
         if a.name == "ppo" and self.parallel.train_tp > 1:
             raise ValueError("a critic trains with train_tp 1 only; set parallel.train_tp: 1 under ppo")
+        return self
+
+    @model_validator(mode="after")
+    def _actor_reads(self) -> Spec:
+        """A custom graph's actor backward reads what the algorithm's loss uses, and nothing it would drop: the
+        reference's scores exactly when kl_coef > 0, a critic's values under ppo."""
+        if self.graph is None:
+            return self
+        a = self.algorithm
+        made_by = {t: n.role for n in self.graph.nodes if n.kind == "forward" for t in n.outputs}
+        for n in (n for n in self.graph.nodes if n.kind == "backward" and n.role == "actor"):
+            reads = {made_by.get(t) for t in n.inputs}
+            if a.kl_coef > 0 and "reference" not in reads:
+                raise ValueError(
+                    f"algorithm.kl_coef {a.kl_coef} needs node '{n.id}' to read a reference forward node's output "
+                    "(its KL term); add one to its inputs, or set algorithm.kl_coef: 0"
+                )
+            if a.kl_coef == 0 and "reference" in reads:
+                raise ValueError(
+                    f"node '{n.id}' reads the reference's scores, which algorithm.kl_coef 0 leaves unused; set "
+                    "kl_coef above 0, or drop the reference from the graph"
+                )
+            if a.name == "ppo" and "critic" not in reads:
+                raise ValueError(
+                    f"algorithm.name ppo needs node '{n.id}' to read the critic's values (its advantages); add "
+                    "them to its inputs"
+                )
         return self
 
     @model_validator(mode="after")

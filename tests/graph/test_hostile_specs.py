@@ -19,6 +19,8 @@ GRAPH = """graph:
     - {id: rollout, kind: decode, role: rollout, inputs: [prompts], outputs: [responses]}
     - {id: reward, kind: reward, inputs: [prompts, responses], outputs: [rewards]}
 """
+ACTOR = "    - {id: actor_score, kind: forward, role: actor, inputs: [prompts, responses], outputs: [lp]}\n"
+REFERENCE = "    - {id: ref_score, kind: forward, role: reference, inputs: [prompts, responses], outputs: [ref_lp]}\n"
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
     for p, c in zip("abcdefgh", "bcdefghi", strict=True)
@@ -149,6 +151,35 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         BASE + GRAPH + "    - {id: c, kind: forward, role: critic, inputs: [prompts, responses], outputs: [v]}\n",
         2,
         "spec.yaml: the graph has a critic: set algorithm.name: ppo",
+    ),
+    (
+        "graph without the reference kl_coef needs",
+        BASE + GRAPH + ACTOR + "    - {id: actor_backward, kind: backward, role: actor, inputs: [lp, rewards]}\n",
+        2,
+        "algorithm.kl_coef 0.04 needs node 'actor_backward' to read a reference forward node's output",
+    ),
+    (
+        "graph with a reference kl_coef 0 leaves unused",
+        BASE
+        + "algorithm: {kl_coef: 0}\n"
+        + GRAPH
+        + ACTOR
+        + REFERENCE
+        + "    - {id: actor_backward, kind: backward, role: actor, inputs: [lp, ref_lp, rewards]}\n",
+        2,
+        "reads the reference's scores, which algorithm.kl_coef 0 leaves unused",
+    ),
+    (
+        "graph ppo without values",
+        BASE
+        + "algorithm: {name: ppo}\n"
+        + GRAPH
+        + ACTOR
+        + REFERENCE
+        + "    - {id: critic_score, kind: forward, role: critic, inputs: [prompts, responses], outputs: [v]}\n"
+        "    - {id: actor_backward, kind: backward, role: actor, inputs: [lp, ref_lp, rewards]}\n",
+        2,
+        "algorithm.name ppo needs node 'actor_backward' to read the critic's values",
     ),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
 ]
