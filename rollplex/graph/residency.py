@@ -16,6 +16,9 @@ from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
 MIN_AUTO_CHUNK = 256 * 2**20
+# an update deferred beside the next actor prefix keeps in_flight.AHEAD chunks queued on the host link, and a first
+# use in the prefix (a new cuDNN plan, a lazily loaded kernel) waits for all of them: small chunks keep that short
+BESIDE_PREFIX_CHUNK = 128 * 2**20
 CHUNK_ALIGN = 2 * 2**20  # VMM page granularity
 STATE_BYTES_PER_ELEMENT = 12  # FP32 master + two Adam moments
 SCRATCH_BYTES = 8 * 2**20  # the optimizer's 4 MiB scratch + one FP32 norm per chunk segment
@@ -248,7 +251,8 @@ def plan_optimizer(c: Context, objects: list[MemObject], update: set[int], capac
         chunk = c.spec.memory.optimizer_chunk_mib * 2**20
     else:
         free = max(capacity - used - SCRATCH_BYTES, 0) * STATE_BYTES_PER_ELEMENT // (PIPELINE_DEPTH * 12 + 8)
-        chunk = max(CHUNK_ALIGN, min(MAX_AUTO_CHUNK, free) // CHUNK_ALIGN * CHUNK_ALIGN)
+        most = BESIDE_PREFIX_CHUNK if update_beside_steps(c) else MAX_AUTO_CHUNK
+        chunk = max(CHUNK_ALIGN, min(most, free) // CHUNK_ALIGN * CHUNK_ALIGN)
     chunk = min(chunk, max(state, 1))
     streams = any(o.host_bytes for o in objects if o.component in (Component.MASTER, Component.MOMENTS))
     return OptimizerPlan(state, chunk, -(-state // chunk), PIPELINE_DEPTH if streams else 0)

@@ -3,6 +3,10 @@ refusals that apply on their device."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from run_testkit import loaded, spec_text
@@ -28,18 +32,31 @@ def test_a_gpu_only_refusal_stops_a_gpu_build_before_anything_is_made(monkeypatc
         build_engines(plan, torch.device("cuda"))  # a device object only: nothing reaches CUDA
 
 
+EXPANDABLE_PROBE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import run_testkit  # registers the spec's test reward
+from rollplex.executors.engines import build_engines
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+weight = build_engines(compile_plan(parse_spec(sys.stdin.read()))).actor.lm_head.weight
+(segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
+              if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]
+print(segment["is_expandable"])
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("expandable", [True, False])
 def test_on_a_gpu_the_spec_decides_whether_the_allocator_maps_expandable_segments(expandable):
+    """In a process of its own: a segment an earlier test made under the other setting can hold the small weight."""
     text = spec_text(kl=0.1, device="cuda") + f"memory: {{expandable_segments: {str(expandable).lower()}}}\n"
-    torch.cuda.empty_cache()
-    weight = build_engines(
-        compile_plan(parse_spec(text))
-    ).actor.lm_head.weight  # in segments made under the spec's setting
-    (segment,) = [s for s in torch.cuda.memory._snapshot()["segments"]
-                  if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]  # fmt: skip
-    assert segment["is_expandable"] == expandable
+    probe = subprocess.run(
+        [sys.executable, "-c", EXPANDABLE_PROBE, str(Path(__file__).parent)], input=text, capture_output=True, text=True
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[-1] == str(expandable)  # the weight's segment, made under the spec's setting
 
 
 @pytest.mark.parametrize("cudnn", [False, True])

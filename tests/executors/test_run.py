@@ -102,7 +102,8 @@ def test_on_a_gpu_the_allocator_hands_back_its_cache_before_a_prefix_that_ran_be
 
     monkeypatch.setattr(LeafBoundary, "backward_through_prefix", recorded)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (releases.append(1), empty()))
-    spec = parse_spec(spec_text(kl=0.1, device="cuda") + "sharing: {policy: streams}\n")
+    text = spec_text(kl=0.1, device="cuda").replace("run: {", "run: {rollout_prefill: rollout, ")
+    spec = parse_spec(text + "sharing: {policy: streams}\n")  # the engine prefills: the actor prefix runs beside
     for schedule in ("serial", "rollplex"):
         plan = compile_plan(spec, Schedule(schedule))
         engines = build_engines(plan)

@@ -192,3 +192,18 @@ def test_the_spec_forces_where_the_optimizer_state_and_the_prefix_saved_tensors_
     assert plan.decisions.optimizer_state is Residency(choice)
     forced = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 80")))
     assert not forced.residency.fits_hbm or choice == "host"  # hbm is obeyed even where it cannot fit
+
+
+def test_an_update_streamed_beside_the_next_prefix_moves_in_small_chunks_and_one_ending_its_step_in_large():
+    """Beside the prefix a first use there (a new cuDNN plan, a lazily loaded kernel) waits for every queued chunk:
+    the auto chunk is at most BESIDE_PREFIX_CHUNK; an update alone takes the largest that fits."""
+    from rollplex.graph.residency import BESIDE_PREFIX_CHUNK, MAX_AUTO_CHUNK
+
+    beside = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
+    joined = compile_plan(parse_spec(seven_text()))
+    text = seven_text().replace("update_beside_prefix: false", "update_beside_prefix: true")
+    forced = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_chunk_mib: 512\n", 1)))
+    assert beside.context.spec.sharing.update_beside_prefix is True
+    assert beside.residency.optimizer.chunk_bytes == BESIDE_PREFIX_CHUNK
+    assert joined.residency.optimizer.chunk_bytes == MAX_AUTO_CHUNK
+    assert forced.residency.optimizer.chunk_bytes == 512 * 2**20  # the spec's choice still wins
