@@ -81,8 +81,6 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("", "--no-checkpoints with --checkpoint-every", "choose one")
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
         raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
-    if opts.resume and not (opts.out_dir / "checkpoints").is_dir():
-        raise SpecError("", f"--resume: no checkpoints in {opts.out_dir}", "run once without --resume first")
     from rollplex.executors.distributed import check_world
     from rollplex.executors.engines import resolve_device
     from rollplex.executors.policies import mps_session

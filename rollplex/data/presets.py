@@ -218,3 +218,12 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown workload preset '{name}'; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def synthetic_preset(name: str) -> Preset:
+    """The preset of a `synthetic:<preset>[@tiny]` dataset name (ValueError for a bad name or scale)."""
+    preset_name, _, scale = name.removeprefix("synthetic:").partition("@")
+    if scale not in ("", "tiny"):
+        raise ValueError(f"dataset '{name}': unknown scale '@{scale}'; use '@tiny' or nothing")
+    preset = get_preset(preset_name)
+    return preset.tiny() if scale else preset

@@ -42,8 +42,9 @@ _FORMAT = re.compile(rf"\s*<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>
 _TAG = re.compile("|".join(map(re.escape, TAGS)))
 _TAG_SPLIT = re.compile("(" + "|".join(map(re.escape, TAGS)) + ")")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-_LETTER = re.compile(r"^\(?([A-Z])(?:[.):]|\s|$)|^\(?([a-z])\)?\.?$")
-_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_LETTER = re.compile(r"\(?([A-Za-z])(\)?[.:]?)(?:\s+(.*))?", re.DOTALL)  # letter, its mark, the option's text
+_NUMBER = re.compile(r"[-+]?(?:(\d+(?:,\d+)*)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # group 1: the whole part
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ROUGE_TOKEN = re.compile(r"[a-z0-9]+")
 
@@ -155,12 +156,19 @@ def _well_formed(content: str, example: Example) -> str:
     """The well-formed answer `content` starts with ('' if none): an option letter, a number, or the text."""
     kind = example.answer_kind
     if kind is AnswerKind.CHOICE:
-        letters = {str(o).split(".")[0].strip() for o in example.meta.get("options", ())} or set(string.ascii_uppercase)
+        num_options = len(example.meta.get("options", ())) or len(string.ascii_uppercase)
+        letters = {option_letter(i) for i in range(num_options)}
         return content[:1] if content[:1] in letters else ""
     if kind in (AnswerKind.NUMBER, AnswerKind.REGRESSION):
-        found = _NUMBER.match(content)
-        return found.group() if found else ""
+        return _number_at(_NUMBER.match(content)) or ""
     return content.strip()
+
+
+def option_letter(index: int) -> str:
+    """The letter of option `index` (from 0) of a multiple-choice question: A, B, C, ... by position. Datasets
+    label their prompts' options with it (`video_r1` relabels an option whose own label disagrees), so an
+    example's option letters follow from how many options it has, whatever form they were given in."""
+    return chr(ord("A") + index)
 
 
 @register("brevity")
@@ -187,8 +195,9 @@ def tags_reward(text: str, example: Example) -> float:
 def accuracy_reward(text: str, example: Example) -> float:
     """The answer (`answer_of`) against `example.answer`, by kind, in [0, 1]:
 
-    choice      1.0 iff its option letter ('B', '(B)', 'B.', 'B) red', a lone 'b') is the reference letter
-    number      1.0 iff its first number equals the reference's within NUMBER_REL_TOL (relative)
+    choice      1.0 iff its option letter (`choice_letter`: 'B', '(B)', 'B.', 'B) red', a lone 'b') is the
+                reference letter
+    number      1.0 iff its first number (`parse_number`) equals the reference's within NUMBER_REL_TOL (relative)
     ocr         1 - word error rate (word-level edit distance / reference words), floored at 0
     free_form   ROUGE-L F1 over lower-case alphanumeric words
     regression  1 - |answer - reference| / |reference|, floored at 0 (0 without a number; a reference of 0
@@ -198,7 +207,7 @@ def accuracy_reward(text: str, example: Example) -> float:
     given, reference = answer_of(text), example.answer.strip()
     kind = example.answer_kind
     if kind is AnswerKind.CHOICE:
-        return 1.0 if _choice(given) == reference.upper() else 0.0
+        return 1.0 if choice_letter(given) == reference.upper() else 0.0
     if kind is AnswerKind.NUMBER:
         return 1.0 if _numbers_equal(given, reference) else 0.0
     if kind is AnswerKind.OCR:
@@ -216,22 +225,42 @@ def answer_of(text: str) -> str:
     return found.group(1).strip() if found else ""
 
 
-def _choice(given: str) -> str | None:
-    """The option letter of an answer such as 'B', '(B)', 'B.', 'B) red', or a lone 'b'."""
-    found = _LETTER.match(given)
-    return (found.group(1) or found.group(2)).upper() if found else None
+def choice_letter(given: str) -> str | None:
+    """The option letter an answer names, upper-cased, or None. The answer (stripped) must be the letter
+    standing alone as an option's label: the letter, optionally in parentheses, optionally followed by one
+    '.', ')' or ':' ('B', '(B)', 'B.', 'B)', 'B:', '(B).'), and, only when the letter is a capital with such a
+    mark, then whitespace and the option's text ('B. red', '(B) red', 'B) red'). A lower-case letter counts
+    only alone ('b', '(b)', 'b.'). Anything else names no option: a capital that begins a word or sentence
+    ('A lot of things', 'I think C', 'Blue') is not read as a letter."""
+    found = _LETTER.fullmatch(given.strip())
+    if not found:
+        return None
+    letter, mark, text = found.groups()
+    if text is not None and not (mark and letter.isupper()):
+        return None
+    return letter.upper()
 
 
 def parse_number(text: str) -> float | None:
-    """The first number in `text` ('1,024' -> 1024.0, '3.5e2' -> 350.0), or None."""
-    found = _NUMBER.search(text)
-    if not found:
+    """The first number in `text` ('1,024' -> 1024.0, '12,345.5' -> 12345.5, '3.5e2' -> 350.0), or None. A
+    comma inside a number is a thousands separator: the whole part must be groups of three digits after the
+    first ('1,000'); a number whose commas are not ('1,2', '1,0,0,0', '1,5') is not read at all (None, not
+    its first digits or a later number). A comma followed by a space ends the number ('3, 4' -> 3.0)."""
+    number = _number_at(_NUMBER.search(text))
+    if number is None:
         return None
-    try:
-        value = float(found.group().replace(",", ""))
-    except ValueError:
-        return None
+    value = float(number.replace(",", ""))
     return value if math.isfinite(value) else None
+
+
+def _number_at(found: re.Match[str] | None) -> str | None:
+    """The matched number's text, or None when there is none or its commas are not thousands separators."""
+    if found is None:
+        return None
+    whole = found.group(1)
+    if whole is not None and "," in whole and not _THOUSANDS.fullmatch(whole):
+        return None
+    return found.group()
 
 
 def _numbers_equal(given: str, reference: str) -> bool:

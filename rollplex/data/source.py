@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from rollplex.data.presets import Preset, get_preset
+from rollplex.data.presets import synthetic_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import Example
@@ -21,15 +21,6 @@ SYNTHETIC_SIZE = 1 << 20  # examples are made on demand from (seed, index)
 class Dataset(Protocol):
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> Example: ...
-
-
-def synthetic_preset(name: str) -> Preset:
-    """The preset of a `synthetic:<preset>[@tiny]` dataset name (ValueError for a bad name or scale)."""
-    preset_name, _, scale = name.removeprefix("synthetic:").partition("@")
-    if scale not in ("", "tiny"):
-        raise ValueError(f"dataset '{name}': unknown scale '@{scale}'; use '@tiny' or nothing")
-    preset = get_preset(preset_name)
-    return preset.tiny() if scale else preset
 
 
 def open_dataset(

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from rollplex.models.inputs import Prompt
+if TYPE_CHECKING:
+    from rollplex.models.inputs import Prompt
 
 
 class AnswerKind(StrEnum):

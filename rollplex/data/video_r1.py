@@ -9,10 +9,12 @@ The Video-R1 format (Video-R1-260k.json and friends), one row:
 Accepted aliases: media `path` | `video` | `videos` | `image` | `images` (a string or a one-item list);
 question `problem` | `question`; answer `solution` | `answer` (an `<answer>` wrapper is removed). Problem
 types: `multiple choice` -> choice, `numerical` -> number, `regression` -> regression, `OCR` -> ocr,
-`free-form` and `open-ended` -> free_form; without one, options mean choice and none mean exact. Media
-paths are relative to `media_root` (default: the data file's folder). Rows are read and checked when the
-dataset is built (a malformed row or a missing file is a ValueError naming the file and line); frames are
-decoded when an example is asked for.
+`free-form` and `open-ended` -> free_form; without one, options mean choice and none mean exact. `options`
+is a list; option i is shown (and scored) as letter i, A, B, C, ... (`rewards.option_letter`), keeping its
+own label when that label is the same letter ('A. red', '(A) red', 'A) red') and given one otherwise ('red'
+-> 'A. red'). Media paths are relative to `media_root` (default: the data file's folder). Rows are read and
+checked when the dataset is built (a malformed row or a missing file is a ValueError naming the file and
+line, a file without rows a ValueError naming the file); frames are decoded when an example is asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from rollplex.data.chat import DEFAULT_SYSTEM, R1_INSTRUCTION, build_prompt
 from rollplex.data.decode import FrameSampling, decode_video
+from rollplex.data.rewards import option_letter
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import AnswerKind, Example
 from rollplex.data.video import VisionSpec, preprocess_image, preprocess_video
@@ -102,7 +105,7 @@ def parse_row(row: object, where: str, media_root: Path) -> Row:
         if value is None:
             raise ValueError(f"{where}: row has no {label}; keys are {sorted(row)}")
     media = _media_path(row[media_key], where, media_root)
-    options = row.get("options") or []
+    options = _options(row.get("options"), where)
     kind = _answer_kind(row.get("problem_type"), options, where)
     data_type = row.get("data_type") or ("image" if media.suffix.lower() in IMAGE_SUFFIXES else "video")
     meta = {k: row[k] for k in ("problem_id", "problem_type", "data_source") if k in row}
@@ -129,6 +132,14 @@ def _media_path(value: object, where: str, media_root: Path) -> Path:
     return path
 
 
+def _options(value: object, where: str) -> list:
+    if not value:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: 'options' must be a list such as ['A. red', 'B. blue'], got {value!r}")
+    return value
+
+
 def _answer_kind(problem_type: object, options: list, where: str) -> AnswerKind:
     if problem_type is None:
         return AnswerKind.CHOICE if options else AnswerKind.EXACT
@@ -148,7 +159,7 @@ def _question_text(problem: str, options: list, kind: AnswerKind) -> str:
 
 
 def _lettered(i: int, option: str) -> str:
-    letter = chr(ord("A") + i)
+    letter = option_letter(i)
     return option if re.match(rf"^\(?{letter}[.):]", option) else f"{letter}. {option}"
 
 
@@ -175,6 +186,8 @@ class VideoR1Dataset:
             raise ValueError(f"dataset file {path} does not exist")
         root = Path(media_root) if media_root is not None else path.parent
         self.rows = tuple(parse_row(row, f"{path}:{n}", root) for n, row in read_rows(path))
+        if not self.rows:
+            raise ValueError(f"dataset file {path} has no rows")
         self.tokenizer = tokenizer
         self.sampling = sampling or FrameSampling()
         self.vision = vision or VisionSpec()

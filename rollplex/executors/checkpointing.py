@@ -168,6 +168,11 @@ def latest(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def step_of(path: Path) -> int:
+    """The step a complete checkpoint (`step-NNNNNN`) holds."""
+    return int(path.name.removeprefix("step-"))
+
+
 def load(path: Path, engines: Engines) -> Snapshot:
     if engines.tp is None:
         load_checkpoint(engines.actor, path / "model")

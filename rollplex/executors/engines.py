@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from rollplex.data.presets import LengthDistribution
+from rollplex.data.presets import LengthDistribution, synthetic_preset
 from rollplex.data.rewards import RewardTerms, reward_terms
-from rollplex.data.source import synthetic_preset
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel

@@ -26,6 +26,7 @@ from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
+from rollplex.executors.preflight import preflight
 from rollplex.executors.record import StepRecord
 from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
@@ -74,10 +75,8 @@ class InterruptGate:
 
 def train(plan: Plan, opts: RunOptions) -> list[dict]:
     """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
+    preflight(plan, opts.out_dir, opts.steps, opts.resume)  # before any model is built or file written
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    if not opts.resume and (earlier := checkpointing.latest(opts.out_dir)) is not None:  # before any model is built
-        raise SpecError("", f"{opts.out_dir} holds an earlier run's checkpoints ({earlier.name})",
-                        "continue it with --resume, or give this run another --out")  # fmt: skip
     loaded, g = plan.loaded, plan.graph
     announce = opts.progress and is_main_process()
     if announce:  # a large model's start-up (weights, pinned optimizer state) takes a while: say what is happening

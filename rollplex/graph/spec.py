@@ -123,6 +123,15 @@ class WorkloadSpec(Strict):
         "the answer cannot be read from the video (accuracy should stay at chance).",
     )
 
+    @field_validator("dataset")
+    @classmethod
+    def _synthetic(cls, dataset: str) -> str:
+        if dataset.startswith("synthetic:"):
+            from rollplex.data.presets import synthetic_preset
+
+            synthetic_preset(dataset)  # ValueError for an unknown preset or scale
+        return dataset
+
     @model_validator(mode="after")
     def _visual(self) -> WorkloadSpec:
         for key in ("replay_lengths", "mismatch_videos"):
@@ -148,6 +157,17 @@ class WorkloadSpec(Strict):
 class RewardSpec(Strict):
     name: str = Field(description="A registered reward (`format`, `accuracy`, ...) or `module:function`.")
     weight: float = Field(1.0, description="Weight in the summed reward.")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        """A registered name is checked here; a `module:function` is imported when the run starts (a spec runs no
+        code when it is read)."""
+        if ":" not in name:
+            from rollplex.data.rewards import get_reward
+
+            get_reward(name)  # ValueError naming the registered ones
+        return name
 
 
 class AlgorithmSpec(Strict):

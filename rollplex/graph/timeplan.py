@@ -72,15 +72,14 @@ def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
     text, video tokens, patches and frames, each within the budget), responses drawn from its length distribution
     for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
     the spec's frames, responses at the budget."""
-    from rollplex.data.presets import get_preset
+    from rollplex.data.presets import synthetic_preset
     from rollplex.data.sizes import grid_thw
 
     spec, gpu = plan.loaded.spec, plan.context.gpu
     w = spec.workload
     if not w.dataset.startswith("synthetic:"):
         return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
-    name, _, scale = w.dataset.removeprefix("synthetic:").partition("@")
-    preset = get_preset(name).tiny() if scale else get_preset(name)
+    preset = synthetic_preset(w.dataset)
     n, group, merge = gpu.prompts_per_rank, gpu.group_size, preset.vision.merge_size**2
     steps = []
     for k in range(count):

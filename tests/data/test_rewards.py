@@ -7,10 +7,12 @@ import torch
 from rollplex.data import rewards
 from rollplex.data.rewards import (
     TAGS,
+    choice_letter,
     combine,
     get_reward,
     is_correct,
     load_reward,
+    parse_number,
     register,
     reward_terms,
     rouge_l_f1,
@@ -284,3 +286,56 @@ def test_answer_format_climbs_one_step_per_well_placed_piece(text, expected):
 def test_answer_format_asks_each_kind_for_its_own_form(kind, good, bad):
     ex = example("3", kind)
     assert get_reward("answer_format")(good, ex) == 1.0 and get_reward("answer_format")(bad, ex) == 0.25
+
+
+@pytest.mark.parametrize(
+    ("given", "letter"),
+    [("B", "B"), ("(C) green", "C"), ("A", "A"), ("(A)", "A"), ("A.", "A"), ("A)", "A"), ("A:", "A"), ("(A).", "A"),
+     ("A. red", "A"), ("(B) blue", "B"), ("B) blue", "B"), ("B:\nblue", "B"), ("b", "B"), ("(b)", "B"),
+     ("A lot of things", None), ("I think C", None), ("Blue", None), ("A.M.", None), ("A.red", None),
+     ("b. blue", None), ("", None)],
+)  # fmt: skip
+def test_a_choice_answer_names_a_letter_only_when_the_letter_stands_alone_as_an_option_label(given, letter):
+    assert choice_letter(given) == letter
+
+
+@pytest.mark.parametrize(
+    ("answer", "text"),
+    [("A", "<answer>A lot of things</answer>"), ("I", "<answer>I think C</answer>"),
+     ("C", "<answer>I think C</answer>")],
+)  # fmt: skip
+def test_a_word_that_begins_with_a_capital_earns_no_choice_accuracy(answer, text):
+    assert get_reward("accuracy")(text, example(answer, "choice")) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1,000", 1000.0), ("12,345.5", 12345.5), ("-1,234,567", -1234567.0), ("1,024 frames", 1024.0),
+     ("3, 4 and 5", 3.0), ("1000", 1000.0), ("1,2", None), ("1,0,0,0", None), ("1,5", None),
+     ("12,34,567", None), ("1,2345", None), ("1,2 or 3", None), ("none", None)],
+)  # fmt: skip
+def test_a_comma_in_a_number_is_only_a_thousands_separator(text, value):
+    assert parse_number(text) == value
+
+
+def test_a_number_with_misplaced_commas_is_neither_accurate_nor_well_formed():
+    assert get_reward("accuracy")("<answer>1,2</answer>", example("12", "number")) == 0.0
+    assert get_reward("accuracy")("<answer>1,0,0,0</answer>", example("1000", "regression")) == 0.0
+    assert get_reward("answer_format")("<answer>1,2</answer>", example("12", "number")) == 0.25
+    assert get_reward("answer_format")("<answer>1,000</answer>", example("1000", "number")) == 1.0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [("red", "blue"), ("A. red", "B. blue"), ("(A) red", "(B) blue"), ("A) red", "B) blue"), ("A: red", "B: blue")],
+)
+def test_answer_format_takes_the_option_letters_from_their_positions_whatever_form_the_options_have(options):
+    ex = Example(
+        prompt=Prompt(input_ids=torch.zeros(1, dtype=torch.int64)),
+        answer="A",
+        answer_kind="choice",
+        meta={"options": options},
+    )
+    fn = get_reward("answer_format")
+    assert fn("<answer>A</answer>", ex) == fn("<answer>B</answer>", ex) == 1.0
+    assert fn("<answer>C</answer>", ex) == 0.25

@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from rollplex.data.decode import FrameSampling, decode_video
+from rollplex.data.rewards import get_reward
 from rollplex.data.tokenizer import CharTokenizer
 from rollplex.data.types import AnswerKind
 from rollplex.data.video import VisionSpec, preprocess_video
@@ -143,3 +144,32 @@ def test_an_undecodable_video_is_an_error_naming_the_row(tmp_path):
     ds = make(tmp_path / "rows.jsonl")
     with pytest.raises(ValueError, match=r"rows.jsonl:1: cannot read .*broken.mp4"):
         ds[0]
+
+
+def test_options_given_as_a_string_are_an_error_naming_the_row(tmp_path, data_dir):
+    row = {**ROWS[0], "path": str(data_dir / "clips" / "a.mp4"), "options": "A. red"}
+    message = one_line_error(tmp_path, [json.dumps(row)])
+    assert ":1: 'options' must be a list" in message and "got 'A. red'" in message
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "[]"])
+def test_a_dataset_file_without_rows_is_an_error_naming_the_file(tmp_path, text):
+    path = tmp_path / ("rows.json" if text == "[]" else "rows.jsonl")
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        make(path)
+    assert str(info.value) == f"dataset file {path} has no rows"
+
+
+@pytest.mark.parametrize(
+    "options", [["red", "blue"], ["A. red", "B. blue"], ["(A) red", "(B) blue"], ["A) red", "B) blue"]]
+)
+def test_every_accepted_option_form_is_shown_and_scored_by_the_same_letters(data_dir, options):
+    path = data_dir / "forms.jsonl"
+    path.write_text(json.dumps({**ROWS[0], "options": options}) + "\n")
+    e = make(path)[0]
+    text = CharTokenizer().decode(e.prompt.input_ids.tolist())
+    assert "\nOptions:\nA" in text or "\nOptions:\n(A" in text
+    fn = get_reward("answer_format")
+    assert fn("<answer>A</answer>", e) == fn("<answer>B</answer>", e) == 1.0
+    assert fn("<answer>C</answer>", e) == 0.25

@@ -106,7 +106,7 @@ def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path
 
 def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
     proc = cli("--resume", "--out", str(tmp_path))
-    assert proc.returncode == 2 and "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
 class _Payload:

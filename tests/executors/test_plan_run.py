@@ -71,7 +71,7 @@ def test_rollout_from_a_copy_refreshed_after_each_update_trains_as_rollout_from_
         (["--steps", "0"], "--steps 0; use --steps 1 or more"),
         (["--checkpoint-every", "-2"], "--checkpoint-every -2; use --checkpoint-every 1 or more"),
         (["--out", "{file}"], "is a file; give a directory"),
-        (["--resume"], "--resume: no checkpoints in"),
+        (["--resume"], "--resume: no complete checkpoint in"),
         (["--no-checkpoints", "--checkpoint-every", "1"], "--no-checkpoints with --checkpoint-every"),
     ],
 )

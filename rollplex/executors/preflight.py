@@ -1,0 +1,82 @@
+"""What `rollplex run` checks before it builds a model: each problem a spec or the run's options can hold that
+would otherwise surface only after minutes of building (a 7B's weights and pinned optimizer state), as one line.
+
+- `--resume`: a complete checkpoint to resume, and steps left after it; without `--resume`, no earlier run's
+  checkpoints in the run directory (they would win a later --resume over this run's)
+- `run.device: auto` on a machine without a GPU: the plan must fit this machine's memory (a GPU spec would
+  otherwise build its models on the CPU until the host runs out)
+- `run.init: checkpoint`: the weights' files exist
+- `workload.dataset`: a file path exists
+- `algorithm.rewards`: each `module:function` imports (a registered name was checked when the spec was read)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rollplex.errors import SpecError
+from rollplex.executors import checkpointing
+from rollplex.graph.plan import Plan
+
+GIB = 2**30
+
+
+def preflight(plan: Plan, out_dir: Path, steps: int, resume: bool) -> None:
+    _checkpoints(out_dir, steps, resume)
+    loaded = plan.loaded
+    for key, problem in _spec_problems(plan):
+        raise loaded.locate(SpecError(key, problem))
+
+
+def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
+    found = checkpointing.latest(out_dir)
+    if not resume and found is not None:
+        raise SpecError("", f"{out_dir} holds an earlier run's checkpoints ({found.name})",
+                        "continue it with --resume, or give this run another --out")  # fmt: skip
+    if resume and found is None:
+        raise SpecError("", f"--resume: no complete checkpoint in {out_dir / 'checkpoints'}",
+                        "run once without --resume first")  # fmt: skip
+    if resume and checkpointing.step_of(found) >= steps:
+        raise SpecError("", f"--resume: {found} is step {checkpointing.step_of(found)}, and the run has {steps} steps",
+                        f"raise --steps above {checkpointing.step_of(found)} to train on")  # fmt: skip
+
+
+def _spec_problems(plan: Plan):
+    """(key, problem) for each check of the module's docstring that fails, in its order."""
+    from rollplex.data.rewards import load_reward
+    from rollplex.models.checkpoint import checkpoint_files
+    from rollplex.models.config import resolve_config_path
+
+    loaded = plan.loaded
+    spec, base = loaded.spec, loaded.path.parent
+    if spec.run.device == "auto" and not torch.cuda.is_available():
+        need, have = plan.residency.peak_bytes, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            yield (
+                "run.device",
+                (
+                    f"auto found no GPU, and the plan needs {need / GIB:.1f} GiB a device, more than this machine's "
+                    f"{have / GIB:.1f} GiB of memory; run it on a GPU, or set run.device: cpu to try the CPU anyway"
+                ),
+            )
+    if spec.run.init == "checkpoint":
+        try:
+            checkpoint_files(resolve_config_path(spec.model.name, base).parent)
+        except (FileNotFoundError, ValueError) as e:
+            yield "run.init", f"checkpoint: {e}; or set run.init: random"
+    dataset = spec.workload.dataset
+    if not dataset.startswith("synthetic:"):
+        path = Path(dataset).expanduser()
+        if not (path if path.is_absolute() else base / path).is_file():
+            yield "workload.dataset", f"'{dataset}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file"
+    for reward in spec.algorithm.rewards:
+        if ":" in reward.name:
+            try:
+                load_reward(reward.name)
+            except ValueError as e:
+                yield "algorithm.rewards", str(e)
+            except Exception as e:  # the module's own code failed as it was imported
+                yield "algorithm.rewards", f"reward '{reward.name}': importing it raised {type(e).__name__}: {e}"

@@ -1,0 +1,68 @@
+"""What `rollplex run` refuses before it builds a model: each case is one SpecError, raised before the engines are
+built and before the run directory is made."""
+
+from __future__ import annotations
+
+from run_testkit import ROOT
+
+from rollplex.errors import SpecError
+from rollplex.executors.loop import RunOptions, train
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+
+TINY = (ROOT / "specs/tiny_cpu.yaml").read_text()
+
+
+class Built(Exception):
+    """Raised in place of building the engines: the checks let the run through."""
+
+
+def refused(tmp_path, monkeypatch, text: str, *, steps: int = 2, resume: bool = False) -> str:
+    """The one line `train` refuses the spec with ("" where it went on to build); the run directory is made only
+    by a run that goes on."""
+    monkeypatch.setattr("rollplex.executors.loop.build_engines", lambda *a: (_ for _ in ()).throw(Built()))
+    out = tmp_path / "run"
+    existed = out.exists()
+    plan = compile_plan(parse_spec(text, str(tmp_path / "spec.yaml"), tmp_path))
+    try:
+        train(plan, RunOptions(steps, out, resume=resume, progress=False, tensorboard=False))
+    except Built:
+        return ""
+    except SpecError as e:
+        assert out.exists() == existed
+        return str(e)
+    raise AssertionError("train returned without building")
+
+
+def test_resume_needs_a_complete_checkpoint(tmp_path, monkeypatch):
+    assert refused(tmp_path, monkeypatch, TINY) == ""  # the shipped spec goes on to build
+    assert "--resume: no complete checkpoint" in refused(tmp_path, monkeypatch, TINY, resume=True)
+    (tmp_path / "run/checkpoints/step-000001.tmp").mkdir(parents=True)  # a save cut short: nothing to resume
+    assert "--resume: no complete checkpoint" in refused(tmp_path, monkeypatch, TINY, resume=True)
+
+
+def test_resume_needs_steps_left_after_its_checkpoint(tmp_path, monkeypatch):
+    (tmp_path / "run/checkpoints/step-000002").mkdir(parents=True)
+    line = refused(tmp_path, monkeypatch, TINY, steps=2, resume=True)
+    assert "is step 2, and the run has 2 steps" in line and "raise --steps above 2" in line
+
+
+def test_a_spec_too_large_for_this_machine_is_refused_where_auto_finds_no_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr("rollplex.executors.preflight.torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("rollplex.executors.preflight.os.sysconf", lambda name: 4096 if "PAGE" in name else 1)
+    line = refused(tmp_path, monkeypatch, TINY)  # the shipped spec's run.device is auto
+    assert "run.device: auto found no GPU" in line and "set run.device: cpu" in line
+    assert refused(tmp_path, monkeypatch, TINY.replace("dtype: float32", "dtype: float32, device: cpu")) == ""
+
+
+def test_missing_weights_dataset_and_reward_module_are_one_line_each(tmp_path, monkeypatch):
+    line = refused(tmp_path, monkeypatch, TINY.replace("dtype: float32", "dtype: float32, init: checkpoint"))
+    assert "run.init: checkpoint:" in line and "set run.init: random" in line
+    line = refused(tmp_path, monkeypatch, TINY.replace("synthetic:colour@tiny", "missing.jsonl"))
+    assert "workload.dataset: 'missing.jsonl' is neither" in line
+    line = refused(tmp_path, monkeypatch, TINY.replace("name: answer_format", 'name: "nosuch_module:fn"'))
+    assert "algorithm.rewards: reward 'nosuch_module:fn': cannot import module" in line
+    (tmp_path / "broken_reward.py").write_text("raise RuntimeError('the module fails')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = refused(tmp_path, monkeypatch, TINY.replace("name: answer_format", 'name: "broken_reward:fn"'))
+    assert "importing it raised RuntimeError: the module fails" in line
