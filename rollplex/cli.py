@@ -17,6 +17,9 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.report.efficiency import read_efficiencies
     from rollplex.report.jsonout import plan_to_json
 
+    for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
+        if path is not None:
+            _check_folder(flag, path)
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
     efficiencies = read_efficiencies(args.efficiency, plan.schedule.value) if args.efficiency else None
@@ -38,11 +41,21 @@ def _compile(args: argparse.Namespace) -> int:
         check_fits(plan)
         return 0
     check_fits(plan)
-    Path(args.output).write_text(json.dumps(plan_to_json(plan), indent=1))
+    try:
+        Path(args.output).write_text(json.dumps(plan_to_json(plan), indent=1))
+    except OSError as e:
+        raise SpecError("", f"-o {args.output}: {e.strerror}", "give a path this user can write") from None
     print(
         f"wrote {args.output}: peak {plan.residency.peak_bytes / 2**30:.1f} GiB per GPU, schedule {plan.schedule.value}"
     )
     return 0
+
+
+def _check_folder(flag: str, path: str) -> None:
+    """Before the work: the folder a flag's file goes to exists."""
+    folder = Path(path).expanduser().absolute().parent
+    if not folder.is_dir():
+        raise SpecError("", f"{flag} {path}: the folder {folder} does not exist", "create it, or give another path")
 
 
 def _plan_to_run(args: argparse.Namespace):

@@ -55,6 +55,25 @@ def test_without_dry_run_the_plan_is_written_for_run(tmp_path, capsys):
     assert plan["schedule"] == "rollplex" and plan["steps"] and plan["rollplex_plan_version"] == PLAN_VERSION
 
 
+def test_an_output_path_without_its_folder_is_one_line_before_the_work(tmp_path, capsys):
+    tiny = str(SPECS / "tiny_cpu.yaml")
+    for args in (["-o", str(tmp_path / "no/plan.json")], ["--dry-run", "--plot", str(tmp_path / "no/m.png")]):
+        assert main(["compile", tiny, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"the folder {tmp_path / 'no'} does not exist" in err
+    (tmp_path / "file").write_text("")
+    assert main(["run", tiny, "--out", str(tmp_path / "file/run")]) == 2  # a folder under a file: never made
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out" in err and "give a directory this user can write" in err
+
+
+def test_a_float32_spec_is_told_the_plan_prices_bf16(capsys):
+    assert main(["compile", str(SPECS / "tiny_cpu.yaml"), "--dry-run"]) == 0
+    assert "run.dtype float32: the plan prices weights and activations in BF16" in capsys.readouterr().out
+    assert main(["compile", PAPER, "--dry-run"]) == 0
+    assert "run.dtype" not in capsys.readouterr().out
+
+
 def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():
     code = (
         f"import sys; sys.argv = ['rollplex', 'compile', {PAPER!r}, '--dry-run'];"

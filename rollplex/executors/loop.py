@@ -76,7 +76,10 @@ class InterruptGate:
 def train(plan: Plan, opts: RunOptions) -> list[dict]:
     """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
     preflight(plan, opts.out_dir, opts.steps, opts.resume)  # before any model is built or file written
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError("", f"--out {opts.out_dir}: {e.strerror}", "give a directory this user can write") from None
     loaded, g = plan.loaded, plan.graph
     announce = opts.progress and is_main_process()
     if announce:  # a large model's start-up (weights, pinned optimizer state) takes a while: say what is happening

@@ -31,6 +31,16 @@ class Strict(BaseModel):
                 raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
         return data
 
+    @model_validator(mode="after")
+    def _real_sizes(self) -> Strict:
+        """After coercion, so that a number YAML read as text ('1e30', without a dot) is bounded as well."""
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                key = field.alias or name
+                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+        return self
+
 
 def _takes_bool(annotation: object) -> bool:
     return annotation is bool or bool in getattr(annotation, "__args__", ())

@@ -36,8 +36,15 @@ def header(plan: Plan) -> str:
         f"schedule {plan.schedule.value}\n"
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
         f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
-        f"rollout: {rollout_line(plan)}"
+        f"rollout: {rollout_line(plan)}" + _dtype_note(s.run.dtype)
     )
+
+
+def _dtype_note(dtype: str) -> str:
+    """The plan prices the GPU's BF16 weights and activations; a float32 run (the CPU's tests) holds about twice."""
+    if dtype != "float32":
+        return ""
+    return "\nrun.dtype float32: the plan prices weights and activations in BF16; this run holds about twice them"
 
 
 def rollout_line(plan: Plan) -> str:

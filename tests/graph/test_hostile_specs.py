@@ -181,6 +181,7 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         2,
         "algorithm.name ppo needs node 'actor_backward' to read the critic's values",
     ),
+    ("lr read as text", BASE + "algorithm: {lr: 1e30}\n", 2, "algorithm.lr: lr 1e+30 is beyond any real setting"),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
 ]
 
