@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps, steps_of
@@ -273,6 +274,7 @@ def _attention_flops(t: TextConfig, queries: float, keys: float, tp: int, causal
     return 4 * t.hidden_size * queries * keys * t.num_hidden_layers / tp / (2 if causal else 1)
 
 
+@cache  # a dry-run prices each prompt's video once for every plan it weighs
 def vision_forward(v: VisionConfig, patches: int, frames: int, tp: int) -> float:
     """FLOPs of the vision encoder over one video: the patch embedding, its blocks' matmuls, window attention
     (windows of (window_size / patch_size)^2 patches) and full attention within each temporal patch, and the
@@ -304,9 +306,9 @@ def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int, value: bool = Fal
     `value` model's scalar head)."""
     flops = 0.0
     for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
-        for r in lens:
-            flops += _llm_flops(t, r, tp) + _head_flops(t, r, tp, value)
-            flops += _attention_flops(t, r, length, tp, causal=False) + _attention_flops(t, r, r, tp, causal=True)
+        tokens_, squares = sum(lens), sum(r * r for r in lens)  # each term is linear in r, or in r * r
+        flops += _llm_flops(t, tokens_, tp) + _head_flops(t, tokens_, tp, value)
+        flops += _attention_flops(t, tokens_, length, tp, causal=False) + _attention_flops(t, squares, 1, tp, True)
     return Cost(flops=flops)
 
 
@@ -316,9 +318,10 @@ def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, v
     for length, patches, frames, lens in zip(
         tokens.prompt_tokens, tokens.patches, tokens.frames, tokens.response_lens, strict=True
     ):
-        for r in lens:
-            flops += vision_forward(v, patches, frames, 1) + _llm_flops(t, length + r, tp)
-            flops += _attention_flops(t, length + r, length + r, tp, causal=True) + _head_flops(t, r, tp, value)
+        n, tokens_, squares = len(lens), sum(lens), sum(r * r for r in lens)  # as in suffix_forward
+        flops += n * vision_forward(v, patches, frames, 1) + _llm_flops(t, n * length + tokens_, tp)
+        whole_squares = n * length * length + 2 * length * tokens_ + squares  # (length + r)^2 summed over r
+        flops += _attention_flops(t, whole_squares, 1, tp, causal=True) + _head_flops(t, tokens_, tp, value)
     return Cost(flops=flops)
 
 

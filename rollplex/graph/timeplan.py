@@ -6,6 +6,7 @@ the cost model (`cost.py`); efficiencies from a bench, a run or the user (`repor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from rollplex.graph.cost import (
     KNOWN_PEAKS,
@@ -72,23 +73,34 @@ def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
     text, video tokens, patches and frames, each within the budget), responses drawn from its length distribution
     for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
     the spec's frames, responses at the budget."""
-    from rollplex.data.presets import synthetic_preset
-    from rollplex.data.sizes import grid_thw
-
     spec, gpu = plan.loaded.spec, plan.context.gpu
     w = spec.workload
     if not w.dataset.startswith("synthetic:"):
         return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
-    preset = synthetic_preset(w.dataset)
-    n, group, merge = gpu.prompts_per_rank, gpu.group_size, preset.vision.merge_size**2
+    budgets = (gpu.prompt_tokens, gpu.patches_per_prompt, gpu.response_tokens)
+    return _synthetic_steps(w.dataset, spec.run.seed, gpu.prompts_per_rank, gpu.group_size, budgets, count)
+
+
+@cache
+def _synthetic_steps(
+    dataset: str, seed: int, n: int, group: int, budgets: tuple[int, int, int], count: int
+) -> tuple[StepTokens, ...]:
+    """`planned_steps` of a synthetic preset, once per process for each workload (a dry-run prices many plans of
+    one workload: every lever and residency it weighs)."""
+    from rollplex.data.presets import synthetic_preset
+    from rollplex.data.sizes import grid_thw
+
+    preset = synthetic_preset(dataset)
+    prompt_budget, patch_budget, response_budget = budgets
+    merge = preset.vision.merge_size**2
     steps = []
     for k in range(count):
-        layouts = [preset.layout(spec.run.seed, k * n + i) for i in range(n)]
-        lens = [min(int(x), gpu.response_tokens) for x in preset.response.sample(n * group, spec.run.seed + k)]
+        layouts = [preset.layout(seed, k * n + i) for i in range(n)]
+        lens = [min(int(x), response_budget) for x in preset.response.sample(n * group, seed + k)]
         steps.append(
             StepTokens(
-                prompt_tokens=tuple(min(preset.prompt_tokens(lay), gpu.prompt_tokens) for lay in layouts),
-                patches=tuple(min(preset.num_video_tokens(lay) * merge, gpu.patches_per_prompt) for lay in layouts),
+                prompt_tokens=tuple(min(preset.prompt_tokens(lay), prompt_budget) for lay in layouts),
+                patches=tuple(min(preset.num_video_tokens(lay) * merge, patch_budget) for lay in layouts),
                 frames=tuple(grid_thw(lay.num_frames, *preset.frame_size(lay), preset.vision)[0] for lay in layouts),
                 response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
             )
