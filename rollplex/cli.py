@@ -17,6 +17,9 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.report.efficiency import read_efficiencies
     from rollplex.report.jsonout import plan_to_json
 
+    for flag, given in (("--format json", args.format == "json"), ("--naive", args.naive)):
+        if given and not args.dry_run:
+            raise SpecError("", f"{flag} shapes the dry-run's output", "add --dry-run")
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
         if path is not None:
             _check_folder(flag, path)

@@ -74,6 +74,17 @@ def test_a_float32_spec_is_told_the_plan_prices_bf16(capsys):
     assert "run.dtype" not in capsys.readouterr().out
 
 
+def test_dry_run_flags_without_dry_run_and_a_plan_given_to_compile_are_one_line(tmp_path, capsys):
+    tiny = str(SPECS / "tiny_cpu.yaml")
+    for flags, says in ((["--naive"], "--naive shapes"), (["--format", "json"], "--format json shapes")):
+        assert main(["compile", tiny, *flags]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["compile", tiny, "-o", str(tmp_path / "plan.json")]) == 0
+    assert main(["compile", str(tmp_path / "plan.json"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a plan written by `rollplex compile`, not a spec" in err
+
+
 def test_a_dry_run_process_finishes_in_under_1_5_seconds_without_importing_torch():
     code = (
         f"import sys; sys.argv = ['rollplex', 'compile', {PAPER!r}, '--dry-run'];"

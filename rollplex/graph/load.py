@@ -48,6 +48,9 @@ def parse_spec(text: str | bytes, file: str = "spec", base: Path | None = None) 
     data, root = read_yaml(text, file)
     if not isinstance(data, dict):
         raise SpecError("", "the spec must be a YAML mapping of sections (model, cluster, ...)", file=file)
+    if "rollplex_plan_version" in data:
+        raise SpecError("", "is a plan written by `rollplex compile`, not a spec", "`rollplex run` takes a plan; "
+                        "compile its spec", file=file)  # fmt: skip
     try:
         spec = Spec.model_validate(data)
     except ValidationError as e:

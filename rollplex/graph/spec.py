@@ -201,7 +201,9 @@ class AlgorithmSpec(Strict):
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling threshold.")
     rewards: tuple[RewardSpec, ...] = Field(
-        (RewardSpec(name="format"), RewardSpec(name="accuracy")), description="Rewards summed per response."
+        (RewardSpec(name="format"), RewardSpec(name="accuracy")),
+        min_length=1,
+        description="Rewards summed per response (at least one).",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: the discount of GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE's lambda.")

@@ -182,6 +182,7 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         "algorithm.name ppo needs node 'actor_backward' to read the critic's values",
     ),
     ("lr read as text", BASE + "algorithm: {lr: 1e30}\n", 2, "algorithm.lr: lr 1e+30 is beyond any real setting"),
+    ("no rewards", BASE + "algorithm: {rewards: []}\n", 2, "algorithm.rewards: Tuple should have at least 1 item"),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
 ]
 
