@@ -58,6 +58,7 @@ def parse_spec(text: str | bytes, file: str = "spec", base: Path | None = None) 
     try:
         model = load_model_config(spec.model.name, base)
         check_model_fits_parallel(spec, model)
+        check_context(spec, model)
     except SpecError as e:
         raise e.located(file, _line(root, e.where.split("."))) from None
     except (OSError, ValueError) as e:
@@ -79,6 +80,17 @@ def check_model_fits_parallel(spec: Spec, model: ModelConfig) -> None:
                 f"{t.num_key_value_heads} KV heads of {model.name}",
                 f"use one of {', '.join(map(str, good))}",
             )
+
+
+def check_context(spec: Spec, model: ModelConfig) -> None:
+    """A prompt and its response, at their budgets, fit the model's context (`max_position_embeddings`)."""
+    w, most = spec.workload, model.text.max_position_embeddings
+    if w.prompt_tokens + w.response_tokens > most:
+        raise SpecError(
+            "workload.prompt_tokens",
+            f"{w.prompt_tokens} prompt + {w.response_tokens} response tokens exceed {model.name}'s context of {most}",
+            "lower prompt_tokens or response_tokens",
+        )
 
 
 def _tp_ok(tp: int, t) -> bool:

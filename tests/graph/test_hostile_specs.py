@@ -183,6 +183,12 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
     ),
     ("lr read as text", BASE + "algorithm: {lr: 1e30}\n", 2, "algorithm.lr: lr 1e+30 is beyond any real setting"),
     ("no rewards", BASE + "algorithm: {rewards: []}\n", 2, "algorithm.rewards: Tuple should have at least 1 item"),
+    (
+        "beyond the model's context",
+        BASE.replace("prompt_tokens: 384", "prompt_tokens: 4090"),
+        2,
+        "4090 prompt + 16 response tokens exceed tiny's context of 4096",
+    ),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
 ]
 
