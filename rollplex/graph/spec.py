@@ -102,13 +102,27 @@ class VideoSpec(Strict):
     height: PositiveInt = Field(description="Frame height in pixels after resizing (a multiple of 28).")
     width: PositiveInt = Field(description="Frame width in pixels after resizing (a multiple of 28).")
 
+    @field_validator("height", "width")
+    @classmethod
+    def _whole_patches(cls, pixels: int) -> int:
+        if pixels % 28:
+            raise ValueError(
+                f"{pixels} is not a multiple of 28 (a merged 2 x 2 of 14-pixel patches); use {pixels // 28 * 28 or 28}"
+            )
+        return pixels
+
 
 class WorkloadSpec(Strict):
     prompts_per_step: PositiveInt = Field(description="Prompts per training step, over the whole cluster.")
     group_size: PositiveInt = Field(description="Responses sampled per prompt (GRPO's N).")
     prompt_tokens: PositiveInt = Field(description="Prompt token budget per prompt, visual tokens included.")
     response_tokens: PositiveInt = Field(description="Response token budget (max new tokens).")
-    video: VideoSpec | None = Field(None, description="Video frames and resolution; sets the visual tokens.")
+    video: VideoSpec | None = Field(
+        None,
+        description="The plan's video budget, frames and their size, which sets the visual tokens it counts. The "
+        "data brings its own videos (a Video-R1 file's decoded at 16 frames, a synthetic preset's drawn by it): "
+        "`rollplex compile --check-data` compares them with this budget.",
+    )
     visual_tokens: PositiveInt | None = Field(None, description="Visual tokens per prompt, instead of `video`.")
     dataset: str = Field("synthetic:clevrer", description="`synthetic:<preset>` or a Video-R1 JSON/JSONL path.")
     replay_lengths: bool = Field(

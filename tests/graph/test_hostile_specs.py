@@ -189,6 +189,12 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         2,
         "4090 prompt + 16 response tokens exceed tiny's context of 4096",
     ),
+    (
+        "video height not whole patches",
+        BASE.replace("visual_tokens: 8", "video: {frames: 4, height: 30, width: 56}"),
+        2,
+        "workload.video.height: 30 is not a multiple of 28",
+    ),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
 ]
 
