@@ -36,8 +36,17 @@ def beside(text: str, value: str = "true") -> str:
     )
 
 
+def same_chunks(text: str) -> str:
+    """The spec with the chunk beside the prefix forced for both settings: the update's own chunk size would
+    otherwise differ (`BESIDE_PREFIX_CHUNK`), and with it the whole chunks of state kept in HBM."""
+    if "memory: {" in text:
+        return text.replace("memory: {", "memory: {optimizer_chunk_mib: 128, ", 1)
+    return text.replace("memory:\n", "memory:\n  optimizer_chunk_mib: 128\n", 1)
+
+
 def test_the_plan_holds_the_update_into_the_next_actor_prefix_and_prices_it_beside_that_prefix():
-    off, on = compile_plan(parse_spec(beside(SEVEN, "false"))), compile_plan(parse_spec(beside(SEVEN)))
+    seven = same_chunks(SEVEN)
+    off, on = compile_plan(parse_spec(beside(seven, "false"))), compile_plan(parse_spec(beside(seven)))
     assert on.decisions.update_beside_prefix and not off.decisions.update_beside_prefix
     (first,) = on.residency.update_beside  # the actor prefix's step, alone before decode
     grads = sum(o.bytes for o in on.residency.objects if o.role == "actor" and o.component == "FP32 gradients")
@@ -81,7 +90,7 @@ def test_auto_runs_a_streamed_update_beside_the_next_prefix_where_that_lowers_th
 
 def test_a_critics_update_stays_in_its_step_when_the_actors_runs_beside_the_next_prefix():
     """PPO: only the actor's optimizer defers its step; the critic's update is priced where it runs."""
-    text = (ROOT / "specs/ppo_critic_7b_h200.yaml").read_text()
+    text = same_chunks((ROOT / "specs/ppo_critic_7b_h200.yaml").read_text())
     off, on = (compile_plan(parse_spec(beside(text, v))) for v in ("false", "true"))
     was, now = ({r.timer: r for r in time_plan(plan)} for plan in (off, on))
     assert on.decisions.update_beside_prefix
