@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rollplex.data.prefetch import Prefetch
 from rollplex.data.source import open_dataset
-from rollplex.errors import SpecError
+from rollplex.errors import RunFailed, SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import step_bounds
 from rollplex.executors.collector import collections_between_steps
@@ -161,7 +161,11 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
             for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
-                examples = prefetch.take(position, position + size if step < opts.steps else None)
+                try:
+                    examples = prefetch.take(position, position + size if step < opts.steps else None)
+                except ValueError as e:  # a row the dataset cannot read (a corrupt video): the steps before it stay
+                    raise RunFailed(f"step {step}'s data: {e}; the steps before it are kept (fix or drop that "
+                                    "row, then --resume)") from None  # fmt: skip
                 check_budget(loaded, examples)
 
                 def before(o: Op) -> None:

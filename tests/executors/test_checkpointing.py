@@ -182,3 +182,22 @@ def test_resuming_with_the_vision_tower_frozen_or_not_as_it_was_is_one_line(tmp_
     opts = RunOptions(2, tmp_path / "trained", progress=False, tensorboard=False, resume=True)
     with pytest.raises(SpecError, match=r"holds the state of .* parameters, this run trains .*: resume with the spec"):
         train(compile_plan(parse_spec(text), Schedule.ROLLPLEX), opts)
+
+
+def test_a_row_the_data_cannot_read_mid_run_is_one_line_and_the_steps_before_it_are_kept(tmp_path, monkeypatch):
+    from rollplex.data.prefetch import Prefetch
+    from rollplex.errors import RunFailed
+
+    take, calls = Prefetch.take, []
+
+    def second_fails(self, position, next_position=None):
+        calls.append(position)
+        if len(calls) == 2:
+            raise ValueError("rows.jsonl:7: cannot read clip.mp4: invalid data")
+        return take(self, position, next_position)
+
+    monkeypatch.setattr(Prefetch, "take", second_fails)
+    with pytest.raises(RunFailed, match=r"step 2's data: rows.jsonl:7: cannot read clip.mp4.*--resume") as error:
+        run(tmp_path, "serial", steps=3)
+    assert "\n" not in str(error.value)
+    assert [p.name for p in (tmp_path / "serial/checkpoints").iterdir()] == ["step-000001"]
