@@ -2,7 +2,8 @@
 would otherwise surface only after minutes of building (a 7B's weights and pinned optimizer state), as one line.
 
 - `--resume`: a complete checkpoint to resume, and steps left after it; without `--resume`, no earlier run's
-  checkpoints in the run directory (they would win a later --resume over this run's)
+  checkpoints in the run directory (they would win a later --resume over this run's) and no earlier metrics (a
+  run without checkpoints would write over them)
 - `run.device: auto` on a machine without a GPU: the plan must fit this machine's memory (a GPU spec would
   otherwise build its models on the CPU until the host runs out)
 - `run.init: checkpoint`: the weights' files exist
@@ -36,6 +37,9 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
     if not resume and found is not None:
         raise SpecError("", f"{out_dir} holds an earlier run's checkpoints ({found.name})",
                         "continue it with --resume, or give this run another --out")  # fmt: skip
+    if not resume and (out_dir / "metrics.jsonl").is_file():
+        raise SpecError("", f"{out_dir} holds an earlier run's metrics.jsonl", "give this run another --out, or "
+                        "remove that run's directory")  # fmt: skip
     if resume and found is None:
         raise SpecError("", f"--resume: no complete checkpoint in {out_dir / 'checkpoints'}",
                         "run once without --resume first")  # fmt: skip

@@ -66,3 +66,10 @@ def test_missing_weights_dataset_and_reward_module_are_one_line_each(tmp_path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     line = refused(tmp_path, monkeypatch, TINY.replace("name: answer_format", 'name: "broken_reward:fn"'))
     assert "importing it raised RuntimeError: the module fails" in line
+
+
+def test_a_fresh_run_into_an_earlier_runs_metrics_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text('{"step": 1}\n')
+    assert "holds an earlier run's metrics.jsonl" in refused(tmp_path, monkeypatch, TINY)
+    assert (tmp_path / "run/metrics.jsonl").read_text() == '{"step": 1}\n'
