@@ -174,6 +174,8 @@ def step_of(path: Path) -> int:
 
 
 def load(path: Path, engines: Engines) -> Snapshot:
+    if engines.critic is None and (path / "critic.pt").is_file():
+        raise ValueError(f"{path} holds a critic: it was written by a PPO run; resume it with its spec")
     if engines.tp is None:
         load_checkpoint(engines.actor, path / "model")
     else:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from run_testkit import ROOT, spec_text
+from run_testkit import ROOT, loaded, spec_text
 from training_testkit import GradRecorder, perturb_reference
 
 from rollplex.data.source import batch_at, open_dataset
@@ -124,6 +124,9 @@ def test_resume_continues_actor_and_critic_as_an_uninterrupted_run(tmp_path):
     opts = dict(checkpoint_every=1)
     first = train(compile_plan(ppo_spec(), Schedule.ROLLPLEX),
                   RunOptions(1, tmp_path / "part", progress=False, tensorboard=False, **opts))  # fmt: skip
+    with pytest.raises(SpecError, match="holds a critic: it was written by a PPO run"):  # resumed as GRPO
+        train(compile_plan(loaded(), Schedule.ROLLPLEX),
+              RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True))  # fmt: skip
     rest = train(compile_plan(ppo_spec(), Schedule.ROLLPLEX),
                  RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True))  # fmt: skip
     for key in ("param_digest", "critic_digest"):
