@@ -17,7 +17,8 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.report.efficiency import read_efficiencies
     from rollplex.report.jsonout import plan_to_json
 
-    for flag, given in (("--format json", args.format == "json"), ("--naive", args.naive)):
+    dry_only = (("--format json", args.format == "json"), ("--naive", args.naive), ("--efficiency", args.efficiency))
+    for flag, given in dry_only:
         if given and not args.dry_run:
             raise SpecError("", f"{flag} shapes the dry-run's output", "add --dry-run")
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
@@ -56,7 +57,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 def _check_folder(flag: str, path: str) -> None:
     """Before the work: the folder a flag's file goes to exists."""
-    folder = Path(path).expanduser().absolute().parent
+    folder = Path(path).absolute().parent  # as the file is written: a quoted '~' is a folder named so
     if not folder.is_dir():
         raise SpecError("", f"{flag} {path}: the folder {folder} does not exist", "create it, or give another path")
 

@@ -76,7 +76,8 @@ def test_a_float32_spec_is_told_the_plan_prices_bf16(capsys):
 
 def test_dry_run_flags_without_dry_run_and_a_plan_given_to_compile_are_one_line(tmp_path, capsys):
     tiny = str(SPECS / "tiny_cpu.yaml")
-    for flags, says in ((["--naive"], "--naive shapes"), (["--format", "json"], "--format json shapes")):
+    dry_only = (["--naive"], "--naive shapes"), (["--format", "json"], "--format json shapes")
+    for flags, says in (*dry_only, (["--efficiency", "rollout=0.5"], "--efficiency shapes")):
         assert main(["compile", tiny, *flags]) == 2
         assert says in capsys.readouterr().err
     assert main(["compile", tiny, "-o", str(tmp_path / "plan.json")]) == 0

@@ -18,6 +18,7 @@ from rollplex.errors import SpecError
 from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
 from rollplex.executors.engines import resolve_device
 from rollplex.executors.policies import mps_session
+from rollplex.executors.preflight import check_spec
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
@@ -34,6 +35,7 @@ def bench(args: argparse.Namespace) -> int:
         raise SpecError("", f"--policies: {e}") from None
     # under the mps policy: before anything touches the GPU; a serial-only process runs its trainer uncapped
     plans = [compile_plan(v) for v in variants]
+    check_spec(plans[0])  # before any model is built: what would otherwise fail after it
     with mps_session(plans, cap_trainer=not args.serial_only):
         return _bench_variants(args, loaded, variants)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,8 +164,11 @@ def _load(file: Path):
         raise ValueError(f"{file}: holds more than tensors and plain values, not loaded ({str(e)[:80]})") from None
 
 
+_COMPLETE = re.compile(r"step-\d+")  # not `.tmp` (being written), nor a copy a user left beside (`.bak`)
+
+
 def latest(out_dir: Path) -> Path | None:
-    found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+    found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if _COMPLETE.fullmatch(p.name))
     return found[-1] if found else None
 
 

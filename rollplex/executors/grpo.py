@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 ADVANTAGE_EPS = 1e-6
-LOG_RATIO_LIMIT = 20.0  # |log ratio| before exp, as verl clamps it: FP32 stays finite, so no inf x 0 = NaN
+LOG_RATIO_LIMIT = 20.0  # a log ratio's most before exp: FP32 stays finite, so no inf x 0 = NaN (below, exp only
+# underflows to 0 and the gradient is kept)
 
 
 def group_advantages(rewards: Tensor) -> Tensor:
@@ -29,8 +30,8 @@ def group_advantages(rewards: Tensor) -> Tensor:
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """The k3 estimator of KL(pi || ref) per token: exp(ref - lp) - (ref - lp) - 1 (non-negative), with
-    ref - lp clamped to +-LOG_RATIO_LIMIT."""
-    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ref - lp clamped to at most LOG_RATIO_LIMIT."""
+    delta = (ref_logprobs - logprobs).clamp(max=LOG_RATIO_LIMIT)
     return torch.exp(delta) - delta - 1
 
 
@@ -76,7 +77,7 @@ def grpo_loss(
     """logprobs, old_logprobs, ref_logprobs, entropy, mask: [..., R]; advantages: [...] per sequence (GRPO) or
     [..., R] per token (PPO)."""
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    ratio = torch.exp((logprobs - old_logprobs).clamp(max=LOG_RATIO_LIMIT))
     adv = advantages if advantages.dim() == logprobs.dim() else advantages.unsqueeze(-1)
     clipped_ratio = ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)

@@ -164,8 +164,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
                 except ValueError as e:  # a row the dataset cannot read (a corrupt video): the steps before it stay
-                    raise RunFailed(f"step {step}'s data: {e}; the steps before it are kept (fix or drop that "
-                                    "row, then --resume)") from None  # fmt: skip
+                    kept = opts.checkpoints and saved.step > start  # saved as the run ends (`finally`)
+                    then = "the steps before it are kept: fix or drop that row, then --resume"
+                    raise RunFailed(f"step {step}'s data: {e}; {then if kept else 'fix or drop that row'}") from None
                 check_budget(loaded, examples)
 
                 def before(o: Op) -> None:

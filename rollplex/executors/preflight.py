@@ -27,9 +27,13 @@ GIB = 2**30
 
 def preflight(plan: Plan, out_dir: Path, steps: int, resume: bool) -> None:
     _checkpoints(out_dir, steps, resume)
-    loaded = plan.loaded
+    check_spec(plan)
+
+
+def check_spec(plan: Plan) -> None:
+    """The spec's checks of the module's docstring (all but the run directory's), as `rollplex bench` makes them."""
     for key, problem in _spec_problems(plan):
-        raise loaded.locate(SpecError(key, problem))
+        raise plan.loaded.locate(SpecError(key, problem))
 
 
 def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
@@ -37,7 +41,8 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
     if not resume and found is not None:
         raise SpecError("", f"{out_dir} holds an earlier run's checkpoints ({found.name})",
                         "continue it with --resume, or give this run another --out")  # fmt: skip
-    if not resume and (out_dir / "metrics.jsonl").is_file():
+    metrics = out_dir / "metrics.jsonl"
+    if not resume and metrics.is_file() and metrics.stat().st_size > 0:  # a run that ended before its first line: none
         raise SpecError("", f"{out_dir} holds an earlier run's metrics.jsonl", "give this run another --out, or "
                         "remove that run's directory")  # fmt: skip
     if resume and found is None:
@@ -57,13 +62,16 @@ def _spec_problems(plan: Plan):
     loaded = plan.loaded
     spec, base = loaded.spec, loaded.path.parent
     if spec.run.device == "auto" and not torch.cuda.is_available():
-        need, have = plan.residency.peak_bytes, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        r, per_node = plan.residency, spec.cluster.gpus_per_node  # on the CPU the host pool shares the same memory
+        need = per_node * r.peak_bytes + r.host.needed_bytes_per_node
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > have:
             yield (
                 "run.device",
                 (
-                    f"auto found no GPU, and the plan needs {need / GIB:.1f} GiB a device, more than this machine's "
-                    f"{have / GIB:.1f} GiB of memory; run it on a GPU, or set run.device: cpu to try the CPU anyway"
+                    f"auto found no GPU, and the plan needs {need / GIB:.1f} GiB a node (its devices' peaks and host "
+                    f"pool), more than this machine's {have / GIB:.1f} GiB; run it on a GPU, or set run.device: cpu to "
+                    "try the CPU anyway"
                 ),
             )
     if spec.run.init == "checkpoint":

@@ -83,12 +83,15 @@ def check_model_fits_parallel(spec: Spec, model: ModelConfig) -> None:
 
 
 def check_context(spec: Spec, model: ModelConfig) -> None:
-    """A prompt and its response, at their budgets, fit the model's context (`max_position_embeddings`)."""
+    """A prompt's text and its response, at their budgets, fit the model's context (`max_position_embeddings`).
+    Visual tokens are left out: under mrope a video advances the positions by its grid's largest side, not its
+    token count, so only the text is sure to take one position a token."""
     w, most = spec.workload, model.text.max_position_embeddings
-    if w.prompt_tokens + w.response_tokens > most:
+    text = w.prompt_tokens - w.num_visual_tokens
+    if text + w.response_tokens > most:
         raise SpecError(
             "workload.prompt_tokens",
-            f"{w.prompt_tokens} prompt + {w.response_tokens} response tokens exceed {model.name}'s context of {most}",
+            f"{text} prompt text + {w.response_tokens} response tokens exceed {model.name}'s context of {most}",
             "lower prompt_tokens or response_tokens",
         )
 

@@ -201,3 +201,6 @@ def test_a_row_the_data_cannot_read_mid_run_is_one_line_and_the_steps_before_it_
         run(tmp_path, "serial", steps=3)
     assert "\n" not in str(error.value)
     assert [p.name for p in (tmp_path / "serial/checkpoints").iterdir()] == ["step-000001"]
+    calls.clear()
+    with pytest.raises(RunFailed, match=r"step 2's data: .*; fix or drop that row$"):  # no checkpoint: no --resume
+        run(tmp_path, "serial", steps=3, name="timing", checkpoints=False)

@@ -43,13 +43,14 @@ def test_resume_needs_a_complete_checkpoint(tmp_path, monkeypatch):
 
 def test_resume_needs_steps_left_after_its_checkpoint(tmp_path, monkeypatch):
     (tmp_path / "run/checkpoints/step-000002").mkdir(parents=True)
+    (tmp_path / "run/checkpoints/step-000002.bak").mkdir()  # a copy left beside: not a checkpoint
     line = refused(tmp_path, monkeypatch, TINY, steps=2, resume=True)
     assert "is step 2, and the run has 2 steps" in line and "raise --steps above 2" in line
 
 
 def test_a_spec_too_large_for_this_machine_is_refused_where_auto_finds_no_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr("rollplex.executors.preflight.torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("rollplex.executors.preflight.os.sysconf", lambda name: 4096 if "PAGE" in name else 1)
+    monkeypatch.setattr("rollplex.executors.preflight.os.sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 1)
     line = refused(tmp_path, monkeypatch, TINY)  # the shipped spec's run.device is auto
     assert "run.device: auto found no GPU" in line and "set run.device: cpu" in line
     assert refused(tmp_path, monkeypatch, TINY.replace("dtype: float32", "dtype: float32, device: cpu")) == ""
@@ -70,6 +71,25 @@ def test_missing_weights_dataset_and_reward_module_are_one_line_each(tmp_path, m
 
 def test_a_fresh_run_into_an_earlier_runs_metrics_is_refused(tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text("")  # a run that ended before its first step: nothing to keep
+    assert refused(tmp_path, monkeypatch, TINY) == ""
     (tmp_path / "run/metrics.jsonl").write_text('{"step": 1}\n')
     assert "holds an earlier run's metrics.jsonl" in refused(tmp_path, monkeypatch, TINY)
     assert (tmp_path / "run/metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_without_a_gpu_the_host_pool_counts_with_the_devices_peaks(tmp_path, monkeypatch):
+    """On the CPU the pinned pool is the same memory as the 'device's: the check needs both."""
+    text = TINY.replace(
+        "memory: {runtime_reserve_gib: 0.1}", "memory: {runtime_reserve_gib: 0.1, optimizer_state: host}"
+    )
+    r = compile_plan(parse_spec(text)).residency
+    assert r.host.needed_bytes_per_node > 0
+    need = r.peak_bytes + r.host.needed_bytes_per_node
+    monkeypatch.setattr("rollplex.executors.preflight.torch.cuda.is_available", lambda: False)
+    for have, says in ((need - 1, "run.device: auto found no GPU"), (need, "")):
+        monkeypatch.setattr(
+            "rollplex.executors.preflight.os.sysconf", lambda n, h=have: 1 if n == "SC_PAGE_SIZE" else h
+        )
+        line = refused(tmp_path, monkeypatch, text)
+        assert says in line if says else line == ""

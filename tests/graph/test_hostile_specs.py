@@ -187,7 +187,7 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         "beyond the model's context",
         BASE.replace("prompt_tokens: 384", "prompt_tokens: 4090"),
         2,
-        "4090 prompt + 16 response tokens exceed tiny's context of 4096",
+        "4082 prompt text + 16 response tokens exceed tiny's context of 4096",
     ),
     (
         "video height not whole patches",
