@@ -137,6 +137,11 @@ def _options(value: object, where: str) -> list:
         return []
     if not isinstance(value, list):
         raise ValueError(f"{where}: 'options' must be a list such as ['A. red', 'B. blue'], got {value!r}")
+    for i, option in enumerate(value):  # the answer's letter means the option at that letter's place
+        label = re.match(r"^\(?([A-Z])[.):]", str(option))
+        if label and label.group(1) != option_letter(i):
+            raise ValueError(f"{where}: option {i + 1} is labelled {label.group(1)}, not {option_letter(i)}: list "
+                             "the options in their letters' order")  # fmt: skip
     return value
 
 

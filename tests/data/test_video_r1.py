@@ -152,6 +152,12 @@ def test_options_given_as_a_string_are_an_error_naming_the_row(tmp_path, data_di
     assert ":1: 'options' must be a list" in message and "got 'A. red'" in message
 
 
+def test_options_labelled_out_of_their_order_are_an_error_naming_the_row(tmp_path, data_dir):
+    row = {**ROWS[0], "path": str(data_dir / "clips" / "a.mp4"), "options": ["B. red", "A. blue"]}
+    message = one_line_error(tmp_path, [json.dumps(row)])
+    assert ":1: option 1 is labelled B, not A" in message
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "[]"])
 def test_a_dataset_file_without_rows_is_an_error_naming_the_file(tmp_path, text):
     path = tmp_path / ("rows.json" if text == "[]" else "rows.jsonl")
