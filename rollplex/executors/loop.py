@@ -125,10 +125,14 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     waiting: list[dict] = []  # a step's metrics while its update runs on (`sharing.update_beside_prefix`)
     fingerprints: list[Fingerprints] = []  # of the weights that update wrote, launched once it has joined
 
+    step_bar = _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps)
+
     def emit(r: dict) -> None:
         if log is not None:
             log.write(r)
-        if progress and not bars:
+        if bars:  # the terminal's bar carries the last step's reward and loss
+            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}")
+        elif progress:
             print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
 
     def complete(o: Op | None = None) -> None:
@@ -160,7 +164,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
 
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
-            for step in _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps):
+            for step in step_bar:
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
                 except ValueError as e:  # a row the dataset cannot read (a corrupt video): the steps before it stay

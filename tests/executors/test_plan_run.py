@@ -94,6 +94,21 @@ def test_a_schedule_with_a_plan_file_and_a_resume_past_the_last_step_are_one_lin
     assert "is step 1, and the run has 1 steps" in err and len(err.strip().splitlines()) == 1
 
 
+def test_progress_on_a_terminal_is_a_bar_carrying_the_last_steps_reward_and_loss(tmp_path, monkeypatch):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["run", TINY, "--out", str(tmp_path), "--steps", "2", "--no-checkpoints"]) == 0
+    drawn = terminal.getvalue()
+    assert "steps:" in drawn and "reward " in drawn and "loss " in drawn
+    assert "step 1/2:" not in drawn  # no log lines beside the bar
+
+
 def test_progress_into_a_log_is_one_plain_line_a_step(tmp_path, capsys):
     """stderr is not a terminal here (pytest captures it): no redrawn bars, one line per step."""
     assert main(["run", TINY, "--out", str(tmp_path), "--steps", "2", "--no-checkpoints"]) == 0
