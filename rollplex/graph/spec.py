@@ -188,7 +188,9 @@ class MemorySpec(Strict):
     )
     optimizer_chunk_mib: PositiveInt | None = Field(
         None,
-        description="FP32 optimizer-state bytes per streamed chunk, MiB; null picks the largest that fits.",
+        description="FP32 optimizer-state bytes per streamed chunk, MiB; null picks the largest that fits, at most "
+        "1024, or 128 where the update streams beside the next actor prefix (a first use there, such as a new "
+        "attention plan, waits for every chunk queued on the link).",
     )
     host_pool_gib: PositiveFloat | None = Field(
         None, description="Pinned host pool per node, GiB; null sizes it from the plan."
