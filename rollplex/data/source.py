@@ -32,12 +32,18 @@ def open_dataset(
         return SyntheticVideoQA(
             preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE, mismatch_videos=mismatch_videos
         )
+    return VideoR1Dataset(dataset_file(name, base), tokenizer)
+
+
+def dataset_file(name: str, base: Path | None = None) -> Path:
+    """The file a non-synthetic `workload.dataset` names (relative to `base`, the spec's folder); ValueError where
+    there is none."""
     path = Path(name).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     if not path.is_file():
         raise ValueError(f"dataset '{name}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file")
-    return VideoR1Dataset(path, tokenizer)
+    return path
 
 
 def batch_at(dataset: Dataset, position: int, size: int) -> list[Example]:

@@ -281,7 +281,7 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     torch.manual_seed(spec.run.seed)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
     if spec.run.init == "checkpoint":
-        load_checkpoint(model, _checkpoint_dir(loaded))
+        load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)
 
 
@@ -378,13 +378,14 @@ def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
     return WeightPager(reference, VmmArena(total, device))
 
 
-def _checkpoint_dir(loaded: LoadedSpec) -> Path:
+def model_dir(loaded: LoadedSpec) -> Path:
+    """The folder of the spec's model: its config, and its weights where `run.init` is checkpoint."""
     return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:
     """The checkpoint's own tokenizer when it has one; otherwise the character tokenizer on the model's ids."""
-    directory = _checkpoint_dir(loaded)
+    directory = model_dir(loaded)
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer.from_dir(directory)
     t = loaded.model.tokens

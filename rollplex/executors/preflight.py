@@ -56,8 +56,9 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
 def _spec_problems(plan: Plan):
     """(key, problem) for each check of the module's docstring that fails, in its order."""
     from rollplex.data.rewards import load_reward
+    from rollplex.data.source import dataset_file
+    from rollplex.executors.engines import model_dir
     from rollplex.models.checkpoint import checkpoint_files
-    from rollplex.models.config import resolve_config_path
 
     loaded = plan.loaded
     spec, base = loaded.spec, loaded.path.parent
@@ -76,14 +77,14 @@ def _spec_problems(plan: Plan):
             )
     if spec.run.init == "checkpoint":
         try:
-            checkpoint_files(resolve_config_path(spec.model.name, base).parent)
+            checkpoint_files(model_dir(loaded))
         except (FileNotFoundError, ValueError) as e:
             yield "run.init", f"checkpoint: {e}; or set run.init: random"
-    dataset = spec.workload.dataset
-    if not dataset.startswith("synthetic:"):
-        path = Path(dataset).expanduser()
-        if not (path if path.is_absolute() else base / path).is_file():
-            yield "workload.dataset", f"'{dataset}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file"
+    if not spec.workload.dataset.startswith("synthetic:"):
+        try:
+            dataset_file(spec.workload.dataset, base)
+        except ValueError as e:
+            yield "workload.dataset", str(e)
     for reward in spec.algorithm.rewards:
         if ":" in reward.name:
             try:

@@ -27,19 +27,21 @@ class Strict(BaseModel):
                 raise ValueError(f"{key} takes a number or a name, not the boolean {str(value).lower()}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{key} must be a finite number, not {value}")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
-                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+            _bounded(key, value)
         return data
 
     @model_validator(mode="after")
     def _real_sizes(self) -> Strict:
         """After coercion, so that a number YAML read as text ('1e30', without a dot) is bounded as well."""
         for name, field in type(self).model_fields.items():
-            value = getattr(self, name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
-                key = field.alias or name
-                raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+            _bounded(field.alias or name, getattr(self, name))
         return self
+
+
+def _bounded(key: str, value: object) -> None:
+    """As given (before the field's own limits, for this message) and as coerced (a number YAML read as text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+        raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
 
 
 def _takes_bool(annotation: object) -> bool:

@@ -60,7 +60,7 @@ def test_missing_weights_dataset_and_reward_module_are_one_line_each(tmp_path, m
     line = refused(tmp_path, monkeypatch, TINY.replace("dtype: float32", "dtype: float32, init: checkpoint"))
     assert "run.init: checkpoint:" in line and "set run.init: random" in line
     line = refused(tmp_path, monkeypatch, TINY.replace("synthetic:colour@tiny", "missing.jsonl"))
-    assert "workload.dataset: 'missing.jsonl' is neither" in line
+    assert "workload.dataset: dataset 'missing.jsonl' is neither" in line
     line = refused(tmp_path, monkeypatch, TINY.replace("name: answer_format", 'name: "nosuch_module:fn"'))
     assert "algorithm.rewards: reward 'nosuch_module:fn': cannot import module" in line
     (tmp_path / "broken_reward.py").write_text("raise RuntimeError('the module fails')\n")
