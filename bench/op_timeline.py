@@ -160,14 +160,23 @@ def idle_gaps(
     when the host launched the kernel that ends it (ms from the gap's start: before 0, the device waited on
     something else, after it the host was late), that kernel's name, and the last copy on the same stream that
     ended within the stretch as [its start, its length, its launch (ms from the gap's start), its name] (a copy
-    launched early that starts late waited in the copy engine's queue; none: the stream waited on an event)]."""
+    launched early that starts late waited in the copy engine's queue; none: the stream waited on an event)]; and
+    all its idle stretches summed by whether the device waited (the ending kernel launched before the stretch) or
+    the host was late."""
     gaps, end = [], lo
     for a, b in sorted(intervals):
         if a > end:
             gaps.append((end, a))
         end = max(end, b)
-    gaps.sort(key=lambda g: g[0] - g[1])
     starts = [k[0] for k in kernels]
+    waited = late_s = 0.0  # idle time ended by a kernel launched before the gap began (the device waited) or after
+    for a, b in gaps:
+        corr = kernels[min(bisect_left(starts, b), len(kernels) - 1)][1]
+        if launched.get(corr, b) <= a:
+            waited += b - a
+        else:
+            late_s += b - a
+    gaps.sort(key=lambda g: g[0] - g[1])
     rows = []
     for a, b in gaps[:top]:
         _, corr, name = kernels[min(bisect_left(starts, b), len(kernels) - 1)]
@@ -179,7 +188,8 @@ def idle_gaps(
             launch_c = round((launched[corr_c] - a) / 1e3, 1) if corr_c in launched else None
             copy = [round((start_c - a) / 1e3, 1), round((end_c - start_c) / 1e3, 2), launch_c, name_c[:40]]
         rows.append([round((a - lo) / 1e3, 1), round((b - a) / 1e3, 1), late, name[:60], copy])
-    return {"stream": stream, "gaps": rows}
+    summary = {"count": len(gaps), "device_waited_s": round(waited / 1e6, 4), "host_late_s": round(late_s / 1e6, 4)}
+    return {"stream": stream, "gaps": rows, "idle": summary}
 
 
 def host_gaps(calls: list[tuple[float, float]], lo: float, top: int = 6) -> list[list[float]]:
@@ -230,6 +240,9 @@ def main() -> None:
             print(f"  {gaps['stream']} idle [offset ms, length ms, launched ms after its start, next kernel]:")
             for gap in gaps["gaps"]:
                 print(f"    {gap}")
+            i = gaps["idle"]
+            print(f"  {gaps['stream']} idle {i['count']} times: the device waited {i['device_waited_s']:.3f} s, "
+                  f"the host was late {i['host_late_s']:.3f} s")  # fmt: skip
             print(f"  host without a CUDA call [offset ms, length ms]: {row['host_gaps_ms']}")
     if args.out:
         args.out.write_text(json.dumps({"spec": args.spec, "op": args.op, "ops": rows}, indent=1))
