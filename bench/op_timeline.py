@@ -43,6 +43,7 @@ from rollplex.executors.runtime import run_iteration
 from rollplex.graph.ir import Op, Schedule
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
+from rollplex.memory import in_flight
 
 BINS = 10
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cuLaunchKernel", "cudaGraphLaunch")
@@ -211,7 +212,10 @@ def main() -> None:
     ap.add_argument("--schedule", default="rollplex", choices=[s.value for s in Schedule])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--python", action="store_true", help="one more step with the op under cProfile (host time)")
+    ap.add_argument("--ahead", type=int, help="a deferred update's chunks kept enqueued (default in_flight.AHEAD)")
     args = ap.parse_args()
+    if args.ahead is not None:
+        in_flight.AHEAD = args.ahead
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule))
     engines, g, spec = build_engines(plan), plan.graph, loaded.spec
