@@ -83,6 +83,7 @@ class ScheduleRun:
     first_rollout: tuple[torch.Tensor, torch.Tensor] | None = None  # (responses, lengths) of step 1, on the CPU
     first_grads: torch.Tensor | None = None  # `grad_sketch` of step 1's gradients, FP32 on the CPU
     bounds: list[dict[str, float]] = field(default_factory=list)  # per measured step: each phase's bound, s
+    device_bounds: list[dict[str, float]] = field(default_factory=list)  # the same without the host link
 
 
 def run_schedule(
@@ -143,7 +144,9 @@ def run_schedule(
             out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
             out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
             out.longest_response.append(int(record.response_lens.max()))
-            out.bounds.append(step_bounds(plan, examples, record.response_lens))
+            bounds, device_bounds = step_bounds(plan, examples, record.response_lens)
+            out.bounds.append(bounds)
+            out.device_bounds.append(device_bounds)
             out.stalls.append(stalls.as_dict())
             beside = {op_id for op_id, _, _ in record.chunks}  # these ran as chunks: drawn chunk by chunk
             ops = [(lane, label, t0 - begin, t1 - begin) for lane, label, t0, t1 in clock.spans if label not in beside]
@@ -227,9 +230,14 @@ def compare(
         },
         "phase_s": {"serial": _phase_medians(serial), "rollplex": _phase_medians(rollplex)},
         # the cost model's bound of each phase on the spec's GPU, from the steps' real token counts, and the
-        # efficiency each phase reached (bound over measured): `rollplex compile --efficiency` predicts with it
-        "bound_s": {"serial": _bound_medians(serial), "rollplex": _bound_medians(rollplex)},
+        # efficiency each phase reached (bound over measured), and that of its device work alone (the host link
+        # left out of the bound): `rollplex compile --efficiency` predicts with the latter
+        "bound_s": {"serial": _bound_medians(serial.bounds), "rollplex": _bound_medians(rollplex.bounds)},
         "efficiency": {"serial": _efficiency(serial), "rollplex": _efficiency(rollplex)},
+        "device_efficiency": {
+            "serial": _efficiency(serial, device=True),
+            "rollplex": _efficiency(rollplex, device=True),
+        },
         # the measured steps one by one (medians hide a slow step), and the last step's timeline (the PNG's spans)
         "per_step": {"serial": _per_step(serial), "rollplex": _per_step(rollplex)},
         # a step's seconds outside its ops (phase switches, paging, host work between ops): serial's should be
@@ -253,14 +261,15 @@ def compare(
     }
 
 
-def _bound_medians(run: ScheduleRun) -> dict[str, float]:
-    keys = run.bounds[0] if run.bounds else {}
-    return {k: round(statistics.median(b[k] for b in run.bounds), 4) for k in keys}
+def _bound_medians(bounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = bounds[0] if bounds else {}
+    return {k: round(statistics.median(b[k] for b in bounds), 4) for k in keys}
 
 
-def _efficiency(run: ScheduleRun) -> dict[str, float]:
-    """Bound over measured seconds per phase (phases the schedule spent no time in are left out)."""
-    bounds, measured = _bound_medians(run), _phase_medians(run)
+def _efficiency(run: ScheduleRun, device: bool = False) -> dict[str, float]:
+    """Bound (`device`: its device bound) over measured seconds per phase (phases the schedule spent no time in are
+    left out)."""
+    bounds, measured = _bound_medians(run.device_bounds if device else run.bounds), _phase_medians(run)
     return {k: round(b / measured[k], 4) for k, b in bounds.items() if measured.get(k) and b > 0}
 
 

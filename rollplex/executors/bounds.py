@@ -1,5 +1,7 @@
 """A step's bound from its real token counts: the cost model (`rollplex.graph.cost`) on the prompts, videos and
-response lengths the step actually had, for `rollplex run`'s metrics and `rollplex bench`'s efficiencies."""
+response lengths the step actually had, for `rollplex run`'s metrics and `rollplex bench`'s efficiencies: each
+phase's bound (FLOPs, HBM bytes and host-link bytes) and its device bound (FLOPs and HBM bytes alone: what a time
+plan's efficiency divides, `graph.timeplan`, which prices the link on its own)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollplex.graph.cost import KNOWN_PEAKS, StepTokens, phase_bounds, plan_phase_costs
+from rollplex.graph.cost import KNOWN_PEAKS, Cost, StepTokens, phase_bounds, plan_phase_costs
 from rollplex.graph.plan import Plan
 
 
@@ -23,10 +25,12 @@ def step_tokens(examples: Sequence, response_lens: torch.Tensor) -> StepTokens:
     )
 
 
-def step_bounds(plan: Plan, examples: Sequence, response_lens: torch.Tensor) -> dict[str, float]:
-    """Seconds at the bound of each phase timer of this step, on the spec's GPU (`cluster.gpu`)."""
+def step_bounds(
+    plan: Plan, examples: Sequence, response_lens: torch.Tensor
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds at the bound of each phase timer of this step on the spec's GPU (`cluster.gpu`), and at its device
+    bound (the host link left out)."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    return {
-        k: round(v, 4)
-        for k, v in phase_bounds(plan_phase_costs(plan, step_tokens(examples, response_lens)), peaks).items()
-    }
+    costs = plan_phase_costs(plan, step_tokens(examples, response_lens))
+    device = {k: tuple(Cost(p.flops, p.hbm_bytes) for p in parts) for k, parts in costs.items()}
+    return tuple({k: round(v, 4) for k, v in phase_bounds(c, peaks).items()} for c in (costs, device))

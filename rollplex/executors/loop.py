@@ -196,7 +196,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     _metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight)
                 )
                 on_gpu = engines.actor.device.type == "cuda"  # the CPU's peaks are unknown: no bounds there
-                records[-1]["bound_s"] = step_bounds(plan, examples, local_lens) if on_gpu else {}
+                bounds = step_bounds(plan, examples, local_lens) if on_gpu else ({}, {})
+                records[-1]["bound_s"], records[-1]["device_bound_s"] = bounds
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)

@@ -362,9 +362,10 @@ def _prefix_saved_bytes(
 
 
 def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
-    """Decode to the longest response: each step reads every weight and each live sequence's KV so far, and
-    each prompt's KV once (shared by its samples)."""
-    weights = S.llm_params_per_rank(t, tp) * S.BF16
+    """Decode to the longest response: each step reads every weight (but the rows of an untied input embedding it
+    gathers: `decode_params_per_rank`) and each live sequence's KV so far, and each prompt's KV once (shared by its
+    samples)."""
+    weights = S.decode_params_per_rank(t, tp) * S.BF16
     kv = S.kv_bytes_per_token(t, tp)
     lens = [r for group in tokens.response_lens for r in group]
     steps = max(lens, default=0)
@@ -373,7 +374,7 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
         length * max(group, default=0) for length, group in zip(tokens.prompt_tokens, tokens.response_lens, strict=True)
     )
     hbm = steps * weights + kv * (own + live_prompts)
-    flops = 2 * S.llm_params_per_rank(t, tp) * sum(lens)
+    flops = 2 * S.decode_params_per_rank(t, tp) * sum(lens)
     return Cost(flops=flops, hbm_bytes=hbm)
 
 
@@ -385,11 +386,12 @@ def grad_norm_pass(t: TextConfig, v: VisionConfig, tp: int, d: Decisions) -> Cos
 
 
 def update(t: TextConfig, v: VisionConfig, tp: int, d: Decisions, keeps_share: bool = True, shards: int = 1) -> Cost:
-    """The AdamW step: its state and gradients read and written in HBM; over the host link when the state lives in
-    the pinned pool (loaded and written back at once, each way on its own copy engine: the bound is one way's
-    bytes), its `shards`-th under ZeRO-1, but for the share the plan keeps in HBM (`keeps_share`: the actor's
-    update; a critic's state streams whole)."""
+    """The AdamW step over this rank's `shards`-th of the parameters (ZeRO-1; all of them without): its state and
+    gradients read and written in HBM; over the host link when the state lives in the pinned pool (loaded and
+    written back at once, each way on its own copy engine: the bound is one way's bytes), but for the share the
+    plan keeps in HBM (`keeps_share`: the actor's update; a critic's state streams whole)."""
     params = S.llm_params_per_rank(t, tp) + (0 if d.freeze_vision else S.vision_params(v, stored=True))
+    owned = -(-params // shards)
     kept = d.optimizer_kept_bytes if keeps_share else 0
-    host = max(STATE_BYTES * -(-params // shards) - kept, 0) if d.optimizer_state is Residency.HOST else 0.0
-    return Cost(hbm_bytes=UPDATE_HBM_BYTES * params, host_bytes=host)
+    host = max(STATE_BYTES * owned - kept, 0) if d.optimizer_state is Residency.HOST else 0.0
+    return Cost(hbm_bytes=UPDATE_HBM_BYTES * owned, host_bytes=host)

@@ -70,20 +70,21 @@ def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
 
 def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
     """The steps' token counts as the plan sees them. A synthetic preset: its first `count` steps' prompts (their
-    text, video tokens, patches and frames, each within the budget), responses drawn from its length distribution
-    for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
+    tokens within the budget, and every patch and frame of their videos: the vision tower runs on all of them, as
+    the run's own bounds count them), responses drawn from its length distribution for each (what
+    `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
     the spec's frames, responses at the budget."""
     spec, gpu = plan.loaded.spec, plan.context.gpu
     w = spec.workload
     if not w.dataset.startswith("synthetic:"):
         return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
-    budgets = (gpu.prompt_tokens, gpu.patches_per_prompt, gpu.response_tokens)
+    budgets = (gpu.prompt_tokens, gpu.response_tokens)
     return _synthetic_steps(w.dataset, spec.run.seed, gpu.prompts_per_rank, gpu.group_size, budgets, count)
 
 
 @cache
 def _synthetic_steps(
-    dataset: str, seed: int, n: int, group: int, budgets: tuple[int, int, int], count: int
+    dataset: str, seed: int, n: int, group: int, budgets: tuple[int, int], count: int
 ) -> tuple[StepTokens, ...]:
     """`planned_steps` of a synthetic preset, once per process for each workload (a dry-run prices many plans of
     one workload: every lever and residency it weighs)."""
@@ -91,7 +92,7 @@ def _synthetic_steps(
     from rollplex.data.sizes import grid_thw
 
     preset = synthetic_preset(dataset)
-    prompt_budget, patch_budget, response_budget = budgets
+    prompt_budget, response_budget = budgets
     merge = preset.vision.merge_size**2
     steps = []
     for k in range(count):
@@ -100,7 +101,7 @@ def _synthetic_steps(
         steps.append(
             StepTokens(
                 prompt_tokens=tuple(min(preset.prompt_tokens(lay), prompt_budget) for lay in layouts),
-                patches=tuple(min(preset.num_video_tokens(lay) * merge, patch_budget) for lay in layouts),
+                patches=tuple(preset.num_video_tokens(lay) * merge for lay in layouts),  # the tower runs on all
                 frames=tuple(grid_thw(lay.num_frames, *preset.frame_size(lay), preset.vision)[0] for lay in layouts),
                 response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
             )

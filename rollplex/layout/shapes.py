@@ -93,6 +93,13 @@ def llm_params_per_rank(t: TextConfig, tp: int) -> int:
     return sum(family_params_per_rank(f, t, tp) for f in llm_families(t))
 
 
+def decode_params_per_rank(t: TextConfig, tp: int) -> int:
+    """The parameters a decode step reads whole on one TP rank: all of the language model's but an untied input
+    embedding, of which a step gathers one row a sequence (a tied one is the LM head's, read whole)."""
+    gathered = [f for f in llm_families(t) if f.name == "embed_tokens" and not t.tie_word_embeddings]
+    return llm_params_per_rank(t, tp) - sum(family_params_per_rank(f, t, tp) for f in gathered)
+
+
 def value_model_params_per_rank(t: TextConfig, tp: int) -> int:
     """A value model's (PPO's critic, `rollplex.models.values`): the language model's parameters with a scalar head
     (hidden + 1) in place of the LM head; where the config ties the head to the embedding, the embedding stays."""

@@ -3,11 +3,14 @@
 `rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.timeplan.time_plan`).
 SOURCE is one of:
 - `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
-- a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `bound_s` / `time_s`, the first
-  step left out when there are more (it compiles and plans; `run_efficiencies`, which `rollplex run` also prints
-  at its end, `run_summary`);
-- a `rollplex bench` result (JSON): its `efficiency` for the plan's schedule, serial's for a phase it has none
-  for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial).
+- a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `device_bound_s` / `time_s`, the
+  first step left out when there are more (it compiles and plans; `run_efficiencies`);
+- a `rollplex bench` result (JSON): its `device_efficiency` for the plan's schedule, serial's for a phase it has
+  none for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial).
+The time plan divides a phase's device bound (FLOPs and HBM bytes) by its efficiency and prices its host-link
+traffic on its own, so a source's efficiency is of its device bound too; a source older than that field gives
+its `bound_s` / `efficiency` (the link's time in it). What `rollplex run` prints at its end (`run_summary`) and a
+bench's `efficiency` are of the whole bound.
 A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
 """
 
@@ -53,7 +56,7 @@ def _by_hand(source: str) -> dict[str, float]:
 def _of_run(path: Path) -> dict[str, float]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        found = run_efficiencies(records)
+        found = run_efficiencies(records, "device_bound_s" if "device_bound_s" in records[-1] else "bound_s")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
     if not found:
@@ -66,12 +69,13 @@ def _warm(records: list[dict]) -> list[dict]:
     return records[1:] if len(records) > 1 else records
 
 
-def run_efficiencies(records: list[dict]) -> dict[str, float]:
-    """Per phase of a run's metrics records, the median over its warm steps of `bound_s` / `time_s`; a phase run
-    beside another (no seconds of its own) or with no bound is left out."""
+def run_efficiencies(records: list[dict], key: str = "bound_s") -> dict[str, float]:
+    """Per phase of a run's metrics records, the median over its warm steps of the bound under `key` (`bound_s`,
+    or `device_bound_s`) over `time_s`; a phase run beside another (no seconds of its own) or with no bound is left
+    out."""
     ratios: dict[str, list[float]] = {}
     for record in _warm(records):
-        for phase, bound in record["bound_s"].items():
+        for phase, bound in record[key].items():
             seconds = record["time_s"].get(phase, 0.0)
             if bound > 0 and seconds > 0:
                 ratios.setdefault(phase, []).append(bound / seconds)
@@ -100,7 +104,8 @@ def run_summary(records: list[dict]) -> str:
 
 def _of_bench(path: Path, schedule: str) -> dict[str, float]:
     try:
-        by_schedule = json.loads(path.read_text())["efficiency"]
+        result = json.loads(path.read_text())
+        by_schedule = result.get("device_efficiency", result["efficiency"])
         found = {**by_schedule["serial"], **by_schedule.get(schedule, {})}  # serial's for a phase run alone
         return {k: float(v) for k, v in found.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

@@ -99,7 +99,22 @@ def test_tensor_parallelism_divides_each_ranks_work_and_decode_reads_each_live_k
     from rollplex.layout import shapes as S
 
     kv = S.kv_bytes_per_token(t, 1)
-    assert one_more == pytest.approx(S.llm_params_per_rank(t, 1) * S.BF16 + kv * (301 + 4000))
+    assert one_more == pytest.approx(S.decode_params_per_rank(t, 1) * S.BF16 + kv * (301 + 4000))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_every_weight_but_the_rows_of_an_untied_embedding(tied):
+    from dataclasses import replace
+
+    from rollplex.layout import shapes as S
+
+    config = load_model_config("tiny")
+    config = replace(config, text=replace(config.text, tie_word_embeddings=tied))
+    model = Qwen2_5_VL(config)
+    read = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual.")}
+    if not tied:  # the step gathers one row of the input embedding a sequence
+        del read[id(model.model.language_model.embed_tokens.weight)]
+    assert S.decode_params_per_rank(config.text, 1) == sum(read.values())
 
 
 def test_a_bound_is_the_slowest_resource_and_an_ops_parts_add_up():
@@ -167,3 +182,13 @@ def test_a_critics_scoring_is_priced_once_inside_its_backward_with_a_scalar_head
     assert critic.host_bytes == 0 < d.host_pool_bytes  # its prefix tensors stay in HBM while the actor's travel
     head = suffix_forward(t, tokens, 1).flops - suffix_forward(t, tokens, 1, value=True).flops
     assert head == pytest.approx(2 * t.hidden_size * (t.vocab_size - 1) * tokens.response_tokens)
+
+
+def test_a_sharded_update_reads_and_streams_only_its_ranks_share():
+    config = load_model_config("qwen2_5_vl_7b")
+    plan = compile_plan(parse_spec((SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()))
+    d = plan.decisions
+    whole = cost.update(config.text, config.vision, 1, d, keeps_share=False)
+    quarter = cost.update(config.text, config.vision, 1, d, keeps_share=False, shards=4)
+    assert quarter.hbm_bytes == pytest.approx(whole.hbm_bytes / 4, rel=1e-6)
+    assert quarter.host_bytes == pytest.approx(whole.host_bytes / 4, rel=1e-6) and whole.host_bytes > 0

@@ -274,7 +274,7 @@ def test_auto_recompute_keeps_what_autograd_saves_where_that_fits_and_reruns_els
     # every tensor of the prefix would need ~400 GiB of pinned host: it reruns; the microbatch's activations fit
     # only by sending the FP32 state to the host, which the step bound prices above their recompute
     assert (big.loaded.spec.memory.prefix_activations, big.loaded.spec.memory.recompute) == ("recompute", "full")
-    assert re.search(r"memory\.recompute auto: full \(step bound [0-9.]+ s against [0-9.]+ with none\)", big.chosen)
+    assert re.search(r"memory\.recompute auto: full \(step bound [0-9.]+ s against [0-9.]+.* with none\)", big.chosen)
     assert big.decisions == compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml")).decisions  # as named there
 
 

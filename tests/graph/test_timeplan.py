@@ -71,6 +71,23 @@ def test_the_planned_steps_are_a_synthetic_presets_first_steps_within_the_budget
     assert len(longest) > 1 and max(longest) <= gpu.response_tokens  # each step its own draw
 
 
+def test_the_planned_steps_count_every_patch_the_runs_bounds_count():
+    """The tower runs on each video's every patch, also past `workload.visual_tokens` (a planning budget)."""
+    import torch
+
+    from rollplex.data.source import batch_at, open_dataset
+    from rollplex.executors.bounds import step_tokens
+    from rollplex.executors.engines import make_tokenizer
+
+    loaded = load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml")
+    plan, w = compile_plan(loaded), loaded.spec.workload
+    dataset = open_dataset(w.dataset, make_tokenizer(loaded), loaded.spec.run.seed, loaded.path.parent)
+    run = step_tokens(batch_at(dataset, 0, w.prompts_per_step), torch.ones(w.prompts_per_step, w.group_size))
+    planned = timeplan.planned_steps(plan)[0]
+    assert (planned.patches, planned.frames) == (run.patches, run.frames)
+    assert max(run.patches) > plan.context.gpu.patches_per_prompt  # a video past the budget
+
+
 def test_a_prefix_beside_decode_has_no_seconds_of_its_own_and_one_decode_reads_runs_alone():
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
     own = compile_plan(parse_spec(text + "run: {rollout_prefill: rollout}\n"))

@@ -31,6 +31,31 @@ def test_a_runs_metrics_give_each_phases_median_ratio_after_its_first_step(tmp_p
     assert one == pytest.approx({"rollout": 0.1, "update": 1 / 9})
 
 
+def test_a_runs_efficiency_is_of_its_device_bound_so_its_own_plan_predicts_it_back(tmp_path):
+    """The 7B plan's actor prefix is bound by the host link (the update streams beside it): an efficiency of the
+    whole bound, applied to the device bound alone, would predict a third less than the run took."""
+    from rollplex.graph import timeplan
+    from rollplex.graph.cost import KNOWN_PEAKS, Cost
+    from rollplex.graph.load import load_spec
+    from rollplex.graph.plan import compile_plan
+
+    plan = compile_plan(load_spec("specs/qwen2_5_vl_7b_h200.yaml"))
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
+    (row,) = [r for r in timeplan.time_plan(plan) if r.timer == "actor_prefix"]
+    device = Cost(row.cost.flops, row.cost.hbm_bytes).bound_s(peaks)
+    assert device < row.bound_s  # the link's time is the bound
+    taken = 2.5 * row.bound_s
+    record = {"time_s": {"actor_prefix": taken}, "bound_s": {"actor_prefix": row.bound_s}}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({**record, "device_bound_s": {"actor_prefix": device}}) + "\n")
+    found = read_efficiencies(str(path), "rollplex")
+    assert found == pytest.approx({"actor_prefix": device / taken})
+    (again,) = [r for r in timeplan.time_plan(plan, found) if r.timer == "actor_prefix"]
+    assert again.predicted_s == pytest.approx(taken)
+    path.write_text(json.dumps(record) + "\n")  # an older run's metrics: the whole bound
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": 0.4})
+
+
 def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_rest(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(
@@ -38,6 +63,9 @@ def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_res
     )
     assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.4, "ref_prefix": 0.6}  # a prefix run alone
     assert read_efficiencies(str(path), "unsplit") == {"rollout": 0.5, "ref_prefix": 0.6}
+    device = {"serial": {"rollout": 0.55}, "rollplex": {"update": 0.3}}  # of the device bound: preferred
+    path.write_text(json.dumps({"efficiency": {"serial": {"rollout": 0.5}}, "device_efficiency": device}))
+    assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.55, "update": 0.3}
 
 
 def test_efficiencies_set_by_hand_predict_those_phases_only(capsys):
