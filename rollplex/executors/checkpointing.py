@@ -14,7 +14,7 @@ import json
 import pickle
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,10 +35,35 @@ class Snapshot:
     data_position: int
     torch_rng: torch.Tensor
     sampling_rng: torch.Tensor
+    run: dict = field(default_factory=dict)  # `identity` of the spec that wrote it
 
     @staticmethod
-    def of(step: int, data_position: int, engines: Engines) -> Snapshot:
-        return Snapshot(step, data_position, torch.get_rng_state(), engines.generator.get_state())
+    def of(step: int, data_position: int, engines: Engines, run: dict | None = None) -> Snapshot:
+        return Snapshot(step, data_position, torch.get_rng_state(), engines.generator.get_state(), run or {})
+
+
+def identity(spec) -> dict:
+    """The spec's settings that make a run the run it is, which a resume must keep: the model and its first weights,
+    the data, the seed (of sampling, data order and random weights), the dtype and the algorithm. The rest (the
+    optimizer's settings, the memory plan, the schedule) a resumed run may change."""
+    return {
+        "model.name": spec.model.name,
+        "run.init": spec.run.init,
+        "workload.dataset": spec.workload.dataset,
+        "run.seed": spec.run.seed,
+        "run.dtype": spec.run.dtype,
+        "algorithm.name": spec.algorithm.name,
+    }
+
+
+def identity_mismatch(path: Path, spec) -> str | None:
+    """The first setting of `identity` whose value in `spec` differs from that of the run that wrote checkpoint
+    `path` (as `KEY: WAS, the spec has NOW`), or None (also for a checkpoint older than the record)."""
+    written = json.loads((path / "state.json").read_text()).get("run", {})
+    for key, now in identity(spec).items():
+        if key in written and written[key] != now:
+            return f"{key}: {written[key]!r}, the spec has {now!r}"
+    return None
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -90,7 +115,8 @@ def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:
             torch.save(part, tmp / "critic-optimizer" / f"part-{k:05d}.pt")
     if engines.is_main:
         torch.save({"torch": snap.torch_rng, "sampling": snap.sampling_rng}, tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": snap.step, "data_position": snap.data_position}))
+        state = {"step": snap.step, "data_position": snap.data_position, "run": snap.run}
+        (tmp / "state.json").write_text(json.dumps(state))
     return _finish(final, tmp, engines)
 
 
@@ -105,12 +131,15 @@ def _save_weights(directory: Path, engines: Engines) -> None:
 
 
 def _finish(final: Path, tmp: Path, engines: Engines) -> Path:
-    """Once every rank wrote its part: the complete `.tmp` directory becomes the checkpoint."""
+    """Once every rank wrote its part: the complete `.tmp` directory becomes the checkpoint, and any other `.tmp`
+    (a save killed midway, of another step) goes."""
     _barrier(engines)
     if engines.is_main:
         if final.exists():
             shutil.rmtree(final)
         tmp.replace(final)
+        for left in final.parent.glob("step-*.tmp"):
+            shutil.rmtree(left, ignore_errors=True)
     _barrier(engines)
     return final
 
@@ -168,8 +197,9 @@ _COMPLETE = re.compile(r"step-\d+")  # not `.tmp` (being written), nor a copy a 
 
 
 def latest(out_dir: Path) -> Path | None:
-    found = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if _COMPLETE.fullmatch(p.name))
-    return found[-1] if found else None
+    """The complete checkpoint of the highest step (by number: step-1000000 is after step-999999)."""
+    found = [p for p in (out_dir / "checkpoints").glob("step-*") if _COMPLETE.fullmatch(p.name)]
+    return max(found, key=step_of) if found else None
 
 
 def step_of(path: Path) -> int:
@@ -219,4 +249,4 @@ def load(path: Path, engines: Engines) -> Snapshot:
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])
     state = json.loads((path / "state.json").read_text())
-    return Snapshot(state["step"], state["data_position"], rng["torch"], rng["sampling"])
+    return Snapshot(state["step"], state["data_position"], rng["torch"], rng["sampling"], state.get("run", {}))

@@ -116,7 +116,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     bars = progress and sys.stderr.isatty()  # a log file gets one line a step instead of redrawn bars
     size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
     records: list[dict] = []
-    saved = checkpointing.Snapshot.of(start, position, engines)  # the last completed step
+    run_id = checkpointing.identity(loaded.spec)
+    saved = checkpointing.Snapshot.of(start, position, engines, run_id)  # the last completed step
     updating, peak_allocated = False, 0
     ending, interrupted = False, False  # the run's last lines are being written; an interrupt came meanwhile
     share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
@@ -212,10 +213,10 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     waiting.append(records[-1])
                 else:
                     emit(records[-1])
-                saved = checkpointing.Snapshot.of(step, position, engines)
+                saved = checkpointing.Snapshot.of(step, position, engines, run_id)
                 if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
-                    checkpointing.save(opts.out_dir, saved, engines)  # joins a deferred update first
-                    emit_waiting()  # its line with it: a kill in the next step leaves no step without one
+                    emit_waiting()  # joins a deferred update; its line before its checkpoint: none without one
+                    checkpointing.save(opts.out_dir, saved, engines)
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
         finally:
             prefetch.close()

@@ -83,7 +83,8 @@ def peak_mem_bytes(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """Appends one line per step; on resume, drops lines past the checkpoint so the file stays one run."""
+    """Appends one line per step; on resume, drops lines past the checkpoint so the file stays one run (rewritten
+    beside and renamed over: a kill meanwhile keeps the old file whole), and TensorBoard drops its events past it."""
 
     def __init__(self, out_dir: Path, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
         self.path = out_dir / "metrics.jsonl"
@@ -91,8 +92,11 @@ class MetricsLog:
             self.path.write_text("")
         elif self.path.exists():
             kept = [line for line in _whole_lines(self.path) if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.writer = _tensorboard(out_dir / "tb") if tensorboard else None
+            fresh = self.path.with_name(self.path.name + ".tmp")
+            fresh.write_text("".join(line + "\n" for line in kept))
+            fresh.replace(self.path)
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = _tensorboard(out_dir / "tb", purge) if tensorboard else None
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -126,7 +130,8 @@ def _scalars(record: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _tensorboard(path: Path):
+def _tensorboard(path: Path, purge_step: int | None = None):
+    """A writer into `path`; `purge_step`: events of that step and later, an earlier run's, are dropped."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)

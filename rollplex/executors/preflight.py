@@ -1,7 +1,8 @@
 """What `rollplex run` checks before it builds a model: each problem a spec or the run's options can hold that
 would otherwise surface only after minutes of building (a 7B's weights and pinned optimizer state), as one line.
 
-- `--resume`: a complete checkpoint to resume, and steps left after it; without `--resume`, no earlier run's
+- `--resume`: a complete checkpoint to resume, steps left after it, and the spec's `checkpointing.identity` as the
+  run that wrote it had it (model, first weights, data, seed, dtype, algorithm); without `--resume`, no earlier run's
   checkpoints in the run directory (they would win a later --resume over this run's) and no earlier metrics (a
   run without checkpoints would write over them)
 - `run.device: auto` on a machine without a GPU: the plan must fit this machine's memory (a GPU spec would
@@ -27,6 +28,9 @@ GIB = 2**30
 
 def preflight(plan: Plan, out_dir: Path, steps: int, resume: bool) -> None:
     _checkpoints(out_dir, steps, resume)
+    if resume and (differs := checkpointing.identity_mismatch(checkpointing.latest(out_dir), plan.loaded.spec)):
+        raise SpecError("", f"--resume: {checkpointing.latest(out_dir)} was written with {differs}",
+                        "resume with the spec that wrote it, or start a new run with another --out")  # fmt: skip
     check_spec(plan)
 
 

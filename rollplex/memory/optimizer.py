@@ -60,7 +60,8 @@ def copy_into(tensors: Sequence[torch.Tensor]) -> Writer:
 @dataclass(frozen=True)
 class _StepArgs:
     """What each chunk of one step reads: the settings, the step number, the clip coefficient, the writer, and
-    the gradients (as they were when the step began: `zero_grad` may follow before the last chunk is enqueued)."""
+    the gradients (as they were when the step began: `zero_grad()` may drop them before the last chunk is enqueued;
+    zeroing them in place joins the step first)."""
 
     config: AdamWConfig
     number: torch.Tensor  # 0-d FP32 on the device, made on the Adam stream (freed there, reused only there)
@@ -193,6 +194,10 @@ class ChunkedAdamW:
         return 2 * STATE_BYTES_PER_ELEMENT * sum(chunk.numel for chunk in self.chunks[self.first_moved :])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients (a deferred step keeps those it still reads), or with `set_to_none=False` zeroes them
+        in place, once a deferred step's every chunk has read them (`finish`)."""
+        if not set_to_none:
+            self.finish()
         if self.main_grads is not None:
             self.main_grads.zero(set_to_none)
         for p in self.params:

@@ -2,11 +2,12 @@
 transformers' shapes, and a timing run writes none."""
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
-from run_testkit import ROOT, char_share, cli, run, spec_text
+from run_testkit import ROOT, char_share, cli, loaded, run, spec_text
 from safetensors import safe_open
 
 from rollplex.data.rewards import REWARDS
@@ -204,3 +205,42 @@ def test_a_row_the_data_cannot_read_mid_run_is_one_line_and_the_steps_before_it_
     calls.clear()
     with pytest.raises(RunFailed, match=r"step 2's data: .*; fix or drop that row$"):  # no checkpoint: no --resume
         run(tmp_path, "serial", steps=3, name="timing", checkpoints=False)
+
+
+def test_resuming_with_another_seed_dataset_or_dtype_is_one_line_and_the_run_is_left_as_it_was(tmp_path):
+    run(tmp_path, "rollplex", 1, name="a")
+    metrics = (tmp_path / "a" / "metrics.jsonl").read_text()
+    edits = [
+        ("seed: 3", "seed: 7", "run.seed: 3, the spec has 7"),
+        ("dtype: float32", "dtype: bfloat16", "run.dtype: 'float32', the spec has 'bfloat16'"),
+        ('dataset: "synthetic:clevrer@tiny"', 'dataset: "synthetic:star@tiny"', "workload.dataset: 'synthetic:cle"),
+    ]
+    for was, now, said in edits:
+        assert was in spec_text()
+        opts = RunOptions(2, tmp_path / "a", progress=False, tensorboard=False, resume=True)
+        with pytest.raises(SpecError, match=r"--resume: .*step-000001 was written with " + re.escape(said)):
+            train(compile_plan(parse_spec(spec_text().replace(was, now)), Schedule.ROLLPLEX), opts)
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_resumed_run_drops_its_tensorboard_events_past_the_checkpoint_and_a_save_clears_stale_tmp_dirs(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    opts = RunOptions(3, tmp_path / "a", progress=False, checkpoint_every=1)
+    train(compile_plan(loaded(), Schedule.ROLLPLEX), opts)
+    checkpoints = tmp_path / "a" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-000003")
+    (checkpoints / "step-000001.tmp").mkdir()  # a save killed midway
+    train(compile_plan(loaded(), Schedule.ROLLPLEX), RunOptions(3, tmp_path / "a", progress=False, resume=True))
+    events = EventAccumulator(str(tmp_path / "a" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_the_latest_checkpoint_is_the_highest_step_by_number(tmp_path):
+    from rollplex.executors.checkpointing import latest
+
+    for name in ("step-999999", "step-1000000", "step-000005", "step-1000001.tmp"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert latest(tmp_path).name == "step-1000000"

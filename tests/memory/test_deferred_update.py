@@ -37,7 +37,8 @@ def test_off_a_gpu_a_deferred_step_is_the_step_and_leaves_nothing_in_flight():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kept", [0, 5 << 26])  # every chunk streamed; the last five kept in HBM
-def test_on_the_gpu_a_deferred_step_gives_each_reader_that_waits_the_joined_steps_values(kept):
+@pytest.mark.parametrize("set_to_none", [True, False])  # gradients dropped, or zeroed in place (which joins)
+def test_on_the_gpu_a_deferred_step_gives_each_reader_that_waits_the_joined_steps_values(kept, set_to_none):
     ours, theirs, deferred, joined = pair("cuda", torch.bfloat16, GPU_SHAPES, chunk_bytes=1 << 26, resident_bytes=kept)
     for seed in (1, 2):  # the second step starts with the first still in flight
         set_grads(ours, seed)
@@ -45,7 +46,7 @@ def test_on_the_gpu_a_deferred_step_gives_each_reader_that_waits_the_joined_step
         expected = joined.step()
         norm = deferred.step(defer=True)
         assert deferred.in_flight is not None and float(norm) == float(expected)
-        deferred.zero_grad()  # the gradients the streams still read stay held
+        deferred.zero_grad(set_to_none)  # the gradients the streams still read stay held, or are read first
         clutter = [torch.full(p.shape, float("nan"), device="cuda") for p in ours for _ in range(2)]  # reuse bait
         seen = []
         for p in ours:  # as the next prefix reads its modules, in order
