@@ -1,6 +1,7 @@
 """PPO with a critic: GAE, whitening and the clipped value loss against their textbook definitions; the tiny PPO
 run with serial == rollplex bitwise, split against unsplit within float32 rounding, and resume."""
 
+import json
 import subprocess
 import sys
 
@@ -124,9 +125,15 @@ def test_resume_continues_actor_and_critic_as_an_uninterrupted_run(tmp_path):
     opts = dict(checkpoint_every=1)
     first = train(compile_plan(ppo_spec(), Schedule.ROLLPLEX),
                   RunOptions(1, tmp_path / "part", progress=False, tensorboard=False, **opts))  # fmt: skip
-    with pytest.raises(SpecError, match="holds a critic: it was written by a PPO run"):  # resumed as GRPO
-        train(compile_plan(loaded(), Schedule.ROLLPLEX),
-              RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True))  # fmt: skip
+    as_grpo = RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True)
+    with pytest.raises(SpecError, match=r"was written with algorithm\.name: 'ppo', the spec has 'grpo'"):
+        train(compile_plan(loaded(), Schedule.ROLLPLEX), as_grpo)
+    state = tmp_path / "part" / "checkpoints" / "step-000001" / "state.json"
+    written = state.read_text()
+    state.write_text(json.dumps({k: v for k, v in json.loads(written).items() if k != "run"}))  # an older checkpoint
+    with pytest.raises(SpecError, match="holds a critic: it was written by a PPO run"):
+        train(compile_plan(loaded(), Schedule.ROLLPLEX), as_grpo)
+    state.write_text(written)
     rest = train(compile_plan(ppo_spec(), Schedule.ROLLPLEX),
                  RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True))  # fmt: skip
     for key in ("param_digest", "critic_digest"):
