@@ -234,9 +234,10 @@ def compare(
         # left out of the bound): `rollplex compile --efficiency` predicts with the latter
         "bound_s": {"serial": _bound_medians(serial.bounds), "rollplex": _bound_medians(rollplex.bounds)},
         "efficiency": {"serial": _efficiency(serial), "rollplex": _efficiency(rollplex)},
-        "device_efficiency": {
-            "serial": _efficiency(serial, device=True),
-            "rollplex": _efficiency(rollplex, device=True),
+        "device_efficiency": {  # a serial baseline saved before the device bound has none: left out
+            name: _efficiency(run, device=True)
+            for name, run in (("serial", serial), ("rollplex", rollplex))
+            if run.device_bounds
         },
         # the measured steps one by one (medians hide a slow step), and the last step's timeline (the PNG's spans)
         "per_step": {"serial": _per_step(serial), "rollplex": _per_step(rollplex)},

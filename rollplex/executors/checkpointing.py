@@ -20,9 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rollplex.data.source import dataset_file
 from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
+from rollplex.graph.load import LoadedSpec
 from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
+from rollplex.models.config import CONFIG_DIR, resolve_config_path
 from rollplex.models.vision import hf_padded, hf_view
 from rollplex.parallel.model import full_state, load_sharded
 
@@ -42,25 +45,39 @@ class Snapshot:
         return Snapshot(step, data_position, torch.get_rng_state(), engines.generator.get_state(), run or {})
 
 
-def identity(spec) -> dict:
+def identity(loaded: LoadedSpec) -> dict:
     """The spec's settings that make a run the run it is, which a resume must keep: the model and its first weights,
-    the data, the seed (of sampling, data order and random weights), the dtype and the algorithm. The rest (the
-    optimizer's settings, the memory plan, the schedule) a resumed run may change."""
+    the data, the seed (of sampling, data order and random weights), the dtype and the algorithm; a model or dataset
+    given by path as the file it names (however the path is written). The rest (the optimizer's settings, the
+    memory plan, the schedule) a resumed run may change."""
+    spec, base = loaded.spec, loaded.path.parent
     return {
-        "model.name": spec.model.name,
+        "model.name": _named(spec.model.name, lambda n: resolve_config_path(n, base), CONFIG_DIR),
         "run.init": spec.run.init,
-        "workload.dataset": spec.workload.dataset,
+        "workload.dataset": _named(spec.workload.dataset, lambda n: dataset_file(n, base)),
         "run.seed": spec.run.seed,
         "run.dtype": spec.run.dtype,
         "algorithm.name": spec.algorithm.name,
     }
 
 
-def identity_mismatch(path: Path, spec) -> str | None:
-    """The first setting of `identity` whose value in `spec` differs from that of the run that wrote checkpoint
+def _named(name: str, resolve, shipped: Path | None = None) -> str:
+    """A model or dataset as `identity` records it: a shipped config's or a synthetic preset's name, else the
+    absolute path of the file it names (the name itself where it names none: the run's checks say so)."""
+    if name.startswith("synthetic:"):
+        return name
+    try:
+        path = resolve(name)
+    except (OSError, ValueError):
+        return name
+    return name if shipped is not None and path.parent == shipped else str(path.resolve())
+
+
+def identity_mismatch(path: Path, loaded: LoadedSpec) -> str | None:
+    """The first setting of `identity` whose value in the spec differs from that of the run that wrote checkpoint
     `path` (as `KEY: WAS, the spec has NOW`), or None (also for a checkpoint older than the record)."""
     written = json.loads((path / "state.json").read_text()).get("run", {})
-    for key, now in identity(spec).items():
+    for key, now in identity(loaded).items():
         if key in written and written[key] != now:
             return f"{key}: {written[key]!r}, the spec has {now!r}"
     return None

@@ -116,7 +116,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     bars = progress and sys.stderr.isatty()  # a log file gets one line a step instead of redrawn bars
     size, gate = loaded.spec.workload.prompts_per_step, InterruptGate()
     records: list[dict] = []
-    run_id = checkpointing.identity(loaded.spec)
+    run_id = checkpointing.identity(loaded)
     saved = checkpointing.Snapshot.of(start, position, engines, run_id)  # the last completed step
     updating, peak_allocated = False, 0
     ending, interrupted = False, False  # the run's last lines are being written; an interrupt came meanwhile

@@ -28,7 +28,7 @@ GIB = 2**30
 
 def preflight(plan: Plan, out_dir: Path, steps: int, resume: bool) -> None:
     _checkpoints(out_dir, steps, resume)
-    if resume and (differs := checkpointing.identity_mismatch(checkpointing.latest(out_dir), plan.loaded.spec)):
+    if resume and (differs := checkpointing.identity_mismatch(checkpointing.latest(out_dir), plan.loaded)):
         raise SpecError("", f"--resume: {checkpointing.latest(out_dir)} was written with {differs}",
                         "resume with the spec that wrote it, or start a new run with another --out")  # fmt: skip
     check_spec(plan)

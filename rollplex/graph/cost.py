@@ -6,8 +6,9 @@ of `time_s`: `rollout`, `ref_prefix`, ...). The counts follow the model config, 
 step's token counts (`StepTokens`: each prompt's tokens and patches, each response's length) and the plan's
 choices (recompute, where the prefix's saved tensors and the optimizer state live). Conventions: a matmul pass
 costs 2 x parameters x tokens, its backward twice that, a recompute one forward more; attention 4 x width x
-queries x keys per layer, half of it when causal; decode reads every weight and every live KV once per step.
-Per GPU: training counts divide by the train TP degree, rollout's by the rollout TP degree. Pure: no torch.
+queries x keys per layer, half of it when causal; decode reads every weight (but an untied input embedding's
+table, whose rows it gathers) and every live KV once per step. Per GPU: training counts divide by the train TP
+degree, rollout's by the rollout TP degree. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -232,8 +233,9 @@ def op_cost(
     if o.kind is NodeKind.DECODE:
         return total(op_parts(o, model, gpu, d, tokens, split, embeds_vision))
     if o.kind is NodeKind.UPDATE:
-        shards = gpu.train_dp if d.distributed_optimizer else 1
-        return update(t, v, tp, d, keeps_share=o.role is Role.ACTOR, shards=shards)
+        actor = o.role is Role.ACTOR  # a critic's optimizer is not sharded (ZeRO-1 is the actor's)
+        shards = gpu.train_dp if d.distributed_optimizer and actor else 1
+        return update(t, v, tp, d, keeps_share=actor, shards=shards)
     if o.kind is NodeKind.REWARD:
         return Cost()
     if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:

@@ -184,7 +184,8 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
 
 
 def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[MemObject]:
-    shard = c.gpu.train_dp if c.spec.parallel.distributed_optimizer else 1
+    sharded = c.spec.parallel.distributed_optimizer and role is Role.ACTOR  # a critic's optimizer is not sharded
+    shard = c.gpu.train_dp if sharded else 1
     for n, is_vision in ((llm, False), (vision, True)):
         if not n:
             continue

@@ -56,7 +56,7 @@ def _by_hand(source: str) -> dict[str, float]:
 def _of_run(path: Path) -> dict[str, float]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        found = run_efficiencies(records, "device_bound_s" if "device_bound_s" in records[-1] else "bound_s")
+        found = run_efficiencies(records, device=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
     if not found:
@@ -69,13 +69,14 @@ def _warm(records: list[dict]) -> list[dict]:
     return records[1:] if len(records) > 1 else records
 
 
-def run_efficiencies(records: list[dict], key: str = "bound_s") -> dict[str, float]:
-    """Per phase of a run's metrics records, the median over its warm steps of the bound under `key` (`bound_s`,
-    or `device_bound_s`) over `time_s`; a phase run beside another (no seconds of its own) or with no bound is left
-    out."""
+def run_efficiencies(records: list[dict], device: bool = False) -> dict[str, float]:
+    """Per phase of a run's metrics records, the median over its warm steps of `bound_s` (`device`: of
+    `device_bound_s`, where a record has it: a run resumed across its introduction has both kinds) over `time_s`; a
+    phase run beside another (no seconds of its own) or with no bound is left out."""
     ratios: dict[str, list[float]] = {}
     for record in _warm(records):
-        for phase, bound in record[key].items():
+        bounds = record.get("device_bound_s", record["bound_s"]) if device else record["bound_s"]
+        for phase, bound in bounds.items():
             seconds = record["time_s"].get(phase, 0.0)
             if bound > 0 and seconds > 0:
                 ratios.setdefault(phase, []).append(bound / seconds)
@@ -105,8 +106,9 @@ def run_summary(records: list[dict]) -> str:
 def _of_bench(path: Path, schedule: str) -> dict[str, float]:
     try:
         result = json.loads(path.read_text())
-        by_schedule = result.get("device_efficiency", result["efficiency"])
-        found = {**by_schedule["serial"], **by_schedule.get(schedule, {})}  # serial's for a phase run alone
+        device, whole = result.get("device_efficiency", {}), result["efficiency"]
+        of = lambda s: device.get(s) or whole.get(s, {})  # noqa: E731  (an older bench or baseline: the whole's)
+        found = {**of("serial"), **of(schedule)}  # serial's for a phase run alone
         return {k: float(v) for k, v in found.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None

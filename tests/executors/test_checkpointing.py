@@ -4,10 +4,11 @@ transformers' shapes, and a timing run writes none."""
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from run_testkit import ROOT, char_share, cli, loaded, run, spec_text
+from run_testkit import ROOT, char_share, cli, loaded, run, spec_text, stopping_checkpoint
 from safetensors import safe_open
 
 from rollplex.data.rewards import REWARDS
@@ -221,6 +222,28 @@ def test_resuming_with_another_seed_dataset_or_dtype_is_one_line_and_the_run_is_
         with pytest.raises(SpecError, match=r"--resume: .*step-000001 was written with " + re.escape(said)):
             train(compile_plan(parse_spec(spec_text().replace(was, now)), Schedule.ROLLPLEX), opts)
     assert (tmp_path / "a" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_runs_identity_names_a_model_or_dataset_file_however_its_path_is_written(tmp_path):
+    from rollplex.executors.checkpointing import identity
+    from rollplex.graph.load import load_spec
+
+    model = str(stopping_checkpoint())
+    rows = tmp_path / "data" / "rows.jsonl"
+    rows.parent.mkdir()
+    rows.write_text("")
+    for where, model_as, data_as in [
+        (tmp_path, model, "data/rows.jsonl"),
+        (tmp_path / "data", model + "/", "rows.jsonl"),
+        (tmp_path / "data", model + "/config.json", str(rows)),
+    ]:
+        text = spec_text().replace(model, model_as).replace('"synthetic:clevrer@tiny"', f'"{data_as}"')
+        (where / "spec.yaml").write_text(text)
+        found = identity(load_spec(where / "spec.yaml"))
+        assert found["model.name"] == str(Path(model).resolve() / "config.json")
+        assert found["workload.dataset"] == str(rows.resolve())
+    shipped = load_spec(ROOT / "specs" / "tiny_cpu.yaml")
+    assert identity(shipped)["model.name"] == "tiny" and identity(shipped)["workload.dataset"].startswith("synthetic:")
 
 
 def test_a_resumed_run_drops_its_tensorboard_events_past_the_checkpoint_and_a_save_clears_stale_tmp_dirs(tmp_path):

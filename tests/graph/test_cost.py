@@ -192,3 +192,31 @@ def test_a_sharded_update_reads_and_streams_only_its_ranks_share():
     quarter = cost.update(config.text, config.vision, 1, d, keeps_share=False, shards=4)
     assert quarter.hbm_bytes == pytest.approx(whole.hbm_bytes / 4, rel=1e-6)
     assert quarter.host_bytes == pytest.approx(whole.host_bytes / 4, rel=1e-6) and whole.host_bytes > 0
+
+
+def test_under_zero_the_actors_update_is_sharded_and_a_critics_is_not():
+    text = (SPECS / "ppo_critic_tiny.yaml").read_text().replace("{hbm_gib: 16,", "{gpus_per_node: 2, hbm_gib: 16,")
+    alone, sharded = (
+        compile_plan(parse_spec(text + extra)) for extra in ("", "parallel: {distributed_optimizer: true}\n")
+    )
+    assert sharded.context.gpu.train_dp == 2
+    tokens = timeplan.planned_steps(alone)[0]
+    (actor, critic), (actor_z, critic_z) = (
+        [cost.op_cost(o, p.loaded.model, p.context.gpu, p.decisions, tokens, True) for o in updates(p)]
+        for p in (alone, sharded)
+    )
+    assert actor_z.hbm_bytes == pytest.approx(actor.hbm_bytes / 2, rel=1e-6) and critic_z == critic
+    state = [
+        sum(
+            o.host_bytes + o.bytes for o in p.residency.objects if o.role == "critic" and o.component.value != "weights"
+        )
+        for p in (alone, sharded)
+    ]
+    assert state[0] == state[1]  # the critic's FP32 state and gradients, whole on each rank
+
+
+def updates(plan):
+    from rollplex.graph.ir import NodeKind, ops
+
+    found = sorted((o for o in ops(plan.graph) if o.kind is NodeKind.UPDATE), key=lambda o: o.role.value)
+    return found  # actor, critic

@@ -54,6 +54,9 @@ def test_a_runs_efficiency_is_of_its_device_bound_so_its_own_plan_predicts_it_ba
     assert again.predicted_s == pytest.approx(taken)
     path.write_text(json.dumps(record) + "\n")  # an older run's metrics: the whole bound
     assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": 0.4})
+    old, new = {**record, "step": 2}, {**record, "step": 3, "device_bound_s": {"actor_prefix": device}}
+    path.write_text("".join(json.dumps(r) + "\n" for r in (record, old, new)))  # resumed across the field
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": (0.4 + device / taken) / 2})
 
 
 def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_rest(tmp_path):
@@ -66,6 +69,9 @@ def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_res
     device = {"serial": {"rollout": 0.55}, "rollplex": {"update": 0.3}}  # of the device bound: preferred
     path.write_text(json.dumps({"efficiency": {"serial": {"rollout": 0.5}}, "device_efficiency": device}))
     assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.55, "update": 0.3}
+    whole = {"serial": {"rollout": 0.5}, "rollplex": {"update": 0.2}}  # serial from a baseline saved before it
+    path.write_text(json.dumps({"efficiency": whole, "device_efficiency": {"rollplex": {"update": 0.3}}}))
+    assert read_efficiencies(str(path), "rollplex") == {"rollout": 0.5, "update": 0.3}
 
 
 def test_efficiencies_set_by_hand_predict_those_phases_only(capsys):
