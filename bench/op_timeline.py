@@ -173,7 +173,9 @@ def idle_gaps(
     waited = late_s = 0.0  # idle time ended by a kernel launched before the gap began (the device waited) or after
     for a, b in gaps:
         corr = kernels[min(bisect_left(starts, b), len(kernels) - 1)][1]
-        if launched.get(corr, b) <= a:
+        if corr not in launched:  # no launch recorded: neither
+            continue
+        if launched[corr] <= a:
             waited += b - a
         else:
             late_s += b - a
@@ -215,6 +217,8 @@ def main() -> None:
     ap.add_argument("--ahead", type=int, help="a deferred update's chunks kept enqueued (default in_flight.AHEAD)")
     args = ap.parse_args()
     if args.ahead is not None:
+        if args.ahead < 1:
+            ap.error("--ahead is at least 1")
         in_flight.AHEAD = args.ahead
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule))

@@ -166,17 +166,19 @@ def test_op_timeline_names_what_ends_each_idle_stretch_and_when_the_host_made_no
     module = bench_module("op_timeline", monkeypatch)
     us = [(0, 10_000), (50_000, 60_000), (62_000, 70_000)]  # a stream's kernels, in microseconds
     kernels = [(0, 1, "gemm"), (50_000, 2, "gather"), (62_000, 3, "norm")]
-    launched = {1: -5_000, 2: 5_000, 3: 55_000, 11: 12_000}
+    launched = {1: -5_000, 2: 5_000, 3: 61_000, 11: 12_000}
     copies = [(49_950, 48_000, 11, "Memcpy HtoD (Pinned -> Device)")]  # (end, start, correlation, name)
     gaps = module.idle_gaps(us, 0, 100_000, "compute, stream 7", kernels, launched, copies)
     # the longest first: the gather, launched 5 ms before its stretch began, waited on its own copy, which was
-    # launched 2 ms into the stretch and ran only in its last 2 ms; the norm's stretch has no copy on the stream
+    # launched 2 ms into the stretch and ran only in its last 2 ms; the norm, launched 1 ms into its stretch, waited
+    # for the host, and its stretch has no copy on the stream
     assert gaps == {
         "stream": "compute, stream 7",
         "gaps": [
             [10.0, 40.0, -5.0, "gather", [38.0, 1.95, 2.0, "Memcpy HtoD (Pinned -> Device)"]],
-            [60.0, 2.0, -5.0, "norm", None],
+            [60.0, 2.0, 1.0, "norm", None],
         ],
+        "idle": {"count": 2, "device_waited_s": 0.04, "host_late_s": 0.002},
     }
     assert module.host_gaps([(0, 1_000), (500, 2_000), (10_000, 11_000)], 0) == [[2.0, 8.0]]
 
