@@ -220,8 +220,8 @@ class ChunkedAdamW:
         missing = [i for i, g in enumerate(grads) if g is None]
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
+        slots, grad, norms = self._carve_workspace()  # first: a step that finds no memory leaves the count as it was
         self.num_steps += 1
-        slots, grad, norms = self._carve_workspace()
         load, adam, offload = self._streams
         for stream in (load, adam, offload):
             if stream is not None:

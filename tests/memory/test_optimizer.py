@@ -361,3 +361,25 @@ def test_an_optimizer_with_fp32_grads_dies_with_its_last_reference_while_its_par
     assert gone() is None and pool_gone() is None
     (params[0].float() ** 2).sum().backward()  # the hook outlives the optimizer harmlessly
     assert params[0].grad is not None
+
+
+def test_a_step_that_finds_no_memory_for_its_workspace_leaves_the_step_count_as_it_was(monkeypatch):
+    ours, theirs = make_params(), make_params()
+    mine, reference = ChunkedAdamW(ours, chunk_bytes=4096), torch.optim.AdamW(theirs)
+    carve, calls = ChunkedAdamW._carve_workspace, []
+
+    def first_fails(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no room for the workspace")
+        return carve(self)
+
+    monkeypatch.setattr(ChunkedAdamW, "_carve_workspace", first_fails)
+    set_grads(ours, 1)
+    twin_grads(ours, theirs)
+    with pytest.raises(torch.OutOfMemoryError):
+        mine.step()
+    mine.step()  # the same gradients, once there is room
+    reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
