@@ -258,10 +258,15 @@ def load(path: Path, engines: Engines) -> Snapshot:
         if not (path / "critic.pt").is_file():
             raise ValueError(f"{path} has no critic.pt: it was not written by a run with a critic")
         engines.critic.load_state_dict(_load(path / "critic.pt"))
-        settings = engines.critic_optimizer.config
+        settings, covered = engines.critic_optimizer.config, set()
         for file in sorted((path / "critic-optimizer").glob("part-*.pt")):
-            engines.critic_optimizer.load_state_dict(_load(file))
+            part = _load(file)
+            engines.critic_optimizer.load_state_dict(part)
+            covered |= set(part["state"])
         engines.critic_optimizer.config = settings
+        if covered != set(engines.critic_optimizer.owned):
+            raise ValueError(f"{path / 'critic-optimizer'} covers {len(covered)} of the critic optimizer's "
+                             f"{len(engines.critic_optimizer.owned)} parameters: an incomplete checkpoint")  # fmt: skip
     rng = _load(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     engines.generator.set_state(rng["sampling"])

@@ -134,6 +134,11 @@ def test_resume_continues_actor_and_critic_as_an_uninterrupted_run(tmp_path):
     with pytest.raises(SpecError, match="holds a critic: it was written by a PPO run"):
         train(compile_plan(loaded(), Schedule.ROLLPLEX), as_grpo)
     state.write_text(written)
+    moments = state.parent / "critic-optimizer"
+    moments.rename(moments.with_name("elsewhere"))  # a hand-edited checkpoint: the critic's fresh Adam state
+    with pytest.raises(SpecError, match=r"critic-optimizer covers 0 of the critic optimizer's \d+ parameters"):
+        train(compile_plan(ppo_spec(), Schedule.ROLLPLEX), as_grpo)
+    moments.with_name("elsewhere").rename(moments)
     rest = train(compile_plan(ppo_spec(), Schedule.ROLLPLEX),
                  RunOptions(3, tmp_path / "part", progress=False, tensorboard=False, resume=True))  # fmt: skip
     for key in ("param_digest", "critic_digest"):
