@@ -80,9 +80,9 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
 
 
 def _keeps_where_it_fits(loaded: LoadedSpec, schedule: Schedule, check: bool, key: str, keeps: str, reruns: str):
-    """`memory.<key>: auto`: the plan that keeps what autograd saves where it fits at a step bound no higher than
-    the plan that reruns (each compiled whole, its other `auto` settings settled too); else the one that reruns,
-    whether or not it fits (its error then names the levers left)."""
+    """`memory.<key>: auto`: the plan that keeps what autograd saves where it fits, unless the plan that reruns
+    fits too and beats it (`_beats`; each compiled whole, its other `auto` settings settled too); else the one that
+    reruns, whether or not it fits (its error then names the levers left)."""
     kept, rerun = (
         compile_plan(with_changes(loaded, {"memory": {key: v}}), schedule, check=check) for v in (keeps, reruns)
     )
