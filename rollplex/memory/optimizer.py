@@ -29,14 +29,7 @@ from rollplex.memory.adamw import AdamWConfig, adamw_
 from rollplex.memory.host_pool import HostPool, aligned_total, copy_on, on_stream, tail_event
 from rollplex.memory.in_flight import UpdateInFlight
 from rollplex.memory.main_grads import MainGrads
-from rollplex.memory.state_layout import (
-    STATE_BYTES_PER_ELEMENT,
-    Chunk,
-    Segment,
-    Shard,
-    plan_chunks,
-    resident_chunks,
-)
+from rollplex.memory.state_layout import STATE_BYTES_PER_ELEMENT, Chunk, Segment, Shard, plan_chunks, resident_chunks
 from rollplex.memory.update_ranks import global_norm, share_updates
 
 if TYPE_CHECKING:  # the group is only passed through: memory does not import parallel
