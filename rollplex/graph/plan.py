@@ -22,7 +22,7 @@ import networkx as nx
 from rollplex.errors import PlanDoesNotFit, SpecError
 from rollplex.graph.decisions import Decisions
 from rollplex.graph.ir import Schedule
-from rollplex.graph.levers import price_levers, step_seconds, with_changes
+from rollplex.graph.levers import price_levers, with_changes
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.naive import NaiveRow, naive_rows
 from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
@@ -111,18 +111,16 @@ def _beats(plan: Plan, other: Plan) -> str:
     """Why `plan` is the faster of the two, or "" where it is not: a lower step bound, or bounds within TIE of each
     other and fewer bytes over the host link (the traffic the measured runs hide least behind the device's work:
     beside the streamed update the 7B prefix took 2.5 s against its bound of 1.5, docs/results.md)."""
-    (ours, _), (theirs, _) = step_seconds(plan), step_seconds(other)
+    from rollplex.graph.timeplan import time_plan
+
+    (ours, mine), (theirs, yours) = (
+        (sum(r.bound_s for r in rows), sum(r.cost.host_bytes for r in rows) / 1e9)
+        for rows in (time_plan(plan), time_plan(other))
+    )
     bound = f"step bound {ours:.2f} s against {theirs:.2f}"
     if abs(ours - theirs) > TIE * max(ours, theirs):
         return bound if ours < theirs else ""
-    mine, yours = _host_gb(plan), _host_gb(other)
     return f"{bound}, a tie: {mine:.1f} GB over the host link a step against {yours:.1f}" if mine < yours else ""
-
-
-def _host_gb(plan: Plan) -> float:
-    from rollplex.graph.timeplan import time_plan
-
-    return sum(r.cost.host_bytes for r in time_plan(plan)) / 1e9
 
 
 def _actor_state_streams(plan: Plan) -> bool:
