@@ -88,7 +88,7 @@ def price_levers(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:
 @dataclass(frozen=True)
 class Faster:
     lever: Lever
-    bound_s: float  # the step's bound with the lever (the time plan's phases summed)
+    bound_s: float  # the step's bound with the lever (`timeplan.step_bound_s`)
     predicted_s: float | None  # at the given efficiencies
 
 
@@ -117,12 +117,13 @@ def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> li
 
 
 def step_seconds(plan, efficiencies: dict[str, float] | None = None) -> tuple[float, float | None]:
-    """The step's bound and (given efficiencies) predicted seconds: the time plan's phases summed."""
-    from rollplex.graph.timeplan import time_plan
+    """The step's bound (`timeplan.step_bound_s`) and (given efficiencies) predicted seconds: the time plan's
+    phases summed."""
+    from rollplex.graph.timeplan import step_bound_s, time_plan
 
     rows = time_plan(plan, efficiencies)
     predicted = sum(r.predicted_s or 0.0 for r in rows) if efficiencies else None
-    return sum(r.bound_s for r in rows), predicted
+    return step_bound_s(plan, rows), predicted
 
 
 def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:

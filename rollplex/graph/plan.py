@@ -111,11 +111,11 @@ def _beats(plan: Plan, other: Plan) -> str:
     """Why `plan` is the faster of the two, or "" where it is not: a lower step bound, or bounds within TIE of each
     other and fewer bytes over the host link (the traffic the measured runs hide least behind the device's work:
     beside the streamed update the 7B prefix took 2.5 s against its bound of 1.5, docs/results.md)."""
-    from rollplex.graph.timeplan import time_plan
+    from rollplex.graph.timeplan import step_bound_s, time_plan
 
     (ours, mine), (theirs, yours) = (
-        (sum(r.bound_s for r in rows), sum(r.cost.host_bytes for r in rows) / 1e9)
-        for rows in (time_plan(plan), time_plan(other))
+        (step_bound_s(p, rows), sum(r.cost.host_bytes for r in rows) / 1e9)
+        for p, rows in ((plan, time_plan(plan)), (other, time_plan(other)))
     )
     bound = f"step bound {ours:.2f} s against {theirs:.2f}"
     if abs(ours - theirs) > TIE * max(ours, theirs):

@@ -63,6 +63,20 @@ def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[Phase
     return tuple(rows)
 
 
+def step_bound_s(plan, rows: tuple[PhaseTime, ...]) -> float:
+    """The step's bound from its time plan `rows`: the phases one after another, but the work beside decode
+    (`overlapped_timers`) shares the rollout: the two together take at least the larger of each alone and of their
+    summed FLOPs, HBM bytes and link bytes each at its peak."""
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
+    beside = overlapped_timers(plan.graph)
+    alone = sum(r.bound_s for r in rows if r.timer not in beside and r.timer != "rollout")
+    shared = [r for r in rows if r.timer in beside or r.timer == "rollout"]
+    if not shared:
+        return alone
+    together = total([r.cost for r in shared]).bound_s(peaks)
+    return alone + max(together, *(r.bound_s for r in shared))
+
+
 def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
     device = Cost(part.flops, part.hbm_bytes).bound_s(peaks) / efficiency
     return max(device, part.host_bytes / peaks.host_bytes_s / HOST_LINK_EFFICIENCY)

@@ -8,7 +8,7 @@ from rollplex.graph.levers import faster_residencies
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
-from rollplex.graph.timeplan import time_plan
+from rollplex.graph.timeplan import overlapped_timers, step_bound_s, time_plan
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -199,8 +199,8 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     """Each phase's work for the planned step, its bound on the spec's GPU, and (given efficiencies) the
     predicted seconds; then what each residency choice costs on the host link."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    rows, bound, predicted = [], 0.0, 0.0
-    for r in time_plan(plan, efficiencies):
+    rows, predicted, times = [], 0.0, time_plan(plan, efficiencies)
+    for r in times:
         if not (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes):
             continue
         cells = [
@@ -211,14 +211,16 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
         ]
         cells += [f"{r.bound_s:.3f}", "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
         rows.append([*cells, "-" if r.predicted_s is None else f"{r.predicted_s:.2f}"])
-        bound += r.bound_s
         predicted += r.predicted_s or 0.0
+    bound = step_bound_s(plan, times)
     rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if efficiencies else "-"])
     heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
     title = (
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
         f"TB/s HBM, {peaks.host_bytes_s / 1e9:.0f} GB/s host link each way; phases one after another)"
     )
+    if beside := sorted(overlapped_timers(plan.graph)):
+        title += f"\n({', '.join(beside)} beside decode: in the rollout's seconds; the step bound prices them together)"
     if "gpu" not in plan.loaded.spec.cluster.model_fields_set:
         title += f"\n(cluster.gpu is not set: priced on its default, the {plan.loaded.spec.cluster.gpu})"
     out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)

@@ -1,12 +1,14 @@
 """The time plan: each phase's cost averaged over the planned steps (a synthetic preset's first steps), what
 each residency choice costs on the host link, and the seconds predicted at given efficiencies."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from rollplex.graph import cost, timeplan
 from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.ir import Schedule
 from rollplex.graph.plan import compile_plan
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -111,3 +113,19 @@ def test_a_critics_ops_have_timers_of_their_own_so_the_actor_prefix_alone_is_pre
     assert rows["actor_prefix"].predicted_s is not None  # it runs alone, before decode reads its boundary
     grpo = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))
     assert not any(r.timer.startswith("critic") for r in timeplan.time_plan(grpo))
+
+
+def test_the_step_bound_prices_the_work_beside_decode_together_with_the_rollout():
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    rollplex, serial = (compile_plan(parse_spec(text), s) for s in (Schedule.ROLLPLEX, Schedule.SERIAL))
+    by = {r.timer: r for r in timeplan.time_plan(rollplex)}
+    summed = sum(r.bound_s for r in by.values())
+    assert timeplan.step_bound_s(serial, timeplan.time_plan(serial)) == pytest.approx(summed)  # one after another
+    # decode is HBM-bound and the reference prefix FLOP-bound: beside each other the rollout's bound holds both
+    together = cost.total([by["rollout"].cost, by["ref_prefix"].cost]).bound_s(cost.KNOWN_PEAKS["H200"])
+    assert together == pytest.approx(by["rollout"].bound_s, rel=1e-3)
+    step = timeplan.step_bound_s(rollplex, tuple(by.values()))
+    assert step == pytest.approx(summed - by["ref_prefix"].bound_s, rel=1e-4)
+    heavy = {**by, "ref_prefix": dataclasses.replace(by["ref_prefix"], cost=by["ref_prefix"].cost.scaled(40))}
+    flops = (by["rollout"].cost.flops + 40 * by["ref_prefix"].cost.flops) / cost.KNOWN_PEAKS["H200"].flops
+    assert timeplan.step_bound_s(rollplex, tuple(heavy.values())) == pytest.approx(step - by["rollout"].bound_s + flops)
