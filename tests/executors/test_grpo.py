@@ -36,6 +36,14 @@ def test_group_advantages_normalise_within_each_group():
     assert torch.equal(a[1], torch.zeros(4))  # a group that agrees teaches nothing
 
 
+@pytest.mark.parametrize("reward, n", [(0.7, 12), (1 + 2 / 3, 8), (0.1, 8), (0.3, 8)])
+def test_a_group_that_agrees_on_an_inexact_reward_has_no_advantage(reward, n):
+    r = torch.tensor([[reward] * n, [0.0] * (n - 1) + [reward]])  # float32: its mean lands an ulp off the rewards
+    a = group_advantages(r)
+    assert torch.equal(a[0], torch.zeros(n))
+    assert a.dtype == torch.float32 and a[1, -1] > 0 and torch.allclose(a[1].sum(), torch.tensor(0.0), atol=1e-5)
+
+
 def test_k3_kl_is_zero_at_equality_and_positive_elsewhere():
     lp = torch.log(torch.tensor([0.2, 0.5]))
     assert torch.allclose(k3_kl(lp, lp), torch.zeros(2))

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rollplex.graph import cost, timeplan
-from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.ir import Schedule
+from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.plan import compile_plan
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
