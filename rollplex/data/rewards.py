@@ -196,7 +196,7 @@ def accuracy_reward(text: str, example: Example) -> float:
     """The answer (`answer_of`) against `example.answer`, by kind, in [0, 1]:
 
     choice      1.0 iff its option letter (`choice_letter`: 'B', '(B)', 'B.', 'B) red', a lone 'b') is the
-                reference letter
+                reference's (read the same way: 'B', '(B)', 'B. red')
     number      1.0 iff its first number (`parse_number`) equals the reference's within NUMBER_REL_TOL (relative)
     ocr         1 - word error rate (word-level edit distance / reference words), floored at 0
     free_form   ROUGE-L F1 over lower-case alphanumeric words
@@ -207,7 +207,8 @@ def accuracy_reward(text: str, example: Example) -> float:
     given, reference = answer_of(text), example.answer.strip()
     kind = example.answer_kind
     if kind is AnswerKind.CHOICE:
-        return 1.0 if choice_letter(given) == reference.upper() else 0.0
+        letter = choice_letter(given)
+        return 1.0 if letter is not None and letter == (choice_letter(reference) or reference.upper()) else 0.0
     if kind is AnswerKind.NUMBER:
         return 1.0 if _numbers_equal(given, reference) else 0.0
     if kind is AnswerKind.OCR:

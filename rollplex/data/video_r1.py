@@ -29,7 +29,7 @@ import numpy as np
 
 from rollplex.data.chat import DEFAULT_SYSTEM, R1_INSTRUCTION, build_prompt
 from rollplex.data.decode import FrameSampling, decode_video
-from rollplex.data.rewards import option_letter
+from rollplex.data.rewards import choice_letter, option_letter
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import AnswerKind, Example
 from rollplex.data.video import VisionSpec, preprocess_image, preprocess_video
@@ -109,12 +109,13 @@ def parse_row(row: object, where: str, media_root: Path) -> Row:
     kind = _answer_kind(row.get("problem_type"), options, where)
     data_type = row.get("data_type") or ("image" if media.suffix.lower() in IMAGE_SUFFIXES else "video")
     meta = {k: row[k] for k in ("problem_id", "problem_type", "data_source") if k in row}
+    reference = _strip_answer(str(answer))
     return Row(
         where=where,
         media=media,
         is_video=data_type != "image",
         question=_question_text(str(question), options, kind),
-        answer=_strip_answer(str(answer)),
+        answer=_choice_answer(reference, options, where) if kind is AnswerKind.CHOICE else reference,
         answer_kind=kind,
         meta={**meta, "options": tuple(options)},
     )
@@ -137,12 +138,22 @@ def _options(value: object, where: str) -> list:
         return []
     if not isinstance(value, list):
         raise ValueError(f"{where}: 'options' must be a list such as ['A. red', 'B. blue'], got {value!r}")
-    for i, option in enumerate(value):  # the answer's letter means the option at that letter's place
-        label = re.match(r"^\(?([A-Z])[.):]", str(option))
-        if label and label.group(1) != option_letter(i):
-            raise ValueError(f"{where}: option {i + 1} is labelled {label.group(1)}, not {option_letter(i)}: list "
-                             "the options in their letters' order")  # fmt: skip
+    labels = [re.match(r"^\(?([A-Z])[.):](?:\s|$)", str(option)) for option in value]
+    if all(labels):  # the answer's letter means the option at that letter's place
+        for i, label in enumerate(labels):
+            if label.group(1) != option_letter(i):
+                raise ValueError(f"{where}: option {i + 1} is labelled {label.group(1)}, not {option_letter(i)}: "
+                                 "list the options in their letters' order")  # fmt: skip
     return value
+
+
+def _choice_answer(answer: str, options: list, where: str) -> str:
+    """A multiple-choice row's reference as its option letter ('B', '(B)', 'B. red' -> 'B')."""
+    letter = choice_letter(answer)
+    if letter is None or ord(letter) - ord("A") >= len(options):
+        raise ValueError(f"{where}: the solution {answer!r} names none of the {len(options)} options' letters "
+                         f"(A-{option_letter(len(options) - 1)})")  # fmt: skip
+    return letter
 
 
 def _answer_kind(problem_type: object, options: list, where: str) -> AnswerKind:

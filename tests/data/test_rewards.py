@@ -132,6 +132,10 @@ def test_tags_credit_partial_formats_and_not_tag_soup():
         ("B", "choice", "<answer>Blue</answer>", 0.0),
         ("B", "choice", "<answer>A</answer> wait <answer>B</answer>", 0.0),
         ("B", "choice", "<answer>B</answer> wait <answer>A</answer>", 1.0),
+        ("(B)", "choice", "<answer>B</answer>", 1.0),  # a reference in an option's label form
+        ("B. green", "choice", "<answer>B</answer>", 1.0),
+        ("B.", "choice", "<answer>(B)</answer>", 1.0),
+        ("(B)", "choice", "<answer>A</answer>", 0.0),
         ("B", "choice", "<answer>\n B \n</answer>", 1.0),
         ("B", "choice", "<answer>B", 0.0),
         ("B", "choice", "</answer>B<answer>", 0.0),

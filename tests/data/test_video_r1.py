@@ -158,6 +158,28 @@ def test_options_labelled_out_of_their_order_are_an_error_naming_the_row(tmp_pat
     assert ":1: option 1 is labelled B, not A" in message
 
 
+def test_options_whose_text_starts_like_a_label_are_options_not_labels(data_dir):
+    path = data_dir / "flag.jsonl"
+    path.write_text(json.dumps({**ROWS[0], "options": ["red", "U.S. flag", "blue"]}) + "\n")
+    e = make(path)[0]
+    assert "\nB. U.S. flag\n" in CharTokenizer().decode(e.prompt.input_ids.tolist())
+    assert get_reward("accuracy")("<answer>B</answer>", e) == 1.0
+
+
+@pytest.mark.parametrize("solution", ["<answer>B</answer>", "<answer>(B)</answer>", "B. green", "<answer> b </answer>"])
+def test_a_multiple_choice_solution_is_read_as_its_option_letter(data_dir, solution):
+    path = data_dir / "solution.jsonl"
+    path.write_text(json.dumps({**ROWS[0], "solution": solution}) + "\n")
+    e = make(path)[0]
+    assert e.answer == "B" and get_reward("accuracy")("<answer>B</answer>", e) == 1.0
+
+
+@pytest.mark.parametrize("solution", ["<answer>green</answer>", "<answer>D</answer>"])
+def test_a_multiple_choice_solution_naming_no_option_is_an_error_naming_the_row(tmp_path, data_dir, solution):
+    row = {**ROWS[0], "path": str(data_dir / "clips" / "a.mp4"), "solution": solution}
+    assert ":1: the solution" in one_line_error(tmp_path, [json.dumps(row)])
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "[]"])
 def test_a_dataset_file_without_rows_is_an_error_naming_the_file(tmp_path, text):
     path = tmp_path / ("rows.json" if text == "[]" else "rows.jsonl")
