@@ -1,8 +1,8 @@
 """Video files -> sampled RGB frames, with PyAV.
 
 Frame sampling follows qwen-vl-utils (what Video-R1 uses): a fixed number of frames, or a rate in frames per
-second, taken at `round(linspace(0, total - 1, n))`; the frame count of rate sampling is rounded to a
-multiple of the temporal patch. Only the selected frames are converted to RGB, so long videos cost decode
+second, taken at `round(linspace(0, total - 1, n))`; the frame count of rate sampling is clamped to its bounds and
+then rounded down to a multiple of the temporal patch, as `smart_nframes` does. Only the selected frames are converted to RGB, so long videos cost decode
 time but not memory. This module does not resize or normalise (see `video`).
 """
 
@@ -40,7 +40,7 @@ class FrameSampling:
         wanted = total_frames / video_fps * self.fps
         low = -(-self.min_frames // f) * f
         high = max(f, min(self.max_frames, total_frames) // f * f)
-        return int(min(max(round(wanted / f) * f, low), high))
+        return max(f, int(min(max(wanted, low), high, total_frames) // f) * f)  # clamped, then floored
 
 
 def sample_indices(total_frames: int, count: int) -> np.ndarray:

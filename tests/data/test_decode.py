@@ -1,3 +1,5 @@
+import math
+
 import av
 import numpy as np
 import pytest
@@ -45,6 +47,17 @@ def test_rate_sampling_is_clamped_to_min_frames_and_to_the_video():
     sampling = FrameSampling(num_frames=None, fps=0.5, min_frames=4)
     assert sampling.count(total_frames=16, video_fps=8.0) == 4
     assert FrameSampling(num_frames=None, fps=100.0).count(total_frames=16, video_fps=8.0) == 16
+
+
+def smart_nframes(total: int, video_fps: float, fps: float, min_frames=4, max_frames=768, factor=2) -> int:
+    """qwen-vl-utils' frame count of rate sampling, written out: clamp, then round down to the factor."""
+    low, high = math.ceil(min_frames / factor) * factor, math.floor(min(max_frames, total) / factor) * factor
+    return math.floor(min(min(max(total / video_fps * fps, low), high), total) / factor) * factor
+
+
+@pytest.mark.parametrize("total, video_fps, fps", [(113, 30, 2), (45, 10, 2), (17, 8, 100), (300, 30, 1), (9, 1, 2)])
+def test_rate_sampling_counts_frames_as_qwen_vl_utils(total, video_fps, fps):
+    assert FrameSampling(num_frames=None, fps=fps).count(total, video_fps) == smart_nframes(total, video_fps, fps)
 
 
 def test_indices_spread_over_the_whole_video():
