@@ -2,8 +2,9 @@
 
 Frame sampling follows qwen-vl-utils (what Video-R1 uses): a fixed number of frames, or a rate in frames per
 second, taken at `round(linspace(0, total - 1, n))`; the frame count of rate sampling is clamped to its bounds and
-then rounded down to a multiple of the temporal patch, as `smart_nframes` does. Only the selected frames are converted to RGB, so long videos cost decode
-time but not memory. This module does not resize or normalise (see `video`).
+then rounded down to a multiple of the temporal patch, as `smart_nframes` does. Only the selected frames are
+converted to RGB, so long videos cost decode time but not memory. This module does not resize or normalise (see
+`video`).
 """
 
 from __future__ import annotations

@@ -14,17 +14,19 @@ import json
 import pickle
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from rollplex.data.source import dataset_file
 from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
 from rollplex.graph.load import LoadedSpec
-from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
+from rollplex.models.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint, save_state
 from rollplex.models.config import CONFIG_DIR, resolve_config_path
 from rollplex.models.vision import hf_padded, hf_view
 from rollplex.parallel.model import full_state, load_sharded
@@ -89,7 +91,7 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     """Weights and optimizer state as they are now (they must be those of `snap.step`), written into a `.tmp`
-    directory that becomes the checkpoint only when complete; an OS error on the way (a full disk) removes it
+    directory that becomes the checkpoint only when complete; a failed write on the way (a full disk) removes it
     and is a `RunFailed` that says the previous checkpoint is kept.
 
     Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
@@ -102,10 +104,10 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
         engines.optimizer.finish()  # a deferred update's weights and state complete
     try:
         return _save(final, tmp, snap, engines)
-    except OSError as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
         shutil.rmtree(tmp, ignore_errors=True)
-        kept = latest(out_dir)
-        raise RunFailed(f"checkpoint of step {snap.step} not written ({e.strerror or e}); "
+        kept, why = latest(out_dir), getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
+        raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
 
 
@@ -213,10 +215,47 @@ def _load(file: Path):
 _COMPLETE = re.compile(r"step-\d+")  # not `.tmp` (being written), nor a copy a user left beside (`.bak`)
 
 
+def complete(out_dir: Path) -> list[Path]:
+    """The complete checkpoints of run directory `out_dir`, in no order."""
+    return [p for p in (out_dir / "checkpoints").glob("step-*") if _COMPLETE.fullmatch(p.name)]
+
+
 def latest(out_dir: Path) -> Path | None:
     """The complete checkpoint of the highest step (by number: step-1000000 is after step-999999)."""
-    found = [p for p in (out_dir / "checkpoints").glob("step-*") if _COMPLETE.fullmatch(p.name)]
+    found = complete(out_dir)
     return max(found, key=step_of) if found else None
+
+
+def damage(path: Path) -> str | None:
+    """What makes complete checkpoint `path` unreadable, found without reading its tensors (a file removed,
+    truncated or overwritten since it was written), or None. Each `.pt` file is a zip whose directory sits at its
+    end; each safetensors file's header gives its length."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "data_position" in state):
+            return "state.json has no step and data position"
+        files = checkpoint_files(path / "model")
+        parts = sorted(path.glob("optimizer*/part-*.pt")) + sorted(path.glob("optimizer*.pt"))
+        if not parts:
+            return "no optimizer state"
+        for file in files:
+            _check_safetensors(file)
+        for file in [path / "rng.pt", *parts, *path.glob("critic*.pt"), *path.glob("critic-optimizer/part-*.pt")]:
+            zipfile.ZipFile(file).close()
+    except (OSError, ValueError, zipfile.BadZipFile) as e:  # JSON's errors are ValueErrors
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _check_safetensors(file: Path) -> None:
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size)) if 0 < size <= file.stat().st_size else None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file.name} has no safetensors header")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if file.stat().st_size != 8 + size + end:
+        raise ValueError(f"{file.name} holds {file.stat().st_size} bytes, its header {8 + size + end}")
 
 
 def step_of(path: Path) -> int:

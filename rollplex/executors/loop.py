@@ -50,8 +50,10 @@ class InterruptGate:
     def __init__(self) -> None:
         self.pending = False
         self.previous = None
+        self.why = ""  # said on stderr at the first interrupt held, if set
 
-    def hold(self) -> None:
+    def hold(self, why: str = "") -> None:
+        self.why = why or self.why
         if self.previous is not None:  # held already
             return
         try:
@@ -60,6 +62,8 @@ class InterruptGate:
             self.previous = None
 
     def _note(self, signum, frame) -> None:
+        if self.why and not self.pending:
+            print(f"rollplex: {self.why}", file=sys.stderr, flush=True)
         self.pending = True
 
     def release(self, raise_pending: bool = True) -> bool:
@@ -67,7 +71,7 @@ class InterruptGate:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.previous = None
-        came, self.pending = self.pending, False
+        came, self.pending, self.why = self.pending, False, ""
         if came and raise_pending:
             raise KeyboardInterrupt
         return came
@@ -102,6 +106,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             resumed = checkpointing.load(found, engines)
         except ValueError as e:
             raise SpecError("", str(e)) from None
+        except (OSError, RuntimeError, KeyError) as e:  # a file that changed since preflight's `damage` looked
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise SpecError("", f"--resume: {found} could not be read ({type(e).__name__}: {first[:200]})") from None
         start, position = resumed.step, resumed.data_position
         if start >= opts.steps:
             raise SpecError("", f"--resume: {found} is step {start}, and the run has {opts.steps} steps",
@@ -229,8 +236,12 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 and not updating
                 and saved.step > start
                 and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
-            ):
-                checkpointing.save(opts.out_dir, saved, engines)
+            ):  # a second interrupt would leave no checkpoint of this run's steps: it waits for this one
+                gate.hold(f"writing step {saved.step}'s checkpoint first (interrupts wait for it)")
+                try:
+                    checkpointing.save(opts.out_dir, saved, engines)
+                finally:
+                    interrupted |= gate.release(raise_pending=False)
     if interrupted:
         raise KeyboardInterrupt  # held while the last update ended, let through once it was saved
     examples = []  # their pinned patches recorded the prefix streams: freed while those live

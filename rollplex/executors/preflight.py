@@ -1,7 +1,8 @@
 """What `rollplex run` checks before it builds a model: each problem a spec or the run's options can hold that
 would otherwise surface only after minutes of building (a 7B's weights and pinned optimizer state), as one line.
 
-- `--resume`: a complete checkpoint to resume, steps left after it, and the spec's `checkpointing.identity` as the
+- `--resume`: a complete checkpoint to resume, undamaged since it was written (`checkpointing.damage`), steps left
+  after it, and the spec's `checkpointing.identity` as the
   run that wrote it had it (model, first weights, data, seed, dtype, algorithm); without `--resume`, no earlier run's
   checkpoints in the run directory (they would win a later --resume over this run's) and no earlier metrics (a
   run without checkpoints would write over them)
@@ -52,6 +53,10 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
     if resume and found is None:
         raise SpecError("", f"--resume: no complete checkpoint in {out_dir / 'checkpoints'}",
                         "run once without --resume first")  # fmt: skip
+    if resume and (why := checkpointing.damage(found)):
+        earlier = [p for p in checkpointing.complete(out_dir) if p != found]
+        hint = f"move it aside to resume from {max(earlier, key=checkpointing.step_of).name}" if earlier else None
+        raise SpecError("", f"--resume: {found} is damaged ({why})", hint or "start again with another --out")
     if resume and checkpointing.step_of(found) >= steps:
         raise SpecError("", f"--resume: {found} is step {checkpointing.step_of(found)}, and the run has {steps} steps",
                         f"raise --steps above {checkpointing.step_of(found)} to train on")  # fmt: skip

@@ -131,9 +131,16 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
     assert not marker.exists()
 
 
-def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    import errno
-
+@pytest.mark.parametrize(
+    "error, shown",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), "unexpected pos 64 vs 0"),
+    ],  # the OS's error, and torch's writer's own
+)
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, capsys, error, shown
+):
     from rollplex.cli import main
     from rollplex.executors import checkpointing
 
@@ -141,7 +148,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
 
     def full_at_the_second_checkpoint(obj, f, *args, **kw):
         if "step-000002" in str(f):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise error
         return real(obj, f, *args, **kw)
 
     monkeypatch.setattr(checkpointing.torch, "save", full_at_the_second_checkpoint)
@@ -149,7 +156,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     assert main(["run", str(ROOT / "specs/tiny_cpu.yaml"), "--out", str(out), "--steps", "2", "--checkpoint-every",
                  "1", "--quiet"]) == 1  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "checkpoint of step 2 not written (No space left on device); kept" in err[0]
+    assert len(err) == 1 and "checkpoint of step 2 not written (" in err[0] and shown in err[0] and "; kept" in err[0]
     assert checkpointing.latest(out) == checkpointing.checkpoint_dir(out, 1)
     assert not list((out / "checkpoints").glob("*.tmp"))
 
@@ -267,3 +274,75 @@ def test_the_latest_checkpoint_is_the_highest_step_by_number(tmp_path):
     for name in ("step-999999", "step-1000000", "step-000005", "step-1000001.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     assert latest(tmp_path).name == "step-1000000"
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A run directory with complete checkpoints of steps 1 and 2."""
+    root = tmp_path_factory.mktemp("two")
+    run(root, "rollplex", 2, name="run", checkpoint_every=1)
+    return root / "run"
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+DAMAGES = {
+    "weights truncated": lambda c: _truncate(next((c / "model").glob("*.safetensors"))),
+    "rng zeroed": lambda c: (c / "rng.pt").write_bytes(bytes((c / "rng.pt").stat().st_size)),
+    "optimizer part truncated": lambda c: _truncate(next((c / "optimizer").glob("part-*.pt"))),
+    "state.json gone": lambda c: (c / "state.json").unlink(),
+    "state.json garbled": lambda c: (c / "state.json").write_text("{"),
+    "weights gone": lambda c: shutil.rmtree(c / "model"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_resuming_from_a_damaged_checkpoint_is_one_line_before_any_model_is_built(
+    tmp_path, two_checkpoints, monkeypatch, damage
+):
+    from rollplex.executors import loop
+
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    DAMAGES[damage](out / "checkpoints" / "step-000002")
+    monkeypatch.setattr(loop, "build_engines", lambda *a, **k: pytest.fail("built the models"))
+    with pytest.raises(SpecError) as info:
+        run(tmp_path, "rollplex", 3, name="run", resume=True)
+    message = str(info.value)
+    assert "step-000002 is damaged" in message and "move it aside to resume from step-000001" in message
+    assert "\n" not in message
+
+
+def test_a_second_interrupt_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from rollplex.executors import checkpointing
+
+    whole = run(tmp_path, "rollplex", 3, name="whole")
+    real, calls = torch.save, {"n": 0}
+
+    def interrupted_again(obj, f, *args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C again while the run saves on its way out
+        return real(obj, f, *args, **kw)
+
+    def interrupting(text, example):
+        calls["n"] += 1
+        if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
+            monkeypatch.setattr(checkpointing.torch, "save", interrupted_again)
+            raise KeyboardInterrupt
+        return char_share(text, example)
+
+    REWARDS["test_char_share"] = interrupting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, "rollplex", 3, name="stopped")
+    finally:
+        REWARDS["test_char_share"] = char_share
+        monkeypatch.setattr(checkpointing.torch, "save", real)
+    assert "writing step 2's checkpoint first" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-000002"]
+    rest = run(tmp_path, "rollplex", 3, name="stopped", resume=True)
+    assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
