@@ -3,11 +3,13 @@ spec is in `spec.py`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 
 from rollplex.graph.spec_base import Strict
+
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: a moment's decay a step
 
 
 class RewardSpec(Strict):
@@ -45,7 +47,7 @@ class AlgorithmSpec(Strict):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     lr: PositiveFloat = Field(1e-6, description="AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     eps: PositiveFloat = Field(1e-8, description="AdamW epsilon.")
     max_grad_norm: PositiveFloat | None = Field(1.0, description="Global gradient-norm clip; null disables it.")
     temperature: float = Field(

@@ -12,7 +12,7 @@ from rollplex.graph.spec_base import Strict
 
 class RunSpec(Strict):
     steps: PositiveInt = Field(10, description="Training steps.")
-    seed: int = Field(0, description="Seed of sampling, data order and initial weights.")
+    seed: int = Field(0, ge=0, description="Seed of sampling, data order and initial weights.")
     checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
     init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
