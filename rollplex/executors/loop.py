@@ -23,7 +23,7 @@ from rollplex.executors.bounds import step_bounds
 from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
-from rollplex.executors.engines import Engines, build_engines
+from rollplex.executors.engines import Engines, build_engines, make_tokenizer
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.preflight import preflight
@@ -80,11 +80,18 @@ class InterruptGate:
 def train(plan: Plan, opts: RunOptions) -> list[dict]:
     """`opts.steps` steps (in all, counting those a resumed run has done) of the plan; the metrics of each."""
     preflight(plan, opts.out_dir, opts.steps, opts.resume)  # before any model is built or file written
+    loaded, g = plan.loaded, plan.graph
+    try:  # every row parsed and its media found before a file is written or minutes of building
+        w = loaded.spec.workload
+        dataset = open_dataset(
+            w.dataset, make_tokenizer(loaded), loaded.spec.run.seed, loaded.path.parent, w.mismatch_videos
+        )
+    except ValueError as e:
+        raise loaded.locate(SpecError("workload.dataset", str(e))) from None
     try:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecError("", f"--out {opts.out_dir}: {e.strerror}", "give a directory this user can write") from None
-    loaded, g = plan.loaded, plan.graph
     announce = opts.progress and is_main_process()
     if announce:  # a large model's start-up (weights, pinned optimizer state) takes a while: say what is happening
         print("rollplex: building the models, the optimizer state and the host pool", file=sys.stderr, flush=True)
@@ -93,13 +100,6 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     if announce:
         compiles = "; the first step also compiles its GPU kernels" if engines.actor.device.type == "cuda" else ""
         print(f"rollplex: ready in {time.perf_counter() - began:.1f} s{compiles}", file=sys.stderr, flush=True)
-    try:
-        w = loaded.spec.workload
-        dataset = open_dataset(
-            w.dataset, engines.tokenizer, loaded.spec.run.seed, loaded.path.parent, w.mismatch_videos
-        )
-    except ValueError as e:
-        raise loaded.locate(SpecError("workload.dataset", str(e))) from None
     start, position = 0, 0
     if opts.resume and (found := checkpointing.latest(opts.out_dir)) is not None:
         try:

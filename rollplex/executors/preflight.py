@@ -51,15 +51,17 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
         raise SpecError("", f"{out_dir} holds an earlier run's metrics.jsonl", "give this run another --out, or "
                         "remove that run's directory")  # fmt: skip
     if resume and found is None:
+        ran = metrics.is_file() and metrics.stat().st_size > 0  # a run that saved none: nothing of it to go on from
         raise SpecError("", f"--resume: no complete checkpoint in {out_dir / 'checkpoints'}",
-                        "run once without --resume first")  # fmt: skip
+                        f"start again with another --out, or remove {out_dir}" if ran
+                        else "run once without --resume first")  # fmt: skip
+    if resume and checkpointing.step_of(found) >= steps:
+        raise SpecError("", f"--resume: {found} is step {checkpointing.step_of(found)}, and the run has {steps} steps",
+                        f"raise --steps above {checkpointing.step_of(found)} to train on")  # fmt: skip
     if resume and (why := checkpointing.damage(found)):
         earlier = [p for p in checkpointing.complete(out_dir) if p != found]
         hint = f"move it aside to resume from {max(earlier, key=checkpointing.step_of).name}" if earlier else None
         raise SpecError("", f"--resume: {found} is damaged ({why})", hint or "start again with another --out")
-    if resume and checkpointing.step_of(found) >= steps:
-        raise SpecError("", f"--resume: {found} is step {checkpointing.step_of(found)}, and the run has {steps} steps",
-                        f"raise --steps above {checkpointing.step_of(found)} to train on")  # fmt: skip
 
 
 def _spec_problems(plan: Plan):

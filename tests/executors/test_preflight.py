@@ -39,6 +39,9 @@ def test_resume_needs_a_complete_checkpoint(tmp_path, monkeypatch):
     assert "--resume: no complete checkpoint" in refused(tmp_path, monkeypatch, TINY, resume=True)
     (tmp_path / "run/checkpoints/step-000001.tmp").mkdir(parents=True)  # a save cut short: nothing to resume
     assert "--resume: no complete checkpoint" in refused(tmp_path, monkeypatch, TINY, resume=True)
+    (tmp_path / "run/metrics.jsonl").write_text('{"step": 1}\n')  # a run that saved none: where it can go on
+    line = refused(tmp_path, monkeypatch, TINY, resume=True)
+    assert "no complete checkpoint" in line and f"start again with another --out, or remove {tmp_path / 'run'}" in line
 
 
 def test_resume_needs_steps_left_after_its_checkpoint(tmp_path, monkeypatch):
@@ -67,6 +70,12 @@ def test_missing_weights_dataset_and_reward_module_are_one_line_each(tmp_path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     line = refused(tmp_path, monkeypatch, TINY.replace("name: answer_format", 'name: "broken_reward:fn"'))
     assert "importing it raised RuntimeError: the module fails" in line
+
+
+def test_a_dataset_row_that_cannot_be_read_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    (tmp_path / "rows.jsonl").write_text('{"problem": "x", "solution": "1", "path": "gone.mp4"}\n{"problem"\n')
+    line = refused(tmp_path, monkeypatch, TINY.replace("synthetic:colour@tiny", "rows.jsonl"))
+    assert "workload.dataset:" in line and "rows.jsonl:1: media file" in line and "gone.mp4 does not exist" in line
 
 
 def test_a_fresh_run_into_an_earlier_runs_metrics_is_refused(tmp_path, monkeypatch):
