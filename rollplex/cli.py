@@ -67,10 +67,9 @@ def _plan_to_run(args: argparse.Namespace):
     from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
     from rollplex.graph.plan import compile_plan
+    from rollplex.graph.planfile import is_plan_file, read_plan
 
-    if Path(args.spec).suffix == ".json":
-        from rollplex.graph.planfile import read_plan
-
+    if is_plan_file(args.spec):
         if args.schedule:
             raise SpecError("", "--schedule with a plan: a plan has its schedule", "compile the spec with --schedule")
         return read_plan(args.spec)
@@ -88,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
 
     opts = RunOptions(
         steps=args.steps or spec.run.steps,
-        out_dir=Path(args.out or f"runs/{Path(args.spec).stem}"),
+        out_dir=Path(args.out or f"runs/{loaded.path.stem}"),  # a plan's: of the spec it was compiled from
         resume=args.resume,
         checkpoint_every=args.checkpoint_every or spec.run.checkpoint_every,
         progress=not args.quiet,

@@ -40,6 +40,7 @@ from rollplex.graph.ir import (
 from rollplex.graph.load import LoadedSpec, check_model_fits_parallel
 from rollplex.graph.plan import RECOMPUTE_SETTINGS, Plan, plan_of
 from rollplex.graph.spec import Spec
+from rollplex.graph.verify import VerifyError, verify
 from rollplex.models.config import ModelConfig
 
 PLAN_VERSION = 5
@@ -60,6 +61,18 @@ def plan_dict(plan: Plan) -> dict:
         "lifetimes": {name: [life.first, life.last] for name, life in lifetimes(plan.graph).items()},
         "decisions": plan.decisions.as_dict(),
     }
+
+
+def is_plan_file(path: str | Path) -> bool:
+    """Whether `path` is a plan file (a `.json` holding `rollplex_plan_version`); a spec may be written in JSON too."""
+    path = Path(path)
+    if path.suffix != ".json":
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True  # unreadable as JSON: `read_plan` says so
+    return not isinstance(data, dict) or "rollplex_plan_version" in data or "spec" in data
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -138,4 +151,10 @@ def _graph(data: dict) -> nx.DiGraph:
     g = make_graph([_op(d) for d in data["ops"]], infos)
     g.graph["steps"] = tuple(Step(s["index"], Phase(s["phase"]), tuple(s["ops"])) for s in data["steps"])
     g.graph["lifetimes"] = {name: Lifetime(first, last) for name, (first, last) in data["lifetimes"].items()}
+    if not data["ops"]:
+        raise ValueError("its graph has no ops")
+    try:
+        verify(g)  # an edited graph holds the compiler's invariants, or is refused here rather than mid-run
+    except VerifyError as e:
+        raise ValueError(f"its graph: {e}") from None
     return g

@@ -33,6 +33,21 @@ def test_running_a_plan_file_trains_digest_for_digest_as_running_its_spec(tmp_pa
     assert digests(tmp_path / "spec") == digests(tmp_path / "plan") and len(digests(tmp_path / "plan")) == 2
 
 
+@pytest.mark.slow
+def test_a_spec_written_in_json_runs_as_its_yaml_and_a_plan_runs_into_its_specs_folder(tmp_path, monkeypatch):
+    import yaml
+
+    common = ["--steps", "1", "--quiet", "--no-checkpoints"]
+    (tmp_path / "tiny.json").write_text(json.dumps(yaml.safe_load(Path(TINY).read_text())))
+    assert main(["run", TINY, "--out", str(tmp_path / "yaml"), *common]) == 0
+    assert main(["run", str(tmp_path / "tiny.json"), "--out", str(tmp_path / "json"), *common]) == 0
+    assert digests(tmp_path / "yaml") == digests(tmp_path / "json")
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", TINY, "-o", "plan.json"]) == 0
+    assert main(["run", "plan.json", *common]) == 0
+    assert digests(tmp_path / "runs" / "tiny_cpu") == digests(tmp_path / "yaml")  # runs/<spec name>, as a spec's
+
+
 def test_the_engines_follow_the_plans_decisions():
     plan = compile_plan(parse_spec(spec_text() + "memory: {prefix_saved: host}\n"))
     assert plan.decisions.prefix_saved is Residency.HOST

@@ -60,6 +60,13 @@ def test_the_decisions_of_the_file_are_the_ones_read(tmp_path):
             "malformed plan (spec.workload.group_size: Input should",
         ),
         (lambda d: d["spec"]["memory"].update(recompute="auto"), "malformed plan (its spec has memory.recompute auto)"),
+        (
+            lambda d: d["decisions"].update(optimizer_chunk_bytes=-5),
+            "malformed plan (decisions.optimizer_chunk_bytes is -5: a whole number of bytes, at least 1)",
+        ),
+        (lambda d: d["decisions"].update(host_pool_bytes=1.5), "decisions.host_pool_bytes is 1.5"),
+        (lambda d: d.update(ops=[]), "malformed plan (its graph has no ops)"),
+        (lambda d: d.update(ops=d["ops"][1:]), "malformed plan (its graph: "),
     ],
 )
 def test_a_plan_of_another_version_or_a_broken_one_is_one_line(tmp_path, edit, message):
