@@ -21,6 +21,11 @@ def _compile(args: argparse.Namespace) -> int:
     for flag, given in dry_only:
         if given and not args.dry_run:
             raise SpecError("", f"{flag} shapes the dry-run's output", "add --dry-run")
+    if args.dry_run and args.output is not None:
+        raise SpecError("", f"-o {args.output} with --dry-run, which writes no plan", "drop one of them")
+    args.output = args.output or "plan.json"
+    if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise SpecError("", f"--plot {args.plot}: not an image file", f"end it in {', '.join(PLOT_SUFFIXES)}")
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
         if path is not None:
             _check_folder(flag, path)
@@ -53,6 +58,9 @@ def _compile(args: argparse.Namespace) -> int:
         f"wrote {args.output}: peak {plan.residency.peak_bytes / 2**30:.1f} GiB per GPU, schedule {plan.schedule.value}"
     )
     return 0
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # what `--plot` writes (matplotlib's format by the file's suffix)
 
 
 def _check_folder(flag: str, path: str) -> None:
@@ -151,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         help="predict each phase's seconds at efficiencies (bound / measured): a `rollplex bench` result (JSON), a "
         "`rollplex run`'s metrics.jsonl (medians over its steps) or PHASE=E[,PHASE=E...] set by hand",
     )
-    c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    c.add_argument("-o", "--output", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)
     r = sub.add_parser("run", help="train: GRPO steps executing the compiled plan")
     r.add_argument("spec", help="the YAML spec, or a plan.json written by `rollplex compile`")
