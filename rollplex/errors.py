@@ -18,14 +18,18 @@ class SpecError(ValueError):
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
+        """`file:line: key: problem; fix`, or only `problem; fix` for one of no spec key or file (a flag's)."""
         place = self.file or "spec"
         if self.line is not None:
             place += f":{self.line}"
         key = f" {self.where}:" if self.where else ""
+        if not (self.file or self.where or self.line is not None):
+            place, key = "", ""
         fix = f"; {self.fix}" if self.fix else ""
-        room = max(MAX_LINE - len(f"{place}:{key} {fix}"), 40)
+        head = f"{place}:{key} " if place else ""
+        room = max(MAX_LINE - len(f"{head}{fix}"), 40)
         problem = self.problem if len(self.problem) <= room else self.problem[: room - 3] + "..."
-        return f"{place}:{key} {problem}{fix}"
+        return f"{head}{problem}{fix}"
 
     def located(self, file: str, line: int | None) -> SpecError:
         return SpecError(self.where, self.problem, self.fix, line=self.line if line is None else line, file=file)

@@ -146,3 +146,12 @@ def test_the_dry_run_names_the_other_residency_that_also_fits_and_is_faster_by_t
     assert "also fits" not in out and "memory.prefix_saved auto: host, the HBM they leave" in out
     assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run"]) == 0
     assert "also fits" not in capsys.readouterr().out
+
+
+def test_a_flags_error_names_no_spec_and_the_launch_line_quotes_the_specs_path(tmp_path, capsys):
+    assert main(["run", str(SPECS / "tiny_cpu.yaml"), "--steps", "-3"]) == 2
+    assert capsys.readouterr().err.strip() == "rollplex: --steps -3; use --steps 1 or more"
+    spaced = tmp_path / "my spec.yaml"
+    spaced.write_text((SPECS / "tiny_cpu.yaml").read_text())
+    assert main(["compile", str(spaced), "--dry-run"]) == 0
+    assert f"launch: rollplex run '{spaced}'" in capsys.readouterr().out

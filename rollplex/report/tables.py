@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from rollplex.graph.cost import KNOWN_PEAKS, reference_page_ins
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
 from rollplex.graph.levers import faster_residencies
@@ -61,7 +63,9 @@ def rollout_line(plan: Plan) -> str:
 
 
 def launch_command(nodes: int, gpus_per_node: int, spec: str = "SPEC") -> str:
-    """The command that starts one process per GPU of a cluster of `nodes` x `gpus_per_node`."""
+    """The command that starts one process per GPU of a cluster of `nodes` x `gpus_per_node` (the spec's path
+    quoted for a shell)."""
+    spec = shlex.quote(spec)
     if nodes * gpus_per_node == 1:
         return f"rollplex run {spec}"
     if nodes == 1:
