@@ -3,7 +3,10 @@ themselves need a GPU; `test_bench_scripts.py` runs the scripts end to end on th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +227,26 @@ def test_op_timeline_names_the_torch_op_that_issued_each_memset(monkeypatch):
         {"name": "aten::zero_", "count": 1, "total_ms": 0.02, "max_ms": 0.02},
         {"name": "(none)", "count": 1, "total_ms": 0.01, "max_ms": 0.01},
     ]
+
+
+def test_the_time_plan_check_prices_a_run_that_recorded_its_tokens_at_those_tokens(monkeypatch, tmp_path):
+    from rollplex.graph.load import load_spec
+    from rollplex.graph.plan import compile_plan
+    from rollplex.graph.timeplan import planned_steps, time_plan
+
+    check = bench_module("timeplan_check", monkeypatch)
+    spec = ROOT / "specs/qwen2_5_vl_3b_h200.yaml"
+    plan = compile_plan(load_spec(spec))
+    steps = planned_steps(plan)[:4]  # steps of different lengths, recorded as a run writes them
+    lines = (ROOT / "bench/results/run_3b_h200_6steps_metrics.jsonl").read_text().splitlines()[:4]
+    records = [{**json.loads(line), "tokens": dataclasses.asdict(t)} for line, t in zip(lines, steps, strict=True)]
+    run = tmp_path / "metrics.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = {phase: at for phase, _, at, _ in check.compare(spec, run, str(check.BENCH_3B))}
+    effs = check.read_efficiencies(str(check.BENCH_3B), plan.schedule.value)
+    each = [{r.timer: r.predicted_s for r in time_plan(plan, effs, (t,))} for t in steps[1:]]  # the warm steps
+    assert rows["rollout"] == pytest.approx(statistics.median(e["rollout"] for e in each))
+    assert len({round(e["rollout"], 3) for e in each}) == 3  # the steps differ: each is priced at its own
 
 
 def test_the_time_plan_check_prices_each_phase_at_the_plan_and_at_the_runs_own_steps(monkeypatch):

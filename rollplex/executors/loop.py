@@ -12,14 +12,14 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollplex.data.prefetch import Prefetch
 from rollplex.data.source import open_dataset
 from rollplex.errors import RunFailed, SpecError
 from rollplex.executors import checkpointing
-from rollplex.executors.bounds import step_bounds
+from rollplex.executors.bounds import step_bounds, step_tokens
 from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
@@ -206,6 +206,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 on_gpu = engines.actor.device.type == "cuda"  # the CPU's peaks are unknown: no bounds there
                 bounds = step_bounds(plan, examples, local_lens) if on_gpu else ({}, {})
                 records[-1]["bound_s"], records[-1]["device_bound_s"] = bounds
+                records[-1]["tokens"] = asdict(step_tokens(examples, local_lens))  # a later cost model reprices it
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)

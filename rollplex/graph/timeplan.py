@@ -5,6 +5,7 @@ the cost model (`cost.py`); efficiencies from a bench, a run or the user (`repor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -43,15 +44,18 @@ HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its 
 PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step decodes to its longest response
 
 
-def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[PhaseTime, ...]:
-    """Each phase timer's cost and bound, averaged over the steps the plan is made for (`planned_steps`), and its
-    predicted seconds at the given efficiencies (`report.efficiency.read_efficiencies`). A bench's efficiency is that
+def time_plan(
+    plan, efficiencies: dict[str, float] | None = None, steps: Sequence[StepTokens] | None = None
+) -> tuple[PhaseTime, ...]:
+    """Each phase timer's cost and bound, averaged over `steps` (default: those the plan is made for,
+    `planned_steps`; a run's own, recorded in its metrics, to check the plan against it), and its predicted seconds
+    at the given efficiencies (`report.efficiency.read_efficiencies`). A bench's efficiency is that
     of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
     bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
     the link, the two overlapping: each part takes the longer of the two. A phase that runs beside decode
     (`overlapped_timers`) has no seconds of its own: its time is in the rollout's."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    each = [plan_phase_costs(plan, tokens) for tokens in planned_steps(plan)]
+    each = [plan_phase_costs(plan, tokens) for tokens in (steps or planned_steps(plan))]
     beside = overlapped_timers(plan.graph)
     rows = []
     for timer in each[0]:
@@ -61,6 +65,12 @@ def time_plan(plan, efficiencies: dict[str, float] | None = None) -> tuple[Phase
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
         rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)
+
+
+def recorded_tokens(d: dict) -> StepTokens:
+    """A step's counts as a run's metrics line records them (`tokens`: `StepTokens`' fields as JSON lists)."""
+    lens = tuple(tuple(int(x) for x in row) for row in d["response_lens"])
+    return StepTokens(*(tuple(int(x) for x in d[k]) for k in ("prompt_tokens", "patches", "frames")), lens)
 
 
 def step_bound_s(plan, rows: tuple[PhaseTime, ...]) -> float:

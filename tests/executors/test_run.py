@@ -187,6 +187,7 @@ METRIC_KEYS = {
     "gc_s",
     "gaps_s",
     "gaps_at_s",
+    "tokens",
 }
 PHASE_TIMES = {"rollout", "ref_prefix", "actor_prefix", "ref_suffix", "actor_suffix_backward", "update"}
 
@@ -205,6 +206,10 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
     assert set(records[0]) >= METRIC_KEYS and set(records[0]["time_s"]) >= PHASE_TIMES
     assert not any(key.startswith("critic") for key in records[0]["time_s"])  # timers of the graph's ops only
     assert records[1]["data_wait_s"] < records[0]["data_wait_s"]  # step 2's examples were made during step 1
+    tokens = records[0]["tokens"]  # the step's counts, for a later cost model (`bench/timeplan_check.py`)
+    lens = [n for row in tokens["response_lens"] for n in row]
+    assert len(tokens["prompt_tokens"]) == len(tokens["response_lens"]) and min(tokens["patches"]) > 0
+    assert sum(lens) / len(lens) == pytest.approx(records[0]["response_len_mean"])
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors").is_file()
     last = proc.stdout.splitlines()[-1]  # each phase's seconds, bound and efficiency over the warm step
