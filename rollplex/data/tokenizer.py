@@ -64,12 +64,6 @@ class SpecialIds:
     image: int
     video: int
 
-    @property
-    def stops(self) -> tuple[int, ...]:
-        """The ids that end a sampled response: `<|im_end|>` (the turn's end) and `<|endoftext|>` (the pad, where
-        the tokenizer has it): Qwen2.5-VL's generation config stops on both."""
-        return tuple(dict.fromkeys((self.eos, self.pad)))
-
 
 class Tokenizer(Protocol):
     """What rollplex needs from a tokenizer. `encode` maps special-token strings in `text` to their ids."""

@@ -209,12 +209,11 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     optimizer = make_optimizer(
         actor, a, tp, bound, d.optimizer_chunk_bytes, on_device, shard=shard, kept_bytes=d.optimizer_kept_bytes
     )
-    tokenizer = make_tokenizer(loaded)
     sampling = SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,
         max_tokens=spec.workload.response_tokens,
-        stop_token_ids=tuple(dict.fromkeys((config.tokens.eos, *tokenizer.special.stops))),
+        stop_token_ids=(config.tokens.eos,),
     )
     critic, critic_optimizer = None, None
     if Role.CRITIC in roles(plan.graph):
@@ -242,7 +241,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         optimizer=optimizer,
         sampling=sampling,
         generator=torch.Generator(device).manual_seed(spec.run.seed),
-        tokenizer=tokenizer,
+        tokenizer=make_tokenizer(loaded),
         reward=make_reward(loaded),
         grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
         group_size=spec.workload.group_size,

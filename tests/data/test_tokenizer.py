@@ -80,7 +80,6 @@ def test_hf_tokenizer_special_ids_are_those_of_tokenizer_json(tokenizer_json):
     assert sp.pad == raw.token_to_id("<|endoftext|>")
     assert sp.eos == raw.token_to_id("<|im_end|>")
     assert sp.video == raw.token_to_id("<|video_pad|>") and sp.image == raw.token_to_id("<|image_pad|>")
-    assert sp.stops == (raw.token_to_id("<|im_end|>"), raw.token_to_id("<|endoftext|>"))  # what a response ends at
 
 
 def test_hf_tokenizer_encodes_like_transformers_fast_tokenizer(tokenizer_json):
