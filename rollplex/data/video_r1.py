@@ -133,12 +133,15 @@ def _media_path(value: object, where: str, media_root: Path) -> Path:
     return path
 
 
+_LABEL = re.compile(r"^\(?([A-Z])[.):](?:\s|$)")  # an option's own label: 'B. red', '(B) red', 'B)'; not 'U.S. flag'
+
+
 def _options(value: object, where: str) -> list:
     if not value:
         return []
     if not isinstance(value, list):
         raise ValueError(f"{where}: 'options' must be a list such as ['A. red', 'B. blue'], got {value!r}")
-    labels = [re.match(r"^\(?([A-Z])[.):](?:\s|$)", str(option)) for option in value]
+    labels = [_LABEL.match(str(option)) for option in value]
     if all(labels):  # the answer's letter means the option at that letter's place
         for i, label in enumerate(labels):
             if label.group(1) != option_letter(i):
@@ -169,14 +172,10 @@ def _answer_kind(problem_type: object, options: list, where: str) -> AnswerKind:
 
 def _question_text(problem: str, options: list, kind: AnswerKind) -> str:
     lines = [problem]
-    if kind is AnswerKind.CHOICE:
-        lines += ["Options:", *(_lettered(i, str(o)) for i, o in enumerate(options))]
+    if kind is AnswerKind.CHOICE:  # shown as labelled where every option is (`_options` checked their order)
+        labelled = all(_LABEL.match(str(o)) for o in options)
+        lines += ["Options:", *(str(o) if labelled else f"{option_letter(i)}. {o}" for i, o in enumerate(options))]
     return "\n".join([*lines, f"{R1_INSTRUCTION} {ANSWER_HINTS[kind]}"])
-
-
-def _lettered(i: int, option: str) -> str:
-    letter = option_letter(i)
-    return option if re.match(rf"^\(?{letter}[.):]", option) else f"{letter}. {option}"
 
 
 def _strip_answer(solution: str) -> str:

@@ -106,7 +106,10 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
         return _save(final, tmp, snap, engines)
     except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
         shutil.rmtree(tmp, ignore_errors=True)
-        kept, why = latest(out_dir), getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
+        kept, why = (
+            latest(out_dir),
+            getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200],
+        )
         raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
 
@@ -154,6 +157,8 @@ def _finish(final: Path, tmp: Path, engines: Engines) -> Path:
     (a save killed midway, of another step) goes."""
     _barrier(engines)
     if engines.is_main:
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(files, indent=0))  # what `damage` finds missing or cut short
         if final.exists():
             shutil.rmtree(final)
         tmp.replace(final)
@@ -226,11 +231,21 @@ def latest(out_dir: Path) -> Path | None:
     return max(found, key=step_of) if found else None
 
 
+MANIFEST = "files.json"  # each file of a checkpoint and its size, written last
+
+
 def damage(path: Path) -> str | None:
     """What makes complete checkpoint `path` unreadable, found without reading its tensors (a file removed,
-    truncated or overwritten since it was written), or None. Each `.pt` file is a zip whose directory sits at its
-    end; each safetensors file's header gives its length."""
+    truncated or overwritten since it was written), or None: each file of its manifest there at its size (a
+    checkpoint written before manifests: the files a resume reads), each `.pt` file a zip (whose directory sits at
+    its end), each safetensors file as long as its header says."""
     try:
+        if (path / MANIFEST).is_file():
+            for name, size in json.loads((path / MANIFEST).read_text()).items():
+                if not (path / name).is_file():
+                    return f"{name} is missing"
+                if (path / name).stat().st_size != size:
+                    return f"{name} holds {(path / name).stat().st_size} bytes, {size} when written"
         state = json.loads((path / "state.json").read_text())
         if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "data_position" in state):
             return "state.json has no step and data position"
@@ -242,8 +257,8 @@ def damage(path: Path) -> str | None:
             _check_safetensors(file)
         for file in [path / "rng.pt", *parts, *path.glob("critic*.pt"), *path.glob("critic-optimizer/part-*.pt")]:
             zipfile.ZipFile(file).close()
-    except (OSError, ValueError, zipfile.BadZipFile) as e:  # JSON's errors are ValueErrors
-        return f"{type(e).__name__}: {e}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, zipfile.BadZipFile) as e:
+        return f"{type(e).__name__}: {e}"  # JSON's errors are ValueErrors; the rest, a file of another shape
     return None
 
 

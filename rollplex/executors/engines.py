@@ -213,7 +213,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         temperature=a.temperature,
         top_p=a.top_p,
         max_tokens=spec.workload.response_tokens,
-        stop_token_ids=(config.tokens.eos,),
+        stop_token_ids=config.tokens.stop_ids,
     )
     critic, critic_optimizer = None, None
     if Role.CRITIC in roles(plan.graph):

@@ -226,23 +226,25 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     emit_waiting()  # joins a deferred update; its line before its checkpoint: none without one
                     checkpointing.save(opts.out_dir, saved, engines)
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
-        finally:
-            prefetch.close()
+        finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
             ending = True
-            emit_waiting()
-            if log is not None:
-                log.close()
-            if (
-                opts.checkpoints
-                and not updating
-                and saved.step > start
-                and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
-            ):  # a second interrupt would leave no checkpoint of this run's steps: it waits for this one
-                gate.hold(f"writing step {saved.step}'s checkpoint first (interrupts wait for it)")
-                try:
+            why = "ending the run: its last metrics and checkpoint first (interrupts wait for them)" if main else ""
+            gate.hold(why)
+            try:
+                prefetch.close()
+                emit_waiting()  # joining a deferred update lets the gate go (`joined`): held again below
+                if log is not None:
+                    log.close()
+                if (
+                    opts.checkpoints
+                    and not updating
+                    and saved.step > start
+                    and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
+                ):
+                    gate.hold(why)
                     checkpointing.save(opts.out_dir, saved, engines)
-                finally:
-                    interrupted |= gate.release(raise_pending=False)
+            finally:
+                interrupted |= gate.release(raise_pending=False)
     if interrupted:
         raise KeyboardInterrupt  # held while the last update ended, let through once it was saved
     examples = []  # their pinned patches recorded the prefix streams: freed while those live

@@ -71,8 +71,8 @@ def is_plan_file(path: str | Path) -> bool:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return True  # unreadable as JSON: `read_plan` says so
-    return not isinstance(data, dict) or "rollplex_plan_version" in data or "spec" in data
+        return False  # a spec's reader says what is wrong with it, line by line
+    return isinstance(data, dict) and "rollplex_plan_version" in data
 
 
 def read_plan(path: str | Path) -> Plan:

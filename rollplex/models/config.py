@@ -97,11 +97,17 @@ class VisionConfig:
 
 @dataclass(frozen=True, slots=True)
 class TokenIds:
-    eos: int
+    eos: int  # <|im_end|>: ends every turn of the chat template
     vision_start: int
     vision_end: int
     image: int
     video: int
+    stops: tuple[int, ...] = ()  # the ids that end a sampled response beside `eos` (Qwen's <|endoftext|>)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """What ends a sampled response: `eos`, then the config's and its generation config's other end ids."""
+        return tuple(dict.fromkeys((self.eos, *self.stops)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +122,8 @@ class ModelConfig:
         """The inverse of `dataclasses.asdict` through JSON (lists back to tuples)."""
         text = {**d["text"], "mrope_section": tuple(d["text"]["mrope_section"])}
         vision = {**d["vision"], "fullatt_block_indexes": tuple(d["vision"]["fullatt_block_indexes"])}
-        return ModelConfig(d["name"], TextConfig(**text), VisionConfig(**vision), TokenIds(**d["tokens"]))
+        tokens = {**d["tokens"], "stops": tuple(d["tokens"].get("stops", ()))}
+        return ModelConfig(d["name"], TextConfig(**text), VisionConfig(**vision), TokenIds(**tokens))
 
 
 def _text_from_hf(d: dict) -> TextConfig:
@@ -155,24 +162,32 @@ def _vision_from_hf(d: dict, text_hidden: int) -> VisionConfig:
     )
 
 
-def config_from_hf(d: dict, name: str) -> ModelConfig:
-    """Builds a ModelConfig from the dict of an HF Qwen2.5-VL `config.json` (either layout)."""
+def config_from_hf(d: dict, name: str, generation: dict | None = None) -> ModelConfig:
+    """Builds a ModelConfig from the dict of an HF Qwen2.5-VL `config.json` (either layout); a response stops at
+    any of its `eos_token_id`s and of its `generation_config.json`'s (`generation`), as transformers and vLLM
+    stop."""
     text_d = {**d, **d.get("text_config", {})}
     text = _text_from_hf(text_d)
+    generated = (generation or {}).get("eos_token_id")
+    ends = [*_ids(text_d.get("eos_token_id", 151645)), *(_ids(generated) if generated is not None else [])]
     tokens = TokenIds(
-        eos=_first(text_d.get("eos_token_id", 151645)),
+        eos=ends[0],
         vision_start=d.get("vision_start_token_id", 151652),
         vision_end=d.get("vision_end_token_id", 151653),
         image=d.get("image_token_id", 151655),
         video=d.get("video_token_id", 151656),
+        stops=tuple(x for x in dict.fromkeys(ends) if x != ends[0]),
     )
     return ModelConfig(
         name=name, text=text, vision=_vision_from_hf(d["vision_config"], text.hidden_size), tokens=tokens
     )
 
 
-def _first(value: int | list[int]) -> int:
-    return value[0] if isinstance(value, list) else value
+def _ids(value: int | list[int]) -> list[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, not {value!r}")
+    return ids
 
 
 def shipped_model_names() -> list[str]:
@@ -208,8 +223,12 @@ def load_model_config(name_or_path: str, base: Path | None = None) -> ModelConfi
         raise ValueError(f"{path}: not a JSON config ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("vision_config", {}), dict):
         raise ValueError(f"{path}: not a Qwen2.5-VL config (a JSON object with a vision_config object)")
+    generation = path.parent / "generation_config.json"  # a checkpoint's: the ends its sampling stops at
     try:
-        return config_from_hf(d, name)
+        extra = json.loads(generation.read_bytes()) if path.parent != CONFIG_DIR and generation.is_file() else None
+        return config_from_hf(d, name, extra if isinstance(extra, dict) else None)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{generation}: not a JSON config ({e})") from None
     except KeyError as e:
         raise ValueError(f"{path}: lacks {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:

@@ -30,7 +30,7 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict:
         "rope_scaling": {"type": "mrope", "mrope_section": list(text.mrope_section)},
         "tie_word_embeddings": text.tie_word_embeddings,
         "max_position_embeddings": text.max_position_embeddings,
-        "eos_token_id": tokens.eos,
+        "eos_token_id": list(tokens.stop_ids) if tokens.stops else tokens.eos,
         "vision_start_token_id": tokens.vision_start,
         "vision_end_token_id": tokens.vision_end,
         "image_token_id": tokens.image,

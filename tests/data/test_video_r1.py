@@ -158,11 +158,19 @@ def test_options_labelled_out_of_their_order_are_an_error_naming_the_row(tmp_pat
     assert ":1: option 1 is labelled B, not A" in message
 
 
-def test_options_whose_text_starts_like_a_label_are_options_not_labels(data_dir):
+@pytest.mark.parametrize(
+    "options, shown",
+    [
+        (["red", "U.S. flag", "blue"], ["A. red", "B. U.S. flag", "C. blue"]),
+        (["A.M. radio", "FM radio"], ["A. A.M. radio", "B. FM radio"]),  # a label's letter, but no label
+        (["3:2 ratio", "B:3 ratio"], ["A. 3:2 ratio", "B. B:3 ratio"]),
+    ],
+)
+def test_options_whose_text_starts_like_a_label_are_options_not_labels(data_dir, options, shown):
     path = data_dir / "flag.jsonl"
-    path.write_text(json.dumps({**ROWS[0], "options": ["red", "U.S. flag", "blue"]}) + "\n")
+    path.write_text(json.dumps({**ROWS[0], "options": options}) + "\n")
     e = make(path)[0]
-    assert "\nB. U.S. flag\n" in CharTokenizer().decode(e.prompt.input_ids.tolist())
+    assert "\nOptions:\n" + "\n".join(shown) + "\n" in CharTokenizer().decode(e.prompt.input_ids.tolist())
     assert get_reward("accuracy")("<answer>B</answer>", e) == 1.0
 
 

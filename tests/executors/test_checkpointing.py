@@ -38,6 +38,9 @@ def test_a_checkpoint_missing_an_optimizer_part_is_refused(tmp_path, monkeypatch
     written = sorted((tmp_path / "cut" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
     assert len(written) > 2
     written[1].unlink()
+    with pytest.raises(SpecError, match=r"step-000001 is damaged \(optimizer/part-00001.pt is missing\)"):
+        run(tmp_path, "rollplex", 2, name="cut", resume=True)  # before any model is built: its manifest says so
+    (tmp_path / "cut" / "checkpoints" / "step-000001" / "files.json").unlink()  # one written before manifests
     with pytest.raises(SpecError, match=r"covers .* of the optimizer's .* an incomplete checkpoint"):
         run(tmp_path, "rollplex", 2, name="cut", resume=True)
 
@@ -72,6 +75,7 @@ def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_pat
     (part,) = sorted((step / "optimizer").glob("part-*.pt"))
     shutil.copy(part, step / "optimizer.pt")  # the layout of earlier checkpoints: one whole state dict
     shutil.rmtree(step / "optimizer")
+    (step / "files.json").unlink()  # written before checkpoints listed their files
     rest = run(tmp_path, "rollplex", 3, name="old", resume=True)
     assert rest[-1]["param_digest"] == whole[-1]["param_digest"]
 
@@ -126,6 +130,8 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
     part = next((tmp_path / "tampered" / "checkpoints" / "step-000001" / "optimizer").glob("part-*.pt"))
     marker = tmp_path / "ran"
     torch.save({"state": {0: _Payload(marker)}}, part)
+    manifest = part.parents[1] / "files.json"  # what a tamperer would also rewrite
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "optimizer/" + part.name: part.stat().st_size}))
     with pytest.raises(SpecError, match="holds more than tensors and plain values, not loaded"):
         run(tmp_path, "rollplex", 2, name="tampered", resume=True)
     assert not marker.exists()
@@ -136,6 +142,7 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
     [
         (OSError(28, "No space left on device"), "No space left on device"),
         (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), "unexpected pos 64 vs 0"),
+        (RuntimeError(), "RuntimeError"),  # an error without a message
     ],  # the OS's error, and torch's writer's own
 )
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
@@ -295,6 +302,10 @@ DAMAGES = {
     "state.json gone": lambda c: (c / "state.json").unlink(),
     "state.json garbled": lambda c: (c / "state.json").write_text("{"),
     "weights gone": lambda c: shutil.rmtree(c / "model"),
+    "index emptied": lambda c: (
+        (c / "files.json").write_text(json.dumps({"model/model.safetensors.index.json": 2}))
+        or (c / "model" / "model.safetensors.index.json").write_text("{}")
+    ),
 }
 
 
@@ -342,7 +353,7 @@ def test_a_second_interrupt_while_the_last_checkpoint_is_written_waits_for_it(tm
     finally:
         REWARDS["test_char_share"] = char_share
         monkeypatch.setattr(checkpointing.torch, "save", real)
-    assert "writing step 2's checkpoint first" in capsys.readouterr().err
+    assert "ending the run: its last metrics and checkpoint first" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-000002"]
     rest = run(tmp_path, "rollplex", 3, name="stopped", resume=True)
     assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]

@@ -85,3 +85,10 @@ def test_the_optimizer_keeps_in_hbm_the_share_of_its_state_the_plan_keeps_there(
     optimizer = build_engines(replace(plan, decisions=decisions)).optimizer
     assert optimizer.num_streamed == len(optimizer.chunks) - 2
     assert sum(block.num_bytes for block in optimizer.device_pool.live_blocks) == kept
+
+
+def test_the_rollout_stops_at_the_models_ends():
+    engines = build_engines(compile_plan(loaded()))
+    assert (
+        engines.sampling.stop_token_ids == engines.actor.config.tokens.stop_ids == (2,)
+    )  # the tiny config's <|im_end|>

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollplex.models.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint, load_pretrained, save_checkpoint
-from rollplex.models.config import config_from_hf
+from rollplex.models.config import config_from_hf, load_model_config
 from rollplex.models.hf_config import hf_config_dict
 from rollplex.models.model import Qwen2_5_VL
 
@@ -78,6 +78,21 @@ def test_tied_checkpoints_omit_the_head_and_load_it_tied(config, tmp_path):
 
 def test_the_written_config_reads_back_as_the_same_config(config):
     assert config_from_hf(hf_config_dict(config, torch.bfloat16), config.name) == config
+    qwen = load_model_config("qwen2_5_vl_7b")  # two ends, as Qwen2.5-VL's generation config has
+    assert qwen.tokens.stop_ids == (151645, 151643)
+    assert config_from_hf(hf_config_dict(qwen, torch.bfloat16), qwen.name) == qwen
+
+
+def test_a_checkpoints_generation_config_adds_the_ends_a_response_stops_at(config, tmp_path):
+    written = {**hf_config_dict(config, torch.bfloat16), "eos_token_id": 7}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert load_model_config(str(tmp_path)).tokens.stop_ids == (7,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "top_p": 0.001}))
+    tokens = load_model_config(str(tmp_path)).tokens
+    assert tokens.eos == 7 and tokens.stop_ids == (7, 9)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"generation_config\.json: not a JSON config"):
+        load_model_config(str(tmp_path))
 
 
 def test_transformers_loads_our_checkpoint_and_we_load_its_checkpoint(model, config, tmp_path):
