@@ -25,7 +25,8 @@ def _compile(args: argparse.Namespace) -> int:
         raise SpecError("", f"-o {args.output} with --dry-run, which writes no plan", "drop one of them")
     args.output = args.output or "plan.json"
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise SpecError("", f"--plot {args.plot}: not an image file", f"end it in {', '.join(PLOT_SUFFIXES)}")
+        raise SpecError("", f"--plot {args.plot}: no image format matplotlib writes",
+                        f"end it in {', '.join(PLOT_SUFFIXES)}")  # fmt: skip
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
         if path is not None:
             _check_folder(flag, path)
@@ -60,7 +61,7 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # what `--plot` writes (matplotlib's format by the file's suffix)
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
 
 
 def _check_folder(flag: str, path: str) -> None:

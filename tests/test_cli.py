@@ -81,7 +81,7 @@ def test_dry_run_flags_without_dry_run_and_a_plan_given_to_compile_are_one_line(
         assert main(["compile", tiny, *flags]) == 2
         assert says in capsys.readouterr().err
     for flags, says in ((["--dry-run", "-o", "x.json"], "-o x.json with --dry-run"), (["--dry-run", "--plot",
-                        str(tmp_path / "m.txt")], "not an image file")):  # fmt: skip
+                        str(tmp_path / "m.txt")], "no image format matplotlib writes")):  # fmt: skip
         assert main(["compile", tiny, *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and not (tmp_path / "m.txt").exists()

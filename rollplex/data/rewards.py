@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rollplex.data.types import AnswerKind, Example
+from rollplex.errors import RunFailed
 
 RewardFn = Callable[[str, Example], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -106,8 +107,19 @@ class RewardTerms:
     fns: tuple[RewardFn, ...]
 
     def scores(self, text: str, example: Example) -> tuple[float, ...]:
-        """Every term's unweighted score of one response."""
-        return tuple(float(fn(text, example)) for fn in self.fns)
+        """Every term's unweighted score of one response; a score that is not a finite number stops the run (one
+        NaN would make its whole group's advantages NaN)."""
+        out = []
+        for name, fn in zip(self.names, self.fns, strict=True):
+            value = fn(text, example)
+            try:
+                score = float(value)
+            except (TypeError, ValueError):
+                score = math.nan
+            if not math.isfinite(score):
+                raise RunFailed(f"reward '{name}' scored a response {value!r}: a reward must be a finite number")
+            out.append(score)
+        return tuple(out)
 
     def total(self, scores: Sequence[float]) -> float:
         return sum(w * s for w, s in zip(self.weights, scores, strict=True))

@@ -78,7 +78,8 @@ class Decisions:
         """The decisions of a plan file (`planfile.py`); ValueError for a byte count that is not a whole number of
         bytes (at least one for the optimizer's chunk)."""
         for key in ("host_pool_bytes", "optimizer_chunk_bytes", "rollout_kv_bytes", "optimizer_kept_bytes"):
-            value, least = d.get(key, 0), 1 if key == "optimizer_chunk_bytes" else 0
+            value = d.get(key, 0) if key == "optimizer_kept_bytes" else d[key]  # the one with a default may be left out
+            least = 1 if key == "optimizer_chunk_bytes" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"decisions.{key} is {value!r}: a whole number of bytes, at least {least}")
         s = d["sharing"]

@@ -190,6 +190,16 @@ def test_reward_terms_score_each_term_and_sum_them_with_their_weights():
     assert terms.names == ("format", "accuracy") and scores == (1.0, 1.0) and terms.total(scores) == 2.5
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), None, "high"])
+def test_a_reward_that_is_not_a_finite_number_stops_the_run_in_one_line(value):
+    from rollplex.data.rewards import RewardTerms
+    from rollplex.errors import RunFailed
+
+    terms = RewardTerms(("format", "mine"), (1.0, 1.0), (get_reward("format"), lambda text, example: value))
+    with pytest.raises(RunFailed, match=r"reward 'mine' scored a response .*: a reward must be a finite number"):
+        terms.scores("<think>x</think><answer>B</answer>", CHOICE)
+
+
 def test_names_joined_by_plus_sum_their_rewards():
     text = "<think>x</think><answer>A</answer>"
     assert get_reward("format+accuracy")(text, CHOICE) == 1.0
