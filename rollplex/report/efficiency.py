@@ -108,7 +108,10 @@ def _of_bench(path: Path, schedule: str) -> dict[str, float]:
         result = json.loads(path.read_text())
         device, whole = result.get("device_efficiency", {}), result["efficiency"]
         of = lambda s: device.get(s) or whole.get(s, {})  # noqa: E731  (an older bench or baseline: the whole's)
-        found = {**of("serial"), **of(schedule)}  # serial's for a phase run alone
-        return {k: float(v) for k, v in found.items()}
+        found = {k: float(v) for k, v in {**of("serial"), **of(schedule)}.items()}  # serial's for a phase run alone
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None
+    if not found:  # a CPU bench: no bounds there
+        raise SpecError("", f"--efficiency {path}: a bench result without efficiencies (run on a CPU?)",
+                        "give a GPU bench's")  # fmt: skip
+    return found

@@ -108,6 +108,13 @@ def test_metrics_without_bounds_are_refused_in_one_line(tmp_path):
         read_efficiencies(str(path), "serial")
 
 
+def test_a_cpu_bench_without_efficiencies_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"efficiency": {"serial": {}, "rollplex": {}}, "device_efficiency": {}}))
+    with pytest.raises(SpecError, match=r"a bench result without efficiencies \(run on a CPU\?\); give a GPU"):
+        read_efficiencies(str(path), "rollplex")
+
+
 def test_a_run_ends_with_each_phases_median_seconds_bound_and_efficiency_slowest_first():
     from rollplex.report.efficiency import run_summary
 
