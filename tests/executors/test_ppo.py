@@ -131,6 +131,7 @@ def test_resume_continues_actor_and_critic_as_an_uninterrupted_run(tmp_path):
     state = tmp_path / "part" / "checkpoints" / "step-000001" / "state.json"
     written = state.read_text()
     state.write_text(json.dumps({k: v for k, v in json.loads(written).items() if k != "run"}))  # an older checkpoint
+    (state.parent / "files.json").unlink()  # which listed no files either
     with pytest.raises(SpecError, match="holds a critic: it was written by a PPO run"):
         train(compile_plan(loaded(), Schedule.ROLLPLEX), as_grpo)
     state.write_text(written)

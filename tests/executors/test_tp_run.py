@@ -120,7 +120,7 @@ def test_a_tp2_run_trains_like_the_one_process_run(tmp_path, one_process, qkv, d
     diff = torch.cat([(wb[n] - wa[n]).abs().flatten() for n in wa])
     assert diff.max() < 1e-3 and (diff > 1e-5).float().mean() < 1e-3, (diff.max(), (diff > 1e-5).sum())
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-000002").iterdir()) == [
-        "model", "optimizer-rank0", "optimizer-rank1", "rng.pt", "state.json",
+        "files.json", "model", "optimizer-rank0", "optimizer-rank1", "rng.pt", "state.json",
     ]  # fmt: skip
 
 
