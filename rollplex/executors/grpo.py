@@ -21,15 +21,14 @@ LOG_RATIO_LIMIT = 20.0  # a log ratio's most before exp: FP32 stays finite, so n
 
 
 def group_advantages(rewards: Tensor) -> Tensor:
-    """rewards [P, N] -> (r - mean over the group) / (unbiased std over the group + eps), [P, N], in float64 (a
-    float32 mean of rewards such as 0.7 lands an ulp off them, and that ulp over eps is an advantage of 0.1). A
-    group whose rewards are all equal, one response among them, has advantage 0 (verl's group of one gets its raw
-    reward): it has nothing to be compared with."""
-    r = rewards.double()
-    mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, keepdim=True) if r.shape[1] > 1 else torch.zeros_like(mean)
-    agrees = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
-    return ((r - mean) / (std + ADVANTAGE_EPS)).masked_fill(agrees, 0.0).to(rewards.dtype)
+    """rewards [P, N] -> (r - mean over the group) / (unbiased std over the group + eps), [P, N]. A group whose
+    rewards are all equal, one response among them, has advantage 0 (verl's group of one gets its raw reward): it
+    has nothing to be compared with. That 0 is set, not computed: a float32 mean of rewards such as 0.7 lands an
+    ulp off them, and that ulp over eps would be an advantage of 0.1 for every response of the group."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    agrees = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)
+    return ((rewards - mean) / (std + ADVANTAGE_EPS)).masked_fill(agrees, 0.0)
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
