@@ -80,22 +80,28 @@ def test_a_checkpoint_with_its_optimizer_state_in_one_file_still_resumes(tmp_pat
     assert rest[-1]["param_digest"] == whole[-1]["param_digest"]
 
 
-def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
-    whole = run(tmp_path, "rollplex", 4, name="whole")
+def interrupt_at_step_3(tmp_path, steps: int, name: str, before=lambda: None) -> None:
+    """A run of `steps` interrupted (Ctrl-C) at the first reward of step 3, `before()` called just before."""
     calls = {"n": 0}
 
     def interrupting(text, example):
         calls["n"] += 1
         if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
+            before()
             raise KeyboardInterrupt
         return char_share(text, example)
 
     REWARDS["test_char_share"] = interrupting
     try:
         with pytest.raises(KeyboardInterrupt):
-            run(tmp_path, "rollplex", 4, name="stopped")
+            run(tmp_path, "rollplex", steps, name=name)
     finally:
         REWARDS["test_char_share"] = char_share
+
+
+def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_checkpoint(tmp_path):
+    whole = run(tmp_path, "rollplex", 4, name="whole")
+    interrupt_at_step_3(tmp_path, 4, "stopped")
     names = sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir())
     assert names == ["step-000002"]
     rest = run(tmp_path, "rollplex", 4, name="stopped", resume=True)
@@ -333,25 +339,16 @@ def test_a_second_interrupt_while_the_last_checkpoint_is_written_waits_for_it(tm
     from rollplex.executors import checkpointing
 
     whole = run(tmp_path, "rollplex", 3, name="whole")
-    real, calls = torch.save, {"n": 0}
+    real = torch.save
 
     def interrupted_again(obj, f, *args, **kw):
         os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C again while the run saves on its way out
         return real(obj, f, *args, **kw)
 
-    def interrupting(text, example):
-        calls["n"] += 1
-        if calls["n"] == 2 * 3 * 2 + 1:  # the first reward of step 3
-            monkeypatch.setattr(checkpointing.torch, "save", interrupted_again)
-            raise KeyboardInterrupt
-        return char_share(text, example)
-
-    REWARDS["test_char_share"] = interrupting
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run(tmp_path, "rollplex", 3, name="stopped")
+        interrupt_at_step_3(tmp_path, 3, "stopped", lambda: monkeypatch.setattr(checkpointing.torch, "save",
+                                                                                 interrupted_again))  # fmt: skip
     finally:
-        REWARDS["test_char_share"] = char_share
         monkeypatch.setattr(checkpointing.torch, "save", real)
     assert "ending the run: its last metrics and checkpoint first" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-000002"]
