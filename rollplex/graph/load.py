@@ -41,6 +41,8 @@ def load_spec(path: str | Path) -> LoadedSpec:
         raw = path.read_bytes()
     except OSError as e:
         raise SpecError("", f"cannot read spec: {e.strerror}", file=str(path)) from None
+    if path.suffix == ".json":  # JSON is YAML but for tabs between its tokens (inside its strings they are escaped)
+        raw = raw.replace(b"\t", b" ")
     return parse_spec(raw, file=str(path), base=path.parent)
 
 

@@ -3,10 +3,13 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from rollplex.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = """\
 model: tiny
@@ -142,3 +145,22 @@ def test_the_console_script_prints_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "bogus: unknown key" in proc.stderr
+
+
+def test_a_spec_written_in_json_with_tab_indents_compiles_and_its_errors_name_the_line(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from rollplex.graph.load import load_spec
+
+    tiny = yaml.safe_load((ROOT / "specs/tiny_cpu.yaml").read_text())
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny, indent="\t"))
+    assert load_spec(tmp_path / "tiny.json").spec == load_spec(ROOT / "specs/tiny_cpu.yaml").spec
+    (tmp_path / "bad.json").write_text(json.dumps({**tiny, "run": {**tiny["run"], "steps": 0}}, indent="\t"))
+    assert main(["compile", str(tmp_path / "bad.json"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    line = (
+        json.dumps({**tiny, "run": {**tiny["run"], "steps": 0}}, indent="\t").splitlines().index('\t\t"steps": 0,') + 1
+    )
+    assert len(err.splitlines()) == 1 and f"bad.json:{line}: run.steps" in err
