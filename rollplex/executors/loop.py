@@ -173,6 +173,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
             for step in step_bar:
+                keep_streaming(engines)
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
                 except ValueError as e:  # a row the dataset cannot read (a corrupt video): the steps before it stay
@@ -194,7 +195,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                         "after_op": chain(after, memory.after, complete),
                     }
                     record = run_iteration(g, engines, examples, **hooks)
+                keep_streaming(engines)
                 gc_s = collect()  # inside the step's time; beside a deferred update the device is busy meanwhile
+                keep_streaming(engines)
                 position += size
                 local_lens = record.response_lens  # this rank's: its bound is of its own share
                 if engines.dp is not None:
@@ -225,6 +228,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
                     emit_waiting()  # joins a deferred update; its line before its checkpoint: none without one
                     checkpointing.save(opts.out_dir, saved, engines)
+                keep_streaming(engines)
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
         finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
             ending = True
@@ -263,6 +267,13 @@ def _over_ranks(record: StepRecord, dp) -> StepRecord:
     record.reward_terms = {k: v / dp.size for k, v in zip(names, means[:-1], strict=True)}
     record.stats["accuracy"] = means[-1] / dp.size
     return record
+
+
+def keep_streaming(engines: Engines) -> None:
+    """Between steps, a deferred update's next chunks onto its streams (`UpdateInFlight.pump`: a few ahead, never
+    waiting): otherwise its host link idles from the update's first chunks until the next prefix's first module."""
+    if (update := engines.optimizer.in_flight) is not None:
+        update.pump()
 
 
 def _metrics(

@@ -213,8 +213,7 @@ class ChunkedAdamW:
         missing = [i for i, g in enumerate(grads) if g is None]
         if missing:
             raise ValueError(f"parameters {missing[:8]} have no .grad; pass only parameters that receive gradients")
-        slots, grad, norms = self._carve_workspace()  # first: a step that finds no memory leaves the count as it was
-        self.num_steps += 1
+        slots, grad, norms = self._carve_workspace()  # a step that finds no memory leaves the count as it was
         load, adam, offload = self._streams
         for stream in (load, adam, offload):
             if stream is not None:
@@ -224,6 +223,7 @@ class ChunkedAdamW:
             loaded[0] = self._copy(load, self.first_moved, slots[0], into_host=False, after=())
         with on_stream(adam):
             coef = self._grad_norm_pass(norms, grads)
+            self.num_steps += 1  # after all the step allocates: only a step that goes ahead counts
             number = torch.full((), float(self.num_steps), dtype=torch.float32, device=self.device)
         normed = tail_event(adam)
         step = _StepArgs(self.config, number, coef, self.write, grads)

@@ -28,6 +28,16 @@ from rollplex.memory.optimizer import ChunkedAdamW
 SEVEN = (ROOT / "specs/qwen2_5_vl_7b_h200.yaml").read_text()
 
 
+class InFlight:
+    """A deferred update's stand-in: counts how often the run asks it to enqueue more (`keep_streaming`)."""
+
+    def __init__(self) -> None:
+        self.pumps = 0
+
+    def pump(self) -> None:
+        self.pumps += 1
+
+
 def beside(text: str, value: str = "true") -> str:
     return (
         text.replace("sharing:\n", f"sharing:\n  update_beside_prefix: {value}\n")
@@ -123,7 +133,7 @@ def ppo_text() -> str:
 def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch, text_of):
     """PPO too: the critic's update, in the step before the actor's, runs with none in flight, and the critic's
     digest (of weights the actor's update does not touch) is read at its step's end."""
-    events = []
+    events, pumps = [], []
     step, finish = ChunkedAdamW.step, ChunkedAdamW.finish
 
     live, actor_digests = {}, []
@@ -131,7 +141,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     def deferred_step(self, defer=False):
         norm = step(self)
         if defer:
-            self.in_flight, self.waited = "in flight", 0  # the stand-in
+            self.in_flight, self.waited = InFlight(), 0  # the stand-in
             live["optimizer"] = self
         return norm
 
@@ -148,6 +158,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     def stand_in_finish(self):
         if self.in_flight is not None:
             events.append(self.waited)
+            pumps.append(self.in_flight.pumps)
             self.in_flight = None
         finish(self)
 
@@ -181,6 +192,7 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
     assert len(actor_digests) == 3  # one a step, each after its update
     assert len(events) == 3 and all(waited > 0 for waited in events[:2])  # steps 2, 3's prefixes waited; the end
+    assert all(n >= 4 for n in pumps[:2])  # between steps the update was asked for more, not left to the prefix
     lines = [json.loads(x) for x in (tmp_path / "deferred" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["param_digest"] for x in lines] == [
         r["param_digest"] for r in joined
@@ -195,7 +207,7 @@ def test_the_rest_of_a_deferred_update_after_the_actor_prefix_counts_as_the_upda
     def deferred_step(self, defer=False):
         norm = step(self)
         if defer:
-            self.in_flight = "in flight"  # the stand-in: its rest takes rest_s
+            self.in_flight = InFlight()  # the stand-in: its rest takes rest_s
         return norm
 
     def slow_finish(self):
@@ -286,7 +298,7 @@ def test_an_interrupt_beside_a_deferred_update_waits_until_the_next_prefix_has_j
     def deferred_step(self, defer=False):
         norm = step(self)
         if defer:
-            self.in_flight = "in flight"
+            self.in_flight = InFlight()
         return norm
 
     def stand_in_wait(self, params):

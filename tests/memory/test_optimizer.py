@@ -363,18 +363,19 @@ def test_an_optimizer_with_fp32_grads_dies_with_its_last_reference_while_its_par
     assert params[0].grad is not None
 
 
-def test_a_step_that_finds_no_memory_for_its_workspace_leaves_the_step_count_as_it_was(monkeypatch):
+@pytest.mark.parametrize("where", ["_carve_workspace", "_grad_norm_pass"])
+def test_a_step_that_finds_no_memory_for_its_workspace_leaves_the_step_count_as_it_was(monkeypatch, where):
     ours, theirs = make_params(), make_params()
     mine, reference = ChunkedAdamW(ours, chunk_bytes=4096), torch.optim.AdamW(theirs)
-    carve, calls = ChunkedAdamW._carve_workspace, []
+    real, calls = getattr(ChunkedAdamW, where), []
 
-    def first_fails(self):
+    def first_fails(self, *args):
         calls.append(1)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError("no room for the workspace")
-        return carve(self)
+            raise torch.OutOfMemoryError("no room")  # the workspace, or what the gradient norm allocates
+        return real(self, *args)
 
-    monkeypatch.setattr(ChunkedAdamW, "_carve_workspace", first_fails)
+    monkeypatch.setattr(ChunkedAdamW, where, first_fails)
     set_grads(ours, 1)
     twin_grads(ours, theirs)
     with pytest.raises(torch.OutOfMemoryError):
