@@ -155,3 +155,12 @@ def test_a_flags_error_names_no_spec_and_the_launch_line_quotes_the_specs_path(t
     spaced.write_text((SPECS / "tiny_cpu.yaml").read_text())
     assert main(["compile", str(spaced), "--dry-run"]) == 0
     assert f"launch: rollplex run '{spaced}'" in capsys.readouterr().out
+
+
+def test_the_dry_run_names_the_files_a_run_would_refuse_for_their_absence(tmp_path, capsys):
+    text = (SPECS / "tiny_cpu.yaml").read_text().replace("synthetic:colour@tiny", "missing.jsonl")
+    (tmp_path / "spec.yaml").write_text(text.replace("dtype: float32", "dtype: float32, init: checkpoint"))
+    assert main(["compile", str(tmp_path / "spec.yaml"), "--dry-run"]) == 0  # it plans; `run` refuses
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollplex run refuses"))
+    assert "run.init (checkpoint: " in line and "set run.init: random" in line
+    assert "workload.dataset (dataset 'missing.jsonl' is neither" in line

@@ -14,6 +14,7 @@ from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import Tokenizer
 from rollplex.data.types import Example
 from rollplex.data.video_r1 import VideoR1Dataset
+from rollplex.graph.spec_files import dataset_file
 
 SYNTHETIC_SIZE = 1 << 20  # examples are made on demand from (seed, index)
 
@@ -33,17 +34,6 @@ def open_dataset(
             preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE, mismatch_videos=mismatch_videos
         )
     return VideoR1Dataset(dataset_file(name, base), tokenizer)
-
-
-def dataset_file(name: str, base: Path | None = None) -> Path:
-    """The file a non-synthetic `workload.dataset` names (relative to `base`, the spec's folder); ValueError where
-    there is none."""
-    path = Path(name).expanduser()
-    if not path.is_absolute() and base is not None:
-        path = base / path
-    if not path.is_file():
-        raise ValueError(f"dataset '{name}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file")
-    return path
 
 
 def batch_at(dataset: Dataset, position: int, size: int) -> list[Example]:

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from rollplex.data.source import dataset_file
 from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
 from rollplex.graph.load import LoadedSpec
-from rollplex.models.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint, save_state
+from rollplex.graph.spec_files import checkpoint_files, dataset_file
+from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
 from rollplex.models.config import CONFIG_DIR, resolve_config_path
 from rollplex.models.vision import hf_padded, hf_view
 from rollplex.parallel.model import full_state, load_sharded

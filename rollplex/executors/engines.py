@@ -17,7 +17,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -36,11 +35,11 @@ from rollplex.graph.load import LoadedSpec
 from rollplex.graph.objects import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.graph.spec_files import model_dir
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
-from rollplex.models.config import resolve_config_path
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rerun import Rerun
@@ -376,11 +375,6 @@ def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
     device = reference.device.index if reference.device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(device).total_memory
     return WeightPager(reference, VmmArena(total, device))
-
-
-def model_dir(loaded: LoadedSpec) -> Path:
-    """The folder of the spec's model: its config, and its weights where `run.init` is checkpoint."""
-    return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:

@@ -23,6 +23,7 @@ import torch
 from rollplex.errors import SpecError
 from rollplex.executors import checkpointing
 from rollplex.graph.plan import Plan
+from rollplex.graph.spec_files import missing_files
 
 GIB = 2**30
 
@@ -67,12 +68,9 @@ def _checkpoints(out_dir: Path, steps: int, resume: bool) -> None:
 def _spec_problems(plan: Plan):
     """(key, problem) for each check of the module's docstring that fails, in its order."""
     from rollplex.data.rewards import load_reward
-    from rollplex.data.source import dataset_file
-    from rollplex.executors.engines import model_dir
-    from rollplex.models.checkpoint import checkpoint_files
 
     loaded = plan.loaded
-    spec, base = loaded.spec, loaded.path.parent
+    spec = loaded.spec
     if spec.run.device == "auto" and not torch.cuda.is_available():
         r, per_node = plan.residency, spec.cluster.gpus_per_node  # on the CPU the host pool shares the same memory
         need = per_node * r.peak_bytes + r.host.needed_bytes_per_node
@@ -86,16 +84,7 @@ def _spec_problems(plan: Plan):
                     "try the CPU anyway"
                 ),
             )
-    if spec.run.init == "checkpoint":
-        try:
-            checkpoint_files(model_dir(loaded))
-        except (FileNotFoundError, ValueError) as e:
-            yield "run.init", f"checkpoint: {e}; or set run.init: random"
-    if not spec.workload.dataset.startswith("synthetic:"):
-        try:
-            dataset_file(spec.workload.dataset, base)
-        except ValueError as e:
-            yield "workload.dataset", str(e)
+    yield from missing_files(loaded)
     for reward in spec.algorithm.rewards:
         if ":" in reward.name:
             try:

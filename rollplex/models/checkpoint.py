@@ -16,13 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from rollplex.graph.spec_files import INDEX_FILE, SINGLE_FILE, checkpoint_files
 from rollplex.models.config import ModelConfig, load_model_config
 from rollplex.models.hf_config import hf_config_dict
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.vision import hf_shaped
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
 
 
@@ -33,15 +32,6 @@ def current_name(name: str) -> str:
     if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
         return f"model.language_model.{name.removeprefix('model.')}"
     return name
-
-
-def checkpoint_files(directory: Path) -> list[Path]:
-    if (directory / INDEX_FILE).is_file():
-        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
-    raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 @torch.no_grad()

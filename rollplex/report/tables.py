@@ -10,6 +10,7 @@ from rollplex.graph.levers import faster_residencies
 from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.graph.spec_files import missing_files
 from rollplex.graph.timeplan import overlapped_timers, step_bound_s, time_plan
 
 
@@ -92,6 +93,7 @@ def launch_lines(plan: Plan) -> str:
             lines.append(f"{name}: {shown}{' ...' if len(groups) > 8 else ''}")
     where = {"any": "", "cuda": "; on a GPU", "cpu": "; on the CPU"}
     refused = [f"{r.key} ({r.problem}{where[r.on]})" for r in run_refusals(s)]
+    refused += [f"{key} ({problem})" for key, problem in missing_files(plan.loaded)]
     if refused:
         lines.append("rollplex run refuses, as the spec stands: " + "; ".join(refused))
     return "\n".join(lines)

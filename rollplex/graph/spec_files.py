@@ -1,0 +1,57 @@
+"""The files a spec names, found without reading them: the dataset file of a non-synthetic `workload.dataset` and,
+under `run.init: checkpoint`, the model folder's weights. `rollplex run` refuses a spec whose files are missing
+before it builds anything (`executors.preflight`), and the dry-run lists the same (`report.tables`). No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rollplex.graph.load import LoadedSpec
+from rollplex.models.config import resolve_config_path
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def dataset_file(name: str, base: Path | None = None) -> Path:
+    """The file a non-synthetic `workload.dataset` names (relative to `base`, the spec's folder); ValueError where
+    there is none."""
+    path = Path(name).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    if not path.is_file():
+        raise ValueError(f"dataset '{name}' is neither 'synthetic:<preset>' nor an existing JSON/JSONL file")
+    return path
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of an HF checkpoint folder: those its index names, or its one file."""
+    if (directory / INDEX_FILE).is_file():
+        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def model_dir(loaded: LoadedSpec) -> Path:
+    """The folder of the spec's model: its config, and its weights where `run.init` is checkpoint."""
+    return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
+
+
+def missing_files(loaded: LoadedSpec) -> list[tuple[str, str]]:
+    """(spec key, problem) for each file the spec names that is not there."""
+    spec, found = loaded.spec, []
+    if spec.run.init == "checkpoint":
+        try:
+            checkpoint_files(model_dir(loaded))
+        except (FileNotFoundError, ValueError) as e:
+            found.append(("run.init", f"checkpoint: {e}; or set run.init: random"))
+    if not spec.workload.dataset.startswith("synthetic:"):
+        try:
+            dataset_file(spec.workload.dataset, loaded.path.parent)
+        except ValueError as e:
+            found.append(("workload.dataset", str(e)))
+    return found
