@@ -232,9 +232,9 @@ def test_run_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_main_job_learns_the_answer_form_from_random_weights_in_its_first_160_steps(tmp_path):
-    spec = parse_spec((ROOT / "specs/tiny_cpu.yaml").read_text())  # the last 20 steps' reward: 0.44 from 0.005
-    opts = RunOptions(160, tmp_path, progress=False, tensorboard=False, checkpoints=False)
+def test_the_main_job_learns_the_answer_form_from_random_weights_in_its_first_140_steps(tmp_path):
+    spec = parse_spec((ROOT / "specs/tiny_cpu.yaml").read_text())  # the last 20 steps' form: 0.40 from 0.005
+    opts = RunOptions(140, tmp_path, progress=False, tensorboard=False, checkpoints=False)
     records = train(compile_plan(spec), opts)
     early = sum(r["rewards/answer_format"] for r in records[:10]) / 10
     late = sum(r["rewards/answer_format"] for r in records[-20:]) / 20
