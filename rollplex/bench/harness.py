@@ -50,7 +50,7 @@ from rollplex.bench.stalls import StepStalls
 from rollplex.bench.variants import policy_label
 from rollplex.data.prefetch import staged
 from rollplex.data.source import batch_at, open_dataset
-from rollplex.executors.bounds import step_bounds
+from rollplex.executors.bounds import step_bounds, step_tokens
 from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.engines import build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
@@ -144,7 +144,7 @@ def run_schedule(
             out.beside_fraction.append(record.stats.get("prefix_chunks_during_decode", 0.0))
             out.prefix_backward_s.extend([record.prefix_backward_s] if record.prefix_backward_s is not None else [])
             out.longest_response.append(int(record.response_lens.max()))
-            bounds, device_bounds = step_bounds(plan, examples, record.response_lens)
+            bounds, device_bounds = step_bounds(plan, step_tokens(examples, record.response_lens))
             out.bounds.append(bounds)
             out.device_bounds.append(device_bounds)
             out.stalls.append(stalls.as_dict())

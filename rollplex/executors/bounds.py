@@ -25,12 +25,10 @@ def step_tokens(examples: Sequence, response_lens: torch.Tensor) -> StepTokens:
     )
 
 
-def step_bounds(
-    plan: Plan, examples: Sequence, response_lens: torch.Tensor
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds at the bound of each phase timer of this step on the spec's GPU (`cluster.gpu`), and at its device
-    bound (the host link left out)."""
+def step_bounds(plan: Plan, tokens: StepTokens) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds at the bound of each phase timer of a step of these counts (`step_tokens`) on the spec's GPU
+    (`cluster.gpu`), and at its device bound (the host link left out)."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    costs = plan_phase_costs(plan, step_tokens(examples, response_lens))
+    costs = plan_phase_costs(plan, tokens)
     device = {k: tuple(Cost(p.flops, p.hbm_bytes) for p in parts) for k, parts in costs.items()}
     return tuple({k: round(v, 4) for k, v in phase_bounds(c, peaks).items()} for c in (costs, device))

@@ -106,10 +106,8 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
         return _save(final, tmp, snap, engines)
     except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
         shutil.rmtree(tmp, ignore_errors=True)
-        kept, why = (
-            latest(out_dir),
-            getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200],
-        )
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+        kept = latest(out_dir)
         raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
 

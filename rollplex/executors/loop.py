@@ -173,7 +173,6 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
             for step in step_bar:
-                keep_streaming(engines)
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
                 except ValueError as e:  # a row the dataset cannot read (a corrupt video): the steps before it stay
@@ -207,9 +206,11 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     _metrics(record, engines, step, plan.schedule, time.perf_counter() - begin, not in_flight)
                 )
                 on_gpu = engines.actor.device.type == "cuda"  # the CPU's peaks are unknown: no bounds there
-                bounds = step_bounds(plan, examples, local_lens) if on_gpu else ({}, {})
-                records[-1]["bound_s"], records[-1]["device_bound_s"] = bounds
-                records[-1]["tokens"] = asdict(step_tokens(examples, local_lens))  # a later cost model reprices it
+                tokens = step_tokens(examples, local_lens)
+                records[-1]["bound_s"], records[-1]["device_bound_s"] = (
+                    step_bounds(plan, tokens) if on_gpu else ({}, {})
+                )
+                records[-1]["tokens"] = asdict(tokens)  # a later cost model reprices the step
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)

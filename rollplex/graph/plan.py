@@ -109,8 +109,8 @@ TIE = 0.01  # step bounds this close, relative to the larger, are a tie
 
 def _beats(plan: Plan, other: Plan) -> str:
     """Why `plan` is the faster of the two, or "" where it is not: a lower step bound, or bounds within TIE of each
-    other and fewer bytes over the host link (the traffic the measured runs hide least behind the device's work:
-    beside the streamed update the 7B prefix took 2.5 s against its bound of 1.5, docs/results.md)."""
+    other and fewer bytes over the host link (the traffic the measured runs hide least behind the device's work: the
+    7B prefix beside the streamed update, docs/results.md)."""
     from rollplex.graph.timeplan import step_bound_s, time_plan
 
     (ours, mine), (theirs, yours) = (

@@ -107,7 +107,7 @@ class TokenIds:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """What ends a sampled response: `eos`, then the config's and its generation config's other end ids."""
-        return tuple(dict.fromkeys((self.eos, *self.stops)))
+        return (self.eos, *self.stops)
 
 
 @dataclass(frozen=True, slots=True)
