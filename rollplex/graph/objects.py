@@ -221,6 +221,22 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     if split:
         yield _suffix_attention(c, role, live)
         yield from _prefix_saved(c, role, backward)
+    elif vision := _unsplit_vision_activations(c):
+        yield MemObject(
+            role.value, Component.ACTIVATIONS, TensorClass.PHASE_LOCAL, vision, live, Residency.ABSENT, True
+        )
+
+
+def _unsplit_vision_activations(c: Context) -> int:
+    """Unsplit, a group's microbatch runs the vision tower once for each of its sequences (`hidden` over prompt ++
+    response) and keeps its saved tensors: every block's (or under recompute each block's input, and one block's
+    whole while backward reruns it) for each patch. None for a frozen tower: nothing in it needs a gradient."""
+    if c.spec.model.freeze_vision:
+        return 0
+    v = c.model.vision
+    full = S.vision_activation_bytes_per_patch(v, c.gpu.train_tp)
+    per_patch = v.depth * v.hidden_size * S.BF16 + full if c.spec.memory.recompute == "full" else v.depth * full
+    return c.gpu.group_size * c.gpu.patches_per_prompt * per_patch
 
 
 def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject:

@@ -288,3 +288,27 @@ def test_the_lowering_takes_only_settled_recompute_settings_and_changes_keep_the
         plan_of(loaded, Schedule.ROLLPLEX, compile_graph(loaded.spec))
     changed = with_changes(loaded, {"memory": {"recompute": "full"}})
     assert changed.spec.memory.recompute == "full" and "gpu" not in changed.spec.cluster.model_fields_set
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_unsplit_plan_keeps_the_vision_towers_saved_tensors_for_every_sequence_of_the_group(recompute):
+    """Unsplit, each of a group's sequences runs the vision tower over its prompt's patches (`hidden` over prompt
+    ++ response), and the microbatch's backward needs each run's saved tensors: group_size x patches x blocks."""
+    from rollplex.layout.shapes import BF16, vision_activation_bytes_per_patch
+
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text().replace("recompute: full", f"recompute: {recompute}")
+    plan = compile_plan(parse_spec(text), Schedule.UNSPLIT)
+    v, g = plan.context.model.vision, plan.context.gpu
+    [kept] = [
+        o for o in plan.residency.objects if o.role == "actor" and o.component.value.startswith("activ") and o.vision
+    ]
+    per_block = vision_activation_bytes_per_patch(v, 1)
+    per_patch = v.depth * v.hidden_size * BF16 + per_block if recompute == "full" else v.depth * per_block
+    assert kept.bytes == g.group_size * g.patches_per_prompt * per_patch > 0
+    assert kept.live == next(o for o in plan.residency.objects if o.role == "actor" and o.label == kept.label
+                             and not o.vision).live  # fmt: skip
+    frozen = compile_plan(
+        parse_spec(text.replace("model: qwen2_5_vl_3b\n", "model: {name: qwen2_5_vl_3b, freeze_vision: true}\n")),
+        Schedule.UNSPLIT,
+    )
+    assert not [o for o in frozen.residency.objects if o.component.value.startswith("activ") and o.vision]
