@@ -165,10 +165,10 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     if not backward:
         return
     update = role_steps(c, role, kinds=(NodeKind.UPDATE,))
+    grads_live = _gradient_window(c, role)
     for n, is_vision in ((llm, False), (trained_vision, True)):
         if not n:
             continue
-        grads_live = span(backward | update)
         yield MemObject(
             role.value,
             Component.GRADIENTS,
@@ -181,6 +181,16 @@ def _model_state(c: Context, role: Role, trained: bool) -> Iterator[MemObject]:
     yield from _activations(c, role, backward)
     if update:
         yield from _optimizer_state(c, role, llm, trained_vision)
+
+
+def _gradient_window(c: Context, role: Role) -> frozenset[int]:
+    """Where a role's FP32 gradients exist: from each mini-batch's first backward step to its update, which drops
+    them (`zero_grad`), so not through the next mini-batch's prefix rerun and scoring between the two."""
+    chosen = [o for o in ops(c.g) if o.role is role and o.kind in (NodeKind.BACKWARD, NodeKind.UPDATE)]
+    windows: dict[int, set[str]] = {}
+    for o in chosen:
+        windows.setdefault(o.minibatch.index if o.minibatch else 0, set()).add(o.id)
+    return frozenset().union(*(span({s.index for s in steps(c.g) if ids & set(s.ops)}) for ids in windows.values()))
 
 
 def _optimizer_state(c: Context, role: Role, llm: int, vision: int) -> Iterator[MemObject]:

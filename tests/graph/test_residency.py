@@ -4,7 +4,7 @@ spends free HBM on, and what the spec forces."""
 from pathlib import Path
 
 import pytest
-from test_plan import both_parts, tiny
+from test_plan import both_parts, tiny, tiny_text
 
 from rollplex.graph.ir import steps
 from rollplex.graph.load import load_spec, parse_spec
@@ -207,3 +207,20 @@ def test_an_update_streamed_beside_the_next_prefix_moves_in_small_chunks_and_one
     assert beside.residency.optimizer.chunk_bytes == BESIDE_PREFIX_CHUNK
     assert joined.residency.optimizer.chunk_bytes == MAX_AUTO_CHUNK
     assert forced.residency.optimizer.chunk_bytes == 512 * 2**20  # the spec's choice still wins
+
+
+def test_each_mini_batchs_gradients_exist_from_its_backward_to_its_update_only():
+    """The update drops the gradients (`zero_grad`): the next mini-batch's prefix rerun and scoring run without
+    them, and the plan does not count them there."""
+    text = tiny_text().replace("schedule: rollplex", "schedule: serial") + "algorithm: {minibatches_per_step: 2}\n"
+    plan = compile_plan(parse_spec(text), check=True)
+    at = {name: s.index for s in steps(plan.graph) for name in s.ops}
+    first, second = (
+        (at["actor_backward@1"], at["actor_update@1"]),
+        (at["actor_backward@2"], at["actor_update@2"]),
+    )
+    expected = set(range(first[0], first[1] + 1)) | set(range(second[0], second[1] + 1))
+    between = set(range(first[1] + 1, second[0]))
+    assert between, "mini-batch 2 reruns its prefix and scores before its backward"
+    for grads in both_parts(plan, "actor", "FP32 gradients"):
+        assert grads.live == expected
