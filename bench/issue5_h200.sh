@@ -2,7 +2,7 @@
 # Issue 5's measurements on one H200, one stage per device call (each stays under the 10-minute call limit):
 #
 #   bash bench/issue5_h200.sh STAGE
-#     tests | profile [SCHEDULE [KERNELS [GROUPING]]] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
+#     tests | profile [SCHEDULE [KERNELS [GROUPING]]] | unsplit3b [STEPS] | bench3b [POLICY [STEPS [SERIAL_GROUPING]]]
 #     | policies3b STEPS SERIAL_GROUPING POLICY... (two policies per call at most) | preset NAME [POLICY...] | naive7b
 #     | run7b [ALLOC_CONF] | share | inprocess | split (SPLIT_SMS, SPLIT_KERNELS, SPLIT_TIMEOUT)
 #   CUDNN=off bash bench/issue5_h200.sh STAGE: the 3B stages (profile, bench3b, policies3b, preset) run a copy of
@@ -25,7 +25,9 @@
 # a schedule run second in one process finds the attention shapes the first met already planned (cuDNN plans
 # each new shape, and the process keeps the plan). `bench3b` (one policy, default green:66, 3 steps) takes
 # most of a device call; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept
-# warm) for `policies3b`. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
+# warm) for `policies3b`. `unsplit3b` (3 steps by default, a device call of its own: a textbook step takes
+# 60-80 s) leaves the unsplit schedule's run there too, and a later bench3b of the same STEPS and WARMUP adds it
+# to its results (`--unsplit-from`). Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
 # 2 warm-ups, 3 steps and the noise floor do not fit in the serial run's 330 s timeout. `preset NAME [POLICY...]`
 # benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit. The device's copy of the tree may carry an
@@ -64,8 +66,11 @@ serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: seria
   timeout 330 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
     --noise-floor --policies "$policy" --serial-only --save-serial "$saved" 2>&1 | quiet > "$log" \
     || { echo "serial failed or timed out: no rollplex run" | tee -a "$log"; return 1; }
+  local unsplit="bench/baselines/unsplit_3b_h200$TAG.pt"  # unsplit3b's, when it ran here with these step counts
+  [ -s "$unsplit" ] || unsplit=
   timeout 250 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
-    --noise-floor --policies "$policy" --serial-from "$saved" --out "$name" 2>&1 | quiet >> "$log"
+    --noise-floor --policies "$policy" --serial-from "$saved" ${unsplit:+--unsplit-from "$unsplit"} --out "$name" \
+    2>&1 | quiet >> "$log"
 }
 
 case "$STAGE" in
@@ -82,6 +87,11 @@ case "$STAGE" in
     timeout "${PROFILE_TIMEOUT:-540}" python3 bench/profile_step.py "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" \
       --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$OPS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
     cat "$LOG" ;;
+  unsplit3b)
+    mkdir -p bench/baselines
+    timeout 540 python3 -m rollplex bench "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" --steps "${2:-3}" \
+      --warmup "${WARMUP:-1}" --save-unsplit "bench/baselines/unsplit_3b_h200$TAG.pt" 2>&1 | quiet > "$OUT/unsplit3b.log"
+    tail -6 "$OUT/unsplit3b.log" ;;
   bench3b)
     POLICY=${2:-green:66}; STEPS=${3:-3}; GROUPING=${4:-all}  # GROUPING: serial's prompts per prefix group (all: the fair one)
     mkdir -p bench/baselines

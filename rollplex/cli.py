@@ -181,6 +181,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
     b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
     b.add_argument(
+        "--save-unsplit",
+        metavar="PATH",
+        help="time the unsplit schedule alone and save it for --unsplit-from (it takes several split steps' time: "
+        "a process of its own)",
+    )
+    b.add_argument(
+        "--unsplit-from",
+        metavar="PATH",
+        help="add the unsplit run a bench of the same spec and step counts saved (--save-unsplit) on this kind of "
+        "GPU to the results",
+    )
+    b.add_argument(
         "--save-serial",
         metavar="PATH",
         help="also save the serial run (times, memory, first-step rollout and gradients) for --serial-from",

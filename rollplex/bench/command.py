@@ -36,7 +36,7 @@ def bench(args: argparse.Namespace) -> int:
     # under the mps policy: before anything touches the GPU; a serial-only process runs its trainer uncapped
     plans = [compile_plan(v) for v in variants]
     check_spec(plans[0])  # before any model is built: what would otherwise fail after it
-    with mps_session(plans, cap_trainer=not args.serial_only):
+    with mps_session(plans, cap_trainer=not (args.serial_only or args.save_unsplit)):
         return _bench_variants(args, loaded, variants)
 
 
@@ -64,17 +64,27 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise SpecError("", f"--serial-prompts-per-chunk: {e}") from None
     saved_baseline = args.save_serial or args.serial_from
     if saved_baseline and (loaded.spec.parallel.train_tp > 1 or args.unsplit):
-        raise SpecError("", "--save-serial / --serial-from", "one process, without --unsplit")
+        raise SpecError("", "--save-serial / --serial-from", "one process, without --unsplit (--unsplit-from)")
+    if args.unsplit_from and (args.unsplit or loaded.spec.parallel.train_tp > 1):
+        raise SpecError("", "--unsplit-from", "one process, without --unsplit")
+    if args.save_unsplit and (saved_baseline or args.unsplit or args.unsplit_from or len(variants) > 1):
+        raise SpecError("", "--save-unsplit times unsplit alone", "without --unsplit, --*-from, --save-serial and "
+                        "with one policy at most")  # fmt: skip
+    for flag, path in (("--serial-from", args.serial_from), ("--unsplit-from", args.unsplit_from)):
+        if path and not Path(path).is_file():
+            raise SpecError("", f"{flag} {path}: no such file")
     if saved_baseline and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
         raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
     if args.serial_only and (not args.save_serial or args.serial_from):
         raise SpecError("", "--serial-only", "with --save-serial PATH and without --serial-from")
-    if args.serial_from and not Path(args.serial_from).is_file():
-        raise SpecError("", f"--serial-from {args.serial_from}: no such file")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
+    command = "rollplex " + " ".join(args.argv)
+    if args.save_unsplit:
+        return _save_unsplit(args, variants[0], steps, command)
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
-    command = "rollplex " + " ".join(args.argv)
+    # a saved unsplit run, checked before anything runs: per rollout engine, as the serial baselines
+    saved_unsplit = {v.spec.sharing.policy == "mps": _saved_unsplit(args, v) for v in variants}
     for variant in variants:
         remote = variant.spec.sharing.policy == "mps"
         identity = baseline_key(serial_spec(variant), args.steps, args.warmup)
@@ -87,7 +97,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             if args.noise_floor and floor is None:
                 print(f"rollplex bench: {args.serial_from} holds no noise floor (saved without --noise-floor)",
                       file=sys.stderr)  # fmt: skip
-            baselines[remote] = serial, None, floor if args.noise_floor else None
+            baselines[remote] = serial, saved_unsplit[remote], floor if args.noise_floor else None
         if remote not in baselines:  # the baselines use the same rollout engine as the policy they are compared to
             where = " (rollout in its own process)" if remote else ""
             print(f"rollplex bench: serial{where}, {steps}", file=sys.stderr)
@@ -109,7 +119,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
                 print(f"rollplex bench: serial saved to {args.save_serial}; time rollplex in a process of its own: "
                       f"rollplex bench {args.spec} --serial-from {args.save_serial} ...", file=sys.stderr)  # fmt: skip
                 return 0
-            unsplit = None
+            unsplit = saved_unsplit[remote]
             if args.unsplit:
                 print(f"rollplex bench: unsplit{where}, {steps}", file=sys.stderr)
                 unsplit = run_schedule(variant, Schedule.UNSPLIT, args.steps, args.warmup, batches)
@@ -146,9 +156,10 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         )
         runs = {"serial": serial, "rollplex": rollplex}
         if unsplit is not None:
-            result = with_unsplit(result, rollplex, unsplit)
+            result = with_unsplit(result, variant, rollplex, unsplit)
+            result["unsplit_from"] = args.unsplit_from  # None: unsplit ran in this bench
             for key in ("unsplit_max_param_relative_difference", "unsplit_first_step_grad_relative_difference"):
-                result[key] = max_over_ranks(result[key])
+                result[key] = None if result[key] is None else max_over_ranks(result[key])
             runs["unsplit"] = unsplit
         if not is_main_process():
             continue
@@ -175,3 +186,30 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         )
     finish()
     return 0
+
+
+def _save_unsplit(args: argparse.Namespace, loaded, steps: str, command: str) -> int:
+    """`--save-unsplit PATH`: the unsplit schedule alone, saved for later benches of the spec (`--unsplit-from`):
+    a textbook step takes several times a split one, so it is timed in a process of its own."""
+    print(f"rollplex bench: unsplit, {steps}", file=sys.stderr)
+    unsplit = run_schedule(loaded, Schedule.UNSPLIT, args.steps, args.warmup)
+    if is_main_process():
+        key = baseline_key(loaded, args.steps, args.warmup, Schedule.UNSPLIT)
+        save_baseline(Path(args.save_unsplit), unsplit, key, command)
+        print(f"rollplex bench: unsplit saved to {args.save_unsplit}; compare it with serial and rollplex: "
+              f"rollplex bench {args.spec} --unsplit-from {args.save_unsplit} ...", file=sys.stderr)  # fmt: skip
+    finish()
+    return 0
+
+
+def _saved_unsplit(args: argparse.Namespace, loaded):
+    """The unsplit run `--unsplit-from` names, if it was measured as this bench would measure it; else None."""
+    if not args.unsplit_from:
+        return None
+    try:
+        run, saved_command, _ = load_baseline(Path(args.unsplit_from), baseline_key(loaded, args.steps, args.warmup,
+                                                                                   Schedule.UNSPLIT))  # fmt: skip
+    except ValueError as e:
+        raise SpecError("", f"--unsplit-from: {e}") from None
+    print(f"rollplex bench: unsplit from {args.unsplit_from} ({saved_command})", file=sys.stderr)
+    return run

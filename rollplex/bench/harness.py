@@ -287,17 +287,38 @@ def plan_peaks_gib(loaded: LoadedSpec, schedule: Schedule) -> dict[str, float]:
     return {str(int(p.phase)): round(p.peak_bytes / 2**30, 2) for p in compile_plan(loaded, schedule).residency.phases}
 
 
-def with_unsplit(result: dict, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:
+def with_unsplit(result: dict, loaded: LoadedSpec, rollplex: ScheduleRun, unsplit: ScheduleRun) -> dict:
     """The optional third schedule, textbook GRPO (each response scored over prompt ++ response, the prompt
-    recomputed per response): its step time and how far its update lands from rollplex's (not bitwise: the
-    prompt's work is summed in another order)."""
+    recomputed per response): its step and phase times, bounds, efficiencies and peaks beside the other two, and
+    how far its update lands from rollplex's (not bitwise: the prompt's work is summed in another order; None for
+    the final weights of a saved run, `--unsplit-from`, which keeps none)."""
     step = statistics.median(unsplit.step_s)
-    return result | {
-        "step_s": result["step_s"] | {"unsplit": round(step, 4)},
-        "speedup_vs_unsplit": round(step / result["step_s"]["rollplex"], 4),
-        "unsplit_max_param_relative_difference": max_relative_difference(unsplit.params, rollplex.params),
-        "unsplit_first_step_grad_relative_difference": relative_difference(unsplit.first_grads, rollplex.first_grads),
+    per_schedule = {
+        "phase_s": _phase_medians(unsplit),
+        "bound_s": _bound_medians(unsplit.bounds),
+        "efficiency": _efficiency(unsplit),
+        "per_step": _per_step(unsplit),
+        "unaccounted_s": _unaccounted(unsplit),
+        "timeline_s": _timeline(unsplit),
+        "peak_gib": gib_by_phase(unsplit.peak_bytes),
+        "allocator_peak_gib": allocator_gib_by_phase(unsplit.allocator_bytes),
+        "plan_peak_gib": plan_peaks_gib(loaded, Schedule.UNSPLIT),
     }
+    if unsplit.device_bounds:
+        per_schedule["device_efficiency"] = _efficiency(unsplit, device=True)
+    diff = max_relative_difference(unsplit.params, rollplex.params) if unsplit.params else None
+    return (
+        result
+        | {key: result.get(key, {}) | {"unsplit": value} for key, value in per_schedule.items()}
+        | {
+            "step_s": result["step_s"] | {"unsplit": round(step, 4)},
+            "speedup_vs_unsplit": round(step / result["step_s"]["rollplex"], 4),
+            "unsplit_max_param_relative_difference": diff,
+            "unsplit_first_step_grad_relative_difference": relative_difference(
+                unsplit.first_grads, rollplex.first_grads
+            ),
+        }
+    )
 
 
 def _per_step(run: ScheduleRun) -> dict:

@@ -216,6 +216,53 @@ def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench):
 
 
 @pytest.mark.slow
+def test_a_saved_unsplit_run_joins_a_later_bench_of_the_same_spec_with_its_phases_and_peaks(tmp_path, bench):
+    saved = tmp_path / "unsplit.pt"
+    proc = bench("--steps", "1", "--warmup", "0", "--save-unsplit", str(saved), "--out", str(tmp_path / "none.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert saved.is_file() and not (tmp_path / "none.json").exists()
+    assert "rollplex bench: serial" not in proc.stderr and "rollplex bench: rollplex" not in proc.stderr
+    out = tmp_path / "later.json"
+    proc = bench("--steps", "1", "--warmup", "0", "--unsplit-from", str(saved), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "unsplit from" in proc.stderr and "rollplex bench: unsplit," not in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["unsplit_from"] == str(saved)
+    assert set(result["step_s"]) == {"serial", "rollplex", "unsplit"}
+    for key in ("phase_s", "bound_s", "efficiency", "per_step", "peak_gib", "plan_peak_gib"):
+        assert set(result[key]) == {"serial", "rollplex", "unsplit"}, key
+    assert not result["phase_s"]["unsplit"].get("ref_prefix") and result["phase_s"]["unsplit"]["ref_suffix"] > 0
+    assert result["unsplit_max_param_relative_difference"] is None  # final weights are not saved
+    assert result["unsplit_first_step_grad_relative_difference"] < 1e-4  # the same examples, the same update
+    wrong = bench("--steps", "2", "--warmup", "0", "--unsplit-from", str(saved), "--out", str(out))
+    assert wrong.returncode == 2 and "another schedule, spec, grouping or step count" in wrong.stderr
+    serial = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(saved))  # overwrites
+    assert serial.returncode == 0, serial.stderr[-2000:]
+    wrong = bench("--steps", "1", "--warmup", "0", "--unsplit-from", str(saved), "--out", str(out))
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1  # a serial run is no unsplit one
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--save-unsplit", "u.pt", "--unsplit"],
+        ["--save-unsplit", "u.pt", "--serial-from", "s.pt"],
+        ["--save-unsplit", "u.pt", "--policies", "inline", "streams"],
+        ["--unsplit-from", "missing.pt"],
+        ["--unsplit-from", "u.pt", "--unsplit"],
+    ],
+)
+def test_an_unsplit_flag_that_cannot_hold_is_one_line_and_exit_2(tmp_path, bench, flags):
+    (tmp_path / "u.pt").write_bytes(b"")
+    (tmp_path / "s.pt").write_bytes(b"")
+    proc = bench(*[str(tmp_path / f) if f.endswith(".pt") else f for f in flags])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        len(proc.stderr.strip().splitlines()) == 1 and "unsplit" in proc.stderr and "rollplex bench:" not in proc.stderr
+    )
+
+
+@pytest.mark.slow
 def test_a_saved_serial_run_stands_in_for_serial_in_a_later_bench_of_the_same_spec(tmp_path, bench, saving):
     first, later, baseline = saving[1] / "tiny.json", tmp_path / "later.json", saving[1] / "serial.pt"
     proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--policies", "inline",
@@ -267,7 +314,7 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
 def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench, serial_only):
     baseline = serial_only[1] / "serial.pt"  # of one step
     proc = bench("--steps", "2", "--warmup", "0", "--serial-from", str(baseline), "--out", str(tmp_path / "b.json"))
-    assert proc.returncode == 2 and "another spec, grouping or step count" in proc.stderr
+    assert proc.returncode == 2 and "another schedule, spec, grouping or step count" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = bench("--serial-from", str(tmp_path / "missing.pt"))
     assert proc.returncode == 2 and "no such file" in proc.stderr
