@@ -3,7 +3,7 @@
 spec, if it was measured as they would measure it (`baseline_key`: the schedule, the spec less rollplex's own
 sharing settings, the step counts) on the same kind of GPU. The file holds everything but the final weights,
 and serial's noise floor when the bench measured one.
-Not here: running and comparing schedules (`bench.py`).
+Not here: running schedules (`harness.py`) and comparing them (`document.py`).
 """
 
 from __future__ import annotations

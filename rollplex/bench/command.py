@@ -1,5 +1,5 @@
 """`rollplex bench`'s orchestration: the schedules to time, their order and processes, the saved serial run, the
-result documents. `harness.py` times one schedule and compares two; `cli.py` only parses the flags.
+result documents. `harness.py` times one schedule, `document.py` compares them; `cli.py` only parses the flags.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rollplex.bench.agreement import updates_match
 from rollplex.bench.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
-from rollplex.bench.harness import compare, noise_floor_grads, run_schedule, with_unsplit
+from rollplex.bench.document import compare, with_unsplit
+from rollplex.bench.harness import noise_floor_grads, run_schedule
 from rollplex.bench.provenance import source_commit
 from rollplex.bench.variants import policy_label, with_policy, with_prompts_per_chunk
 from rollplex.errors import SpecError
@@ -65,18 +66,20 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     saved_baseline = args.save_serial or args.serial_from
     if saved_baseline and (loaded.spec.parallel.train_tp > 1 or args.unsplit):
         raise SpecError("", "--save-serial / --serial-from", "one process, without --unsplit (--unsplit-from)")
-    if args.unsplit_from and (args.unsplit or loaded.spec.parallel.train_tp > 1):
-        raise SpecError("", "--unsplit-from", "one process, without --unsplit")
+    if (args.save_unsplit or args.unsplit_from) and loaded.spec.parallel.train_tp > 1:
+        raise SpecError("", "--save-unsplit / --unsplit-from", "one process (parallel.train_tp 1)")
+    if args.unsplit_from and args.unsplit:
+        raise SpecError("", "--unsplit-from", "without --unsplit")
     if args.save_unsplit and (saved_baseline or args.unsplit or args.unsplit_from or len(variants) > 1):
         raise SpecError("", "--save-unsplit times unsplit alone", "without --unsplit, --*-from, --save-serial and "
                         "with one policy at most")  # fmt: skip
-    for flag, path in (("--serial-from", args.serial_from), ("--unsplit-from", args.unsplit_from)):
-        if path and not Path(path).is_file():
-            raise SpecError("", f"{flag} {path}: no such file")
     if saved_baseline and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
         raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
     if args.serial_only and (not args.save_serial or args.serial_from):
         raise SpecError("", "--serial-only", "with --save-serial PATH and without --serial-from")
+    for flag, path in (("--serial-from", args.serial_from), ("--unsplit-from", args.unsplit_from)):
+        if path and not Path(path).is_file():
+            raise SpecError("", f"{flag} {path}: no such file")
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     command = "rollplex " + " ".join(args.argv)
     if args.save_unsplit:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rollplex.graph.cost import KNOWN_PEAKS, Cost, StepTokens, phase_bounds, plan_phase_costs
+from rollplex.graph.cost import KNOWN_PEAKS, Cost, StepTokens, phase_bounds, plan_phase_costs, prefix_backward
+from rollplex.graph.ir import Part, Role, ops
 from rollplex.graph.plan import Plan
 
 
@@ -32,3 +33,14 @@ def step_bounds(plan: Plan, tokens: StepTokens) -> tuple[dict[str, float], dict[
     costs = plan_phase_costs(plan, tokens)
     device = {k: tuple(Cost(p.flops, p.hbm_bytes) for p in parts) for k, parts in costs.items()}
     return tuple({k: round(v, 4) for k, v in phase_bounds(c, peaks).items()} for c in (costs, device))
+
+
+def prefix_backward_bound_s(plan: Plan, tokens: StepTokens) -> float | None:
+    """Seconds at the bound of the actor's backward through its prefix (`cost.prefix_backward`, the part of
+    `actor_suffix_backward` a run times apart as `prefix_backward_s`, over every mini-batch's share of the prompts)
+    in a step of these counts; None unsplit."""
+    if not any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops(plan.graph)):
+        return None
+    model, gpu, d = plan.loaded.model, plan.context.gpu, plan.decisions
+    cost = prefix_backward(model.text, model.vision, tokens, gpu.train_tp, d, gpu.sequence_parallel)
+    return round(cost.bound_s(KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]), 4)

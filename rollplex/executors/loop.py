@@ -19,7 +19,7 @@ from rollplex.data.prefetch import Prefetch
 from rollplex.data.source import open_dataset
 from rollplex.errors import RunFailed, SpecError
 from rollplex.executors import checkpointing
-from rollplex.executors.bounds import step_bounds, step_tokens
+from rollplex.executors.bounds import prefix_backward_bound_s, step_bounds, step_tokens
 from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
@@ -211,6 +211,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     step_bounds(plan, tokens) if on_gpu else ({}, {})
                 )
                 records[-1]["tokens"] = asdict(tokens)  # a later cost model reprices the step
+                if on_gpu and record.prefix_backward_s is not None:  # of actor_suffix_backward, bounded apart
+                    records[-1]["prefix_backward_s"] = round(record.prefix_backward_s, 4)
+                    records[-1]["prefix_backward_bound_s"] = prefix_backward_bound_s(plan, tokens)
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)

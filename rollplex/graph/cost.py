@@ -327,28 +327,25 @@ def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, v
     return Cost(flops=flops)
 
 
-def backward(
-    split: bool,
-    t: TextConfig,
-    v: VisionConfig,
-    tokens: StepTokens,
-    tp: int,
-    d: Decisions,
-    sp: bool = False,
-    value: bool = False,
-) -> Cost:
+def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions,
+             sp: bool = False, value: bool = False) -> Cost:  # fmt: skip
     """A trained role's scoring forward, its backward (twice the forward), a recomputed forward where the plan
-    recomputes; split, also the backward through the prefix (and its rerun under recompute) and the saved
-    tensors' way back from the host. `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept
-    in HBM)."""
+    recomputes; split, also `prefix_backward`. `value`: a value model's (PPO's critic: a scalar head, its prefix
+    tensors kept in HBM)."""
     scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
     cost = scoring.scaled(4 if d.recompute_microbatch else 3)
-    if split:
-        prefix = prefix_forward(t, v, tokens, tp, vision=not d.freeze_vision)
-        rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
-        cost = cost + prefix.scaled(3 if rerun else 2)
-        if d.prefix_saved is Residency.HOST and not value:
-            cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d, sp))
+    return cost + prefix_backward(t, v, tokens, tp, d, sp, value) if split else cost
+
+
+def prefix_backward(
+    t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions, sp: bool = False, value: bool = False
+) -> Cost:
+    """The backward through an attached prefix (twice its forward), its rerun under recompute, and (the actor's)
+    saved tensors' way back from the host."""
+    rerun = d.prefix_activations is PrefixActivations.RECOMPUTE
+    cost = prefix_forward(t, v, tokens, tp, vision=not d.freeze_vision).scaled(3 if rerun else 2)
+    if d.prefix_saved is Residency.HOST and not value:
+        cost = cost + Cost(host_bytes=_prefix_saved_bytes(t, v, tokens, tp, d, sp))
     return cost
 
 

@@ -94,6 +94,7 @@ def run_summary(records: list[dict]) -> str:
     cells = [
         f"{phase} {median('time_s', phase):.2f} s"
         + (f" (bound {median('bound_s', phase):.2f}, {efficiency[phase]:.2f})" if phase in efficiency else "")
+        + (_prefix_backward(warm) if phase == "actor_suffix_backward" else "")
         for phase in sorted(timed, key=lambda phase: -median("time_s", phase))
     ]
     first, last = warm[0]["step"], warm[-1]["step"]
@@ -101,6 +102,16 @@ def run_summary(records: list[dict]) -> str:
     return f"phases, medians of {steps} (seconds, bound, efficiency): " + "; ".join(
         [*cells, f"step {statistics.median(r['time_s']['step'] for r in warm):.2f} s"]
     )
+
+
+def _prefix_backward(warm: list[dict]) -> str:
+    """The backward through the prefix within the actor's suffix + backward, where the steps timed it apart."""
+    parts = [(r["prefix_backward_s"], r["prefix_backward_bound_s"]) for r in warm if r.get("prefix_backward_bound_s")]
+    if len(parts) < len(warm) or not all(seconds > 0 for seconds, _ in parts):
+        return ""
+    seconds, bound = (statistics.median(x) for x in zip(*parts, strict=True))
+    ratio = statistics.median(b / s for s, b in parts)
+    return f", of it the backward through the prefix {seconds:.2f} s (bound {bound:.2f}, {ratio:.2f})"
 
 
 def _of_bench(path: Path, schedule: str) -> dict[str, float]:

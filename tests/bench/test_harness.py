@@ -115,6 +115,11 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
         assert lanes == {"rollout", "prefix stream", "trainer"}
     assert 0 < result["prefix_backward_s"]["serial"] < result["step_s"]["serial"]
     assert 0 < result["prefix_backward_s"]["rollplex"] < result["step_s"]["rollplex"]
+    for name in ("serial", "rollplex"):  # a part of the actor's suffix + backward, bounded apart
+        bound = result["prefix_backward_bound_s"][name]
+        assert 0 <= bound <= result["bound_s"][name]["actor_suffix_backward"]  # the tiny model's round to 0
+        expected = bound / result["prefix_backward_s"][name]
+        assert result["prefix_backward_efficiency"][name] == pytest.approx(expected, rel=2e-3, abs=1e-4)
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
     assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -220,3 +220,34 @@ def updates(plan):
 
     found = sorted((o for o in ops(plan.graph) if o.kind is NodeKind.UPDATE), key=lambda o: o.role.value)
     return found  # actor, critic
+
+
+@pytest.mark.parametrize("rerun", [True, False])
+def test_the_backward_through_the_prefix_is_about_the_flops_torch_counts_in_it(tiny, monkeypatch, rerun):
+    """Twice the prefix's forward, and a rerun of it under recompute; torch counts a little less, as nothing
+    needs the gradient of the pixels or of the token embeddings' input."""
+    from types import SimpleNamespace
+
+    from rollplex.graph.decisions import PrefixActivations
+    from rollplex.graph.objects import Residency
+    from rollplex.models.chunks import drain
+    from rollplex.models.rerun import Rerun
+
+    config, model, examples = tiny
+    prompts = [examples[0].prompt]  # one prompt: no padding
+
+    def forward_and_backward():
+        b = drain(model.prefix_chunks(prompts, attached=True, rerun=Rerun() if rerun else None))
+        kv = sum(k.float().sum() + v.float().sum() for k, v in zip(b.keys, b.values, strict=True))
+        (kv + b.first_logprobs.sum()).backward()  # a loss on every boundary output, as the suffix's reaches them
+
+    with FlopCounterMode(display=False) as counter:
+        forward_and_backward()
+    measured = counter.get_total_flops() - counted(lambda: model.prefix(prompts, attached=False))
+    without_attention(monkeypatch)
+    tokens = step_tokens(examples[:1], torch.tensor([[7]]))
+    how = PrefixActivations.RECOMPUTE if rerun else PrefixActivations.OFFLOAD
+    d = SimpleNamespace(prefix_activations=how, freeze_vision=False, prefix_saved=Residency.HBM)
+    modelled = cost.prefix_backward(config.text, config.vision, tokens, 1, d).flops
+    assert modelled == (3 if rerun else 2) * cost.prefix_forward(config.text, config.vision, tokens, 1).flops
+    assert measured == pytest.approx(modelled, rel=0.06)

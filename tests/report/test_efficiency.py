@@ -128,3 +128,19 @@ def test_a_run_ends_with_each_phases_median_seconds_bound_and_efficiency_slowest
         "update 4.00 s (bound 1.00, 0.25); reward 0.50 s; step 15.50 s"
     )
     assert run_summary(records[:1]).startswith("phases, medians of step 3 (")
+
+
+def test_a_run_that_timed_its_backward_through_the_prefix_names_it_within_the_actors_phase():
+    from rollplex.report.efficiency import run_summary
+
+    parts = [(5.0, 3.0, 1.5), (6.0, 4.0, 1.0), (5.5, 3.0, 1.2)]  # (phase, prefix backward, its bound)
+    records = [
+        {"step": i + 1, "time_s": {"actor_suffix_backward": a, "step": a}, "bound_s": {"actor_suffix_backward": 2.5},
+         "prefix_backward_s": p, "prefix_backward_bound_s": b}
+        for i, (a, p, b) in enumerate(parts)
+    ]  # fmt: skip
+    line = run_summary(records)  # warm: steps 2-3
+    assert "actor_suffix_backward 5.75 s (bound 2.50, 0.44), of it the backward through the prefix 3.50 s " in line
+    assert "(bound 1.10, 0.32)" in line  # the median of 1.0 / 4.0 and 1.2 / 3.0
+    del records[2]["prefix_backward_s"], records[2]["prefix_backward_bound_s"]  # a step without it: not named
+    assert "backward through the prefix" not in run_summary(records)
