@@ -239,12 +239,20 @@ def test_a_saved_unsplit_run_joins_a_later_bench_of_the_same_spec_with_its_phase
     assert not result["phase_s"]["unsplit"].get("ref_prefix") and result["phase_s"]["unsplit"]["ref_suffix"] > 0
     assert result["unsplit_max_param_relative_difference"] is None  # final weights are not saved
     assert result["unsplit_first_step_grad_relative_difference"] < 1e-4  # the same examples, the same update
-    wrong = bench("--steps", "2", "--warmup", "0", "--unsplit-from", str(saved), "--out", str(out))
-    assert wrong.returncode == 2 and "another schedule, spec, grouping or step count" in wrong.stderr
-    serial = bench("--steps", "1", "--warmup", "0", "--serial-only", "--save-serial", str(saved))  # overwrites
-    assert serial.returncode == 0, serial.stderr[-2000:]
-    wrong = bench("--steps", "1", "--warmup", "0", "--unsplit-from", str(saved), "--out", str(out))
-    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1  # a serial run is no unsplit one
+
+
+def test_a_saved_run_stands_in_only_for_its_own_schedule_and_step_counts(tmp_path):
+    from rollplex.bench.baseline import baseline_key, load_baseline, save_baseline
+    from rollplex.graph.ir import Schedule
+    from rollplex.graph.load import load_spec
+
+    loaded = load_spec(ROOT / "specs/tiny_cpu.yaml")
+    unsplit = baseline_key(loaded, 1, 0, Schedule.UNSPLIT)
+    assert len({unsplit, baseline_key(loaded, 1, 0), baseline_key(loaded, 2, 0, Schedule.UNSPLIT)}) == 3
+    save_baseline(tmp_path / "u.pt", ScheduleRun(step_s=[2.5]), unsplit, "rollplex bench ... --save-unsplit u.pt")
+    assert load_baseline(tmp_path / "u.pt", unsplit)[0].step_s == [2.5]
+    with pytest.raises(ValueError, match="another schedule, spec, grouping or step count"):
+        load_baseline(tmp_path / "u.pt", baseline_key(loaded, 1, 0))  # a serial bench of the same spec
 
 
 @pytest.mark.parametrize(
@@ -257,14 +265,15 @@ def test_a_saved_unsplit_run_joins_a_later_bench_of_the_same_spec_with_its_phase
         ["--unsplit-from", "u.pt", "--unsplit"],
     ],
 )
-def test_an_unsplit_flag_that_cannot_hold_is_one_line_and_exit_2(tmp_path, bench, flags):
+def test_an_unsplit_flag_that_cannot_hold_is_one_line_and_exit_2(tmp_path, capsys, flags):
+    from rollplex.cli import main
+
     (tmp_path / "u.pt").write_bytes(b"")
     (tmp_path / "s.pt").write_bytes(b"")
-    proc = bench(*[str(tmp_path / f) if f.endswith(".pt") else f for f in flags])
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert (
-        len(proc.stderr.strip().splitlines()) == 1 and "unsplit" in proc.stderr and "rollplex bench:" not in proc.stderr
-    )
+    paths = [str(tmp_path / f) if f.endswith(".pt") else f for f in flags]
+    assert main(["bench", str(ROOT / "specs/tiny_cpu.yaml"), *paths]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "unsplit" in err and "rollplex bench:" not in err
 
 
 @pytest.mark.slow
