@@ -25,9 +25,9 @@
 # a schedule run second in one process finds the attention shapes the first met already planned (cuDNN plans
 # each new shape, and the process keeps the plan). `bench3b` (one policy, default green:66, 3 steps) takes
 # most of a device call; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept
-# warm) for `policies3b`. `unsplit3b` (3 steps by default, a device call of its own: a textbook step takes
-# 60-80 s) leaves the unsplit schedule's run there too, and a later bench3b of the same STEPS and WARMUP adds it
-# to its results (`--unsplit-from`). Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
+# warm) for `policies3b`. `unsplit3b [STEPS]` (3 steps by default, a device call of its own: a textbook step
+# takes 60-80 s) leaves the unsplit schedule's run there too, and a later bench3b of the same STEPS and WARMUP
+# (and a policy other than mps) adds it to its results (`--unsplit-from`). Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
 # 2 warm-ups, 3 steps and the noise floor do not fit in the serial run's 330 s timeout. `preset NAME [POLICY...]`
 # benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit. The device's copy of the tree may carry an
@@ -59,18 +59,16 @@ spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS
   echo "$copy"
 }
 quiet() { grep -v -e USDT -e UserWarning -e "return Variable._execution_engine" -e "_warn_once" || true; }
-serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG: serial saved, then rollplex against it
-  local spec=$1 steps=$2 grouping=$3 policy=$4 saved=$5 name=$6 log=$7
+serial_then_rollplex() {  # SPEC STEPS GROUPING POLICY SAVED OUT_NAME LOG [FLAG...]: serial saved, then rollplex
+  # against it (the FLAGs too)
+  local spec=$1 steps=$2 grouping=$3 policy=$4 saved=$5 name=$6 log=$7; shift 7
   rm -f "$saved"  # never compare with a serial run an earlier call left here
   set -o pipefail
   timeout 330 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
     --noise-floor --policies "$policy" --serial-only --save-serial "$saved" 2>&1 | quiet > "$log" \
     || { echo "serial failed or timed out: no rollplex run" | tee -a "$log"; return 1; }
-  local unsplit="bench/baselines/unsplit_3b_h200$TAG.pt"  # unsplit3b's, when it ran here with these step counts
-  [ -s "$unsplit" ] || unsplit=
   timeout 250 python3 -m rollplex bench "$spec" --steps "$steps" --warmup "${WARMUP:-1}" --serial-prompts-per-chunk "$grouping" \
-    --noise-floor --policies "$policy" --serial-from "$saved" ${unsplit:+--unsplit-from "$unsplit"} --out "$name" \
-    2>&1 | quiet >> "$log"
+    --noise-floor --policies "$policy" --serial-from "$saved" "$@" --out "$name" 2>&1 | quiet >> "$log"
 }
 
 case "$STAGE" in
@@ -88,15 +86,21 @@ case "$STAGE" in
       --warmup 1 --top 25 --schedule "$SCHEDULE" --kernels "$OPS" $GROUPING 2>&1 | quiet | tail -75 > "$LOG"
     cat "$LOG" ;;
   unsplit3b)
-    mkdir -p bench/baselines
-    timeout 540 python3 -m rollplex bench "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" --steps "${2:-3}" \
-      --warmup "${WARMUP:-1}" --save-unsplit "bench/baselines/unsplit_3b_h200$TAG.pt" 2>&1 | quiet > "$OUT/unsplit3b.log"
-    tail -6 "$OUT/unsplit3b.log" ;;
+    STEPS=${2:-3}; SAVED=bench/baselines/unsplit_3b_h200${TAG}_${STEPS}steps_w${WARMUP:-1}.pt
+    mkdir -p bench/baselines; rm -f "$SAVED"
+    set -o pipefail
+    timeout 540 python3 -m rollplex bench "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" --steps "$STEPS" \
+      --warmup "${WARMUP:-1}" --save-unsplit "$SAVED" 2>&1 | quiet > "$OUT/unsplit3b.log"
+    status=$?; tail -6 "$OUT/unsplit3b.log"; exit $status ;;
   bench3b)
     POLICY=${2:-green:66}; STEPS=${3:-3}; GROUPING=${4:-all}  # GROUPING: serial's prompts per prefix group (all: the fair one)
     mkdir -p bench/baselines
+    UNSPLIT=bench/baselines/unsplit_3b_h200${TAG}_${STEPS}steps_w${WARMUP:-1}.pt  # unsplit3b's of these step counts
+    case $POLICY in mps*) UNSPLIT= ;; esac  # (saved with the rollout in process: no stand-in for mps's)
+    [ -n "$UNSPLIT" ] && [ -s "$UNSPLIT" ] || UNSPLIT=
     serial_then_rollplex "$(spec3b specs/qwen2_5_vl_3b_h200.yaml)" "$STEPS" "$GROUPING" "$POLICY" \
-      "bench/baselines/serial_3b_h200$TAG.pt" "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" "$OUT/bench3b.log"
+      "bench/baselines/serial_3b_h200$TAG.pt" "$OUT/qwen2_5_vl_3b_h200${TAG}_${POLICY//:/}" "$OUT/bench3b.log" \
+      ${UNSPLIT:+--unsplit-from "$UNSPLIT"}
     tail -12 "$OUT/bench3b.log" ;;
   policies3b)  # policies3b STEPS GROUPING POLICY...: rollplex only, one process per policy (~3-4 minutes each),
     # against the serial run a bench3b left in bench/baselines/ (this machine, kept warm) with the same STEPS and

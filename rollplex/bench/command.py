@@ -70,11 +70,16 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise SpecError("", "--save-unsplit / --unsplit-from", "one process (parallel.train_tp 1)")
     if args.unsplit_from and args.unsplit:
         raise SpecError("", "--unsplit-from", "without --unsplit")
-    if args.save_unsplit and (saved_baseline or args.unsplit or args.unsplit_from or len(variants) > 1):
-        raise SpecError("", "--save-unsplit times unsplit alone", "without --unsplit, --*-from, --save-serial and "
-                        "with one policy at most")  # fmt: skip
-    if saved_baseline and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
-        raise SpecError("", "--save-serial / --serial-from with mps and other policies", "bench them apart")
+    serial_flags = (args.noise_floor, grouping, args.serial_only)  # of the serial run
+    if args.save_unsplit and (saved_baseline or args.unsplit or args.unsplit_from or len(variants) > 1
+                              or any(serial_flags)):  # fmt: skip
+        raise SpecError("", "--save-unsplit times unsplit alone", "without --unsplit, --*-from, --save-serial, the "
+                        "serial run's flags and with one policy at most")  # fmt: skip
+    if args.unsplit_from and args.serial_only:
+        raise SpecError("", "--unsplit-from with --serial-only", "add the unsplit run to the bench that times rollplex")
+    if (saved_baseline or args.unsplit_from) and len({v.spec.sharing.policy == "mps" for v in variants}) > 1:
+        raise SpecError("", "--save-serial / --serial-from / --unsplit-from with mps and other policies",
+                        "bench them apart: a saved run had its rollout in process or not")  # fmt: skip
     if args.serial_only and (not args.save_serial or args.serial_from):
         raise SpecError("", "--serial-only", "with --save-serial PATH and without --serial-from")
     for flag, path in (("--serial-from", args.serial_from), ("--unsplit-from", args.unsplit_from)):

@@ -90,20 +90,6 @@ class Cost:
         return max(self.flops / peaks.flops, self.hbm_bytes / peaks.hbm_bytes_s, self.host_bytes / peaks.host_bytes_s)
 
 
-def planned_tokens(gpu: PerGpu, frames: int, lengths: Sequence[int] = ()) -> StepTokens:
-    """The step the plan is made for: every prompt at its budget, videos of `frames` temporal patches, the
-    responses of `lengths` in order (repeated as needed; default: every one at the budget)."""
-    n, group = gpu.prompts_per_rank, gpu.group_size
-    lengths = list(lengths) or [gpu.response_tokens]
-    lens = [min(lengths[i % len(lengths)], gpu.response_tokens) for i in range(n * group)]
-    return StepTokens(
-        prompt_tokens=(gpu.prompt_tokens,) * n,
-        patches=(gpu.patches_per_prompt,) * n,
-        frames=(max(1, frames),) * n,
-        response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
-    )
-
-
 def phase_costs(
     ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens
 ) -> dict[str, tuple[Cost, ...]]:
@@ -249,13 +235,22 @@ def op_cost(
         return (suffix_forward(t, tokens, tp) if o.part is Part.SUFFIX else whole_forward(t, v, tokens, tp)).scaled(
             share
         )
-    value = o.role is Role.CRITIC  # a value model: a scalar head in place of the LM head
-    return backward(split, t, v, tokens, tp, d, gpu.sequence_parallel, value).scaled(share)
+    value, sp = o.role is Role.CRITIC, gpu.sequence_parallel  # a value model: a scalar head for the LM head
+    cost = backward(split, t, v, tokens, tp, d, sp, value).scaled(share)
+    extra = prefix_share(o) - share if split else 0.0  # mini-batch 1's prefix: every prompt's
+    return cost + prefix_backward(t, v, tokens, tp, d, sp, value).scaled(extra) if extra else cost
 
 
 def _share(o: Op, tokens: StepTokens) -> float:
     """The part of the step's prompts an op works on: a mini-batch's, or all."""
     return 1.0 if o.minibatch is None else 1.0 / o.minibatch.count
+
+
+def prefix_share(o: Op) -> float:
+    """The part of the step's prompts a backward's way through the prefix covers: mini-batch 1 of several
+    scores from the step's prefix of every prompt (its rows of the others get zero gradients), a later one from
+    its own rerun; all without mini-batches."""
+    return 1.0 if o.minibatch is None or o.minibatch.index == 0 else 1.0 / o.minibatch.count
 
 
 def layer_params(t: TextConfig) -> int:

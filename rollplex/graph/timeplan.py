@@ -15,11 +15,11 @@ from rollplex.graph.cost import (
     DevicePeaks,
     StepTokens,
     plan_phase_costs,
-    planned_tokens,
     timer_of,
     total,
 )
 from rollplex.graph.ir import NodeKind, beside_decode, op, ops
+from rollplex.graph.workload import PerGpu
 
 
 def overlapped_timers(g) -> set[str]:
@@ -90,6 +90,20 @@ def step_bound_s(plan, rows: tuple[PhaseTime, ...]) -> float:
 def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:
     device = Cost(part.flops, part.hbm_bytes).bound_s(peaks) / efficiency
     return max(device, part.host_bytes / peaks.host_bytes_s / HOST_LINK_EFFICIENCY)
+
+
+def planned_tokens(gpu: PerGpu, frames: int, lengths: Sequence[int] = ()) -> StepTokens:
+    """The step the plan is made for: every prompt at its budget, videos of `frames` temporal patches, the
+    responses of `lengths` in order (repeated as needed; default: every one at the budget)."""
+    n, group = gpu.prompts_per_rank, gpu.group_size
+    lengths = list(lengths) or [gpu.response_tokens]
+    lens = [min(lengths[i % len(lengths)], gpu.response_tokens) for i in range(n * group)]
+    return StepTokens(
+        prompt_tokens=(gpu.prompt_tokens,) * n,
+        patches=(gpu.patches_per_prompt,) * n,
+        frames=(max(1, frames),) * n,
+        response_lens=tuple(tuple(lens[p * group : (p + 1) * group]) for p in range(n)),
+    )
 
 
 def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:

@@ -263,6 +263,9 @@ def test_a_saved_run_stands_in_only_for_its_own_schedule_and_step_counts(tmp_pat
         ["--save-unsplit", "u.pt", "--policies", "inline", "streams"],
         ["--unsplit-from", "missing.pt"],
         ["--unsplit-from", "u.pt", "--unsplit"],
+        ["--save-unsplit", "u.pt", "--noise-floor"],
+        ["--unsplit-from", "u.pt", "--serial-only", "--save-serial", "s.pt"],
+        ["--unsplit-from", "u.pt", "--policies", "inline", "mps"],
     ],
 )
 def test_an_unsplit_flag_that_cannot_hold_is_one_line_and_exit_2(tmp_path, capsys, flags):

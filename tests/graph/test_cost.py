@@ -251,3 +251,24 @@ def test_the_backward_through_the_prefix_is_about_the_flops_torch_counts_in_it(t
     modelled = cost.prefix_backward(config.text, config.vision, tokens, 1, d).flops
     assert modelled == (3 if rerun else 2) * cost.prefix_forward(config.text, config.vision, tokens, 1).flops
     assert measured == pytest.approx(modelled, rel=0.06)
+
+
+def test_mini_batch_one_backpropagates_through_every_prompts_prefix_and_a_later_one_through_its_own():
+    """Mini-batch 1 scores from the step's prefix of all prompts (it also writes every response's old log-probs), so
+    its backward runs through all of it; mini-batch 2 reruns the prefix of its own prompts."""
+    from rollplex.executors.bounds import prefix_backward_bound_s
+    from rollplex.graph.ir import NodeKind, ops
+
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    text = text.replace("algorithm:\n", "algorithm:\n  minibatches_per_step: 2\n") + "run: {rollout_prefill: rollout}\n"
+    plan = compile_plan(parse_spec(text))
+    tokens = timeplan.planned_steps(plan)[0]
+    model, gpu, d = plan.loaded.model, plan.context.gpu, plan.decisions
+    t, v, sp = model.text, model.vision, gpu.sequence_parallel
+    first, second = (next(o for o in ops(plan.graph) if o.kind is NodeKind.BACKWARD and o.id.endswith(k)) for k in "12")
+    whole = cost.backward(True, t, v, tokens, 1, d, sp)
+    prefix = cost.prefix_backward(t, v, tokens, 1, d, sp)
+    assert cost.op_cost(second, model, gpu, d, tokens, True) == whole.scaled(0.5)
+    assert cost.op_cost(first, model, gpu, d, tokens, True) == whole.scaled(0.5) + prefix.scaled(0.5)
+    peaks = cost.KNOWN_PEAKS["H200"]
+    assert prefix_backward_bound_s(plan, tokens) == round(prefix.scaled(1.5).bound_s(peaks), 4)

@@ -166,8 +166,9 @@ def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lo
 
 
 def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
-    from rollplex.graph.cost import op_cost, planned_tokens
+    from rollplex.graph.cost import op_cost
     from rollplex.graph.ir import NodeKind, ops
+    from rollplex.graph.timeplan import planned_tokens
 
     text = (SPECS / "ppo_critic_7b_h200.yaml").read_text().replace("qwen2_5_vl_7b", "qwen2_5_vl_3b")
     plan = compile_plan(parse_spec(text.replace("hbm_gib: 139", "hbm_gib: 120")))
