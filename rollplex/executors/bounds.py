@@ -9,16 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollplex.graph.cost import (
-    KNOWN_PEAKS,
-    Cost,
-    StepTokens,
-    phase_bounds,
-    plan_phase_costs,
-    prefix_backward,
-    prefix_share,
-)
-from rollplex.graph.ir import NodeKind, Part, Role, ops
+from rollplex.graph.cost import KNOWN_PEAKS, Cost, StepTokens, phase_bounds, plan_phase_costs, plan_prefix_backward
 from rollplex.graph.plan import Plan
 
 
@@ -44,14 +35,9 @@ def step_bounds(plan: Plan, tokens: StepTokens) -> tuple[dict[str, float], dict[
 
 
 def prefix_backward_bound_s(plan: Plan, tokens: StepTokens) -> float | None:
-    """Seconds at the bound of the actor's backward through its prefix (`cost.prefix_backward`, the part of
-    `actor_suffix_backward` a run times apart as `prefix_backward_s`; each mini-batch's `prefix_share` of the
-    prompts) in a step of these counts; None unsplit. Under data parallelism the measured seconds also hold the
-    waits for the gradient sums that overlap it, which the bound leaves out."""
-    backwards = [o for o in ops(plan.graph) if o.role is Role.ACTOR and o.kind is NodeKind.BACKWARD]
-    if not any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops(plan.graph)) or not backwards:
-        return None
-    model, gpu, d = plan.loaded.model, plan.context.gpu, plan.decisions
-    cost = prefix_backward(model.text, model.vision, tokens, gpu.train_tp, d, gpu.sequence_parallel)
-    share = sum(prefix_share(o) for o in backwards)
-    return round(cost.scaled(share).bound_s(KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]), 4)
+    """Seconds at the bound of the actor's backward through its prefix (`cost.plan_prefix_backward`, the part of
+    `actor_suffix_backward` a run times apart as `prefix_backward_s`) in a step of these counts; None unsplit.
+    Under data parallelism the measured seconds also hold the waits for the gradient sums that overlap it, which
+    the bound leaves out."""
+    cost = plan_prefix_backward(plan, tokens)
+    return None if cost is None else round(cost.bound_s(KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]), 4)

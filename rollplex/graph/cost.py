@@ -2,9 +2,9 @@
 
 bound = max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth, host bytes / host-link bandwidth) for each part of
 an op (rollout's prefill and its decode are two parts, one after the other), summed per phase timer (the keys
-of `time_s`: `rollout`, `ref_prefix`, ...). The counts follow the model config, the
-step's token counts (`StepTokens`: each prompt's tokens and patches, each response's length) and the plan's
-choices (recompute, where the prefix's saved tensors and the optimizer state live). Conventions: a matmul pass
+of `time_s`: `rollout`, `ref_prefix`, ...). The counts follow the model config, the step's token counts
+(`StepTokens`: each prompt's tokens and patches, each response's length) and the plan's choices (recompute,
+where the prefix's saved tensors and the optimizer state live). Conventions: a matmul pass
 costs 2 x parameters x tokens, its backward twice that, a recompute one forward more; attention 4 x width x
 queries x keys per layer, half of it when causal; decode reads every weight (but an untied input embedding's
 table, whose rows it gathers) and every live KV once per step. Per GPU: training counts divide by the train TP
@@ -126,6 +126,17 @@ def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
     return costs
 
 
+def plan_prefix_backward(plan, tokens: StepTokens) -> Cost | None:
+    """The actor's backward through its prefix in a step of a compiled plan (`prefix_backward`, each of its
+    backwards' `prefix_share` of the prompts): a part of `actor_suffix_backward`; None unsplit."""
+    g, model, gpu, d = plan.graph, plan.loaded.model, plan.context.gpu, plan.decisions
+    backwards = [o for o in ops(g) if o.role is Role.ACTOR and o.kind is NodeKind.BACKWARD]
+    if not backwards or not any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops(g)):
+        return None
+    cost = prefix_backward(model.text, model.vision, tokens, gpu.train_tp, d, gpu.sequence_parallel)
+    return cost.scaled(sum(prefix_share(o) for o in backwards))
+
+
 def reference_page_ins(plan) -> list[tuple[str, int]]:
     """Where the plan pages the reference (`memory.page_reference`), its weights cross the host link inwards at
     the start of each run of consecutive steps that use them and leave without a copy (`WeightPager`): per run,
@@ -242,14 +253,12 @@ def op_cost(
 
 
 def _share(o: Op, tokens: StepTokens) -> float:
-    """The part of the step's prompts an op works on: a mini-batch's, or all."""
-    return 1.0 if o.minibatch is None else 1.0 / o.minibatch.count
+    return 1.0 if o.minibatch is None else 1.0 / o.minibatch.count  # a mini-batch's share of the prompts, or all
 
 
 def prefix_share(o: Op) -> float:
-    """The part of the step's prompts a backward's way through the prefix covers: mini-batch 1 of several
-    scores from the step's prefix of every prompt (its rows of the others get zero gradients), a later one from
-    its own rerun; all without mini-batches."""
+    """The part of the step's prompts a backward's way through the prefix covers: all for mini-batch 1 (it scores
+    from the step's prefix of every prompt, the others' rows getting zero gradients), a later one's own rerun's."""
     return 1.0 if o.minibatch is None or o.minibatch.index == 0 else 1.0 / o.minibatch.count
 
 

@@ -15,6 +15,7 @@ from rollplex.graph.cost import (
     DevicePeaks,
     StepTokens,
     plan_phase_costs,
+    plan_prefix_backward,
     timer_of,
     total,
 )
@@ -65,6 +66,16 @@ def time_plan(
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
         rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)
+
+
+def prefix_backward_plan(plan, steps: Sequence[StepTokens] | None = None) -> PhaseTime | None:
+    """The actor's backward through its prefix (`cost.plan_prefix_backward`), a part of `actor_suffix_backward`
+    shown apart, averaged over `steps` as `time_plan` averages; None unsplit."""
+    each = [plan_prefix_backward(plan, tokens) for tokens in (steps or planned_steps(plan))]
+    if None in each:
+        return None
+    cost = total(each).scaled(1 / len(each))
+    return PhaseTime("prefix_backward", cost, cost.bound_s(KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]), None, None)
 
 
 def recorded_tokens(d: dict) -> StepTokens:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rollplex.graph.objects import GIB, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.planfile import plan_dict
-from rollplex.graph.timeplan import time_plan
+from rollplex.graph.timeplan import prefix_backward_plan, time_plan
 
 
 def _gib(b: int) -> float:
@@ -53,6 +53,9 @@ def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> di
             }
             for t in time_plan(plan, efficiencies)
         ],
+        "prefix_backward": _prefix_backward(
+            plan
+        ),  # of actor_suffix_backward's time_plan row: the part through the prefix
         "capacity_gib": _gib(r.capacity_bytes),
         "fits": r.fits,
         "sharing": {
@@ -103,3 +106,11 @@ def _object(o: MemObject, idx: tuple[int, ...]) -> dict:
         "gib": _gib(o.bytes),
         "residency": where.value,
     }
+
+
+def _prefix_backward(plan) -> dict | None:
+    if (t := prefix_backward_plan(plan)) is None:
+        return None
+    c = t.cost
+    return {"tflop": round(c.flops / 1e12, 3), "hbm_gb": round(c.hbm_bytes / 1e9, 3),
+            "host_gb": round(c.host_bytes / 1e9, 3), "bound_s": round(t.bound_s, 4)}  # fmt: skip

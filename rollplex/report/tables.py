@@ -11,7 +11,7 @@ from rollplex.graph.objects import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import missing_files
-from rollplex.graph.timeplan import overlapped_timers, step_bound_s, time_plan
+from rollplex.graph.timeplan import overlapped_timers, prefix_backward_plan, step_bound_s, time_plan
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -206,18 +206,14 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     predicted seconds; then what each residency choice costs on the host link."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     rows, predicted, times = [], 0.0, time_plan(plan, efficiencies)
+    prefix_backward = prefix_backward_plan(plan)
     for r in times:
         if not (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes):
             continue
-        cells = [
-            r.timer,
-            f"{r.cost.flops / 1e12:.1f}",
-            f"{r.cost.hbm_bytes / 1e9:.1f}",
-            f"{r.cost.host_bytes / 1e9:.1f}",
-        ]
-        cells += [f"{r.bound_s:.3f}", "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
-        rows.append([*cells, "-" if r.predicted_s is None else f"{r.predicted_s:.2f}"])
+        rows += _time_row(r)
         predicted += r.predicted_s or 0.0
+        if r.timer == "actor_suffix_backward" and prefix_backward is not None:
+            rows += _time_row(prefix_backward, "  of it, through the prefix")
     bound = step_bound_s(plan, times)
     rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if efficiencies else "-"])
     heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
@@ -236,6 +232,14 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
             out += f"; predicted {f.predicted_s:.2f} s against {predicted:.2f}"
         out += ")"
     return out
+
+
+def _time_row(r, label: str = "") -> list[list[str]]:
+    """A time table's row of a `PhaseTime`, under `label` (default: its timer)."""
+    c = r.cost
+    cells = [label or r.timer, f"{c.flops / 1e12:.1f}", f"{c.hbm_bytes / 1e9:.1f}", f"{c.host_bytes / 1e9:.1f}"]
+    cells += [f"{r.bound_s:.3f}", "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
+    return [[*cells, "-" if r.predicted_s is None else f"{r.predicted_s:.2f}"]]
 
 
 def residency_choices(plan: Plan, peaks) -> str:

@@ -129,3 +129,23 @@ def test_the_step_bound_prices_the_work_beside_decode_together_with_the_rollout(
     heavy = {**by, "ref_prefix": dataclasses.replace(by["ref_prefix"], cost=by["ref_prefix"].cost.scaled(40))}
     flops = (by["rollout"].cost.flops + 40 * by["ref_prefix"].cost.flops) / cost.KNOWN_PEAKS["H200"].flops
     assert timeplan.step_bound_s(rollplex, tuple(heavy.values())) == pytest.approx(step - by["rollout"].bound_s + flops)
+
+
+def test_the_backward_through_the_prefix_is_shown_within_the_actors_phase_and_absent_unsplit(capsys):
+    from rollplex.cli import main
+
+    plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))
+    steps = timeplan.planned_steps(plan)
+    part = timeplan.prefix_backward_plan(plan)
+    each = [cost.plan_prefix_backward(plan, tokens) for tokens in steps]
+    assert part.cost.flops == pytest.approx(sum(c.flops for c in each) / len(each))
+    (whole,) = [r for r in timeplan.time_plan(plan) if r.timer == "actor_suffix_backward"]
+    assert 0 < part.bound_s < whole.bound_s and part.cost.flops < whole.cost.flops
+    assert (
+        timeplan.prefix_backward_plan(compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"), Schedule.UNSPLIT))
+        is None
+    )
+    assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("actor_suffix_backward "))
+    assert lines[at + 1].startswith("  of it, through the prefix") and f"{part.bound_s:.3f}" in lines[at + 1]
