@@ -53,9 +53,8 @@ def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> di
             }
             for t in time_plan(plan, efficiencies)
         ],
-        "prefix_backward": _prefix_backward(
-            plan
-        ),  # of actor_suffix_backward's time_plan row: the part through the prefix
+        # of actor_suffix_backward's time_plan row: the part through the prefix
+        "prefix_backward": _prefix_backward(plan),
         "capacity_gib": _gib(r.capacity_bytes),
         "fits": r.fits,
         "sharing": {
