@@ -94,14 +94,14 @@ def phase_costs(
     ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens
 ) -> dict[str, tuple[Cost, ...]]:
     """{timer: the parts of its ops, in order} of one step."""
-    split = any(o.part is Part.SUFFIX for o in ops_)
+    split = {o.role for o in ops_ if o.part is Part.SUFFIX}  # the roles whose scoring starts at a boundary
     embedder = vision_embedder(ops_)
     prefilled = prefilled_decodes(ops_)
     beside = d.update_beside_prefix and any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops_)
     out: dict[str, tuple[Cost, ...]] = {}
     deferred: tuple[Cost, ...] = ()
     for o in ops_:
-        parts = op_parts(o, model, gpu, d, tokens, split, o is embedder, o.id in prefilled)
+        parts = op_parts(o, model, gpu, d, tokens, o.role in split, o is embedder, o.id in prefilled)
         if beside and o.kind is NodeKind.UPDATE and o.role is Role.ACTOR:  # runs on into the next actor prefix
             deferred += parts
             parts = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
@@ -223,8 +223,8 @@ def slowest_replica(t: TextConfig, tokens: StepTokens, gpu: PerGpu) -> StepToken
 def op_cost(
     o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool, embeds_vision: bool = True
 ) -> Cost:
-    """One op's cost (parts summed); `split`: the graph is split at the response (the actor's backward has a
-    prefix); `embeds_vision`: a prefix op runs the vision tower even under `freeze_vision` (`vision_embedder`)."""
+    """One op's cost (parts summed); `split`: the op's role scores from a boundary (its backward has a prefix);
+    `embeds_vision`: a prefix op runs the vision tower even under `freeze_vision` (`vision_embedder`)."""
     t, v, tp = model.text, model.vision, gpu.train_tp
     share = _share(o, tokens)
     if o.kind is NodeKind.DECODE:

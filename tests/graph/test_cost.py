@@ -272,3 +272,21 @@ def test_mini_batch_one_backpropagates_through_every_prompts_prefix_and_a_later_
     assert cost.op_cost(first, model, gpu, d, tokens, True) == whole.scaled(0.5) + prefix.scaled(0.5)
     peaks = cost.KNOWN_PEAKS["H200"]
     assert prefix_backward_bound_s(plan, tokens) == round(prefix.scaled(1.5).bound_s(peaks), 4)
+
+
+def test_a_role_scored_over_whole_sequences_is_priced_unsplit_beside_a_split_one():
+    """A custom graph whose actor scores from the responses alone (no prompt: no boundary) while the critic's is
+    split: the actor's backward reruns every prompt per response, the critic's goes through its prefix."""
+    from rollplex.graph.load import load_spec
+
+    text = (SPECS / "ppo_critic_7b_h200.yaml").read_text()
+    custom = text.replace("{id: actor_score, kind: forward, role: actor, inputs: [prompts, responses]",
+                          "{id: actor_score, kind: forward, role: actor, inputs: [responses]")  # fmt: skip
+    assert custom != text
+    plan, split = compile_plan(parse_spec(custom)), compile_plan(load_spec(SPECS / "ppo_critic_7b_h200.yaml"))
+    tokens = timeplan.planned_steps(plan)[0]
+    t, v, d, sp = plan.loaded.model.text, plan.loaded.model.vision, plan.decisions, plan.context.gpu.sequence_parallel
+    costs, split_costs = cost.plan_phase_costs(plan, tokens), cost.plan_phase_costs(split, tokens)
+    assert cost.total(costs["actor_suffix_backward"]) == cost.backward(False, t, v, tokens, 1, d, sp)
+    assert cost.total(costs["critic_suffix_backward"]) == cost.total(split_costs["critic_suffix_backward"])
+    assert timeplan.prefix_backward_plan(plan) is None
