@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 
 import pytest
+
+# One intra-op thread, here and in every process a test starts (they inherit it; a value the caller set stays): the
+# tiny model's ops are too small for a second thread to pay, and the suite's machine has two cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 if not torch.cuda.is_available():

@@ -150,12 +150,22 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
         ("module_times", ["specs/tiny_cpu.yaml", "--gc", "python", "bogus"], "unknown --gc variants ['bogus']"),
     ],
 )
-def test_gpu_benches_refuse_bad_arguments_and_a_machine_without_a_gpu_in_one_line(tmp_path, script, args, message):
+def test_gpu_benches_refuse_bad_arguments_and_a_machine_without_a_gpu_in_one_line(
+    tmp_path, monkeypatch, capsys, script, args, message
+):
+    import runpy
+
     if torch.cuda.is_available() and message == "needs a CUDA GPU":
         pytest.skip("checks the refusal on a machine without a GPU")
-    command = [sys.executable, str(ROOT / f"bench/{script}.py"), *args, "--out", str(tmp_path / "out.json")]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    path = ROOT / f"bench/{script}.py"
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(path.parent))  # as `python bench/X.py` puts its folder first
+    monkeypatch.setattr(sys, "argv", [str(path), *args, "--out", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exited:  # sys.exit("message"): Python prints it and exits 1
+        runpy.run_path(str(path), run_name="__main__")
+    said = exited.value.code
+    assert isinstance(said, str) and message in said and len(said.strip().splitlines()) == 1
+    assert capsys.readouterr().err == ""
     assert not (tmp_path / "out.json").exists()
 
 

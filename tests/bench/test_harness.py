@@ -44,6 +44,20 @@ def bench(tmp_path_factory):
         command = [sys.executable, "-m", "rollplex.cli", "bench", str(spec), *args]
         return subprocess.run(command, capture_output=True, text=True)
 
+    run.spec = spec
+    return run
+
+
+@pytest.fixture
+def bench_here(bench, capsys):
+    """`rollplex bench` on the tiny spec in this process, for the one-line errors that stop it before any run: its
+    exit code and stderr."""
+    from rollplex.cli import main
+
+    def run(*args: str) -> tuple[int, str]:
+        code = main(["bench", str(bench.spec), *args])
+        return code, capsys.readouterr().err
+
     return run
 
 
@@ -133,9 +147,9 @@ def test_bench_names_its_result_json_when_out_has_no_suffix(saving):
     assert (tmp / "tiny.json").exists() and (tmp / "tiny.png").exists()
 
 
-def test_bench_with_no_steps_is_a_one_line_error(tmp_path, bench):
-    proc = bench("--steps", "0", "--out", str(tmp_path / "x.json"))
-    assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr
+def test_bench_with_no_steps_is_a_one_line_error(tmp_path, bench_here):
+    code, err = bench_here("--steps", "0", "--out", str(tmp_path / "x.json"))
+    assert code == 2 and "--steps" in err and "Traceback" not in err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -169,9 +183,9 @@ def test_bench_runs_rollplex_once_per_policy_against_one_serial_run(tmp_path, be
     assert not out.exists() and (tmp_path / "tiny_greenadaptive.png").exists()
 
 
-def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path, bench):
-    proc = bench("--policies", "green:many", "--out", str(tmp_path / "x.json"))
-    assert proc.returncode == 2 and "green:many" in proc.stderr and "Traceback" not in proc.stderr
+def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path, bench_here):
+    code, err = bench_here("--policies", "green:many", "--out", str(tmp_path / "x.json"))
+    assert code == 2 and "green:many" in err and "Traceback" not in err
 
 
 def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypatch):
@@ -214,10 +228,10 @@ def test_the_serial_baseline_may_group_its_prefixes_otherwise_and_the_json_says_
     assert result["first_step_rollouts_match"] and result["updates_match"]
 
 
-def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench):
-    proc = bench("--serial-prompts-per-chunk", "0")
-    assert proc.returncode == 2 and "--serial-prompts-per-chunk" in proc.stderr and len(proc.stderr.splitlines()) == 1
-    assert "rollplex bench:" not in proc.stderr
+def test_a_bad_serial_grouping_is_one_line_and_exit_2_before_any_run(bench_here):
+    code, err = bench_here("--serial-prompts-per-chunk", "0")
+    assert code == 2 and "--serial-prompts-per-chunk" in err and len(err.splitlines()) == 1
+    assert "rollplex bench:" not in err
 
 
 @pytest.mark.slow
@@ -299,20 +313,16 @@ def test_serial_only_saves_serial_and_times_no_rollplex_and_the_later_bench_runs
     tmp_path, bench, serial_only
 ):
     proc, saved = serial_only
-    baseline, out = saved / "serial.pt", tmp_path / "later.json"
-    assert baseline.is_file() and not (saved / "none.json").exists()
+    assert (saved / "serial.pt").is_file() and not (saved / "none.json").exists()
     assert "rollplex bench: rollplex" not in proc.stderr
-    proc = bench("--steps", "1", "--warmup", "0", "--serial-from", str(baseline), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(out.read_text())["after_another_schedule_in_process"] is False
-    assert "an earlier schedule ran in this process" not in proc.stderr
+    # the later bench from this file: test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_another
 
 
 @pytest.mark.slow
-def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path, bench):
+def test_serial_only_without_a_file_to_save_to_is_one_line_and_exit_2(tmp_path, bench_here):
     for flags in (["--serial-only"], ["--serial-only", "--save-serial", "a.pt", "--serial-from", "missing.pt"]):
-        proc = bench(*flags)
-        assert proc.returncode == 2 and "--serial-only" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        code, err = bench_here(*flags)
+        assert code == 2 and "--serial-only" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
@@ -328,13 +338,15 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
 
 
 @pytest.mark.slow
-def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench, serial_only):
+def test_a_saved_serial_run_of_another_step_count_is_refused_in_one_line(tmp_path, bench_here, serial_only):
     baseline = serial_only[1] / "serial.pt"  # of one step
-    proc = bench("--steps", "2", "--warmup", "0", "--serial-from", str(baseline), "--out", str(tmp_path / "b.json"))
-    assert proc.returncode == 2 and "another schedule, spec, grouping or step count" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    proc = bench("--serial-from", str(tmp_path / "missing.pt"))
-    assert proc.returncode == 2 and "no such file" in proc.stderr
+    code, err = bench_here(
+        "--steps", "2", "--warmup", "0", "--serial-from", str(baseline), "--out", str(tmp_path / "b.json")
+    )
+    assert code == 2 and "another schedule, spec, grouping or step count" in err
+    assert len(err.strip().splitlines()) == 1
+    code, err = bench_here("--serial-from", str(tmp_path / "missing.pt"))
+    assert code == 2 and "no such file" in err
 
 
 def test_a_noise_floor_run_that_sampled_other_tokens_gives_no_floor():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,12 @@ def test_an_empty_dataset_file_is_a_value_error_saying_it_has_no_rows(tmp_path):
         open_dataset("empty.jsonl", CharTokenizer(), seed=0, base=tmp_path)
 
 
-def test_checking_a_spec_over_an_empty_dataset_file_is_a_one_line_error(tmp_path):
+def test_checking_a_spec_over_an_empty_dataset_file_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     spec = tmp_path / "empty.yaml"
     spec.write_text((ROOT / "specs/tiny_cpu.yaml").read_text().replace("synthetic:colour@tiny", "empty.jsonl"))
-    command = [sys.executable, "-m", "rollplex.cli", "compile", str(spec), "--dry-run", "--check-data"]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    assert proc.returncode != 0 and "workload.dataset" in proc.stderr and "has no rows" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    from rollplex.cli import main
+
+    code, err = main(["compile", str(spec), "--dry-run", "--check-data"]), capsys.readouterr().err
+    assert code != 0 and "workload.dataset" in err and "has no rows" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

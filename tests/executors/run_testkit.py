@@ -94,6 +94,14 @@ def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, 
     return train(compile_plan(loaded(device=device), Schedule(schedule)), opts)
 
 
+def cli_here(capsys, command: str, *args: str) -> tuple[int, str]:
+    """`rollplex COMMAND ARGS` in this process, for errors that stop it before any model is built: exit code, stderr."""
+    from rollplex.cli import main
+
+    code = main([command, *args])
+    return code, capsys.readouterr().err
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     """`rollplex run specs/tiny_cpu.yaml ARGS` in a fresh interpreter."""
     command = [sys.executable, "-m", "rollplex.cli", "run", str(ROOT / "specs/tiny_cpu.yaml"), *args]

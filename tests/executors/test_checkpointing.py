@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_testkit import ROOT, char_share, cli, loaded, run, spec_text, stopping_checkpoint
+from run_testkit import ROOT, char_share, cli_here, loaded, run, spec_text, stopping_checkpoint
 from safetensors import safe_open
 
 from rollplex.data.rewards import REWARDS
@@ -108,17 +108,26 @@ def test_ctrl_c_inside_a_step_keeps_the_last_completed_step_and_no_half_written_
     assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
 
 
-def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path):
+def test_no_checkpoints_writes_none_and_conflicts_with_checkpoint_every(tmp_path, capsys):
     records = run(tmp_path, "rollplex", 2, name="timing", checkpoints=False, checkpoint_every=1)
     assert len(records) == 2 and not (tmp_path / "timing" / "checkpoints").exists()
     assert (tmp_path / "timing" / "metrics.jsonl").is_file()
-    proc = cli("--no-checkpoints", "--checkpoint-every", "1", "--out", str(tmp_path / "x"))
-    assert proc.returncode == 2 and "choose one" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    code, err = cli_here(
+        capsys,
+        "run",
+        str(ROOT / "specs/tiny_cpu.yaml"),
+        "--no-checkpoints",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(tmp_path / "x"),
+    )
+    assert code == 2 and "choose one" in err and len(err.splitlines()) == 1
 
 
-def test_resume_without_checkpoints_is_a_one_line_error(tmp_path):
-    proc = cli("--resume", "--out", str(tmp_path))
-    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+def test_resume_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
+    code, err = cli_here(capsys, "run", str(ROOT / "specs/tiny_cpu.yaml"), "--resume", "--out", str(tmp_path))
+    assert code == 2 and "no complete checkpoint" in err and "Traceback" not in err
 
 
 class _Payload:
@@ -174,12 +183,14 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
     assert not list((out / "checkpoints").glob("*.tmp"))
 
 
-def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_model_is_built(tmp_path):
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_model_is_built(tmp_path, capsys):
     run(tmp_path, "rollplex", 1, name="earlier")
     with pytest.raises(SpecError, match=r"holds an earlier run's checkpoints \(step-000001\).*--resume"):
         run(tmp_path, "rollplex", 2, name="earlier")
-    proc = cli("--steps", "2", "--out", str(tmp_path / "earlier"))
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    code, err = cli_here(
+        capsys, "run", str(ROOT / "specs/tiny_cpu.yaml"), "--steps", "2", "--out", str(tmp_path / "earlier")
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_resume_takes_the_specs_optimizer_settings_and_a_metrics_line_cut_short(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from rollplex.executors.datacheck import check_data
@@ -19,10 +17,11 @@ def test_the_tiny_spec_fits_its_budgets_and_the_plan_counts_its_visual_tokens():
     assert "budget 384" in found.line()
 
 
-def test_a_prompt_over_the_budget_is_a_one_line_error_before_any_model_is_built(tmp_path):
+def test_a_prompt_over_the_budget_is_a_one_line_error_before_any_model_is_built(tmp_path, capsys):
     spec = tmp_path / "small.yaml"
     spec.write_text((ROOT / "specs/tiny_cpu.yaml").read_text().replace("prompt_tokens: 384", "prompt_tokens: 100"))
-    command = [sys.executable, "-m", "rollplex.cli", "compile", str(spec), "--dry-run", "--check-data"]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    assert proc.returncode == 2 and "workload.prompt_tokens" in proc.stderr and "over the budget 100" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    from rollplex.cli import main
+
+    code, err = main(["compile", str(spec), "--dry-run", "--check-data"]), capsys.readouterr().err
+    assert code == 2 and "workload.prompt_tokens" in err and "over the budget 100" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -160,11 +160,16 @@ def test_ppo_with_a_critic_on_two_ranks_trains_as_one_process(tmp_path):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
 
 
-def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path):
-    out = launch(1, DP2, tmp_path / "alone", "--steps", "1")
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "the cluster has 2 GPUs but 1 processes were launched" in out.stderr
-    assert "torchrun --nproc-per-node 2 -m rollplex run" in out.stderr
+def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+    from rollplex.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    code = main(["run", str(DP2), "--out", str(tmp_path / "alone"), "--quiet", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the cluster has 2 GPUs but 1 processes were launched" in err
+    assert "torchrun --nproc-per-node 2 -m rollplex run" in err
 
 
 def launch_nodes(spec: Path, out: Path, *args: str) -> list[subprocess.CompletedProcess]:

@@ -3,13 +3,11 @@ change no number. Checkpoints: `test_checkpointing.py`."""
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from run_testkit import ROOT, cli, loaded, run, spec_text
+from run_testkit import ROOT, cli, cli_here, loaded, run, spec_text
 from training_testkit import gradients
 
 from rollplex.data.source import batch_at, open_dataset
@@ -217,18 +215,14 @@ def test_the_cli_runs_the_tiny_spec_in_under_60_seconds_with_metrics_and_tensorb
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
-def test_run_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+def test_run_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path, capsys):
     spec = tmp_path / "spec.yaml"
     text = (ROOT / "specs/tiny_cpu.yaml").read_text()
     assert "dtype: float32}" in text
     spec.write_text(text.replace("dtype: float32}", "dtype: float32, device: cuda}"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollplex.cli", "run", str(spec), "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2 and "run.device" in proc.stderr and "no GPU" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    code, err = cli_here(capsys, "run", str(spec), "--out", str(tmp_path / "out"))
+    assert code == 2 and "run.device" in err and "no GPU" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
