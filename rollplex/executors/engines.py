@@ -32,7 +32,7 @@ from rollplex.executors.ppo import PpoConfig
 from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
-from rollplex.graph.objects import Residency
+from rollplex.graph.memobject import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import model_dir

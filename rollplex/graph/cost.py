@@ -19,7 +19,7 @@ from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
 from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps, steps_of
-from rollplex.graph.objects import Component, Residency
+from rollplex.graph.memobject import Component, Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
 from rollplex.models.config import ModelConfig, TextConfig, VisionConfig

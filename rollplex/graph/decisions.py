@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from rollplex.graph.objects import GIB, Component, Context, Residency, rollout_kv_bytes
+from rollplex.graph.memobject import GIB, Component, Context, Residency
+from rollplex.graph.objects import rollout_kv_bytes
 from rollplex.graph.residency import ResidencyPlan
 from rollplex.graph.spec import Spec
 

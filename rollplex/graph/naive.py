@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import TensorClass
-from rollplex.graph.objects import Component, Context, MemObject, memory_objects
+from rollplex.graph.memobject import Component, Context, MemObject
+from rollplex.graph.objects import memory_objects
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,96 +1,23 @@
 """The byte model: every object one GPU holds during an iteration, its bytes, class and HBM window.
 
 `memory_objects` reads the compiled graph (roles, split parts, steps, lifetimes) and prices each object
-from the model's shapes. An object is in HBM exactly in its `live` steps; elsewhere it is `outside`
-(host, dropped, or absent). `lower_residency` turns this list into the per-phase plan.
+(`memobject.MemObject`) from the model's shapes. An object is in HBM exactly in its `live` steps; elsewhere it
+is `outside` (host, dropped, or absent). `lower_residency` turns this list into the per-phase plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from enum import Enum, StrEnum
 
 import networkx as nx
 
 from rollplex.graph.ir import DATASET, NodeKind, Part, Role, TensorClass, lifetimes, ops, steps, tensors
+from rollplex.graph.memobject import GIB, PROMPT_INPUTS, Component, Context, MemObject, Residency
 from rollplex.graph.spec import Spec
-from rollplex.graph.workload import PerGpu, per_gpu
+from rollplex.graph.workload import per_gpu
 from rollplex.layout import shapes as S
-from rollplex.layout.sharing import SharingReport, sharing_report
+from rollplex.layout.sharing import sharing_report
 from rollplex.models.config import ModelConfig
-
-GIB = 2**30
-
-
-class Residency(Enum):
-    HBM = "hbm"
-    HOST = "host"  # pinned host pool: paged-out frozen weights, FP32 state, offloaded saved tensors
-    DROPPED = "dropped"  # regenerable, rebuilt when needed
-    ABSENT = "-"  # not produced yet or released
-
-
-class Component(StrEnum):
-    """What an object is (its value is how the plan prints it)."""
-
-    RESERVE = "runtime reserve"
-    WEIGHTS = "weights (BF16)"
-    GRADIENTS = "FP32 gradients"
-    MASTER = "FP32 master weights"
-    MOMENTS = "Adam moments (FP32)"
-    ACTIVATIONS = "activations (one microbatch)"
-    SUFFIX_ATTENTION = "suffix attention KV"
-    PREFIX_SAVED = "prefix saved tensors"
-    PREFIX_LAYER = "prefix, one layer in flight"
-    BOUNDARY_KV = "boundary KV"
-    BOUNDARY_LOGPROBS = "boundary log-probs"
-    BOUNDARY_GRADIENT = "boundary KV gradient"
-    KV_CACHE = "KV cache"
-    CASE3_BUFFER = "Case-3 buffer"
-    OPTIMIZER_CHUNKS = "streamed chunks"
-    VISION_OUTPUT = "shared vision output"  # `model.freeze_vision`: each prompt's, read by every prefix of the step
-    DATA = "data"  # a tensor the graph passes between nodes (`MemObject.name` says which)
-
-
-PROMPT_INPUTS = "prompt inputs, copied first"  # `prompt_inputs_first`
-
-
-@dataclass(frozen=True, slots=True)
-class MemObject:
-    role: str
-    component: Component
-    cls: TensorClass
-    bytes: int
-    live: frozenset[int]  # steps in which the bytes are in HBM
-    outside: Residency  # where they are in the other steps
-    vision: bool = False
-    host_bytes: int = 0  # bytes it occupies in the pinned host pool (per GPU)
-    window: frozenset[int] = frozenset()  # steps it exists in, when that is not every step
-    name: str = ""  # the tensor's name, for `Component.DATA`
-
-    @property
-    def label(self) -> str:
-        return self.name or self.component.value
-
-    @property
-    def movable(self) -> bool:
-        """Waits in the host pool between uses, and could stay in HBM over its whole window instead."""
-        host = self.outside is Residency.HOST and self.cls is not TensorClass.PERMANENT
-        return host and bool(self.window) and self.live != self.window
-
-    def residency(self, step: int) -> Residency:
-        if step in self.live:
-            return Residency.HBM
-        return Residency.ABSENT if self.window and step not in self.window else self.outside
-
-
-@dataclass(frozen=True, slots=True)
-class Context:
-    g: nx.DiGraph
-    spec: Spec
-    model: ModelConfig
-    gpu: PerGpu
-    sharing: SharingReport
 
 
 def make_context(g: nx.DiGraph, spec: Spec, model: ModelConfig) -> Context:

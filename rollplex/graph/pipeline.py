@@ -19,7 +19,8 @@ import networkx as nx
 from rollplex.graph.build import build, graph_spec_of
 from rollplex.graph.decisions import Decisions, decide
 from rollplex.graph.ir import Schedule
-from rollplex.graph.objects import Context, make_context, memory_objects
+from rollplex.graph.memobject import Context
+from rollplex.graph.objects import make_context, memory_objects
 from rollplex.graph.passes import (
     assign_executors,
     assign_phases,

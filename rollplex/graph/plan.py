@@ -24,8 +24,8 @@ from rollplex.graph.decisions import Decisions
 from rollplex.graph.ir import Schedule
 from rollplex.graph.levers import price_levers, with_changes
 from rollplex.graph.load import LoadedSpec
+from rollplex.graph.memobject import GIB, Component, Context, MemObject, Residency
 from rollplex.graph.naive import NaiveRow, naive_rows
-from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency
 from rollplex.graph.pipeline import compile_graph, lower
 from rollplex.graph.residency import ResidencyPlan
 from rollplex.layout.sharing import SharingReport

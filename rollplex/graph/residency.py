@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Part, Phase, Role, TensorClass, ops, prefilled_decodes, steps
-from rollplex.graph.objects import GIB, Component, Context, MemObject, Residency, prompt_inputs_first
+from rollplex.graph.memobject import GIB, Component, Context, MemObject, Residency
+from rollplex.graph.objects import prompt_inputs_first
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute

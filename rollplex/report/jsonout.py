@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rollplex.graph.objects import GIB, MemObject, Residency
+from rollplex.graph.memobject import GIB, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.planfile import plan_dict
 from rollplex.graph.timeplan import prefix_backward_plan, time_plan

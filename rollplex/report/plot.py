@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollplex.graph.ir import steps
-from rollplex.graph.objects import GIB
+from rollplex.graph.memobject import GIB
 from rollplex.graph.plan import Plan
 
 _COLORS = {

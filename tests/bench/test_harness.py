@@ -16,10 +16,9 @@ from rollplex.bench.harness import ScheduleRun, noise_floor_grads
 from rollplex.bench.provenance import source_commit
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup",
-        "ideal_speedup", "overlap_speedup", "decode_slowdown", "decode_slowdown_on_device",
-        "updates_match", "T_D_s", "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode", "step_balance_s",
-        "per_step", "timeline_s"}  # fmt: skip
+KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup", "per_step",
+        "ideal_speedup", "overlap_speedup", "decode_slowdown", "decode_slowdown_on_device", "updates_match", "T_D_s",
+        "T_P_s", "T_post_s", "phase_s", "prefix_beside_decode", "step_balance_s", "timeline_s"}  # fmt: skip
 
 
 SHAPES = {

@@ -74,7 +74,7 @@ def test_the_spec_decides_whether_attention_may_run_on_cudnn_and_a_later_build_r
 def test_the_optimizer_keeps_in_hbm_the_share_of_its_state_the_plan_keeps_there():
     from dataclasses import replace
 
-    from rollplex.graph.objects import Residency
+    from rollplex.graph.memobject import Residency
 
     plan = compile_plan(loaded())
     streamed = replace(plan.decisions, optimizer_state=Residency.HOST, optimizer_chunk_bytes=12 * 50_000)

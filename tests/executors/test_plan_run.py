@@ -12,7 +12,7 @@ from rollplex.cli import main
 from rollplex.executors.engines import build_engines
 from rollplex.graph.decisions import PrefixActivations
 from rollplex.graph.load import parse_spec
-from rollplex.graph.objects import Residency
+from rollplex.graph.memobject import Residency
 from rollplex.graph.plan import compile_plan
 
 TINY = str(ROOT / "specs/tiny_cpu.yaml")

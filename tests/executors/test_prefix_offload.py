@@ -14,7 +14,7 @@ from rollplex.data.tokenizer import CharTokenizer
 from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun, recomputed_modules
 from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec, parse_spec
-from rollplex.graph.objects import Residency
+from rollplex.graph.memobject import Residency
 from rollplex.graph.plan import compile_plan
 from rollplex.memory.host_pool import HostPool
 from rollplex.memory.offload import SavedTensorOffload, recompute

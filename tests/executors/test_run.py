@@ -60,7 +60,7 @@ def test_on_a_gpu_attention_without_cudnn_runs_no_cudnn_kernel():
 
 
 def test_the_reference_is_paged_where_the_plan_puts_it_on_the_host():
-    from rollplex.graph.objects import Residency
+    from rollplex.graph.memobject import Residency
 
     def paged(text: str) -> bool:
         return compile_plan(parse_spec(text)).decisions.reference_weights is Residency.HOST

@@ -20,7 +20,7 @@ from rollplex.executors.metrics import Fingerprints
 from rollplex.graph.ir import Part, Phase, Role
 from rollplex.graph.levers import step_seconds
 from rollplex.graph.load import parse_spec
-from rollplex.graph.objects import GIB, PROMPT_INPUTS
+from rollplex.graph.memobject import GIB, PROMPT_INPUTS
 from rollplex.graph.plan import compile_plan
 from rollplex.graph.timeplan import time_plan
 from rollplex.memory.optimizer import ChunkedAdamW

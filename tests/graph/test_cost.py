@@ -14,7 +14,7 @@ from rollplex.executors.bounds import step_tokens
 from rollplex.graph import cost, timeplan
 from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
 from rollplex.graph.load import parse_spec
-from rollplex.graph.objects import Component
+from rollplex.graph.memobject import Component
 from rollplex.graph.plan import compile_plan
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -229,7 +229,7 @@ def test_the_backward_through_the_prefix_is_about_the_flops_torch_counts_in_it(t
     from types import SimpleNamespace
 
     from rollplex.graph.decisions import PrefixActivations
-    from rollplex.graph.objects import Residency
+    from rollplex.graph.memobject import Residency
     from rollplex.models.chunks import drain
     from rollplex.models.rerun import Rerun
 

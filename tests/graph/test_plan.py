@@ -8,7 +8,7 @@ import pytest
 from rollplex.graph.decisions import PrefixActivations
 from rollplex.graph.ir import Phase, Schedule, steps
 from rollplex.graph.load import load_spec, parse_spec
-from rollplex.graph.objects import GIB, Residency
+from rollplex.graph.memobject import GIB, Residency
 from rollplex.graph.plan import compile_plan
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -8,7 +8,7 @@ from test_plan import both_parts, tiny, tiny_text
 
 from rollplex.graph.ir import steps
 from rollplex.graph.load import load_spec, parse_spec
-from rollplex.graph.objects import GIB, Residency
+from rollplex.graph.memobject import GIB, Residency
 from rollplex.graph.plan import compile_plan
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"

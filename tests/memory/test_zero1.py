@@ -99,7 +99,7 @@ def test_the_plans_optimizer_state_per_gpu_is_what_each_ranks_chunked_adamw_hold
     from dataclasses import replace
 
     from rollplex.graph.load import load_spec
-    from rollplex.graph.objects import Component
+    from rollplex.graph.memobject import Component
     from rollplex.graph.plan import compile_plan
     from rollplex.memory.optimizer import STATE_BYTES_PER_ELEMENT
     from rollplex.models.config import load_model_config
