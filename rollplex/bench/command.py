@@ -92,7 +92,8 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     baselines: dict[bool, tuple] = {}  # (serial, unsplit) per rollout engine: in process, or mps's own process
     batches: dict[int, list] = {}  # every schedule trains on the same examples, rendered once
     # a saved unsplit run, checked before anything runs: per rollout engine, as the serial baselines
-    saved_unsplit = {v.spec.sharing.policy == "mps": _saved_unsplit(args, v) for v in variants}
+    engines = {v.spec.sharing.policy == "mps": v for v in variants}  # one variant per rollout engine
+    saved_unsplit = {remote: _saved_unsplit(args, v) for remote, v in engines.items()}
     for variant in variants:
         remote = variant.spec.sharing.policy == "mps"
         identity = baseline_key(serial_spec(variant), args.steps, args.warmup)
