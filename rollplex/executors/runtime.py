@@ -30,6 +30,7 @@ from rollplex.executors.prefix_jobs import (
     PREFIX_JOBS,
     actor_prefix_job,
     critic_prefix_job,
+    job_options,
     paged_out_after,
     ref_prefix_job,
 )
@@ -165,10 +166,12 @@ def _handler(o: Op) -> Handler:
 
 def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, prefixes: Sequence[Op] = ()) -> None:
     """Rollout; the `prefixes` (if any) advance chunk by chunk between its decode steps (`rollplex.rollout.beside`)."""
-    jobs = [paged_out_after(e, g, p, PREFIX_JOBS[(p.kind, p.role, p.part)](e, store["prompts"], store["vision"]))
-            for p in prefixes]  # fmt: skip
-    beside = e.prefix_streams.beside(jobs) if jobs else None
     prompts = store["prompts"]
+    jobs = []
+    for p in prefixes:
+        job = PREFIX_JOBS[(p.kind, p.role, p.part)](e, prompts, store["vision"], **job_options(g, p, len(prompts)))
+        jobs.append(paged_out_after(e, g, p, job))
+    beside = e.prefix_streams.beside(jobs) if jobs else None
     shared = {} if e.dp is None else {"rows": e.dp.rows(len(prompts), e.group_size)}
     prefilled = [store[t] for t in o.inputs if t != DATASET]  # the actor prefix's boundary (`prefill_from_actor`)
     if prefilled:
@@ -240,7 +243,8 @@ def _actor_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRe
     if o.minibatch is not None:  # a later mini-batch's prefix, on the weights the previous update wrote
         prompts = prompts[o.minibatch.prompts(len(prompts))]
     first = _update_in_flight(e)  # its inputs cross the link before the update's state does
-    store[o.outputs[0]] = drain(actor_prefix_job(e, prompts, store["vision"], inputs_first=first))
+    options = job_options(g, o, len(prompts))
+    store[o.outputs[0]] = drain(actor_prefix_job(e, prompts, store["vision"], inputs_first=first, **options))
 
 
 def _critic_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:

@@ -18,7 +18,18 @@ from dataclasses import dataclass
 from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
-from rollplex.graph.ir import NodeKind, Op, Part, Role, op, ops, prefilled_decodes, steps, steps_of
+from rollplex.graph.ir import (
+    NodeKind,
+    Op,
+    Part,
+    Role,
+    backpropagated_prompts,
+    op,
+    ops,
+    prefilled_decodes,
+    steps,
+    steps_of,
+)
 from rollplex.graph.memobject import Component, Residency
 from rollplex.graph.workload import PerGpu
 from rollplex.layout import shapes as S
@@ -101,7 +112,9 @@ def phase_costs(
     out: dict[str, tuple[Cost, ...]] = {}
     deferred: tuple[Cost, ...] = ()
     for o in ops_:
-        parts = op_parts(o, model, gpu, d, tokens, o.role in split, o is embedder, o.id in prefilled)
+        kept = backpropagated_prompts(ops_, o) if o.part is Part.PREFIX else None
+        graph_share = None if kept is None else 1.0 / kept.count
+        parts = op_parts(o, model, gpu, d, tokens, o.role in split, o is embedder, o.id in prefilled, graph_share)
         if beside and o.kind is NodeKind.UPDATE and o.role is Role.ACTOR:  # runs on into the next actor prefix
             deferred += parts
             parts = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
@@ -127,14 +140,13 @@ def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
 
 
 def plan_prefix_backward(plan, tokens: StepTokens) -> Cost | None:
-    """The actor's backward through its prefix in a step of a compiled plan (`prefix_backward`, each of its
-    backwards' `prefix_share` of the prompts): a part of `actor_suffix_backward`; None unsplit."""
+    """The actor's backwards through its prefix in a step of a compiled plan (`prefix_backward`, each mini-batch's
+    through its own prompts'): a part of `actor_suffix_backward`; None unsplit."""
     g, model, gpu, d = plan.graph, plan.loaded.model, plan.context.gpu, plan.decisions
     backwards = [o for o in ops(g) if o.role is Role.ACTOR and o.kind is NodeKind.BACKWARD]
     if not backwards or not any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops(g)):
         return None
-    cost = prefix_backward(model.text, model.vision, tokens, gpu.train_tp, d, gpu.sequence_parallel)
-    return cost.scaled(sum(prefix_share(o) for o in backwards))
+    return prefix_backward(model.text, model.vision, tokens, gpu.train_tp, d, gpu.sequence_parallel)
 
 
 def reference_page_ins(plan) -> list[tuple[str, int]]:
@@ -191,24 +203,17 @@ def timers(ops_: Sequence[Op]) -> tuple[str, ...]:
     return tuple(t for t in TIMERS if t in used)
 
 
-def op_parts(
-    o: Op,
-    model: ModelConfig,
-    gpu: PerGpu,
-    d: Decisions,
-    tokens: StepTokens,
-    split: bool,
-    embeds_vision: bool = True,
-    prefilled: bool = False,
-) -> tuple[Cost, ...]:
+def op_parts(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool,
+             embeds_vision: bool = True, prefilled: bool = False, graph_share: float | None = None
+             ) -> tuple[Cost, ...]:  # fmt: skip
     """An op's parts, one after another: rollout's prefill (unless `prefilled`: it reads a prefix's boundary,
-    `prefill_from_actor`) then its decode; one part for any other op."""
+    `prefill_from_actor`) then its decode; one part for any other op (`op_cost`)."""
     if o.kind is NodeKind.DECODE:
         t, v = model.text, model.vision
         tokens = slowest_replica(t, tokens, gpu)
         prefill = () if prefilled else (prefix_forward(t, v, tokens, gpu.rollout_tp),)
         return *prefill, decode(t, tokens, gpu.rollout_tp)
-    return (op_cost(o, model, gpu, d, tokens, split, embeds_vision),)
+    return (op_cost(o, model, gpu, d, tokens, split, embeds_vision, graph_share),)
 
 
 def slowest_replica(t: TextConfig, tokens: StepTokens, gpu: PerGpu) -> StepTokens:
@@ -220,11 +225,12 @@ def slowest_replica(t: TextConfig, tokens: StepTokens, gpu: PerGpu) -> StepToken
     return max(parts, key=lambda part: decode(t, part, gpu.rollout_tp).hbm_bytes)
 
 
-def op_cost(
-    o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool, embeds_vision: bool = True
-) -> Cost:
+def op_cost(o: Op, model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens, split: bool,
+            embeds_vision: bool = True, graph_share: float | None = None) -> Cost:  # fmt: skip
     """One op's cost (parts summed); `split`: the op's role scores from a boundary (its backward has a prefix);
-    `embeds_vision`: a prefix op runs the vision tower even under `freeze_vision` (`vision_embedder`)."""
+    `embeds_vision`: a prefix op runs the vision tower even under `freeze_vision` (`vision_embedder`);
+    `graph_share`: the part of the step's prompts a prefix op keeps its graph for (`ir.backpropagated_prompts`;
+    default its own share)."""
     t, v, tp = model.text, model.vision, gpu.train_tp
     share = _share(o, tokens)
     if o.kind is NodeKind.DECODE:
@@ -238,7 +244,8 @@ def op_cost(
     if o.kind is NodeKind.FORWARD and o.part is Part.PREFIX:
         cost = prefix_forward(t, v, tokens, tp, vision=embeds_vision or not d.freeze_vision).scaled(share)
         if o.role is Role.ACTOR and d.prefix_saved is Residency.HOST:
-            cost = cost + Cost(host_bytes=share * _prefix_saved_bytes(t, v, tokens, tp, d, gpu.sequence_parallel))
+            saved = _prefix_saved_bytes(t, v, tokens, tp, d, gpu.sequence_parallel)
+            cost = cost + Cost(host_bytes=(share if graph_share is None else graph_share) * saved)
         return cost
     if o.kind is NodeKind.FORWARD:
         if o.fused_into is not None:
@@ -247,19 +254,11 @@ def op_cost(
             share
         )
     value, sp = o.role is Role.CRITIC, gpu.sequence_parallel  # a value model: a scalar head for the LM head
-    cost = backward(split, t, v, tokens, tp, d, sp, value).scaled(share)
-    extra = prefix_share(o) - share if split else 0.0  # mini-batch 1's prefix: every prompt's
-    return cost + prefix_backward(t, v, tokens, tp, d, sp, value).scaled(extra) if extra else cost
+    return backward(split, t, v, tokens, tp, d, sp, value).scaled(share)
 
 
 def _share(o: Op, tokens: StepTokens) -> float:
     return 1.0 if o.minibatch is None else 1.0 / o.minibatch.count  # a mini-batch's share of the prompts, or all
-
-
-def prefix_share(o: Op) -> float:
-    """The part of the step's prompts a backward's way through the prefix covers: all for mini-batch 1 (it scores
-    from the step's prefix of every prompt, the others' rows getting zero gradients), a later one's own rerun's."""
-    return 1.0 if o.minibatch is None or o.minibatch.index == 0 else 1.0 / o.minibatch.count
 
 
 def layer_params(t: TextConfig) -> int:

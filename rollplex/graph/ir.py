@@ -178,6 +178,16 @@ def prefilled_decodes(ops_: Iterable[Op]) -> set[str]:
     return {o.id for o in ops_ if o.kind is NodeKind.DECODE and any(t in boundaries for t in o.inputs)}
 
 
+def backpropagated_prompts(ops_: Iterable[Op], prefix: Op) -> MiniBatch | None:
+    """The prompts a prefix op keeps its graph for: a mini-batch's rerun, its own; the step's prefix of a role
+    trained in mini-batches, mini-batch 1's (the first scores every response, but only its own backpropagate,
+    and the later ones rerun their prefixes); else all of them (None)."""
+    if prefix.minibatch is not None:
+        return prefix.minibatch
+    count = max((o.minibatch.count for o in ops_ if o.minibatch is not None and o.role is prefix.role), default=1)
+    return MiniBatch(0, count) if count > 1 else None
+
+
 def beside_decode(g: nx.DiGraph, decode: str) -> list[str]:
     """The ops that share a step with decode (the Phase-1 prefixes of `rollplex`): they run beside it."""
     return [name for s in steps(g) if decode in s.ops for name in s.ops if name != decode]

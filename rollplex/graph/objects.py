@@ -11,7 +11,18 @@ from collections.abc import Iterator
 
 import networkx as nx
 
-from rollplex.graph.ir import DATASET, NodeKind, Part, Role, TensorClass, lifetimes, ops, steps, tensors
+from rollplex.graph.ir import (
+    DATASET,
+    NodeKind,
+    Part,
+    Role,
+    TensorClass,
+    backpropagated_prompts,
+    lifetimes,
+    ops,
+    steps,
+    tensors,
+)
 from rollplex.graph.memobject import GIB, PROMPT_INPUTS, Component, Context, MemObject, Residency
 from rollplex.graph.spec import Spec
 from rollplex.graph.workload import per_gpu
@@ -209,10 +220,12 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         vis = 0  # the shared vision output carries no graph: the gradient stops at the embeddings
     prefix = role_steps(c, role, part=Part.PREFIX)
     window = span(prefix | backward)
+    kept = [backpropagated_prompts(ops(c.g), o) for o in ops(c.g) if o.role is role and o.part is Part.PREFIX]
+    prompts = g.prompts_per_rank // (kept[0].count if kept and kept[0] else 1)  # mini-batches: each its own graph
     for b, is_vision in ((llm, False), (vis, True)):
         if not b:
             continue
-        size = b * g.prompts_per_rank
+        size = b * prompts
         if role is not Role.ACTOR:  # only the actor's go to the host pool (`SavedTensorOffload`); a critic's stay
             yield MemObject(role.value, Component.PREFIX_SAVED, TensorClass.PHASE_LOCAL, size, window,
                             Residency.ABSENT, is_vision)  # fmt: skip

@@ -150,6 +150,7 @@ class Qwen2_5_VL(nn.Module):
         rerun: Rerun | None = None,
         vision: SharedVision | None = None,
         inputs_first: bool = False,
+        attached_prompts: int | None = None,
     ) -> Generator[None, None, Boundary]:
         """`prefix` as a generator that pauses between chunks of its work, so that a scheduler can interleave it
         with other work (rollout decode): per group of `prompts_per_chunk` prompts (default: all, one batch), the
@@ -160,17 +161,25 @@ class Qwen2_5_VL(nn.Module):
         vision block and decoder layer keeps only its input, and backward reruns it (`rollplex.models.rerun`).
         `vision` (a frozen tower): the prompts' vision output comes from it, run there once per step.
         `inputs_first`: every group's inputs are copied to the device before the first group runs (for a prefix
-        beside other copies on the host link, `prompt_inputs`); else each group's as it starts."""
+        beside other copies on the host link, `prompt_inputs`); else each group's as it starts.
+        `attached_prompts` (attached only): the first this many prompts keep their graph and the rest run without
+        (their own groups), as for the step's prefix of mini-batches, whose first alone backpropagates through it."""
         size = prompts_per_chunk or len(prompts)
         shared = vision is not None
-        batches = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        cut = len(prompts) if attached_prompts is None or not attached else attached_prompts
+        bounds = [
+            (i, min(i + size, stop))
+            for start, stop in ((0, cut), (cut, len(prompts)))
+            for i in range(start, stop, size)
+        ]
+        batches = [prompts[a:b] for a, b in bounds]
         if inputs_first:
             batches = [prompt_inputs(self, batch, shared) for batch in batches]
         groups: list[_GroupPrefix] = []
         for i, batch in enumerate(batches):
             if groups:
                 yield  # each group's embedding and vision encoder start a chunk of their own
-            group = _GroupPrefix(self, attached, rerun, vision)
+            group = _GroupPrefix(self, attached and bounds[i][0] < cut, rerun, vision)
             batches[i] = None  # a group's patches are the tower's to free once it has run
             inputs = batch if inputs_first else prompt_inputs(self, batch, shared)
             yield from group.start(inputs, blocks_per_chunk=layers_per_chunk)

@@ -112,3 +112,30 @@ def test_mini_batches_split_against_unsplit_give_the_same_losses(tmp_path):
         assert s["reward_mean"] == u["reward_mean"]
         for key in ("loss", "kl", "clip_frac"):
             assert s[key] == pytest.approx(u[key], rel=1e-4, abs=1e-6), key
+
+
+def test_each_mini_batch_backpropagates_through_its_own_prompts_prefix_with_the_unsplit_gradients(monkeypatch):
+    """The step's prefix keeps the graph of mini-batch 1's prompts only (the others' rows it scores without
+    gradients), a later mini-batch reruns its own; each mini-batch's gradients are the unsplit ones."""
+    from rollplex.models.model import Qwen2_5_VL
+
+    text = minibatch_text(2)  # (its checkpoint is trained before the spy)
+    calls = []  # (prompts, attached, attached_prompts) of each prefix
+    real = Qwen2_5_VL.prefix_chunks
+
+    def spied(self, prompts, **kw):
+        calls.append((len(prompts), kw["attached"], kw.get("attached_prompts")))
+        return real(self, prompts, **kw)
+
+    monkeypatch.setattr(Qwen2_5_VL, "prefix_chunks", spied)
+    split, _, _ = recorded_iteration(Schedule.ROLLPLEX, text)
+    assert sorted(c for c in calls if c[1]) == [(2, True, None), (4, True, 2)]  # the rerun of mini-batch 2, the step's
+    unsplit, _, _ = recorded_iteration(Schedule.UNSPLIT, text)
+    assert len(split.optimizer.history) == len(unsplit.optimizer.history) == 2
+    for s, u in zip(split.optimizer.history, unsplit.optimizer.history, strict=True):
+        assert s.keys() == u.keys() and any(n.startswith("model.visual.") for n in s)
+        largest = max(g.norm() for g in u.values())
+        for name, g in u.items():  # a key bias shifts all of a query's scores alike: its gradient is rounding
+            scale = 1e-3 * largest if name.endswith("k_proj.bias") else g.norm()
+            assert g.norm() > 0, name
+            assert (s[name] - g).norm() <= 1e-4 * scale, name

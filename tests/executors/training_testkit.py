@@ -21,11 +21,13 @@ class GradRecorder:
     def __init__(self, model, optimizer):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.optimizer, self.grads = optimizer, {}
+        self.history: list[dict[str, torch.Tensor]] = []  # each step's, in order (they accumulate: no zero_grad)
 
     def step(self):
         params = self.optimizer.params
         grads = {self.names[id(p)]: self.optimizer.grad_of(i) for i, p in enumerate(params)}
         self.grads = {n: g.clone() for n, g in grads.items() if g is not None}
+        self.history.append(self.grads)
         return torch.tensor(0.0)
 
     def zero_grad(self):
@@ -46,7 +48,9 @@ def recorded_iteration(schedule: Schedule, text: str | None = None) -> tuple[Eng
     engines = build_engines(plan)
     perturb_reference(engines)
     engines.optimizer = GradRecorder(engines.actor, engines.optimizer)
-    examples = batch_at(open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3), 0, 2)
+    examples = batch_at(
+        open_dataset(spec.spec.workload.dataset, engines.tokenizer, 3), 0, spec.spec.workload.prompts_per_step
+    )
     record = run_iteration(plan.graph, engines, examples)
     return engines, record, examples
 

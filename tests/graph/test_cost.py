@@ -14,7 +14,7 @@ from rollplex.executors.bounds import step_tokens
 from rollplex.graph import cost, timeplan
 from rollplex.graph.cost import Cost, DevicePeaks, StepTokens, decode, prefix_forward, suffix_forward
 from rollplex.graph.load import parse_spec
-from rollplex.graph.memobject import Component
+from rollplex.graph.memobject import Component, Residency
 from rollplex.graph.plan import compile_plan
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -253,14 +253,15 @@ def test_the_backward_through_the_prefix_is_about_the_flops_torch_counts_in_it(t
     assert measured == pytest.approx(modelled, rel=0.06)
 
 
-def test_mini_batch_one_backpropagates_through_every_prompts_prefix_and_a_later_one_through_its_own():
-    """Mini-batch 1 scores from the step's prefix of all prompts (it also writes every response's old log-probs), so
-    its backward runs through all of it; mini-batch 2 reruns the prefix of its own prompts."""
+def test_each_mini_batch_backpropagates_through_its_own_prompts_prefix():
+    """The step's prefix keeps the graph of mini-batch 1's prompts only (its saved tensors, over the host link when
+    they live there), and each mini-batch's backward runs through its own share of the prefix."""
     from rollplex.executors.bounds import prefix_backward_bound_s
-    from rollplex.graph.ir import NodeKind, ops
+    from rollplex.graph.ir import NodeKind, Part, Role, ops
 
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
     text = text.replace("algorithm:\n", "algorithm:\n  minibatches_per_step: 2\n") + "run: {rollout_prefill: rollout}\n"
+    text = text.replace("memory:\n", "memory:\n  prefix_saved: host\n")
     plan = compile_plan(parse_spec(text))
     tokens = timeplan.planned_steps(plan)[0]
     model, gpu, d = plan.loaded.model, plan.context.gpu, plan.decisions
@@ -269,9 +270,17 @@ def test_mini_batch_one_backpropagates_through_every_prompts_prefix_and_a_later_
     whole = cost.backward(True, t, v, tokens, 1, d, sp)
     prefix = cost.prefix_backward(t, v, tokens, 1, d, sp)
     assert cost.op_cost(second, model, gpu, d, tokens, True) == whole.scaled(0.5)
-    assert cost.op_cost(first, model, gpu, d, tokens, True) == whole.scaled(0.5) + prefix.scaled(0.5)
+    assert cost.op_cost(first, model, gpu, d, tokens, True) == whole.scaled(0.5)
     peaks = cost.KNOWN_PEAKS["H200"]
-    assert prefix_backward_bound_s(plan, tokens) == round(prefix.scaled(1.5).bound_s(peaks), 4)
+    assert prefix_backward_bound_s(plan, tokens) == round(prefix.bound_s(peaks), 4)
+    assert d.prefix_saved is Residency.HOST and prefix.host_bytes > 0
+    prefixes = [o for o in ops(plan.graph) if o.role is Role.ACTOR and o.part is Part.PREFIX]
+    phase = cost.phase_costs(prefixes, model, gpu, d, tokens)  # the step's prefix and mini-batch 2's rerun
+    assert len(prefixes) == 2 and cost.total(phase["actor_prefix"]).host_bytes == prefix.host_bytes
+    saved = [o for o in plan.residency.objects if o.role == "actor" and o.component is Component.PREFIX_SAVED]
+    one = compile_plan(parse_spec(text.replace("  minibatches_per_step: 2\n", "")))
+    saved_one = [o for o in one.residency.objects if o.role == "actor" and o.component is Component.PREFIX_SAVED]
+    assert sum(o.bytes for o in saved) * 2 == sum(o.bytes for o in saved_one) > 0
 
 
 def test_a_role_scored_over_whole_sequences_is_priced_unsplit_beside_a_split_one():

@@ -121,3 +121,37 @@ def test_prompt_inputs_hold_what_a_prefix_reads_and_leave_a_shared_towers_patche
     assert own.lens.tolist() == [p.num_tokens for p in prompts] and own.rows is not None  # the prompts differ in length
     text = prompt_inputs(model, prompts[2:])
     assert text.vision is None and text.slots is None and text.rows is None
+
+
+@pytest.mark.parametrize("prompts_per_chunk", [None, 1])
+def test_attached_prompts_keep_the_graph_of_the_first_prompts_only_and_their_gradients(
+    model, prompts, prompts_per_chunk
+):
+    """The step's prefix of mini-batches: the first prompts (mini-batch 1's) keep their graph, the rest run without
+    one; the boundary is the same within rounding, and a loss on the first prompts' rows gives the gradients it
+    gives through a prefix attached whole (the other rows got zero gradients there)."""
+
+    def run(attached_prompts):
+        model.zero_grad(set_to_none=True)
+        chunks = model.prefix_chunks(
+            prompts, attached=True, prompts_per_chunk=prompts_per_chunk, attached_prompts=attached_prompts
+        )
+        boundary, _ = drain(chunks, True)
+        first = boundary.keys[-1][:1].float().sum() + boundary.values[0][:1].float().sum()
+        (first + boundary.first_logprobs[:1].sum()).backward()
+        return boundary, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = run(None)
+    part, part_grads = run(1)
+    real = whole.key_mask()[:, None, :, None]
+    for a, b in zip(whole.keys + whole.values, part.keys + part.values, strict=True):
+        torch.testing.assert_close(a * real, b * real, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(whole.first_logprobs, part.first_logprobs, atol=1e-5, rtol=1e-5)
+    assert part_grads.keys() == whole_grads.keys() and model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(part_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    for attached_prompts, kept in ((1, False), (None, True)):  # the other prompts' rows: a graph only when whole
+        boundary, _ = drain(model.prefix_chunks(prompts, attached=True, attached_prompts=attached_prompts), True)
+        rest = boundary.keys[-1][1:].float().sum() + boundary.first_logprobs[1:].sum()
+        grads = torch.autograd.grad(rest, list(model.parameters()), allow_unused=True)
+        assert any(g is not None and g.abs().sum() > 0 for g in grads) == kept
