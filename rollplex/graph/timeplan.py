@@ -42,6 +42,8 @@ class PhaseTime:
 HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
 
+PREFIX_BACKWARD = "prefix_backward"  # the part of `actor_suffix_backward` the plan, runs and benches bound apart
+
 PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step decodes to its longest response
 
 
@@ -68,14 +70,19 @@ def time_plan(
     return tuple(rows)
 
 
-def prefix_backward_plan(plan, steps: Sequence[StepTokens] | None = None) -> PhaseTime | None:
+def prefix_backward_plan(
+    plan, steps: Sequence[StepTokens] | None = None, efficiency: float | None = None
+) -> PhaseTime | None:
     """The actor's backward through its prefix (`cost.plan_prefix_backward`), a part of `actor_suffix_backward`
-    shown apart, averaged over `steps` as `time_plan` averages; None unsplit."""
+    shown apart, averaged over `steps` as `time_plan` averages, predicted at `efficiency` as a phase is; None
+    unsplit."""
     each = [plan_prefix_backward(plan, tokens) for tokens in (steps or planned_steps(plan))]
     if None in each:
         return None
+    peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     cost = total(each).scaled(1 / len(each))
-    return PhaseTime("prefix_backward", cost, cost.bound_s(KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]), None, None)
+    predicted = _predicted_s(cost, peaks, efficiency) if efficiency else None
+    return PhaseTime(PREFIX_BACKWARD, cost, cost.bound_s(peaks), efficiency, predicted)
 
 
 def recorded_tokens(d: dict) -> StepTokens:

@@ -2,11 +2,14 @@
 
 `rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.timeplan.time_plan`).
 SOURCE is one of:
-- `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`);
+- `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`) or
+  `prefix_backward` (the backward through the prefix, within `actor_suffix_backward`);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `device_bound_s` / `time_s`, the
   first step left out when there are more (it compiles and plans; `run_efficiencies`);
 - a `rollplex bench` result (JSON): its `device_efficiency` for the plan's schedule, serial's for a phase it has
-  none for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial).
+  none for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial), and its
+  `prefix_backward_efficiency` likewise.
+A run and a bench give `prefix_backward` where they timed it apart.
 The time plan divides a phase's device bound (FLOPs and HBM bytes) by its efficiency and prices its host-link
 traffic on its own, so a source's efficiency is of its device bound too; a source older than that field gives
 its `bound_s` / `efficiency` (the link's time in it). What `rollplex run` prints at its end (`run_summary`) and a
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from rollplex.errors import SpecError
 from rollplex.graph.cost import TIMERS
+from rollplex.graph.timeplan import PREFIX_BACKWARD
 
 
 def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
@@ -35,8 +39,9 @@ def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
     else:
         found = _of_bench(path, schedule)
     for phase, e in found.items():
-        if phase not in TIMERS:
-            raise SpecError("", f"--efficiency {source}: no phase {phase!r}", f"name one of {', '.join(TIMERS)}")
+        if phase not in (*TIMERS, PREFIX_BACKWARD):
+            names = ", ".join((*TIMERS, PREFIX_BACKWARD))
+            raise SpecError("", f"--efficiency {source}: no phase {phase!r}", f"name one of {names}")
         if not (math.isfinite(e) and 0 < e <= 1):
             raise SpecError("", f"--efficiency {source}: {phase} {e:g} is not in (0, 1]")
     return found
@@ -72,12 +77,17 @@ def _warm(records: list[dict]) -> list[dict]:
 def run_efficiencies(records: list[dict], device: bool = False) -> dict[str, float]:
     """Per phase of a run's metrics records, the median over its warm steps of `bound_s` (`device`: of
     `device_bound_s`, where a record has it: a run resumed across its introduction has both kinds) over `time_s`; a
-    phase run beside another (no seconds of its own) or with no bound is left out."""
+    phase run beside another (no seconds of its own) or with no bound is left out. With them, `prefix_backward`
+    where the steps timed it apart."""
     ratios: dict[str, list[float]] = {}
     for record in _warm(records):
         bounds = record.get("device_bound_s", record["bound_s"]) if device else record["bound_s"]
+        times = record["time_s"]
+        if record.get("prefix_backward_bound_s"):
+            bounds = {**bounds, PREFIX_BACKWARD: record["prefix_backward_bound_s"]}
+            times = {**times, PREFIX_BACKWARD: record["prefix_backward_s"]}
         for phase, bound in bounds.items():
-            seconds = record["time_s"].get(phase, 0.0)
+            seconds = times.get(phase, 0.0)
             if bound > 0 and seconds > 0:
                 ratios.setdefault(phase, []).append(bound / seconds)
     return {phase: statistics.median(r) for phase, r in ratios.items()}
@@ -120,6 +130,9 @@ def _of_bench(path: Path, schedule: str) -> dict[str, float]:
         device, whole = result.get("device_efficiency", {}), result["efficiency"]
         of = lambda s: device.get(s) or whole.get(s, {})  # noqa: E731  (an older bench or baseline: the whole's)
         found = {k: float(v) for k, v in {**of("serial"), **of(schedule)}.items()}  # serial's for a phase run alone
+        prefix = result.get("prefix_backward_efficiency") or {}
+        if (e := prefix.get(schedule) or prefix.get("serial")) is not None:
+            found[PREFIX_BACKWARD] = float(e)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a bench result with efficiencies ({e})") from None
     if not found:  # a CPU bench: no bounds there

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rollplex.graph.memobject import GIB, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.planfile import plan_dict
-from rollplex.graph.timeplan import prefix_backward_plan, time_plan
+from rollplex.graph.timeplan import PREFIX_BACKWARD, prefix_backward_plan, time_plan
 
 
 def _gib(b: int) -> float:
@@ -54,7 +54,7 @@ def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> di
             for t in time_plan(plan, efficiencies)
         ],
         # of actor_suffix_backward's time_plan row: the part through the prefix
-        "prefix_backward": _prefix_backward(plan),
+        "prefix_backward": _prefix_backward(plan, efficiencies),
         "capacity_gib": _gib(r.capacity_bytes),
         "fits": r.fits,
         "sharing": {
@@ -107,9 +107,10 @@ def _object(o: MemObject, idx: tuple[int, ...]) -> dict:
     }
 
 
-def _prefix_backward(plan) -> dict | None:
-    if (t := prefix_backward_plan(plan)) is None:
+def _prefix_backward(plan, efficiencies: dict[str, float] | None) -> dict | None:
+    if (t := prefix_backward_plan(plan, efficiency=(efficiencies or {}).get(PREFIX_BACKWARD))) is None:
         return None
     c = t.cost
     return {"tflop": round(c.flops / 1e12, 3), "hbm_gb": round(c.hbm_bytes / 1e9, 3),
-            "host_gb": round(c.host_bytes / 1e9, 3), "bound_s": round(t.bound_s, 4)}  # fmt: skip
+            "host_gb": round(c.host_bytes / 1e9, 3), "bound_s": round(t.bound_s, 4), "efficiency": t.efficiency,
+            "predicted_s": None if t.predicted_s is None else round(t.predicted_s, 3)}  # fmt: skip

@@ -11,7 +11,13 @@ from rollplex.graph.memobject import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import missing_files
-from rollplex.graph.timeplan import overlapped_timers, prefix_backward_plan, step_bound_s, time_plan
+from rollplex.graph.timeplan import (
+    PREFIX_BACKWARD,
+    overlapped_timers,
+    prefix_backward_plan,
+    step_bound_s,
+    time_plan,
+)
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
@@ -206,7 +212,7 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     predicted seconds; then what each residency choice costs on the host link."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     rows, predicted, times = [], 0.0, time_plan(plan, efficiencies)
-    prefix_backward = prefix_backward_plan(plan)
+    prefix_backward = prefix_backward_plan(plan, efficiency=(efficiencies or {}).get(PREFIX_BACKWARD))
     for r in times:
         if not (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes):
             continue

@@ -1,6 +1,7 @@
 """A time plan's efficiencies from a bench result, a run's metrics or by hand; a bad source is one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,28 @@ def test_a_run_that_timed_its_backward_through_the_prefix_names_it_within_the_ac
     assert "(bound 1.10, 0.32)" in line  # the median of 1.0 / 4.0 and 1.2 / 3.0
     del records[2]["prefix_backward_s"], records[2]["prefix_backward_bound_s"]  # a step without it: not named
     assert "backward through the prefix" not in run_summary(records)
+
+
+def test_the_backward_through_the_prefix_is_predicted_at_its_own_efficiency_from_each_source(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    efficiency = {"serial": {"actor_suffix_backward": 0.5}}
+    path.write_text(json.dumps({"efficiency": efficiency, "prefix_backward_efficiency": {"serial": 0.6}}))
+    assert read_efficiencies(str(path), "rollplex") == {"actor_suffix_backward": 0.5, "prefix_backward": 0.6}
+    both = {"serial": 0.6, "rollplex": 0.55}
+    path.write_text(json.dumps({"efficiency": efficiency, "prefix_backward_efficiency": both}))
+    assert read_efficiencies(str(path), "rollplex")["prefix_backward"] == 0.55
+    steps = [({"actor_suffix_backward": s, "step": s}, {"actor_suffix_backward": 1.0}) for s in (9.0, 2.0, 4.0)]
+    metrics = run_metrics(tmp_path, steps)
+    records = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+    for r, seconds in zip(records, (5.0, 1.0, 3.0), strict=True):
+        r |= {"prefix_backward_s": seconds, "prefix_backward_bound_s": 0.6}
+    Path(metrics).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert read_efficiencies(metrics, "rollplex") == pytest.approx(
+        {"actor_suffix_backward": 0.375, "prefix_backward": 0.4}
+    )
+    assert main(["compile", SPEC, "--dry-run", "--format", "json", "--efficiency", "prefix_backward=0.5"]) == 0
+    part = json.loads(capsys.readouterr().out)["prefix_backward"]
+    assert part["efficiency"] == 0.5 and part["predicted_s"] == pytest.approx(part["bound_s"] / 0.5, rel=1e-3)
+    assert main(["compile", SPEC, "--dry-run", "--efficiency", "prefix_backward=0.5"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  of it, through the prefix")]
+    assert line.split()[-2:] == ["0.50", f"{part['predicted_s']:.2f}"]
