@@ -148,6 +148,8 @@ def test_a_preset_stage_times_serial_once_and_each_policy_in_a_process_of_its_ow
         ("host_stalls", ["--cases", "memset", "bogus"], "unknown cases ['bogus']"),
         ("host_stalls", ["--cases", "sdpa_new"], "needs a CUDA GPU"),
         ("module_times", ["specs/tiny_cpu.yaml", "--gc", "python", "bogus"], "unknown --gc variants ['bogus']"),
+        ("token_scores", ["--model", "9b"], "no model '9b'"),
+        ("token_scores", ["--tokens", "64"], "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benches_refuse_bad_arguments_and_a_machine_without_a_gpu_in_one_line(

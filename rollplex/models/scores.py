@@ -1,6 +1,6 @@
 """Per-token scores of sampled responses: the log-probability of each token and the entropy of the
 distribution it was drawn from, masked past each response's length, from final hidden states and the LM head
-(`token_scores`: in chunks of tokens, never all the FP32 logits at once; `join_first`). Both are of
+(`token_scores`: in chunks of tokens, never all the logits at once; `join_first`). Both are of
 softmax(logits / temperature), the sampling temperature (`rollplex.models.sampling.tempered`).
 """
 
@@ -53,7 +53,16 @@ def token_scores(
     hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, vocab_size: int, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each target and the entropy at each of hidden [M, H], at `temperature`: the head runs on chunks
-    of tokens (LOGIT_CHUNK_BYTES of FP32 logits), each checkpointed when autograd records. [M] and [M], float32."""
+    of tokens (LOGIT_CHUNK_BYTES of logits), on a GPU through the fused kernels of `kernels.token_scores` where
+    the head is one plain linear layer, else in eager torch with FP32 logits, each chunk checkpointed when autograd
+    records. [M] and [M], float32."""
+    if hidden.is_cuda and type(head) is torch.nn.Linear and head.bias is None:
+        from rollplex.kernels.token_scores import head_scores
+
+        step = max(1, LOGIT_CHUNK_BYTES // (head.weight.element_size() * vocab_size))
+        parts = [head_scores(hidden[i : i + step], head.weight, targets[i : i + step], temperature)
+                 for i in range(0, max(hidden.shape[0], 1), step)]  # fmt: skip
+        return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts])
     step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
     score = partial(_token_scores, head, temperature)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
