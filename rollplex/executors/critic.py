@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rollplex.executors.grpo import LossScale, loss_scale
 from rollplex.executors.ppo import PpoConfig, gae, token_rewards, value_loss
-from rollplex.executors.scoring import LeafBoundary, row_batches
+from rollplex.executors.scoring import LeafBoundary, microbatch_budget, row_batches
 from rollplex.models.generate import Rollout
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
@@ -39,8 +39,10 @@ def train_critic(
     boundary: LeafBoundary | None,
     microbatch_memory,
     dp=None,
+    microbatch_tokens: int | None = None,
 ) -> CriticResult:
-    """The critic's values and value loss over the step's responses; gradients accumulate in its `.grad`s."""
+    """The critic's values and value loss over the step's responses; gradients accumulate in its `.grad`s. Split,
+    in microbatches of at most `microbatch_tokens` (`scoring.microbatch_budget`)."""
     num_prompts, num_samples, width = rollout.responses.shape
     mask = torch.arange(width, device=rollout.responses.device) < rollout.response_lens[..., None]
     scale = loss_scale(mask)
@@ -61,7 +63,7 @@ def train_critic(
         values[:, :cols].index_copy_(0, index, old)
 
     if boundary is not None:
-        for batch in row_batches(rollout, max_tokens=num_samples * width):
+        for batch in row_batches(rollout, max_tokens=microbatch_budget(microbatch_tokens, num_samples, width)):
             with microbatch_memory():
                 responses = rollout.responses.flatten(0, 1).index_select(0, batch.index)[:, : batch.width]
                 v = suffix_values(critic, boundary.leaf, batch.rows, responses, batch.lens)

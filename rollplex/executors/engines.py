@@ -65,6 +65,7 @@ class Engines:
     reward: RewardTerms
     grpo: GrpoConfig
     group_size: int
+    microbatch_tokens: int | None = None  # `memory.microbatch_tokens`: a split training microbatch's tokens at most
     layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
     prompts_per_chunk: int | None = None  # prompts per chunk of prefix work (both schedules); None: all
     prefix_streams: PrefixStreams = field(default_factory=lambda: PrefixStreams())  # where prefixes run beside decode
@@ -244,6 +245,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         reward=make_reward(loaded),
         grpo=GrpoConfig(a.clip_ratio, a.kl_coef, a.entropy_coef, a.loss_agg),
         group_size=spec.workload.group_size,
+        microbatch_tokens=spec.memory.microbatch_tokens,
         layers_per_chunk=sharing.layers_per_chunk,
         prompts_per_chunk=sharing.prompts_per_chunk,
         prefix_streams=make_prefix_streams(sharing, device),

@@ -259,7 +259,15 @@ def _critic_backward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: Ste
     boundary = _read(g, store, scoring, NodeKind.FORWARD, Role.CRITIC, Part.PREFIX, required=False)
     rewards = _read(g, store, o, NodeKind.REWARD)
     result = train_critic(
-        e.critic, e.ppo, store["prompts"], rollout, rewards, boundary, e.critic_microbatch_memory, e.dp
+        e.critic,
+        e.ppo,
+        store["prompts"],
+        rollout,
+        rewards,
+        boundary,
+        e.critic_microbatch_memory,
+        e.dp,
+        e.microbatch_tokens,
     )
     store[scoring.outputs[0]] = result.values
     record.stats["value_loss"] = float(result.loss) if e.dp is None else e.dp.sum([float(result.loss)])[0]

@@ -93,6 +93,12 @@ def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
     ]
 
 
+def microbatch_budget(cap: int | None, num_samples: int, width: int) -> int:
+    """A split training microbatch's tokens: a group of the step's longest responses (N x R, as the planner counts
+    one), at most `cap` (`memory.microbatch_tokens`)."""
+    return num_samples * width if cap is None else min(cap, num_samples * width)
+
+
 def score_batch(
     model: Qwen2_5_VL, boundary: Boundary, rollout: Rollout, batch: RowBatch, temperature: float = 1.0
 ) -> SuffixOut:

@@ -19,7 +19,14 @@ from torch import Tensor
 from rollplex.executors.dataparallel import OverlappedSum
 from rollplex.executors.engines import Engines
 from rollplex.executors.grpo import GroupLoss, LossScale, group_advantages, grpo_loss, loss_scale
-from rollplex.executors.scoring import LeafBoundary, row_batches, score_all, score_batch, score_group_unsplit
+from rollplex.executors.scoring import (
+    LeafBoundary,
+    microbatch_budget,
+    row_batches,
+    score_all,
+    score_batch,
+    score_group_unsplit,
+)
 from rollplex.graph.ir import MiniBatch
 from rollplex.models.generate import Rollout
 from rollplex.models.inputs import Prompt
@@ -132,7 +139,7 @@ def train_minibatch(e: Engines, mb: MiniBatch, x: MiniBatchInputs, totals: Train
             totals.agree(lp, part.logprobs[idx][..., :cols], m)
 
     if x.boundary is not None:
-        for batch in row_batches(part, max_tokens=e.group_size * width):
+        for batch in row_batches(part, max_tokens=microbatch_budget(e.microbatch_tokens, e.group_size, width)):
             with e.microbatch_memory():
                 out = score_batch(e.actor, x.boundary.leaf, part, batch, e.temperature)
             step(out, (batch.index // num_samples, batch.index % num_samples), batch.width)

@@ -180,6 +180,12 @@ class MemorySpec(Strict):
         "the backward), full (each decoder layer and vision block keeps its input; backward reruns it), or auto: "
         "none where the plan fits with it at a step bound no higher than full's, else full.",
     )
+    microbatch_tokens: PositiveInt | None = Field(
+        None,
+        description="Response tokens a trained role scores and backpropagates at once (its responses packed across "
+        "prompts; a longer response alone); null: a prompt group's N responses at the step's longest length. A "
+        "smaller microbatch holds fewer activations: what lets `recompute: none` fit, at more scoring calls.",
+    )
     prefix_activations: Literal["auto", "offload", "recompute"] = Field(
         "auto",
         description="What the actor prefix saves for its backward: offload, every tensor autograd saves (where "

@@ -29,6 +29,7 @@ class PerGpu:
     visual_tokens: int
     patches_per_prompt: int  # vision-encoder patches (4 per visual token)
     sequence_parallel: bool = False  # hidden-sized activations split over the TP ranks (`parallel.sequence_parallel`)
+    microbatch_cap: int | None = None  # `memory.microbatch_tokens`
 
     @property
     def sequences_per_rank(self) -> int:
@@ -36,8 +37,10 @@ class PerGpu:
 
     @property
     def microbatch_tokens(self) -> int:
-        """A training microbatch is one prompt group: its N responses against one shared boundary."""
-        return self.group_size * self.response_tokens
+        """A training microbatch's response tokens: a prompt group's N responses at the longest length, or fewer
+        where `memory.microbatch_tokens` caps them (but a whole response: one of the longest, at least)."""
+        group = self.group_size * self.response_tokens
+        return group if self.microbatch_cap is None else min(group, max(self.microbatch_cap, self.response_tokens))
 
 
 def per_gpu(spec: Spec, model: ModelConfig) -> PerGpu:
@@ -62,4 +65,5 @@ def per_gpu(spec: Spec, model: ModelConfig) -> PerGpu:
         visual_tokens=w.num_visual_tokens,
         patches_per_prompt=w.num_visual_tokens * model.vision.merge_unit,
         sequence_parallel=spec.parallel.sequence_parallel,
+        microbatch_cap=spec.memory.microbatch_tokens,
     )

@@ -225,3 +225,32 @@ def test_each_mini_batchs_gradients_exist_from_its_backward_to_its_update_only()
     assert between, "mini-batch 2 reruns its prefix and scores before its backward"
     for grads in both_parts(plan, "actor", "FP32 gradients"):
         assert grads.live == expected
+
+
+def test_a_capped_microbatch_holds_its_tokens_activations_so_that_no_recompute_fits_the_3b():
+    """`memory.microbatch_tokens`: the split microbatch's activations are the cap's tokens' (a whole response at
+    least, a group at most); without recompute the shipped 3B spec keeps its FP32 state in HBM at 4,096 tokens, and
+    must stream part of it at a whole group."""
+    from rollplex.graph.memobject import Component
+    from rollplex.layout import shapes as S
+
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    shipped = compile_plan(parse_spec(text))
+    assert shipped.context.gpu.microbatch_tokens == 8 * 2048
+    capped = text.replace("  recompute: full\n", "  recompute: none\n  microbatch_tokens: 4096\n")
+    plan = compile_plan(parse_spec(capped))
+    gpu, t = plan.context.gpu, plan.loaded.model.text
+    assert gpu.microbatch_tokens == 4096 and not plan.decisions.recompute_microbatch
+    (act,) = [o for o in plan.residency.objects if o.role == "actor" and o.component is Component.ACTIVATIONS]
+    per_token = t.num_hidden_layers * S.layer_activation_bytes_per_token(t, 1) + S.output_activation_bytes_per_token(
+        t, 1
+    )
+    assert act.bytes == 4096 * per_token and plan.residency.fits
+    whole = compile_plan(parse_spec(text.replace("  recompute: full\n", "  recompute: none\n")))
+
+    def streamed(p) -> int:
+        state = (Component.MASTER, Component.MOMENTS)
+        return sum(o.host_bytes for o in p.residency.objects if o.role == "actor" and o.component in state)
+
+    assert streamed(plan) == 0 < streamed(whole)
+    assert compile_plan(parse_spec(capped.replace("4096", "1000"))).context.gpu.microbatch_tokens == 2048
