@@ -3,7 +3,8 @@
     python bench/run_variants.py spec SPEC VARIANT      # writes the variant's spec, prints its path
     python bench/run_variants.py summary METRICS SPEC   # the run's phases, its peaks against the plan's, its steps
 
-A VARIANT is `shipped` or keys joined by '+' (`KEYS`, and `chunkN`: memory.optimizer_chunk_mib N).
+A VARIANT is `shipped` or keys joined by '+' (`KEYS`, `chunkN`: memory.optimizer_chunk_mib N, `mbN`:
+memory.microbatch_tokens N).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ KEYS = {
     "beside": ("sharing", "update_beside_prefix", True),
     "nocudnn": ("run", "cudnn_attention", False),
     "hbm": ("memory", "prefix_saved", "hbm"),
+    "norecompute": ("memory", "recompute", "none"),
 }
 
 
@@ -30,10 +32,12 @@ def variant(spec: dict, name: str) -> dict:
             continue
         if part.startswith("chunk") and part[5:].isdigit():
             section, key, value = "memory", "optimizer_chunk_mib", int(part[5:])
+        elif part.startswith("mb") and part[2:].isdigit():
+            section, key, value = "memory", "microbatch_tokens", int(part[2:])
         elif part in KEYS:
             section, key, value = KEYS[part]
         else:
-            raise SystemExit(f"unknown variant part {part!r}: shipped, {', '.join(KEYS)} or chunkN")
+            raise SystemExit(f"unknown variant part {part!r}: shipped, {', '.join(KEYS)}, chunkN or mbN")
         out.setdefault(section, {})[key] = value
     return out
 

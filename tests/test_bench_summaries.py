@@ -199,6 +199,9 @@ def test_the_7b_variants_set_their_keys_in_a_spec_the_loader_takes_and_summarise
     assert module.variant(data, "shipped") == data and module.variant(data, "hbm") != data
     with pytest.raises(SystemExit, match="unknown variant part 'fast'"):
         module.variant({}, "hbm+fast")
+    three = module.variant(module.yaml.safe_load((ROOT / "specs/qwen2_5_vl_3b_h200.yaml").read_text()),
+                           "norecompute+mb4096")  # fmt: skip
+    assert three["memory"]["recompute"] == "none" and three["memory"]["microbatch_tokens"] == 4096
     text = module.summary(ROOT / "bench/results/run_7b_h200_update_beside_metrics.jsonl", seven)
     phases, peaks, steps = text.splitlines()
     assert phases.startswith("phases, medians of steps 2-5") and "actor_prefix 2.56 s" in phases
