@@ -182,9 +182,10 @@ class MemorySpec(Strict):
     )
     microbatch_tokens: PositiveInt | None = Field(
         None,
-        description="Response tokens a trained role scores and backpropagates at once (its responses packed across "
-        "prompts; a longer response alone); null: a prompt group's N responses at the step's longest length. A "
-        "smaller microbatch holds fewer activations: what lets `recompute: none` fit, at more scoring calls.",
+        description="Response tokens a trained role scores and backpropagates at once from its prompts' boundary "
+        "(its responses packed across prompts; a longer response alone); null: a prompt group's N responses at the "
+        "step's longest length. A smaller microbatch holds fewer activations: what lets `recompute: none` fit, at "
+        "more scoring calls. Unsplit scoring (schedule unsplit) runs a group's whole sequences at once regardless.",
     )
     prefix_activations: Literal["auto", "offload", "recompute"] = Field(
         "auto",
