@@ -10,7 +10,7 @@
 # (memory.prefix_saved hbm), `norecompute` (memory.recompute none), `mbN` (memory.microbatch_tokens N); e.g.
 # `nocudnn+joined`. A 7B run of 4 steps takes about 170 s, of 5 about 210: two runs fit one 600 s device call.
 # Each run's metrics go to $OUT/run_NAME_VARIANT_metrics.jsonl (NAME: the spec's, less `qwen2_5_vl_`, as
-# `7b_h200`); the last lines printed
+# `7b_h200`; each '+' of VARIANT a '-'); the last lines printed
 # are each run's phases (medians of the warm steps, `rollplex run`'s summary) and its peaks against the plan's.
 #
 # Run from the repository root on the device machine with the pydantic wheels carried in .whl/ (made by
@@ -28,15 +28,16 @@ export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 lines=()
 for variant in "$@"; do
   spec=$(python3 bench/run_variants.py spec "$SPEC" "$variant") || exit 2
+  file=${variant//+/-}  # what comes back from the device: letters, digits, '.', '_' and '-'
   rm -rf "/tmp/r_$variant"
   timeout $((60 + 45 * STEPS)) python3 bench/startup_times.py run "$spec" --steps "$STEPS" --out "/tmp/r_$variant" \
-    --no-checkpoints --quiet > "$OUT/run_${NAME}_$variant.log" 2>&1
+    --no-checkpoints --quiet > "$OUT/run_${NAME}_$file.log" 2>&1
   echo "[$variant] exit $?"
   if [ -f "/tmp/r_$variant/metrics.jsonl" ]; then
-    cp "/tmp/r_$variant/metrics.jsonl" "$OUT/run_${NAME}_${variant}_metrics.jsonl"
+    cp "/tmp/r_$variant/metrics.jsonl" "$OUT/run_${NAME}_${file}_metrics.jsonl"
     lines+=("[$variant] $(python3 bench/run_variants.py summary "/tmp/r_$variant/metrics.jsonl" "$spec" | tr '\n' ' ')")
   else
-    tail -5 "$OUT/run_${NAME}_$variant.log"
+    tail -5 "$OUT/run_${NAME}_$file.log"
   fi
 done
 printf '%s\n' "${lines[@]}"

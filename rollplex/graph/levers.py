@@ -122,7 +122,8 @@ def step_seconds(plan, efficiencies: dict[str, float] | None = None) -> tuple[fl
     from rollplex.graph.timeplan import step_bound_s, time_plan
 
     rows = time_plan(plan, efficiencies)
-    predicted = sum(r.predicted_s or 0.0 for r in rows) if efficiencies else None
+    priced = any(r.predicted_s is not None for r in rows)
+    predicted = sum(r.predicted_s or 0.0 for r in rows) if priced else None
     return step_bound_s(plan, rows), predicted
 
 

@@ -74,15 +74,16 @@ def prefix_backward_plan(
     plan, steps: Sequence[StepTokens] | None = None, efficiency: float | None = None
 ) -> PhaseTime | None:
     """The actor's backward through its prefix (`cost.plan_prefix_backward`), a part of `actor_suffix_backward`
-    shown apart, averaged over `steps` as `time_plan` averages, predicted at `efficiency` as a phase is; None
-    unsplit."""
+    shown apart, averaged over `steps` as `time_plan` averages, predicted at `efficiency` of its whole bound (the
+    saved tensors' way back from the host in it, as runs and benches record it); None unsplit."""
     each = [plan_prefix_backward(plan, tokens) for tokens in (steps or planned_steps(plan))]
     if None in each:
         return None
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     cost = total(each).scaled(1 / len(each))
-    predicted = _predicted_s(cost, peaks, efficiency) if efficiency else None
-    return PhaseTime(PREFIX_BACKWARD, cost, cost.bound_s(peaks), efficiency, predicted)
+    bound = cost.bound_s(peaks)
+    predicted = bound / efficiency if efficiency else None
+    return PhaseTime(PREFIX_BACKWARD, cost, bound, efficiency, predicted)
 
 
 def recorded_tokens(d: dict) -> StepTokens:

@@ -9,7 +9,8 @@ SOURCE is one of:
 - a `rollplex bench` result (JSON): its `device_efficiency` for the plan's schedule, serial's for a phase it has
   none for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial), and its
   `prefix_backward_efficiency` likewise.
-A run and a bench give `prefix_backward` where they timed it apart.
+A run and a bench give `prefix_backward` where they timed it apart: an efficiency of its whole bound (the
+saved tensors' way back from the host in it), which the plan's prefix backward is predicted at.
 The time plan divides a phase's device bound (FLOPs and HBM bytes) by its efficiency and prices its host-link
 traffic on its own, so a source's efficiency is of its device bound too; a source older than that field gives
 its `bound_s` / `efficiency` (the link's time in it). What `rollplex run` prints at its end (`run_summary`) and a

@@ -221,7 +221,8 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
         if r.timer == "actor_suffix_backward" and prefix_backward is not None:
             rows += _time_row(prefix_backward, "  of it, through the prefix")
     bound = step_bound_s(plan, times)
-    rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if efficiencies else "-"])
+    priced = any(r.predicted_s is not None for r in times)  # a source may price only the prefix's backward
+    rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if priced else "-"])
     heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
     title = (
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "

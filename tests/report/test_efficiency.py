@@ -168,5 +168,8 @@ def test_the_backward_through_the_prefix_is_predicted_at_its_own_efficiency_from
     part = json.loads(capsys.readouterr().out)["prefix_backward"]
     assert part["efficiency"] == 0.5 and part["predicted_s"] == pytest.approx(part["bound_s"] / 0.5, rel=1e-3)
     assert main(["compile", SPEC, "--dry-run", "--efficiency", "prefix_backward=0.5"]) == 0
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  of it, through the prefix")]
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in lines if x.startswith("  of it, through the prefix")]
     assert line.split()[-2:] == ["0.50", f"{part['predicted_s']:.2f}"]
+    (step,) = [x for x in lines if x.startswith("step ")]
+    assert step.split()[-1] == "-"  # no phase priced: no step prediction
