@@ -54,13 +54,13 @@ def token_scores(
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each target and the entropy at each of hidden [M, H], at `temperature`: the head runs on chunks
     of tokens (LOGIT_CHUNK_BYTES of logits), on a GPU through the fused kernels of `kernels.token_scores` where
-    the head is one plain linear layer, else in eager torch with FP32 logits, each chunk checkpointed when autograd
-    records. [M] and [M], float32."""
-    if hidden.is_cuda and type(head) is torch.nn.Linear and head.bias is None:
+    the head is a plain linear layer or vocabulary-parallel, else in eager torch with FP32 logits (gathered whole
+    under TP), each chunk checkpointed when autograd records. [M] and [M], float32."""
+    if hidden.is_cuda and (group := _fused_head_group(head)) is not None:
         from rollplex.kernels.token_scores import head_scores
 
-        step = max(1, LOGIT_CHUNK_BYTES // (head.weight.element_size() * vocab_size))
-        parts = [head_scores(hidden[i : i + step], head.weight, targets[i : i + step], temperature)
+        step = max(1, LOGIT_CHUNK_BYTES // (head.weight.element_size() * head.weight.shape[0]))
+        parts = [head_scores(hidden[i : i + step], head.weight, targets[i : i + step], temperature, group)
                  for i in range(0, max(hidden.shape[0], 1), step)]  # fmt: skip
         return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts])
     step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
@@ -80,6 +80,17 @@ def _token_scores(
 ) -> tuple[Tensor, Tensor]:
     logprobs = tempered(head(hidden), temperature)  # [M, V]
     return logprobs.gather(-1, targets[:, None])[:, 0], entropy(logprobs)
+
+
+def _fused_head_group(head):
+    """The TP group over which `head` is split (a single rank for a whole one) where the fused kernels take it: a
+    plain linear head without bias or a vocabulary-parallel one; else None (a value head, a test's function)."""
+    from rollplex.parallel.group import TPGroup
+    from rollplex.parallel.layers import VocabParallelHead
+
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return TPGroup(1, 0)
+    return head.group if isinstance(head, VocabParallelHead) else None
 
 
 def _params(head) -> list[Tensor]:
