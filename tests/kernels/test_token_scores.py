@@ -71,3 +71,23 @@ def test_on_a_gpu_at_the_3b_vocabulary_the_scores_are_eagers_in_bf16():
     torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
     for g, w in zip(got[2:], want[2:], strict=True):  # bf16 gradients, rounded alike
         assert (g - w).norm() <= 1e-2 * w.norm()
+
+
+@needs_cuda
+def test_on_a_gpu_token_scores_takes_the_fused_kernels_in_chunks_and_agrees_with_eager(monkeypatch):
+    import rollplex.kernels.token_scores as kernels
+    from rollplex.models import scores
+
+    hidden, weight, targets, _ = inputs(300, 5000, width=64, seed=3)
+    head = torch.nn.Linear(64, 5000, bias=False, device=DEVICE, dtype=DTYPE)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    monkeypatch.setattr(scores, "LOGIT_CHUNK_BYTES", 64 * 5000 * 4)  # several chunks either way
+    calls = []
+    real = kernels.head_scores
+    monkeypatch.setattr(kernels, "head_scores", lambda *x: calls.append(x[0].shape[0]) or real(*x))
+    fused = scores.token_scores(hidden, head, targets, 5000)
+    assert len(calls) > 1 and sum(calls) == 300
+    eager = scores.token_scores(hidden, torch.nn.Sequential(head), targets, 5000)  # not a plain Linear: eager
+    for f, e in zip(fused, eager, strict=True):
+        torch.testing.assert_close(f, e, atol=1e-3, rtol=1e-4)
