@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from flex_suffix import median_ms  # (bench/ is first on the path, as for every `python bench/X.py`)
 
 from rollplex.bench.provenance import source_commit
 from rollplex.models.config import load_model_config
@@ -39,17 +39,10 @@ class Eager(torch.nn.Module):
 
 
 def timed(fn, iters: int) -> float:
+    """Median ms of `fn` after one untimed call (which compiles the kernels)."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, iters)
 
 
 def main() -> None:
