@@ -58,6 +58,7 @@ def test_a_loss_of_the_log_probs_alone_and_scoring_without_gradients():
     assert [t.shape for t in empty] == [(0,), (0,)]
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_on_a_gpu_at_the_3b_vocabulary_the_scores_are_eagers_in_bf16():
     hidden, weight, targets, (a, b) = inputs(64, 151936, width=256, seed=2)
@@ -73,6 +74,7 @@ def test_on_a_gpu_at_the_3b_vocabulary_the_scores_are_eagers_in_bf16():
         assert (g - w).norm() <= 1e-2 * w.norm()
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_on_a_gpu_token_scores_takes_the_fused_kernels_in_chunks_and_agrees_with_eager(monkeypatch):
     import rollplex.kernels.token_scores as kernels
