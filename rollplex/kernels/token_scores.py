@@ -30,7 +30,9 @@ from torch import Tensor
 from rollplex.parallel.group import TPGroup, copy_to
 
 BLOCK_V = 2048  # vocabulary columns a program reads at a time
-START = tl.constexpr(-1.0e30)  # the running max before the first block: finite, so that the first rescale is exp(-huge) = 0
+# the running max before the first block: finite, so that the first rescale is exp(-huge) = 0 (a constexpr: compiled
+# Triton reads no plain global)
+START = tl.constexpr(-1.0e30)
 
 
 @triton.jit
