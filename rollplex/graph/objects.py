@@ -220,8 +220,9 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         vis = 0  # the shared vision output carries no graph: the gradient stops at the embeddings
     prefix = role_steps(c, role, part=Part.PREFIX)
     window = span(prefix | backward)
-    kept = [backpropagated_prompts(ops(c.g), o) for o in ops(c.g) if o.role is role and o.part is Part.PREFIX]
-    prompts = g.prompts_per_rank // (kept[0].count if kept and kept[0] else 1)  # mini-batches: each its own graph
+    first = next((o for o in ops(c.g) if o.role is role and o.part is Part.PREFIX), None)
+    kept = backpropagated_prompts(ops(c.g), first) if first is not None else None
+    prompts = g.prompts_per_rank // (kept.count if kept else 1)  # mini-batches: each its own prompts' graph
     for b, is_vision in ((llm, False), (vis, True)):
         if not b:
             continue

@@ -57,18 +57,15 @@ def token_scores(
     the head is a plain linear layer or vocabulary-parallel, else in eager torch with FP32 logits (gathered whole
     under TP), each chunk checkpointed when autograd records. [M] and [M], float32."""
     if hidden.is_cuda and (group := _fused_head_group(head)) is not None:
-        from rollplex.kernels.token_scores import head_scores
-
         step = max(1, LOGIT_CHUNK_BYTES // (head.weight.element_size() * head.weight.shape[0]))
-        parts = [head_scores(hidden[i : i + step], head.weight, targets[i : i + step], temperature, group)
-                 for i in range(0, max(hidden.shape[0], 1), step)]  # fmt: skip
-        return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts])
-    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
-    score = partial(_token_scores, head, temperature)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
+        score, recorded = partial(_fused_scores, head.weight, temperature, group), False  # recomputes in backward
+    else:
+        step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
+        score = partial(_token_scores, head, temperature)
+        recorded = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
     parts = [
         checkpoint(score, hidden[i : i + step], targets[i : i + step], use_reentrant=False)
-        if grad
+        if recorded
         else score(hidden[i : i + step], targets[i : i + step])
         for i in range(0, max(hidden.shape[0], 1), step)  # one empty chunk when there are no tokens
     ]
@@ -80,6 +77,12 @@ def _token_scores(
 ) -> tuple[Tensor, Tensor]:
     logprobs = tempered(head(hidden), temperature)  # [M, V]
     return logprobs.gather(-1, targets[:, None])[:, 0], entropy(logprobs)
+
+
+def _fused_scores(weight: Tensor, temperature: float, group, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    from rollplex.kernels.token_scores import head_scores  # Triton: imported on a GPU only
+
+    return head_scores(hidden, weight, targets, temperature, group)
 
 
 def _fused_head_group(head):
