@@ -154,6 +154,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + out + layer
     else:
         per_token = t.num_hidden_layers * layer + out
+    head = 0 if role is Role.CRITIC else S.head_chunk_bytes(t, tp, tokens)
     # the steps that score and backpropagate (not a mini-batch's update or prefix rerun between them)
     live = (
         frozenset(suffix | backward) if split else frozenset(role_steps(c, role, kinds=(NodeKind.FORWARD,)) | backward)
@@ -162,7 +163,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         role.value,
         Component.ACTIVATIONS,
         TensorClass.PHASE_LOCAL,
-        tokens * per_token,
+        tokens * per_token + head,
         live,
         Residency.ABSENT,
     )

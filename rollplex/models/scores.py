@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from rollplex.layout.shapes import LOGIT_CHUNK_BYTES
 from rollplex.models.sampling import tempered
-
-LOGIT_CHUNK_BYTES = 1 << 30  # FP32 logits of one chunk of response tokens in `token_scores`
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,23 @@ def test_on_a_gpu_token_scores_takes_the_fused_kernels_in_chunks_and_agrees_with
     eager = scores.token_scores(hidden, torch.nn.Sequential(head), targets, 5000)  # not a plain Linear: eager
     for f, e in zip(fused, eager, strict=True):
         torch.testing.assert_close(f, e, atol=1e-3, rtol=1e-4)
+
+
+def test_what_the_fused_head_keeps_per_token_is_what_the_plan_counts():
+    """The plan's head term (`layout.shapes.output_activation_bytes_per_token`): the head's input and three floats
+    and a target a token, beside the weight; no logits."""
+    from rollplex.layout.shapes import FP32
+
+    hidden, weight, targets, _ = inputs(7, 900, width=32, seed=2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = head_scores(h, w, targets, 1.0)
+    per_token = (sum(kept.values()) - w.nbytes) / h.shape[0]
+    assert per_token == h.shape[1] * h.element_size() + 3 * FP32 + targets.element_size()
+    (lp + ent).sum().backward()  # what was kept suffices
