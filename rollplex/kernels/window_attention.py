@@ -1,0 +1,127 @@
+"""Attention within short runs of consecutive rows (the vision tower's windows), forward and backward, one program
+per (run, head) holding the whole run.
+
+`window_attention(q, k, v, bounds, longest)`: q, k, v [S, heads, D] (each row's heads contiguous, any row stride:
+views of the fused QKV output), the runs given by `bounds` [runs + 1] int32 (flash attention's cumulative
+lengths) -> out [S, heads, D] in q's dtype, each row attending to every row of its run. For runs of at most
+MAX_RUN rows (the 3B and 7B towers' windows hold at most 64 patches): a program loads its run's q, k and v at
+once, computes the [run, run] scores, their softmax and the output, and keeps the row's log-sum-exp; backward
+recomputes the probabilities from it and writes dq, dk and dv in one pass. Flash attention's variable-length
+kernels tile 128 rows (or more) whatever the run, pad the vision tower's head dim of 80, and accumulate dq in
+FP32 through atomics; for runs this short that is most of their time. The head dim is padded in registers to a
+power of two (masked loads), never in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_RUN = 128  # the longest run a program holds
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bounds_ptr, q_row, k_row, v_row, out_row, heads,
+                    scale, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    run, head = tl.program_id(0), tl.program_id(1)
+    start = tl.load(bounds_ptr + run).to(tl.int64)
+    length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+    rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
+    real = rows < length
+    tile = real[:, None] & (cols < D)[None, :]
+    at = (start + rows)[:, None]
+    q = tl.load(q_ptr + at * q_row + head * D + cols[None, :], mask=tile, other=0.0)
+    k = tl.load(k_ptr + at * k_row + head * D + cols[None, :], mask=tile, other=0.0)
+    v = tl.load(v_ptr + at * v_row + head * D + cols[None, :], mask=tile, other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK, BLOCK] fp32
+    scores = tl.where(real[None, :], scores, float("-inf"))
+    top = tl.max(scores, axis=1)
+    probs = tl.exp(scores - top[:, None])
+    total = tl.sum(probs, axis=1)
+    out = tl.dot(probs.to(v.dtype), v) / total[:, None]
+    tl.store(out_ptr + at * out_row + head * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
+    tl.store(lse_ptr + (start + rows) * heads + head, top + tl.log(total), mask=real)
+
+
+@triton.jit
+def _backward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, grad_ptr, lse_ptr, bounds_ptr, dq_ptr, dk_ptr, dv_ptr, q_row,
+                     k_row, v_row, out_row, grad_row, heads, scale, D: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr):  # fmt: skip
+    run, head = tl.program_id(0), tl.program_id(1)
+    start = tl.load(bounds_ptr + run).to(tl.int64)
+    length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+    rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
+    real = rows < length
+    tile = real[:, None] & (cols < D)[None, :]
+    at = (start + rows)[:, None]
+    offsets = head * D + cols[None, :]
+    q = tl.load(q_ptr + at * q_row + offsets, mask=tile, other=0.0)
+    k = tl.load(k_ptr + at * k_row + offsets, mask=tile, other=0.0)
+    v = tl.load(v_ptr + at * v_row + offsets, mask=tile, other=0.0)
+    out = tl.load(out_ptr + at * out_row + offsets, mask=tile, other=0.0)
+    grad = tl.load(grad_ptr + at * grad_row + offsets, mask=tile, other=0.0)
+    lse = tl.load(lse_ptr + (start + rows) * heads + head, mask=real, other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scale
+    probs = tl.where(real[None, :] & real[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [query, key]
+    dv = tl.dot(tl.trans(probs.to(grad.dtype)), grad)
+    dprobs = tl.dot(grad, tl.trans(v))
+    delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), axis=1)  # sum_j p_j dp_j = do . o
+    dscores = (probs * (dprobs - delta[:, None]) * scale).to(q.dtype)
+    dq = tl.dot(dscores, k)
+    dk = tl.dot(tl.trans(dscores), q)
+    tl.store(dq_ptr + at * heads * D + offsets, dq.to(dq_ptr.dtype.element_ty), mask=tile)
+    tl.store(dk_ptr + at * heads * D + offsets, dk.to(dk_ptr.dtype.element_ty), mask=tile)
+    tl.store(dv_ptr + at * heads * D + offsets, dv.to(dv_ptr.dtype.element_ty), mask=tile)
+
+
+def _rows_of_heads(x: Tensor) -> Tensor:
+    """x [S, heads, D] with each row's heads contiguous (a row stride of its own), else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _launch(bounds: Tensor, longest: int, heads: int, d: int) -> dict:
+    block = max(16, triton.next_power_of_2(longest))
+    return dict(grid=(bounds.numel() - 1, heads), D=d, BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(d)))
+
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, longest: int) -> Tensor:
+        q, k, v = (_rows_of_heads(x) for x in (q, k, v))
+        rows, heads, d = q.shape
+        out = torch.empty(rows, heads, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
+        launch = _launch(bounds, longest, heads, d)
+        grid = launch.pop("grid")
+        if rows:
+            _forward_kernel[grid](
+                q, k, v, out, lse, bounds, q.stride(0), k.stride(0), v.stride(0), out.stride(0), heads, d**-0.5,
+                num_warps=4, **launch,
+            )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, bounds)
+        ctx.longest = longest
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, bounds = ctx.saved_tensors
+        grad = _rows_of_heads(grad)
+        rows, heads, d = q.shape
+        dq, dk, dv = (torch.empty(rows, heads, d, dtype=q.dtype, device=q.device) for _ in range(3))
+        launch = _launch(bounds, ctx.longest, heads, d)
+        grid = launch.pop("grid")
+        if rows:
+            _backward_kernel[grid](
+                q, k, v, out, grad, lse, bounds, dq, dk, dv, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                grad.stride(0), heads, d**-0.5, num_warps=8, **launch,
+            )  # fmt: skip
+        return dq, dk, dv, None, None
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, longest: int) -> Tensor:
+    """Attention within the runs `bounds` [runs + 1] int32 of at most `longest` <= MAX_RUN rows each: q, k, v
+    [S, heads, D] -> [S, heads, D] (see the module)."""
+    assert longest <= MAX_RUN, f"runs of {longest} rows: at most {MAX_RUN}"
+    return _WindowAttention.apply(q, k, v, bounds, longest)
