@@ -22,7 +22,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.engines import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.kernels.window_attention import window_attention
-from rollplex.models.vision import varlen_attention, varlen_segments
+from rollplex.models.vision import varlen_segments
 from rollplex.models.vision_layout import patch_layout, window_order
 
 BANDWIDTH = 4.27e12
@@ -58,8 +58,11 @@ def main() -> None:
     patches, heads, d = layout.rows.numel(), vision.num_heads, vision.head_dim
     qkv = torch.randn(patches, 3, heads, d, device=device, dtype=torch.bfloat16)
     grad = torch.randn(patches, heads, d, device=device, dtype=torch.bfloat16)
+    from torch.nn.attention.varlen import varlen_attn
+
+    bounds, longest = segments
     kernels = {
-        "flash_varlen": lambda q, k, v: varlen_attention(q, k, v, segments),
+        "flash_varlen": lambda q, k, v: varlen_attn(q, k, v, bounds, bounds, longest, longest),
         "rollplex_window": lambda q, k, v: window_attention(q, k, v, *segments),
     }
     tensor = patches * heads * d * 2
