@@ -2,14 +2,18 @@
 per (run, head) holding the whole run.
 
 `window_attention(q, k, v, bounds, longest)`: q, k, v [S, heads, D] (each row's heads contiguous, any row stride:
-views of the fused QKV output), the runs given by `bounds` [runs + 1] int32 (flash attention's cumulative
-lengths) -> out [S, heads, D] in q's dtype, each row attending to every row of its run. For runs of at most
-MAX_RUN rows (the 3B and 7B towers' windows hold at most 64 patches): a program loads its run's q, k and v at
-once, computes the [run, run] scores, their softmax and the output, and keeps the row's log-sum-exp; backward
-recomputes the probabilities from it and writes dq, dk and dv in one pass. Flash attention's variable-length
-kernels tile 128 rows (or more) whatever the run, pad the vision tower's head dim of 80, and accumulate dq in
-FP32 through atomics; for runs this short that is most of their time. The head dim is padded in registers to a
-power of two (masked loads), never in memory.
+v is a view of the fused QKV output), the runs given by `bounds` [runs + 1] int32 (flash attention's cumulative
+lengths) -> out [S, heads, D] in q's dtype, each row attending to every row of its run. Runs of at most MAX_RUN
+rows (the 3B and 7B towers' windows: 64 patches at most; a longer run spills registers):
+- forward: a program loads its run's q, k and v at once, computes the [run, run] scores, their softmax and the
+  output, and keeps each row's log-sum-exp;
+- backward: the probabilities again from the log-sum-exp, then dv, dq and dk, each input loaded just before its
+  first use and each gradient stored as soon as it is made (fewer tiles live at once: no spills at 64 rows, 4
+  warps; `tests/kernels/test_hopper_compile.py` checks the compiled kernels).
+The head dim is padded in registers to a power of two (masked loads), never in memory; a run's heads are
+consecutive programs (a row's heads are adjacent in memory). Why not flash attention's variable-length kernels,
+which the tower's frames (runs of a whole frame) still take: they tile 128 rows or more whatever the run, pad the
+head dim of 80 in memory and accumulate dq in FP32 through atomics, most of a 64-row window's time.
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-MAX_RUN = 128  # the longest run a program holds
+MAX_RUN = 64  # the longest run a program holds
+FORWARD_WARPS, BACKWARD_WARPS = 4, 4
 
 
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bounds_ptr, q_row, k_row, v_row, out_row, heads,
                     scale, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    run, head = tl.program_id(0), tl.program_id(1)
+    run, head = tl.program_id(0) // heads, tl.program_id(0) % heads
     start = tl.load(bounds_ptr + run).to(tl.int64)
     length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+    if length == 0:
+        return
     rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
     real = rows < length
     tile = real[:, None] & (cols < D)[None, :]
@@ -49,9 +57,11 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bounds_ptr, q_row, k_
 def _backward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, grad_ptr, lse_ptr, bounds_ptr, dq_ptr, dk_ptr, dv_ptr, q_row,
                      k_row, v_row, out_row, grad_row, heads, scale, D: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_D: tl.constexpr):  # fmt: skip
-    run, head = tl.program_id(0), tl.program_id(1)
+    run, head = tl.program_id(0) // heads, tl.program_id(0) % heads
     start = tl.load(bounds_ptr + run).to(tl.int64)
     length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+    if length == 0:
+        return
     rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
     real = rows < length
     tile = real[:, None] & (cols < D)[None, :]
@@ -59,21 +69,21 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, grad_ptr, lse_ptr, bounds_ptr
     offsets = head * D + cols[None, :]
     q = tl.load(q_ptr + at * q_row + offsets, mask=tile, other=0.0)
     k = tl.load(k_ptr + at * k_row + offsets, mask=tile, other=0.0)
-    v = tl.load(v_ptr + at * v_row + offsets, mask=tile, other=0.0)
-    out = tl.load(out_ptr + at * out_row + offsets, mask=tile, other=0.0)
-    grad = tl.load(grad_ptr + at * grad_row + offsets, mask=tile, other=0.0)
     lse = tl.load(lse_ptr + (start + rows) * heads + head, mask=real, other=0.0)
     scores = tl.dot(q, tl.trans(k)) * scale
     probs = tl.where(real[None, :] & real[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [query, key]
+    grad = tl.load(grad_ptr + at * grad_row + offsets, mask=tile, other=0.0)
     dv = tl.dot(tl.trans(probs.to(grad.dtype)), grad)
+    tl.store(dv_ptr + at * heads * D + offsets, dv.to(dv_ptr.dtype.element_ty), mask=tile)
+    v = tl.load(v_ptr + at * v_row + offsets, mask=tile, other=0.0)
     dprobs = tl.dot(grad, tl.trans(v))
+    out = tl.load(out_ptr + at * out_row + offsets, mask=tile, other=0.0)
     delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), axis=1)  # sum_j p_j dp_j = do . o
     dscores = (probs * (dprobs - delta[:, None]) * scale).to(q.dtype)
     dq = tl.dot(dscores, k)
-    dk = tl.dot(tl.trans(dscores), q)
     tl.store(dq_ptr + at * heads * D + offsets, dq.to(dq_ptr.dtype.element_ty), mask=tile)
+    dk = tl.dot(tl.trans(dscores), q)
     tl.store(dk_ptr + at * heads * D + offsets, dk.to(dk_ptr.dtype.element_ty), mask=tile)
-    tl.store(dv_ptr + at * heads * D + offsets, dv.to(dv_ptr.dtype.element_ty), mask=tile)
 
 
 def _rows_of_heads(x: Tensor) -> Tensor:
@@ -83,7 +93,7 @@ def _rows_of_heads(x: Tensor) -> Tensor:
 
 def _launch(bounds: Tensor, longest: int, heads: int, d: int) -> dict:
     block = max(16, triton.next_power_of_2(longest))
-    return dict(grid=(bounds.numel() - 1, heads), D=d, BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return dict(grid=((bounds.numel() - 1) * heads,), D=d, BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(d)))
 
 
 class _WindowAttention(torch.autograd.Function):
@@ -98,13 +108,14 @@ class _WindowAttention(torch.autograd.Function):
         if rows:
             _forward_kernel[grid](
                 q, k, v, out, lse, bounds, q.stride(0), k.stride(0), v.stride(0), out.stride(0), heads, d**-0.5,
-                num_warps=4, **launch,
+                num_warps=FORWARD_WARPS, **launch,
             )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, bounds)
         ctx.longest = longest
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, bounds = ctx.saved_tensors
         grad = _rows_of_heads(grad)
@@ -115,13 +126,17 @@ class _WindowAttention(torch.autograd.Function):
         if rows:
             _backward_kernel[grid](
                 q, k, v, out, grad, lse, bounds, dq, dk, dv, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                grad.stride(0), heads, d**-0.5, num_warps=8, **launch,
+                grad.stride(0), heads, d**-0.5, num_warps=BACKWARD_WARPS, **launch,
             )  # fmt: skip
         return dq, dk, dv, None, None
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, longest: int) -> Tensor:
-    """Attention within the runs `bounds` [runs + 1] int32 of at most `longest` <= MAX_RUN rows each: q, k, v
-    [S, heads, D] -> [S, heads, D] (see the module)."""
-    assert longest <= MAX_RUN, f"runs of {longest} rows: at most {MAX_RUN}"
+    """Attention within the runs `bounds` [runs + 1] int32 of at most `longest` <= MAX_RUN rows each
+    (`vision_layout.segment_bounds` gives both): q, k, v [S, heads, D] of one dtype -> [S, heads, D] (see the
+    module)."""
+    if longest > MAX_RUN:
+        raise ValueError(f"runs of up to {longest} rows: window_attention takes at most {MAX_RUN}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v of one dtype, not {q.dtype}, {k.dtype} and {v.dtype}")
     return _WindowAttention.apply(q, k, v, bounds, longest)

@@ -225,7 +225,28 @@ def wait_first(ptx: str) -> bool | None:
     return all(a < 0 or at < a for a in accesses)
 
 
+def window_kernels() -> list[dict]:
+    """The window attention's kernels as launched on the vision tower's windows (64 rows, head dim 80, bf16)."""
+    from rollplex.kernels import window_attention as wa
+
+    shape = {"D": 80, "BLOCK": wa.MAX_RUN, "BLOCK_D": 128}
+    ints = {n: "i32" for n in ("q_row", "k_row", "v_row", "out_row", "grad_row", "heads")}
+    found = []
+    for name, fn, warps in (("forward", wa._forward_kernel, wa.FORWARD_WARPS),
+                            ("backward", wa._backward_kernel, wa.BACKWARD_WARPS)):  # fmt: skip
+        types = {n: "*fp32" if n == "lse_ptr" else "*i32" if n == "bounds_ptr" else "*bf16" for n in fn.arg_names}
+        signature = {n: ints.get(n, "fp32" if n == "scale" else types[n]) for n in fn.arg_names if n not in shape}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=shape), target=HOPPER,
+                                options={"num_warps": warps})  # fmt: skip
+        found.append({"kernel": name, "shared_bytes": kernel.metadata.shared, "wgmma": "wgmma" in kernel.asm["ptx"],
+                      **registers(kernel.asm["cubin"])})  # fmt: skip
+    return found
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["window"]:
+        print("\n".join(json.dumps(r) for r in window_kernels()))
+        sys.exit()
     if sys.argv[1:] == ["ahead"]:
         for name, (fn, signature, constexprs) in ahead_kernels().items():
             names = list(fn.arg_names)

@@ -65,3 +65,11 @@ def test_ahead_each_kernel_lets_the_next_launch_first_and_touches_nothing_but_we
     assert results["swap_qkv"]["prefetches_before_wait"] == 64 * 2048 // 64 // 128
     assert results["swap_gate_up"]["prefetches_before_wait"] == 2 * 64 * 256 // 64 // 128
     assert all(results[k]["prefetches_before_wait"] == 0 for k in ("partial", "combine", "add_rms_norm"))
+
+
+@pytest.mark.slow
+def test_the_window_attentions_kernels_compile_for_hopper_on_wgmma_without_spilling_registers():
+    results = compiled("window")
+    assert [r["kernel"] for r in results] == ["forward", "backward"]
+    for r in results:
+        assert r["wgmma"] and r["local_bytes"] == 0 and r["shared_bytes"] <= HOPPER_SHARED_BYTES, r
