@@ -75,12 +75,18 @@ def runs_varlen(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, segments: VarlenSegments) -> Tensor:
-    """Attention within runs of consecutive rows: q, k, v [S, heads, D] -> [S, heads, D]. On a GPU one flash
-    attention call; on the CPU (tests) one SDPA call per run."""
+    """Attention within runs of consecutive rows: q, k, v [S, heads, D] -> [S, heads, D]. On a GPU one call: runs
+    of at most `window_attention.MAX_RUN` rows (the windows) on rollplex's kernel, which holds a run in one
+    program, longer ones (the frames) on flash attention's variable-length kernel; on the CPU (tests) one SDPA
+    call per run."""
     if q.is_cuda:
-        from torch.nn.attention.varlen import varlen_attn
+        from rollplex.kernels.window_attention import MAX_RUN, window_attention
 
         bounds, longest = segments
+        if longest <= MAX_RUN:
+            return window_attention(q, k, v, bounds, longest)
+        from torch.nn.attention.varlen import varlen_attn
+
         return varlen_attn(q, k, v, bounds, bounds, longest, longest)
     bounds = segments.bounds.tolist()
     runs = [
