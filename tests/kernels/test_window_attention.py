@@ -8,7 +8,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from kernels_testkit import DEVICE, DTYPE, ON_GPU
 
 from rollplex.kernels.window_attention import MAX_RUN, window_attention
@@ -17,11 +16,14 @@ HEADS, D = 3, 80
 
 
 def per_run(q, k, v, bounds, dtype=torch.float32):
-    runs = [
-        F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1).to(dtype) for x in (q, k, v))).transpose(0, 1)
-        for a, b in itertools.pairwise(bounds.tolist())
-    ]
-    return torch.cat(runs)
+    """Attention of each run apart, every op (the scores, the softmax, the product) in `dtype`: in FP32 the oracle,
+    in bf16 the rounding a bf16 kernel may be compared with (flash attention's tests measure kernels so)."""
+    outs = []
+    for a, b in itertools.pairwise(bounds.tolist()):
+        q_r, k_r, v_r = (x[a:b].transpose(0, 1).to(dtype) for x in (q, k, v))  # [heads, run, D]
+        probs = ((q_r @ k_r.transpose(1, 2)) * q.shape[-1] ** -0.5).softmax(-1)
+        outs.append((probs @ v_r).transpose(0, 1))
+    return torch.cat(outs)
 
 
 def case(lengths, seed):
@@ -60,10 +62,10 @@ def test_window_attention_and_its_gradients_equal_attention_run_by_run(lengths, 
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         return
-    # in bf16: no further from FP32 than attention computed in bf16 is, with room for another order of sums
+    # in bf16: at most twice as far from FP32 as the same attention computed op by op in bf16
     bf16 = scored(lambda *a: per_run(*a, bounds, torch.bfloat16), qkv, layout, grad)
     for a, b, c in zip(got, want, bf16, strict=True):
-        assert (a - b).abs().max() <= 2 * (c - b).abs().max() + 1e-3
+        assert (a - b).abs().max() <= 2 * (c - b).abs().max() + 1e-4
 
 
 def test_a_run_longer_than_a_program_holds_or_mixed_dtypes_are_refused():
