@@ -229,7 +229,9 @@ def _ref_suffix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepReco
     boundary = _read(g, store, o, NodeKind.FORWARD, Role.REFERENCE, Part.PREFIX)
     with torch.no_grad():
         rollout = _read(g, store, o, NodeKind.DECODE)
-        store[o.outputs[0]] = score_all(e.reference, store["prompts"], boundary, rollout, e.temperature)
+        store[o.outputs[0]] = score_all(
+            e.reference, store["prompts"], boundary, rollout, e.temperature, e.microbatch_tokens
+        )
 
 
 def _ref_whole(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:

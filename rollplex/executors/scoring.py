@@ -94,9 +94,9 @@ def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
 
 
 def microbatch_budget(cap: int | None, num_samples: int, width: int) -> int:
-    """A split training microbatch's tokens: a group of the step's longest responses (N x R, as the planner counts
-    one), at most `cap` (`memory.microbatch_tokens`)."""
-    return num_samples * width if cap is None else min(cap, num_samples * width)
+    """A split microbatch's tokens: a group of the step's longest responses (N x R, as the planner counts one), or
+    `cap` (`memory.microbatch_tokens`, fewer or more)."""
+    return num_samples * width if cap is None else cap
 
 
 def score_batch(
@@ -148,9 +148,10 @@ def score_all(
     boundary: Boundary | None,
     rollout: Rollout,
     temperature: float = 1.0,
+    cap: int | None = None,
 ) -> SuffixOut:
     """Every response's scores [P, N, R] (reference scoring): from the boundary in length batches across
-    prompts, or unsplit, group by group, without one."""
+    prompts (`microbatch_budget` of `cap`), or unsplit, group by group, without one."""
     if boundary is None:
         outs = [score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p], temperature)
                 for p, prompt in enumerate(prompts)]  # fmt: skip
@@ -158,7 +159,7 @@ def score_all(
     num_prompts, num_samples, width = rollout.responses.shape
     logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
     entropy = torch.zeros_like(logprobs)
-    for batch in row_batches(rollout, max_tokens=num_samples * width):
+    for batch in row_batches(rollout, max_tokens=microbatch_budget(cap, num_samples, width)):
         out = score_batch(model, boundary, rollout, batch, temperature)
         logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
         entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))

@@ -168,4 +168,4 @@ def _score_all_old(e: Engines, x: MiniBatchInputs) -> Tensor:
     boundary of all prompts (split) or over prompt ++ response (unsplit)."""
     boundary = x.boundary.leaf if x.boundary is not None else None
     with torch.no_grad():
-        return score_all(e.actor, x.prompts, boundary, x.rollout, e.temperature).logprobs
+        return score_all(e.actor, x.prompts, boundary, x.rollout, e.temperature, e.microbatch_tokens).logprobs

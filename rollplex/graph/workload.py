@@ -37,10 +37,13 @@ class PerGpu:
 
     @property
     def microbatch_tokens(self) -> int:
-        """A training microbatch's response tokens: a prompt group's N responses at the longest length, or fewer
-        where `memory.microbatch_tokens` caps them (but a whole response: one of the longest, at least)."""
+        """A training microbatch's response tokens: a prompt group's N responses at the longest length, or
+        `memory.microbatch_tokens` (a whole response, one of the longest, at least; the rank's every response at
+        most)."""
         group = self.group_size * self.response_tokens
-        return group if self.microbatch_cap is None else min(group, max(self.microbatch_cap, self.response_tokens))
+        if self.microbatch_cap is None:
+            return group
+        return min(self.prompts_per_rank * group, max(self.microbatch_cap, self.response_tokens))
 
 
 def per_gpu(spec: Spec, model: ModelConfig) -> PerGpu:

@@ -141,9 +141,10 @@ def test_each_mini_batch_backpropagates_through_its_own_prompts_prefix_with_the_
             assert (s[name] - g).norm() <= 1e-4 * scale, name
 
 
-def test_a_capped_microbatch_scores_in_more_batches_and_gives_the_same_gradients(monkeypatch):
-    """`memory.microbatch_tokens`: the packed batches hold at most that many tokens (a longer response alone); the
-    loss and every gradient are the uncapped ones."""
+@pytest.mark.parametrize("cap", [4, 1000])
+def test_a_capped_microbatch_scores_in_other_batches_and_gives_the_same_gradients(monkeypatch, cap):
+    """`memory.microbatch_tokens`: the packed batches hold at most that many tokens (a longer response alone), fewer
+    than a group's (more batches) or more (fewer); the loss and every gradient are the uncapped ones."""
     import rollplex.executors.training as training
     from rollplex.models.generate import Rollout
 
@@ -153,12 +154,15 @@ def test_a_capped_microbatch_scores_in_more_batches_and_gives_the_same_gradients
         training, "row_batches", lambda r, max_tokens: budgets.append(max_tokens) or real(r, max_tokens)
     )
     whole, whole_record, _ = recorded_iteration(Schedule.ROLLPLEX)
-    capped, capped_record, _ = recorded_iteration(Schedule.ROLLPLEX, spec_text() + "memory: {microbatch_tokens: 4}\n")
+    capped, capped_record, _ = recorded_iteration(
+        Schedule.ROLLPLEX, spec_text() + f"memory: {{microbatch_tokens: {cap}}}\n"
+    )
     lens = whole_record.response_lens.flatten().tolist()
-    assert lens == capped_record.response_lens.flatten().tolist() and max(lens) > 4
-    assert budgets == [3 * max(lens), 4]
+    assert lens == capped_record.response_lens.flatten().tolist() and max(lens) > 4 and sum(lens) < 1000
+    assert budgets == [3 * max(lens), cap]
     rollout = Rollout(whole_record.responses, whole_record.response_lens, torch.zeros(whole_record.responses.shape))
-    assert len(real(rollout, 4)) > len(real(rollout, 3 * max(lens)))
+    uncapped = len(real(rollout, 3 * max(lens)))
+    assert len(real(rollout, cap)) > uncapped if cap == 4 else len(real(rollout, cap)) == 1 < uncapped
     assert capped_record.stats["loss"] == pytest.approx(whole_record.stats["loss"], rel=1e-5)
     largest = max(g.norm() for g in whole.optimizer.grads.values())
     for name, g in whole.optimizer.grads.items():  # float32 sums in another order, as split against unsplit

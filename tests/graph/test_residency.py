@@ -254,3 +254,11 @@ def test_a_capped_microbatch_holds_its_tokens_activations_so_that_no_recompute_f
 
     assert streamed(plan) == 0 < streamed(whole)
     assert compile_plan(parse_spec(capped.replace("4096", "1000"))).context.gpu.microbatch_tokens == 2048
+    wider = compile_plan(
+        parse_spec(text.replace("  recompute: full\n", "  recompute: full\n  microbatch_tokens: 32768\n"))
+    )
+    (act,) = [o for o in wider.residency.objects if o.role == "actor" and o.component is Component.ACTIVATIONS]
+    (whole_act,) = [o for o in shipped.residency.objects if o.role == "actor" and o.component is Component.ACTIVATIONS]
+    assert wider.context.gpu.microbatch_tokens == 32768 and act.bytes > whole_act.bytes and wider.residency.fits
+    everything = compile_plan(parse_spec(capped.replace("4096", str(1 << 20)))).context.gpu
+    assert everything.microbatch_tokens == 8 * 8 * 2048  # the rank's every response at most
