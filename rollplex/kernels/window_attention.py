@@ -29,55 +29,67 @@ FORWARD_WARPS, BACKWARD_WARPS = 4, 4
 
 
 @triton.jit
-def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bounds_ptr, q_row, k_row, v_row, out_row, heads,
-                    scale, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _program_run(bounds_ptr, heads):
+    """This program's head, and its run's first row and length."""
     run, head = tl.program_id(0) // heads, tl.program_id(0) % heads
     start = tl.load(bounds_ptr + run).to(tl.int64)
-    length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
-    if length == 0:
-        return
+    return head, start, tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+
+
+@triton.jit
+def _run_tile(start, length, head, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which of the tile's BLOCK rows lie in the run, the [BLOCK, BLOCK_D] tile's mask, each row's index [BLOCK] and
+    the head's columns [1, BLOCK_D] within a row."""
     rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
     real = rows < length
-    tile = real[:, None] & (cols < D)[None, :]
-    at = (start + rows)[:, None]
-    q = tl.load(q_ptr + at * q_row + head * D + cols[None, :], mask=tile, other=0.0)
-    k = tl.load(k_ptr + at * k_row + head * D + cols[None, :], mask=tile, other=0.0)
-    v = tl.load(v_ptr + at * v_row + head * D + cols[None, :], mask=tile, other=0.0)
+    return real, real[:, None] & (cols < D)[None, :], start + rows, head * D + cols[None, :]
+
+
+@triton.jit
+def _load_tile(ptr, row, row_stride, offsets, tile):
+    """The [BLOCK, BLOCK_D] tile of the rows `row` [BLOCK] (their stride `row_stride`) at the head's `offsets`."""
+    return tl.load(ptr + row[:, None] * row_stride + offsets, mask=tile, other=0.0)
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bounds_ptr, q_row, k_row, v_row, out_row, heads,
+                    scale, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    head, start, length = _program_run(bounds_ptr, heads)
+    if length == 0:
+        return
+    real, tile, row, offsets = _run_tile(start, length, head, D, BLOCK, BLOCK_D)
+    q, k = _load_tile(q_ptr, row, q_row, offsets, tile), _load_tile(k_ptr, row, k_row, offsets, tile)
+    v = _load_tile(v_ptr, row, v_row, offsets, tile)
     scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK, BLOCK] fp32
     scores = tl.where(real[None, :], scores, float("-inf"))
     top = tl.max(scores, axis=1)
     probs = tl.exp(scores - top[:, None])
     total = tl.sum(probs, axis=1)
     out = tl.dot(probs.to(v.dtype), v) / total[:, None]
-    tl.store(out_ptr + at * out_row + head * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
-    tl.store(lse_ptr + (start + rows) * heads + head, top + tl.log(total), mask=real)
+    tl.store(out_ptr + row[:, None] * out_row + offsets, out.to(out_ptr.dtype.element_ty), mask=tile)
+    tl.store(lse_ptr + row * heads + head, top + tl.log(total), mask=real)
 
 
 @triton.jit
 def _backward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, grad_ptr, lse_ptr, bounds_ptr, dq_ptr, dk_ptr, dv_ptr, q_row,
                      k_row, v_row, out_row, grad_row, heads, scale, D: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_D: tl.constexpr):  # fmt: skip
-    run, head = tl.program_id(0) // heads, tl.program_id(0) % heads
-    start = tl.load(bounds_ptr + run).to(tl.int64)
-    length = tl.load(bounds_ptr + run + 1).to(tl.int64) - start
+    head, start, length = _program_run(bounds_ptr, heads)
     if length == 0:
         return
-    rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
-    real = rows < length
-    tile = real[:, None] & (cols < D)[None, :]
-    at = (start + rows)[:, None]
-    offsets = head * D + cols[None, :]
-    q = tl.load(q_ptr + at * q_row + offsets, mask=tile, other=0.0)
-    k = tl.load(k_ptr + at * k_row + offsets, mask=tile, other=0.0)
-    lse = tl.load(lse_ptr + (start + rows) * heads + head, mask=real, other=0.0)
+    real, tile, row, offsets = _run_tile(start, length, head, D, BLOCK, BLOCK_D)
+    at = row[:, None]
+    q = _load_tile(q_ptr, row, q_row, offsets, tile)
+    k = _load_tile(k_ptr, row, k_row, offsets, tile)
+    lse = tl.load(lse_ptr + row * heads + head, mask=real, other=0.0)
     scores = tl.dot(q, tl.trans(k)) * scale
     probs = tl.where(real[None, :] & real[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [query, key]
-    grad = tl.load(grad_ptr + at * grad_row + offsets, mask=tile, other=0.0)
+    grad = _load_tile(grad_ptr, row, grad_row, offsets, tile)
     dv = tl.dot(tl.trans(probs.to(grad.dtype)), grad)
     tl.store(dv_ptr + at * heads * D + offsets, dv.to(dv_ptr.dtype.element_ty), mask=tile)
-    v = tl.load(v_ptr + at * v_row + offsets, mask=tile, other=0.0)
+    v = _load_tile(v_ptr, row, v_row, offsets, tile)
     dprobs = tl.dot(grad, tl.trans(v))
-    out = tl.load(out_ptr + at * out_row + offsets, mask=tile, other=0.0)
+    out = _load_tile(out_ptr, row, out_row, offsets, tile)
     delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), axis=1)  # sum_j p_j dp_j = do . o
     dscores = (probs * (dprobs - delta[:, None]) * scale).to(q.dtype)
     dq = tl.dot(dscores, k)
