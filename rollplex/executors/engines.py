@@ -65,7 +65,7 @@ class Engines:
     reward: RewardTerms
     grpo: GrpoConfig
     group_size: int
-    microbatch_tokens: int | None = None  # `memory.microbatch_tokens`: a split training microbatch's tokens at most
+    microbatch_tokens: int | None = None  # `memory.microbatch_tokens`: a split microbatch's tokens (fewer or more)
     layers_per_chunk: int = 1  # decoder layers per chunk of prefix work beside decode
     prompts_per_chunk: int | None = None  # prompts per chunk of prefix work (both schedules); None: all
     prefix_streams: PrefixStreams = field(default_factory=lambda: PrefixStreams())  # where prefixes run beside decode

@@ -78,8 +78,8 @@ class RowBatch:
 def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
     """The step's P x N responses in batches of at most `max_tokens` tokens each (`token_batches`), across
     prompts. A batch runs packed (`Qwen2_5_VL.suffix_rows`): its cost is its tokens, not rows x longest, so
-    a batch is filled to the budget whatever its lengths. Callers pass a group of the step's longest responses'
-    tokens (N x R), as the planner counts a microbatch."""
+    a batch is filled to the budget whatever its lengths. Callers pass what the planner counts a microbatch: a
+    group of the step's longest responses' tokens (N x R) or `memory.microbatch_tokens` (`microbatch_budget`)."""
     lens = rollout.response_lens.flatten().tolist()  # the one host sync of a scoring pass
     num_samples, device = rollout.responses.shape[1], rollout.responses.device
     return [
@@ -150,8 +150,10 @@ def score_all(
     temperature: float = 1.0,
     cap: int | None = None,
 ) -> SuffixOut:
-    """Every response's scores [P, N, R] (reference scoring): from the boundary in length batches across
-    prompts (`microbatch_budget` of `cap`), or unsplit, group by group, without one."""
+    """Every response's scores [P, N, R], without gradients (the reference's, the old policy's): from the boundary
+    in length batches across prompts of a group of the longest responses' tokens, or fewer where `cap`
+    (`memory.microbatch_tokens`) is lower (the plan counts no scoring memory beyond the runtime reserve for a role
+    that does not backpropagate), or unsplit, group by group, without one."""
     if boundary is None:
         outs = [score_group_unsplit(model, prompt, rollout.responses[p], rollout.response_lens[p], temperature)
                 for p, prompt in enumerate(prompts)]  # fmt: skip
@@ -159,7 +161,7 @@ def score_all(
     num_prompts, num_samples, width = rollout.responses.shape
     logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
     entropy = torch.zeros_like(logprobs)
-    for batch in row_batches(rollout, max_tokens=microbatch_budget(cap, num_samples, width)):
+    for batch in row_batches(rollout, max_tokens=min(cap or num_samples * width, num_samples * width)):
         out = score_batch(model, boundary, rollout, batch, temperature)
         logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
         entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))
