@@ -145,23 +145,32 @@ def layer_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -
 
 
 def output_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False, value: bool = False) -> int:
-    """The final norm input (whole on every rank, or split under sequence parallelism), the head's input (the
-    norm's output, whole: the head reads every token's) and what the head's scores keep per token: the log-prob
-    and entropy, and the fused head's row max, log-sum and target (`models.scores`: the logits themselves live a
-    chunk at a time, `head_chunk_bytes`); a `value` model's one scalar instead."""
-    head = BF16 if value else 3 * FP32 + 8 + 2 * FP32
-    return t.hidden_size * BF16 // (tp if sp else 1) + t.hidden_size * BF16 + head
+    """The final norm input (whole on every rank, or split under sequence parallelism), what the head keeps for its
+    backward (`head_saved_bytes_per_token`), its log-prob and entropy outputs, and in backward the head input's
+    gradient twice (each chunk's, whole-sized, and autograd's running sum); a `value` model's one scalar instead of
+    the scores."""
+    norm_input = t.hidden_size * BF16 // (tp if sp else 1)
+    if value:
+        return norm_input + 3 * t.hidden_size * BF16 + BF16
+    return norm_input + head_saved_bytes_per_token(t) + 2 * FP32 + 2 * t.hidden_size * BF16
+
+
+def head_saved_bytes_per_token(t: TextConfig) -> int:
+    """What the fused LM-head scores keep per token for backward (`kernels.token_scores`): the head's input (the
+    norm's output, whole on every rank), the row's max, log-sum and entropy, and the target."""
+    return t.hidden_size * BF16 + 3 * FP32 + 8
 
 
 LOGIT_CHUNK_BYTES = 1 << 30  # logits of one chunk of tokens in `models.scores.token_scores`
 
 
 def head_chunk_bytes(t: TextConfig, tp: int, tokens: int) -> int:
-    """What the LM head's scores over `tokens` hold at once beside the per-token tensors: one chunk's logits (at
-    most LOGIT_CHUNK_BYTES; in backward recomputed and turned into their gradient in place) and that chunk's
-    gradient of this rank's head weight."""
+    """What the LM head's scores over `tokens` hold at once beside the per-token tensors, on the fused kernels (a
+    GPU's path; eager torch, the CPU's, holds a few FP32 copies of a chunk): one chunk's logits (at most
+    LOGIT_CHUNK_BYTES; in backward recomputed and turned into their gradient in place) and two gradients of this
+    rank's head weight (a chunk's and autograd's running sum)."""
     vocab = -(-t.vocab_size // tp)
-    return min(LOGIT_CHUNK_BYTES, tokens * vocab * BF16) + vocab * t.hidden_size * BF16
+    return min(LOGIT_CHUNK_BYTES, tokens * vocab * BF16) + 2 * vocab * t.hidden_size * BF16
 
 
 def vision_activation_bytes_per_patch(v: VisionConfig, tp: int) -> int:

@@ -96,11 +96,12 @@ def test_on_a_gpu_token_scores_takes_the_fused_kernels_in_chunks_and_agrees_with
 
 
 def test_what_the_fused_head_keeps_per_token_is_what_the_plan_counts():
-    """The plan's head term (`layout.shapes.output_activation_bytes_per_token`): the head's input and three floats
-    and a target a token, beside the weight; no logits."""
-    from rollplex.layout.shapes import FP32
+    """The plan's head term (`layout.shapes.head_saved_bytes_per_token`, in `output_activation_bytes_per_token`):
+    the head's input and three floats and a target a token, beside the weight; no logits."""
+    from rollplex.layout.shapes import BF16, head_saved_bytes_per_token
+    from rollplex.models.config import load_model_config
 
-    hidden, weight, targets, _ = inputs(7, 900, width=32, seed=2)
+    hidden, weight, targets, _ = inputs(7, 900, width=64, seed=2)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     kept: dict[int, int] = {}
 
@@ -111,5 +112,8 @@ def test_what_the_fused_head_keeps_per_token_is_what_the_plan_counts():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, ent = head_scores(h, w, targets, 1.0)
     per_token = (sum(kept.values()) - w.nbytes) / h.shape[0]
-    assert per_token == h.shape[1] * h.element_size() + 3 * FP32 + targets.element_size()
+    text = load_model_config("tiny").text
+    assert h.shape[1] == text.hidden_size  # the inputs at the tiny model's width, so that its config sizes them
+    kept_in_bf16 = per_token - h.shape[1] * (h.element_size() - BF16)  # the plan counts a bf16 head input
+    assert kept_in_bf16 == head_saved_bytes_per_token(text)
     (lp + ent).sum().backward()  # what was kept suffices
