@@ -182,11 +182,12 @@ class MemorySpec(Strict):
     )
     microbatch_tokens: PositiveInt | None = Field(
         None,
-        description="Response tokens a role scores (and a trained role backpropagates) at once from its prompts' "
-        "boundary (its responses packed across prompts; a longer response alone); null: a prompt group's N "
-        "responses at the step's longest length. Fewer hold fewer activations (what lets `recompute: none` fit) at "
-        "more scoring calls; more (up to the rank's every response) make fewer calls. Unsplit scoring (schedule "
-        "unsplit) runs a group's whole sequences at once regardless.",
+        description="Response tokens a trained role scores and backpropagates at once from its prompts' boundary "
+        "(its responses packed across prompts; a longer response alone); null: a prompt group's N responses at the "
+        "step's longest length. Fewer hold fewer activations (what lets `recompute: none` fit) at more scoring "
+        "calls; more (up to the rank's every response) make fewer calls. Scoring without gradients (the "
+        "reference's) takes a group's tokens or a lower cap. Unsplit scoring (schedule unsplit) runs a group's "
+        "whole sequences at once regardless.",
     )
     prefix_activations: Literal["auto", "offload", "recompute"] = Field(
         "auto",

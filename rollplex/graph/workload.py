@@ -37,7 +37,7 @@ class PerGpu:
 
     @property
     def microbatch_tokens(self) -> int:
-        """A training microbatch's response tokens: a prompt group's N responses at the longest length, or
+        """A split training microbatch's response tokens: a prompt group's N responses at the longest length, or
         `memory.microbatch_tokens` (a whole response, one of the longest, at least; the rank's every response at
         most)."""
         group = self.group_size * self.response_tokens

@@ -229,8 +229,8 @@ def test_each_mini_batchs_gradients_exist_from_its_backward_to_its_update_only()
 
 def test_a_capped_microbatch_holds_its_tokens_activations_so_that_no_recompute_fits_the_3b():
     """`memory.microbatch_tokens`: the split microbatch's activations are the cap's tokens' (a whole response at
-    least, a group at most); without recompute the shipped 3B spec keeps its FP32 state in HBM at 4,096 tokens, and
-    must stream part of it at a whole group."""
+    least, the rank's every response at most); without recompute the shipped 3B spec keeps its FP32 state in HBM
+    at 4,096 tokens, and must stream part of it at a whole group."""
     from rollplex.graph.memobject import Component
     from rollplex.layout import shapes as S
 
