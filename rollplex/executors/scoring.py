@@ -161,7 +161,8 @@ def score_all(
     num_prompts, num_samples, width = rollout.responses.shape
     logprobs = torch.zeros(num_prompts * num_samples, width, device=rollout.responses.device)
     entropy = torch.zeros_like(logprobs)
-    for batch in row_batches(rollout, max_tokens=min(cap or num_samples * width, num_samples * width)):
+    group = num_samples * width
+    for batch in row_batches(rollout, max_tokens=min(microbatch_budget(cap, num_samples, width), group)):
         out = score_batch(model, boundary, rollout, batch, temperature)
         logprobs[:, : batch.width].index_copy_(0, batch.index, out.logprobs.to(logprobs.device))
         entropy[:, : batch.width].index_copy_(0, batch.index, out.entropy.to(entropy.device))
