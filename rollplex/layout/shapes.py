@@ -147,8 +147,8 @@ def layer_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -
 def output_activation_bytes_per_token(t: TextConfig, tp: int, sp: bool = False, value: bool = False) -> int:
     """The final norm input (whole on every rank, or split under sequence parallelism), what the head keeps for its
     backward (`head_saved_bytes_per_token`), its log-prob and entropy outputs, and in backward the head input's
-    gradient twice (each chunk's, whole-sized, and autograd's running sum); a `value` model's one scalar instead of
-    the scores."""
+    gradient twice (each chunk's, whole-sized, and autograd's running sum); a `value` model's scalar head keeps its
+    input and one scalar instead, with the same two input gradients."""
     norm_input = t.hidden_size * BF16 // (tp if sp else 1)
     if value:
         return norm_input + 3 * t.hidden_size * BF16 + BF16
