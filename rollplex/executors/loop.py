@@ -187,6 +187,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                         gate.hold()
                         updating = True
 
+                update_beside = bool(waiting)  # the step before's update runs on into this step's actor prefix
                 begin = time.perf_counter()
                 with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
                     hooks = {
@@ -211,6 +212,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     step_bounds(plan, tokens) if on_gpu else ({}, {})
                 )
                 records[-1]["tokens"] = asdict(tokens)  # a later cost model reprices the step
+                records[-1]["update_beside_prefix"] = update_beside  # the actor prefix's seconds hold an update
                 if on_gpu and record.prefix_backward_s is not None:  # of actor_suffix_backward, bounded apart
                     records[-1]["prefix_backward_s"] = round(record.prefix_backward_s, 4)
                     records[-1]["prefix_backward_bound_s"] = prefix_backward_bound_s(plan, tokens)

@@ -14,7 +14,7 @@ degree, rollout's by the rollout TP degree. Pure: no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
@@ -131,9 +131,12 @@ def vision_embedder(ops_: Sequence[Op]) -> Op | None:
     return next((o for o in prefixes if o.role is Role.REFERENCE), prefixes[0] if prefixes else None)
 
 
-def plan_phase_costs(plan, tokens: StepTokens) -> dict[str, tuple[Cost, ...]]:
-    """`phase_costs` of a compiled plan, the reference's page-ins first in the timers of the ops they precede."""
-    costs = phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, plan.decisions, tokens)
+def plan_phase_costs(plan, tokens: StepTokens, apart: bool = False) -> dict[str, tuple[Cost, ...]]:
+    """`phase_costs` of a compiled plan, the reference's page-ins first in the timers of the ops they precede.
+    `apart`: the actor's update in its own step's timer even where the plan runs it on into the next actor prefix
+    (`update_beside_prefix`): each of the two as it costs alone."""
+    d = replace(plan.decisions, update_beside_prefix=False) if apart else plan.decisions
+    costs = phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, d, tokens)
     for timer, num_bytes in reference_page_ins(plan):
         costs[timer] = (Cost(host_bytes=num_bytes), *costs[timer])
     return costs

@@ -41,6 +41,11 @@ class PhaseTime:
 
 HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
+UPDATE_BESIDE = "actor_prefix_beside_update"  # an efficiency's key: the actor prefix measured with an update in it
+UPDATE_BESIDE_SHARE = 0.57  # of the shorter's seconds alone that the actor prefix and a streamed update beside it
+# add to the longer's: they contend for the SMs (the update's kernels between the prefix's), the link's copies wait
+# on them (docs/results.md, "The time plan against measured runs": 7B runs with the update apart and beside)
+
 
 PREFIX_BACKWARD = "prefix_backward"  # the part of `actor_suffix_backward` the plan, runs and benches bound apart
 
@@ -56,18 +61,46 @@ def time_plan(
     of a phase's device work (FLOPs and HBM bytes); its host-link traffic, which another spec may have where the
     bench had none (an optimizer state streamed rather than kept in HBM), is predicted at HOST_LINK_EFFICIENCY of
     the link, the two overlapping: each part takes the longer of the two. A phase that runs beside decode
-    (`overlapped_timers`) has no seconds of its own: its time is in the rollout's."""
+    (`overlapped_timers`) has no seconds of its own: its time is in the rollout's. An actor prefix with the step
+    before's update running on into it (`update_beside_prefix`): see `_prefix_beside_update_s`."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    each = [plan_phase_costs(plan, tokens) for tokens in (steps or planned_steps(plan))]
+    steps = steps or planned_steps(plan)
+    each = [plan_phase_costs(plan, tokens) for tokens in steps]
     beside = overlapped_timers(plan.graph)
+    found = efficiencies or {}
     rows = []
     for timer in each[0]:
-        parts = [sum((c[timer][k] for c in each), Cost()).scaled(1 / len(each)) for k in range(len(each[0][timer]))]
+        parts = _mean_parts(each, timer)
         bound = sum(p.bound_s(peaks) for p in parts)
-        e = None if timer in beside else (efficiencies or {}).get(timer)
+        e = None if timer in beside else found.get(timer)
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
+        if timer == "actor_prefix" and plan.decisions.update_beside_prefix and timer not in beside:
+            e, predicted = _prefix_beside_update_s(plan, steps, parts, peaks, found)
         rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)
+
+
+def _mean_parts(each: Sequence[dict[str, tuple[Cost, ...]]], timer: str) -> list[Cost]:
+    """A timer's parts, each the mean over the steps' phase costs `each`."""
+    return [sum((c[timer][k] for c in each), Cost()).scaled(1 / len(each)) for k in range(len(each[0][timer]))]
+
+
+def _prefix_beside_update_s(
+    plan, steps: Sequence[StepTokens], parts: list[Cost], peaks: DevicePeaks, found: dict[str, float]
+) -> tuple[float | None, float | None]:
+    """(efficiency, predicted seconds) of the actor prefix with the step before's update running on into it: at an
+    efficiency measured so (UPDATE_BESIDE, of the two's device bound together); else the prefix and the update each
+    at its own efficiency as they cost alone, the longer whole and the shorter at UPDATE_BESIDE_SHARE of its
+    seconds. Unpredicted where the source prices neither way."""
+    if e := found.get(UPDATE_BESIDE):
+        return e, sum(_predicted_s(p, peaks, e) for p in parts)
+    prefix_e, update_e = found.get("actor_prefix"), found.get("update")
+    if not (prefix_e and update_e):
+        return prefix_e, None
+    apart = [plan_phase_costs(plan, tokens, apart=True) for tokens in steps]
+    prefix = sum(_predicted_s(p, peaks, prefix_e) for p in _mean_parts(apart, "actor_prefix"))
+    update = sum(_predicted_s(p, peaks, update_e) for p in _mean_parts(apart, "update"))
+    return prefix_e, max(prefix, update) + UPDATE_BESIDE_SHARE * min(prefix, update)
 
 
 def prefix_backward_plan(

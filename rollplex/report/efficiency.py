@@ -2,8 +2,10 @@
 
 `rollplex compile --dry-run --efficiency SOURCE` predicts each phase's seconds at them (`graph.timeplan.time_plan`).
 SOURCE is one of:
-- `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`) or
-  `prefix_backward` (the backward through the prefix, within `actor_suffix_backward`);
+- `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`),
+  `prefix_backward` (the backward through the prefix, within `actor_suffix_backward`) or
+  `actor_prefix_beside_update` (the actor prefix with the step before's update running on into it; without it a
+  plan that runs them so prices each at its own efficiency, `graph.timeplan`);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `device_bound_s` / `time_s`, the
   first step left out when there are more (it compiles and plans; `run_efficiencies`);
 - a `rollplex bench` result (JSON): its `device_efficiency` for the plan's schedule, serial's for a phase it has
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from rollplex.errors import SpecError
 from rollplex.graph.cost import TIMERS
-from rollplex.graph.timeplan import PREFIX_BACKWARD
+from rollplex.graph.timeplan import PREFIX_BACKWARD, UPDATE_BESIDE
 
 
 def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
@@ -40,8 +42,8 @@ def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
     else:
         found = _of_bench(path, schedule)
     for phase, e in found.items():
-        if phase not in (*TIMERS, PREFIX_BACKWARD):
-            names = ", ".join((*TIMERS, PREFIX_BACKWARD))
+        if phase not in (*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE):
+            names = ", ".join((*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE))
             raise SpecError("", f"--efficiency {source}: no phase {phase!r}", f"name one of {names}")
         if not (math.isfinite(e) and 0 < e <= 1):
             raise SpecError("", f"--efficiency {source}: {phase} {e:g} is not in (0, 1]")
@@ -62,7 +64,7 @@ def _by_hand(source: str) -> dict[str, float]:
 def _of_run(path: Path) -> dict[str, float]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        found = run_efficiencies(records, device=True)
+        found = run_efficiencies(records, device=True, beside_apart=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
     if not found:
@@ -75,11 +77,13 @@ def _warm(records: list[dict]) -> list[dict]:
     return records[1:] if len(records) > 1 else records
 
 
-def run_efficiencies(records: list[dict], device: bool = False) -> dict[str, float]:
+def run_efficiencies(records: list[dict], device: bool = False, beside_apart: bool = False) -> dict[str, float]:
     """Per phase of a run's metrics records, the median over its warm steps of `bound_s` (`device`: of
     `device_bound_s`, where a record has it: a run resumed across its introduction has both kinds) over `time_s`; a
     phase run beside another (no seconds of its own) or with no bound is left out. With them, `prefix_backward`
-    where the steps timed it apart."""
+    where the steps timed it apart. `beside_apart`: a step whose actor prefix ran with the step before's update in it
+    (`update_beside_prefix` in its record) gives that prefix's efficiency as UPDATE_BESIDE and none of the update (its
+    step waited for the gradient norm only), so a plan that runs the two apart is not priced at it."""
     ratios: dict[str, list[float]] = {}
     for record in _warm(records):
         bounds = record.get("device_bound_s", record["bound_s"]) if device else record["bound_s"]
@@ -87,6 +91,9 @@ def run_efficiencies(records: list[dict], device: bool = False) -> dict[str, flo
         if record.get("prefix_backward_bound_s"):
             bounds = {**bounds, PREFIX_BACKWARD: record["prefix_backward_bound_s"]}
             times = {**times, PREFIX_BACKWARD: record["prefix_backward_s"]}
+        if beside_apart and record.get("update_beside_prefix"):
+            bounds = {UPDATE_BESIDE if k == "actor_prefix" else k: v for k, v in bounds.items() if k != "update"}
+            times = {UPDATE_BESIDE if k == "actor_prefix" else k: v for k, v in times.items()}
         for phase, bound in bounds.items():
             seconds = times.get(phase, 0.0)
             if bound > 0 and seconds > 0:

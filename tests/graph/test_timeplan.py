@@ -149,3 +149,32 @@ def test_the_backward_through_the_prefix_is_shown_within_the_actors_phase_and_ab
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("actor_suffix_backward "))
     assert lines[at + 1].startswith("  of it, through the prefix") and f"{part.bound_s:.3f}" in lines[at + 1]
+
+
+def test_a_prefix_with_the_updates_rest_in_it_is_priced_from_the_two_apart_sharing_the_device():
+    """The 7B spec runs its streamed update on into the next actor prefix. From efficiencies of the two measured
+    apart, the prefix's seconds are the longer's plus a share of the shorter's, each priced as it costs alone (its
+    device bound at its efficiency, its link bytes at the link's); from an efficiency measured beside
+    (UPDATE_BESIDE), the two's bound over it; from neither, none."""
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    plan = compile_plan(parse_spec(text + "sharing:\n  update_beside_prefix: true\n"))
+    assert plan.decisions.update_beside_prefix
+    peaks = cost.KNOWN_PEAKS["H200"]
+    step = timeplan.planned_steps(plan)[:1]
+    alone = cost.plan_phase_costs(plan, step[0], apart=True)
+
+    def at(c: cost.Cost, e: float) -> float:
+        link = c.host_bytes / peaks.host_bytes_s / timeplan.HOST_LINK_EFFICIENCY
+        return max(cost.Cost(c.flops, c.hbm_bytes).bound_s(peaks) / e, link)
+
+    p, u = at(cost.total(alone["actor_prefix"]), 0.6), at(cost.total(alone["update"]), 0.8)
+    assert min(p, u) > 0.3 * max(p, u) and alone["update"][0].host_bytes > 0  # both count; the state streams
+    found = {"actor_prefix": 0.6, "update": 0.8}
+    together = {r.timer: r for r in timeplan.time_plan(plan, found, step)}
+    assert together["actor_prefix"].predicted_s == pytest.approx(max(p, u) + timeplan.UPDATE_BESIDE_SHARE * min(p, u))
+    assert together["update"].cost.host_bytes == 0  # its own phase: the wait for the gradient norm
+    measured = {r.timer: r for r in timeplan.time_plan(plan, {timeplan.UPDATE_BESIDE: 0.5}, step)}["actor_prefix"]
+    assert measured.predicted_s == pytest.approx(at(measured.cost, 0.5)) and measured.efficiency == 0.5
+    assert measured.cost.host_bytes == alone["update"][0].host_bytes + cost.total(alone["actor_prefix"]).host_bytes
+    prefix_only = {r.timer: r for r in timeplan.time_plan(plan, {"actor_prefix": 0.6}, step)}["actor_prefix"]
+    assert prefix_only.predicted_s is None and prefix_only.efficiency == 0.6

@@ -39,6 +39,7 @@ def test_a_runs_efficiency_is_of_its_device_bound_so_its_own_plan_predicts_it_ba
     from rollplex.graph.cost import KNOWN_PEAKS, Cost
     from rollplex.graph.load import load_spec
     from rollplex.graph.plan import compile_plan
+    from rollplex.graph.timeplan import UPDATE_BESIDE
 
     plan = compile_plan(load_spec("specs/qwen2_5_vl_7b_h200.yaml"))
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
@@ -46,18 +47,18 @@ def test_a_runs_efficiency_is_of_its_device_bound_so_its_own_plan_predicts_it_ba
     device = Cost(row.cost.flops, row.cost.hbm_bytes).bound_s(peaks)
     assert device < row.bound_s  # the link's time is the bound
     taken = 2.5 * row.bound_s
-    record = {"time_s": {"actor_prefix": taken}, "bound_s": {"actor_prefix": row.bound_s}}
+    record = {"time_s": {"actor_prefix": taken}, "bound_s": {"actor_prefix": row.bound_s}, "update_beside_prefix": True}
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({**record, "device_bound_s": {"actor_prefix": device}}) + "\n")
     found = read_efficiencies(str(path), "rollplex")
-    assert found == pytest.approx({"actor_prefix": device / taken})
+    assert found == pytest.approx({UPDATE_BESIDE: device / taken})
     (again,) = [r for r in timeplan.time_plan(plan, found) if r.timer == "actor_prefix"]
     assert again.predicted_s == pytest.approx(taken)
     path.write_text(json.dumps(record) + "\n")  # an older run's metrics: the whole bound
-    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": 0.4})
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({UPDATE_BESIDE: 0.4})
     old, new = {**record, "step": 2}, {**record, "step": 3, "device_bound_s": {"actor_prefix": device}}
     path.write_text("".join(json.dumps(r) + "\n" for r in (record, old, new)))  # resumed across the field
-    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": (0.4 + device / taken) / 2})
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({UPDATE_BESIDE: (0.4 + device / taken) / 2})
 
 
 def test_a_bench_result_gives_its_schedules_efficiencies_and_serials_for_the_rest(tmp_path):
@@ -173,3 +174,20 @@ def test_the_backward_through_the_prefix_is_predicted_at_its_own_efficiency_from
     assert line.split()[-2:] == ["0.50", f"{part['predicted_s']:.2f}"]
     (step,) = [x for x in lines if x.startswith("step ")]
     assert step.split()[-1] == "-"  # no phase priced: no step prediction
+
+
+def test_a_runs_prefix_that_held_the_updates_rest_gives_its_own_efficiency_and_none_of_the_update(tmp_path):
+    """A plan that runs the update apart is not priced at a prefix slowed by it, nor at the wait for the gradient
+    norm that was its update's whole phase; by hand the key is accepted like a timer's."""
+    from rollplex.graph.timeplan import UPDATE_BESIDE
+
+    bounds = {"actor_prefix": 1.5, "update": 0.01, "rollout": 4.0}
+    seconds = {"actor_prefix": 2.5, "update": 0.04, "rollout": 8.0}
+    records = [{"step": i, "time_s": seconds, "bound_s": bounds, "update_beside_prefix": i > 1} for i in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({UPDATE_BESIDE: 0.6, "rollout": 0.5})
+    path.write_text("".join(json.dumps({**r, "update_beside_prefix": False}) + "\n" for r in records))
+    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": 0.6, "update": 0.25,
+                                                                      "rollout": 0.5})  # fmt: skip
+    assert read_efficiencies(f"{UPDATE_BESIDE}=0.5", "rollplex") == {UPDATE_BESIDE: 0.5}
