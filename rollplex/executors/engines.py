@@ -84,6 +84,7 @@ class Engines:
     dp: DataParallel | None = None  # data-parallel ranks (`dataparallel.py`); None in a one-replica run
     rollout_draws_per_step: bool = True  # the CPU loop draws from `generator` each step; a GPU rollout once
     update_beside_prefix: bool = False  # the update runs on into the next actor prefix (`sharing.update_beside_prefix`)
+    empty_cache_at_phases: bool = True  # `memory.empty_cache: phases`: free blocks go back at each phase change
 
     @property
     def temperature(self) -> float:
@@ -264,6 +265,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         dp=dp,
         rollout_draws_per_step=device.type != "cuda",
         update_beside_prefix=d.update_beside_prefix,
+        empty_cache_at_phases=spec.memory.empty_cache == "phases",
     )
 
 

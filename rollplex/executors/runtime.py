@@ -88,9 +88,10 @@ def run_iteration(
     last_prefix = max((s.index for s in steps(g) if any(op(g, n).part is Part.PREFIX for n in s.ops)), default=-1)
     phase, freed, uncached = None, [], False
     cuda = engines.actor.device.type == "cuda"
+    emptying = cuda and engines.empty_cache_at_phases  # else only where memory outside the allocator is mapped
     marks = []  # (timer, start, end) of each op: CUDA events on a GPU, so that no op waits for the device
     for i, s in enumerate(steps(g)):
-        if (s.phase is not phase or freed) and cuda:
+        if (s.phase is not phase or freed) and emptying:
             uncached = _update_in_flight(engines)  # emptying the cache now would wait for the update: after it
             if not uncached:
                 torch.cuda.empty_cache()  # what the last phase or step freed goes back to the driver, as planned

@@ -212,6 +212,14 @@ class MemorySpec(Strict):
         "`expandable_segments` of PYTORCH_CUDA_ALLOC_CONF), so that blocks freed in one phase are reused by the next "
         "phase's other sizes (without it the allocator reserves well above the phase's peak of live tensors).",
     )
+    empty_cache: Literal["phases", "mappings"] = Field(
+        "phases",
+        description="When torch's caching allocator hands its free blocks back to the driver: phases (at each phase "
+        "change and after a step of the graph that freed its tensors, so the driver's usage follows the plan's phase "
+        "peaks) or mappings (only before memory outside the allocator is mapped: the rollout's KV, the reference's "
+        "pages; the blocks a phase frees stay cached for the next, which then maps fewer pages, and the driver's "
+        "usage between those points is the allocator's largest reserve so far).",
+    )
     optimizer_state: Literal["auto", "hbm", "host"] = Field(
         "auto",
         description="Where the FP32 master weights and Adam moments live: hbm (updated in place, no host traffic), "

@@ -92,3 +92,12 @@ def test_the_rollout_stops_at_the_models_ends():
     assert (
         engines.sampling.stop_token_ids == engines.actor.config.tokens.stop_ids == (2,)
     )  # the tiny config's <|im_end|>
+
+
+def test_the_cache_is_emptied_at_each_phase_unless_the_spec_keeps_it_until_a_mapping():
+    text = spec_text(kl=0.1, device="cpu")
+    assert build_engines(compile_plan(parse_spec(text))).empty_cache_at_phases
+    kept = parse_spec(text + "memory: {empty_cache: mappings}\n")
+    assert not build_engines(compile_plan(kept)).empty_cache_at_phases
+    with pytest.raises(SpecError, match="empty_cache"):
+        parse_spec(text + "memory: {empty_cache: never}\n")

@@ -111,6 +111,26 @@ def test_on_a_gpu_the_allocator_hands_back_its_cache_before_a_prefix_that_ran_be
     assert seen == [(False, 0), (True, 1)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_cache_emptied_only_before_mappings_changes_no_number_and_empties_less(tmp_path, monkeypatch):
+    """`memory.empty_cache: mappings`: the runtime leaves the blocks a phase frees cached; the rollout still empties
+    the cache before it maps its KV."""
+    releases, empty = [], torch.cuda.empty_cache
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (releases.append(1), empty()))
+    text = spec_text(kl=0.1, device="cuda").replace("cuda,", "cuda, deterministic: true,")
+    counts, digests = [], []
+    for mode in ("phases", "mappings"):
+        spec = parse_spec(text + f"memory: {{empty_cache: {mode}}}\n")
+        assert build_engines(compile_plan(spec)).empty_cache_at_phases is (mode == "phases")
+        before = len(releases)
+        records = train(compile_plan(spec), RunOptions(2, tmp_path / mode, progress=False, tensorboard=False))
+        counts.append(len(releases) - before)
+        digests.append([r["param_digest"] for r in records])
+    assert digests[0] == digests[1]
+    assert 0 < counts[1] < counts[0], counts
+
+
 def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, layers_per_chunk: 2}\n")
     runs = [
