@@ -91,7 +91,16 @@ def loaded(kl: float = 0.1, device: str = "cpu"):
 
 def run(tmp_path: Path, schedule: str, steps: int = 2, name: str | None = None, device: str = "cpu", **kw):
     opts = RunOptions(steps, tmp_path / (name or schedule), progress=False, tensorboard=False, **kw)
-    return train(compile_plan(loaded(device=device), Schedule(schedule)), opts)
+    return train_fresh(compile_plan(loaded(device=device), Schedule(schedule)), opts)
+
+
+def train_fresh(plan, opts: RunOptions) -> list[dict]:
+    """`train`, its compiled chains as a process of its own compiles them: Inductor compiles a chain for the shapes
+    it first meets and again for any length once a length changes, and the two kernels may sum in another order;
+    so two runs compared bitwise in one process (on a GPU) each start from no compiled chain."""
+    if plan.loaded.spec.run.device == "cuda":
+        torch._dynamo.reset()
+    return train(plan, opts)
 
 
 def cli_here(capsys, command: str, *args: str) -> tuple[int, str]:

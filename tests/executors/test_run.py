@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from run_testkit import ROOT, cli, cli_here, loaded, run, spec_text
+from run_testkit import ROOT, cli, cli_here, loaded, run, spec_text, train_fresh
 from training_testkit import gradients
 
 from rollplex.data.source import batch_at, open_dataset
@@ -77,7 +77,8 @@ def test_on_a_gpu_a_paged_reference_changes_no_number_of_serial_or_rollplex(tmp_
     text = spec_text(kl=0.1, device="cuda").replace("cuda,", "cuda, deterministic: true,")
     paged = parse_spec(text + "memory: {page_reference: true}\n")
     assert build_engines(compile_plan(paged)).reference_pager is not None
-    a, b = (train(compile_plan(paged, Schedule(s)), RunOptions(2, tmp_path / s, progress=False, tensorboard=False))
+    a, b = (train_fresh(compile_plan(paged, Schedule(s)), RunOptions(2, tmp_path / s, progress=False,
+                                                                      tensorboard=False))
             for s in ("serial", "rollplex"))  # fmt: skip
     c = run(tmp_path, "rollplex", 2, name="resident", device="cuda")
     assert [r["param_digest"] for r in a] == [r["param_digest"] for r in b] == [r["param_digest"] for r in c]
@@ -124,7 +125,7 @@ def test_on_a_gpu_the_cache_emptied_only_before_mappings_changes_no_number_and_e
         spec = parse_spec(text + f"memory: {{empty_cache: {mode}}}\n")
         assert build_engines(compile_plan(spec)).empty_cache_at_phases is (mode == "phases")
         before = len(releases)
-        records = train(compile_plan(spec), RunOptions(2, tmp_path / mode, progress=False, tensorboard=False))
+        records = train_fresh(compile_plan(spec), RunOptions(2, tmp_path / mode, progress=False, tensorboard=False))
         counts.append(len(releases) - before)
         digests.append([r["param_digest"] for r in records])
     assert digests[0] == digests[1]

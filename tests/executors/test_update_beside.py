@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from run_testkit import ROOT, spec_text
+from run_testkit import ROOT, spec_text, train_fresh
 
 from rollplex.executors import runtime
 from rollplex.executors.engines import build_engines
@@ -230,16 +230,15 @@ def test_the_rest_of_a_deferred_update_after_the_actor_prefix_counts_as_the_upda
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_deferred_update_trains_bitwise_as_a_joined_one(tmp_path):
-    """The real thing: the update on the optimizer's streams while the next prefix runs (deterministic kernels).
-    A process's first run differs from later ones in the last bits (kernels picked on first use): both compared
-    runs follow one."""
+    """The real thing: the update on the optimizer's streams while the next prefix runs (deterministic kernels),
+    each run compiling as a process of its own would (`train_fresh`)."""
     text = spec_text(device="cuda").replace("device: cuda,", "device: cuda, deterministic: true,")
     records = []
-    for name, spec in (("first", text), ("deferred", beside(text)), ("joined", text)):
+    for name, spec in (("deferred", beside(text)), ("joined", text)):
         plan = compile_plan(parse_spec(spec))
         assert plan.decisions.update_beside_prefix is (name == "deferred")
-        records.append(train(plan, RunOptions(3, tmp_path / name, progress=False, tensorboard=False)))
-    _, deferred, joined = records
+        records.append(train_fresh(plan, RunOptions(3, tmp_path / name, progress=False, tensorboard=False)))
+    deferred, joined = records
     assert [r["param_digest"] for r in deferred] == [r["param_digest"] for r in joined]
     assert [r["loss"] for r in deferred] == [r["loss"] for r in joined]
     assert len({r["param_digest"] for r in joined}) == 3
