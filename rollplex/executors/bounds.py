@@ -25,11 +25,14 @@ def step_tokens(examples: Sequence, response_lens: torch.Tensor) -> StepTokens:
     )
 
 
-def step_bounds(plan: Plan, tokens: StepTokens) -> tuple[dict[str, float], dict[str, float]]:
+def step_bounds(
+    plan: Plan, tokens: StepTokens, held: bool | None = None, deferred: bool | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds at the bound of each phase timer of a step of these counts (`step_tokens`) on the spec's GPU
-    (`cluster.gpu`), and at its device bound (the host link left out)."""
+    (`cluster.gpu`), and at its device bound (the host link left out). `held`, `deferred`: where the actor's update
+    ran, as `cost.phase_costs` takes them (default: the plan's steady state)."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    costs = plan_phase_costs(plan, tokens)
+    costs = plan_phase_costs(plan, tokens, held, deferred)
     device = {k: tuple(Cost(p.flops, p.hbm_bytes) for p in parts) for k, parts in costs.items()}
     return tuple({k: round(v, 4) for k, v in phase_bounds(c, peaks).items()} for c in (costs, device))
 

@@ -209,10 +209,11 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 on_gpu = engines.actor.device.type == "cuda"  # the CPU's peaks are unknown: no bounds there
                 tokens = step_tokens(examples, local_lens)
                 records[-1]["bound_s"], records[-1]["device_bound_s"] = (
-                    step_bounds(plan, tokens) if on_gpu else ({}, {})
+                    step_bounds(plan, tokens, update_beside, in_flight) if on_gpu else ({}, {})
                 )
                 records[-1]["tokens"] = asdict(tokens)  # a later cost model reprices the step
                 records[-1]["update_beside_prefix"] = update_beside  # the actor prefix's seconds hold an update
+                records[-1]["update_deferred"] = in_flight  # the step's update timer waited for the gradient norm
                 if on_gpu and record.prefix_backward_s is not None:  # of actor_suffix_backward, bounded apart
                     records[-1]["prefix_backward_s"] = round(record.prefix_backward_s, 4)
                     records[-1]["prefix_backward_bound_s"] = prefix_backward_bound_s(plan, tokens)

@@ -14,7 +14,7 @@ degree, rollout's by the rollout TP degree. Pure: no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations
@@ -102,26 +102,42 @@ class Cost:
 
 
 def phase_costs(
-    ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens
+    ops_: Sequence[Op],
+    model: ModelConfig,
+    gpu: PerGpu,
+    d: Decisions,
+    tokens: StepTokens,
+    held: bool = False,
+    deferred: bool = False,
 ) -> dict[str, tuple[Cost, ...]]:
-    """{timer: the parts of its ops, in order} of one step."""
+    """{timer: the parts of its ops, in order} of one step. Under `update_beside_prefix`: `held`, the step's actor
+    prefix runs the step before's actor update beside it (priced as this step's, the two as one part: one
+    resource's work beside another's); `deferred`, the step's own actor update runs on past it, its update timer
+    waiting for the gradient norm only."""
     split = {o.role for o in ops_ if o.part is Part.SUFFIX}  # the roles whose scoring starts at a boundary
     embedder = vision_embedder(ops_)
     prefilled = prefilled_decodes(ops_)
-    beside = d.update_beside_prefix and any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops_)
     out: dict[str, tuple[Cost, ...]] = {}
-    deferred: tuple[Cost, ...] = ()
     for o in ops_:
         kept = backpropagated_prompts(ops_, o) if o.part is Part.PREFIX else None
         graph_share = None if kept is None else 1.0 / kept.count
         parts = op_parts(o, model, gpu, d, tokens, o.role in split, o is embedder, o.id in prefilled, graph_share)
-        if beside and o.kind is NodeKind.UPDATE and o.role is Role.ACTOR:  # runs on into the next actor prefix
-            deferred += parts
+        if deferred and _is_actor_update(o):
             parts = (grad_norm_pass(model.text, model.vision, gpu.train_tp, d),)
         out[timer_of(o)] = out.get(timer_of(o), ()) + parts
-    if deferred:  # one resource's work beside another's: a single part
-        out["actor_prefix"] = (total(out["actor_prefix"]) + total(deferred),)
+    if held and "actor_prefix" in out:
+        out["actor_prefix"] = (total(out["actor_prefix"]) + actor_update(ops_, model, gpu, d, tokens),)
     return out
+
+
+def actor_update(ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens) -> Cost:
+    """The actor's update of one step, whole (a critic's is not in it)."""
+    parts = [op_parts(o, model, gpu, d, tokens, False, False, False, None) for o in ops_ if _is_actor_update(o)]
+    return total([p for each in parts for p in each])
+
+
+def _is_actor_update(o: Op) -> bool:
+    return o.kind is NodeKind.UPDATE and o.role is Role.ACTOR
 
 
 def vision_embedder(ops_: Sequence[Op]) -> Op | None:
@@ -131,15 +147,25 @@ def vision_embedder(ops_: Sequence[Op]) -> Op | None:
     return next((o for o in prefixes if o.role is Role.REFERENCE), prefixes[0] if prefixes else None)
 
 
-def plan_phase_costs(plan, tokens: StepTokens, apart: bool = False) -> dict[str, tuple[Cost, ...]]:
+def plan_phase_costs(
+    plan, tokens: StepTokens, held: bool | None = None, deferred: bool | None = None
+) -> dict[str, tuple[Cost, ...]]:
     """`phase_costs` of a compiled plan, the reference's page-ins first in the timers of the ops they precede.
-    `apart`: the actor's update in its own step's timer even where the plan runs it on into the next actor prefix
-    (`update_beside_prefix`): each of the two as it costs alone."""
-    d = replace(plan.decisions, update_beside_prefix=False) if apart else plan.decisions
-    costs = phase_costs(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, d, tokens)
+    `held`, `deferred` (`phase_costs`): by default a step of the plan's steady state, both where it runs the actor's
+    update on into the next actor prefix (`update_beside_prefix`, a graph with an actor prefix); False, False prices
+    the prefix and the update each alone."""
+    g, d = plan.graph, plan.decisions
+    steady = d.update_beside_prefix and any(o.role is Role.ACTOR and o.part is Part.PREFIX for o in ops(g))
+    held, deferred = steady if held is None else held, steady if deferred is None else deferred
+    costs = phase_costs(list(ops(g)), plan.loaded.model, plan.context.gpu, d, tokens, held, deferred)
     for timer, num_bytes in reference_page_ins(plan):
         costs[timer] = (Cost(host_bytes=num_bytes), *costs[timer])
     return costs
+
+
+def plan_actor_update(plan, tokens: StepTokens) -> Cost:
+    """`actor_update` of a compiled plan: what the step before's update adds to an actor prefix that runs it."""
+    return actor_update(list(ops(plan.graph)), plan.loaded.model, plan.context.gpu, plan.decisions, tokens)
 
 
 def plan_prefix_backward(plan, tokens: StepTokens) -> Cost | None:

@@ -117,14 +117,12 @@ def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> li
 
 
 def step_seconds(plan, efficiencies: dict[str, float] | None = None) -> tuple[float, float | None]:
-    """The step's bound (`timeplan.step_bound_s`) and (given efficiencies) predicted seconds: the time plan's
-    phases summed."""
-    from rollplex.graph.timeplan import step_bound_s, time_plan
+    """The step's bound (`timeplan.step_bound_s`) and (given efficiencies that price every phase) predicted seconds
+    (`timeplan.predicted_step_s`)."""
+    from rollplex.graph.timeplan import predicted_step_s, step_bound_s, time_plan
 
     rows = time_plan(plan, efficiencies)
-    priced = any(r.predicted_s is not None for r in rows)
-    predicted = sum(r.predicted_s or 0.0 for r in rows) if priced else None
-    return step_bound_s(plan, rows), predicted
+    return step_bound_s(plan, rows), predicted_step_s(plan, rows)
 
 
 def _priced(loaded: LoadedSpec, schedule, need_bytes: int) -> list[Priced]:

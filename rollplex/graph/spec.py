@@ -218,7 +218,8 @@ class MemorySpec(Strict):
         "change and after a step of the graph that freed its tensors, so the driver's usage follows the plan's phase "
         "peaks) or mappings (only before memory outside the allocator is mapped: the rollout's KV, the reference's "
         "pages; the blocks a phase frees stay cached for the next, which then maps fewer pages, and the driver's "
-        "usage between those points is the allocator's largest reserve so far).",
+        "usage between those points is the allocator's largest reserve so far; not under sharing.policy mps, whose "
+        "rollout maps its KV in a process of its own).",
     )
     optimizer_state: Literal["auto", "hbm", "host"] = Field(
         "auto",
@@ -334,6 +335,9 @@ class Spec(Strict):
         if self.sharing.policy == "mps" and self.cluster.num_gpus > 1:
             raise ValueError("sharing.policy mps runs on one GPU (its rollout process beside one trainer); use green "
                              "or streams with tensor or data parallelism")  # fmt: skip
+        if self.sharing.policy == "mps" and self.memory.empty_cache == "mappings":
+            raise ValueError("memory.empty_cache mappings needs the rollout in this process: under sharing.policy mps "
+                             "its process maps its KV where this one's cache cannot make room; use phases")  # fmt: skip
         return self
 
     @property

@@ -14,6 +14,7 @@ from rollplex.graph.cost import (
     Cost,
     DevicePeaks,
     StepTokens,
+    plan_actor_update,
     plan_phase_costs,
     plan_prefix_backward,
     timer_of,
@@ -42,6 +43,7 @@ class PhaseTime:
 HOST_LINK_EFFICIENCY = 0.96  # the streamed optimizer's host traffic: 1.04x its ideal (`chunked_adamw_3b.json`)
 
 UPDATE_BESIDE = "actor_prefix_beside_update"  # an efficiency's key: the actor prefix measured with an update in it
+UPDATE_DEFERRED = "update_deferred"  # and the update's phase of a step whose update ran on past it
 UPDATE_BESIDE_SHARE = 0.57  # of the shorter's seconds alone that the actor prefix and a streamed update beside it
 # add to the longer's: they contend for the SMs (the update's kernels between the prefix's), the link's copies wait
 # on them (docs/results.md, "The time plan against measured runs": 7B runs with the update apart and beside)
@@ -68,13 +70,16 @@ def time_plan(
     each = [plan_phase_costs(plan, tokens) for tokens in steps]
     beside = overlapped_timers(plan.graph)
     found = efficiencies or {}
+    deferring = plan.decisions.update_beside_prefix and "actor_prefix" in each[0]
     rows = []
     for timer in each[0]:
         parts = _mean_parts(each, timer)
         bound = sum(p.bound_s(peaks) for p in parts)
         e = None if timer in beside else found.get(timer)
+        if timer == "update" and deferring:
+            e = found.get(UPDATE_DEFERRED, e)
         predicted = sum(_predicted_s(p, peaks, e) for p in parts) if e else None
-        if timer == "actor_prefix" and plan.decisions.update_beside_prefix and timer not in beside:
+        if timer == "actor_prefix" and deferring and timer not in beside:
             e, predicted = _prefix_beside_update_s(plan, steps, parts, peaks, found)
         rows.append(PhaseTime(timer, total(parts), bound, e, predicted))
     return tuple(rows)
@@ -89,18 +94,20 @@ def _prefix_beside_update_s(
     plan, steps: Sequence[StepTokens], parts: list[Cost], peaks: DevicePeaks, found: dict[str, float]
 ) -> tuple[float | None, float | None]:
     """(efficiency, predicted seconds) of the actor prefix with the step before's update running on into it: at an
-    efficiency measured so (UPDATE_BESIDE, of the two's device bound together); else the prefix and the update each
-    at its own efficiency as they cost alone, the longer whole and the shorter at UPDATE_BESIDE_SHARE of its
-    seconds. Unpredicted where the source prices neither way."""
+    efficiency measured so (UPDATE_BESIDE, of the two's device bound together); else the prefix and the actor's
+    update each at its own efficiency as it costs alone, the longer whole and the shorter at UPDATE_BESIDE_SHARE of
+    its seconds (the efficiency shown: the two's device bound over that, as a source measured so would give it).
+    Unpredicted where the source prices neither way."""
     if e := found.get(UPDATE_BESIDE):
         return e, sum(_predicted_s(p, peaks, e) for p in parts)
     prefix_e, update_e = found.get("actor_prefix"), found.get("update")
     if not (prefix_e and update_e):
-        return prefix_e, None
-    apart = [plan_phase_costs(plan, tokens, apart=True) for tokens in steps]
-    prefix = sum(_predicted_s(p, peaks, prefix_e) for p in _mean_parts(apart, "actor_prefix"))
-    update = sum(_predicted_s(p, peaks, update_e) for p in _mean_parts(apart, "update"))
-    return prefix_e, max(prefix, update) + UPDATE_BESIDE_SHARE * min(prefix, update)
+        return None, None
+    alone = [plan_phase_costs(plan, tokens, held=False, deferred=False) for tokens in steps]
+    prefix = sum(_predicted_s(p, peaks, prefix_e) for p in _mean_parts(alone, "actor_prefix"))
+    update = sum(_predicted_s(plan_actor_update(plan, tokens), peaks, update_e) for tokens in steps) / len(steps)
+    predicted = max(prefix, update) + UPDATE_BESIDE_SHARE * min(prefix, update)
+    return sum(Cost(p.flops, p.hbm_bytes).bound_s(peaks) for p in parts) / predicted, predicted
 
 
 def prefix_backward_plan(
@@ -137,6 +144,16 @@ def step_bound_s(plan, rows: tuple[PhaseTime, ...]) -> float:
         return alone
     together = total([r.cost for r in shared]).bound_s(peaks)
     return alone + max(together, *(r.bound_s for r in shared))
+
+
+def predicted_step_s(plan, rows: tuple[PhaseTime, ...]) -> float | None:
+    """The step's predicted seconds: its phases' summed, where every phase with work and seconds of its own (not
+    beside decode) is predicted; else None (a sum that leaves phases out is no step's)."""
+    beside = overlapped_timers(plan.graph)
+    timed = [r for r in rows if r.timer not in beside and (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes)]
+    if not timed or any(r.predicted_s is None for r in timed):
+        return None
+    return sum(r.predicted_s for r in timed)
 
 
 def _predicted_s(part: Cost, peaks: DevicePeaks, efficiency: float) -> float:

@@ -5,9 +5,11 @@ SOURCE is one of:
 - `PHASE=E[,PHASE=E...]`: set by hand, each E in (0, 1], phases by their timer names (`TIMERS`),
   `prefix_backward` (the backward through the prefix, within `actor_suffix_backward`) or
   `actor_prefix_beside_update` (the actor prefix with the step before's update running on into it; without it a
-  plan that runs them so prices each at its own efficiency, `graph.timeplan`);
+  plan that runs them so prices each at its own efficiency, `graph.timeplan`) or `update_deferred` (the update's
+  phase of a step whose update ran on into the next prefix: the wait for the gradient norm);
 - a `rollplex run`'s `metrics.jsonl`: per phase, the median over its steps of `device_bound_s` / `time_s`, the
-  first step left out when there are more (it compiles and plans; `run_efficiencies`);
+  first step left out when there are more (it compiles and plans; `run_efficiencies`), the steps that ran the
+  update beside the actor prefix under the two keys above;
 - a `rollplex bench` result (JSON): its `device_efficiency` for the plan's schedule, serial's for a phase it has
   none for (rollplex runs its prefixes beside decode; a prefix decode reads runs alone, as in serial), and its
   `prefix_backward_efficiency` likewise.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from rollplex.errors import SpecError
 from rollplex.graph.cost import TIMERS
-from rollplex.graph.timeplan import PREFIX_BACKWARD, UPDATE_BESIDE
+from rollplex.graph.timeplan import PREFIX_BACKWARD, UPDATE_BESIDE, UPDATE_DEFERRED
 
 
 def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
@@ -42,8 +44,8 @@ def read_efficiencies(source: str, schedule: str) -> dict[str, float]:
     else:
         found = _of_bench(path, schedule)
     for phase, e in found.items():
-        if phase not in (*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE):
-            names = ", ".join((*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE))
+        if phase not in (*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE, UPDATE_DEFERRED):
+            names = ", ".join((*TIMERS, PREFIX_BACKWARD, UPDATE_BESIDE, UPDATE_DEFERRED))
             raise SpecError("", f"--efficiency {source}: no phase {phase!r}", f"name one of {names}")
         if not (math.isfinite(e) and 0 < e <= 1):
             raise SpecError("", f"--efficiency {source}: {phase} {e:g} is not in (0, 1]")
@@ -64,7 +66,7 @@ def _by_hand(source: str) -> dict[str, float]:
 def _of_run(path: Path) -> dict[str, float]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        found = run_efficiencies(records, device=True, beside_apart=True)
+        found = run_efficiencies(records, device=True, split_beside=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SpecError("", f"--efficiency {path}: not a run's metrics with bounds ({e})") from None
     if not found:
@@ -77,13 +79,14 @@ def _warm(records: list[dict]) -> list[dict]:
     return records[1:] if len(records) > 1 else records
 
 
-def run_efficiencies(records: list[dict], device: bool = False, beside_apart: bool = False) -> dict[str, float]:
+def run_efficiencies(records: list[dict], device: bool = False, split_beside: bool = False) -> dict[str, float]:
     """Per phase of a run's metrics records, the median over its warm steps of `bound_s` (`device`: of
     `device_bound_s`, where a record has it: a run resumed across its introduction has both kinds) over `time_s`; a
     phase run beside another (no seconds of its own) or with no bound is left out. With them, `prefix_backward`
-    where the steps timed it apart. `beside_apart`: a step whose actor prefix ran with the step before's update in it
-    (`update_beside_prefix` in its record) gives that prefix's efficiency as UPDATE_BESIDE and none of the update (its
-    step waited for the gradient norm only), so a plan that runs the two apart is not priced at it."""
+    where the steps timed it apart. `split_beside`: a step whose actor prefix ran with the step before's update in it
+    (`update_beside_prefix` in its record) gives that prefix's efficiency as UPDATE_BESIDE, and one whose own update
+    ran on past it (`update_deferred`) its update's as UPDATE_DEFERRED, so that a plan that runs the two apart is
+    not priced at them (records older than those keys count as apart)."""
     ratios: dict[str, list[float]] = {}
     for record in _warm(records):
         bounds = record.get("device_bound_s", record["bound_s"]) if device else record["bound_s"]
@@ -91,9 +94,11 @@ def run_efficiencies(records: list[dict], device: bool = False, beside_apart: bo
         if record.get("prefix_backward_bound_s"):
             bounds = {**bounds, PREFIX_BACKWARD: record["prefix_backward_bound_s"]}
             times = {**times, PREFIX_BACKWARD: record["prefix_backward_s"]}
-        if beside_apart and record.get("update_beside_prefix"):
-            bounds = {UPDATE_BESIDE if k == "actor_prefix" else k: v for k, v in bounds.items() if k != "update"}
-            times = {UPDATE_BESIDE if k == "actor_prefix" else k: v for k, v in times.items()}
+        if split_beside:
+            keys = {"actor_prefix": UPDATE_BESIDE if record.get("update_beside_prefix") else "actor_prefix",
+                    "update": UPDATE_DEFERRED if record.get("update_deferred") else "update"}  # fmt: skip
+            bounds = {keys.get(k, k): v for k, v in bounds.items()}
+            times = {keys.get(k, k): v for k, v in times.items()}
         for phase, bound in bounds.items():
             seconds = times.get(phase, 0.0)
             if bound > 0 and seconds > 0:

@@ -14,6 +14,7 @@ from rollplex.graph.spec_files import missing_files
 from rollplex.graph.timeplan import (
     PREFIX_BACKWARD,
     overlapped_timers,
+    predicted_step_s,
     prefix_backward_plan,
     step_bound_s,
     time_plan,
@@ -211,18 +212,16 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     """Each phase's work for the planned step, its bound on the spec's GPU, and (given efficiencies) the
     predicted seconds; then what each residency choice costs on the host link."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
-    rows, predicted, times = [], 0.0, time_plan(plan, efficiencies)
+    rows, times = [], time_plan(plan, efficiencies)
     prefix_backward = prefix_backward_plan(plan, efficiency=(efficiencies or {}).get(PREFIX_BACKWARD))
     for r in times:
         if not (r.cost.flops or r.cost.hbm_bytes or r.cost.host_bytes):
             continue
         rows += _time_row(r)
-        predicted += r.predicted_s or 0.0
         if r.timer == "actor_suffix_backward" and prefix_backward is not None:
             rows += _time_row(prefix_backward, "  of it, through the prefix")
-    bound = step_bound_s(plan, times)
-    priced = any(r.predicted_s is not None for r in times)  # a source may price only the prefix's backward
-    rows.append(["step", "", "", "", f"{bound:.3f}", "", f"{predicted:.2f}" if priced else "-"])
+    bound, predicted = step_bound_s(plan, times), predicted_step_s(plan, times)
+    rows.append(["step", "", "", "", f"{bound:.3f}", "", "-" if predicted is None else f"{predicted:.2f}"])
     heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
     title = (
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
@@ -235,7 +234,7 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
     for f in faster_residencies(plan, efficiencies):
         out += f"\nalso fits, and faster by the bound: {f.lever.text} (step bound {f.bound_s:.2f} s against {bound:.2f}"
-        if f.predicted_s is not None:
+        if f.predicted_s is not None and predicted is not None:
             out += f"; predicted {f.predicted_s:.2f} s against {predicted:.2f}"
         out += ")"
     return out

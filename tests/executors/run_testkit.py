@@ -98,7 +98,7 @@ def train_fresh(plan, opts: RunOptions) -> list[dict]:
     """`train`, its compiled chains as a process of its own compiles them: Inductor compiles a chain for the shapes
     it first meets and again for any length once a length changes, and the two kernels may sum in another order;
     so two runs compared bitwise in one process (on a GPU) each start from no compiled chain."""
-    if plan.loaded.spec.run.device == "cuda":
+    if plan.loaded.spec.run.device != "cpu" and torch.cuda.is_available():
         torch._dynamo.reset()
     return train(plan, opts)
 

@@ -101,3 +101,10 @@ def test_the_cache_is_emptied_at_each_phase_unless_the_spec_keeps_it_until_a_map
     assert not build_engines(compile_plan(kept)).empty_cache_at_phases
     with pytest.raises(SpecError, match="empty_cache"):
         parse_spec(text + "memory: {empty_cache: never}\n")
+
+
+def test_the_cache_kept_until_a_mapping_needs_the_rollout_in_this_process():
+    text = spec_text(kl=0.1, device="cpu") + "sharing: {policy: mps}\n"
+    parse_spec(text)
+    with pytest.raises(SpecError, match="empty_cache mappings needs the rollout in this process"):
+        parse_spec(text + "memory: {empty_cache: mappings}\n")

@@ -199,7 +199,8 @@ def test_a_deferred_update_trains_and_logs_as_a_joined_one(tmp_path, monkeypatch
     ]
     # what a time plan's efficiency reads: whose actor prefix held the step before's update
     assert [x["update_beside_prefix"] for x in lines] == [False, True, True]
-    assert not any(r["update_beside_prefix"] for r in joined)
+    assert [x["update_deferred"] for x in lines] == [True, True, True]
+    assert not any(r["update_beside_prefix"] or r["update_deferred"] for r in joined)
 
 
 def test_the_rest_of_a_deferred_update_after_the_actor_prefix_counts_as_the_updates_time(tmp_path, monkeypatch):

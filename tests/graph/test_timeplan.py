@@ -151,30 +151,47 @@ def test_the_backward_through_the_prefix_is_shown_within_the_actors_phase_and_ab
     assert lines[at + 1].startswith("  of it, through the prefix") and f"{part.bound_s:.3f}" in lines[at + 1]
 
 
-def test_a_prefix_with_the_updates_rest_in_it_is_priced_from_the_two_apart_sharing_the_device():
-    """The 7B spec runs its streamed update on into the next actor prefix. From efficiencies of the two measured
-    apart, the prefix's seconds are the longer's plus a share of the shorter's, each priced as it costs alone (its
-    device bound at its efficiency, its link bytes at the link's); from an efficiency measured beside
-    (UPDATE_BESIDE), the two's bound over it; from neither, none."""
-    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
-    plan = compile_plan(parse_spec(text + "sharing:\n  update_beside_prefix: true\n"))
+@pytest.mark.parametrize("name", ["qwen2_5_vl_7b_h200", "ppo_critic_7b_h200"])
+def test_a_prefix_with_the_updates_rest_in_it_is_priced_from_the_two_apart_sharing_the_device(name):
+    """The 7B specs run the actor's streamed update on into the next actor prefix. From efficiencies of the two
+    measured apart, the prefix's seconds are the longer's plus a share of the shorter's, each priced as it costs
+    alone (its device bound at its efficiency, its link bytes at the link's); a critic's update (PPO) stays in the
+    update's phase. From an efficiency measured beside (UPDATE_BESIDE), the two's bound over it; from neither,
+    none; the update's phase at UPDATE_DEFERRED where a source gives it."""
+    plan = compile_plan(load_spec(SPECS / f"{name}.yaml"))
     assert plan.decisions.update_beside_prefix
     peaks = cost.KNOWN_PEAKS["H200"]
-    step = timeplan.planned_steps(plan)[:1]
-    alone = cost.plan_phase_costs(plan, step[0], apart=True)
+    steps = timeplan.planned_steps(plan)[:2]
+    alone = [cost.plan_phase_costs(plan, t, held=False, deferred=False) for t in steps]
+    update = cost.plan_actor_update(plan, steps[0])
+    assert update == cost.plan_actor_update(plan, steps[1]) and update.host_bytes > 0  # the state streams
 
     def at(c: cost.Cost, e: float) -> float:
         link = c.host_bytes / peaks.host_bytes_s / timeplan.HOST_LINK_EFFICIENCY
         return max(cost.Cost(c.flops, c.hbm_bytes).bound_s(peaks) / e, link)
 
-    p, u = at(cost.total(alone["actor_prefix"]), 0.6), at(cost.total(alone["update"]), 0.8)
-    assert min(p, u) > 0.3 * max(p, u) and alone["update"][0].host_bytes > 0  # both count; the state streams
+    p = at(cost.total([cost.total(a["actor_prefix"]) for a in alone]).scaled(0.5), 0.6)
+    u = at(update, 0.8)
+    assert min(p, u) > 0.05 * max(p, u)  # both count
     found = {"actor_prefix": 0.6, "update": 0.8}
-    together = {r.timer: r for r in timeplan.time_plan(plan, found, step)}
-    assert together["actor_prefix"].predicted_s == pytest.approx(max(p, u) + timeplan.UPDATE_BESIDE_SHARE * min(p, u))
-    assert together["update"].cost.host_bytes == 0  # its own phase: the wait for the gradient norm
-    measured = {r.timer: r for r in timeplan.time_plan(plan, {timeplan.UPDATE_BESIDE: 0.5}, step)}["actor_prefix"]
-    assert measured.predicted_s == pytest.approx(at(measured.cost, 0.5)) and measured.efficiency == 0.5
-    assert measured.cost.host_bytes == alone["update"][0].host_bytes + cost.total(alone["actor_prefix"]).host_bytes
-    prefix_only = {r.timer: r for r in timeplan.time_plan(plan, {"actor_prefix": 0.6}, step)}["actor_prefix"]
-    assert prefix_only.predicted_s is None and prefix_only.efficiency == 0.6
+    together = {r.timer: r for r in timeplan.time_plan(plan, found, steps)}
+    prefix = together["actor_prefix"]
+    assert prefix.predicted_s == pytest.approx(max(p, u) + timeplan.UPDATE_BESIDE_SHARE * min(p, u))
+    device = cost.Cost(prefix.cost.flops, prefix.cost.hbm_bytes).bound_s(peaks)
+    assert prefix.efficiency == pytest.approx(device / prefix.predicted_s)  # as a run of it would record
+    critic = [cost.total(a["update"]) for a in alone]  # the critic's update where PPO has one, and the actor's
+    own = cost.total([cost.total(a["update"]) for a in alone]).scaled(0.5)
+    assert together["update"].cost.host_bytes == pytest.approx(own.host_bytes - update.host_bytes)
+    assert (together["update"].cost.host_bytes > 0) is (name.startswith("ppo")) and len(critic) == 2
+    measured = {r.timer: r for r in timeplan.time_plan(plan, {timeplan.UPDATE_BESIDE: 0.5}, steps)}
+    assert measured["actor_prefix"].predicted_s == pytest.approx(at(measured["actor_prefix"].cost, 0.5))
+    assert measured["actor_prefix"].cost.host_bytes == pytest.approx(
+        update.host_bytes + cost.total([cost.total(a["actor_prefix"]) for a in alone]).scaled(0.5).host_bytes
+    )
+    assert measured["update"].predicted_s is None
+    prefix_only = {r.timer: r for r in timeplan.time_plan(plan, {"actor_prefix": 0.6}, steps)}["actor_prefix"]
+    assert prefix_only.predicted_s is None and prefix_only.efficiency is None
+    waited = {r.timer: r for r in timeplan.time_plan(plan, {**found, timeplan.UPDATE_DEFERRED: 0.25}, steps)}
+    steady = [cost.plan_phase_costs(plan, t)["update"] for t in steps]  # the gradient norm, then a critic's update
+    parts = [cost.total([each[k] for each in steady]).scaled(0.5) for k in range(len(steady[0]))]
+    assert waited["update"].predicted_s == pytest.approx(sum(at(part, 0.25) for part in parts))

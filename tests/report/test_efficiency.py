@@ -176,18 +176,34 @@ def test_the_backward_through_the_prefix_is_predicted_at_its_own_efficiency_from
     assert step.split()[-1] == "-"  # no phase priced: no step prediction
 
 
-def test_a_runs_prefix_that_held_the_updates_rest_gives_its_own_efficiency_and_none_of_the_update(tmp_path):
-    """A plan that runs the update apart is not priced at a prefix slowed by it, nor at the wait for the gradient
-    norm that was its update's whole phase; by hand the key is accepted like a timer's."""
-    from rollplex.graph.timeplan import UPDATE_BESIDE
+def test_a_runs_steps_give_the_prefix_and_update_efficiencies_by_where_the_update_ran(tmp_path):
+    """A prefix that held the step before's update, and an update phase that only waited for the gradient norm,
+    give keys of their own, so a plan that runs the two apart is priced at neither; a step with a clean prefix (the
+    first after a checkpoint joined the update) or a joined update gives the plain ones. By hand the keys are
+    accepted like a timer's."""
+    from rollplex.graph.timeplan import UPDATE_BESIDE, UPDATE_DEFERRED
 
-    bounds = {"actor_prefix": 1.5, "update": 0.01, "rollout": 4.0}
-    seconds = {"actor_prefix": 2.5, "update": 0.04, "rollout": 8.0}
-    records = [{"step": i, "time_s": seconds, "bound_s": bounds, "update_beside_prefix": i > 1} for i in (1, 2, 3)]
+    def step(i, held, deferred, prefix_s, update_s):
+        bounds = {"actor_prefix": 1.5 if held else 1.0, "update": 0.01 if deferred else 1.0, "rollout": 4.0}
+        times = {"actor_prefix": prefix_s, "update": update_s, "rollout": 8.0}
+        return {
+            "step": i,
+            "time_s": times,
+            "bound_s": bounds,
+            "update_beside_prefix": held,
+            "update_deferred": deferred,
+        }
+
+    records = [step(1, False, True, 9.0, 9.0), step(2, True, True, 2.5, 0.04), step(3, True, False, 3.0, 2.0),
+               step(4, False, True, 2.0, 0.05), step(5, True, True, 2.5, 0.04)]  # fmt: skip
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert read_efficiencies(str(path), "rollplex") == pytest.approx({UPDATE_BESIDE: 0.6, "rollout": 0.5})
-    path.write_text("".join(json.dumps({**r, "update_beside_prefix": False}) + "\n" for r in records))
-    assert read_efficiencies(str(path), "rollplex") == pytest.approx({"actor_prefix": 0.6, "update": 0.25,
-                                                                      "rollout": 0.5})  # fmt: skip
-    assert read_efficiencies(f"{UPDATE_BESIDE}=0.5", "rollplex") == {UPDATE_BESIDE: 0.5}
+    found = read_efficiencies(str(path), "rollplex")  # step 1 (cold) left out
+    assert found == pytest.approx({UPDATE_BESIDE: 0.6, "actor_prefix": 0.5, UPDATE_DEFERRED: 0.25, "update": 0.5,
+                                   "rollout": 0.5})  # fmt: skip
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("update_")}) + "\n"
+                            for r in records))  # fmt: skip
+    older = read_efficiencies(str(path), "rollplex")  # before the keys: every step counts as apart
+    assert set(older) == {"actor_prefix", "update", "rollout"}
+    assert read_efficiencies(f"{UPDATE_BESIDE}=0.5,{UPDATE_DEFERRED}=0.2", "rollplex") == {
+        UPDATE_BESIDE: 0.5, UPDATE_DEFERRED: 0.2}  # fmt: skip
