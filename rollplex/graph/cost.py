@@ -132,7 +132,7 @@ def phase_costs(
 
 def actor_update(ops_: Sequence[Op], model: ModelConfig, gpu: PerGpu, d: Decisions, tokens: StepTokens) -> Cost:
     """The actor's update of one step, whole (a critic's is not in it)."""
-    parts = [op_parts(o, model, gpu, d, tokens, False, False, False, None) for o in ops_ if _is_actor_update(o)]
+    parts = [op_parts(o, model, gpu, d, tokens, split=False) for o in ops_ if _is_actor_update(o)]
     return total([p for each in parts for p in each])
 
 
