@@ -21,6 +21,7 @@ KEYS = {
     "nocudnn": ("run", "cudnn_attention", False),
     "hbm": ("memory", "prefix_saved", "hbm"),
     "norecompute": ("memory", "recompute", "none"),
+    "selective": ("memory", "recompute", "selective"),
     "keepcache": ("memory", "empty_cache", "mappings"),
 }
 

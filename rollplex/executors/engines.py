@@ -29,7 +29,7 @@ from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, decode_kernels_for, make_prefix_streams, make_remote_rollout
 from rollplex.executors.ppo import PpoConfig
-from rollplex.graph.decisions import Decisions, PrefixActivations, SharingPolicy
+from rollplex.graph.decisions import Decisions, PrefixActivations, Recompute, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.memobject import Residency
@@ -350,18 +350,22 @@ def make_prefix_rerun(d: Decisions, device: torch.device) -> Rerun | None:
 
 
 def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
-    """The plan's `recompute_microbatch`: the training microbatch's forward checkpoints every decoder layer and
-    vision block (inputs kept, backward reruns them), as the plan counts it; otherwise every activation stays."""
-    from rollplex.memory.offload import recompute
+    """The plan's `recompute` of the training microbatch, as the plan counts it: `FULL` checkpoints every decoder
+    layer and vision block (inputs kept, backward reruns them); `SELECTIVE` each decoder layer's two halves around
+    its attention (`DecoderLayer.before_attention`, `after_attention`: the attention's own saved tensors kept, it
+    does not run twice) and every vision block whole; `NONE` keeps every activation."""
+    from rollplex.memory.offload import recompute_methods
 
-    if not d.recompute_microbatch:
+    if d.recompute is Recompute.NONE:
         return nullcontext
-    layers = recomputed_modules(actor)
-    return lambda: recompute(layers)
+    layers = actor.model.language_model.layers
+    halves = ("forward",) if d.recompute is Recompute.FULL else ("before_attention", "after_attention")
+    units = [(b, "forward") for b in actor.model.visual.blocks] + [(x, h) for x in layers for h in halves]
+    return lambda: recompute_methods(units)
 
 
 def recomputed_modules(actor: Qwen2_5_VL) -> list:
-    """What recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
+    """What full recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
     return [*actor.model.visual.blocks, *actor.model.language_model.layers]
 
 

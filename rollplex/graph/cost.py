@@ -5,7 +5,7 @@ an op (rollout's prefill and its decode are two parts, one after the other), sum
 of `time_s`: `rollout`, `ref_prefix`, ...). The counts follow the model config, the step's token counts
 (`StepTokens`: each prompt's tokens and patches, each response's length) and the plan's choices (recompute,
 where the prefix's saved tensors and the optimizer state live). Conventions: a matmul pass
-costs 2 x parameters x tokens, its backward twice that, a recompute one forward more; attention 4 x width x
+costs 2 x parameters x tokens, its backward twice that, a recompute what it reruns of the forward; attention 4 x width x
 queries x keys per layer, half of it when causal; decode reads every weight (but an untied input embedding's
 table, whose rows it gathers) and every live KV once per step. Per GPU: training counts divide by the train TP
 degree, rollout's by the rollout TP degree. Pure: no torch.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from rollplex.graph.decisions import Decisions, PrefixActivations
+from rollplex.graph.decisions import Decisions, PrefixActivations, Recompute
 from rollplex.graph.ir import (
     NodeKind,
     Op,
@@ -336,36 +336,55 @@ def prefix_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, 
 
 
 def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int, value: bool = False) -> Cost:
-    """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself, the LM head (a
-    `value` model's scalar head)."""
+    """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself
+    (`suffix_attention_flops`), the LM head (a `value` model's scalar head)."""
+    flops = suffix_attention_flops(t, tokens, tp)
+    for lens in tokens.response_lens:
+        flops += _llm_flops(t, sum(lens), tp) + _head_flops(t, sum(lens), tp, value)
+    return Cost(flops=flops)
+
+
+def suffix_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
+    """The suffix's attention: each response's tokens to its prompt's and to their own earlier ones."""
     flops = 0.0
     for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
         tokens_, squares = sum(lens), sum(r * r for r in lens)  # each term is linear in r, or in r * r
-        flops += _llm_flops(t, tokens_, tp) + _head_flops(t, tokens_, tp, value)
         flops += _attention_flops(t, tokens_, length, tp, causal=False) + _attention_flops(t, squares, 1, tp, True)
-    return Cost(flops=flops)
+    return flops
 
 
 def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, value: bool = False) -> Cost:
-    """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time."""
-    flops = 0.0
+    """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time;
+    the decoder's attention `whole_attention_flops`."""
+    flops = whole_attention_flops(t, tokens, tp)
     for length, patches, frames, lens in zip(
         tokens.prompt_tokens, tokens.patches, tokens.frames, tokens.response_lens, strict=True
     ):
-        n, tokens_, squares = len(lens), sum(lens), sum(r * r for r in lens)  # as in suffix_forward
+        n, tokens_ = len(lens), sum(lens)
         flops += n * vision_forward(v, patches, frames, 1) + _llm_flops(t, n * length + tokens_, tp)
-        whole_squares = n * length * length + 2 * length * tokens_ + squares  # (length + r)^2 summed over r
-        flops += _attention_flops(t, whole_squares, 1, tp, causal=True) + _head_flops(t, tokens_, tp, value)
+        flops += _head_flops(t, tokens_, tp, value)
     return Cost(flops=flops)
+
+
+def whole_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
+    """The decoder's causal attention of every response over prompt ++ response."""
+    flops = 0.0
+    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
+        n, tokens_, squares = len(lens), sum(lens), sum(r * r for r in lens)
+        whole_squares = n * length * length + 2 * length * tokens_ + squares  # (length + r)^2 summed over r
+        flops += _attention_flops(t, whole_squares, 1, tp, causal=True)
+    return flops
 
 
 def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions,
              sp: bool = False, value: bool = False) -> Cost:  # fmt: skip
-    """A trained role's scoring forward, its backward (twice the forward), a recomputed forward where the plan
-    recomputes; split, also `prefix_backward`. `value`: a value model's (PPO's critic: a scalar head, its prefix
-    tensors kept in HBM)."""
+    """A trained role's scoring forward, its backward (twice the forward) and what backward reruns of it
+    (`d.recompute`: all of it, all but the decoder's attention, or nothing); split, also `prefix_backward`.
+    `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept in HBM)."""
     scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
-    cost = scoring.scaled(4 if d.recompute_microbatch else 3)
+    kept = (suffix_attention_flops if split else whole_attention_flops)(t, tokens, tp)
+    rerun = {Recompute.NONE: 0.0, Recompute.SELECTIVE: scoring.flops - kept, Recompute.FULL: scoring.flops}
+    cost = scoring.scaled(3) + Cost(flops=rerun[d.recompute])
     return cost + prefix_backward(t, v, tokens, tp, d, sp, value) if split else cost
 
 

@@ -2,7 +2,7 @@
 
 `decide` lowers the residency plan and the spec's settings into typed decisions: where the reference's
 weights and the actor prefix's saved tensors wait between their steps, how the prefix gives its activations
-back, whether the training microbatch recomputes, the pinned pool's size, the streamed optimizer's chunk, the
+back, what the training microbatch reruns in its backward, the pinned pool's size, the streamed optimizer's chunk, the
 rollout KV arena's capacity, whether rollout reads the actor's own weights, and how prefix work shares the GPU
 with decode. `as_dict` / `from_dict` carry them through `plan.json`. Pure: no torch, no I/O.
 """
@@ -25,6 +25,18 @@ NO_UPDATE_CHUNK = 64 << 20  # the optimizer's chunk when the plan has no update 
 class PrefixActivations(Enum):
     OFFLOAD = "offload"  # every saved tensor of the attached prefix goes where `prefix_saved` says
     RECOMPUTE = "recompute"  # each vision block and decoder layer keeps its input; backward reruns it
+
+
+class Recompute(Enum):
+    """What the training microbatch's forward keeps for its backward (`memory.recompute`)."""
+
+    NONE = "none"  # every tensor autograd saves
+    SELECTIVE = "selective"  # each decoder layer's input and what its attention saves; backward reruns the rest
+    FULL = "full"  # each decoder layer's and vision block's input; backward reruns the whole unit
+
+    @property
+    def reruns(self) -> bool:
+        return self is not Recompute.NONE
 
 
 class SharingPolicy(Enum):
@@ -59,7 +71,7 @@ class Decisions:
     prefix_saved: Residency  # HBM: kept where autograd put them; HOST: offloaded to the pinned pool
     optimizer_state: Residency  # HBM: the FP32 state updated in place; HOST: streamed from the pinned pool
     prefix_activations: PrefixActivations
-    recompute_microbatch: bool  # the training microbatch checkpoints every decoder layer and vision block
+    recompute: Recompute  # what the training microbatch keeps for its backward, and what it reruns
     host_pool_bytes: int  # this process's pinned pool for the prefix's saved tensors (its GPU's share of the
     # node's `memory.host_pool_gib`, else what the plan puts there; 0 when they stay in HBM)
     optimizer_chunk_bytes: int  # FP32 state (master + moments) per streamed chunk
@@ -92,6 +104,7 @@ class Decisions:
                 "prefix_saved": Residency(d["prefix_saved"]),
                 "optimizer_state": Residency(d["optimizer_state"]),
                 "prefix_activations": PrefixActivations(d["prefix_activations"]),
+                "recompute": Recompute(d["recompute"]),
                 "sharing": sharing,
             }
         )
@@ -113,7 +126,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         prefix_saved=Residency.HOST if offloaded else Residency.HBM,
         optimizer_state=Residency.HOST if any(o.host_bytes for o in state) else Residency.HBM,
         prefix_activations=PrefixActivations(spec.memory.prefix_activations),
-        recompute_microbatch=spec.memory.recompute == "full",
+        recompute=Recompute(spec.memory.recompute),
         host_pool_bytes=max(MIN_HOST_POOL, pool_bytes) if offloaded else 0,
         optimizer_chunk_bytes=r.optimizer.chunk_bytes if r.optimizer is not None else NO_UPDATE_CHUNK,
         rollout_kv_bytes=rollout_kv_bytes(c),

@@ -150,10 +150,12 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
     sp = c.gpu.sequence_parallel
     layer = S.layer_activation_bytes_per_token(t, tp, sp)
     out = S.output_activation_bytes_per_token(t, tp, sp, value=role is Role.CRITIC)
-    if c.spec.memory.recompute == "full":
-        per_token = t.num_hidden_layers * S.layer_input_bytes_per_token(t, tp, sp) + out + layer
-    else:
-        per_token = t.num_hidden_layers * layer + out
+    kept = {  # per layer: what the layer keeps (rerunning, it holds one layer's activations more while it does)
+        "none": layer,
+        "selective": S.layer_input_bytes_per_token(t, tp, sp) + S.attention_saved_bytes_per_token(t, tp, not split),
+        "full": S.layer_input_bytes_per_token(t, tp, sp),
+    }[c.spec.memory.recompute]
+    per_token = t.num_hidden_layers * kept + out + (0 if c.spec.memory.recompute == "none" else layer)
     head = 0 if role is Role.CRITIC else S.head_chunk_bytes(t, tp, tokens)
     # the steps that score and backpropagate (not a mini-batch's update or prefix rerun between them)
     live = (
@@ -178,21 +180,23 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
 
 def _unsplit_vision_activations(c: Context) -> int:
     """Unsplit, a group's microbatch runs the vision tower once for each of its sequences (`hidden` over prompt ++
-    response) and keeps its saved tensors: every block's (or under recompute each block's input, and one block's
-    whole while backward reruns it) for each patch. None for a frozen tower: nothing in it needs a gradient."""
+    response) and keeps its saved tensors: every block's (or under recompute, selective or full, each block's
+    input, and one block's whole while backward reruns it) for each patch. None for a frozen tower: nothing in it
+    needs a gradient."""
     if c.spec.model.freeze_vision:
         return 0
     v = c.model.vision
     full = S.vision_activation_bytes_per_patch(v, c.gpu.train_tp)
-    per_patch = v.depth * v.hidden_size * S.BF16 + full if c.spec.memory.recompute == "full" else v.depth * full
+    per_patch = v.depth * v.hidden_size * S.BF16 + full if c.spec.memory.recompute != "none" else v.depth * full
     return c.gpu.group_size * c.gpu.patches_per_prompt * per_patch
 
 
 def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject:
     """The scoring attention's keys and values (`PackedPrefixAttention`): per decoder layer, the prompts' boundary
     KV copied end to end beside the packed tokens' own, kv_bytes_per_token / layers for each of the rank's prompt
-    tokens and a microbatch's response tokens. Saved for backward in every layer; under recompute the layer is
-    checkpointed, and one layer's copy and, in backward, its gradient are alive at a time."""
+    tokens and a microbatch's response tokens. Saved for backward in every layer (under selective recompute too:
+    the attention keeps what it saves); under full recompute the layer is checkpointed, and one layer's copy and,
+    in backward, its gradient are alive at a time."""
     t, g = c.model.text, c.gpu
     keys = g.prompts_per_rank * g.prompt_tokens + g.microbatch_tokens
     per_layer = keys * S.kv_bytes_per_token(t, g.train_tp) // t.num_hidden_layers

@@ -47,15 +47,15 @@ class Plan:
         return self.context.sharing
 
 
-# Each recompute setting: the value that keeps what autograd saves, and the one that reruns to save the memory.
-RECOMPUTE_SETTINGS = {"prefix_activations": ("offload", "recompute"), "recompute": ("none", "full")}
+# Each recompute setting's values, from the one that keeps everything autograd saves to the one that reruns most.
+RECOMPUTE_SETTINGS = {"prefix_activations": ("offload", "recompute"), "recompute": ("none", "selective", "full")}
 
 
 def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check: bool = False) -> Plan:
     schedule = schedule or Schedule(loaded.spec.schedule)
-    for key, (keeps, reruns) in RECOMPUTE_SETTINGS.items():
+    for key, values in RECOMPUTE_SETTINGS.items():
         if getattr(loaded.spec.memory, key) == "auto":
-            return _keeps_where_it_fits(loaded, schedule, check, key, keeps, reruns)
+            return _keeps_where_it_fits(loaded, schedule, check, key, values)
     plan = _compiled(loaded, schedule, check)
     d = plan.decisions
     if (
@@ -79,19 +79,21 @@ def compile_plan(loaded: LoadedSpec, schedule: Schedule | None = None, *, check:
     return plan
 
 
-def _keeps_where_it_fits(loaded: LoadedSpec, schedule: Schedule, check: bool, key: str, keeps: str, reruns: str):
-    """`memory.<key>: auto`: the plan that keeps what autograd saves where it fits, unless the plan that reruns
-    fits too and beats it (`_beats`; each compiled whole, its other `auto` settings settled too); else the one that
-    reruns, whether or not it fits (its error then names the levers left)."""
-    kept, rerun = (
-        compile_plan(with_changes(loaded, {"memory": {key: v}}), schedule, check=check) for v in (keeps, reruns)
-    )
-    if not kept.residency.fits:
-        return rerun
-    if rerun.residency.fits and (why := _beats(rerun, kept)):
-        why = f"memory.{key} auto: {reruns} ({why} with {keeps})"
-        return replace(rerun, chosen="\n".join(x for x in (rerun.chosen, why) if x))
-    return kept
+def _keeps_where_it_fits(loaded: LoadedSpec, schedule: Schedule, check: bool, key: str, values: tuple[str, ...]):
+    """`memory.<key>: auto`: the plan of each of `values` (`RECOMPUTE_SETTINGS`' order), each compiled whole, its
+    other `auto` settings settled too. Of those that fit, the one that keeps the most, unless one that reruns more
+    beats it (`_beats`), and so on down the list; where none fits, the one that reruns the most (its error then
+    names the levers left)."""
+    plans = [compile_plan(with_changes(loaded, {"memory": {key: v}}), schedule, check=check) for v in values]
+    fitting = [(v, p) for v, p in zip(values, plans, strict=True) if p.residency.fits]
+    if not fitting:
+        return plans[-1]
+    (kept, best), why = fitting[0], ""
+    for value, plan in fitting[1:]:
+        if beaten := _beats(plan, best):
+            why = f"memory.{key} auto: {value} ({beaten} with {kept})"
+            kept, best = value, plan
+    return replace(best, chosen="\n".join(x for x in (best.chosen, why) if x)) if why else best
 
 
 def _if_faster(plan: Plan, changes: dict, check: bool, chose: str, otherwise: str) -> Plan:

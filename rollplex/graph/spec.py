@@ -174,11 +174,14 @@ class MemorySpec(Strict):
     rollout_kv_gib: PositiveFloat | None = Field(
         None, description="Rollout KV-cache budget per GPU, GiB; null sizes it to the workload."
     )
-    recompute: Literal["auto", "none", "full"] = Field(
+    recompute: Literal["auto", "none", "selective", "full"] = Field(
         "auto",
         description="Activation recompute for the training microbatch: none (every tensor autograd saves waits for "
-        "the backward), full (each decoder layer and vision block keeps its input; backward reruns it), or auto: "
-        "none where the plan fits with it at a step bound no higher than full's, else full.",
+        "the backward), selective (each decoder layer keeps its input and what its attention saves: its queries, "
+        "keys, values, output and log-sum-exp; backward reruns the layer's projections, norms and MLP, not its "
+        "attention; a vision block, which only unsplit scoring runs, reruns whole), full (each decoder layer and "
+        "vision block keeps its input; backward reruns it), or auto: of those the plan fits with, the one that "
+        "keeps the most unless one that keeps less has a lower step bound.",
     )
     microbatch_tokens: PositiveInt | None = Field(
         None,

@@ -188,6 +188,15 @@ def prefix_saved_bytes_per_token(t: TextConfig, tp: int, sp: bool = False, recom
     return t.num_hidden_layers * per_layer + layer_input_bytes_per_token(t, tp, sp)
 
 
+def attention_saved_bytes_per_token(t: TextConfig, tp: int, keys: bool) -> int:
+    """What one decoder layer's attention (flash, cuDNN or FlexAttention) saves for its backward per query token
+    on one rank: this rank's heads of q and of the output, and their log-sum-exp in FP32; with `keys`, also the
+    token's k and v (the split suffix's are among the keys it attends, counted with the prompts')."""
+    heads = t.num_attention_heads // tp
+    kv = 2 * kv_heads_per_rank(t, tp) * t.head_dim * BF16 if keys else 0
+    return 2 * heads * t.head_dim * BF16 + heads * FP32 + kv
+
+
 def layer_input_bytes_per_token(t: TextConfig, tp: int, sp: bool = False) -> int:
     """What full recompute keeps per layer: the layer's input, the whole hidden state on every rank (split over
     the TP ranks under sequence parallelism)."""

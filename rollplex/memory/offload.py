@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -221,8 +221,7 @@ def _copy_out(stream: torch.cuda.Stream | None, host: torch.Tensor, tensor: torc
     return (copy_on(stream, host, tensor, after=(made,)),)
 
 
-@contextmanager
-def recompute(modules: Iterable[torch.nn.Module]) -> Iterator[int]:
+def recompute(modules: Iterable[torch.nn.Module]) -> AbstractContextManager[int]:
     """Inside the context each module's forward runs under non-reentrant `torch.utils.checkpoint`: it saves
     only its inputs, and backward reruns it (same ops, same RNG state) to get its activations. Yields the
     number of modules wrapped; on exit every module has its own forward again.
@@ -232,18 +231,26 @@ def recompute(modules: Iterable[torch.nn.Module]) -> Iterator[int]:
     tests `query is key`) recomputes different ops and checkpoint refuses it: recompute such modules
     outside offload, or their parents.
     """
-    patched: list[tuple[torch.nn.Module, object]] = []
+    return recompute_methods((module, "forward") for module in modules)
+
+
+@contextmanager
+def recompute_methods(units: Iterable[tuple[torch.nn.Module, str]]) -> Iterator[int]:
+    """`recompute` of each (module, method name): a method its module calls on itself (a part of its forward)
+    saves only its inputs and reruns in backward; what the module computes between such calls keeps what it
+    saves. Yields the number of methods wrapped; on exit every module has its own methods again."""
+    patched: list[tuple[torch.nn.Module, str, object]] = []
     try:
-        for module in modules:
-            patched.append((module, module.__dict__.get("forward")))
-            module.forward = _checkpointed(module.forward)
+        for module, name in units:
+            patched.append((module, name, module.__dict__.get(name)))
+            setattr(module, name, _checkpointed(getattr(module, name)))
         yield len(patched)
     finally:
-        for module, own in patched:
+        for module, name, own in reversed(patched):
             if own is None:
-                del module.forward
+                delattr(module, name)
             else:
-                module.forward = own
+                setattr(module, name, own)
 
 
 def _checkpointed(forward):

@@ -29,11 +29,19 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
         """x [B, T, hidden], cos/sin [B, 1, T, D] -> [B, T, hidden]."""
+        return self.output(attention(layer, *self.project(x, cos, sin)), x.shape[1])
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] -> the attention's rotated q [B, heads, T, D], rotated k and v [B, kv_heads, T, D]."""
         batch, num_tokens, _ = x.shape
         q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = attention(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, heads, T, D]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def output(self, out: Tensor, rows: int) -> Tensor:
+        """The attention's output [B, heads, T, D] -> o_proj's [B, T, hidden] (`rows`: T, the input's rows)."""
+        batch, num_tokens = out.shape[0], out.shape[2]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim))
 
 
@@ -47,7 +55,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, self.index)
+        return self.after_attention(x, attention(self.index, *self.before_attention(x, cos, sin)))
+
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer up to its attention: q, k, v of the normed input (`SelfAttention.project`)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: Tensor, out: Tensor) -> Tensor:
+        """The layer from its attention's output `out` on: o_proj and the residual, the MLP and its residual.
+        Selective recompute (`memory.offload.recompute`) reruns these two halves and keeps what the attention
+        between them saves."""
+        x = x + self.self_attn.output(out, x.shape[1])
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

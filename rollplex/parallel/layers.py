@@ -73,16 +73,26 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention, layer: int) -> Tensor:
         """x [B, T, hidden] (replicated over the group) -> [B, T, hidden], summed over the group. Under sequence
         parallelism x and the output are this rank's rows [B, c, hidden] of the T = cos.shape[-2] tokens."""
+        return self.output(attention(layer, *self.project(x, cos, sin)), x.shape[1])
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x as `forward` takes it -> the local heads' rotated q [B, heads, T, D], rotated k and v [B, groups, T, D]
+        of all T tokens."""
         if self.sequence_parallel:
             y = sequence_linear(x, self.qkv_weight, self.qkv_bias, self.group)  # [B, size * c, rows]
-            padded, y = y.shape[1], y[:, : cos.shape[-2]]  # the rows past T are padding
+            y = y[:, : cos.shape[-2]]  # the rows past T are padding
         else:
             y = F.linear(copy_to(x, self.group), self.qkv_weight, self.qkv_bias)
-        batch, num_tokens = y.shape[:2]
         q, k = rotated_qk(y, cos, sin, self.order, self.num_heads, self.num_groups, self.head_dim)
-        out = attention(layer, q, k, self.split(y)[2].transpose(1, 2))  # [B, heads, T, D]
+        return q, k, self.split(y)[2].transpose(1, 2)
+
+    def output(self, out: Tensor, rows: int) -> Tensor:
+        """The local heads' attention output [B, heads, T, D] -> o_proj's, summed over the group: [B, T, hidden],
+        or under sequence parallelism this rank's `rows` of them (the input's rows: c)."""
+        batch, num_tokens = out.shape[0], out.shape[2]
         out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim) @ self.o_slab
         if self.sequence_parallel:
+            padded = rows * self.group.size  # the gathered rows `project` cut back to T
             return reduce_scatter_sequence(F.pad(out, (0, 0, 0, padded - num_tokens)), self.group)
         return reduce_from(out, self.group)
 

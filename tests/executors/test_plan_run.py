@@ -10,7 +10,7 @@ from run_testkit import ROOT, run, spec_text
 
 from rollplex.cli import main
 from rollplex.executors.engines import build_engines
-from rollplex.graph.decisions import PrefixActivations
+from rollplex.graph.decisions import PrefixActivations, Recompute
 from rollplex.graph.load import parse_spec
 from rollplex.graph.memobject import Residency
 from rollplex.graph.plan import compile_plan
@@ -58,7 +58,7 @@ def test_the_engines_follow_the_plans_decisions():
         optimizer_chunk_bytes=12 * 4096,  # the state of 4,096 elements per chunk
         prefix_saved=Residency.HBM,
         prefix_activations=PrefixActivations.RECOMPUTE,
-        recompute_microbatch=True,
+        recompute=Recompute.FULL,
     )
     engines = build_engines(replace(plan, decisions=edited))
     numel = sum(p.numel() for p in engines.actor.parameters())

@@ -323,13 +323,15 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
     assert engines.response_lengths is not None and int(lens[0].max()) <= 32
 
 
+@pytest.mark.parametrize("how", ["selective", "full"])
 @pytest.mark.parametrize("schedule", [Schedule.ROLLPLEX, Schedule.UNSPLIT])
-def test_recomputing_the_training_microbatch_changes_no_number(schedule):
-    specs = [parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{recompute: {r}}}\n") for r in ("none", "full")]
+def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
+    specs = [parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{recompute: {r}}}\n") for r in ("none", how)]
     g = compile_graph(specs[0].spec, schedule=schedule)
     kept, recomputed = build_engines(compile_plan(specs[0])), build_engines(compile_plan(specs[1]))
-    with recomputed.microbatch_memory() as wrapped:
-        assert wrapped == len(recomputed.actor.model.language_model.layers) + len(recomputed.actor.model.visual.blocks)
+    layers, blocks = len(recomputed.actor.model.language_model.layers), len(recomputed.actor.model.visual.blocks)
+    with recomputed.microbatch_memory() as wrapped:  # selective: each layer's two halves, each block whole
+        assert wrapped == (2 if how == "selective" else 1) * layers + blocks
     dataset = open_dataset(specs[0].spec.workload.dataset, kept.tokenizer, 3)
     a = run_iteration(g, kept, batch_at(dataset, 0, 2))
     b = run_iteration(g, recomputed, batch_at(dataset, 0, 2))

@@ -299,3 +299,45 @@ def test_a_role_scored_over_whole_sequences_is_priced_unsplit_beside_a_split_one
     assert cost.total(costs["actor_suffix_backward"]) == cost.backward(False, t, v, tokens, 1, d, sp)
     assert cost.total(costs["critic_suffix_backward"]) == cost.total(split_costs["critic_suffix_backward"])
     assert timeplan.prefix_backward_plan(plan) is None
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_selective_recompute_reruns_the_scoring_forward_but_its_decoders_attention(split):
+    from types import SimpleNamespace
+
+    from rollplex.graph.decisions import PrefixActivations, Recompute
+
+    t, v = (lambda c: (c.text, c.vision))(load_model_config("qwen2_5_vl_3b"))
+    tokens = StepTokens((5000, 3000), (9000, 4000), (20, 10), ((100, 2000, 7), (50, 600)))
+
+    def priced(how: Recompute) -> float:
+        d = SimpleNamespace(
+            recompute=how, prefix_activations=PrefixActivations.RECOMPUTE, freeze_vision=False, prefix_saved=None
+        )
+        return cost.backward(split, t, v, tokens, 1, d).flops
+
+    scoring = (suffix_forward(t, tokens, 1) if split else cost.whole_forward(t, v, tokens, 1)).flops
+    attention = (cost.suffix_attention_flops if split else cost.whole_attention_flops)(t, tokens, 1)
+    none, selective, full = (priced(how) for how in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL))
+    assert full - none == pytest.approx(scoring, rel=1e-9)
+    assert full - selective == pytest.approx(attention, rel=1e-9) and 0 < attention < scoring / 2
+
+
+def test_selective_recompute_reruns_every_matmul_full_recompute_does(tiny):
+    """torch's CPU counter sees the matmuls, not the attention: a selective layer's halves rerun all of them."""
+    from rollplex.memory.offload import recompute_methods
+
+    _, model, examples = tiny
+    lens = torch.tensor([[7, 3], [5, 7], [1, 6]])
+    responses = torch.randint(13, 100, (3, 2, 7), generator=torch.Generator().manual_seed(1))
+    boundary = model.prefix([e.prompt for e in examples], attached=False)
+
+    def flops(*halves: str) -> int:
+        units = [(layer, h) for layer in model.model.language_model.layers for h in halves]
+        with recompute_methods(units), FlopCounterMode(display=False) as counter:
+            model.suffix(boundary, responses, lens).logprobs.sum().backward()
+        model.zero_grad(set_to_none=True)
+        return counter.get_total_flops()
+
+    kept = flops()
+    assert flops("before_attention", "after_attention") == flops("forward") > kept

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rollplex.graph.decisions import PrefixActivations
+from rollplex.graph.decisions import PrefixActivations, Recompute
 from rollplex.graph.ir import Phase, Schedule, steps
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.memobject import GIB, Residency
@@ -264,18 +264,38 @@ def test_the_dataset_prompts_wait_on_the_host_for_two_steps_the_one_training_and
 def test_auto_recompute_keeps_what_autograd_saves_where_that_fits_and_reruns_elsewhere():
     small = compile_plan(load_spec(SPECS / "tiny_cpu.yaml"))  # neither setting named: auto
     assert (small.loaded.spec.memory.recompute, small.loaded.spec.memory.prefix_activations) == ("none", "offload")
-    assert small.decisions.prefix_activations is PrefixActivations.OFFLOAD and not small.decisions.recompute_microbatch
+    d = small.decisions
+    assert d.prefix_activations is PrefixActivations.OFFLOAD and d.recompute is Recompute.NONE
     text = "\n".join(
         line
         for line in (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text().splitlines()
         if not line.startswith(("  recompute:", "  prefix_activations:"))
     )
     big = compile_plan(parse_spec(text))
-    # every tensor of the prefix would need ~400 GiB of pinned host: it reruns; the microbatch's activations fit
-    # only by sending the FP32 state to the host, which the step bound prices above their recompute
+    # every tensor of the prefix would need ~400 GiB of pinned host: it reruns; the microbatch's activations, whole
+    # or with each attention's, fit only by sending part of the FP32 state to the host: a tie at the step bound,
+    # settled by the host link's bytes
     assert (big.loaded.spec.memory.prefix_activations, big.loaded.spec.memory.recompute) == ("recompute", "full")
-    assert re.search(r"memory\.recompute auto: full \(step bound [0-9.]+ s against [0-9.]+.* with none\)", big.chosen)
+    tie = r"memory\.recompute auto: full \(step bound [0-9.]+ s against [0-9.]+, a tie: 0\.0 GB .* with selective\)"
+    assert re.search(tie, big.chosen)
     assert big.decisions == compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml")).decisions  # as named there
+
+
+def test_auto_recompute_takes_selective_where_it_beats_keeping_everything_and_full_does_not_beat_it():
+    from rollplex.graph.timeplan import step_bound_s, time_plan
+
+    lines = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text().replace("hbm_gib: 139", "hbm_gib: 120").splitlines()
+    text = "\n".join(line for line in lines if not line.startswith("  recompute:"))
+    plan = compile_plan(parse_spec(text))
+    assert plan.loaded.spec.memory.recompute == "selective" and plan.decisions.recompute is Recompute.SELECTIVE
+    assert re.search(
+        r"memory\.recompute auto: selective \(step bound [0-9.]+ s against [0-9.]+ with none\)", plan.chosen
+    )
+    bounds = {}
+    for how in ("selective", "full"):
+        named = compile_plan(parse_spec(text.replace("memory:\n", f"memory:\n  recompute: {how}\n")))
+        bounds[how] = step_bound_s(named, time_plan(named))
+    assert bounds["selective"] <= bounds["full"]
 
 
 def test_the_lowering_takes_only_settled_recompute_settings_and_changes_keep_the_users_defaults_unset():
@@ -290,10 +310,11 @@ def test_the_lowering_takes_only_settled_recompute_settings_and_changes_keep_the
     assert changed.spec.memory.recompute == "full" and "gpu" not in changed.spec.cluster.model_fields_set
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_an_unsplit_plan_keeps_the_vision_towers_saved_tensors_for_every_sequence_of_the_group(recompute):
     """Unsplit, each of a group's sequences runs the vision tower over its prompt's patches (`hidden` over prompt
-    ++ response), and the microbatch's backward needs each run's saved tensors: group_size x patches x blocks."""
+    ++ response), and the microbatch's backward needs each run's saved tensors: group_size x patches x blocks
+    (under recompute, selective or full, each block's input and one block's whole)."""
     from rollplex.layout.shapes import BF16, vision_activation_bytes_per_patch
 
     text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text().replace("recompute: full", f"recompute: {recompute}")
@@ -303,7 +324,7 @@ def test_an_unsplit_plan_keeps_the_vision_towers_saved_tensors_for_every_sequenc
         o for o in plan.residency.objects if o.role == "actor" and o.component.value.startswith("activ") and o.vision
     ]
     per_block = vision_activation_bytes_per_patch(v, 1)
-    per_patch = v.depth * v.hidden_size * BF16 + per_block if recompute == "full" else v.depth * per_block
+    per_patch = v.depth * v.hidden_size * BF16 + per_block if recompute != "none" else v.depth * per_block
     assert kept.bytes == g.group_size * g.patches_per_prompt * per_patch > 0
     assert kept.live == next(o for o in plan.residency.objects if o.role == "actor" and o.label == kept.label
                              and not o.vision).live  # fmt: skip

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from test_plan import both_parts, tiny, tiny_text
 
+from rollplex.graph.decisions import Recompute
 from rollplex.graph.ir import steps
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.memobject import GIB, Residency
@@ -240,7 +241,7 @@ def test_a_capped_microbatch_holds_its_tokens_activations_so_that_no_recompute_f
     capped = text.replace("  recompute: full\n", "  recompute: none\n  microbatch_tokens: 4096\n")
     plan = compile_plan(parse_spec(capped))
     gpu, t = plan.context.gpu, plan.loaded.model.text
-    assert gpu.microbatch_tokens == 4096 and not plan.decisions.recompute_microbatch
+    assert gpu.microbatch_tokens == 4096 and plan.decisions.recompute is Recompute.NONE
     (act,) = [o for o in plan.residency.objects if o.role == "actor" and o.component is Component.ACTIVATIONS]
     per_token = t.num_hidden_layers * S.layer_activation_bytes_per_token(t, 1) + S.output_activation_bytes_per_token(
         t, 1
@@ -262,3 +263,30 @@ def test_a_capped_microbatch_holds_its_tokens_activations_so_that_no_recompute_f
     assert wider.context.gpu.microbatch_tokens == 32768 and act.bytes > whole_act.bytes and wider.residency.fits
     everything = compile_plan(parse_spec(capped.replace("4096", str(1 << 20)))).context.gpu
     assert everything.microbatch_tokens == 8 * 8 * 2048  # the rank's every response at most
+
+
+def test_a_selective_microbatch_holds_each_layers_input_and_attention_tensors_and_every_layers_suffix_keys():
+    """Selective recompute keeps per token and layer the layer's input and what the attention saves (its q and
+    output, their log-sum-exp; the split suffix's k and v are among the keys it attends), and every layer's keys;
+    full recompute keeps the input alone and one layer's keys at a time."""
+    from rollplex.graph.memobject import Component
+    from rollplex.layout import shapes as S
+
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    full, selective = (
+        compile_plan(parse_spec(text.replace("  recompute: full\n", f"  recompute: {how}\n")))
+        for how in ("full", "selective")
+    )
+
+    def held(plan, component) -> int:
+        (o,) = [o for o in plan.residency.objects if o.role == "actor" and o.component is component]
+        return o.bytes
+
+    t, tokens = full.loaded.model.text, full.context.gpu.microbatch_tokens
+    attention = S.attention_saved_bytes_per_token(t, 1, keys=False)
+    assert attention == 2 * t.num_attention_heads * t.head_dim * 2 + t.num_attention_heads * 4
+    more = held(selective, Component.ACTIVATIONS) - held(full, Component.ACTIVATIONS)
+    assert more == tokens * t.num_hidden_layers * attention
+    keys = held(selective, Component.SUFFIX_ATTENTION)
+    assert keys == held(full, Component.SUFFIX_ATTENTION) * t.num_hidden_layers // 2
+    assert selective.decisions.recompute is Recompute.SELECTIVE and selective.residency.fits

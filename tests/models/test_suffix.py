@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -112,3 +114,84 @@ def test_on_a_gpu_scoring_a_length_batch_never_makes_the_host_wait(model, prompt
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again.logprobs, first.logprobs) and torch.equal(again.entropy, first.entropy)
+
+
+def _layer_units(model: Qwen2_5_VL, how: str) -> list[tuple[torch.nn.Module, str]]:
+    halves = ("forward",) if how == "full" else ("before_attention", "after_attention")
+    return [(layer, h) for layer in model.model.language_model.layers for h in halves]
+
+
+@pytest.mark.parametrize("how", ["selective", "full"])
+def test_a_recomputed_suffix_gives_the_same_gradients_and_selective_runs_each_attention_once(
+    model, prompts, responses, monkeypatch, how
+):
+    """Selective recompute reruns each decoder layer's two halves around its attention and keeps what the attention
+    saves: backward runs no attention again, where full recompute reruns every layer's. Neither changes a bit."""
+    from rollplex.memory.offload import recompute_methods
+    from rollplex.models.attention import PackedPrefixAttention
+
+    tokens, lens = responses
+    weights = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(3))
+    calls, attend = [], PackedPrefixAttention.__call__
+
+    def counted(self, layer, q, k, v):
+        calls.append(layer)
+        return attend(self, layer, q, k, v)
+
+    def gradients(context) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        with context:
+            out = model.suffix(model.prefix(prompts, attached=True), tokens, lens)
+            ((out.logprobs + 0.1 * out.entropy) * weights).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    kept = gradients(nullcontext())
+    monkeypatch.setattr(PackedPrefixAttention, "__call__", counted)
+    ours = gradients(recompute_methods(_layer_units(model, how)))
+    layers = len(model.model.language_model.layers)
+    assert sorted(calls) == sorted(list(range(layers)) * (1 if how == "selective" else 2))
+    for name, g in kept.items():
+        assert torch.equal(ours[name], g), name
+
+
+def test_selective_recompute_keeps_beside_the_attentions_own_only_what_full_recompute_does_and_their_outputs(
+    model, prompts, responses, monkeypatch
+):
+    """What a selective layer saves outside its attention: its halves' inputs, the layer's input (as under full
+    recompute) and the attention's output (which flash and FlexAttention save anyway); the plan counts these
+    (`layout.shapes.attention_saved_bytes_per_token`)."""
+    from rollplex.memory.offload import recompute_methods
+    from rollplex.models.attention import PackedPrefixAttention
+
+    tokens, lens = responses
+    boundary = model.prefix(prompts, attached=False)
+    inside, outputs, attend = [False], [], PackedPrefixAttention.__call__
+
+    def marked(self, layer, q, k, v):
+        inside[0] = True
+        try:
+            out = attend(self, layer, q, k, v)
+        finally:
+            inside[0] = False
+        outputs.append(out.untyped_storage().nbytes())
+        return out
+
+    def saved_outside_attention(how: str) -> int:
+        saved = {}
+
+        def pack(t):
+            if not inside[0] and not isinstance(t, torch.nn.Parameter):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        outputs.clear()
+        with recompute_methods(_layer_units(model, how)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            assert model.suffix(boundary, tokens, lens).logprobs.requires_grad
+        return sum(saved.values())
+
+    monkeypatch.setattr(PackedPrefixAttention, "__call__", marked)
+    full = saved_outside_attention("full")
+    assert (
+        saved_outside_attention("selective") == full + sum(outputs)
+        and len(outputs) == model.config.text.num_hidden_layers
+    )

@@ -64,18 +64,24 @@ def test_a_sequence_parallel_model_computes_and_updates_like_the_whole_model(wor
     spawn(_tp_equals_whole, world_size, True)
 
 
-def _split_score(model: Qwen2_5_VL, prompts, responses, lens, prompts_per_chunk: int | None) -> torch.Tensor:
+def _split_score(
+    model: Qwen2_5_VL, prompts, responses, lens, prompts_per_chunk: int | None, selective: bool = False
+) -> torch.Tensor:
     """The split path as the trainer runs it: the attached prefix in chunks of `prompts_per_chunk` prompts (None:
     all, their layers over the prompts packed end to end) with its units rerun in backward, then each response
-    scored over its prompt's boundary; an SGD step on a loss of the log-probs and entropies. Returns the
-    log-probs."""
+    scored over its prompt's boundary (`selective`: each layer's halves around its attention rerun in backward);
+    an SGD step on a loss of the log-probs and entropies. Returns the log-probs."""
+    from rollplex.memory.offload import recompute_methods
+
     with torch.no_grad():
         chunks = model.prefix_chunks(prompts, attached=True, prompts_per_chunk=prompts_per_chunk, rerun=Rerun())
         boundary = drain(chunks)
-    out = model.suffix_rows(boundary, list(range(len(prompts))), responses, lens)
-    weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
+    halves = ("before_attention", "after_attention") if selective else ()
+    with recompute_methods((layer, h) for layer in model.model.language_model.layers for h in halves):
+        out = model.suffix_rows(boundary, list(range(len(prompts))), responses, lens)
+        weights = torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)
+        ((out.logprobs * weights).sum() + 0.1 * out.entropy.sum()).backward()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    ((out.logprobs * weights).sum() + 0.1 * out.entropy.sum()).backward()
     optimizer.step()
     return out.logprobs.detach()
 
@@ -86,13 +92,13 @@ def _sequence_parallel_split_path(rank: int, world_size: int) -> None:
     assert len({p.num_tokens for p in prompts}) > 1  # one group of them is padded: its layers run packed
     responses = torch.randint(10, 100, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
     lens = [6, 2, 5, 1]  # responses of different lengths: the packed suffix is 10 rows
-    for per_chunk in (1, None):
+    for per_chunk, selective in ((1, False), (None, False), (None, True)):  # the sharded suffix's layers selective
         torch.manual_seed(0)
         whole = Qwen2_5_VL(config)
         group = TPGroup(world_size, rank, dist.group.WORLD)
         sharded = parallelize(copy.deepcopy(whole), group, sequence_parallel=True)
         torch.testing.assert_close(
-            _split_score(sharded, prompts, responses, lens, per_chunk),
+            _split_score(sharded, prompts, responses, lens, per_chunk, selective),
             _split_score(whole, prompts, responses, lens, per_chunk), atol=1e-5, rtol=1e-5,
         )  # fmt: skip
         expected = whole.state_dict()
