@@ -22,6 +22,7 @@ KEYS = {
     "hbm": ("memory", "prefix_saved", "hbm"),
     "norecompute": ("memory", "recompute", "none"),
     "selective": ("memory", "recompute", "selective"),
+    "compiled": ("run", "compiled_layers", True),
     "keepcache": ("memory", "empty_cache", "mappings"),
 }
 

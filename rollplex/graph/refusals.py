@@ -31,4 +31,8 @@ def run_refusals(spec: Spec) -> list[Refusal]:
         refused.append(Refusal("algorithm.top_p", f"{spec.algorithm.top_p:g}: top-p on a GPU draws per batch row, so "
                                "a rank's share would not sample as the whole step", "use top_p 1 with data "
                                "parallelism", on="cuda"))  # fmt: skip
+    if p.train_tp > 1 and spec.run.compiled_layers:
+        refused.append(Refusal("run.compiled_layers", "true compiles a layer's halves with their tensor-parallel "
+                               "collectives inside, which it does not trace", "set it false, or train_tp 1",
+                               on="cuda"))  # fmt: skip
     return refused

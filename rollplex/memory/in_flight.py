@@ -75,16 +75,20 @@ class UpdateInFlight:
             raise
 
 
-def gate_modules(model: nn.Module, optimizer) -> None:
+def gate_modules(model: nn.Module, optimizer, whole: Iterable[nn.Module] = ()) -> None:
     """A forward pre-hook on each module of `model` with parameters of its own: before it runs, the caller's stream
     waits for a deferred update's chunks of those parameters (`ChunkedAdamW.wait_for`; nothing when no update is in
-    flight). The optimizer is held weakly (its pinned pool must not live on in the model's hooks)."""
+    flight). A module of `whole` waits for all its parameters, its submodules' included, and those get no hook of
+    their own (a decoder layer whose halves run compiled: a hook inside a compiled region would be traced, not
+    run). The optimizer is held weakly (its pinned pool must not live on in the model's hooks)."""
     ref = weakref.ref(optimizer)
 
     def wait(module: nn.Module, args) -> None:
         if (alive := ref()) is not None and alive.in_flight is not None:
-            alive.wait_for(module.parameters(recurse=False))
+            alive.wait_for(module.parameters(recurse=module in units))
 
+    units = set(whole)
+    inside = {id(m) for unit in units for m in unit.modules() if m is not unit}
     for m in model.modules():
-        if next(m.parameters(recurse=False), None) is not None:
+        if m in units or (id(m) not in inside and next(m.parameters(recurse=False), None) is not None):
             m.register_forward_pre_hook(wait)

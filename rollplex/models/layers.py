@@ -51,7 +51,7 @@ def layout_compiled(
 
     @wraps(fn)
     def run(*args):
-        if not applies(args[0]):
+        if torch.compiler.is_compiling() or not applies(args[0]):  # inside a compiled region: part of its graph
             return fn(*args)
         layout = tuple((a.dim(), a.shape[-1] if a.dim() else 0) for a in args if isinstance(a, Tensor))
         if layout not in compiled:
