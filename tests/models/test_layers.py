@@ -61,6 +61,26 @@ def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
     assert len(graphs) == 5, graphs  # 2-D: static, then rows symbolic; 3-D: static, tokens, then rows too
 
 
+def test_a_chain_called_inside_a_compiled_region_is_traced_into_it_not_compiled_apart():
+    """`run.compiled_layers` compiles a layer's halves whole: the chains they call become part of that graph."""
+    inner, outer = [], []
+
+    def counted(found):
+        def backend(gm, example_inputs):
+            found.append(gm)
+            return gm.forward
+
+        return backend
+
+    norm = layout_compiled(rms_norm.eager, counted(inner), lambda x: True)
+    region = torch.compile(lambda x, w: norm(x * 2, w, 1e-6) + 1, backend=counted(outer))
+    x, weight = torch.randn(5, 48), torch.randn(48)
+    torch.testing.assert_close(region(x, weight), rms_norm.eager(x * 2, weight, 1e-6) + 1)
+    assert len(outer) == 1 and not inner
+    targets = {str(node.target) for node in outer[0].graph.nodes if node.op == "call_function"}
+    assert any("rms_norm" in t for t in targets), targets  # the norm's ops are in the region's graph
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("length", [37, 1000, 4099])  # a second length compiles the one that serves every length
