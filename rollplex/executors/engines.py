@@ -40,8 +40,8 @@ from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
-from rollplex.models.decoder import compile_halves
 from rollplex.models.generate import Rollout, generate
+from rollplex.models.layers import compile_halves
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rerun import Rerun
 from rollplex.models.sampling import SamplingParams
@@ -231,13 +231,13 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     if reference is not None and d.reference_weights is Residency.HOST:
         reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
     rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
-    if spec.run.compiled_layers:  # the scoring models' layers; decode has kernels of its own
+    if spec.run.compiled_layers:  # the scoring models' layers and blocks; decode has kernels of its own
         for model in (actor, reference, critic):
             if model is not None:
-                compile_halves(model.model.language_model.layers)
+                compile_halves([*model.model.visual.blocks, *model.model.language_model.layers])
     if d.update_beside_prefix:  # the next prefix's modules wait for their own chunks of the update
-        layers = actor.model.language_model.layers if spec.run.compiled_layers else ()
-        gate_modules(actor, optimizer, whole=layers)
+        units = [*actor.model.visual.blocks, *actor.model.language_model.layers] if spec.run.compiled_layers else ()
+        gate_modules(actor, optimizer, whole=units)
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange, keyed=device.type == "cuda")  # the fused sampler keys rows
     return Engines(

@@ -43,11 +43,12 @@ class RunSpec(Strict):
     )
     compiled_layers: bool = Field(
         False,
-        description="On a GPU, each decoder layer of the trained and reference models runs its two halves around "
-        "the attention (norm, QKV projections and rotary; o_proj, residuals, norm and MLP) as one Inductor region "
-        "each, forward and backward, instead of compiling only their elementwise chains: the chains fuse with the "
-        "GEMMs' neighbours and autograd sees one node a half. One compile serves every layer and token count (per "
-        "grad mode and model). Numbers differ from false at rounding level. Needs parallel.train_tp 1.",
+        description="On a GPU, each decoder layer and vision block of the trained and reference models runs its "
+        "two halves around the attention (norm, QKV projections and rotary; output projection, residuals, norm and "
+        "MLP) as one Inductor region each, forward and backward, instead of compiling only their elementwise "
+        "chains: the chains fuse with the GEMMs' neighbours and autograd sees one node a half. One compile serves "
+        "every layer and token count (per grad mode and model). Numbers differ from false at rounding level. Needs "
+        "parallel.train_tp 1.",
     )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",

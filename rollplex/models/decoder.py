@@ -7,14 +7,11 @@ decoder only projects, rotates and mixes. Not here: the LM head and the vision e
 
 from __future__ import annotations
 
-import types
-from collections.abc import Iterable
-
 from torch import Tensor, nn
 
 from rollplex.models.attention import Attention
 from rollplex.models.config import TextConfig
-from rollplex.models.layers import GatedMLP, RMSNorm, gpu_compiled
+from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.rotary import apply_rotary
 
 
@@ -66,42 +63,10 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, x: Tensor, out: Tensor) -> Tensor:
         """The layer from its attention's output `out` on: o_proj and the residual, the MLP and its residual.
-        Selective recompute (`memory.offload.recompute`) reruns these two halves and keeps what the attention
-        between them saves."""
+        Selective recompute (`memory.offload.recompute_methods`) reruns these two halves and keeps what the
+        attention between them saves; `layers.compile_halves` compiles each as a region."""
         x = x + self.self_attn.output(out, x.shape[1])
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def compile_halves(layers: Iterable[DecoderLayer]) -> None:
-    """Each layer's two halves around its attention (`before_attention`: the norm, the QKV projections and rotary;
-    `after_attention`: o_proj, the residuals, the norm and the MLP) each run as one region compiled by Inductor on
-    a GPU (`gpu_compiled`: the token counts unbacked, so one compile serves every layer and length, per grad mode
-    and per model whose parameters differ in `requires_grad`): their elementwise work fuses with the GEMMs'
-    neighbours, and autograd sees one node a half. The attention stays outside (its own kernels and masks).
-    Elsewhere the halves run as they are. Patched per instance as bound methods (a deep copy rebinds them to its
-    own layers); recompute (`memory.offload.recompute_methods`) wraps them as it wraps the plain ones."""
-    for layer in layers:
-        layer.before_attention = types.MethodType(_compiled_before, layer)
-        layer.after_attention = types.MethodType(_compiled_after, layer)
-
-
-def _before(x: Tensor, cos: Tensor, sin: Tensor, layer: DecoderLayer) -> tuple[Tensor, Tensor, Tensor]:
-    return DecoderLayer.before_attention(layer, x, cos, sin)
-
-
-def _after(x: Tensor, out: Tensor, layer: DecoderLayer) -> Tensor:
-    return DecoderLayer.after_attention(layer, x, out)
-
-
-_before_region, _after_region = gpu_compiled(_before, unbacked=True), gpu_compiled(_after, unbacked=True)
-
-
-def _compiled_before(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _before_region(x, cos, sin, layer)
-
-
-def _compiled_after(layer: DecoderLayer, x: Tensor, out: Tensor) -> Tensor:
-    return _after_region(x, out, layer)
 
 
 class SequenceRegion:

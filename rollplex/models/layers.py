@@ -7,7 +7,7 @@ Not here: attention (`attention.py`, `decoder.py`, `vision.py`) and rotary embed
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial, wraps
 from typing import TypeVar
 
@@ -118,3 +118,36 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def compile_halves(units: Iterable[nn.Module]) -> None:
+    """Each unit's two halves around its attention (`before_attention(x, cos, sin)` -> q, k, v and
+    `after_attention(x, out)`: a decoder layer's norm, QKV projections and rotary, then its o_proj, residuals, norm
+    and MLP; a vision block's likewise) each run as one region compiled by Inductor on a GPU (`gpu_compiled`: the
+    token counts unbacked, so one compile serves every unit and length, per grad mode, layout and model whose
+    parameters differ in `requires_grad`; the chains inside trace into the region). Their elementwise work fuses
+    with the GEMMs' neighbours and autograd sees one node a half; the attention stays outside with its own kernels.
+    Elsewhere the halves run as they are. Patched per instance as bound methods (a deep copy rebinds them to its
+    own units); recompute (`memory.offload.recompute_methods`) wraps them as it wraps the plain ones."""
+    for unit in units:
+        unit.before_attention = types.MethodType(_compiled_before, unit)
+        unit.after_attention = types.MethodType(_compiled_after, unit)
+
+
+def _before(x: Tensor, cos: Tensor, sin: Tensor, unit: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    return type(unit).before_attention(unit, x, cos, sin)
+
+
+def _after(x: Tensor, out: Tensor, unit: nn.Module) -> Tensor:
+    return type(unit).after_attention(unit, x, out)
+
+
+_before_region, _after_region = gpu_compiled(_before, unbacked=True), gpu_compiled(_after, unbacked=True)
+
+
+def _compiled_before(unit: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _before_region(x, cos, sin, unit)
+
+
+def _compiled_after(unit: nn.Module, x: Tensor, out: Tensor) -> Tensor:
+    return _after_region(x, out, unit)

@@ -197,11 +197,17 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(vision.hidden_size, vision.hidden_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
-        num_patches, hidden = x.shape
-        qkv = self.qkv(x).view(num_patches, 3, self.num_heads, -1)
-        q, k = rotated_packed_qk(qkv, cos, sin)  # [S, heads, D] each
-        out = segment_attention(q, k, qkv[:, 2], groups)
-        return self.proj(out.reshape(num_patches, hidden))
+        return self.output(segment_attention(*self.project(x, cos, sin), groups))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [S, hidden] -> rotated q and k, and v: [S, heads, D] each."""
+        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1)
+        q, k = rotated_packed_qk(qkv, cos, sin)
+        return q, k, qkv[:, 2]
+
+    def output(self, out: Tensor) -> Tensor:
+        """The attention's output [S, heads, D] -> the projection's [S, hidden]."""
+        return self.proj(out.reshape(out.shape[0], -1))
 
 
 class VisionMLP(GatedMLP):
@@ -291,7 +297,16 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(vision)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: Sequence[Tensor]) -> Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
+        return self.after_attention(x, segment_attention(*self.before_attention(x, cos, sin), groups))
+
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The block up to its attention: q, k, v of the normed input (`VisionAttention.project`)."""
+        return self.attn.project(self.norm1(x), cos, sin)
+
+    def after_attention(self, x: Tensor, out: Tensor) -> Tensor:
+        """The block from its attention's output on: the projection and the residual, the MLP and its residual
+        (`layers.compile_halves` compiles each half as a region)."""
+        x = x + self.attn.output(out)
         return x + self.mlp(self.norm2(x))
 
 

@@ -18,7 +18,6 @@ from rollplex.graph.ir import Schedule
 from rollplex.graph.load import parse_spec
 from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
-from rollplex.models.decoder import DecoderLayer
 
 
 def test_serial_and_rollplex_give_bitwise_identical_weights_and_losses(tmp_path):
@@ -342,8 +341,8 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
 
 
 def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_no_number():
-    """`run.compiled_layers`: the actor's and the reference's decoder layers run their halves through
-    `compile_halves` (Inductor on a GPU, as they are on the CPU), under selective recompute too."""
+    """`run.compiled_layers`: the actor's and the reference's decoder layers and vision blocks run their halves
+    through `compile_halves` (Inductor on a GPU, as they are on the CPU), under selective recompute too."""
     texts = [spec_text(kl=0.1, device="cpu") + "memory: {recompute: selective}\n", None]
     texts[1] = texts[0].replace("run: {", "run: {compiled_layers: true, ")
     assert texts[1] != texts[0]
@@ -351,9 +350,9 @@ def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_n
     g = compile_graph(specs[0].spec, schedule=Schedule.ROLLPLEX)
     plain, compiled = (build_engines(compile_plan(s)) for s in specs)
     for model in (compiled.actor, compiled.reference):
-        layer = model.model.language_model.layers[0]
-        own = layer.__dict__  # patched on the instance, bound to it
-        assert own["before_attention"].__func__ is not DecoderLayer.before_attention and own["after_attention"]
+        for unit in (model.model.language_model.layers[0], model.model.visual.blocks[0]):
+            own = unit.__dict__  # patched on the instance, bound to it
+            assert own["before_attention"].__func__ is not type(unit).before_attention and own["after_attention"]
     assert "before_attention" not in plain.actor.model.language_model.layers[0].__dict__
     dataset = open_dataset(specs[0].spec.workload.dataset, plain.tokenizer, 3)
     a = run_iteration(g, plain, batch_at(dataset, 0, 2))
