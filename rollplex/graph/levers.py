@@ -116,6 +116,25 @@ def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> li
     return sorted(found, key=lambda f: f.bound_s)
 
 
+def faster_recompute(plan, efficiencies: dict[str, float] | None = None) -> list[Faster]:
+    """The other `memory.recompute` settings (none, selective, full) whose plan fits with a lower step bound than
+    `plan`'s: fastest first. Auto may have kept the one it did on a tie (`plan._beats`), or the spec named it."""
+    from rollplex.graph.plan import RECOMPUTE_SETTINGS, compile_plan
+
+    bound, _ = step_seconds(plan, efficiencies)
+    found = []
+    for value in RECOMPUTE_SETTINGS["recompute"]:
+        if value == plan.loaded.spec.memory.recompute:
+            continue
+        lever = Lever(f"set memory.recompute: {value}", {"memory": {"recompute": value}})
+        alternative = compile_plan(with_changes(plan.loaded, lever.changes), plan.schedule)
+        if alternative.residency.fits:
+            faster = Faster(lever, *step_seconds(alternative, efficiencies))
+            if faster.bound_s < bound:
+                found.append(faster)
+    return sorted(found, key=lambda f: f.bound_s)
+
+
 def step_seconds(plan, efficiencies: dict[str, float] | None = None) -> tuple[float, float | None]:
     """The step's bound (`timeplan.step_bound_s`) and (given efficiencies that price every phase) predicted seconds
     (`timeplan.predicted_step_s`)."""

@@ -6,7 +6,7 @@ import shlex
 
 from rollplex.graph.cost import KNOWN_PEAKS, reference_page_ins
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
-from rollplex.graph.levers import faster_residencies
+from rollplex.graph.levers import faster_recompute, faster_residencies
 from rollplex.graph.memobject import GIB, Component, MemObject, Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
@@ -232,7 +232,7 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
     if "gpu" not in plan.loaded.spec.cluster.model_fields_set:
         title += f"\n(cluster.gpu is not set: priced on its default, the {plan.loaded.spec.cluster.gpu})"
     out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
-    for f in faster_residencies(plan, efficiencies):
+    for f in [*faster_residencies(plan, efficiencies), *faster_recompute(plan, efficiencies)]:
         out += f"\nalso fits, and faster by the bound: {f.lever.text} (step bound {f.bound_s:.2f} s against {bound:.2f}"
         if f.predicted_s is not None and predicted is not None:
             out += f"; predicted {f.predicted_s:.2f} s against {predicted:.2f}"

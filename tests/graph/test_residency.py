@@ -166,6 +166,18 @@ def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lo
     assert faster_residencies(compile_plan(parse_spec(text))) == []  # auto took the faster placement itself
 
 
+def test_faster_recompute_offers_the_settings_that_fit_with_a_lower_step_bound_fastest_first():
+    from rollplex.graph.levers import faster_recompute, step_seconds
+
+    three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # names full: selective reruns less
+    found = faster_recompute(three)
+    assert found[0].lever.text == "set memory.recompute: selective"
+    bound, _ = step_seconds(three)
+    assert all(f.bound_s < bound for f in found) and [f.bound_s for f in found] == sorted(f.bound_s for f in found)
+    seven = compile_plan(parse_spec(seven_text()))  # the 7B at auto: full, the fastest that fits
+    assert seven.loaded.spec.memory.recompute == "full" and faster_recompute(seven) == []
+
+
 def test_a_critics_state_streams_whole_while_the_actors_share_stays_in_hbm():
     from rollplex.graph.cost import op_cost
     from rollplex.graph.ir import NodeKind, ops
