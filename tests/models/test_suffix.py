@@ -195,3 +195,48 @@ def test_selective_recompute_keeps_beside_the_attentions_own_only_what_full_reco
         saved_outside_attention("selective") == full + sum(outputs)
         and len(outputs) == model.config.text.num_hidden_layers
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_selective_layers_attention_saves_what_the_plan_counts(config, prompts, responses, monkeypatch):
+    """FlexAttention's saved tensors, per layer: q and the output (bf16) and their log-sum-exp (fp32) for each
+    packed token, `attention_saved_bytes_per_token`; the keys and values it attends, the used prompts' boundary
+    KV end to end beside the packed tokens' own, `objects._suffix_attention`'s per-layer keys."""
+    from rollplex.layout import shapes as S
+    from rollplex.memory.offload import recompute_methods
+    from rollplex.models.attention import PackedPrefixAttention
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VL(config).cuda().to(torch.bfloat16)
+    tokens, lens = responses
+    boundary = model.prefix(prompts, attached=False)
+    inside, seen, shapes, attend = [False], {}, [], PackedPrefixAttention.__call__
+
+    def marked(self, layer, q, k, v):
+        inside[0] = True
+        try:
+            out = attend(self, layer, q, k, v)
+        finally:
+            inside[0] = False
+        shapes.append((q.shape[2], self.num_keys))
+        return out
+
+    def pack(t):
+        if inside[0] and t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    monkeypatch.setattr(PackedPrefixAttention, "__call__", marked)
+    with (
+        recompute_methods(_layer_units(model, "selective")),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        assert model.suffix(boundary, tokens.cuda(), lens.cuda()).logprobs.requires_grad
+    t = config.text
+    queries, keys = shapes[0]
+    assert set(shapes) == {(queries, keys)} and len(shapes) == t.num_hidden_layers
+    per_layer = queries * S.attention_saved_bytes_per_token(t, 1, keys=False) + keys * S.kv_bytes_per_token(t, 1) // (
+        t.num_hidden_layers
+    )
+    assert sum(seen.values()) == t.num_hidden_layers * per_layer
