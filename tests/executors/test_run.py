@@ -363,6 +363,29 @@ def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_n
 
 
 @pytest.mark.slow
+def test_compiled_layers_forced_on_the_cpu_score_and_backpropagate_as_the_eager_ones(monkeypatch):
+    """The regions compiled on the CPU (through AOTAutograd, as on a GPU but for Inductor's kernels) inside a whole
+    step: the prefix's reruns, the selective suffix, the reference; the step's loss and gradient norm within
+    rounding of the eager step's."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from rollplex.models import layers
+
+    aot = lookup_backend("aot_eager")
+    for name, fn in (("_before_region", layers._before), ("_after_region", layers._after)):
+        monkeypatch.setattr(layers, name, layers.layout_compiled(fn, aot, lambda x: True, unbacked=True))
+    text = spec_text(kl=0.1, device="cpu") + "memory: {recompute: selective, prefix_activations: recompute}\n"
+    specs = [parse_spec(t) for t in (text, text.replace("run: {", "run: {compiled_layers: true, "))]
+    g = compile_graph(specs[0].spec, schedule=Schedule.ROLLPLEX)
+    plain, compiled = (build_engines(compile_plan(s)) for s in specs)
+    dataset = open_dataset(specs[0].spec.workload.dataset, plain.tokenizer, 3)
+    a, b = (run_iteration(g, e, batch_at(dataset, 0, 2)).stats for e in (plain, compiled))
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert a["grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_under_mps_rollout_runs_in_its_own_process_and_both_schedules_train_identically(tmp_path):
     spec = parse_spec(spec_text(kl=0.1, device="cpu") + "sharing: {policy: mps}\n")
     opts = {"progress": False, "tensorboard": False}
