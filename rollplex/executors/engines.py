@@ -180,6 +180,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     if not d.weight_sharing and tp is not None:
         raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
     actor = _initial_model(loaded, device, tp)
+    if d.layers_kept > (layers := config.text.num_hidden_layers):
+        raise SpecError("decisions.layers_kept", f"{d.layers_kept} is more than the {layers} decoder layers",
+                        f"use at most {layers}")  # fmt: skip
     if d.freeze_vision:
         actor.model.visual.requires_grad_(False)
     reference = None
@@ -261,7 +264,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         reference_pager=reference_pager,
         prefix_memory=make_prefix_memory(d, actor),
         prefix_rerun=make_prefix_rerun(d, device),
-        microbatch_memory=make_microbatch_memory(d, actor),
+        microbatch_memory=make_microbatch_memory(d, actor, d.layers_kept),
         response_lengths=synthetic_preset(spec.workload.dataset).response if spec.workload.replay_lengths else None,
         freeze_vision=d.freeze_vision,
         critic=critic,
@@ -355,16 +358,17 @@ def make_prefix_rerun(d: Decisions, device: torch.device) -> Rerun | None:
     return Rerun(torch.cuda.current_stream(device) if device.type == "cuda" else None)
 
 
-def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
+def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL, kept: int = 0) -> Callable[[], AbstractContextManager]:
     """The plan's `recompute` of the training microbatch, as the plan counts it: `FULL` checkpoints every decoder
     layer and vision block (inputs kept, backward reruns them); `SELECTIVE` each decoder layer's two halves around
     its attention (`DecoderLayer.before_attention`, `after_attention`: the attention's own saved tensors kept, it
-    does not run twice) and every vision block whole; `NONE` keeps every activation."""
+    does not run twice) and every vision block whole; `NONE` keeps every activation. The last `kept` decoder layers
+    (the actor's `d.layers_kept`) keep every activation either way."""
     from rollplex.memory.offload import recompute_methods
 
     if d.recompute is Recompute.NONE:
         return nullcontext
-    layers = actor.model.language_model.layers
+    layers = actor.model.language_model.layers[: len(actor.model.language_model.layers) - kept]
     halves = ("forward",) if d.recompute is Recompute.FULL else ("before_attention", "after_attention")
     units = [(b, "forward") for b in actor.model.visual.blocks] + [(x, h) for x in layers for h in halves]
     return lambda: recompute_methods(units)

@@ -356,14 +356,19 @@ def suffix_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
 def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, value: bool = False) -> Cost:
     """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time;
     the decoder's attention `whole_attention_flops`."""
-    flops = whole_attention_flops(t, tokens, tp)
-    for length, patches, frames, lens in zip(
-        tokens.prompt_tokens, tokens.patches, tokens.frames, tokens.response_lens, strict=True
-    ):
+    flops = whole_attention_flops(t, tokens, tp) + whole_vision_flops(v, tokens)
+    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
         n, tokens_ = len(lens), sum(lens)
-        flops += n * vision_forward(v, patches, frames, 1) + _llm_flops(t, n * length + tokens_, tp)
-        flops += _head_flops(t, tokens_, tp, value)
+        flops += _llm_flops(t, n * length + tokens_, tp) + _head_flops(t, tokens_, tp, value)
     return Cost(flops=flops)
+
+
+def whole_vision_flops(v: VisionConfig, tokens: StepTokens) -> float:
+    """Textbook scoring's vision encoder: each response's sequence runs its prompt's video again."""
+    flops = 0.0
+    for patches, frames, lens in zip(tokens.patches, tokens.frames, tokens.response_lens, strict=True):
+        flops += len(lens) * vision_forward(v, patches, frames, 1)
+    return flops
 
 
 def whole_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
@@ -379,12 +384,17 @@ def whole_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
 def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions,
              sp: bool = False, value: bool = False) -> Cost:  # fmt: skip
     """A trained role's scoring forward, its backward (twice the forward) and what backward reruns of it
-    (`d.recompute`: all of it, all but the decoder's attention, or nothing); split, also `prefix_backward`.
-    `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept in HBM)."""
+    (`d.recompute`: all of it, all but the decoder's attention, or nothing; the actor's last `d.layers_kept`
+    decoder layers rerun nothing, its vision blocks, which only unsplit scoring runs, all of theirs); split, also
+    `prefix_backward`. `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept in HBM)."""
     scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
-    kept = (suffix_attention_flops if split else whole_attention_flops)(t, tokens, tp)
-    rerun = {Recompute.NONE: 0.0, Recompute.SELECTIVE: scoring.flops - kept, Recompute.FULL: scoring.flops}
-    cost = scoring.scaled(3) + Cost(flops=rerun[d.recompute])
+    vision = 0.0 if split else whole_vision_flops(v, tokens)
+    attention = (suffix_attention_flops if split else whole_attention_flops)(t, tokens, tp)
+    decoder = {Recompute.NONE: 0.0, Recompute.SELECTIVE: scoring.flops - vision - attention,
+               Recompute.FULL: scoring.flops - vision}[d.recompute]  # fmt: skip
+    rerunning = 1 - (0 if value else d.layers_kept) / t.num_hidden_layers  # the decoder layers that rerun
+    rerun = (vision if d.recompute.reruns else 0.0) + decoder * rerunning
+    cost = scoring.scaled(3) + Cost(flops=rerun)
     return cost + prefix_backward(t, v, tokens, tp, d, sp, value) if split else cost
 
 

@@ -82,6 +82,7 @@ class Decisions:
     distributed_optimizer: bool = False  # ZeRO-1: the FP32 state split over the training data-parallel ranks
     optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its first chunks)
     update_beside_prefix: bool = False  # the actor's update runs on into the next step's actor prefix
+    layers_kept: int = 0  # under recompute, the actor's last decoder layers that keep every tensor (no rerun)
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -95,6 +96,9 @@ class Decisions:
             least = 1 if key == "optimizer_chunk_bytes" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"decisions.{key} is {value!r}: a whole number of bytes, at least {least}")
+        kept = d.get("layers_kept", 0)
+        if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
+            raise ValueError(f"decisions.layers_kept is {kept!r}: a number of decoder layers, at least 0")
         s = d["sharing"]
         sharing = Sharing(**{**s, "policy": SharingPolicy(s["policy"])})
         return Decisions(
@@ -136,6 +140,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         distributed_optimizer=spec.parallel.distributed_optimizer and c.gpu.train_dp > 1,
         optimizer_kept_bytes=r.state_share_bytes,
         update_beside_prefix=bool(r.update_beside),
+        layers_kept=r.layers_kept,
     )
 
 

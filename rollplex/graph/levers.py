@@ -44,6 +44,8 @@ def candidate_levers(spec: Spec) -> list[Lever]:
     found = []
     if m.recompute != "full":
         found.append(Lever("set memory.recompute: full", {"memory": {"recompute": "full"}}))
+    if m.layers_kept not in ("auto", 0):
+        found.append(Lever("set memory.layers_kept: auto", {"memory": {"layers_kept": "auto"}}))
     if m.prefix_activations != "recompute":
         found.append(Lever("set memory.prefix_activations: recompute", {"memory": {"prefix_activations": "recompute"}}))
     for key in ("optimizer_state", "prefix_saved"):
@@ -97,7 +99,9 @@ RESIDENCY_KEYS = ("prefix_saved", "optimizer_state")
 
 def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> list[Faster]:
     """The other placement (hbm or host) of each of `RESIDENCY_KEYS`, where its plan fits and its step bound is
-    lower than `plan`'s: fastest first."""
+    lower than `plan`'s: fastest first. The decoder layers kept whole stay as planned: HBM a placement frees would
+    otherwise go to more of them, and the bound, which hides the link's traffic under the device's work, would
+    count each placement on the host as a gain."""
     from rollplex.graph.plan import compile_plan
 
     bound, _ = step_seconds(plan, efficiencies)
@@ -105,8 +109,9 @@ def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> li
     for key in RESIDENCY_KEYS:
         other = "host" if getattr(plan.decisions, key).value == "hbm" else "hbm"
         lever = Lever(f"set memory.{key}: {other}", {"memory": {key: other}})
+        same = {"memory": {key: other, "layers_kept": plan.decisions.layers_kept}}  # the rest as planned
         try:
-            alternative = compile_plan(with_changes(plan.loaded, lever.changes), plan.schedule)
+            alternative = compile_plan(with_changes(plan.loaded, same), plan.schedule)
         except (ValidationError, SpecError, ValueError):
             continue
         if alternative.residency.fits:

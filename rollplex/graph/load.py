@@ -60,6 +60,7 @@ def parse_spec(text: str | bytes, file: str = "spec", base: Path | None = None) 
     try:
         model = load_model_config(spec.model.name, base)
         check_model_fits_parallel(spec, model)
+        check_layers_kept(spec, model)
         check_context(spec, model)
     except SpecError as e:
         raise e.located(file, _line(root, e.where.split("."))) from None
@@ -82,6 +83,14 @@ def check_model_fits_parallel(spec: Spec, model: ModelConfig) -> None:
                 f"{t.num_key_value_heads} KV heads of {model.name}",
                 f"use one of {', '.join(map(str, good))}",
             )
+
+
+def check_layers_kept(spec: Spec, model: ModelConfig) -> None:
+    """`memory.layers_kept`, where a number, names at most the decoder's layers."""
+    kept, layers = spec.memory.layers_kept, model.text.num_hidden_layers
+    if kept != "auto" and kept > layers:
+        raise SpecError("memory.layers_kept", f"{kept} is more than {model.name}'s {layers} decoder layers",
+                        f"use at most {layers}, or auto")  # fmt: skip
 
 
 def check_context(spec: Spec, model: ModelConfig) -> None:

@@ -35,6 +35,7 @@ class Component(StrEnum):
     MASTER = "FP32 master weights"
     MOMENTS = "Adam moments (FP32)"
     ACTIVATIONS = "activations (one microbatch)"
+    LAYERS_KEPT = "activations kept whole"  # `memory.layers_kept`: the last decoder layers that rerun nothing
     SUFFIX_ATTENTION = "suffix attention KV"
     PREFIX_SAVED = "prefix saved tensors"
     PREFIX_LAYER = "prefix, one layer in flight"

@@ -178,6 +178,24 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         )
 
 
+def kept_layer_bytes(c: Context, role: Role) -> int:
+    """What keeping one more of `role`'s decoder layers whole (`memory.layers_kept`) adds to its microbatch's
+    activations under the plan's recompute: the layer's saved tensors less what recompute keeps of it anyway (its
+    input; under selective, its attention's), and under full recompute its copy of the suffix's keys, which it
+    then holds too (`_suffix_attention`). 0 without recompute."""
+    t, tp, g = c.model.text, c.gpu.train_tp, c.gpu
+    how, sp = c.spec.memory.recompute, g.sequence_parallel
+    if how == "none":
+        return 0
+    split = bool(role_steps(c, role, kinds=(NodeKind.FORWARD,), part=Part.SUFFIX))
+    tokens = g.microbatch_tokens if split else g.group_size * (g.prompt_tokens + g.response_tokens)
+    kept = S.layer_input_bytes_per_token(t, tp, sp)
+    if how == "selective":
+        kept += S.attention_saved_bytes_per_token(t, tp, not split)
+    keys = suffix_keys_per_layer(c) if split and how == "full" else 0
+    return tokens * (S.layer_activation_bytes_per_token(t, tp, sp) - kept) + keys
+
+
 def _unsplit_vision_activations(c: Context) -> int:
     """Unsplit, a group's microbatch runs the vision tower once for each of its sequences (`hidden` over prompt ++
     response) and keeps its saved tensors: every block's (or under recompute, selective or full, each block's
@@ -197,13 +215,19 @@ def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject
     tokens and a microbatch's response tokens. Saved for backward in every layer (under selective recompute too:
     the attention keeps what it saves); under full recompute the layer is checkpointed, and one layer's copy and,
     in backward, its gradient are alive at a time."""
-    t, g = c.model.text, c.gpu
-    keys = g.prompts_per_rank * g.prompt_tokens + g.microbatch_tokens
-    per_layer = keys * S.kv_bytes_per_token(t, g.train_tp) // t.num_hidden_layers
+    t = c.model.text
     layers = 2 if c.spec.memory.recompute == "full" else t.num_hidden_layers
     return MemObject(
-        role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, layers * per_layer, live, Residency.ABSENT
-    )
+        role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, layers * suffix_keys_per_layer(c), live,
+        Residency.ABSENT,
+    )  # fmt: skip
+
+
+def suffix_keys_per_layer(c: Context) -> int:
+    """One decoder layer's keys and values of the scoring attention (`_suffix_attention`)."""
+    t, g = c.model.text, c.gpu
+    keys = g.prompts_per_rank * g.prompt_tokens + g.microbatch_tokens
+    return keys * S.kv_bytes_per_token(t, g.train_tp) // t.num_hidden_layers
 
 
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:

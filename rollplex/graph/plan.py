@@ -158,6 +158,7 @@ def remedies(plan: Plan, objects: list[MemObject]) -> list[str]:
         Component.ACTIVATIONS: "set memory.recompute: full"
         if m.recompute != "full"
         else "lower memory.microbatch_tokens or workload.response_tokens",
+        Component.LAYERS_KEPT: "lower memory.layers_kept",
         Component.KV_CACHE: "lower memory.rollout_kv_gib" if m.rollout_kv_gib else "lower workload.prompts_per_step",
         Component.GRADIENTS: more_tp,
         Component.MASTER: "set parallel.distributed_optimizer: true" if gpus > p.train_tp else more_tp,

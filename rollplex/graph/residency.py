@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Part, Phase, Role, TensorClass, ops, prefilled_decodes, steps
 from rollplex.graph.memobject import GIB, Component, Context, MemObject, Residency
-from rollplex.graph.objects import prompt_inputs_first
+from rollplex.graph.objects import kept_layer_bytes, prompt_inputs_first
 
 PIPELINE_DEPTH = 3
 MAX_AUTO_CHUNK = 1 * GIB  # larger chunks stop helping once transfers overlap compute
@@ -69,6 +69,7 @@ class ResidencyPlan:
     capacity_bytes: int
     state_share_bytes: int = 0  # the share of the FP32 state kept in HBM where the rest streams (`keep_state_share`)
     update_beside: tuple[int, ...] = ()  # the steps the actor's update runs on into (`update_beside_steps`)
+    layers_kept: int = 0  # the actor's last decoder layers kept whole under recompute (`keep_layers`)
 
     @property
     def peak_bytes(self) -> int:
@@ -124,11 +125,33 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
                 Residency.ABSENT,
             ),
         ]
+    objects, kept = keep_layers(c, objects, int(capacity * SPEND_LIMIT))
     step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
     return ResidencyPlan(
         tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share,
-        tuple(sorted(beside)),
+        tuple(sorted(beside)), kept,
     )  # fmt: skip
+
+
+def keep_layers(c: Context, objects: list[MemObject], room: int) -> tuple[list[MemObject], int]:
+    """`memory.layers_kept`: the actor's last decoder layers that keep every tensor under recompute (each
+    `kept_layer_bytes` more), as one object over its microbatch's activations' steps: the spec's number, or at auto
+    as many as each of those steps has `room` for (SPEND_LIMIT of the card) after every other object: HBM that
+    would sit idle, each layer kept one rerun less in backward. Returns the objects and the layers kept."""
+    per_layer = kept_layer_bytes(c, Role.ACTOR)
+    activations = [o for o in objects if o.role == "actor" and o.component is Component.ACTIVATIONS and not o.vision]
+    if not activations or per_layer == 0:
+        return objects, 0
+    live, chosen = activations[0].live, c.spec.memory.layers_kept
+    if chosen == "auto":
+        free = min(room - sum(o.bytes for o in objects if s in o.live) for s in live)
+        chosen = min(c.model.text.num_hidden_layers, max(free, 0) // per_layer)
+    if chosen == 0:
+        return objects, 0
+    name = f"activations, last {chosen} layers kept whole"
+    kept = MemObject("actor", Component.LAYERS_KEPT, TensorClass.PHASE_LOCAL, chosen * per_layer, live,
+                     Residency.ABSENT, name=name)  # fmt: skip
+    return [*objects, kept], chosen
 
 
 def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory) -> list[MemObject]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_base import Strict
@@ -182,6 +182,13 @@ class MemorySpec(Strict):
         "attention; a vision block, which only unsplit scoring runs, reruns whole), full (each decoder layer and "
         "vision block keeps its input; backward reruns it), or auto: of those the plan fits with, the one that "
         "keeps the most unless one that keeps less has a lower step bound.",
+    )
+    layers_kept: Literal["auto"] | NonNegativeInt = Field(
+        "auto",
+        description="Under selective or full recompute, how many of the actor's last decoder layers keep every "
+        "tensor autograd saves and do not rerun in backward (the others recompute as `recompute` says); auto: as "
+        "many as the steps that hold the training microbatch's activations have room for once everything else is "
+        "placed (HBM a plan would leave idle: the FP32 state and the prefix's saved tensors come first).",
     )
     microbatch_tokens: PositiveInt | None = Field(
         None,

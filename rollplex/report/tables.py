@@ -274,6 +274,10 @@ def residency_choices(plan: Plan, peaks) -> str:
                 else ""
             )
         )
+    if d.recompute.reruns:
+        layers = plan.loaded.model.text.num_hidden_layers
+        kept = f", the last {d.layers_kept} of {layers} decoder layers kept whole" if d.layers_kept else ""
+        lines.append(f"training microbatch: recompute {d.recompute.value}{kept}")
     out = "residency choices: " + "; ".join(lines)
     if plan.chosen:
         out += f"\n{plan.chosen}"

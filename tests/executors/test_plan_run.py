@@ -9,6 +9,7 @@ import pytest
 from run_testkit import ROOT, run, spec_text
 
 from rollplex.cli import main
+from rollplex.errors import SpecError
 from rollplex.executors.engines import build_engines
 from rollplex.graph.decisions import PrefixActivations, Recompute
 from rollplex.graph.load import parse_spec
@@ -66,6 +67,8 @@ def test_the_engines_follow_the_plans_decisions():
     assert engines.prefix_rerun is not None and engines.prefix_memory().__class__.__name__ == "nullcontext"
     with engines.microbatch_memory() as wrapped:
         assert wrapped > 0
+    with pytest.raises(SpecError, match=r"decisions.layers_kept.*3 is more than the 2 decoder layers"):
+        build_engines(replace(plan, decisions=replace(edited, layers_kept=3)))
 
 
 def test_rollout_from_a_copy_refreshed_after_each_update_trains_as_rollout_from_the_actor(tmp_path):

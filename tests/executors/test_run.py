@@ -323,15 +323,16 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
     assert engines.response_lengths is not None and int(lens[0].max()) <= 32
 
 
-@pytest.mark.parametrize("how", ["selective", "full"])
+@pytest.mark.parametrize("how", ["selective, layers_kept: 0", "full, layers_kept: 0", "full, layers_kept: 1"])
 @pytest.mark.parametrize("schedule", [Schedule.ROLLPLEX, Schedule.UNSPLIT])
 def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
     specs = [parse_spec(spec_text(kl=0.1, device="cpu") + f"memory: {{recompute: {r}}}\n") for r in ("none", how)]
     g = compile_graph(specs[0].spec, schedule=schedule)
     kept, recomputed = build_engines(compile_plan(specs[0])), build_engines(compile_plan(specs[1]))
     layers, blocks = len(recomputed.actor.model.language_model.layers), len(recomputed.actor.model.visual.blocks)
+    rerun = layers - int(how[-1])  # a layer kept whole reruns nothing
     with recomputed.microbatch_memory() as wrapped:  # selective: each layer's two halves, each block whole
-        assert wrapped == (2 if how == "selective" else 1) * layers + blocks
+        assert wrapped == (2 if how.startswith("selective") else 1) * rerun + blocks
     dataset = open_dataset(specs[0].spec.workload.dataset, kept.tokenizer, 3)
     a = run_iteration(g, kept, batch_at(dataset, 0, 2))
     b = run_iteration(g, recomputed, batch_at(dataset, 0, 2))
@@ -343,7 +344,7 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
 def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_no_number():
     """`run.compiled_layers`: the actor's and the reference's decoder layers and vision blocks run their halves
     through `compile_halves` (Inductor on a GPU, as they are on the CPU), under selective recompute too."""
-    texts = [spec_text(kl=0.1, device="cpu") + "memory: {recompute: selective}\n", None]
+    texts = [spec_text(kl=0.1, device="cpu") + "memory: {recompute: selective, layers_kept: 0}\n", None]
     texts[1] = texts[0].replace("run: {", "run: {compiled_layers: true, ")
     assert texts[1] != texts[0]
     specs = [parse_spec(t) for t in texts]
@@ -374,7 +375,8 @@ def test_compiled_layers_forced_on_the_cpu_score_and_backpropagate_as_the_eager_
     aot = lookup_backend("aot_eager")
     for name, fn in (("_before_region", layers._before), ("_after_region", layers._after)):
         monkeypatch.setattr(layers, name, layers.layout_compiled(fn, aot, lambda x: True, unbacked=True))
-    text = spec_text(kl=0.1, device="cpu") + "memory: {recompute: selective, prefix_activations: recompute}\n"
+    memory = "memory: {recompute: selective, layers_kept: 0, prefix_activations: recompute}\n"
+    text = spec_text(kl=0.1, device="cpu") + memory
     specs = [parse_spec(t) for t in (text, text.replace("run: {", "run: {compiled_layers: true, "))]
     g = compile_graph(specs[0].spec, schedule=Schedule.ROLLPLEX)
     plain, compiled = (build_engines(compile_plan(s)) for s in specs)

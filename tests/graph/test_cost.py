@@ -312,8 +312,9 @@ def test_selective_recompute_reruns_the_scoring_forward_but_its_decoders_attenti
 
     def priced(how: Recompute) -> float:
         d = SimpleNamespace(
-            recompute=how, prefix_activations=PrefixActivations.RECOMPUTE, freeze_vision=False, prefix_saved=None
-        )
+            recompute=how, prefix_activations=PrefixActivations.RECOMPUTE, freeze_vision=False, prefix_saved=None,
+            layers_kept=0,
+        )  # fmt: skip
         return cost.backward(split, t, v, tokens, 1, d).flops
 
     scoring = (suffix_forward(t, tokens, 1) if split else cost.whole_forward(t, v, tokens, 1)).flops
@@ -321,6 +322,14 @@ def test_selective_recompute_reruns_the_scoring_forward_but_its_decoders_attenti
     none, selective, full = (priced(how) for how in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL))
     assert full - none == pytest.approx(scoring, rel=1e-9)
     assert full - selective == pytest.approx(attention, rel=1e-9) and 0 < attention < scoring / 2
+    # the actor's last 9 of 36 decoder layers kept whole rerun nothing; unsplit, the vision tower still reruns
+    d = SimpleNamespace(recompute=Recompute.FULL, prefix_activations=PrefixActivations.RECOMPUTE,
+                        freeze_vision=False, prefix_saved=None, layers_kept=9)  # fmt: skip
+    vision = 0.0 if split else cost.whole_vision_flops(v, tokens)
+    kept = cost.backward(split, t, v, tokens, 1, d).flops
+    assert full - kept == pytest.approx((scoring - vision) * 9 / t.num_hidden_layers, rel=1e-9)
+    critic = cost.backward(split, t, v, tokens, 1, d, value=True)  # a critic's layers all rerun
+    assert critic == cost.backward(split, t, v, tokens, 1, SimpleNamespace(**{**vars(d), "layers_kept": 0}), value=True)
 
 
 def test_selective_recompute_reruns_every_matmul_full_recompute_does(tiny):

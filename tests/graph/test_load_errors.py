@@ -73,6 +73,10 @@ CASES = {
         BASE.replace("visual_tokens: 8}", "visual_tokens: 8, dataset: my.jsonl, replay_lengths: true}"),
         ["workload", "replay_lengths needs a synthetic:<preset> dataset", "my.jsonl"],
     ),
+    "more layers kept than the model has": (
+        BASE + "memory: {layers_kept: 99}\n",
+        ["memory.layers_kept", "99 is more than tiny's 2 decoder layers", "use at most 2"],
+    ),
     "train tp not a multiple of rollout tp": (
         BASE.replace("gpus_per_node: 1", "gpus_per_node: 4")
         .replace("train_tp: 1, rollout_tp: 1", "train_tp: 2, rollout_tp: 4")

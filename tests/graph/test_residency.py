@@ -7,7 +7,7 @@ import pytest
 from test_plan import both_parts, tiny, tiny_text
 
 from rollplex.graph.decisions import Recompute
-from rollplex.graph.ir import steps
+from rollplex.graph.ir import Role, steps
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.memobject import GIB, Residency
 from rollplex.graph.plan import compile_plan
@@ -92,7 +92,7 @@ def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_f
     from rollplex.graph.cost import update
     from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
 
-    text = seven_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n")
+    text = seven_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n  layers_kept: 0\n")
     auto = compile_plan(parse_spec(text))  # the prefix's saved tensors held where they are: only the state moves
     host = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  optimizer_state: host\n")))
     r, d = auto.residency, auto.decisions
@@ -302,3 +302,32 @@ def test_a_selective_microbatch_holds_each_layers_input_and_attention_tensors_an
     keys = held(selective, Component.SUFFIX_ATTENTION)
     assert keys == held(full, Component.SUFFIX_ATTENTION) * t.num_hidden_layers // 2
     assert selective.decisions.recompute is Recompute.SELECTIVE and selective.residency.fits
+
+
+def test_under_recompute_the_idle_hbm_of_the_microbatchs_steps_keeps_the_last_decoder_layers_whole():
+    """`memory.layers_kept: auto`: after every other object, the layers each of the activations' steps has room for
+    within SPEND_LIMIT of the card, one `kept_layer_bytes` each; a number is taken as it is."""
+    from rollplex.graph.memobject import Component
+    from rollplex.graph.objects import kept_layer_bytes, suffix_keys_per_layer
+    from rollplex.graph.residency import SPEND_LIMIT
+    from rollplex.layout import shapes as S
+
+    text = (SPECS / "qwen2_5_vl_3b_h200.yaml").read_text()
+    plan = compile_plan(parse_spec(text))
+    r, d = plan.residency, plan.decisions
+    (kept,) = [o for o in r.objects if o.component is Component.LAYERS_KEPT]
+    per_layer = kept_layer_bytes(plan.context, Role.ACTOR)
+    assert d.layers_kept == r.layers_kept > 0 and kept.bytes == d.layers_kept * per_layer
+    (activations,) = [o for o in r.objects if o.role == "actor" and o.component is Component.ACTIVATIONS]
+    assert kept.live == activations.live
+    busiest = max(r.step_bytes[s] for s in kept.live)
+    assert busiest <= SPEND_LIMIT * r.capacity_bytes < busiest + per_layer  # one layer more would not fit
+    forced = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  layers_kept: 36\n")))
+    assert forced.decisions.layers_kept == 36 and not forced.residency.fits  # every layer: over the card
+    selective = compile_plan(parse_spec(text.replace("recompute: full", "recompute: selective")))
+    t, tokens = plan.loaded.model.text, plan.context.gpu.microbatch_tokens
+    attention = tokens * S.attention_saved_bytes_per_token(t, 1, keys=False)  # kept by selective anyway
+    keys = suffix_keys_per_layer(plan.context)  # held by a kept layer under full recompute, by all under selective
+    assert per_layer - kept_layer_bytes(selective.context, Role.ACTOR) == attention + keys
+    none = compile_plan(parse_spec(text.replace("recompute: full", "recompute: none")))
+    assert none.decisions.layers_kept == 0 and kept_layer_bytes(none.context, Role.ACTOR) == 0
