@@ -297,12 +297,7 @@ def test_giving_back_the_actor_prefix_activations_changes_no_number(mode):
     g = compile_graph(spec.spec, schedule=Schedule.ROLLPLEX)
     kept, given_back = build_engines(compile_plan(spec)), build_engines(compile_plan(spec))
     kept.prefix_memory = nullcontext  # every saved tensor stays where autograd put it
-    dataset = open_dataset(spec.spec.workload.dataset, kept.tokenizer, 3)
-    a = run_iteration(g, kept, batch_at(dataset, 0, 2))
-    b = run_iteration(g, given_back, batch_at(dataset, 0, 2))
-    assert a.stats == b.stats
-    for (name, p), q in zip(kept.actor.named_parameters(), given_back.actor.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    step_alike(g, spec, kept, given_back)
     if mode == "offload":
         assert given_back.prefix_memory().stats().num_bytes > 0  # the prefix's saved tensors went to the pool
 
@@ -323,6 +318,15 @@ def test_replayed_lengths_end_the_responses_at_budgets_drawn_from_the_preset():
     assert engines.response_lengths is not None and int(lens[0].max()) <= 32
 
 
+def step_alike(g, spec, first, second) -> None:
+    """One step of each engine on the same batch of `spec`'s data: the same stats, bitwise the same weights."""
+    dataset = open_dataset(spec.spec.workload.dataset, first.tokenizer, 3)
+    a, b = (run_iteration(g, e, batch_at(dataset, 0, 2)) for e in (first, second))
+    assert a.stats == b.stats
+    for (name, p), q in zip(first.actor.named_parameters(), second.actor.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("how", ["selective, layers_kept: 0", "full, layers_kept: 0", "full, layers_kept: 1"])
 @pytest.mark.parametrize("schedule", [Schedule.ROLLPLEX, Schedule.UNSPLIT])
 def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
@@ -333,12 +337,7 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
     rerun = layers - int(how[-1])  # a layer kept whole reruns nothing
     with recomputed.microbatch_memory() as wrapped:  # selective: each layer's two halves, each block whole
         assert wrapped == (2 if how.startswith("selective") else 1) * rerun + blocks
-    dataset = open_dataset(specs[0].spec.workload.dataset, kept.tokenizer, 3)
-    a = run_iteration(g, kept, batch_at(dataset, 0, 2))
-    b = run_iteration(g, recomputed, batch_at(dataset, 0, 2))
-    assert a.stats == b.stats
-    for (name, p), q in zip(kept.actor.named_parameters(), recomputed.actor.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    step_alike(g, specs[0], kept, recomputed)
 
 
 def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_no_number():
@@ -355,12 +354,7 @@ def test_compiled_layers_patch_the_scoring_models_halves_and_on_the_cpu_change_n
             own = unit.__dict__  # patched on the instance, bound to it
             assert own["before_attention"].__func__ is not type(unit).before_attention and own["after_attention"]
     assert "before_attention" not in plain.actor.model.language_model.layers[0].__dict__
-    dataset = open_dataset(specs[0].spec.workload.dataset, plain.tokenizer, 3)
-    a = run_iteration(g, plain, batch_at(dataset, 0, 2))
-    b = run_iteration(g, compiled, batch_at(dataset, 0, 2))
-    assert a.stats == b.stats
-    for (name, p), q in zip(plain.actor.named_parameters(), compiled.actor.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    step_alike(g, specs[0], plain, compiled)
 
 
 @pytest.mark.slow

@@ -121,6 +121,25 @@ def _layer_units(model: Qwen2_5_VL, how: str) -> list[tuple[torch.nn.Module, str
     return [(layer, h) for layer in model.model.language_model.layers for h in halves]
 
 
+def _mark_attention(monkeypatch, inside: list[bool], seen) -> None:
+    """Patches the suffix's attention: `inside[0]` is True while a call runs, and `seen(attention, q, out)` hears
+    of each call after it."""
+    from rollplex.models.attention import PackedPrefixAttention
+
+    attend = PackedPrefixAttention.__call__
+
+    def marked(self, layer, q, k, v):
+        inside[0] = True
+        try:
+            out = attend(self, layer, q, k, v)
+        finally:
+            inside[0] = False
+        seen(self, q, out)
+        return out
+
+    monkeypatch.setattr(PackedPrefixAttention, "__call__", marked)
+
+
 @pytest.mark.parametrize("how", ["selective", "full"])
 def test_a_recomputed_suffix_gives_the_same_gradients_and_selective_runs_each_attention_once(
     model, prompts, responses, monkeypatch, how
@@ -161,20 +180,11 @@ def test_selective_recompute_keeps_beside_the_attentions_own_only_what_full_reco
     recompute) and the attention's output (which flash and FlexAttention save anyway); the plan counts these
     (`layout.shapes.attention_saved_bytes_per_token`)."""
     from rollplex.memory.offload import recompute_methods
-    from rollplex.models.attention import PackedPrefixAttention
 
     tokens, lens = responses
     boundary = model.prefix(prompts, attached=False)
-    inside, outputs, attend = [False], [], PackedPrefixAttention.__call__
-
-    def marked(self, layer, q, k, v):
-        inside[0] = True
-        try:
-            out = attend(self, layer, q, k, v)
-        finally:
-            inside[0] = False
-        outputs.append(out.untyped_storage().nbytes())
-        return out
+    inside, outputs = [False], []
+    _mark_attention(monkeypatch, inside, lambda attention, q, out: outputs.append(out.untyped_storage().nbytes()))
 
     def saved_outside_attention(how: str) -> int:
         saved = {}
@@ -189,12 +199,9 @@ def test_selective_recompute_keeps_beside_the_attentions_own_only_what_full_reco
             assert model.suffix(boundary, tokens, lens).logprobs.requires_grad
         return sum(saved.values())
 
-    monkeypatch.setattr(PackedPrefixAttention, "__call__", marked)
     full = saved_outside_attention("full")
-    assert (
-        saved_outside_attention("selective") == full + sum(outputs)
-        and len(outputs) == model.config.text.num_hidden_layers
-    )
+    assert saved_outside_attention("selective") == full + sum(outputs)
+    assert len(outputs) == model.config.text.num_hidden_layers
 
 
 @pytest.mark.gpu
@@ -205,29 +212,19 @@ def test_on_a_gpu_a_selective_layers_attention_saves_what_the_plan_counts(config
     KV end to end beside the packed tokens' own, `objects._suffix_attention`'s per-layer keys."""
     from rollplex.layout import shapes as S
     from rollplex.memory.offload import recompute_methods
-    from rollplex.models.attention import PackedPrefixAttention
 
     torch.manual_seed(0)
     model = Qwen2_5_VL(config).cuda().to(torch.bfloat16)
     tokens, lens = responses
     boundary = model.prefix(prompts, attached=False)
-    inside, seen, shapes, attend = [False], {}, [], PackedPrefixAttention.__call__
-
-    def marked(self, layer, q, k, v):
-        inside[0] = True
-        try:
-            out = attend(self, layer, q, k, v)
-        finally:
-            inside[0] = False
-        shapes.append((q.shape[2], self.num_keys))
-        return out
+    inside, seen, shapes = [False], {}, []
+    _mark_attention(monkeypatch, inside, lambda attention, q, out: shapes.append((q.shape[2], attention.num_keys)))
 
     def pack(t):
         if inside[0] and t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
             seen[t.data_ptr()] = t.numel() * t.element_size()
         return t
 
-    monkeypatch.setattr(PackedPrefixAttention, "__call__", marked)
     with (
         recompute_methods(_layer_units(model, "selective")),
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -236,7 +233,6 @@ def test_on_a_gpu_a_selective_layers_attention_saves_what_the_plan_counts(config
     t = config.text
     queries, keys = shapes[0]
     assert set(shapes) == {(queries, keys)} and len(shapes) == t.num_hidden_layers
-    per_layer = queries * S.attention_saved_bytes_per_token(t, 1, keys=False) + keys * S.kv_bytes_per_token(t, 1) // (
-        t.num_hidden_layers
-    )
+    kv = keys * S.kv_bytes_per_token(t, 1) // t.num_hidden_layers
+    per_layer = queries * S.attention_saved_bytes_per_token(t, 1, keys=False) + kv
     assert sum(seen.values()) == t.num_hidden_layers * per_layer
