@@ -141,7 +141,7 @@ def test_the_dry_run_names_the_other_residency_that_also_fits_and_is_faster_by_t
     forced.write_text(seven.replace("memory:\n", "memory:\n  prefix_saved: hbm\n"))
     assert main(["compile", str(forced), "--dry-run", "--efficiency", efficiency]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("also fits")]
-    assert "set memory.prefix_saved: host (step bound" in line and "predicted" in line
+    assert "set memory.prefix_saved: host and memory.layers_kept: 0 (step bound" in line and "predicted" in line
     assert main(["compile", str(SPECS / "qwen2_5_vl_7b_h200.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "also fits" not in out and "memory.prefix_saved auto: host, the HBM they leave" in out

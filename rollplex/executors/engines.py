@@ -238,9 +238,8 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         for model in (actor, reference, critic):
             if model is not None:
                 compile_halves([*model.model.visual.blocks, *model.model.language_model.layers])
-    if d.update_beside_prefix:  # the next prefix's modules wait for their own chunks of the update
-        units = [*actor.model.visual.blocks, *actor.model.language_model.layers] if spec.run.compiled_layers else ()
-        gate_modules(actor, optimizer, whole=units)
+    if d.update_beside_prefix:  # the next prefix's layers and blocks, each before it runs, wait for its chunks
+        gate_modules(actor, optimizer, whole=[*actor.model.visual.blocks, *actor.model.language_model.layers])
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
         rollout = split_rollout(rollout, tp.exchange, keyed=device.type == "cuda")  # the fused sampler keys rows
     return Engines(

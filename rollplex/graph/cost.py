@@ -383,18 +383,21 @@ def whole_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
 
 def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, d: Decisions,
              sp: bool = False, value: bool = False) -> Cost:  # fmt: skip
-    """A trained role's scoring forward, its backward (twice the forward) and what backward reruns of it
-    (`d.recompute`: all of it, all but the decoder's attention, or nothing; the actor's last `d.layers_kept`
-    decoder layers rerun nothing, its vision blocks, which only unsplit scoring runs, all of theirs); split, also
-    `prefix_backward`. `value`: a value model's (PPO's critic: a scalar head, its prefix tensors kept in HBM)."""
+    """A trained role's scoring forward, its backward (twice the forward; a frozen vision tower, which only unsplit
+    scoring runs, needs none) and what backward reruns of it (`d.recompute`: every decoder layer, every one but its
+    attention, or nothing; not the LM head, which no recompute checkpoints; the actor's last `d.layers_kept`
+    decoder layers nothing; a trained vision tower all of its blocks); split, also `prefix_backward`. `value`: a
+    value model's (PPO's critic: a scalar head, its prefix tensors kept in HBM)."""
     scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
     vision = 0.0 if split else whole_vision_flops(v, tokens)
     attention = (suffix_attention_flops if split else whole_attention_flops)(t, tokens, tp)
-    decoder = {Recompute.NONE: 0.0, Recompute.SELECTIVE: scoring.flops - vision - attention,
-               Recompute.FULL: scoring.flops - vision}[d.recompute]  # fmt: skip
+    head = sum(_head_flops(t, sum(lens), tp, value) for lens in tokens.response_lens)
+    layers = scoring.flops - vision - head
+    decoder = {Recompute.NONE: 0.0, Recompute.SELECTIVE: layers - attention, Recompute.FULL: layers}[d.recompute]
     rerunning = 1 - (0 if value else d.layers_kept) / t.num_hidden_layers  # the decoder layers that rerun
-    rerun = (vision if d.recompute.reruns else 0.0) + decoder * rerunning
-    cost = scoring.scaled(3) + Cost(flops=rerun)
+    trained_vision = 0.0 if d.freeze_vision else vision
+    rerun = (trained_vision if d.recompute.reruns else 0.0) + decoder * rerunning
+    cost = scoring.scaled(3) + Cost(flops=rerun - 2 * (vision - trained_vision))
     return cost + prefix_backward(t, v, tokens, tp, d, sp, value) if split else cost
 
 

@@ -99,19 +99,21 @@ RESIDENCY_KEYS = ("prefix_saved", "optimizer_state")
 
 def faster_residencies(plan, efficiencies: dict[str, float] | None = None) -> list[Faster]:
     """The other placement (hbm or host) of each of `RESIDENCY_KEYS`, where its plan fits and its step bound is
-    lower than `plan`'s: fastest first. The decoder layers kept whole stay as planned: HBM a placement frees would
-    otherwise go to more of them, and the bound, which hides the link's traffic under the device's work, would
-    count each placement on the host as a gain."""
-    from rollplex.graph.plan import compile_plan
+    lower than `plan`'s: fastest first. The decoder layers kept whole stay as planned (the lever names their
+    number where the spec leaves it to auto): HBM a placement frees would otherwise go to more of them, and the
+    bound, which hides the link's traffic under the device's work, would count each placement on the host as a
+    gain."""
+    from rollplex.graph.plan import compile_plan, keeping_layers
 
     bound, _ = step_seconds(plan, efficiencies)
     found = []
     for key in RESIDENCY_KEYS:
         other = "host" if getattr(plan.decisions, key).value == "hbm" else "hbm"
-        lever = Lever(f"set memory.{key}: {other}", {"memory": {key: other}})
-        same = {"memory": {key: other, "layers_kept": plan.decisions.layers_kept}}  # the rest as planned
+        changes = keeping_layers(plan, {"memory": {key: other}})
+        pinned = f" and memory.layers_kept: {plan.decisions.layers_kept}" if "layers_kept" in changes["memory"] else ""
+        lever = Lever(f"set memory.{key}: {other}{pinned}", changes)
         try:
-            alternative = compile_plan(with_changes(plan.loaded, same), plan.schedule)
+            alternative = compile_plan(with_changes(plan.loaded, changes), plan.schedule)
         except (ValidationError, SpecError, ValueError):
             continue
         if alternative.residency.fits:

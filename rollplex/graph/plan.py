@@ -98,12 +98,27 @@ def _keeps_where_it_fits(loaded: LoadedSpec, schedule: Schedule, check: bool, ke
 
 def _if_faster(plan: Plan, changes: dict, check: bool, chose: str, otherwise: str) -> Plan:
     """An `auto` setting: the plan compiled with `changes` where it fits, differs in its decisions (a change that
-    has no effect is none) and beats `plan` (`_beats`), with why added to `chosen`; else `plan`."""
-    other = _compiled(with_changes(plan.loaded, changes), plan.schedule, check)
-    if other.decisions == plan.decisions or not other.residency.fits or not (why := _beats(other, plan)):
+    has no effect is none) and beats `plan` (`_beats`) or `plan` does not fit, with why added to `chosen`; else
+    `plan`. They are weighed with `plan`'s decoder layers kept whole (`memory.layers_kept`), the HBM a change frees
+    otherwise buying more of them, which the bound would count for the change; the plan taken keeps its own."""
+    pinned = _compiled(with_changes(plan.loaded, keeping_layers(plan, changes)), plan.schedule, check)
+    if pinned.decisions == plan.decisions or not pinned.residency.fits:
         return plan
+    why = _beats(pinned, plan) if plan.residency.fits else "the plan does not fit"
+    if not why:
+        return plan
+    kept = keeping_layers(plan, changes)
+    other = pinned if kept is changes else _compiled(with_changes(plan.loaded, changes), plan.schedule, check)
     why = f"{chose} ({why} {otherwise})"
     return replace(other, chosen="\n".join(x for x in (plan.chosen, why) if x))
+
+
+def keeping_layers(plan: Plan, changes: dict) -> dict:
+    """`changes` with `plan`'s decoder layers kept whole as a number, where the spec leaves them to auto."""
+    if plan.loaded.spec.memory.layers_kept != "auto":
+        return changes
+    memory = {**changes.get("memory", {}), "layers_kept": plan.decisions.layers_kept}
+    return {**changes, "memory": memory}
 
 
 TIE = 0.01  # step bounds this close, relative to the larger, are a tie

@@ -70,6 +70,7 @@ class ResidencyPlan:
     state_share_bytes: int = 0  # the share of the FP32 state kept in HBM where the rest streams (`keep_state_share`)
     update_beside: tuple[int, ...] = ()  # the steps the actor's update runs on into (`update_beside_steps`)
     layers_kept: int = 0  # the actor's last decoder layers kept whole under recompute (`keep_layers`)
+    spent_layers_bytes: int = 0  # of them, the bytes `layers_kept: auto` spent on room the plan left idle
 
     @property
     def peak_bytes(self) -> int:
@@ -77,9 +78,9 @@ class ResidencyPlan:
 
     @property
     def need_bytes(self) -> int:
-        """The peak without the FP32 state's share kept in HBM (it only takes room the plan leaves idle): what
-        the plan needs, the figure a change of the spec lowers."""
-        return self.peak_bytes - self.state_share_bytes
+        """The peak without what only takes room the plan leaves idle (the FP32 state's share kept in HBM, the
+        layers `layers_kept: auto` keeps whole): what the plan needs, the figure a change of the spec lowers."""
+        return self.peak_bytes - self.state_share_bytes - self.spent_layers_bytes
 
     @property
     def fits_hbm(self) -> bool:
@@ -104,6 +105,9 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
         objects = [replace(o, live=o.live | beside) if _held_by_update(o) else o for o in objects]
         objects = [*objects, prompt_inputs_first(c, beside)]
     host_room = int((c.spec.memory.host_pool_gib or c.spec.cluster.host_gib) * GIB) // c.spec.cluster.gpus_per_node
+    named = c.spec.memory.layers_kept != "auto"
+    if named:  # the spec's number: held like the activations, before any choice spends HBM
+        objects, kept = keep_layers(c, objects, capacity)
     objects = spend_hbm(objects, capacity, update, c.spec.memory)
     objects = keep_in_hbm_when_room(objects, capacity, update, host_room, c.spec.memory)
     unshared, share, room = objects, 0, _spend_room(objects, capacity, update)
@@ -125,19 +129,23 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
                 Residency.ABSENT,
             ),
         ]
-    objects, kept = keep_layers(c, objects, int(capacity * SPEND_LIMIT))
+    spent = 0
+    if not named:  # auto: what is left idle after every other choice
+        objects, kept = keep_layers(c, objects, int(capacity * SPEND_LIMIT))
+        spent = sum(o.bytes for o in objects if o.component is Component.LAYERS_KEPT)
     step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
     return ResidencyPlan(
         tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share,
-        tuple(sorted(beside)), kept,
+        tuple(sorted(beside)), kept, spent,
     )  # fmt: skip
 
 
 def keep_layers(c: Context, objects: list[MemObject], room: int) -> tuple[list[MemObject], int]:
     """`memory.layers_kept`: the actor's last decoder layers that keep every tensor under recompute (each
-    `kept_layer_bytes` more), as one object over its microbatch's activations' steps: the spec's number, or at auto
-    as many as each of those steps has `room` for (SPEND_LIMIT of the card) after every other object: HBM that
-    would sit idle, each layer kept one rerun less in backward. Returns the objects and the layers kept."""
+    `kept_layer_bytes` more), as one object over its microbatch's activations' steps: the spec's number (placed
+    first, as the activations are), or at auto as many as each of those steps has `room` for (SPEND_LIMIT of the
+    card) after every other object: HBM that would sit idle, each layer kept one rerun less in backward. Returns
+    the objects and the layers kept."""
     per_layer = kept_layer_bytes(c, Role.ACTOR)
     activations = [o for o in objects if o.role == "actor" and o.component is Component.ACTIVATIONS and not o.vision]
     if not activations or per_layer == 0:

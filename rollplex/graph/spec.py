@@ -181,14 +181,17 @@ class MemorySpec(Strict):
         "keys, values, output and log-sum-exp; backward reruns the layer's projections, norms and MLP, not its "
         "attention; a vision block, which only unsplit scoring runs, reruns whole), full (each decoder layer and "
         "vision block keeps its input; backward reruns it), or auto: of those the plan fits with, the one that "
-        "keeps the most unless one that keeps less has a lower step bound.",
+        "keeps the most unless one that reruns more has a lower step bound (bounds within 1 % are a tie, won by the "
+        "plan that moves fewer bytes over the host link).",
     )
     layers_kept: Literal["auto"] | NonNegativeInt = Field(
         "auto",
         description="Under selective or full recompute, how many of the actor's last decoder layers keep every "
-        "tensor autograd saves and do not rerun in backward (the others recompute as `recompute` says); auto: as "
-        "many as the steps that hold the training microbatch's activations have room for once everything else is "
-        "placed (HBM a plan would leave idle: the FP32 state and the prefix's saved tensors come first).",
+        "tensor autograd saves and do not rerun in backward (the others recompute as `recompute` says). A number "
+        "is held as the activations are, before the plan places anything else; auto: as many as the steps that "
+        "hold the training microbatch's activations have room for once everything else is placed (HBM the plan "
+        "would leave idle: the FP32 state and the prefix's saved tensors come first, and the other `auto` "
+        "settings are weighed with the layers as they are).",
     )
     microbatch_tokens: PositiveInt | None = Field(
         None,

@@ -335,8 +335,11 @@ def test_recomputing_the_training_microbatch_changes_no_number(schedule, how):
     kept, recomputed = build_engines(compile_plan(specs[0])), build_engines(compile_plan(specs[1]))
     layers, blocks = len(recomputed.actor.model.language_model.layers), len(recomputed.actor.model.visual.blocks)
     rerun = layers - int(how[-1])  # a layer kept whole reruns nothing
+    decoder = recomputed.actor.model.language_model.layers
     with recomputed.microbatch_memory() as wrapped:  # selective: each layer's two halves, each block whole
         assert wrapped == (2 if how.startswith("selective") else 1) * rerun + blocks
+        patched = [bool({"forward", "after_attention"} & layer.__dict__.keys()) for layer in decoder]
+        assert patched == [True] * rerun + [False] * (layers - rerun)  # the last layers are the ones kept whole
     step_alike(g, specs[0], kept, recomputed)
 
 

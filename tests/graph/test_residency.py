@@ -158,7 +158,8 @@ def test_faster_residencies_offers_the_other_placement_only_where_it_fits_and_lo
     text = seven_text()
     seven = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  prefix_saved: hbm\n")))
     (faster,) = faster_residencies(seven)
-    assert faster.lever.changes == {"memory": {"prefix_saved": "host"}} and faster.predicted_s is None
+    assert faster.lever.changes == {"memory": {"prefix_saved": "host", "layers_kept": 0}}  # the layers as planned
+    assert faster.lever.text == "set memory.prefix_saved: host and memory.layers_kept: 0" and faster.predicted_s is None
     bound, _ = step_seconds(seven)
     assert faster.bound_s < bound - 0.3  # the update's exposed host traffic falls by about 28 GB each way
     three = compile_plan(load_spec(SPECS / "qwen2_5_vl_3b_h200.yaml"))  # all in HBM: the host is never faster
@@ -322,8 +323,11 @@ def test_under_recompute_the_idle_hbm_of_the_microbatchs_steps_keeps_the_last_de
     assert kept.live == activations.live
     busiest = max(r.step_bytes[s] for s in kept.live)
     assert busiest <= SPEND_LIMIT * r.capacity_bytes < busiest + per_layer  # one layer more would not fit
+    assert r.need_bytes == r.peak_bytes - kept.bytes  # room the plan would leave idle: not what it needs
     forced = compile_plan(parse_spec(text.replace("memory:\n", "memory:\n  layers_kept: 36\n")))
-    assert forced.decisions.layers_kept == 36 and not forced.residency.fits  # every layer: over the card
+    d = forced.decisions  # a number is held as the activations are: the saved tensors and the state make room
+    assert d.layers_kept == 36 and forced.residency.fits and Residency.HOST == d.prefix_saved == d.optimizer_state
+    assert forced.residency.need_bytes == forced.residency.peak_bytes - forced.residency.state_share_bytes
     selective = compile_plan(parse_spec(text.replace("recompute: full", "recompute: selective")))
     t, tokens = plan.loaded.model.text, plan.context.gpu.microbatch_tokens
     attention = tokens * S.attention_saved_bytes_per_token(t, 1, keys=False)  # kept by selective anyway

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import types
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
@@ -198,6 +199,9 @@ def test_compiled_halves_give_the_eager_gradients_with_one_compile_for_every_lay
             torch.testing.assert_close(ours[name], g, rtol=1e-5, atol=1e-6, msg=name)
         counts.append(len(compiles))
     assert counts[1] == counts[2] > 0  # the third length (and every layer) reuses the dynamic compile
+    deeper = replace(config, text=replace(config.text, num_hidden_layers=3 * config.text.num_hidden_layers))
+    _gradients(_seeded(deeper, compiled=True), *_lengths(inputs, 9))
+    assert len(compiles) == counts[2]  # a model of three times the layers: no compile of its own for any of them
 
 
 def test_without_a_gpu_the_halves_run_eagerly_and_a_copy_binds_them_to_its_own_units(config, inputs):
