@@ -116,13 +116,18 @@ def test_a_critics_update_stays_in_its_step_when_the_actors_runs_beside_the_next
     assert now["update"].cost.host_bytes == pytest.approx(was["update"].cost.host_bytes - moved)
 
 
-def test_the_engines_gate_each_actor_module_with_parameters_of_its_own_on_its_chunks():
+def test_the_engines_gate_each_layer_block_and_other_module_with_parameters_on_its_chunks():
+    """Decoder layers and vision blocks wait for all of theirs at once (`gate_modules`' `whole`); every other
+    module with parameters of its own (embeddings, merger, norms, head) for its own."""
     counts = []
     for text in (spec_text(), beside(spec_text())):
         engines = build_engines(compile_plan(parse_spec(text)))
         counts.append(sum(len(m._forward_pre_hooks) for m in engines.actor.modules()))
-        owners = sum(1 for m in engines.actor.modules() if next(m.parameters(recurse=False), None) is not None)
-    assert engines.update_beside_prefix and counts[1] - counts[0] == owners > 0
+    model = engines.actor.model
+    units = [*model.visual.blocks, *model.language_model.layers]
+    inside = {id(m) for unit in units for m in unit.modules()}
+    owners = [m for m in engines.actor.modules() if id(m) not in inside and list(m.parameters(recurse=False))]
+    assert engines.update_beside_prefix and counts[1] - counts[0] == len(units) + len(owners) and owners
 
 
 def ppo_text() -> str:
