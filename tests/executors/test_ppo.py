@@ -181,3 +181,11 @@ def test_recomputing_the_critics_microbatch_as_the_plan_counts_it_changes_no_num
     assert a.stats["value_loss"] == b.stats["value_loss"]
     for (name, p), q in zip(kept.critic.named_parameters(), recomputed.critic.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_compiled_layers_reach_the_critics_layers_and_blocks_too():
+    base = spec_text(kl=0.1).replace("algorithm: {kl_coef:", "algorithm: {name: ppo, critic_lr: 1.0e-2, kl_coef:")
+    engines = build_engines(compile_plan(parse_spec(base.replace("run: {", "run: {compiled_layers: true, "))))
+    critic = engines.critic.model
+    for unit in (*critic.visual.blocks, *critic.language_model.layers):
+        assert unit.__dict__["before_attention"].__self__ is unit and "after_attention" in unit.__dict__
