@@ -101,13 +101,13 @@ def _if_faster(plan: Plan, changes: dict, check: bool, chose: str, otherwise: st
     has no effect is none) and beats `plan` (`_beats`) or `plan` does not fit, with why added to `chosen`; else
     `plan`. They are weighed with `plan`'s decoder layers kept whole (`memory.layers_kept`), the HBM a change frees
     otherwise buying more of them, which the bound would count for the change; the plan taken keeps its own."""
-    pinned = _compiled(with_changes(plan.loaded, keeping_layers(plan, changes)), plan.schedule, check)
+    kept = keeping_layers(plan, changes)
+    pinned = _compiled(with_changes(plan.loaded, kept), plan.schedule, check)
     if pinned.decisions == plan.decisions or not pinned.residency.fits:
         return plan
     why = _beats(pinned, plan) if plan.residency.fits else "the plan does not fit"
     if not why:
         return plan
-    kept = keeping_layers(plan, changes)
     other = pinned if kept is changes else _compiled(with_changes(plan.loaded, changes), plan.schedule, check)
     why = f"{chose} ({why} {otherwise})"
     return replace(other, chosen="\n".join(x for x in (plan.chosen, why) if x))
