@@ -47,8 +47,8 @@ class RunSpec(Strict):
         "two halves around the attention (norm, QKV projections and rotary; output projection, residuals, norm and "
         "MLP) as one Inductor region each, forward and backward, instead of compiling only their elementwise "
         "chains: the chains fuse with the GEMMs' neighbours and autograd sees one node a half. One compile serves "
-        "every layer and token count (per grad mode and model). Numbers differ from false at rounding level. Needs "
-        "parallel.train_tp 1.",
+        "every layer (per grad mode and model); new token counts may still compile now and then. Numbers differ "
+        "from false at rounding level. Measured no faster on the 3B (docs/results.md). Needs parallel.train_tp 1.",
     )
     rollout_prefill: Literal["auto", "rollout", "actor_prefix"] = Field(
         "auto",

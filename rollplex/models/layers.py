@@ -124,8 +124,8 @@ def compile_halves(units: Iterable[nn.Module]) -> None:
     """Each unit's two halves around its attention (`before_attention(x, cos, sin)` -> q, k, v and
     `after_attention(x, out)`: a decoder layer's norm, QKV projections and rotary, then its o_proj, residuals, norm
     and MLP; a vision block's likewise) each run as one region compiled by Inductor on a GPU (`gpu_compiled`: the
-    token counts unbacked, so one compile serves every unit and length, per grad mode, layout and model whose
-    parameters differ in `requires_grad`; the chains inside trace into the region). Their elementwise work fuses
+    token counts unbacked, so one compile serves every unit, per grad mode, layout and model whose parameters
+    differ in `requires_grad`, and most lengths; the chains inside trace into the region). Their elementwise work fuses
     with the GEMMs' neighbours and autograd sees one node a half; the attention stays outside with its own kernels.
     Elsewhere the halves run as they are. Patched per instance as bound methods (a deep copy rebinds them to its
     own units); recompute (`memory.offload.recompute_methods`) wraps them as it wraps the plain ones."""
