@@ -373,11 +373,6 @@ def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL, kept: int = 0) -> Ca
     return lambda: recompute_methods(units)
 
 
-def recomputed_modules(actor: Qwen2_5_VL) -> list:
-    """What full recompute checkpoints (the planner's unit of kept inputs): every vision block and decoder layer."""
-    return [*actor.model.visual.blocks, *actor.model.language_model.layers]
-
-
 def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
     """On a GPU, the reference's weights in a VMM region, on the host outside the steps that use them (as the
     plan has them); without `own_vision` (the actor's frozen tower) its language model and head only. None on the

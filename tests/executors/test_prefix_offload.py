@@ -11,7 +11,7 @@ import rollplex.memory.offload as offload_module
 from rollplex.data.presets import get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
-from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun, recomputed_modules
+from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun
 from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.memobject import Residency
@@ -113,7 +113,7 @@ def test_a_prefix_under_torch_checkpoint_keeps_one_kv_per_layer_and_its_gradient
     (plain.keys[-1].float().sum() + plain.first_logprobs.sum()).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    with recompute(recomputed_modules(model)):
+    with recompute([*model.model.visual.blocks, *model.model.language_model.layers]):
         boundary = model.prefix(tiny_prompts(), attached=True)
         (boundary.keys[-1].float().sum() + boundary.first_logprobs.sum()).backward()  # reruns every layer
     assert len(boundary.keys) == len(boundary.values) == len(model.model.language_model.layers)
