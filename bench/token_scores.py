@@ -24,7 +24,7 @@ from rollplex.models.config import load_model_config
 from rollplex.models.scores import token_scores
 
 MODELS = ("3b", "7b", "32b", "72b")
-PEAK_FLOPS, PEAK_BYTES = 796e12, 4.27e12  # the H200's bf16 dense and HBM copy peaks (`graph.cost.KNOWN_PEAKS`)
+PEAK_FLOPS, PEAK_BYTES = 796e12, 4.27e12  # the H200's bf16 dense and HBM copy peaks (`graph.modelcost.KNOWN_PEAKS`)
 
 
 class Eager(torch.nn.Module):

@@ -112,7 +112,7 @@ def compare(
             "serial": _median_or_none(serial.prefix_backward_s),
             "rollplex": _median_or_none(rollplex.prefix_backward_s),
         },
-        # its bound (`cost.prefix_backward`) and efficiency; none for a serial run saved before it was bounded
+        # its bound (`modelcost.prefix_backward`) and efficiency; none for a serial run saved before it was bounded
         "prefix_backward_bound_s": {
             "serial": _median_or_none(serial.prefix_backward_bounds),
             "rollplex": _median_or_none(rollplex.prefix_backward_bounds),

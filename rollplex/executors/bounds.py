@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rollplex.graph.cost import KNOWN_PEAKS, Cost, StepTokens, phase_bounds, plan_phase_costs, plan_prefix_backward
+from rollplex.graph.cost import phase_bounds, plan_phase_costs, plan_prefix_backward
+from rollplex.graph.modelcost import KNOWN_PEAKS, Cost, StepTokens
 from rollplex.graph.plan import Plan
 
 

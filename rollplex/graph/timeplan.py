@@ -9,18 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from rollplex.graph.cost import (
-    KNOWN_PEAKS,
-    Cost,
-    DevicePeaks,
-    StepTokens,
-    plan_actor_update,
-    plan_phase_costs,
-    plan_prefix_backward,
-    timer_of,
-    total,
-)
+from rollplex.graph.cost import plan_actor_update, plan_phase_costs, plan_prefix_backward, timer_of, total
 from rollplex.graph.ir import NodeKind, beside_decode, op, ops
+from rollplex.graph.modelcost import KNOWN_PEAKS, Cost, DevicePeaks, StepTokens
 from rollplex.graph.workload import PerGpu
 
 

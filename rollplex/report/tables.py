@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import shlex
 
-from rollplex.graph.cost import KNOWN_PEAKS, reference_page_ins
+from rollplex.graph.cost import reference_page_ins
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
 from rollplex.graph.levers import faster_recompute, faster_residencies
 from rollplex.graph.memobject import GIB, Component, MemObject, Residency
+from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import missing_files

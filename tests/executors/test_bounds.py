@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.executors.bounds import step_bounds
-from rollplex.graph import cost, timeplan
+from rollplex.graph import cost, modelcost, timeplan
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
 
@@ -16,7 +16,7 @@ def test_a_steps_bounds_price_its_prefix_and_update_where_each_ran():
     plan = compile_plan(load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml"))  # the update beside the next prefix
     assert plan.decisions.update_beside_prefix
     tokens = timeplan.planned_steps(plan)[0]
-    peaks = cost.KNOWN_PEAKS["H200"]
+    peaks = modelcost.KNOWN_PEAKS["H200"]
     update = cost.plan_actor_update(plan, tokens).bound_s(peaks)
     steady, _ = step_bounds(plan, tokens)
     clean, _ = step_bounds(plan, tokens, held=False, deferred=True)  # the first step, or one after a checkpoint

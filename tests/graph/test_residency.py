@@ -89,7 +89,7 @@ def test_the_planner_spends_free_hbm_on_what_would_cross_the_host_link_every_ste
 
 
 def test_where_the_fp32_state_streams_the_share_of_it_that_every_step_has_room_for_stays_in_hbm():
-    from rollplex.graph.cost import update
+    from rollplex.graph.modelcost import update
     from rollplex.graph.residency import SPEND_LIMIT, STATE_SHARE_GRANULE
 
     text = seven_text().replace("memory:\n", "memory:\n  prefix_saved: hbm\n  layers_kept: 0\n")

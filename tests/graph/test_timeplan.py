@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollplex.graph import cost, timeplan
+from rollplex.graph import cost, modelcost, timeplan
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.plan import compile_plan
@@ -26,7 +26,7 @@ def test_the_time_plan_prices_the_residency_choices_and_predicts_at_given_effici
     by = {r.timer: r for r in timeplan.time_plan(host, {"update": 0.5})}
     assert {r.timer: r for r in timeplan.time_plan(hbm)}["update"].cost.host_bytes == 0
     assert by["update"].cost.host_bytes == pytest.approx(12 * (by["update"].cost.hbm_bytes / 30))
-    link = cost.KNOWN_PEAKS["H200"].host_bytes_s
+    link = modelcost.KNOWN_PEAKS["H200"].host_bytes_s
     streamed = by["update"].cost.host_bytes / link  # the link's time: the streamed update's bound
     assert by["update"].bound_s == pytest.approx(streamed)
     assert by["update"].predicted_s == pytest.approx(streamed / timeplan.HOST_LINK_EFFICIENCY)  # not bound / 0.5
@@ -44,7 +44,7 @@ def test_a_frozen_vision_tower_runs_forward_once_per_step_with_no_backward_or_up
     frozen = {r.timer: r.cost for r in timeplan.time_plan(frozen_plan)}
     config, steps = frozen_plan.loaded.model, timeplan.planned_steps(frozen_plan)
     vision = sum(
-        cost.vision_forward(config.vision, p, f, 1)
+        modelcost.vision_forward(config.vision, p, f, 1)
         for tokens in steps
         for p, f in zip(tokens.patches, tokens.frames, strict=True)
     ) / len(steps)  # the time plan's: a mean over the planned steps
@@ -123,12 +123,12 @@ def test_the_step_bound_prices_the_work_beside_decode_together_with_the_rollout(
     summed = sum(r.bound_s for r in by.values())
     assert timeplan.step_bound_s(serial, timeplan.time_plan(serial)) == pytest.approx(summed)  # one after another
     # decode is HBM-bound and the reference prefix FLOP-bound: beside each other the rollout's bound holds both
-    together = cost.total([by["rollout"].cost, by["ref_prefix"].cost]).bound_s(cost.KNOWN_PEAKS["H200"])
+    together = cost.total([by["rollout"].cost, by["ref_prefix"].cost]).bound_s(modelcost.KNOWN_PEAKS["H200"])
     assert together == pytest.approx(by["rollout"].bound_s, rel=1e-3)
     step = timeplan.step_bound_s(rollplex, tuple(by.values()))
     assert step == pytest.approx(summed - by["ref_prefix"].bound_s, rel=1e-4)
     heavy = {**by, "ref_prefix": dataclasses.replace(by["ref_prefix"], cost=by["ref_prefix"].cost.scaled(40))}
-    flops = (by["rollout"].cost.flops + 40 * by["ref_prefix"].cost.flops) / cost.KNOWN_PEAKS["H200"].flops
+    flops = (by["rollout"].cost.flops + 40 * by["ref_prefix"].cost.flops) / modelcost.KNOWN_PEAKS["H200"].flops
     assert timeplan.step_bound_s(rollplex, tuple(heavy.values())) == pytest.approx(step - by["rollout"].bound_s + flops)
 
 
@@ -161,15 +161,15 @@ def test_a_prefix_with_the_updates_rest_in_it_is_priced_from_the_two_apart_shari
     none; the update's phase at UPDATE_DEFERRED where a source gives it."""
     plan = compile_plan(load_spec(SPECS / f"{name}.yaml"))
     assert plan.decisions.update_beside_prefix
-    peaks = cost.KNOWN_PEAKS["H200"]
+    peaks = modelcost.KNOWN_PEAKS["H200"]
     steps = timeplan.planned_steps(plan)[:2]
     alone = [cost.plan_phase_costs(plan, t, held=False, deferred=False) for t in steps]
     update = cost.plan_actor_update(plan, steps[0])
     assert update == cost.plan_actor_update(plan, steps[1]) and update.host_bytes > 0  # the state streams
 
-    def at(c: cost.Cost, e: float) -> float:
+    def at(c: modelcost.Cost, e: float) -> float:
         link = c.host_bytes / peaks.host_bytes_s / timeplan.HOST_LINK_EFFICIENCY
-        return max(cost.Cost(c.flops, c.hbm_bytes).bound_s(peaks) / e, link)
+        return max(modelcost.Cost(c.flops, c.hbm_bytes).bound_s(peaks) / e, link)
 
     p = at(cost.total([cost.total(a["actor_prefix"]) for a in alone]).scaled(0.5), 0.6)
     u = at(update, 0.8)
@@ -178,7 +178,7 @@ def test_a_prefix_with_the_updates_rest_in_it_is_priced_from_the_two_apart_shari
     together = {r.timer: r for r in timeplan.time_plan(plan, found, steps)}
     prefix = together["actor_prefix"]
     assert prefix.predicted_s == pytest.approx(max(p, u) + timeplan.UPDATE_BESIDE_SHARE * min(p, u))
-    device = cost.Cost(prefix.cost.flops, prefix.cost.hbm_bytes).bound_s(peaks)
+    device = modelcost.Cost(prefix.cost.flops, prefix.cost.hbm_bytes).bound_s(peaks)
     assert prefix.efficiency == pytest.approx(device / prefix.predicted_s)  # as a run of it would record
     critic = [cost.total(a["update"]) for a in alone]  # the critic's update where PPO has one, and the actor's
     own = cost.total([cost.total(a["update"]) for a in alone]).scaled(0.5)

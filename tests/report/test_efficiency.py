@@ -36,8 +36,8 @@ def test_a_runs_efficiency_is_of_its_device_bound_so_its_own_plan_predicts_it_ba
     """The 7B plan's actor prefix is bound by the host link (the update streams beside it): an efficiency of the
     whole bound, applied to the device bound alone, would predict a third less than the run took."""
     from rollplex.graph import timeplan
-    from rollplex.graph.cost import KNOWN_PEAKS, Cost
     from rollplex.graph.load import load_spec
+    from rollplex.graph.modelcost import KNOWN_PEAKS, Cost
     from rollplex.graph.plan import compile_plan
     from rollplex.graph.timeplan import UPDATE_BESIDE
 
