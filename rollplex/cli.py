@@ -106,8 +106,8 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("", "--no-checkpoints with --checkpoint-every", "choose one")
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
         raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
+    from rollplex.executors.device_settings import resolve_device
     from rollplex.executors.distributed import check_world
-    from rollplex.executors.engines import resolve_device
     from rollplex.executors.policies import mps_session
 
     with mps_session([plan]):  # under the mps policy: before anything touches the GPU

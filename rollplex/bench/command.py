@@ -16,8 +16,8 @@ from rollplex.bench.harness import noise_floor_grads, run_schedule
 from rollplex.bench.provenance import source_commit
 from rollplex.bench.variants import policy_label, with_policy, with_prompts_per_chunk
 from rollplex.errors import SpecError
+from rollplex.executors.device_settings import resolve_device
 from rollplex.executors.distributed import check_launch, finish, is_main_process, max_over_ranks
-from rollplex.executors.engines import resolve_device
 from rollplex.executors.policies import mps_session
 from rollplex.executors.preflight import check_spec
 from rollplex.graph.ir import Schedule

@@ -12,7 +12,6 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -25,16 +24,30 @@ from rollplex.data.rewards import RewardTerms, reward_terms
 from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel
+from rollplex.executors.device_settings import (
+    resolve_device,
+    set_cudnn_attention,
+    set_determinism,
+    set_expandable_segments,
+)
 from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
 from rollplex.executors.policies import PrefixStreams, decode_kernels_for, make_prefix_streams, make_remote_rollout
 from rollplex.executors.ppo import PpoConfig
-from rollplex.graph.decisions import Decisions, PrefixActivations, Recompute, SharingPolicy
+from rollplex.executors.residency import (
+    make_microbatch_memory,
+    make_prefix_memory,
+    make_prefix_rerun,
+    make_reference_pager,
+)
+from rollplex.graph.decisions import Decisions, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
 from rollplex.graph.memobject import Residency
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.graph.spec import Spec
+from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_files import model_dir
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
@@ -105,38 +118,6 @@ class Engines:
         self.prefix_streams.free_allocator_events()
 
 
-def resolve_device(setting: str) -> torch.device:
-    """`run.device`: auto is the GPU when torch sees one; cuda without one is a one-line error."""
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device is cuda but torch sees no GPU: use auto or cpu")
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
-
-
-def set_determinism(on: bool) -> None:
-    """`run.deterministic`, process-wide (torch has no narrower switch); set from the spec at every build so that
-    one run's setting never leaks into the next. cuBLAS needs a fixed workspace for deterministic results."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on)
-
-
-def set_cudnn_attention(on: bool) -> None:
-    """`run.cudnn_attention`, process-wide (torch's SDPA backend switch), set from the spec at every build."""
-    torch.backends.cuda.enable_cudnn_sdp(on)
-
-
-def set_expandable_segments(on: bool, device: torch.device) -> None:
-    """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
-    spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
-    if device.type != "cuda":
-        return
-    # the accelerator-wide setter where torch has it (2.13 deprecates the CUDA one), else the CUDA one
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setter(f"expandable_segments:{on}")
-
-
 def make_rollout(
     actor: Qwen2_5_VL, kernels: str = "auto", kv_bytes: int | None = None
 ) -> tuple[RolloutFn, Callable[[], object | None]]:
@@ -159,85 +140,24 @@ def make_rollout(
 
 def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engines:
     """The engines of a compiled plan, on `device` (default: the spec's `run.device`): the models its graph's roles
-    need, and every memory and sharing decision as `plan.decisions` has it."""
+    need, and every memory and sharing decision as `plan.decisions` has it. The steps run in this order because
+    seeds and storage depend on it."""
     loaded, d = plan.loaded, plan.decisions
-    spec, config = loaded.spec, loaded.model
-    device = torch.device(device) if device is not None else resolve_device(spec.run.device)
-    set_determinism(spec.run.deterministic)
-    set_cudnn_attention(spec.run.cudnn_attention)
-    set_expandable_segments(spec.memory.expandable_segments, device)
-    for refusal in run_refusals(spec):
-        if refusal.on in ("any", device.type):
-            raise SpecError(refusal.key, refusal.problem, refusal.fix)
-    tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
-    if dp is not None:
-        minibatches = spec.algorithm.minibatches_per_step
-        if spec.workload.prompts_per_step % (minibatches * dp.size):
-            raise SpecError("workload.prompts_per_step", f"{spec.workload.prompts_per_step} prompts do not split "
-                            f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
-                            f"use a multiple of {minibatches * dp.size}")  # fmt: skip
-        dp = replace(dp, minibatches=minibatches)
-    if not d.weight_sharing and tp is not None:
-        raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
-    actor = _initial_model(loaded, device, tp)
-    if d.layers_kept > (layers := config.text.num_hidden_layers):
-        raise SpecError("decisions.layers_kept", f"{d.layers_kept} is more than the {layers} decoder layers",
-                        f"use at most {layers}")  # fmt: skip
-    if d.freeze_vision:
-        actor.model.visual.requires_grad_(False)
-    reference = None
-    if Role.REFERENCE in roles(plan.graph) and tp is None:
-        reference = copy.deepcopy(actor).requires_grad_(False)
-        reference.pack_projections()  # a deepcopy clones parameters one by one
-    elif Role.REFERENCE in roles(plan.graph):  # built again rather than copied: one full model on the device at a time
-        reference = _initial_model(loaded, device, tp).requires_grad_(False)
-    if reference is not None and d.freeze_vision:
-        reference.model.visual = actor.model.visual  # the frozen tower, held once
-    bound = None
-    if tp is not None:
-        bound = bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
-    a = spec.algorithm
-    rollout_model, publish = actor, (lambda: None) if bound is None else bound.publish
-    if bound is not None:
-        rollout_model = bound.model
-    elif not d.weight_sharing:  # rollout samples from its own copy, refreshed after each update
-        rollout_model = copy.deepcopy(actor).requires_grad_(False)
-        rollout_model.pack_projections()
-        publish = partial(copy_weights, actor, rollout_model)
+    spec, a, sharing = loaded.spec, loaded.spec.algorithm, plan.decisions.sharing
+    tp, dp, device = _checked_parallel(plan, _device(spec, device))
+    actor = _actor(loaded, d, device, tp)
+    reference = _reference(plan, actor, device, tp)
+    bound = None if tp is None else bind_rollout(actor, tp.exchange, tp.rollout, QKVPath(spec.parallel.qkv_sharing))
+    rollout_model, publish = _rollout_model(actor, bound, d.weight_sharing)
     # under mps the rollout's weights move into shared storage: before the optimizer sees the actor's
-    kernels, sharing = spec.run.decode_kernels, d.sharing
-    remote = None
-    if sharing.policy is SharingPolicy.MPS:
-        remote = make_remote_rollout(rollout_model, sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
-    shard = Shard(dp.rank, dp.size, dp.group) if d.distributed_optimizer else None
-    on_device = d.optimizer_state is Residency.HBM
-    optimizer = make_optimizer(
-        actor, a, tp, bound, d.optimizer_chunk_bytes, on_device, shard=shard, kept_bytes=d.optimizer_kept_bytes
-    )
-    sampling = SamplingParams(
-        temperature=a.temperature,
-        top_p=a.top_p,
-        max_tokens=spec.workload.response_tokens,
-        stop_token_ids=config.tokens.stop_ids,
-    )
-    critic, critic_optimizer = None, None
-    if Role.CRITIC in roles(plan.graph):
-        if tp is not None:
-            raise SpecError("parallel.train_tp", "a critic trains with train_tp 1 only", "set train_tp: 1")
-        critic = make_value_model(_initial_model(loaded, device, None), seed=spec.run.seed + 1)
-        if d.freeze_vision:
-            critic.model.visual = actor.model.visual
-        critic_optimizer = make_optimizer(
-            critic, a, None, None, d.optimizer_chunk_bytes, d.optimizer_state is Residency.HBM, lr=a.critic_lr or a.lr
-        )
-    reference_pager = None
-    if reference is not None and d.reference_weights is Residency.HOST:
-        reference_pager = make_reference_pager(reference, own_vision=not d.freeze_vision)
-    rollout, rollout_stats = remote or make_rollout(rollout_model, kernels, d.rollout_kv_bytes)
+    remote = _remote_rollout(rollout_model, spec.run.decode_kernels, d)
+    optimizer = _actor_optimizer(actor, a, d, tp, dp, bound)
+    sampling = _sampling(loaded)
+    critic, critic_optimizer = _critic(plan, actor, device, tp)
+    reference_pager = _reference_pager(reference, d)
+    rollout, rollout_stats = remote or make_rollout(rollout_model, spec.run.decode_kernels, d.rollout_kv_bytes)
     if spec.run.compiled_layers:  # the scoring models' layers and blocks; decode has kernels of its own
-        for model in (actor, reference, critic):
-            if model is not None:
-                compile_halves([*model.model.visual.blocks, *model.model.language_model.layers])
+        _compile_layers(actor, reference, critic)
     if d.update_beside_prefix:  # the next prefix's layers and blocks, each before it runs, wait for its chunks
         gate_modules(actor, optimizer, whole=[*actor.model.visual.blocks, *actor.model.language_model.layers])
     if tp is not None and tp.exchange.size > 1 and spec.parallel.split_rollout:
@@ -274,6 +194,143 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
         rollout_draws_per_step=device.type != "cuda",
         update_beside_prefix=d.update_beside_prefix,
         empty_cache_at_phases=spec.memory.empty_cache == "phases",
+    )
+
+
+def _device(spec: Spec, device: torch.device | str | None) -> torch.device:
+    """The build's device (`device`, else `run.device`), with the spec's process-wide settings applied for it."""
+    device = torch.device(device) if device is not None else resolve_device(spec.run.device)
+    set_determinism(spec.run.deterministic)
+    set_cudnn_attention(spec.run.cudnn_attention)
+    set_expandable_segments(spec.memory.expandable_segments, device)
+    return device
+
+
+def _checked_parallel(plan: Plan, device: torch.device) -> tuple[TPSetup | None, DataParallel | None, torch.device]:
+    """The tensor- and data-parallel groups and this rank's device, once the run refusals for `device` pass and
+    the parallel settings fit the spec: before any model is made."""
+    spec = plan.loaded.spec
+    for refusal in run_refusals(spec):
+        if refusal.on in ("any", device.type):
+            raise SpecError(refusal.key, refusal.problem, refusal.fix)
+    tp, dp, device = init_parallel(spec.parallel.train_tp, spec.parallel.rollout_tp, device)
+    if dp is not None:
+        dp = _with_minibatches(dp, spec)
+    if not plan.decisions.weight_sharing and tp is not None:
+        raise SpecError("memory.weight_sharing", "false runs with train_tp 1 only", "set it true under TP")
+    return tp, dp, device
+
+
+def _with_minibatches(dp: DataParallel, spec: Spec) -> DataParallel:
+    """`dp` with the spec's mini-batches per step, which split each rank's share of the prompts evenly."""
+    minibatches = spec.algorithm.minibatches_per_step
+    if spec.workload.prompts_per_step % (minibatches * dp.size):
+        raise SpecError("workload.prompts_per_step", f"{spec.workload.prompts_per_step} prompts do not split "
+                        f"into {minibatches} mini-batches over {dp.size} data-parallel ranks",
+                        f"use a multiple of {minibatches * dp.size}")  # fmt: skip
+    return replace(dp, minibatches=minibatches)
+
+
+def _actor(loaded: LoadedSpec, d: Decisions, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL:
+    """The trained model from the spec's initial weights, its vision tower frozen when the plan freezes it."""
+    actor = _initial_model(loaded, device, tp)
+    if d.layers_kept > (layers := loaded.model.text.num_hidden_layers):
+        raise SpecError("decisions.layers_kept", f"{d.layers_kept} is more than the {layers} decoder layers",
+                        f"use at most {layers}")  # fmt: skip
+    if d.freeze_vision:
+        actor.model.visual.requires_grad_(False)
+    return actor
+
+
+def _reference(plan: Plan, actor: Qwen2_5_VL, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL | None:
+    """The frozen reference when the graph has one: a copy of the actor, or under tensor parallelism the initial
+    weights built again (one full model on the device at a time); it holds the actor's frozen tower, not its own."""
+    if Role.REFERENCE not in roles(plan.graph):
+        return None
+    if tp is None:
+        reference = copy.deepcopy(actor).requires_grad_(False)
+        reference.pack_projections()  # a deepcopy clones parameters one by one
+    else:  # built again rather than copied: one full model on the device at a time
+        reference = _initial_model(plan.loaded, device, tp).requires_grad_(False)
+    if plan.decisions.freeze_vision:
+        reference.model.visual = actor.model.visual  # the frozen tower, held once
+    return reference
+
+
+def _rollout_model(actor: Qwen2_5_VL, bound, weight_sharing: bool) -> tuple[Qwen2_5_VL, Callable[[], None]]:
+    """The model rollout samples from, and what makes an update visible to it: under tensor parallelism the
+    replica `bound` over the actor's shards; without weight sharing a copy of its own, refreshed after each
+    update; otherwise the actor itself, with nothing to publish."""
+    if bound is not None:
+        return bound.model, bound.publish
+    if not weight_sharing:
+        rollout_model = copy.deepcopy(actor).requires_grad_(False)
+        rollout_model.pack_projections()
+        return rollout_model, partial(copy_weights, actor, rollout_model)
+    return actor, lambda: None
+
+
+def _remote_rollout(rollout_model: Qwen2_5_VL, kernels: str, d: Decisions) -> tuple[RolloutFn, Callable] | None:
+    """Under the mps policy, the rollout and its stats in an MPS child process sharing `rollout_model`'s weights;
+    otherwise None (rollout runs in this process)."""
+    if d.sharing.policy is not SharingPolicy.MPS:
+        return None
+    return make_remote_rollout(rollout_model, d.sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
+
+
+def _actor_optimizer(
+    actor: Qwen2_5_VL, a: AlgorithmSpec, d: Decisions, tp: TPSetup | None, dp: DataParallel | None, bound
+) -> ChunkedAdamW:
+    """The actor's optimizer as the plan places its state: ZeRO-1 over the data-parallel ranks under
+    `distributed_optimizer`, and streaming each update into the `bound` rollout replica under tensor parallelism."""
+    shard = Shard(dp.rank, dp.size, dp.group) if d.distributed_optimizer else None
+    on_device = d.optimizer_state is Residency.HBM
+    return make_optimizer(
+        actor, a, tp, bound, d.optimizer_chunk_bytes, on_device, shard=shard, kept_bytes=d.optimizer_kept_bytes
+    )
+
+
+def _critic(
+    plan: Plan, actor: Qwen2_5_VL, device: torch.device, tp: TPSetup | None
+) -> tuple[Qwen2_5_VL | None, ChunkedAdamW | None]:
+    """PPO's value model and its optimizer when the graph has a critic (None, None otherwise): the initial weights
+    with a scalar head drawn from `run.seed + 1`, holding the actor's tower when the plan freezes it."""
+    if Role.CRITIC not in roles(plan.graph):
+        return None, None
+    if tp is not None:
+        raise SpecError("parallel.train_tp", "a critic trains with train_tp 1 only", "set train_tp: 1")
+    loaded, d = plan.loaded, plan.decisions
+    a = loaded.spec.algorithm
+    critic = make_value_model(_initial_model(loaded, device, None), seed=loaded.spec.run.seed + 1)
+    if d.freeze_vision:
+        critic.model.visual = actor.model.visual
+    on_device = d.optimizer_state is Residency.HBM
+    return critic, make_optimizer(critic, a, None, None, d.optimizer_chunk_bytes, on_device, lr=a.critic_lr or a.lr)
+
+
+def _reference_pager(reference: Qwen2_5_VL | None, d: Decisions):
+    """The reference's weight pager when the plan keeps its weights on the host (`make_reference_pager`), else None."""
+    if reference is None or d.reference_weights is not Residency.HOST:
+        return None
+    return make_reference_pager(reference, own_vision=not d.freeze_vision)
+
+
+def _compile_layers(*models: Qwen2_5_VL | None) -> None:
+    """`run.compiled_layers`: every vision block and decoder layer of each model given (None: no such model)."""
+    for model in models:
+        if model is not None:
+            compile_halves([*model.model.visual.blocks, *model.model.language_model.layers])
+
+
+def _sampling(loaded: LoadedSpec) -> SamplingParams:
+    """Rollout's sampling: the algorithm's temperature and top-p, up to the workload's response tokens or a stop id
+    of the model."""
+    a = loaded.spec.algorithm
+    return SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        max_tokens=loaded.spec.workload.response_tokens,
+        stop_token_ids=loaded.model.tokens.stop_ids,
     )
 
 
@@ -330,63 +387,6 @@ def make_optimizer(
         resident_bytes=kept_bytes,
         shard=shard,
     )
-
-
-def make_prefix_memory(d: Decisions, actor: Qwen2_5_VL) -> Callable[[], AbstractContextManager]:
-    """What gives back the attached actor prefix's saved tensors between Phase 1 and its backward, as the plan
-    places them: what autograd keeps (everything under `PrefixActivations.OFFLOAD`, the inputs of the
-    checkpointed units under `RECOMPUTE`, see `make_prefix_rerun`) goes to a host pool of the plan's size (pinned
-    on a GPU) when the plan puts them on the host, and stays in HBM when it keeps them there. None of it changes a
-    gradient."""
-    from rollplex.memory.host_pool import HostPool
-    from rollplex.memory.offload import SavedTensorOffload
-
-    if d.prefix_saved is not Residency.HOST:
-        return nullcontext
-    pool = HostPool(d.host_pool_bytes, pin=actor.device.type == "cuda")
-    offload = SavedTensorOffload(pool, keep=actor.parameters())
-    return lambda: offload
-
-
-def make_prefix_rerun(d: Decisions, device: torch.device) -> Rerun | None:
-    """`PrefixActivations.RECOMPUTE`: each vision block and decoder layer of the actor prefix keeps only its input
-    and backward reruns it, on this (the trainer's) stream even where the prefix ran beside decode on a partition
-    of the SMs (`rollplex.models.rerun`); `OFFLOAD` keeps every activation (None)."""
-    if d.prefix_activations is not PrefixActivations.RECOMPUTE:
-        return None
-    return Rerun(torch.cuda.current_stream(device) if device.type == "cuda" else None)
-
-
-def make_microbatch_memory(d: Decisions, actor: Qwen2_5_VL, kept: int = 0) -> Callable[[], AbstractContextManager]:
-    """The plan's `recompute` of the training microbatch, as the plan counts it: `FULL` checkpoints every decoder
-    layer and vision block (inputs kept, backward reruns them); `SELECTIVE` each decoder layer's two halves around
-    its attention (`DecoderLayer.before_attention`, `after_attention`: the attention's own saved tensors kept, it
-    does not run twice) and every vision block whole; `NONE` keeps every activation. The last `kept` decoder layers
-    (the actor's `d.layers_kept`) keep every activation either way."""
-    from rollplex.memory.offload import recompute_methods
-
-    if d.recompute is Recompute.NONE:
-        return nullcontext
-    layers = actor.model.language_model.layers[: len(actor.model.language_model.layers) - kept]
-    halves = ("forward",) if d.recompute is Recompute.FULL else ("before_attention", "after_attention")
-    units = [(b, "forward") for b in actor.model.visual.blocks] + [(x, h) for x in layers for h in halves]
-    return lambda: recompute_methods(units)
-
-
-def make_reference_pager(reference: Qwen2_5_VL, own_vision: bool = True):
-    """On a GPU, the reference's weights in a VMM region, on the host outside the steps that use them (as the
-    plan has them); without `own_vision` (the actor's frozen tower) its language model and head only. None on the
-    CPU."""
-    if reference.device.type != "cuda":
-        return None
-    if not own_vision:
-        reference = torch.nn.ModuleList([reference.model.language_model, reference.lm_head])
-    from rollplex.memory.pager import WeightPager
-    from rollplex.memory.vmm import VmmArena
-
-    device = reference.device.index if reference.device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(device).total_memory
-    return WeightPager(reference, VmmArena(total, device))
 
 
 def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:

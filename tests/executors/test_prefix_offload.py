@@ -11,7 +11,7 @@ import rollplex.memory.offload as offload_module
 from rollplex.data.presets import get_preset
 from rollplex.data.synthetic import SyntheticVideoQA
 from rollplex.data.tokenizer import CharTokenizer
-from rollplex.executors.engines import make_prefix_memory, make_prefix_rerun
+from rollplex.executors.residency import make_prefix_memory, make_prefix_rerun
 from rollplex.executors.scoring import LeafBoundary
 from rollplex.graph.load import load_spec, parse_spec
 from rollplex.graph.memobject import Residency

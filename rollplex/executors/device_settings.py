@@ -1,0 +1,42 @@
+"""The process-wide settings a spec makes for its run: the device, deterministic algorithms, cuDNN attention and the
+caching allocator's expandable segments. Each is torch state the whole process shares, so `build_engines` sets
+every one from the spec at each build and no run's setting leaks into the next. Not the engines themselves
+(`engines.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`run.device`: auto is the GPU when torch sees one; cuda without one is a one-line error."""
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device is cuda but torch sees no GPU: use auto or cpu")
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def set_determinism(on: bool) -> None:
+    """`run.deterministic`, process-wide (torch has no narrower switch); set from the spec at every build so that
+    one run's setting never leaks into the next. cuBLAS needs a fixed workspace for deterministic results."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
+def set_cudnn_attention(on: bool) -> None:
+    """`run.cudnn_attention`, process-wide (torch's SDPA backend switch), set from the spec at every build."""
+    torch.backends.cuda.enable_cudnn_sdp(on)
+
+
+def set_expandable_segments(on: bool, device: torch.device) -> None:
+    """`memory.expandable_segments` for the caching allocator's segments from now on (process-wide, set from the
+    spec at every build). torch reads PYTORCH_CUDA_ALLOC_CONF once; this is its runtime switch."""
+    if device.type != "cuda":
+        return
+    # the accelerator-wide setter where torch has it (2.13 deprecates the CUDA one), else the CUDA one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(f"expandable_segments:{on}")
