@@ -187,7 +187,9 @@ def with_unsplit(result: dict, loaded: LoadedSpec, rollplex: ScheduleRun, unspli
     """The optional third schedule, textbook GRPO (each response scored over prompt ++ response, the prompt
     recomputed per response): its step and phase times, bounds, efficiencies and peaks beside the other two, and
     how far its update lands from rollplex's (not bitwise: the prompt's work is summed in another order; None for
-    the final weights of a saved run, `--unsplit-from`, which keeps none)."""
+    the final weights of a saved run, `--unsplit-from`, which keeps none), and whether the first step's rollouts
+    were the same tokens (on a GPU, unsplit's rollout prefills in the engine: a logit that rounds otherwise can
+    sample another token, and then the first gradients differ by more than rounding)."""
     step = statistics.median(unsplit.step_s)
     per_schedule = {
         "phase_s": _phase_medians(unsplit),
@@ -210,6 +212,7 @@ def with_unsplit(result: dict, loaded: LoadedSpec, rollplex: ScheduleRun, unspli
             "step_s": result["step_s"] | {"unsplit": round(step, 4)},
             "speedup_vs_unsplit": round(step / result["step_s"]["rollplex"], 4),
             "unsplit_max_param_relative_difference": diff,
+            "unsplit_first_step_rollouts_match": same_rollout(unsplit.first_rollout, rollplex.first_rollout),
             "unsplit_first_step_grad_relative_difference": relative_difference(
                 unsplit.first_grads, rollplex.first_grads
             ),

@@ -162,6 +162,7 @@ def test_bench_with_unsplit_adds_textbook_grpo_beside_the_two_schedules(tmp_path
     s = result["step_s"]
     assert abs(result["speedup_vs_unsplit"] - s["unsplit"] / s["rollplex"]) < 2e-3  # from unrounded medians
     assert result["unsplit_max_param_relative_difference"] < 1e-2  # another summation order, the same update
+    assert result["unsplit_first_step_rollouts_match"] is True
     assert result["unsplit_first_step_grad_relative_difference"] < 1e-4
 
 
@@ -251,6 +252,7 @@ def test_a_saved_unsplit_run_joins_a_later_bench_of_the_same_spec_with_its_phase
         assert set(result[key]) == {"serial", "rollplex", "unsplit"}, key
     assert not result["phase_s"]["unsplit"].get("ref_prefix") and result["phase_s"]["unsplit"]["ref_suffix"] > 0
     assert result["unsplit_max_param_relative_difference"] is None  # final weights are not saved
+    assert result["unsplit_first_step_rollouts_match"] is True  # the saved run keeps its first rollout
     assert result["unsplit_first_step_grad_relative_difference"] < 1e-4  # the same examples, the same update
 
 
