@@ -27,8 +27,9 @@
 # most of a device call; it leaves its serial run in bench/baselines/ (git-ignored: it stays on a machine kept
 # warm) for `policies3b`. `unsplit3b [STEPS]` (3 steps by default, a device call of its own: a textbook step
 # takes 60-80 s) leaves the unsplit schedule's run there too, and a later bench3b of the same STEPS and WARMUP
-# (and a policy other than mps) adds it to its results (`--unsplit-from`); the saved run is small (no weights),
-# so copying it to $OUT and carrying bench/baselines into the next call frees the two of one warm machine. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
+# (and a policy other than mps) adds it to its results (`--unsplit-from`); the saved run keeps no weights (about
+# 10 MB), so with it copied to $OUT and bench/baselines carried into the next call, the two calls need not share
+# a warm machine. Under mps (`bench3b mps:50 2`) run 2 steps: serial with its rollout in a child process,
 # 2 warm-ups, 3 steps and the noise floor do not fit in the serial run's 330 s timeout. `preset NAME [POLICY...]`
 # benches specs/qwen2_5_vl_3b_h200_NAME.yaml (clevrer, perception_test, star) under each policy.
 # Move what comes back into bench/results/ with the code's commit. The device's copy of the tree may carry an
