@@ -232,7 +232,8 @@ def _with_minibatches(dp: DataParallel, spec: Spec) -> DataParallel:
 
 
 def _actor(loaded: LoadedSpec, d: Decisions, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL:
-    """The trained model from the spec's initial weights, its vision tower frozen when the plan freezes it."""
+    """The trained model from the spec's initial weights, its vision tower frozen when the plan freezes it; a
+    SpecError when the plan keeps more decoder layers whole than the model has."""
     actor = _initial_model(loaded, device, tp)
     if d.layers_kept > (layers := loaded.model.text.num_hidden_layers):
         raise SpecError("decisions.layers_kept", f"{d.layers_kept} is more than the {layers} decoder layers",
@@ -244,7 +245,8 @@ def _actor(loaded: LoadedSpec, d: Decisions, device: torch.device, tp: TPSetup |
 
 def _reference(plan: Plan, actor: Qwen2_5_VL, device: torch.device, tp: TPSetup | None) -> Qwen2_5_VL | None:
     """The frozen reference when the graph has one: a copy of the actor, or under tensor parallelism the initial
-    weights built again (one full model on the device at a time); it holds the actor's frozen tower, not its own."""
+    weights built again (one full model on the device at a time); under `freeze_vision` it holds the actor's frozen
+    tower instead of its own."""
     if Role.REFERENCE not in roles(plan.graph):
         return None
     if tp is None:

@@ -1,6 +1,7 @@
 """The time plan: each phase's cost over the steps a plan is made for, its bound on the plan's GPU, and its
 predicted seconds at given efficiencies (`rollplex compile --dry-run`'s time table). Costs and bounds come from
-the cost model (`cost.py`); efficiencies from a bench, a run or the user (`report.efficiency`). Pure: no torch.
+the cost model (`cost.py` over `modelcost.py`); efficiencies from a bench, a run or the user
+(`report.efficiency`). Pure: no torch.
 """
 
 from __future__ import annotations
