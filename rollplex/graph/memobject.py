@@ -5,6 +5,7 @@ from (`Context`). Which objects an iteration has: `objects.py`; where they go: `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 
@@ -50,6 +51,8 @@ class Component(StrEnum):
 
 
 PROMPT_INPUTS = "prompt inputs, copied first"  # `prompt_inputs_first`
+SUFFIX_TURN = "suffix"  # a split backward's turns (`MemObject.turn`): a suffix microbatch's activations,
+PREFIX_TURN = "prefix"  # then the backward through the prefix, one layer at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,7 @@ class MemObject:
     host_bytes: int = 0  # bytes it occupies in the pinned host pool (per GPU)
     window: frozenset[int] = frozenset()  # steps it exists in, when that is not every step
     name: str = ""  # the tensor's name, for `Component.DATA`
+    turn: str = ""  # the part of its role's step it is held in, where parts take turns (`held`); "" for all of it
 
     @property
     def label(self) -> str:
@@ -79,6 +83,26 @@ class MemObject:
         if step in self.live:
             return Residency.HBM
         return Residency.ABSENT if self.window and step not in self.window else self.outside
+
+
+def held(objects: Iterable[MemObject], step: int) -> list[MemObject]:
+    """The objects in HBM at `step`'s peak. Every object live in the step, except where a role's objects take
+    turns (`MemObject.turn`: its split backward frees a suffix microbatch's activations before the backward
+    through the prefix rematerializes its first layer): of those, only the role's largest turn."""
+    live = [o for o in objects if step in o.live]
+    turns: dict[tuple[str, str], int] = {}
+    for o in live:
+        if o.turn:
+            turns[o.role, o.turn] = turns.get((o.role, o.turn), 0) + o.bytes
+    largest: dict[str, tuple[int, str]] = {}
+    for (role, turn), size in turns.items():
+        largest[role] = max(largest.get(role, (size, turn)), (size, turn))
+    return [o for o in live if not o.turn or largest[o.role][1] == o.turn]
+
+
+def held_bytes(objects: Iterable[MemObject], step: int) -> int:
+    """HBM in use at `step`'s peak (`held`)."""
+    return sum(o.bytes for o in held(objects, step))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,16 @@ from rollplex.graph.ir import (
     steps,
     tensors,
 )
-from rollplex.graph.memobject import GIB, PROMPT_INPUTS, Component, Context, MemObject, Residency
+from rollplex.graph.memobject import (
+    GIB,
+    PREFIX_TURN,
+    PROMPT_INPUTS,
+    SUFFIX_TURN,
+    Component,
+    Context,
+    MemObject,
+    Residency,
+)
 from rollplex.graph.spec import Spec
 from rollplex.graph.workload import per_gpu
 from rollplex.layout import shapes as S
@@ -168,6 +177,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         tokens * per_token + head,
         live,
         Residency.ABSENT,
+        turn=SUFFIX_TURN if split else "",
     )
     if split:
         yield _suffix_attention(c, role, live)
@@ -219,7 +229,7 @@ def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject
     layers = 2 if c.spec.memory.recompute == "full" else t.num_hidden_layers
     return MemObject(
         role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, layers * suffix_keys_per_layer(c), live,
-        Residency.ABSENT,
+        Residency.ABSENT, turn=SUFFIX_TURN,
     )  # fmt: skip
 
 
@@ -233,10 +243,10 @@ def suffix_keys_per_layer(c: Context) -> int:
 def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObject]:
     """Saved tensors of the attached prefix: offloaded (or reduced to layer inputs) as they are produced;
     one layer of one group of prompts (`sharing.prompts_per_chunk`) is in HBM while the prefix runs and again
-    while backward rematerializes it. Offloaded, the next layer's saved tensors come back during that layer's
-    backward (`SavedTensorOffload`: at most the largest saved tensor ahead, a layer's input or the boundary
-    norm's FP32 input): not counted here, as the suffix's activations, which the backward's step counts, are
-    freed before the prefix's backward."""
+    while backward rematerializes it, a turn of the backward step apart from the suffix's microbatches (freed
+    before the backward through the prefix starts). Offloaded, the next layer's saved tensors come back during
+    that layer's backward (`SavedTensorOffload`: at most the largest saved tensor ahead, a layer's input or the
+    boundary norm's FP32 input): not counted, one tensor beside the layer in flight."""
     t, v, tp, g = c.model.text, c.model.vision, c.gpu.train_tp, c.gpu
     P, patches = g.prompt_tokens, g.patches_per_prompt
     sp = g.sequence_parallel
@@ -280,6 +290,7 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         one_layer,
         frozenset(prefix | backward),
         Residency.ABSENT,
+        turn=PREFIX_TURN,
     )
 
 

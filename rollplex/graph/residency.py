@@ -1,7 +1,8 @@
 """`lower_residency`: memory objects -> per-step HBM bytes, per-phase peaks, optimizer chunking, host pool.
 
-Like a tinygrad-style planner: each object is open over its live steps; the peak of a phase is the largest
-sum of open objects over the phase's steps. The streamed optimizer is sized last, into what the update
+Like a tinygrad-style planner: each object is open over its live steps; a step holds the sum of its open
+objects, save that a role's objects taking turns within the step count only the largest turn (`held`); the peak
+of a phase is its largest step. The streamed optimizer is sized last, into what the update
 step leaves free: `pipeline_depth` chunks of FP32 state (load j+1, update j, offload j-1) at once, none where
 all of the state stays in HBM (the optimizer updates it in place).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.graph.ir import NodeKind, Part, Phase, Role, TensorClass, ops, prefilled_decodes, steps
-from rollplex.graph.memobject import GIB, Component, Context, MemObject, Residency
+from rollplex.graph.memobject import GIB, Component, Context, MemObject, Residency, held, held_bytes
 from rollplex.graph.objects import kept_layer_bytes, prompt_inputs_first
 
 PIPELINE_DEPTH = 3
@@ -91,7 +92,8 @@ class ResidencyPlan:
         return self.fits_hbm and self.host.fits
 
     def in_hbm(self, step: int) -> list[MemObject]:
-        return [o for o in self.objects if o.residency(step) is Residency.HBM]
+        """At the step's peak (`held`)."""
+        return held(self.objects, step)
 
 
 def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
@@ -131,9 +133,10 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
         ]
     spent = 0
     if not named:  # auto: what is left idle after every other choice
+        before = max(held_bytes(objects, s.index) for s in steps(c.g))
         objects, kept = keep_layers(c, objects, int(capacity * SPEND_LIMIT))
-        spent = sum(o.bytes for o in objects if o.component is Component.LAYERS_KEPT)
-    step_bytes = tuple(sum(o.bytes for o in objects if s.index in o.live) for s in steps(c.g))
+        spent = max(held_bytes(objects, s.index) for s in steps(c.g)) - before
+    step_bytes = tuple(held_bytes(objects, s.index) for s in steps(c.g))
     return ResidencyPlan(
         tuple(objects), step_bytes, _phase_peaks(c, step_bytes), optimizer, plan_host(c, objects), capacity, share,
         tuple(sorted(beside)), kept, spent,
@@ -143,23 +146,31 @@ def lower_residency(c: Context, objects: list[MemObject]) -> ResidencyPlan:
 def keep_layers(c: Context, objects: list[MemObject], room: int) -> tuple[list[MemObject], int]:
     """`memory.layers_kept`: the actor's last decoder layers that keep every tensor under recompute (each
     `kept_layer_bytes` more), as one object over its microbatch's activations' steps: the spec's number (placed
-    first, as the activations are), or at auto as many as each of those steps has `room` for (SPEND_LIMIT of the
-    card) after every other object: HBM that would sit idle, each layer kept one rerun less in backward. Returns
-    the objects and the layers kept."""
+    first, as the activations are), or at auto the most that keep each of those steps within `room` (SPEND_LIMIT
+    of the card) after every other object: HBM that would sit idle, each layer kept one rerun less in backward.
+    They are held in the activations' turn, so they may first fill what the backward through the prefix holds in
+    its turn. Returns the objects and the layers kept."""
     per_layer = kept_layer_bytes(c, Role.ACTOR)
     activations = [o for o in objects if o.role == "actor" and o.component is Component.ACTIVATIONS and not o.vision]
     if not activations or per_layer == 0:
         return objects, 0
-    live, chosen = activations[0].live, c.spec.memory.layers_kept
+    first = activations[0]
+
+    def keeping(n: int) -> list[MemObject]:  # held with the microbatch's activations, in their turn
+        name = f"activations, last {n} layers kept whole"
+        kept = MemObject("actor", Component.LAYERS_KEPT, TensorClass.PHASE_LOCAL, n * per_layer, first.live,
+                         Residency.ABSENT, name=name, turn=first.turn)  # fmt: skip
+        return [*objects, kept] if n else objects
+
+    chosen = c.spec.memory.layers_kept
     if chosen == "auto":
-        free = min(room - sum(o.bytes for o in objects if s in o.live) for s in live)
-        chosen = min(c.model.text.num_hidden_layers, max(free, 0) // per_layer)
-    if chosen == 0:
-        return objects, 0
-    name = f"activations, last {chosen} layers kept whole"
-    kept = MemObject("actor", Component.LAYERS_KEPT, TensorClass.PHASE_LOCAL, chosen * per_layer, live,
-                     Residency.ABSENT, name=name)  # fmt: skip
-    return [*objects, kept], chosen
+        fits = (n for n in range(c.model.text.num_hidden_layers, 0, -1) if _within(keeping(n), first.live, room))
+        chosen = next(fits, 0)
+    return keeping(chosen), chosen
+
+
+def _within(objects: list[MemObject], live: frozenset[int], room: int) -> bool:
+    return all(held_bytes(objects, s) <= room for s in live)
 
 
 def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory) -> list[MemObject]:
@@ -183,7 +194,7 @@ def spend_hbm(objects: list[MemObject], capacity: int, update: set[int], memory)
             else o
             for o in objects
         ]
-        if choice == "hbm" or all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
+        if choice == "hbm" or all(held_bytes(trial, s) <= room[s] for s in room):
             objects = trial
     return objects
 
@@ -207,7 +218,7 @@ def keep_state_share(objects: list[MemObject], room: dict[int, int], granule: in
     state = [o for o in objects if o.role == "actor" and o.component in (Component.MASTER, Component.MOMENTS)]
     state = [o for o in state if o.host_bytes]
     total = sum(o.host_bytes for o in state)
-    free = min(room[s] - sum(o.bytes for o in objects if s in o.live) for s in room) if room else 0
+    free = min(room[s] - held_bytes(objects, s) for s in room) if room else 0
     share = min(max(free, 0) // granule * granule, total)
     if not state or share == 0:
         return objects, 0
@@ -247,7 +258,7 @@ def keep_in_hbm_when_room(
         if sum(o.host_bytes for o in objects) <= host_room:
             break
         trial = [replace(o, live=o.window, host_bytes=0) if i in members else o for i, o in enumerate(objects)]
-        if all(sum(o.bytes for o in trial if s in o.live) <= room[s] for s in room):
+        if all(held_bytes(trial, s) <= room[s] for s in room):
             objects = trial
     return objects
 
@@ -278,7 +289,7 @@ def _update_steps(c: Context) -> set[int]:
 
 def plan_optimizer(c: Context, objects: list[MemObject], update: set[int], capacity: int) -> OptimizerPlan:
     state = sum(o.bytes for o in objects if o.cls is TensorClass.PERMANENT)
-    used = max(sum(o.bytes for o in objects if s in o.live) for s in update)
+    used = max(held_bytes(objects, s) for s in update)
     if c.spec.memory.optimizer_chunk_mib is not None:
         chunk = c.spec.memory.optimizer_chunk_mib * 2**20
     else:

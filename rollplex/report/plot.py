@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollplex.graph.ir import steps
-from rollplex.graph.memobject import GIB
+from rollplex.graph.memobject import GIB, held
 from rollplex.graph.plan import Plan
 
 _COLORS = {
@@ -31,7 +31,7 @@ def plot_memory(plan: Plan, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * n + 2), 4.5))
     bottom = [0.0] * n
     for role in roles:
-        heights = [sum(o.bytes for o in r.objects if o.role == role and i in o.live) / GIB for i in range(n)]
+        heights = [sum(o.bytes for o in held(r.objects, i) if o.role == role) / GIB for i in range(n)]
         if any(heights):
             ax.bar(range(n), heights, bottom=bottom, color=_COLORS.get(role, "#dd8452"), label=role, width=0.8)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]

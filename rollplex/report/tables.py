@@ -7,7 +7,7 @@ import shlex
 from rollplex.graph.cost import reference_page_ins
 from rollplex.graph.ir import op, ops, prefilled_decodes, steps
 from rollplex.graph.levers import faster_recompute, faster_residencies
-from rollplex.graph.memobject import GIB, Component, MemObject, Residency
+from rollplex.graph.memobject import GIB, Component, MemObject, Residency, held
 from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
@@ -123,22 +123,29 @@ def graph_table(plan: Plan) -> str:
 def memory_table(plan: Plan) -> str:
     r = plan.residency
     rows = []
+    at_peak = [held(r.objects, p.peak_step) for p in r.phases]
     for vision in (False, True):
         for o in (o for o in r.objects if o.vision is vision):
-            cells = [_cell(o, p.peak_step, p.steps) for p in r.phases]
+            cells = [_cell(o, top, p.peak_step, p.steps) for p, top in zip(r.phases, at_peak, strict=True)]
             if any(c != "-" for c in cells):
                 rows.append([o.role, ("vision " if vision else "") + o.label, o.cls.value, *cells])
     rows.append(["", "peak", "", *[gib(p.peak_bytes) for p in r.phases]])
     heads = ["role", "object", "class", *[f"P{int(p.phase)} GiB" for p in r.phases]]
     note = "HBM GiB at each phase's peak step; host = pinned pool, dropped = rebuilt when needed"
-    return f"Memory per GPU by phase and role ({note})\n" + table(heads, rows, right={3, 4, 5})
+    lines = [f"Memory per GPU by phase and role ({note})", table(heads, rows, right={3, 4, 5})]
+    if any(o.turn for o in r.objects):
+        lines.append(
+            "(GiB) = in HBM elsewhere in the phase: in another step, or in the other turn of a backward step (a suffix"
+            " microbatch's activations are freed before the backward through the prefix holds its layer in flight)"
+        )
+    return "\n".join(lines)
 
 
-def _cell(o: MemObject, peak_step: int, idx: tuple[int, ...]) -> str:
-    if peak_step in o.live:
+def _cell(o: MemObject, at_peak: list[MemObject], peak_step: int, idx: tuple[int, ...]) -> str:
+    if o in at_peak:
         return gib(o.bytes)
     if any(i in o.live for i in idx):
-        return f"({gib(o.bytes)})"  # in HBM in another step of the phase
+        return f"({gib(o.bytes)})"  # in HBM in another step of the phase, or another turn of its peak step
     where = o.residency(peak_step)
     if where is Residency.HOST and o.host_bytes:
         return f"host {gib(o.host_bytes)}"
