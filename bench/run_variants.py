@@ -4,7 +4,7 @@
     python bench/run_variants.py summary METRICS SPEC   # the run's phases, its peaks against the plan's, its steps
 
 A VARIANT is `shipped` or keys joined by '+' (`KEYS`, `chunkN`: memory.optimizer_chunk_mib N, `mbN`:
-memory.microbatch_tokens N).
+memory.microbatch_tokens N, `tailN`: sharing.tail_rows N).
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def variant(spec: dict, name: str) -> dict:
             section, key, value = "memory", "optimizer_chunk_mib", int(part[5:])
         elif part.startswith("mb") and part[2:].isdigit():
             section, key, value = "memory", "microbatch_tokens", int(part[2:])
+        elif part.startswith("tail") and part[4:].isdigit():
+            section, key, value = "sharing", "tail_rows", int(part[4:])
         elif part in KEYS:
             section, key, value = KEYS[part]
         else:
-            raise SystemExit(f"unknown variant part {part!r}: shipped, {', '.join(KEYS)}, chunkN or mbN")
+            raise SystemExit(f"unknown variant part {part!r}: shipped, {', '.join(KEYS)}, chunkN, mbN or tailN")
         out.setdefault(section, {})[key] = value
     return out
 

@@ -33,9 +33,10 @@ class PrefixStreams:
     stream: torch.cuda.Stream | None = None
     choose: Callable[[int], torch.cuda.Stream] | None = None
     contexts: tuple = ()
+    tail_rows: int | None = None  # `sharing.tail_rows`
 
     def beside(self, jobs: Sequence[Generator]) -> Beside:
-        return Beside(jobs, self.stream, self.choose)
+        return Beside(jobs, self.stream, self.choose, self.tail_rows)
 
     def free_allocator_events(self) -> None:
         """Call before the last reference to the green contexts goes (it leaves them alive). A tensor that recorded
@@ -50,21 +51,22 @@ class PrefixStreams:
 
 
 def make_prefix_streams(sharing: Sharing, device: torch.device) -> PrefixStreams:
+    tail = sharing.tail_rows
     if device.type != "cuda" or sharing.policy is SharingPolicy.INLINE:
-        return PrefixStreams()
+        return PrefixStreams(tail_rows=tail)
     if sharing.policy in (SharingPolicy.STREAMS, SharingPolicy.MPS):  # under mps decode is another process
-        return PrefixStreams(torch.cuda.Stream(device))
+        return PrefixStreams(torch.cuda.Stream(device), tail_rows=tail)
     from torch.cuda.green_contexts import GreenContext
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     if not sharing.adaptive:
         context = GreenContext.create(num_sms=sharing.prefix_sms, device_id=index)
-        return PrefixStreams(context.Stream(), contexts=(context,))
+        return PrefixStreams(context.Stream(), contexts=(context,), tail_rows=tail)
     total = torch.cuda.get_device_properties(index).multi_processor_count
     contexts = {round(total * f): GreenContext.create(num_sms=round(total * f), device_id=index)
                 for f in ADAPTIVE_SMS_FRACTIONS}  # fmt: skip
     choose = AdaptivePartition({sms: c.Stream() for sms, c in contexts.items()}, total)
-    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()))
+    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()), tail_rows=tail)
 
 
 @contextmanager

@@ -55,6 +55,7 @@ class Sharing:
     adaptive: bool = False  # green partitions sized by the live decode batch
     layers_per_chunk: int = 1
     prompts_per_chunk: int | None = None  # None: all the step's prompts in one group
+    tail_rows: int | None = None  # prefix work starts once decode's batch is at most this many rows; None: at once
     mps_trainer_percent: int | None = None  # None: no cap
     mps_rollout_percent: int | None = None
 
@@ -153,6 +154,7 @@ def _sharing(spec: Spec) -> Sharing:
         adaptive=adaptive,
         layers_per_chunk=s.layers_per_chunk,
         prompts_per_chunk=s.prompts_per_chunk,
+        tail_rows=s.tail_rows,
         mps_trainer_percent=s.mps_trainer_percent,
         mps_rollout_percent=s.mps_rollout_percent,
     )

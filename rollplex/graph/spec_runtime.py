@@ -93,6 +93,13 @@ class SharingSpec(Strict):
         "a partition sized by the live decode batch (half the SMs at the rollout's full batch, more as it drains).",
     )
     layers_per_chunk: PositiveInt = Field(1, description="Decoder layers (and vision blocks) of prefix work per chunk.")
+    tail_rows: PositiveInt | None = Field(
+        None,
+        description="Prefix work beside decode waits for the rollout's tail: its first chunk starts once the live "
+        "decode batch (a captured batch size) is at most this many rows, where decode reads every weight for a few "
+        "rows and leaves SMs idle; what is left when decode ends runs after it on the whole device. null: from the "
+        "first decode step. Not under mps (decode runs in another process).",
+    )
     prompts_per_chunk: PositiveInt | None = Field(
         1,
         description="Prompts of prefix work per chunk (both schedules run prefixes in these groups; the actor's "

@@ -7,7 +7,8 @@ ever in flight, so prefix work fills the GPU beside decode and never queues up i
 prefill stream starves decode, DESIGN.md section 6). `finish` runs what is left on the caller's stream (the
 whole device: decode is over) after the chunk in flight. Without CUDA (tests), chunks run in line. With
 `choose`, each chunk's stream is picked from the live decode batch (`green:adaptive`: partitions of several
-sizes); a chunk on another stream than the one before waits for it, so a job's chunks stay in order.
+sizes); a chunk on another stream than the one before waits for it, so a job's chunks stay in order. With
+`tail_rows`, the first chunk waits for the rollout's tail: a live batch of at most that many rows.
 
 Lifecycle of a job:
 
@@ -30,8 +31,10 @@ class Beside:
         jobs: Sequence[Generator],
         stream: torch.cuda.Stream | None = None,
         choose: Callable[[int], torch.cuda.Stream] | None = None,
+        tail_rows: int | None = None,
     ) -> None:
         self.jobs = list(jobs)
+        self.tail_rows = tail_rows
         self.results: list[object] = [None] * len(self.jobs)
         self.stream = stream if choose is None else choose(0)
         self.choose = choose
@@ -49,10 +52,11 @@ class Beside:
         return self.next_job == len(self.jobs)
 
     def __call__(self, rows: int = 0) -> None:
-        """Enqueues one chunk if the previous one has finished (the hook between decode steps; `rows`: the
-        live decode batch, which picks the stream under `choose`)."""
-        if self.done:
+        """Enqueues one chunk if the previous one has finished and, under `tail_rows`, the tail has begun (the hook
+        between decode steps; `rows`: the live decode batch, which picks the stream under `choose`)."""
+        if self.done or (self.tail_rows is not None and rows > self.tail_rows):
             return
+        self.tail_rows = None  # begun: a batch never grows again
         if self.in_flight is not None and not self.in_flight.query():
             self.num_skipped += 1
             return

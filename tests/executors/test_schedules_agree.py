@@ -46,6 +46,19 @@ def test_prefix_chunks_of_one_prompt_keep_serial_and_rollplex_bitwise_identical(
     assert runs[1][0]["prefix_beside_decode"] > 0.5
 
 
+def test_prefix_work_held_for_the_rollouts_tail_keeps_serial_and_rollplex_bitwise_identical(tmp_path):
+    text = spec_text(kl=0.1, device="cpu") + "sharing: {prompts_per_chunk: 1, tail_rows: 2}\n"
+    spec = parse_spec(text)
+    runs = [
+        train(compile_plan(spec, Schedule(s)), RunOptions(2, tmp_path / s, progress=False, tensorboard=False))
+        for s in ("serial", "rollplex")
+    ]
+    assert [r["param_digest"] for r in runs[0]] == [r["param_digest"] for r in runs[1]]
+    whole = run(tmp_path, "rollplex", 2, name="from_the_first_step")
+    assert [r["param_digest"] for r in whole] == [r["param_digest"] for r in runs[1]]
+    assert all(r["prefix_beside_decode"] < w["prefix_beside_decode"] for r, w in zip(runs[1], whole, strict=True))
+
+
 def test_rollplex_runs_its_prefixes_beside_decode_and_serial_does_not(tmp_path):
     a, b = run(tmp_path, "serial", 1), run(tmp_path, "rollplex", 1)
     # 6 decode steps against 2 prompts x (vision blocks + decoder layers) of one-prompt chunks: a part fits

@@ -1,6 +1,9 @@
-"""`green:adaptive`: the partition a prefix chunk runs in follows the live decode batch."""
+"""Prefix chunks beside decode: in order whatever the batch; under `green:adaptive` in the partition the live
+decode batch picks; under `sharing.tail_rows` only from the rollout's tail on."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from rollplex.rollout.beside import AdaptivePartition, Beside, adaptive_sms
 
 SIZES = (33, 66, 99)
+SPECS = Path(__file__).resolve().parents[2] / "specs"
 
 
 def test_half_the_sms_at_the_full_batch_and_more_as_the_batch_drains():
@@ -39,6 +43,42 @@ def test_inline_beside_runs_jobs_in_order_whatever_the_batch():
         beside(rows)
     assert beside.finish() == [0, 1]
     assert log == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+
+
+def test_under_tail_rows_the_first_chunk_waits_for_a_batch_that_small_and_the_rest_follow():
+    def job(log):
+        for i in range(4):
+            log.append(i)
+            yield
+        return "done"
+
+    log = []
+    beside = Beside([job(log)], tail_rows=8)
+    for rows in (64, 48, 16):
+        beside(rows)
+    assert log == [] and beside.num_chunks == 0  # the batch is wider than the tail
+    beside(8)
+    beside(16)  # begun: the next chunk follows whatever the batch (a batch only drains)
+    assert log == [0, 1]
+    assert beside.finish() == ["done"] and log == [0, 1, 2, 3]
+    late = Beside([job([])], tail_rows=4)
+    for rows in (64, 8):
+        late(rows)
+    assert late.num_chunks == 0 and late.finish() == ["done"]  # decode ended first: all of it after
+
+
+def test_tail_rows_reaches_the_prefix_streams_and_is_refused_under_mps():
+    from rollplex.errors import SpecError
+    from rollplex.executors.policies import make_prefix_streams
+    from rollplex.graph.load import parse_spec
+    from rollplex.graph.plan import compile_plan
+
+    text = (SPECS / "tiny_cpu.yaml").read_text()
+    plan = compile_plan(parse_spec(text + "sharing: {tail_rows: 8}\n"))
+    streams = make_prefix_streams(plan.decisions.sharing, torch.device("cpu"))
+    assert streams.tail_rows == 8 and streams.beside([]).tail_rows == 8
+    with pytest.raises(SpecError, match=r"sharing\.tail_rows needs decode in this process"):
+        parse_spec(text + "sharing: {tail_rows: 8, policy: mps}\n")
 
 
 @pytest.mark.gpu
