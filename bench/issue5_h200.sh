@@ -10,6 +10,8 @@
 #   PPC=N bash bench/issue5_h200.sh STAGE: the same with sharing.prompts_per_chunk N (rollplex's prefix grouping
 #     beside decode, and so of its prefix backward; the 3B specs group all 8 prompts, as serial's `all`; PPC=1
 #     puts one prompt in each chunk); tagged _ppcN
+#   TAIL=N bash bench/issue5_h200.sh STAGE: the same with sharing.tail_rows N (rollplex's prefix work beside decode
+#     starts once the live decode batch is at most N rows); tagged _tailN
 #   KERNELS=NAME bash bench/issue5_h200.sh STAGE: the same with run.decode_kernels NAME (cublas, rollplex,
 #     rollplex_pdl, rollplex_fused, rollplex_ahead; both schedules decode with them); tagged _NAME. Without KERNELS and PREFILL a
 #     stage runs the spec's defaults (`auto`: on an H200, rollplex_fused decode from the actor prefix's boundary)
@@ -41,10 +43,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton-cache
 TAG=; [ "${CUDNN:-on}" = off ] && TAG=_nocudnn
 [ -n "${PPC:-}" ] && TAG=${TAG}_ppc$PPC
+[ -n "${TAIL:-}" ] && TAG=${TAG}_tail$TAIL
 [ -n "${KERNELS:-}" ] && TAG=${TAG}_$KERNELS
 case ${PREFILL:-} in "") ;; actor|rollout) TAG=${TAG}_${PREFILL}prefill ;;
   *) echo "PREFILL is actor or rollout, not $PREFILL" >&2; exit 2 ;; esac
-spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS=NAME / PREFILL=...: a copy beside it)
+spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / TAIL=N / KERNELS=NAME / PREFILL=...: a copy beside it)
   if [ -z "$TAG" ]; then echo "$1"; return; fi
   local run_keys=; { [ "${CUDNN:-on}" = off ] || [ -n "${KERNELS:-}" ] || [ -n "${PREFILL:-}" ]; } && run_keys=1
   if [ -n "$run_keys" ] && grep -q "^run:" "$1"; then
@@ -52,7 +55,8 @@ spec3b() {  # spec3b PATH: the spec a 3B stage runs (CUDNN=off / PPC=N / KERNELS
   fi
   local copy; copy=$(dirname "$1")/.$(basename "$1" .yaml)$TAG.yaml
   { if [ -n "${PPC:-}" ] && grep -q "^  prompts_per_chunk:" "$1"; then sed "s/^  prompts_per_chunk:.*/  prompts_per_chunk: $PPC/" "$1"
-    elif [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi
+    elif [ -n "${PPC:-}" ]; then sed "/^sharing:\$/a\\  prompts_per_chunk: $PPC" "$1"; else cat "$1"; fi |
+      if [ -n "${TAIL:-}" ]; then sed "/^sharing:\$/a\\  tail_rows: $TAIL"; else cat; fi
     if [ -n "$run_keys" ]; then echo "run:"; fi
     if [ "${CUDNN:-on}" = off ]; then echo "  cudnn_attention: false"; fi
     if [ "${PREFILL:-}" = actor ]; then echo "  rollout_prefill: actor_prefix"; fi
