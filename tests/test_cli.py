@@ -34,6 +34,9 @@ def test_json_has_the_documented_keys(capsys):
     assert isinstance(d["naive"]["total_gib"], float)
     assert {"role", "component", "gib"} <= set(d["naive"]["rows"][0])
     assert {"name", "peak_gib", "objects"} <= set(d["plan"]["phases"][0])
+    backward = d["plan"]["phases"][1]["objects"]  # the split backward's turns: the microbatch's, the prefix layer's
+    turns = {o["component"]: o["turn"] for o in backward if o["role"] == "actor" and o["turn"]}
+    assert turns["activations (one microbatch)"] == "suffix" and turns["prefix, one layer in flight"] == "prefix"
     assert d["plan"]["peak_gib"] == max(p["peak_gib"] for p in d["plan"]["phases"])
     assert d["fits"] is True and d["capacity_gib"] == 79.6
     assert set(d["sharing"]["case_params"]) == {"1", "2", "3"} and set(d["sharing"]["case_percent"]) == {"1", "2", "3"}

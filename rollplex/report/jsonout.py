@@ -104,6 +104,7 @@ def _object(o: MemObject, idx: tuple[int, ...]) -> dict:
         "vision": o.vision,
         "gib": _gib(o.bytes),
         "residency": where.value,
+        "turn": o.turn or None,  # a split backward's part it is held in: of a role's turns a step holds the larger
     }
 
 
