@@ -24,6 +24,7 @@ KEYS = {
     "selective": ("memory", "recompute", "selective"),
     "compiled": ("run", "compiled_layers", True),
     "keepcache": ("memory", "empty_cache", "mappings"),
+    "adaptive": ("sharing", "prefix_sms", "adaptive"),
 }
 
 

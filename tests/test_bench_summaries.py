@@ -191,10 +191,10 @@ def test_the_7b_variants_set_their_keys_in_a_spec_the_loader_takes_and_summarise
     seven = ROOT / "specs/qwen2_5_vl_7b_h200.yaml"
     monkeypatch.chdir(tmp_path)
     out = subprocess.run([sys.executable, str(ROOT / "bench/run_variants.py"), "spec", str(seven),
-                          "nocudnn+joined+chunk128+tail8"], capture_output=True, text=True)  # fmt: skip
+                          "nocudnn+joined+chunk128+tail8+adaptive"], capture_output=True, text=True)  # fmt: skip
     loaded = load_spec(out.stdout.strip()).spec
     assert loaded.run.cudnn_attention is False and loaded.sharing.update_beside_prefix is False
-    assert loaded.sharing.tail_rows == 8
+    assert loaded.sharing.tail_rows == 8 and loaded.sharing.prefix_sms == "adaptive"
     assert loaded.memory.optimizer_chunk_mib == 128 and loaded.memory.page_reference is True  # the rest kept
     data = module.yaml.safe_load(seven.read_text())
     assert module.variant(data, "shipped") == data and module.variant(data, "hbm") != data
