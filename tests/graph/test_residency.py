@@ -18,7 +18,8 @@ SPECS = Path(__file__).resolve().parents[2] / "specs"
 def seven_text() -> str:
     """The 7B spec with its update ending its step (auto would run it beside the next actor prefix): the
     residency choices alone."""
-    return (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text() + "sharing:\n  update_beside_prefix: false\n"
+    text = (SPECS / "qwen2_5_vl_7b_h200.yaml").read_text()
+    return text.replace("sharing:\n", "sharing:\n  update_beside_prefix: false\n")
 
 
 def test_a_short_host_keeps_frozen_weights_and_saved_prefix_state_in_hbm_instead():
