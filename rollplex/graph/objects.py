@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import networkx as nx
 
+from rollplex.graph import memobject as M
 from rollplex.graph.ir import (
     DATASET,
     NodeKind,
@@ -23,16 +24,7 @@ from rollplex.graph.ir import (
     steps,
     tensors,
 )
-from rollplex.graph.memobject import (
-    GIB,
-    PREFIX_TURN,
-    PROMPT_INPUTS,
-    SUFFIX_TURN,
-    Component,
-    Context,
-    MemObject,
-    Residency,
-)
+from rollplex.graph.memobject import GIB, PROMPT_INPUTS, Component, Context, MemObject, Residency
 from rollplex.graph.spec import Spec
 from rollplex.graph.workload import per_gpu
 from rollplex.layout import shapes as S
@@ -177,7 +169,7 @@ def _activations(c: Context, role: Role, backward: set[int]) -> Iterator[MemObje
         tokens * per_token + head,
         live,
         Residency.ABSENT,
-        turn=SUFFIX_TURN if split else "",
+        turn=M.SUFFIX_TURN if split else "",
     )
     if split:
         yield _suffix_attention(c, role, live)
@@ -229,7 +221,7 @@ def _suffix_attention(c: Context, role: Role, live: frozenset[int]) -> MemObject
     layers = 2 if c.spec.memory.recompute == "full" else t.num_hidden_layers
     return MemObject(
         role.value, Component.SUFFIX_ATTENTION, TensorClass.PHASE_LOCAL, layers * suffix_keys_per_layer(c), live,
-        Residency.ABSENT, turn=SUFFIX_TURN,
+        Residency.ABSENT, turn=M.SUFFIX_TURN,
     )  # fmt: skip
 
 
@@ -290,7 +282,7 @@ def _prefix_saved(c: Context, role: Role, backward: set[int]) -> Iterator[MemObj
         one_layer,
         frozenset(prefix | backward),
         Residency.ABSENT,
-        turn=PREFIX_TURN,
+        turn=M.PREFIX_TURN,
     )
 
 

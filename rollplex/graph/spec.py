@@ -303,12 +303,6 @@ class Spec(Strict):
         return {"name": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _tail_rows(self) -> Spec:
-        if self.sharing.tail_rows is not None and self.sharing.policy == "mps":
-            raise ValueError("sharing.tail_rows needs decode in this process; leave it out under policy mps")
-        return self
-
-    @model_validator(mode="after")
     def _ppo(self) -> Spec:
         a = self.algorithm
         critic = self.graph is not None and any(n.role == "critic" for n in self.graph.nodes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from rollplex.graph.spec_base import Strict
 
@@ -115,3 +115,9 @@ class SharingSpec(Strict):
         "host pool (its update is the link's time, the prefix's is compute) and the plan with it fits with a lower "
         "step bound; false: the update ends its step.",
     )
+
+    @model_validator(mode="after")
+    def _tail_rows(self) -> SharingSpec:
+        if self.tail_rows is not None and self.policy == "mps":
+            raise ValueError("tail_rows needs decode in this process; leave it out under policy mps")
+        return self

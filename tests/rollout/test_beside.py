@@ -77,7 +77,7 @@ def test_tail_rows_reaches_the_prefix_streams_and_is_refused_under_mps():
     plan = compile_plan(parse_spec(text + "sharing: {tail_rows: 8}\n"))
     streams = make_prefix_streams(plan.decisions.sharing, torch.device("cpu"))
     assert streams.tail_rows == 8 and streams.beside([]).tail_rows == 8
-    with pytest.raises(SpecError, match=r"sharing\.tail_rows needs decode in this process"):
+    with pytest.raises(SpecError, match=r"sharing\.tail_rows: tail_rows needs decode in this process"):
         parse_spec(text + "sharing: {tail_rows: 8, policy: mps}\n")
 
 
