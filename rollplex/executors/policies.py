@@ -10,7 +10,7 @@ import os
 import shutil
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,22 +51,25 @@ class PrefixStreams:
 
 
 def make_prefix_streams(sharing: Sharing, device: torch.device) -> PrefixStreams:
-    tail = sharing.tail_rows
+    return replace(_streams(sharing, device), tail_rows=sharing.tail_rows)
+
+
+def _streams(sharing: Sharing, device: torch.device) -> PrefixStreams:
     if device.type != "cuda" or sharing.policy is SharingPolicy.INLINE:
-        return PrefixStreams(tail_rows=tail)
+        return PrefixStreams()
     if sharing.policy in (SharingPolicy.STREAMS, SharingPolicy.MPS):  # under mps decode is another process
-        return PrefixStreams(torch.cuda.Stream(device), tail_rows=tail)
+        return PrefixStreams(torch.cuda.Stream(device))
     from torch.cuda.green_contexts import GreenContext
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     if not sharing.adaptive:
         context = GreenContext.create(num_sms=sharing.prefix_sms, device_id=index)
-        return PrefixStreams(context.Stream(), contexts=(context,), tail_rows=tail)
+        return PrefixStreams(context.Stream(), contexts=(context,))
     total = torch.cuda.get_device_properties(index).multi_processor_count
     contexts = {round(total * f): GreenContext.create(num_sms=round(total * f), device_id=index)
                 for f in ADAPTIVE_SMS_FRACTIONS}  # fmt: skip
     choose = AdaptivePartition({sms: c.Stream() for sms, c in contexts.items()}, total)
-    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()), tail_rows=tail)
+    return PrefixStreams(choose=choose, contexts=tuple(contexts.values()))
 
 
 @contextmanager
