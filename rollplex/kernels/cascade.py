@@ -1,11 +1,18 @@
 """The Triton kernels of the cascade decode attention (`decode_attention.py` has the layout, the shapes and
-the launcher): one online-softmax chunk, the prompt and own partials (one launch), and the combine."""
+the launcher): one online-softmax chunk, the prompt and own partials (one launch), and the combine.
+
+The partials read the step's queries rotated ([rows, H, D]), or with ROTATE the step's qkv projection as it comes
+out of its GEMM (parts [QKV_PARTS, rows, (H + 2G) D], `decode_ops.as_parts`), which they rotate themselves
+(`decode_ops.rotated`, the rotary kernel's formula): the own program whose chunk holds the step's key also
+rotates that key and writes it and its value into the response cache, then reads the chunk back. That takes the
+rotary kernel's launch out of the decode step and gives the same bits."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from rollplex.kernels.decode_ops import rotated, summed
 from rollplex.kernels.pdl import enter, leave
 
 
@@ -55,6 +62,23 @@ def _attend_chunk(
 
 
 @triton.jit
+def _queries(
+    q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QKV_PARTS: tl.constexpr, ROTATE: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Query vectors [M, D] of the (row, head) pairs (zeros where not valid): from the rotated queries
+    [rows, H, D], or with ROTATE rotated here by `position` from the qkv parts (see the module docstring)."""
+    if ROTATE:
+        at = (row * (H + 2 * G) + head)[:, None].to(tl.int64) * D
+        q = rotated(q_ptr, at, valid[:, None], position, cos_ptr, sin_ptr, part_stride, QKV_PARTS, D, DTYPE)
+    else:
+        at = (row * H + head)[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :]
+        q = tl.load(q_ptr + at, mask=valid[:, None], other=0.0)
+    return q
+
+
+@triton.jit
 def _empty_chunk(M: tl.constexpr, D: tl.constexpr):
     """The partial of a chunk with no keys: (out 0, lse -inf), which the combine weighs by exp(-inf) = 0."""
     return tl.full((M, D), 0.0, dtype=tl.float32), tl.full((M,), float("-inf"), dtype=tl.float32)
@@ -65,7 +89,7 @@ def _prompt_partial(
     p,
     g,
     split,
-    q_ptr,  # [rows, H, D] rotated queries, contiguous
+    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
     k_ptr,  # [P, G, S, D] prompt keys (post-rotary), last dim contiguous
     v_ptr,  # [P, G, S, D]
     prompt_lens_ptr,  # [P] int64
@@ -81,13 +105,20 @@ def _prompt_partial(
     stride_vs,
     max_rows,
     scale,
+    position,  # the step's text position for prompt p's rows (ROTATE)
+    cos_ptr,
+    sin_ptr,
+    part_stride,
     H: tl.constexpr,
+    G: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
     ROWS: tl.constexpr,  # power of two >= N
     HEADS: tl.constexpr,  # power of two >= HPG
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    QKV_PARTS: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK)."""
     count = tl.load(row_count_ptr + p)
@@ -98,7 +129,8 @@ def _prompt_partial(
     head = g * HPG + r % HEADS
     valid = (r // HEADS < count) & (r % HEADS < HPG)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
+    dtype = k_ptr.dtype.element_ty
+    q = _queries(q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride, H, G, D, QKV_PARTS, ROTATE, dtype)
     key_at = split * CHUNK
     keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
@@ -119,7 +151,7 @@ def _own_partial(
     row,
     g,
     split,
-    q_ptr,  # [rows, H, D] rotated queries, contiguous
+    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
     k_ptr,  # [SLOTS, G, R, D] response key cache, contiguous
     v_ptr,  # [SLOTS, G, R, D]
     slots_ptr,  # [rows] int64: each row's cache slot
@@ -128,6 +160,10 @@ def _own_partial(
     lse_ptr,  # [SPLITS, MAX_ROWS, H] fp32
     max_rows,
     scale,
+    next_positions_ptr,  # [P + 1] int64: position of response token 0 per prompt, a spare for padding (ROTATE)
+    cos_ptr,
+    sin_ptr,
+    part_stride,
     H: tl.constexpr,
     G: tl.constexpr,
     HPG: tl.constexpr,
@@ -136,18 +172,34 @@ def _own_partial(
     HEADS: tl.constexpr,  # power of two >= max(HPG, 16): tl.dot needs 16 rows
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    NUM_SAMPLES: tl.constexpr,
+    QKV_PARTS: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
-    """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK)."""
+    """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK); with ROTATE,
+    the program whose chunk holds the step's key writes that key and value into the cache first."""
     slot = tl.load(slots_ptr + row)
-    length = tl.load(step_ptr) + 1
+    step = tl.load(step_ptr)
+    length = step + 1
     r = tl.arange(0, HEADS)
     head = g * HPG + r
     valid = r < HPG
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
     key_at = split * CHUNK
-    keys = key_at + tl.arange(0, BLOCK)
     base = (slot * G + g) * R
+    dtype = k_ptr.dtype.element_ty
+    position = 0
+    if ROTATE:
+        position = tl.load(next_positions_ptr + slot // NUM_SAMPLES) + step
+        if (key_at <= step) & (step < key_at + CHUNK):
+            fresh = (row * (H + 2 * G) + H + g).to(tl.int64) * D  # the step's key; its value G heads on
+            key = rotated(q_ptr, fresh, d < D, position, cos_ptr, sin_ptr, part_stride, QKV_PARTS, D, dtype)
+            value = summed(q_ptr, fresh + G * D + d, d < D, part_stride, QKV_PARTS, dtype).to(dtype)
+            tl.store(k_ptr + (base + step).to(tl.int64) * D + d, key)
+            tl.store(v_ptr + (base + step).to(tl.int64) * D + d, value)
+            tl.debug_barrier()  # the stores are visible to the whole program before the chunk is read
+    q = _queries(q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride, H, G, D, QKV_PARTS, ROTATE, dtype)
+    keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     if key_at < length:
@@ -161,7 +213,7 @@ def _own_partial(
 
 @triton.jit
 def partial_kernel(
-    q_ptr,  # [rows, H, D] rotated queries, contiguous
+    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
     prompt_k_ptr,  # [P, G, S, D], last dim contiguous
     prompt_v_ptr,
     prompt_lens_ptr,  # [P] int64
@@ -183,12 +235,17 @@ def partial_kernel(
     stride_vs,
     max_rows,
     scale,
+    next_positions_ptr,  # [P + 1] int64 (ROTATE)
+    cos_ptr,  # [positions, D] fp32 (ROTATE)
+    sin_ptr,
+    part_stride,  # rows * (H + 2G) * D: elements from one qkv part to the next (ROTATE)
     P: tl.constexpr,
     H: tl.constexpr,
     G: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
+    NUM_SAMPLES: tl.constexpr,
     ROWS: tl.constexpr,
     PROMPT_HEADS: tl.constexpr,
     OWN_HEADS: tl.constexpr,
@@ -197,6 +254,8 @@ def partial_kernel(
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    QKV_PARTS: tl.constexpr = 1,
+    ROTATE: tl.constexpr = False,  # q_ptr: the qkv parts (see the module docstring)
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
@@ -205,18 +264,24 @@ def partial_kernel(
     enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
     if pid < P * G * PROMPT_SPLITS:
+        p = pid // (G * PROMPT_SPLITS)
+        position = 0
+        if ROTATE:
+            position = tl.load(next_positions_ptr + p) + tl.load(step_ptr)
         _prompt_partial(
-            pid // (G * PROMPT_SPLITS), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
+            p, (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
+            max_rows, scale, position, cos_ptr, sin_ptr, part_stride,
+            H, G, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, QKV_PARTS, ROTATE,
         )  # fmt: skip
     else:
         own = pid - P * G * PROMPT_SPLITS
         _own_partial(
             own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
-            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK,
+            next_positions_ptr, cos_ptr, sin_ptr, part_stride,
+            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK, NUM_SAMPLES, QKV_PARTS, ROTATE,
         )  # fmt: skip
     leave(USE_GDC, AHEAD)
 

@@ -9,6 +9,9 @@ Two launches, split over keys so that a handful of prompts still fill the GPU (f
   own response cache.
 - `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
 
+With a `Rotary`, the partials take the step's qkv projection unrotated and rotate q and k themselves, writing the
+step's k and v into the response cache (`cascade`'s docstring): the decode step then needs no rotary kernel.
+
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
 stale value is ever merged. Shapes are fixed per batch size; lengths come from device tensors (graph-safe).
@@ -22,6 +25,7 @@ import torch
 import triton
 
 from rollplex.kernels.cascade import combine_kernel, partial_kernel
+from rollplex.kernels.decode_ops import as_parts
 from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.tiles import NUM_SMS_H200
 
@@ -58,6 +62,17 @@ def _own_chunk(max_tokens: int) -> int:
 def _rows(num_samples: int, heads_per_group: int) -> int:
     """Sequences per prompt tile: a power of two >= N, raised so that the tile has the 16 rows tl.dot needs."""
     return max(_pow2(num_samples), 16 // min(16, _pow2(heads_per_group)))
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """What the partials need to rotate the step's q and k themselves: the tables cos / sin [positions, D] (fp32,
+    both halves equal, as `models.rotary.text_rotary` gives them) and each prompt's position of response token 0
+    [P + 1] (int64; the spare last entry is the padding rows', whose slot is the spare slot)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    next_positions: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +131,7 @@ class DecodeAttention:
 
     def __call__(
         self,
-        q: torch.Tensor,  # [rows, H, D] contiguous
+        q: torch.Tensor,  # [rows, H, D] contiguous; with `rotary`, the qkv projection [rows, (H + 2G) D] or its parts
         prompt_k: torch.Tensor,  # [P, G, S, D], last dim contiguous
         prompt_v: torch.Tensor,
         prompt_lens: torch.Tensor,  # [P] int64
@@ -129,29 +144,40 @@ class DecodeAttention:
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
         pdl: bool = False,
         ahead: bool = False,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         sh = self.shape
-        rows, h, d = q.shape
+        rows, h, d = out.shape
         g, hpg = sh.num_kv_heads, sh.num_heads // sh.num_kv_heads
-        assert (h, d) == (sh.num_heads, sh.head_dim) and rows <= sh.max_rows, f"q {tuple(q.shape)} vs {sh}"
+        assert (h, d) == (sh.num_heads, sh.head_dim) and rows <= sh.max_rows, f"out {tuple(out.shape)} vs {sh}"
+        if rotary is None:
+            assert q.shape == out.shape and q.is_contiguous(), f"q {tuple(q.shape)}, out {tuple(out.shape)}"
+            rotate, parts = {}, q
+        else:
+            parts = as_parts(q, (rows, (h + 2 * g) * d), out.dtype)
+            assert rotary.cos.dtype == rotary.sin.dtype == torch.float32 and rotary.cos.shape[1] == d
+            assert rotary.cos.is_contiguous() and rotary.sin.is_contiguous()
+            rotate = dict(QKV_PARTS=parts.shape[0], ROTATE=True)
         assert prompt_k.shape == (sh.num_prompts, g, sh.max_prompt_len, d), f"prompt keys {tuple(prompt_k.shape)}"
         assert prompt_k.stride(-1) == 1 and prompt_v.stride(-1) == 1, "prompt KV: the head dim must be contiguous"
         assert own_k.shape[1:] == (g, sh.max_tokens, d) and own_k.is_contiguous() and own_v.is_contiguous()
-        assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
+        assert out.is_contiguous() and own_k.dtype == out.dtype, "out: contiguous, in the caches' dtype"
         scale = d**-0.5
         num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
+        tables = (rotary.next_positions, rotary.cos, rotary.sin) if rotary else (step, parts, parts)  # unused without
         partial_kernel[(num_programs,)](
-            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
+            parts, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
-            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
-            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
-            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
-            PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
+            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale, *tables, parts[0].numel(),
+            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, NUM_SAMPLES=sh.num_samples,
+            ROWS=_rows(sh.num_samples, hpg), PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16),
+            PROMPT_CHUNK=sh.prompt_chunk, PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk,
+            OWN_SPLITS=sh.own_splits, BLOCK=sh.block, num_warps=sh.num_warps, num_stages=sh.num_stages,
+            **rotate, **pdl_options(pdl, out, ahead),
         )  # fmt: skip
         combine_kernel[(rows, h)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
             H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, q, ahead),
+            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, out, ahead),
         )  # fmt: skip
         return out
