@@ -26,12 +26,12 @@ def _attend_chunk(
     key_at,
     length,
     scale,
-    CHUNK: tl.constexpr,
+    chunk,
     BLOCK: tl.constexpr,
     M: tl.constexpr,
     D: tl.constexpr,
 ):
-    """Online softmax of queries q [M, D] over the keys key_at + [0, CHUNK) that lie below `length`.
+    """Online softmax of queries q [M, D] over the keys key_at + [0, chunk) that lie below `length`.
 
     k_ptrs / v_ptrs [BLOCK, D] point at the chunk's first block; a key row is `stride_k` / `stride_v` apart.
     Returns (out [M, D] fp32, lse [M] fp32); an empty chunk gives (0, -inf).
@@ -39,7 +39,7 @@ def _attend_chunk(
     m_i = tl.full((M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((M,), 0.0, dtype=tl.float32)
     acc = tl.full((M, D), 0.0, dtype=tl.float32)
-    for i in range(0, CHUNK, BLOCK):
+    for i in range(0, chunk, BLOCK):
         keys = key_at + i + tl.arange(0, BLOCK)
         live = keys < length
         k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
@@ -113,14 +113,14 @@ def _prompt_partial(
     G: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
+    chunk,  # keys per program this step (`live_chunk`)
     ROWS: tl.constexpr,  # power of two >= N
     HEADS: tl.constexpr,  # power of two >= HPG
-    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     ROTATE: tl.constexpr,
 ):
-    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK)."""
+    """Prompt p's live rows, kv-head group g, keys [split * chunk, (split + 1) * chunk)."""
     count = tl.load(row_count_ptr + p)
     start = tl.load(row_start_ptr + p)
     length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
@@ -131,13 +131,13 @@ def _prompt_partial(
     d = tl.arange(0, D)
     dtype = k_ptr.dtype.element_ty
     q = _queries(q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride, H, G, D, QKV_PARTS, ROTATE, dtype)
-    key_at = split * CHUNK
+    key_at = split * chunk
     keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
     v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
     if key_at < length:
         out, lse = _attend_chunk(
-            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
+            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, chunk, BLOCK, ROWS * HEADS, D
         )
     else:  # past the prompt's end: what _attend_chunk gives an empty chunk, without its loop
         out, lse = _empty_chunk(ROWS * HEADS, D)
@@ -212,6 +212,27 @@ def _own_partial(
 
 
 @triton.jit
+def live_chunk(
+    row_count_ptr, P: tl.constexpr, P_LANES: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, LEVELS: tl.constexpr, MIN_PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """(live [P_LANES], chunk): which prompts have rows this step, and the keys per prompt program: the longest of
+    MIN_CHUNK * 2^[0, LEVELS) whose chunks of every live prompt's S keys still give MIN_PROGRAMS programs, else
+    MIN_CHUNK (`DecodeAttentionShape.chunk_for` is the same rule)."""
+    lanes = tl.arange(0, P_LANES)
+    live = tl.load(row_count_ptr + lanes, mask=lanes < P, other=0) > 0
+    count = tl.sum(live.to(tl.int32), axis=0)
+    chunk = count * 0 + MIN_CHUNK
+    for level in tl.static_range(1, LEVELS):
+        chunk = tl.where(
+            count * G * ((S + (MIN_CHUNK << level) - 1) // (MIN_CHUNK << level)) >= MIN_PROGRAMS,
+            MIN_CHUNK << level,
+            chunk,
+        )
+    return live, chunk
+
+
+@triton.jit
 def partial_kernel(
     q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
     prompt_k_ptr,  # [P, G, S, D], last dim contiguous
@@ -249,8 +270,12 @@ def partial_kernel(
     ROWS: tl.constexpr,
     PROMPT_HEADS: tl.constexpr,
     OWN_HEADS: tl.constexpr,
-    PROMPT_CHUNK: tl.constexpr,
-    PROMPT_SPLITS: tl.constexpr,
+    P_LANES: tl.constexpr,  # power of two >= P
+    S: tl.constexpr,  # the prompt KV's padded length
+    MIN_CHUNK: tl.constexpr,  # `live_chunk`
+    LEVELS: tl.constexpr,
+    MIN_PROGRAMS: tl.constexpr,
+    PROMPT_PROGRAMS: tl.constexpr,  # the most prompt programs any step's live prompts need
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -259,24 +284,31 @@ def partial_kernel(
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
-    """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
-    (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
+    """Both kinds of partial in one launch: programs [0, PROMPT_PROGRAMS) take a chunk of a live prompt's keys
+    (the i-th live prompt, kv-head group, chunk; the step's chunk from `live_chunk`; programs past what the live
+    prompts need do nothing), the rest (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
     enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
-    if pid < P * G * PROMPT_SPLITS:
-        p = pid // (G * PROMPT_SPLITS)
-        position = 0
-        if ROTATE:
-            position = tl.load(next_positions_ptr + p) + tl.load(step_ptr)
-        _prompt_partial(
-            p, (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
-            q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
-            prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-            max_rows, scale, position, cos_ptr, sin_ptr, part_stride,
-            H, G, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, QKV_PARTS, ROTATE,
-        )  # fmt: skip
+    if pid < PROMPT_PROGRAMS:
+        live, chunk = live_chunk(row_count_ptr, P, P_LANES, G, S, MIN_CHUNK, LEVELS, MIN_PROGRAMS)
+        splits = (S + chunk - 1) // chunk
+        if pid < tl.sum(live.to(tl.int32), axis=0) * G * splits:
+            lanes = tl.arange(0, P_LANES)
+            nth = pid // (G * splits)  # the nth live prompt
+            rank = tl.cumsum(live.to(tl.int32), axis=0) - 1
+            p = tl.sum(tl.where(live & (rank == nth), lanes, 0), axis=0)
+            position = 0
+            if ROTATE:
+                position = tl.load(next_positions_ptr + p) + tl.load(step_ptr)
+            _prompt_partial(
+                p, (pid // splits) % G, pid % splits,
+                q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
+                prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
+                max_rows, scale, position, cos_ptr, sin_ptr, part_stride,
+                H, G, HPG, D, chunk, ROWS, PROMPT_HEADS, BLOCK, QKV_PARTS, ROTATE,
+            )  # fmt: skip
     else:
-        own = pid - P * G * PROMPT_SPLITS
+        own = pid - PROMPT_PROGRAMS
         _own_partial(
             own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
@@ -293,23 +325,32 @@ def combine_kernel(
     own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
     own_lse_ptr,  # [OWN_SPLITS, MAX_ROWS, H] fp32
     out_ptr,  # [rows, H, D] in the model's dtype
+    row_count_ptr,  # [P] int64
     max_rows,
+    P: tl.constexpr,
+    G: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
-    PROMPT_SPLITS: tl.constexpr,
+    P_LANES: tl.constexpr,  # `live_chunk`'s, as the partial kernel's
+    S: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    MIN_PROGRAMS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
-    PROMPT_LANES: tl.constexpr,  # powers of two >= the splits
+    PROMPT_LANES: tl.constexpr,  # powers of two >= the most splits
     OWN_LANES: tl.constexpr,
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
 ):
-    """One program per (row, head): the head's partials of every chunk, loaded at once, merged through their
-    log-sum-exp. A program per head rather than per kv-head group: at a batch of one prompt the merge still
-    spreads over the GPU."""
+    """One program per (row, head): the head's partials of every chunk (the prompt's as many as the step's chunk
+    gives), loaded at once, merged through their log-sum-exp. A program per head rather than per kv-head group: at
+    a batch of one prompt the merge still spreads over the GPU."""
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
     head = tl.program_id(1)
-    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, PROMPT_SPLITS, PROMPT_LANES)
+    _, chunk = live_chunk(row_count_ptr, P, P_LANES, G, S, MIN_CHUNK, LEVELS, MIN_PROGRAMS)
+    splits = (S + chunk - 1) // chunk
+    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, splits, PROMPT_LANES)
     lse_o, out_o = _partials(own_out_ptr, own_lse_ptr, row, head, max_rows, H, D, OWN_SPLITS, OWN_LANES)
     m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite: a row always sees its own token
     w_p, w_o = tl.exp(lse_p - m), tl.exp(lse_o - m)  # an empty chunk or a padding lane weighs 0
@@ -321,13 +362,12 @@ def combine_kernel(
 
 
 @triton.jit
-def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-              LANES: tl.constexpr):  # fmt: skip
-    """lse [LANES] and out [LANES, D] of one (row, head) over SPLITS chunks: lanes past SPLITS, and empty chunks,
+def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, splits, LANES: tl.constexpr):
+    """lse [LANES] and out [LANES, D] of one (row, head) over `splits` chunks: lanes past them, and empty chunks,
     give (-inf, 0) and read no output."""
     s = tl.arange(0, LANES)
     at = (s * max_rows + row).to(tl.int64) * H + head
-    lse = tl.load(lse_ptr + at, mask=s < SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + at, mask=s < splits, other=float("-inf"))
     d = tl.arange(0, D)
     has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
     return lse, tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)

@@ -121,15 +121,17 @@ def decode_kernels() -> dict:
         **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", "part_stride",
                t="i32"), "scale": "fp32"}  # fmt: skip
     partial_shape = {**heads, "P": 8, "G": 4, "R": 2048, "NUM_SAMPLES": 8, "ROWS": 8, "PROMPT_HEADS": 8,
-        "OWN_HEADS": 16, "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64,
+        "OWN_HEADS": 16, "P_LANES": 8, "S": 5888, "MIN_CHUNK": 64, "LEVELS": 5, "MIN_PROGRAMS": 66,
+        "PROMPT_PROGRAMS": 192, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64,
         "QKV_PARTS": 1, "ROTATE": False, "USE_GDC": True, "AHEAD": False}  # fmt: skip
     return {
         "partial": (da.partial_kernel, partial, partial_shape),
         "partial_rotate": (da.partial_kernel, {**partial, "q_ptr": "*fp32"},
             {**partial_shape, "ROTATE": True, "QKV_PARTS": 2}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
-            t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 24,
-            "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
+            t="*fp32"), "out_ptr": "*bf16", "row_count_ptr": "*i64", "max_rows": "i32"}, {"P": 8, "G": 4, "H": 28,
+            "D": 128, "P_LANES": 8, "S": 5888, "MIN_CHUNK": 64, "LEVELS": 5, "MIN_PROGRAMS": 66, "OWN_SPLITS": 8,
+            "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
             "eps": "fp32", "part_stride": "i32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "PARTS": 4,
             "USE_GDC": True, "AHEAD": False}),

@@ -100,3 +100,39 @@ def test_attention_that_rotates_equals_the_rotary_kernel_then_attention(step, nu
     assert caches[:, slots, :, step].any() and not torch.equal(caches, own_kv)  # the step's keys were written
     assert torch.equal(fused_caches, caches)
     assert torch.equal(fused_out, out)
+
+
+@pytest.mark.parametrize(("live_slots", "chunk"), [([0, 1, 2], 128), ([0, 3, 4, 7, 8], 512)])
+def test_the_prompt_chunk_follows_the_steps_live_prompts(live_slots, chunk):
+    """Picked per step (prompt_chunk 0), the chunk of one live prompt is finer than that of three; each step's
+    output equals that of a shape whose chunk is fixed at the picked length, and the attention."""
+    num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens = 3, 3, 4, 2, 16, 600, 40
+    picked = DecodeAttentionShape(
+        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, min_programs=8
+    )
+    assert (picked.chunk_for(1), picked.chunk_for(3), picked.prompt_splits) == (128, 512, 5)
+    slots = torch.tensor(live_slots)
+    counts = torch.bincount(slots // num_samples, minlength=num_prompts)
+    assert picked.chunk_for(int((counts > 0).sum())) == chunk
+    starts = counts.cumsum(0) - counts
+    q = random(len(slots), heads, head_dim, seed=1)
+    prompt_kv = random(2, num_prompts, kv_heads, max_prompt_len, head_dim, seed=2)
+    own_kv = random(2, num_prompts * num_samples + 1, kv_heads, max_tokens, head_dim, seed=3)
+    prompt_lens, step = torch.tensor([600, 333, 517]), 21
+    outs = []
+    fixed = DecodeAttentionShape(
+        num_prompts, num_samples, heads, kv_heads, head_dim, max_prompt_len, max_tokens, prompt_chunk=chunk
+    )
+    for shape in (picked, fixed):
+        out = torch.empty_like(q)
+        DecodeAttention(shape, DEVICE)(
+            q, prompt_kv[0], prompt_kv[1], prompt_lens.to(DEVICE), starts.to(DEVICE), counts.to(DEVICE),
+            own_kv[0], own_kv[1], slots.to(DEVICE), torch.tensor([step], device=DEVICE), out,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    expected = reference(
+        q.cpu(), prompt_kv[0].cpu(), prompt_kv[1].cpu(), prompt_lens, own_kv[0].cpu(), own_kv[1].cpu(), slots, step,
+        num_samples,
+    )  # fmt: skip
+    assert_matches(outs[0].cpu(), expected.to(q.dtype))
