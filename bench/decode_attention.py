@@ -115,7 +115,7 @@ def time_option(
     attention = DecodeAttention(shape, step.device)
     out = layers[0].call(attention, step).clone()
     case = {
-        "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.chunk_for(shape.num_prompts),
+        "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.prompt_chunk,
         "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "default": option is None,
         "max_diff_from_default": 0.0 if default is None else float((out.float() - default.float()).abs().max()),
     }  # fmt: skip
@@ -131,8 +131,7 @@ def time_option(
 
 
 def _name(shape: DecodeAttentionShape) -> str:
-    prompt = shape.prompt_chunk or "live"  # 0: each step's chunk follows its live prompts (`chunk_rule`)
-    return f"p{prompt}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
+    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
 
 
 def table(cases: list[dict]) -> None:

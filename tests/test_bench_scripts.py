@@ -202,8 +202,8 @@ def test_decode_attention_times_every_option_set_and_checks_it_against_the_defau
     assert out.returncode == 0, out.stderr[-2000:]
     cases = json.loads((tmp_path / "a.json").read_text())["cases"]
     assert [(c["batch"], c["options"]) for c in cases] == [
-        (8, o) for o in ("plive/o64/w4/s3", "p16/o16/w4/s3", "p32/o16/w4/s3")
-    ]  # the default first: the shape's picks (the prompt chunk each step's) at 4 warps, 3 stages
+        (8, o) for o in ("p64/o64/w4/s3", "p16/o16/w4/s3", "p32/o16/w4/s3")
+    ]  # the default first: the shape's picks (here the longest chunks) at 4 warps, 3 stages
     assert all(c["max_diff_from_default"] < 1e-2 and c["us_per_layer"] > 0 for c in cases)
     assert out.stdout.count("(default)") == 1 and "p32/o16/w4/s3" in out.stdout.split("(default)")[1]  # the table
     compiled = subprocess.run([*command[:-2], "--compile-only"], capture_output=True, text=True, cwd=ROOT / "bench")

@@ -63,11 +63,11 @@ class RunSpec(Strict):
         "auto",
         description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
         "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
-        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to five "
-        "launches fewer per layer: a K split summed by the kernel after it, silu inside the gate_up GEMM, rotary "
-        "inside the attention); rollplex_ahead (rollplex_fused with each kernel letting the next launch before it "
-        "waits, and each GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or "
-        "newer, cublas before it. All decode bitwise alike; their speeds are in docs/results.md.",
+        "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
+        "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
+        "GEMM); rollplex_ahead (rollplex_fused with each kernel letting the next launch before it waits, and each "
+        "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
+        "before it. All decode bitwise alike; their speeds are in docs/results.md.",
     )
 
 

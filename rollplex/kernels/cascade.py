@@ -1,18 +1,11 @@
 """The Triton kernels of the cascade decode attention (`decode_attention.py` has the layout, the shapes and
-the launcher): one online-softmax chunk, the prompt and own partials (one launch), and the combine.
-
-The partials read the step's queries rotated ([rows, H, D]), or with ROTATE the step's qkv projection as it comes
-out of its GEMM (parts [QKV_PARTS, rows, (H + 2G) D], `decode_ops.as_parts`), which they rotate themselves
-(`decode_ops.rotated`, the rotary kernel's formula): the own program whose chunk holds the step's key also
-rotates that key and writes it and its value into the response cache, then reads the chunk back. That takes the
-rotary kernel's launch out of the decode step and gives the same bits."""
+the launcher): one online-softmax chunk, the prompt and own partials (one launch), and the combine."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from rollplex.kernels.decode_ops import rotated, summed
 from rollplex.kernels.pdl import enter, leave
 
 
@@ -26,12 +19,12 @@ def _attend_chunk(
     key_at,
     length,
     scale,
-    chunk,
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     M: tl.constexpr,
     D: tl.constexpr,
 ):
-    """Online softmax of queries q [M, D] over the keys key_at + [0, chunk) that lie below `length`.
+    """Online softmax of queries q [M, D] over the keys key_at + [0, CHUNK) that lie below `length`.
 
     k_ptrs / v_ptrs [BLOCK, D] point at the chunk's first block; a key row is `stride_k` / `stride_v` apart.
     Returns (out [M, D] fp32, lse [M] fp32); an empty chunk gives (0, -inf).
@@ -39,7 +32,7 @@ def _attend_chunk(
     m_i = tl.full((M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((M,), 0.0, dtype=tl.float32)
     acc = tl.full((M, D), 0.0, dtype=tl.float32)
-    for i in range(0, chunk, BLOCK):
+    for i in range(0, CHUNK, BLOCK):
         keys = key_at + i + tl.arange(0, BLOCK)
         live = keys < length
         k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
@@ -62,23 +55,6 @@ def _attend_chunk(
 
 
 @triton.jit
-def _queries(
-    q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QKV_PARTS: tl.constexpr, ROTATE: tl.constexpr,
-    DTYPE: tl.constexpr,
-):  # fmt: skip
-    """Query vectors [M, D] of the (row, head) pairs (zeros where not valid): from the rotated queries
-    [rows, H, D], or with ROTATE rotated here by `position` from the qkv parts (see the module docstring)."""
-    if ROTATE:
-        at = (row * (H + 2 * G) + head)[:, None].to(tl.int64) * D
-        q = rotated(q_ptr, at, valid[:, None], position, cos_ptr, sin_ptr, part_stride, QKV_PARTS, D, DTYPE)
-    else:
-        at = (row * H + head)[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :]
-        q = tl.load(q_ptr + at, mask=valid[:, None], other=0.0)
-    return q
-
-
-@triton.jit
 def _empty_chunk(M: tl.constexpr, D: tl.constexpr):
     """The partial of a chunk with no keys: (out 0, lse -inf), which the combine weighs by exp(-inf) = 0."""
     return tl.full((M, D), 0.0, dtype=tl.float32), tl.full((M,), float("-inf"), dtype=tl.float32)
@@ -89,7 +65,7 @@ def _prompt_partial(
     p,
     g,
     split,
-    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
+    q_ptr,  # [rows, H, D] rotated queries, contiguous
     k_ptr,  # [P, G, S, D] prompt keys (post-rotary), last dim contiguous
     v_ptr,  # [P, G, S, D]
     prompt_lens_ptr,  # [P] int64
@@ -105,22 +81,15 @@ def _prompt_partial(
     stride_vs,
     max_rows,
     scale,
-    position,  # the step's text position for prompt p's rows (ROTATE)
-    cos_ptr,
-    sin_ptr,
-    part_stride,
     H: tl.constexpr,
-    G: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
-    chunk,  # keys per program this step (`live_chunk`)
     ROWS: tl.constexpr,  # power of two >= N
     HEADS: tl.constexpr,  # power of two >= HPG
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    QKV_PARTS: tl.constexpr,
-    ROTATE: tl.constexpr,
 ):
-    """Prompt p's live rows, kv-head group g, keys [split * chunk, (split + 1) * chunk)."""
+    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK)."""
     count = tl.load(row_count_ptr + p)
     start = tl.load(row_start_ptr + p)
     length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
@@ -129,15 +98,14 @@ def _prompt_partial(
     head = g * HPG + r % HEADS
     valid = (r // HEADS < count) & (r % HEADS < HPG)
     d = tl.arange(0, D)
-    dtype = k_ptr.dtype.element_ty
-    q = _queries(q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride, H, G, D, QKV_PARTS, ROTATE, dtype)
-    key_at = split * chunk
+    q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
+    key_at = split * CHUNK
     keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
     v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
     if key_at < length:
         out, lse = _attend_chunk(
-            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, chunk, BLOCK, ROWS * HEADS, D
+            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
         )
     else:  # past the prompt's end: what _attend_chunk gives an empty chunk, without its loop
         out, lse = _empty_chunk(ROWS * HEADS, D)
@@ -151,7 +119,7 @@ def _own_partial(
     row,
     g,
     split,
-    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
+    q_ptr,  # [rows, H, D] rotated queries, contiguous
     k_ptr,  # [SLOTS, G, R, D] response key cache, contiguous
     v_ptr,  # [SLOTS, G, R, D]
     slots_ptr,  # [rows] int64: each row's cache slot
@@ -160,10 +128,6 @@ def _own_partial(
     lse_ptr,  # [SPLITS, MAX_ROWS, H] fp32
     max_rows,
     scale,
-    next_positions_ptr,  # [P + 1] int64: position of response token 0 per prompt, a spare for padding (ROTATE)
-    cos_ptr,
-    sin_ptr,
-    part_stride,
     H: tl.constexpr,
     G: tl.constexpr,
     HPG: tl.constexpr,
@@ -172,34 +136,18 @@ def _own_partial(
     HEADS: tl.constexpr,  # power of two >= max(HPG, 16): tl.dot needs 16 rows
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM_SAMPLES: tl.constexpr,
-    QKV_PARTS: tl.constexpr,
-    ROTATE: tl.constexpr,
 ):
-    """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK); with ROTATE,
-    the program whose chunk holds the step's key writes that key and value into the cache first."""
+    """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK)."""
     slot = tl.load(slots_ptr + row)
-    step = tl.load(step_ptr)
-    length = step + 1
+    length = tl.load(step_ptr) + 1
     r = tl.arange(0, HEADS)
     head = g * HPG + r
     valid = r < HPG
     d = tl.arange(0, D)
+    q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
     key_at = split * CHUNK
-    base = (slot * G + g) * R
-    dtype = k_ptr.dtype.element_ty
-    position = 0
-    if ROTATE:
-        position = tl.load(next_positions_ptr + slot // NUM_SAMPLES) + step
-        if (key_at <= step) & (step < key_at + CHUNK):
-            fresh = (row * (H + 2 * G) + H + g).to(tl.int64) * D  # the step's key; its value G heads on
-            key = rotated(q_ptr, fresh, d < D, position, cos_ptr, sin_ptr, part_stride, QKV_PARTS, D, dtype)
-            value = summed(q_ptr, fresh + G * D + d, d < D, part_stride, QKV_PARTS, dtype).to(dtype)
-            tl.store(k_ptr + (base + step).to(tl.int64) * D + d, key)
-            tl.store(v_ptr + (base + step).to(tl.int64) * D + d, value)
-            tl.debug_barrier()  # the stores are visible to the whole program before the chunk is read
-    q = _queries(q_ptr, row, head, valid, position, cos_ptr, sin_ptr, part_stride, H, G, D, QKV_PARTS, ROTATE, dtype)
     keys = key_at + tl.arange(0, BLOCK)
+    base = (slot * G + g) * R
     k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     if key_at < length:
@@ -212,29 +160,8 @@ def _own_partial(
 
 
 @triton.jit
-def live_chunk(
-    row_count_ptr, P: tl.constexpr, P_LANES: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, LEVELS: tl.constexpr, MIN_PROGRAMS: tl.constexpr,
-):  # fmt: skip
-    """(live [P_LANES], chunk): which prompts have rows this step, and the keys per prompt program: the longest of
-    MIN_CHUNK * 2^[0, LEVELS) whose chunks of every live prompt's S keys still give MIN_PROGRAMS programs, else
-    MIN_CHUNK (`DecodeAttentionShape.chunk_for` is the same rule)."""
-    lanes = tl.arange(0, P_LANES)
-    live = tl.load(row_count_ptr + lanes, mask=lanes < P, other=0) > 0
-    count = tl.sum(live.to(tl.int32), axis=0)
-    chunk = count * 0 + MIN_CHUNK
-    for level in tl.static_range(1, LEVELS):
-        chunk = tl.where(
-            count * G * ((S + (MIN_CHUNK << level) - 1) // (MIN_CHUNK << level)) >= MIN_PROGRAMS,
-            MIN_CHUNK << level,
-            chunk,
-        )
-    return live, chunk
-
-
-@triton.jit
 def partial_kernel(
-    q_ptr,  # [rows, H, D] rotated queries, contiguous (with ROTATE: the qkv parts)
+    q_ptr,  # [rows, H, D] rotated queries, contiguous
     prompt_k_ptr,  # [P, G, S, D], last dim contiguous
     prompt_v_ptr,
     prompt_lens_ptr,  # [P] int64
@@ -256,64 +183,40 @@ def partial_kernel(
     stride_vs,
     max_rows,
     scale,
-    next_positions_ptr,  # [P + 1] int64 (ROTATE)
-    cos_ptr,  # [positions, D] fp32 (ROTATE)
-    sin_ptr,
-    part_stride,  # rows * (H + 2G) * D: elements from one qkv part to the next (ROTATE)
     P: tl.constexpr,
     H: tl.constexpr,
     G: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
     R: tl.constexpr,
-    NUM_SAMPLES: tl.constexpr,
     ROWS: tl.constexpr,
     PROMPT_HEADS: tl.constexpr,
     OWN_HEADS: tl.constexpr,
-    P_LANES: tl.constexpr,  # power of two >= P
-    S: tl.constexpr,  # the prompt KV's padded length
-    MIN_CHUNK: tl.constexpr,  # `live_chunk`
-    LEVELS: tl.constexpr,
-    MIN_PROGRAMS: tl.constexpr,
-    PROMPT_PROGRAMS: tl.constexpr,  # the most prompt programs any step's live prompts need
+    PROMPT_CHUNK: tl.constexpr,
+    PROMPT_SPLITS: tl.constexpr,
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    QKV_PARTS: tl.constexpr = 1,
-    ROTATE: tl.constexpr = False,  # q_ptr: the qkv parts (see the module docstring)
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
-    """Both kinds of partial in one launch: programs [0, PROMPT_PROGRAMS) take a chunk of a live prompt's keys
-    (the i-th live prompt, kv-head group, chunk; the step's chunk from `live_chunk`; programs past what the live
-    prompts need do nothing), the rest (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
+    """Both kinds of partial in one launch: programs [0, P * G * PROMPT_SPLITS) take a prompt chunk, the rest
+    (rows * G * OWN_SPLITS) a chunk of one row's own keys."""
     enter(USE_GDC, AHEAD)
     pid = tl.program_id(0)
-    if pid < PROMPT_PROGRAMS:
-        live, chunk = live_chunk(row_count_ptr, P, P_LANES, G, S, MIN_CHUNK, LEVELS, MIN_PROGRAMS)
-        splits = (S + chunk - 1) // chunk
-        if pid < tl.sum(live.to(tl.int32), axis=0) * G * splits:
-            lanes = tl.arange(0, P_LANES)
-            nth = pid // (G * splits)  # the nth live prompt
-            rank = tl.cumsum(live.to(tl.int32), axis=0) - 1
-            p = tl.sum(tl.where(live & (rank == nth), lanes, 0), axis=0)
-            position = 0
-            if ROTATE:
-                position = tl.load(next_positions_ptr + p) + tl.load(step_ptr)
-            _prompt_partial(
-                p, (pid // splits) % G, pid % splits,
-                q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
-                prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-                max_rows, scale, position, cos_ptr, sin_ptr, part_stride,
-                H, G, HPG, D, chunk, ROWS, PROMPT_HEADS, BLOCK, QKV_PARTS, ROTATE,
-            )  # fmt: skip
+    if pid < P * G * PROMPT_SPLITS:
+        _prompt_partial(
+            pid // (G * PROMPT_SPLITS), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
+            q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
+            prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
+            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
+        )  # fmt: skip
     else:
-        own = pid - PROMPT_PROGRAMS
+        own = pid - P * G * PROMPT_SPLITS
         _own_partial(
             own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
-            next_positions_ptr, cos_ptr, sin_ptr, part_stride,
-            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK, NUM_SAMPLES, QKV_PARTS, ROTATE,
+            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK,
         )  # fmt: skip
     leave(USE_GDC, AHEAD)
 
@@ -325,32 +228,23 @@ def combine_kernel(
     own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
     own_lse_ptr,  # [OWN_SPLITS, MAX_ROWS, H] fp32
     out_ptr,  # [rows, H, D] in the model's dtype
-    row_count_ptr,  # [P] int64
     max_rows,
-    P: tl.constexpr,
-    G: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
-    P_LANES: tl.constexpr,  # `live_chunk`'s, as the partial kernel's
-    S: tl.constexpr,
-    MIN_CHUNK: tl.constexpr,
-    LEVELS: tl.constexpr,
-    MIN_PROGRAMS: tl.constexpr,
+    PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
-    PROMPT_LANES: tl.constexpr,  # powers of two >= the most splits
+    PROMPT_LANES: tl.constexpr,  # powers of two >= the splits
     OWN_LANES: tl.constexpr,
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
 ):
-    """One program per (row, head): the head's partials of every chunk (the prompt's as many as the step's chunk
-    gives), loaded at once, merged through their log-sum-exp. A program per head rather than per kv-head group: at
-    a batch of one prompt the merge still spreads over the GPU."""
+    """One program per (row, head): the head's partials of every chunk, loaded at once, merged through their
+    log-sum-exp. A program per head rather than per kv-head group: at a batch of one prompt the merge still
+    spreads over the GPU."""
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
     head = tl.program_id(1)
-    _, chunk = live_chunk(row_count_ptr, P, P_LANES, G, S, MIN_CHUNK, LEVELS, MIN_PROGRAMS)
-    splits = (S + chunk - 1) // chunk
-    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, splits, PROMPT_LANES)
+    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, PROMPT_SPLITS, PROMPT_LANES)
     lse_o, out_o = _partials(own_out_ptr, own_lse_ptr, row, head, max_rows, H, D, OWN_SPLITS, OWN_LANES)
     m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite: a row always sees its own token
     w_p, w_o = tl.exp(lse_p - m), tl.exp(lse_o - m)  # an empty chunk or a padding lane weighs 0
@@ -362,12 +256,13 @@ def combine_kernel(
 
 
 @triton.jit
-def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, splits, LANES: tl.constexpr):
-    """lse [LANES] and out [LANES, D] of one (row, head) over `splits` chunks: lanes past them, and empty chunks,
+def _partials(out_ptr, lse_ptr, row, head, max_rows, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+              LANES: tl.constexpr):  # fmt: skip
+    """lse [LANES] and out [LANES, D] of one (row, head) over SPLITS chunks: lanes past SPLITS, and empty chunks,
     give (-inf, 0) and read no output."""
     s = tl.arange(0, LANES)
     at = (s * max_rows + row).to(tl.int64) * H + head
-    lse = tl.load(lse_ptr + at, mask=s < splits, other=float("-inf"))
+    lse = tl.load(lse_ptr + at, mask=s < SPLITS, other=float("-inf"))
     d = tl.arange(0, D)
     has = (lse > float("-inf"))[:, None] & (d < D)[None, :]
     return lse, tl.load(out_ptr + at[:, None] * D + d[None, :], mask=has, other=0.0)

@@ -3,15 +3,11 @@ prompt, each attending to its prompt's KV (shared by the group, read once for al
 
 Two launches, split over keys so that a handful of prompts still fill the GPU (flash-decoding):
 
-- `partial_kernel`, one program per chunk of keys, of two kinds: (live prompt p, kv-head group g, prompt chunk):
+- `partial_kernel`, one program per chunk of keys, of two kinds: (prompt p, kv-head group g, prompt chunk):
   the queries of every live sequence of p in group g (N x heads-per-group rows, one tensor-core tile) against
   the chunk of the prompt's keys; (row, g, own chunk): one sequence's heads of group g against a chunk of its
-  own response cache. The prompt chunk's length follows the step's number of live prompts (`chunk_rule`): as a
-  rollout's batch shrinks, fewer prompts share the launch and each is cut finer.
+  own response cache.
 - `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
-
-With a `Rotary`, the partials take the step's qkv projection unrotated and rotate q and k themselves, writing the
-step's k and v into the response cache (`cascade`'s docstring): the decode step then needs no rotary kernel.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
@@ -26,7 +22,6 @@ import torch
 import triton
 
 from rollplex.kernels.cascade import combine_kernel, partial_kernel
-from rollplex.kernels.decode_ops import as_parts
 from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.tiles import NUM_SMS_H200
 
@@ -35,27 +30,21 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-PROMPT_CHUNK_MIN, PROMPT_CHUNK_LEVELS = 64, 5  # prompt chunks of 64, 128, ..., 1,024 keys
-PROMPT_MIN_PROGRAMS = NUM_SMS_H200 // 2
+def _chunk(num_sequences: int, num_keys: int, min_programs: int, longest: int) -> int:
+    """Keys per program: the longest chunk (fewest partials to write and merge) up to `longest` that still gives
+    min_programs programs."""
+    for chunk in (1024, 512, 256, 128):
+        if chunk <= longest and num_sequences * triton.cdiv(num_keys, chunk) >= min_programs:
+            return chunk
+    return 64
 
 
-def chunk_rule(
-    live_prompts: int, num_kv_heads: int, num_keys: int, shortest: int, levels: int, min_programs: int
-) -> int:
-    """Keys per prompt program for a step with `live_prompts` prompts that still have rows: the longest of
-    shortest * 2^[0, levels) whose chunks of those prompts' keys still give min_programs programs (by default
-    half a wave: the own chunks share the launch and fill it), else the shortest. Longer chunks write and merge
-    fewer partials, which pays on long prompts (at 5,888 keys: 1,024 at 8 live prompts, 512 at 4, 128 at one,
-    each the fastest of the three, bench/results/decode_attention_3b_h200.json); on short prompts the length
-    barely matters. The partial kernel applies the same rule on the device (`cascade.live_chunk`) to each step's
-    live prompts, so that a captured graph replayed after most prompts have finished still spreads the keys of
-    the few left over the GPU."""
-    chunk = shortest
-    for level in range(1, levels):
-        longer = shortest << level
-        if live_prompts * num_kv_heads * triton.cdiv(num_keys, longer) >= min_programs:
-            chunk = longer
-    return chunk
+def _prompt_chunk(num_sequences: int, num_keys: int) -> int:
+    """Prompt chunks of up to 1,024 keys while they give half a wave of programs: the own chunks share the launch
+    and fill it. Longer chunks write and merge fewer partials, which pays on long prompts (at 5,888 keys: 1,024 at
+    a batch of 8 prompts, 512 at 4, 128 at one, each the fastest of the three,
+    bench/results/decode_attention_3b_h200.json); on short prompts the chunk length barely matters."""
+    return _chunk(num_sequences, num_keys, NUM_SMS_H200 // 2, 1024)
 
 
 def _own_chunk(max_tokens: int) -> int:
@@ -71,17 +60,6 @@ def _rows(num_samples: int, heads_per_group: int) -> int:
     return max(_pow2(num_samples), 16 // min(16, _pow2(heads_per_group)))
 
 
-@dataclass(frozen=True)
-class Rotary:
-    """What the partials need to rotate the step's q and k themselves: the tables cos / sin [positions, D] (fp32,
-    both halves equal, as `models.rotary.text_rotary` gives them) and each prompt's position of response token 0
-    [P + 1] (int64; the spare last entry is the padding rows', whose slot is the spare slot)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    next_positions: torch.Tensor
-
-
 @dataclass(frozen=True, slots=True)
 class DecodeAttentionShape:
     """Everything fixed while a rollout decodes: the launch grids and workspaces depend only on these."""
@@ -93,18 +71,20 @@ class DecodeAttentionShape:
     head_dim: int
     max_prompt_len: int  # S: the prompt KV's padded length
     max_tokens: int  # R: the response cache's length
-    prompt_chunk: int = 0  # keys per prompt program; 0: picked each step (`chunk_rule`)
-    own_chunk: int = 0  # 0: picked (`_own_chunk`)
+    prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_own_chunk`)
+    own_chunk: int = 0
     block: int = 64
-    min_programs: int = PROMPT_MIN_PROGRAMS  # `chunk_rule`
     num_warps: int = 4  # of the partial kernel (triton's defaults)
     num_stages: int = 3
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} heads over {self.num_kv_heads} kv heads"
+        if not self.prompt_chunk:
+            prompt = _prompt_chunk(self.num_prompts * self.num_kv_heads, self.max_prompt_len)
+            object.__setattr__(self, "prompt_chunk", prompt)
         if not self.own_chunk:
             object.__setattr__(self, "own_chunk", _own_chunk(self.max_tokens))
-        for chunk in (self.chunks[0], self.own_chunk):
+        for chunk in (self.prompt_chunk, self.own_chunk):
             assert chunk % self.block == 0 and self.block >= 16, f"chunk {chunk}, block {self.block}"
         assert self.head_dim & (self.head_dim - 1) == 0, f"head_dim {self.head_dim} must be a power of two"
 
@@ -113,24 +93,8 @@ class DecodeAttentionShape:
         return self.num_prompts * self.num_samples
 
     @property
-    def chunks(self) -> tuple[int, int]:
-        """(shortest, levels) of the prompt chunks a step may take: the given chunk, or `chunk_rule`'s."""
-        return (self.prompt_chunk, 1) if self.prompt_chunk else (PROMPT_CHUNK_MIN, PROMPT_CHUNK_LEVELS)
-
-    def chunk_for(self, live_prompts: int) -> int:
-        """Keys per prompt program in a step where `live_prompts` prompts have rows."""
-        return chunk_rule(live_prompts, self.num_kv_heads, self.max_prompt_len, *self.chunks, self.min_programs)
-
-    @property
     def prompt_splits(self) -> int:
-        """Prompt partials per row the workspace holds: the most any step writes (the fewest live prompts)."""
-        return triton.cdiv(self.max_prompt_len, self.chunk_for(1))
-
-    @property
-    def prompt_programs(self) -> int:
-        """Prompt programs of a launch: the most any number of live prompts needs."""
-        live = range(1, self.num_prompts + 1)
-        return max(n * self.num_kv_heads * triton.cdiv(self.max_prompt_len, self.chunk_for(n)) for n in live)
+        return triton.cdiv(self.max_prompt_len, self.prompt_chunk)
 
     @property
     def own_splits(self) -> int:
@@ -152,7 +116,7 @@ class DecodeAttention:
 
     def __call__(
         self,
-        q: torch.Tensor,  # [rows, H, D] contiguous; with `rotary`, the qkv projection [rows, (H + 2G) D] or its parts
+        q: torch.Tensor,  # [rows, H, D] contiguous
         prompt_k: torch.Tensor,  # [P, G, S, D], last dim contiguous
         prompt_v: torch.Tensor,
         prompt_lens: torch.Tensor,  # [P] int64
@@ -165,43 +129,29 @@ class DecodeAttention:
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
         pdl: bool = False,
         ahead: bool = False,
-        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         sh = self.shape
-        rows, h, d = out.shape
+        rows, h, d = q.shape
         g, hpg = sh.num_kv_heads, sh.num_heads // sh.num_kv_heads
-        assert (h, d) == (sh.num_heads, sh.head_dim) and rows <= sh.max_rows, f"out {tuple(out.shape)} vs {sh}"
-        if rotary is None:
-            assert q.shape == out.shape and q.is_contiguous(), f"q {tuple(q.shape)}, out {tuple(out.shape)}"
-            rotate, parts = {}, q
-        else:
-            parts = as_parts(q, (rows, (h + 2 * g) * d), out.dtype)
-            assert rotary.cos.dtype == rotary.sin.dtype == torch.float32 and rotary.cos.shape[1] == d
-            assert rotary.cos.is_contiguous() and rotary.sin.is_contiguous()
-            rotate = dict(QKV_PARTS=parts.shape[0], ROTATE=True)
+        assert (h, d) == (sh.num_heads, sh.head_dim) and rows <= sh.max_rows, f"q {tuple(q.shape)} vs {sh}"
         assert prompt_k.shape == (sh.num_prompts, g, sh.max_prompt_len, d), f"prompt keys {tuple(prompt_k.shape)}"
         assert prompt_k.stride(-1) == 1 and prompt_v.stride(-1) == 1, "prompt KV: the head dim must be contiguous"
         assert own_k.shape[1:] == (g, sh.max_tokens, d) and own_k.is_contiguous() and own_v.is_contiguous()
-        assert out.is_contiguous() and own_k.dtype == out.dtype, "out: contiguous, in the caches' dtype"
+        assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
         scale = d**-0.5
-        num_programs = sh.prompt_programs + rows * g * sh.own_splits
-        shortest, levels = sh.chunks
-        chunks = dict(P=sh.num_prompts, G=g, P_LANES=_pow2(sh.num_prompts), S=sh.max_prompt_len, MIN_CHUNK=shortest,
-                      LEVELS=levels, MIN_PROGRAMS=sh.min_programs)  # fmt: skip
-        tables = (rotary.next_positions, rotary.cos, rotary.sin) if rotary else (step, parts, parts)  # unused without
+        num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
         partial_kernel[(num_programs,)](
-            parts, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
+            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
-            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale, *tables, parts[0].numel(),
-            **chunks, H=h, HPG=hpg, D=d, R=sh.max_tokens, NUM_SAMPLES=sh.num_samples,
-            ROWS=_rows(sh.num_samples, hpg), PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16),
-            PROMPT_PROGRAMS=sh.prompt_programs, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            num_warps=sh.num_warps, num_stages=sh.num_stages,
-            **rotate, **pdl_options(pdl, out, ahead),
+            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
+            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
+            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
+            PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
+            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         combine_kernel[(rows, h)](
-            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, row_count, sh.max_rows,
-            **chunks, H=h, D=d, OWN_SPLITS=sh.own_splits,
-            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, out, ahead),
+            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
+            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
+            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         return out

@@ -4,8 +4,6 @@
   round to the model dtype, multiply by the weight in that dtype).
 - `rotary_to_cache`: from one packed [q k v] projection per row, rotates q and k of the new token by its text
   position, writes k and v into the row's slot of the response cache at the current step, q into [rows, H, D].
-- `rotated` (a device function): the rotation both `rotary_to_cache` and the decode attention apply
-  (`rollplex.kernels.cascade`), so that the two give the same bits.
 - `silu_mul`: silu(gate) * up from one packed [gate up] projection, rounded after each op as eager torch does.
 
 `add_rms_norm` and `rotary_to_cache` read the projection before them as parts [S, rows, N]: the fp32 partials of a
@@ -33,21 +31,6 @@ def summed(ptr, offsets, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.const
     for part in range(1, PARTS):
         total += tl.load(ptr + part * part_stride + offsets, mask=mask, other=0.0).to(tl.float32)
     return total.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def rotated(
-    ptr, at, mask, position, cos_ptr, sin_ptr, part_stride, PARTS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr
-):
-    """The head vectors at element offsets at + [0, D) of each part (at a scalar, or [M, 1] with mask [M, 1]),
-    summed as `summed` sums them, rotated by `position` through the tables cos / sin [positions, D] (fp32, both
-    halves equal), rounded to DTYPE: [D] or [M, D]."""
-    d = tl.arange(0, D)
-    cos = tl.load(cos_ptr + position * D + d)
-    sin = tl.load(sin_ptr + position * D + d)
-    x = summed(ptr, at + d, mask, part_stride, PARTS, DTYPE)
-    partner = summed(ptr, at + (d + D // 2) % D, mask, part_stride, PARTS, DTYPE)  # the other half's lane
-    return tl.where(d < D // 2, x * cos - partner * sin, x * cos + partner * sin).to(DTYPE)
 
 
 @triton.jit
@@ -95,7 +78,7 @@ def add_rms_norm(
     rows, n = residual.shape
     assert residual.is_contiguous() and out.is_contiguous() and out.shape == residual.shape
     assert weight.shape == (n,) and weight.dtype == residual.dtype, f"weight {tuple(weight.shape)} {weight.dtype}"
-    parts = None if delta is None else as_parts(delta, residual.shape, residual.dtype)
+    parts = None if delta is None else _as_parts(delta, residual.shape, residual.dtype)
     add_rms_norm_kernel[(rows,)](
         residual if parts is None else parts, residual, weight, out, eps, rows * n, N=n,
         BLOCK=triton.next_power_of_2(n), HAS_DELTA=parts is not None, PARTS=1 if parts is None else parts.shape[0],
@@ -131,17 +114,24 @@ def rotary_to_cache_kernel(
     slot = tl.load(slots_ptr + row)
     step = tl.load(step_ptr)
     position = tl.load(next_positions_ptr + slot // NUM_SAMPLES) + step
+    half = tl.arange(0, D // 2)
+    cos = tl.load(cos_ptr + position * D + half)  # both halves of the table are equal
+    sin = tl.load(sin_ptr + position * D + half)
     src = (row * (H + 2 * G) + head) * D  # offset in each part
     dtype = q_out_ptr.dtype.element_ty
-    full = tl.arange(0, D)
+    whole_half = half < D // 2  # every lane: `summed` takes a mask
     if head < H:
         dst = q_out_ptr + (row * H + head) * D
     else:
         g = head - H
         dst = k_cache_ptr + ((slot * G + g) * R + step) * D
+        full = tl.arange(0, D)
         v = summed(qkv_ptr, src + G * D + full, full < D, part_stride, PARTS, dtype)
         tl.store(v_cache_ptr + ((slot * G + g) * R + step) * D + full, v.to(dtype))
-    tl.store(dst + full, rotated(qkv_ptr, src, full < D, position, cos_ptr, sin_ptr, part_stride, PARTS, D, dtype))
+    x1 = summed(qkv_ptr, src + half, whole_half, part_stride, PARTS, dtype)
+    x2 = summed(qkv_ptr, src + D // 2 + half, whole_half, part_stride, PARTS, dtype)
+    tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
+    tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
     leave(USE_GDC, AHEAD)
 
 
@@ -162,7 +152,7 @@ def rotary_to_cache(
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
     width = (num_heads + 2 * num_groups) * head_dim
-    parts = as_parts(qkv, (rows, width), q_out.dtype)
+    parts = _as_parts(qkv, (rows, width), q_out.dtype)
     assert all(t.is_contiguous() for t in (q_out, k_cache, v_cache, cos, sin))
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
@@ -173,7 +163,7 @@ def rotary_to_cache(
     return q_out
 
 
-def as_parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _as_parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """product as parts [S, *shape]: a [*shape] product in `dtype` is one part; fp32 partials must be [S, *shape]."""
     parts = product[None] if product.dim() == len(shape) else product
     assert tuple(parts.shape[1:]) == tuple(shape), f"product {tuple(product.shape)}, expected [S, *{tuple(shape)}]"

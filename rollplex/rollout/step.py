@@ -2,8 +2,7 @@
 
 `DecodeStep.forward(rows)` feeds each of the first `rows` batch rows its slot's last sampled token, runs the
 decoder with the fused kernels (`rollplex.kernels.decode_ops`) and the cascade attention over the shared
-prompt KV and the response cache (`rollplex.kernels.decode_attention`; with `fused` kernels it also rotates q and
-k and writes the cache, in place of the rotary kernel), advances the step counter, leaves
+prompt KV and the response cache (`rollplex.kernels.decode_attention`), advances the step counter, leaves
 the logits in `self.logits[:rows]` and, with fused sampling, samples the next token into `tokens`,
 `logprobs`, `last_token` and `done` (`rollplex.kernels.sampling`). It reads the actor's parameters in place
 (no copy) and allocates only the step's activations. Everything that changes between steps lives in device
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape, Rotary
+from rollplex.kernels.decode_attention import DecodeAttention, DecodeAttentionShape
 from rollplex.kernels.decode_ops import add_rms_norm, rotary_to_cache
 from rollplex.kernels.sampling import MAX_STOP_IDS, fused_sample
 from rollplex.models.boundary import Boundary
@@ -116,7 +115,6 @@ class DecodeStep:
         long = dict(dtype=torch.long, device=device)
         self.prompt_lens = torch.zeros(shape.num_prompts, **long)
         self.next_positions = torch.zeros(shape.num_prompts + 1, **long)  # the spare prompt of padding rows: 0
-        self.rotary = Rotary(self.cos, self.sin, self.next_positions)
         self.row_start = torch.zeros(shape.num_prompts, **long)
         self.row_count = torch.zeros(shape.num_prompts, **long)
         self.slots = torch.arange(shape.num_slots - 1, **long)
@@ -192,22 +190,19 @@ class DecodeStep:
         residual = lm.embed_tokens(self.last_token[slots])  # [rows, hidden]
         normed = torch.empty_like(residual)
         heads = self.weights[0].num_heads
-        attended = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
-        kernels = self.weights[0].kernels
-        rotary = self.rotary if kernels.fused else None  # the attention rotates q, k and caches k, v itself
-        q_rot = torch.empty_like(attended) if rotary is None else None
-        delta, pdl, ahead = None, kernels.pdl, kernels.ahead
+        q_rot = torch.empty(rows, heads, text.head_dim, dtype=residual.dtype, device=slots.device)
+        attended = torch.empty_like(q_rot)
+        delta, pdl, ahead = None, self.weights[0].kernels.pdl, self.weights[0].kernels.ahead
         for i, (layer, w) in enumerate(zip(lm.layers, self.weights, strict=True)):
             add_rms_norm(delta, residual, layer.input_layernorm.weight, eps, normed, pdl, ahead)
             qkv = w.qkv(normed)  # parts [S, rows, (H + 2G) D]
-            if rotary is None:
-                rotary_to_cache(
-                    qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
-                    self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl, ahead,
-                )  # fmt: skip
+            rotary_to_cache(
+                qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
+                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl, ahead,
+            )  # fmt: skip
             self.attention(
-                qkv if rotary else q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start,
-                self.row_count, self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl, ahead, rotary,
+                q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
+                self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl, ahead,
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl, ahead)

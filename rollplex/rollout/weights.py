@@ -5,19 +5,18 @@
   interleaved QKV through the permuted GEMM (`rollplex.kernels.qkv_gemm`) when it holds several query groups,
   else as it lies; [gate; up] blocks paired through a view; o_proj / down_proj as stored [I, O] slabs; the
   outputs of o_proj and down_proj summed over the rollout group when it has several ranks.
-Every path returns q, k, v in the grouped order the rotary kernel (or the attention) expects and reads the
-weights in place. The projections the step's fused kernels read next (qkv, o_proj, down_proj) come as parts
-[S, rows, N] (`rollplex.kernels.decode_ops`): one part, or with `fused` a K split's partials for that kernel to
-add. `DecodeKernels` picks the kernels. With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj)
-runs through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
+Every path returns q, k, v in the grouped order the fused rotary kernel expects and reads the weights in place.
+The projections the step's fused kernels read next (qkv, o_proj, down_proj) come as parts [S, rows, N]
+(`rollplex.kernels.decode_ops`): one part, or with `fused` a K split's partials for that kernel to add.
+`DecodeKernels` picks the kernels. With `triton_gemm`, every projection (qkv, o_proj, gate_up, down_proj) runs
+through our GEMMs (`rollplex.kernels.transposed_gemm`) instead of cuBLAS, and with `pdl` those and silu_mul
 launch as programmatic dependents, so that with the step's other kernels a layer is one chain in which each
-kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or attention kernel
-after it, silu inside the gate_up GEMM and rotary inside the attention (`decode_attention.Rotary`): up to five
-launches fewer per layer (three at 3B, where only down_proj splits). With `ahead`, each of the fused chain's
-kernels lets the next one launch before it waits for the one before it, and each swapped GEMM pulls the first
-blocks of its weights into L2 while the kernels before it run (`rollplex.kernels.pdl`). At decode rows the
-HF-layout products run on `rollplex.kernels.swap_gemm` where it fits; the unfused gate_up takes the kernel the
-fused one would (`gate_up_swaps`), so both give the same bits.
+kernel launches while the one before drains. With `fused`, a split's sum happens in the norm or rotary kernel
+after it and silu inside the gate_up GEMM: up to four launches fewer per layer (two at 3B, where only down_proj
+splits). With `ahead`, each of the fused chain's kernels lets the next one launch before it waits for the one
+before it, and each swapped GEMM pulls the first blocks of its weights into L2 while the kernels before it run
+(`rollplex.kernels.pdl`). At decode rows the HF-layout products run on `rollplex.kernels.swap_gemm` where it
+fits; the unfused gate_up takes the kernel the fused one would (`gate_up_swaps`), so both give the same bits.
 `BY_NAME` maps the spec's `run.decode_kernels` to these.
 """
 
@@ -50,7 +49,7 @@ class DecodeKernels:
 
     triton_gemm: bool = False  # every projection through our GEMMs
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
-    fused: bool = False  # splits summed by the kernel after them, silu in gate_up, rotary in the attention
+    fused: bool = False  # splits summed by the kernel after them, silu inside the gate_up GEMM (our GEMMs only)
     ahead: bool = False  # each kernel lets the next launch before it waits; GEMMs prefetch weights meanwhile
 
     def __post_init__(self) -> None:

@@ -114,24 +114,17 @@ def decode_kernels() -> dict:
 
     ptrs = lambda *names, t="*bf16": {n: t for n in names}  # noqa: E731
     heads = {"H": 28, "HPG": 7, "D": 128}
-    partial = {**ptrs("q_ptr", "prompt_k_ptr", "prompt_v_ptr", "own_k_ptr", "own_v_ptr"),
-        **ptrs("prompt_lens_ptr", "row_start_ptr", "row_count_ptr", "slots_ptr", "step_ptr", "next_positions_ptr",
-               t="*i64"),
-        **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", "cos_ptr", "sin_ptr", t="*fp32"),
-        **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", "part_stride",
-               t="i32"), "scale": "fp32"}  # fmt: skip
-    partial_shape = {**heads, "P": 8, "G": 4, "R": 2048, "NUM_SAMPLES": 8, "ROWS": 8, "PROMPT_HEADS": 8,
-        "OWN_HEADS": 16, "P_LANES": 8, "S": 5888, "MIN_CHUNK": 64, "LEVELS": 5, "MIN_PROGRAMS": 66,
-        "PROMPT_PROGRAMS": 192, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64,
-        "QKV_PARTS": 1, "ROTATE": False, "USE_GDC": True, "AHEAD": False}  # fmt: skip
     return {
-        "partial": (da.partial_kernel, partial, partial_shape),
-        "partial_rotate": (da.partial_kernel, {**partial, "q_ptr": "*fp32"},
-            {**partial_shape, "ROTATE": True, "QKV_PARTS": 2}),
+        "partial": (da.partial_kernel, {**ptrs("q_ptr", "prompt_k_ptr", "prompt_v_ptr", "own_k_ptr", "own_v_ptr"),
+            **ptrs("prompt_lens_ptr", "row_start_ptr", "row_count_ptr", "slots_ptr", "step_ptr", t="*i64"),
+            **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
+            **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows", t="i32"),
+            "scale": "fp32"}, {**heads, "P": 8, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 24, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True,
+            "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
-            t="*fp32"), "out_ptr": "*bf16", "row_count_ptr": "*i64", "max_rows": "i32"}, {"P": 8, "G": 4, "H": 28,
-            "D": 128, "P_LANES": 8, "S": 5888, "MIN_CHUNK": 64, "LEVELS": 5, "MIN_PROGRAMS": 66, "OWN_SPLITS": 8,
-            "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
+            t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 24,
+            "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
         "add_rms_norm": (ops.add_rms_norm_kernel, {**ptrs("delta_ptr", "residual_ptr", "weight_ptr", "out_ptr"),
             "eps": "fp32", "part_stride": "i32"}, {"N": 3584, "BLOCK": 4096, "HAS_DELTA": True, "PARTS": 4,
             "USE_GDC": True, "AHEAD": False}),
@@ -205,9 +198,7 @@ def ahead_kernels() -> dict:
     """The kernels `ahead` launches (`rollplex.kernels.pdl`), each with AHEAD set: the swapped GEMM also with its
     weight prefetch."""
     chain = {
-        n: k
-        for n, k in decode_kernels().items()
-        if n in ("partial", "partial_rotate", "combine", "add_rms_norm", "rotary_to_cache")
+        n: k for n, k in decode_kernels().items() if n in ("partial", "combine", "add_rms_norm", "rotary_to_cache")
     }
     gemms = {"swap_qkv": (*swap_kernel(0)[:2], {**swap_kernel(0)[2], "PREFETCH_K": 2048}),
              "swap_gate_up": (*swap_kernel(11008)[:2], {**swap_kernel(11008)[2], "PREFETCH_K": 256})}  # fmt: skip

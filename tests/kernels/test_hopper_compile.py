@@ -43,32 +43,28 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
 def test_every_decode_kernel_compiles_for_hopper_within_shared_memory_and_registers():
     results = compiled("decode")
     assert [r["kernel"] for r in results] == [
-        "partial", "partial_rotate", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial",
-        "sample_finish", "sum_splits",
+        "partial", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial", "sample_finish",
+        "sum_splits",
     ]  # fmt: skip
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
-    assert [r["gdc"] for r in results] == [True] * 6 + [False, False, True]  # sampling: no dependent launch
+    assert [r["gdc"] for r in results] == [True] * 5 + [False, False, True]  # sampling: no dependent launch
     assert all(r["wait_first"] is (True if r["gdc"] else None) for r in results)  # before any global access
-    # registers: every kernel but the partial attention (either kind) keeps its values in registers (no local memory); the
+    # registers: every kernel but the partial attention keeps its values in registers (no local memory); the
     # partial's 64-row prompt tile ([N x heads-per-group] queries against a [64, 128] block) takes every register
     # a thread may have at 4 warps and spills, and its own-key programs share that allocation
     spills = {r["kernel"]: r["local_bytes"] for r in results if r["local_bytes"]}
-    assert set(spills) <= {"partial", "partial_rotate"} and all(r["registers"] <= 255 for r in results), results
+    assert set(spills) <= {"partial"} and all(r["registers"] <= 255 for r in results), results
 
 
 @pytest.mark.slow
 def test_ahead_each_kernel_lets_the_next_launch_first_and_touches_nothing_but_weight_prefetches_before_it_waits():
     results = {r.pop("kernel"): r for r in compiled("ahead")}
-    assert list(results) == [
-        "partial", "partial_rotate", "combine", "add_rms_norm", "rotary_to_cache", "swap_qkv", "swap_gate_up",
-    ]  # fmt: skip
+    assert list(results) == ["partial", "combine", "add_rms_norm", "rotary_to_cache", "swap_qkv", "swap_gate_up"]
     assert all(r["launch_first"] and r["touches_before_wait"] == [] for r in results.values()), results
     # 64 weight rows x 2048 elements in 128-byte lines over 128 threads; the pair: gate and up rows, 256 elements
     assert results["swap_qkv"]["prefetches_before_wait"] == 64 * 2048 // 64 // 128
     assert results["swap_gate_up"]["prefetches_before_wait"] == 2 * 64 * 256 // 64 // 128
-    assert all(
-        results[k]["prefetches_before_wait"] == 0 for k in ("partial", "partial_rotate", "combine", "add_rms_norm")
-    )
+    assert all(results[k]["prefetches_before_wait"] == 0 for k in ("partial", "combine", "add_rms_norm"))
 
 
 @pytest.mark.slow
