@@ -14,6 +14,14 @@ post-attention norm: gate_up, and down for the second product there, which the f
 silu_mul: down; after the final norm: lm_head), and a split's sum that of its product. Each label gets its
 microseconds per step, launches per step and, for the projections and attention, the HBM rate of the bytes
 it must read. `gap_us` is the time in the captured graph between one kernel's end and the next one's start.
+
+A batch of B rows is B // 8 prompts of 8 samples, captured for that batch. With `--live-prompts` (one count per
+`--batch`) it is a shrinking rollout's batch instead: the graphs are captured for `--capture-batch` rows (8 prompts
+by default) and a batch of B rows is spread over that many of them, row i sample i // N of prompt i % N, as a
+rollout's tail leaves its last sequences (the 3B workload's batches of 8 rows hold 4.6 prompts on average):
+
+    python bench/decode_profile.py --model 3b --batch 64 8 4 2 1 --live-prompts 8 5 3 2 1 --prompt-tokens 5888 \
+        --tokens 2048
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from decode import NUM_SAMPLES, add_kernel_flags, captured, copy_bandwidth, deco
 
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
+from rollplex.rollout.batch import layout
 from rollplex.rollout.weights import DecodeKernels
 
 TRITON = ("add_rms_norm", "rotary_to_cache", "sample_", "partial_kernel", "combine_kernel", "silu_mul")
@@ -103,8 +112,9 @@ def summarise(kernels: list[dict], num_steps: int, num_layers: int, bytes_of: di
     }
 
 
-def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) -> dict[str, int]:
-    """Bytes each projection (over all layers) and the attention must read in one step at response step `at_step`."""
+def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int, prompts: int) -> dict[str, int]:
+    """Bytes each projection (over all layers) and the attention must read in one step at response step `at_step`,
+    the batch's rows over `prompts` prompts."""
     text, lm = model.config.text, model.model.language_model
     layer = lm.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
@@ -113,7 +123,6 @@ def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) 
         return text.num_hidden_layers * sum(t.numel() * t.element_size() for t in tensors)
 
     kv_token = 2 * text.num_key_value_heads * text.head_dim * 2  # K and V, one layer, bf16
-    prompts = batch // NUM_SAMPLES
     return {
         "qkv": nbytes(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
         "o_proj": nbytes(attn.o_proj.weight),
@@ -125,11 +134,23 @@ def step_bytes(model: Qwen2_5_VL, batch: int, prompt_tokens: int, at_step: int) 
 
 
 def profile_case(
-    model: Qwen2_5_VL, batch: int, prompt_tokens: int, tokens: int, steps: int, bandwidth: float, kernels: DecodeKernels
+    model: Qwen2_5_VL,
+    batch: int,
+    prompt_tokens: int,
+    tokens: int,
+    steps: int,
+    bandwidth: float,
+    kernels: DecodeKernels,
+    spread: tuple[int, int] | None = None,
 ) -> dict:
-    engine = captured(model, batch, prompt_tokens, tokens, kernels)
+    """One batch's case; `spread` (capture batch, live prompts): the batch's rows over that many prompts of graphs
+    captured for the larger batch (see the module docstring)."""
+    engine = captured(model, spread[0] if spread else batch, prompt_tokens, tokens, kernels)
     graphs, step = engine.graphs, engine.graphs.step
     assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
+    prompts = batch // NUM_SAMPLES
+    if spread:
+        prompts = spread_rows(step, batch, spread[1], spread[0] // NUM_SAMPLES)
     start = (tokens - steps) // 2
     assert start >= 1, "--steps must leave room in the response cache"
 
@@ -148,10 +169,12 @@ def profile_case(
     torch.cuda.synchronize()
     graph_ms = begin.elapsed_time(end) / steps
     num_layers = model.config.text.num_hidden_layers
-    bytes_of = step_bytes(model, batch, prompt_tokens, start + steps // 2)
+    bytes_of = step_bytes(model, batch, prompt_tokens, start + steps // 2, prompts)
     total_bytes = sum(bytes_of.values())
     result = {
         "batch": batch,
+        "live_prompts": prompts,
+        "capture_batch": spread[0] if spread else batch,
         "prompt_tokens": prompt_tokens,
         "response_steps": [start, start + steps],
         "graph_step_ms": round(graph_ms, 4),
@@ -175,6 +198,20 @@ def profile_case(
     return result
 
 
+def spread_rows(step, rows: int, live_prompts: int, num_prompts: int) -> int:
+    """Lays `rows` batch rows over `live_prompts` of the step's `num_prompts` prompts (row i: sample i // N of prompt
+    i % N) in the step's row maps, as the engine places a shrinking batch; the live prompts' count."""
+    assert 1 <= live_prompts <= min(num_prompts, rows) and rows <= live_prompts * NUM_SAMPLES, (
+        f"{rows} rows over {live_prompts} of {num_prompts} prompts of {NUM_SAMPLES} samples"
+    )
+    live = torch.tensor([(i % live_prompts) * NUM_SAMPLES + i // live_prompts for i in range(rows)])
+    placed = layout(live, rows, num_prompts, NUM_SAMPLES)
+    step.slots[:rows].copy_(placed.slots)
+    step.row_start.copy_(placed.row_start)
+    step.row_count.copy_(placed.row_count)
+    return live_prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="3b")
@@ -182,9 +219,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=[512])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--live-prompts", nargs="+", type=int, help="per --batch: its rows over this many prompts")
+    ap.add_argument("--capture-batch", type=int, default=8 * NUM_SAMPLES, help="with --live-prompts")
     add_kernel_flags(ap)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.live_prompts and len(args.live_prompts) != len(args.batch):
+        ap.error(f"--live-prompts: one count per --batch ({len(args.batch)}), not {len(args.live_prompts)}")
     kernels = decode_kernels(args)
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
@@ -198,16 +239,18 @@ def main() -> None:
         "kernels": asdict(kernels),
         "cases": [],
     }
-    for batch in args.batch:
+    for i, batch in enumerate(args.batch):
+        spread = (args.capture_batch, args.live_prompts[i]) if args.live_prompts else None
         for prompt_tokens in args.prompt_tokens:
-            case = profile_case(model, batch, prompt_tokens, args.tokens, args.steps, bandwidth, kernels)
+            case = profile_case(model, batch, prompt_tokens, args.tokens, args.steps, bandwidth, kernels, spread)
             result["cases"].append(case)
             torch.cuda.empty_cache()  # the case's decode buffers and graphs went with its engine
             if args.out:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
     for case in result["cases"]:
-        print(f"\nbatch {case['batch']} prompt {case['prompt_tokens']}: graph step {case['graph_step_ms']} ms, "
-              f"bound {case['hbm_bound_ms']} ms ({case['fraction_of_hbm_bound']:.1%})")  # fmt: skip
+        head = f"batch {case['batch']} over {case['live_prompts']} prompts of {case['prompt_tokens']}"
+        print(f"\n{head}: graph step {case['graph_step_ms']} ms, bound {case['hbm_bound_ms']} ms "
+              f"({case['fraction_of_hbm_bound']:.1%})")  # fmt: skip
         for mode in ("graph", "eager"):
             part = case[mode]
             if "error" in part:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.data.source import batch_at, open_dataset
-from rollplex.executors.engines import make_tokenizer
+from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
 from rollplex.models.layers import rms_norm, silu_mul

@@ -23,7 +23,7 @@ import torch
 
 from rollplex.bench.provenance import source_commit
 from rollplex.data.source import batch_at, open_dataset
-from rollplex.executors.engines import make_tokenizer
+from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.models.chunks import drain
 from rollplex.models.model import Qwen2_5_VL

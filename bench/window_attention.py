@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from rollplex.data.source import batch_at, open_dataset
-from rollplex.executors.engines import make_tokenizer
+from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.kernels.window_attention import window_attention
 from rollplex.models.vision import varlen_segments

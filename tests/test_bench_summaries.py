@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -100,6 +100,23 @@ def test_the_decode_profile_labels_the_fused_steps_products_and_a_splits_sum_as_
         labels = module.label_kernels([*names, *tail], num_layers=1)
         assert [x for i, x in enumerate(labels) if x in projections and labels[i - 1] != x] == projections
     assert module.label_kernels([*unfused, *tail], 1)[1:3] == ["qkv", "qkv"]  # the split's sum: its product's
+
+
+def test_the_decode_profile_spreads_a_tail_batch_over_live_prompts_as_the_engine_places_it(monkeypatch):
+    import torch
+
+    module = bench_module("decode_profile", monkeypatch)
+    n, prompts = module.NUM_SAMPLES, 8
+    step = SimpleNamespace(slots=torch.arange(prompts * n), row_start=torch.zeros(prompts, dtype=torch.long),
+                           row_count=torch.zeros(prompts, dtype=torch.long))  # fmt: skip
+    assert module.spread_rows(step, 8, 5, prompts) == 5
+    assert step.row_count.tolist() == [2, 2, 2, 1, 1, 0, 0, 0]  # rows 0-7 over prompts 0-4, round robin
+    assert step.row_start.tolist() == [0, 2, 4, 6, 7, 8, 8, 8]
+    assert step.slots[:8].tolist() == [0, 1, n, n + 1, 2 * n, 2 * n + 1, 3 * n, 4 * n]  # sorted, grouped by prompt
+    assert step.slots[8:].tolist() == list(range(8, prompts * n))  # past the batch: untouched
+    for rows, live in ((2, 3), (17, 2), (4, 9)):  # more prompts than rows, more rows than samples, than prompts
+        with pytest.raises(AssertionError, match="rows over"):
+            module.spread_rows(step, rows, live, prompts)
 
 
 def test_gpu_clocks_parses_nvidia_smis_samples_and_takes_medians_over_a_window(monkeypatch):

@@ -45,7 +45,7 @@ def check_budget(loaded: LoadedSpec, examples: Sequence) -> None:
 
 def check_data(loaded: LoadedSpec, steps: int = 1) -> DataCheck:
     """Renders `steps` steps of prompts and checks them (`check_budget`); what it found."""
-    from rollplex.executors.engines import make_tokenizer
+    from rollplex.executors.task import make_tokenizer
 
     w = loaded.spec.workload
     try:

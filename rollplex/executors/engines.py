@@ -20,8 +20,8 @@ from functools import partial
 import torch
 
 from rollplex.data.presets import LengthDistribution, synthetic_preset
-from rollplex.data.rewards import RewardTerms, reward_terms
-from rollplex.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rollplex.data.rewards import RewardTerms
+from rollplex.data.tokenizer import Tokenizer
 from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel
 from rollplex.executors.device_settings import (
@@ -40,6 +40,7 @@ from rollplex.executors.residency import (
     make_prefix_rerun,
     make_reference_pager,
 )
+from rollplex.executors.task import make_reward, make_tokenizer, sampling_params
 from rollplex.graph.decisions import Decisions, SharingPolicy
 from rollplex.graph.ir import Role, roles
 from rollplex.graph.load import LoadedSpec
@@ -152,7 +153,7 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     # under mps the rollout's weights move into shared storage: before the optimizer sees the actor's
     remote = _remote_rollout(rollout_model, spec.run.decode_kernels, d)
     optimizer = _actor_optimizer(actor, a, d, tp, dp, bound)
-    sampling = _sampling(loaded)
+    sampling = sampling_params(loaded)
     critic, critic_optimizer = _critic(plan, actor, device, tp)
     reference_pager = _reference_pager(reference, d)
     rollout, rollout_stats = remote or make_rollout(rollout_model, spec.run.decode_kernels, d.rollout_kv_bytes)
@@ -324,18 +325,6 @@ def _compile_layers(*models: Qwen2_5_VL | None) -> None:
             compile_halves([*model.model.visual.blocks, *model.model.language_model.layers])
 
 
-def _sampling(loaded: LoadedSpec) -> SamplingParams:
-    """Rollout's sampling: the algorithm's temperature and top-p, up to the workload's response tokens or a stop id
-    of the model."""
-    a = loaded.spec.algorithm
-    return SamplingParams(
-        temperature=a.temperature,
-        top_p=a.top_p,
-        max_tokens=loaded.spec.workload.response_tokens,
-        stop_token_ids=loaded.model.tokens.stop_ids,
-    )
-
-
 @torch.no_grad()
 def copy_weights(source: Qwen2_5_VL, target: Qwen2_5_VL) -> None:
     """Every parameter of `source` into `target`'s (same shapes and names), in place: the addresses a captured
@@ -389,17 +378,3 @@ def make_optimizer(
         resident_bytes=kept_bytes,
         shard=shard,
     )
-
-
-def make_tokenizer(loaded: LoadedSpec) -> Tokenizer:
-    """The checkpoint's own tokenizer when it has one; otherwise the character tokenizer on the model's ids."""
-    directory = model_dir(loaded)
-    if (directory / "tokenizer.json").is_file():
-        return HFTokenizer.from_dir(directory)
-    t = loaded.model.tokens
-    return CharTokenizer.for_model(t.eos, t.vision_start, t.vision_end, t.image, t.video)
-
-
-def make_reward(loaded: LoadedSpec) -> RewardTerms:
-    """The spec's rewards, each with its weight; a `module:function` name is imported."""
-    return reward_terms([(r.name, r.weight) for r in loaded.spec.algorithm.rewards])

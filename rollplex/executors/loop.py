@@ -23,12 +23,13 @@ from rollplex.executors.bounds import prefix_backward_bound_s, step_bounds, step
 from rollplex.executors.collector import collections_between_steps
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
-from rollplex.executors.engines import Engines, build_engines, make_tokenizer
+from rollplex.executors.engines import Engines, build_engines
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.preflight import preflight
 from rollplex.executors.record import StepRecord
 from rollplex.executors.runtime import run_iteration
+from rollplex.executors.task import make_tokenizer
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
 from rollplex.graph.plan import Plan
 

@@ -80,7 +80,7 @@ def test_the_planned_steps_count_every_patch_the_runs_bounds_count():
 
     from rollplex.data.source import batch_at, open_dataset
     from rollplex.executors.bounds import step_tokens
-    from rollplex.executors.engines import make_tokenizer
+    from rollplex.executors.task import make_tokenizer
 
     loaded = load_spec(SPECS / "qwen2_5_vl_7b_h200.yaml")
     plan, w = compile_plan(loaded), loaded.spec.workload
