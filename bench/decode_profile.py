@@ -226,6 +226,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.live_prompts and len(args.live_prompts) != len(args.batch):
         ap.error(f"--live-prompts: one count per --batch ({len(args.batch)}), not {len(args.live_prompts)}")
+    for batch, live in zip(args.batch, args.live_prompts or (), strict=False):
+        if not (1 <= live <= min(args.capture_batch // NUM_SAMPLES, batch) and batch <= live * NUM_SAMPLES):
+            ap.error(f"--live-prompts {live} for batch {batch}: from ceil(batch / {NUM_SAMPLES}) to min(batch, "
+                     f"--capture-batch / {NUM_SAMPLES})")  # fmt: skip
     kernels = decode_kernels(args)
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
