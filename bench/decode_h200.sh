@@ -8,7 +8,8 @@
 #    kernels changing no rollout
 # 2. for each setting of SETTINGS (default: cublas, rollplex_fused and rollplex_ahead, run.decode_kernels names):
 #    bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the rollout's shapes
-#    (5,888-token prompts, a 2,048-token cache, batch 8, 32, 64: batch 8 is one prompt, as in the rollout's tail)
+#    (5,888-token prompts, a 2,048-token cache, batch 8, 32, 64: batch 8 is one prompt), and its tail as the rollout
+#    meets it (graphs for 8 prompts; batch 8, 4, 2 over 5, 3, 2 live prompts: `--live-prompts`)
 # 3. with BESIDE=1, bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix
 #    on 33 or 66 SMs, under each setting
 #
@@ -28,6 +29,8 @@ for k in $SETTINGS; do
   [ "$k" = cublas ] && continue
   timeout 240 python3 bench/decode_profile.py --model 3b --batch 8 32 64 --prompt-tokens 5888 --tokens 2048 --steps 2 \
     --kernels $k > /dev/null 2>&1 &
+  timeout 240 python3 bench/decode_profile.py --model 3b --batch 8 4 2 --live-prompts 5 3 2 --prompt-tokens 5888 \
+    --tokens 2048 --steps 2 --kernels $k > /dev/null 2>&1 &
   timeout 240 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 --kernels $k \
     > /dev/null 2>&1 &
 done
@@ -45,6 +48,9 @@ for k in $SETTINGS; do
     --out "$R/decode_3b_h200_$k.json" > "$R/decode_$k.log" 2>&1 || echo "decode.py $k failed"
   timeout 90 python3 bench/decode_profile.py --model 3b --batch 8 32 64 --prompt-tokens 5888 --tokens 2048 --kernels $k \
     --out "$R/decode_profile_3b_r2048_h200_$k.json" > "$R/decode_profile_$k.log" 2>&1 || echo "decode_profile.py $k failed"
+  timeout 90 python3 bench/decode_profile.py --model 3b --batch 8 4 2 --live-prompts 5 3 2 --prompt-tokens 5888 \
+    --tokens 2048 --kernels $k --out "$R/decode_profile_3b_tail_h200_$k.json" > "$R/decode_tail_$k.log" 2>&1 \
+    || echo "decode_profile.py --live-prompts $k failed"
 done
 if [ "${BESIDE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
@@ -56,15 +62,17 @@ python3 - "$R" $SETTINGS <<'EOF2'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print(f"{'kernels':>12} {'prompt':>6} {'batch':>5} {'step ms':>8} {'of bound':>8}")
+print(f"{'kernels':>12} {'prompt':>6} {'batch':>5} {'prompts':>7} {'step ms':>8} {'of bound':>8}")
 for setting in sys.argv[2:]:
-    for name, key, rows in (("decode_3b_h200", "engine", "step_ms"), ("decode_profile_3b_r2048_h200", "cases", "graph_step_ms")):
+    for name, key, rows in (("decode_3b_h200", "engine", "step_ms"), ("decode_profile_3b_r2048_h200", "cases", "graph_step_ms"),
+                            ("decode_profile_3b_tail_h200", "cases", "graph_step_ms")):
         path = out / f"{name}_{setting}.json"
         if not path.exists():
             print(f"{setting:>12} {name}: no result")
             continue
         for r in json.loads(path.read_text())[key]:
             prompt = r.get("prompt_tokens", "?")
-            print(f"{setting:>12} {prompt:>6} {r['batch']:>5} {r[rows]:>8.3f} {r['fraction_of_hbm_bound']:>8.1%}")
+            prompts = r.get("live_prompts", r.get("prompts", "?"))
+            print(f"{setting:>12} {prompt:>6} {r['batch']:>5} {prompts:>7} {r[rows]:>8.3f} {r['fraction_of_hbm_bound']:>8.1%}")
 EOF2
 exit $tests
