@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 from rollplex.bench import harness as bench_module
 from rollplex.bench.harness import ScheduleRun, noise_floor_grads
 from rollplex.bench.provenance import source_commit
+from rollplex.graph.ir import Schedule
+from rollplex.graph.load import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"gpu", "model", "workload", "memory", "sharing", "run", "policy", "command", "step_s", "speedup", "per_step",
@@ -190,13 +194,6 @@ def test_bench_with_an_unknown_policy_is_a_one_line_error(tmp_path, bench_here):
 
 def test_a_schedule_is_built_only_after_the_last_ones_engines_are_gone(monkeypatch):
     """Two schedules' pinned host pools at once OOM-killed a 3B bench on a 128 GiB host."""
-    import gc
-    import weakref
-
-    from rollplex.bench import harness as bench_module
-    from rollplex.graph.ir import Schedule
-    from rollplex.graph.load import load_spec
-
     built: list[weakref.ref] = []
     alive_at_build: list[bool] = []
 
@@ -258,8 +255,6 @@ def test_a_saved_unsplit_run_joins_a_later_bench_of_the_same_spec_with_its_phase
 
 def test_a_saved_run_stands_in_only_for_its_own_schedule_and_step_counts(tmp_path):
     from rollplex.bench.baseline import baseline_key, load_baseline, save_baseline
-    from rollplex.graph.ir import Schedule
-    from rollplex.graph.load import load_spec
 
     loaded = load_spec(ROOT / "specs/tiny_cpu.yaml")
     unsplit = baseline_key(loaded, 1, 0, Schedule.UNSPLIT)
