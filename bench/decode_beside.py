@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode import captured  # bench/ is this script's folder
+from decode import NUM_SAMPLES, captured  # bench/ is this script's folder
 
 from rollplex.models.config import load_model_config
 from rollplex.models.model import Qwen2_5_VL
@@ -67,7 +67,7 @@ class Hog:
 def step_ms(engine: RolloutEngine, batch: int, tokens: int, steps: int, hog: Hog | None) -> tuple[float, bool]:
     """Milliseconds per replay of the full-batch graph (alone, or beside the hog), and whether the hog outlasted
     the replays."""
-    graph, step = engine.graphs.graphs[batch], engine.graphs.step
+    graph, step = engine.graphs.graphs[batch, batch // NUM_SAMPLES], engine.graphs.step
     start_at = (tokens - steps) // 2
     step.step.fill_(start_at)
     for _ in range(3):

@@ -147,10 +147,11 @@ def profile_case(
     captured for the larger batch (see the module docstring)."""
     engine = captured(model, spread[0] if spread else batch, prompt_tokens, tokens, kernels)
     graphs, step = engine.graphs, engine.graphs.step
-    assert batch in graphs.graphs, f"batch {batch} is not a captured size {sorted(graphs.graphs)}"
     prompts = batch // NUM_SAMPLES
     if spread:
         prompts = spread_rows(step, batch, spread[1], spread[0] // NUM_SAMPLES)
+    assert (batch, prompts) in graphs.graphs, f"batch {batch} over {prompts} prompts is not a captured case"
+    graph = graphs.graphs[batch, prompts]
     start = (tokens - steps) // 2
     assert start >= 1, "--steps must leave room in the response cache"
 
@@ -159,12 +160,12 @@ def profile_case(
             run()
 
     step.step.fill_(start)
-    replay(lambda: graphs.graphs[batch].replay())  # warm
+    replay(graph.replay)  # warm
     step.step.fill_(start)
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    replay(lambda: graphs.graphs[batch].replay())
+    replay(graph.replay)
     end.record()
     torch.cuda.synchronize()
     graph_ms = begin.elapsed_time(end) / steps
@@ -184,7 +185,7 @@ def profile_case(
     }
     from torch.profiler import ProfilerActivity, profile
 
-    for mode, run in (("graph", lambda: graphs.graphs[batch].replay()), ("eager", lambda: step.forward(batch))):
+    for mode, run in (("graph", graph.replay), ("eager", lambda: step.forward(batch, prompts))):
         step.step.fill_(start)
         torch.cuda.synchronize()
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -209,6 +210,7 @@ def spread_rows(step, rows: int, live_prompts: int, num_prompts: int) -> int:
     step.slots[:rows].copy_(placed.slots)
     step.row_start.copy_(placed.row_start)
     step.row_count.copy_(placed.row_count)
+    step.batch_prompts.copy_(placed.prompts)
     return live_prompts
 
 

@@ -248,14 +248,14 @@ def measure_batch(
     args, model, batch: int, whole: float, keep: list, split, split_sms, kernels, clocks=None
 ) -> list[dict]:
     """Every way's row at one batch size (decode on `split`'s partition when given)."""
-    from decode import captured
+    from decode import NUM_SAMPLES, captured
 
     # under a split, the decode graphs are captured on decode's partition stream (StepGraphs captures on a
     # `torch.cuda.Stream()` of its own; a graph captured on the primary context ignores the stream it replays on)
     on_partition = mock.patch("torch.cuda.Stream", lambda *a, **k: split[0]) if split else nullcontext()
     with on_partition:
         engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
-    graph, step = engine.graphs.graphs[batch], engine.graphs.step
+    graph, step = engine.graphs.graphs[batch, batch // NUM_SAMPLES], engine.graphs.step
     start_at = args.tokens // 2
     _, warm_ms = decode_window(graph, step, start_at, 20)
     steps = max(20, int(WINDOW_S * 1e3 / (warm_ms / 20)))

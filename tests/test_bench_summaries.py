@@ -108,9 +108,11 @@ def test_the_decode_profile_spreads_a_tail_batch_over_live_prompts_as_the_engine
     module = bench_module("decode_profile", monkeypatch)
     n, prompts = module.NUM_SAMPLES, 8
     step = SimpleNamespace(slots=torch.arange(prompts * n), row_start=torch.zeros(prompts, dtype=torch.long),
-                           row_count=torch.zeros(prompts, dtype=torch.long))  # fmt: skip
+                           row_count=torch.zeros(prompts, dtype=torch.long),
+                           batch_prompts=torch.zeros(prompts, dtype=torch.long))  # fmt: skip
     assert module.spread_rows(step, 8, 5, prompts) == 5
     assert step.row_count.tolist() == [2, 2, 2, 1, 1, 0, 0, 0]  # rows 0-7 over prompts 0-4, round robin
+    assert step.batch_prompts.tolist() == list(range(prompts))  # prompts 0-4 have rows: first
     assert step.row_start.tolist() == [0, 2, 4, 6, 7, 8, 8, 8]
     assert step.slots[:8].tolist() == [0, 1, n, n + 1, 2 * n, 2 * n + 1, 3 * n, 4 * n]  # sorted, grouped by prompt
     assert step.slots[8:].tolist() == list(range(8, prompts * n))  # past the batch: untouched

@@ -10,8 +10,11 @@ Two launches, split over keys so that a handful of prompts still fill the GPU (f
 - `combine_kernel`, grid (rows, heads): merges every chunk's partial output through its log-sum-exp.
 
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
-(slot s belongs to prompt s // N). Every partial a kernel owns is written, empty chunks as (0, -inf), so no
-stale value is ever merged. Shapes are fixed per batch size; lengths come from device tensors (graph-safe).
+(slot s belongs to prompt s // N). Prompt programs run only for the prompts the batch holds (`batch_prompts`, the
+first `num_batch_prompts` of them), and their chunk follows that count: a rollout's tail holds a few prompts, whose
+keys a few long chunks would read one after another on a few SMs. Every partial a kernel owns is written, empty
+chunks as (0, -inf), so no stale value is ever merged. Grids and chunks are fixed per batch size and prompt count
+(one captured graph each); lengths and the prompts' indices come from device tensors (graph-safe).
 """
 
 from __future__ import annotations
@@ -71,20 +74,17 @@ class DecodeAttentionShape:
     head_dim: int
     max_prompt_len: int  # S: the prompt KV's padded length
     max_tokens: int  # R: the response cache's length
-    prompt_chunk: int = 0  # keys per program; 0: picked (`_prompt_chunk`, `_own_chunk`)
-    own_chunk: int = 0
+    prompt_chunk: int = 0  # keys per prompt program; 0: picked per call for the prompts the batch holds (`chunk_for`)
+    own_chunk: int = 0  # keys per own program; 0: picked (`_own_chunk`)
     block: int = 64
     num_warps: int = 4  # of the partial kernel (triton's defaults)
     num_stages: int = 3
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, f"{self.num_heads} heads over {self.num_kv_heads} kv heads"
-        if not self.prompt_chunk:
-            prompt = _prompt_chunk(self.num_prompts * self.num_kv_heads, self.max_prompt_len)
-            object.__setattr__(self, "prompt_chunk", prompt)
         if not self.own_chunk:
             object.__setattr__(self, "own_chunk", _own_chunk(self.max_tokens))
-        for chunk in (self.prompt_chunk, self.own_chunk):
+        for chunk in (*{self.chunk_for(n) for n in range(1, self.num_prompts + 1)}, self.own_chunk):
             assert chunk % self.block == 0 and self.block >= 16, f"chunk {chunk}, block {self.block}"
         assert self.head_dim & (self.head_dim - 1) == 0, f"head_dim {self.head_dim} must be a power of two"
 
@@ -92,9 +92,18 @@ class DecodeAttentionShape:
     def max_rows(self) -> int:
         return self.num_prompts * self.num_samples
 
+    def chunk_for(self, num_batch_prompts: int) -> int:
+        """Keys per prompt program when the batch holds rows of `num_batch_prompts` prompts."""
+        assert 1 <= num_batch_prompts <= self.num_prompts, f"{num_batch_prompts} of {self.num_prompts} prompts"
+        return self.prompt_chunk or _prompt_chunk(num_batch_prompts * self.num_kv_heads, self.max_prompt_len)
+
+    def prompt_splits(self, num_batch_prompts: int) -> int:
+        return triton.cdiv(self.max_prompt_len, self.chunk_for(num_batch_prompts))
+
     @property
-    def prompt_splits(self) -> int:
-        return triton.cdiv(self.max_prompt_len, self.prompt_chunk)
+    def max_prompt_splits(self) -> int:
+        """The most chunks a prompt is cut into: at one prompt a batch, the shortest chunk."""
+        return self.prompt_splits(1)
 
     @property
     def own_splits(self) -> int:
@@ -109,8 +118,8 @@ class DecodeAttention:
         self.shape = shape
         h, d, rows = shape.num_heads, shape.head_dim, shape.max_rows
         f32 = dict(dtype=torch.float32, device=device)
-        self.prompt_out = torch.zeros(shape.prompt_splits, rows, h, d, **f32)
-        self.prompt_lse = torch.full((shape.prompt_splits, rows, h), float("-inf"), **f32)
+        self.prompt_out = torch.zeros(shape.max_prompt_splits, rows, h, d, **f32)
+        self.prompt_lse = torch.full((shape.max_prompt_splits, rows, h), float("-inf"), **f32)
         self.own_out = torch.zeros(shape.own_splits, rows, h, d, **f32)
         self.own_lse = torch.full((shape.own_splits, rows, h), float("-inf"), **f32)
 
@@ -127,6 +136,8 @@ class DecodeAttention:
         slots: torch.Tensor,  # [rows] int64
         step: torch.Tensor,  # [1] int64
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
+        batch_prompts: torch.Tensor,  # [P] int64: the prompts that have rows in the batch first, in any order
+        num_batch_prompts: int,  # how many prompts have rows in the batch (at least one)
         pdl: bool = False,
         ahead: bool = False,
     ) -> torch.Tensor:
@@ -134,24 +145,26 @@ class DecodeAttention:
         rows, h, d = q.shape
         g, hpg = sh.num_kv_heads, sh.num_heads // sh.num_kv_heads
         assert (h, d) == (sh.num_heads, sh.head_dim) and rows <= sh.max_rows, f"q {tuple(q.shape)} vs {sh}"
+        assert batch_prompts.shape == (sh.num_prompts,), f"batch_prompts {tuple(batch_prompts.shape)}"
         assert prompt_k.shape == (sh.num_prompts, g, sh.max_prompt_len, d), f"prompt keys {tuple(prompt_k.shape)}"
         assert prompt_k.stride(-1) == 1 and prompt_v.stride(-1) == 1, "prompt KV: the head dim must be contiguous"
         assert own_k.shape[1:] == (g, sh.max_tokens, d) and own_k.is_contiguous() and own_v.is_contiguous()
         assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
         scale = d**-0.5
-        num_programs = sh.num_prompts * g * sh.prompt_splits + rows * g * sh.own_splits
-        partial_kernel[(num_programs,)](
-            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, own_k, own_v, slots, step,
+        chunk, splits = sh.chunk_for(num_batch_prompts), sh.prompt_splits(num_batch_prompts)
+        prompt_programs = num_batch_prompts * g * splits
+        partial_kernel[(prompt_programs + rows * g * sh.own_splits,)](
+            q, prompt_k, prompt_v, prompt_lens, row_start, row_count, batch_prompts, own_k, own_v, slots, step,
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
-            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale,
-            P=sh.num_prompts, H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
-            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=sh.prompt_chunk,
-            PROMPT_SPLITS=sh.prompt_splits, OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
+            *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale, prompt_programs, splits,
+            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
+            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=chunk,
+            OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
             num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         combine_kernel[(rows, h)](
-            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,
-            H=h, D=d, PROMPT_SPLITS=sh.prompt_splits, OWN_SPLITS=sh.own_splits,
-            PROMPT_LANES=_pow2(sh.prompt_splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, q, ahead),
+            self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows, splits,
+            H=h, D=d, OWN_SPLITS=sh.own_splits,
+            PROMPT_LANES=_pow2(splits), OWN_LANES=_pow2(sh.own_splits), **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         return out

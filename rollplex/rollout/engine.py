@@ -3,8 +3,8 @@
 Each prompt is prefilled once (`Qwen2_5_VL.prefix`); its N samples then decode together with CUDA-graph
 steps (`graphs.py`). The host never waits for the step it just launched: after launching step k it reads the
 finished flags of step k - 1 (copied to pinned memory behind it), so launches run one step ahead of the GPU.
-When the live sequences fit a smaller captured batch, the batch is compacted (`batch.py`); until then, a
-finished sequence keeps decoding and its extra tokens are dropped. All of this depends only on the sampled
+When the live sequences fit a smaller captured batch or span fewer prompts, the batch is compacted (`batch.py`);
+until then, a finished sequence keeps decoding and its extra tokens are dropped. All of this depends only on the sampled
 tokens, so a seed gives one rollout. Sampling runs on the device: inside the graph (temperature, greedy), or
 between replays with torch when top-p < 1.
 """
@@ -170,12 +170,12 @@ class RolloutEngine:
         """The decode steps of a started rollout, and (decode_s, num_steps, row_steps, batch_sizes, step_spans)."""
         graphs, run = started.graphs, started.run
         live = torch.arange(run.num_sequences)
-        rows, sizes = run.place(live, graphs.sizes), []
+        (rows, prompts), sizes = run.place(live, graphs.sizes), []
         timed = beside is not None or self.time_steps
         clock, marks = (DeviceClock(cuda=self.model.device.type == "cuda"), []) if timed else (None, [])
         for k in range(params.max_tokens - 1):
             start_mark = clock.mark() if clock else None
-            logits = graphs.run(rows)
+            logits = graphs.run(rows, prompts)
             if clock:
                 marks.append((start_mark, clock.mark(), rows))
             run.next_token(rows, k + 1, logits)
@@ -185,8 +185,8 @@ class RolloutEngine:
             live = run.live_after_previous_step()
             if live.numel() == 0:
                 break
-            if bucket_for(live.numel(), graphs.sizes) < rows:
-                rows = run.place(live, graphs.sizes)
+            if bucket_for(live.numel(), graphs.sizes) < rows or run.prompts_of(live) < prompts:
+                rows, prompts = run.place(live, graphs.sizes)
         rollout = run.collect()
         _sync(self.model.device)
         if self.kv_region is not None:
@@ -271,14 +271,20 @@ class _Run:
         ends = torch.isin(token, self.stop_ids) | (column + 1 >= s.max_lens[slots])
         s.done[slots] |= ends.to(torch.int8)
 
-    def place(self, live: Tensor, sizes: tuple[int, ...]) -> int:
-        """Lays the live sequences out in the smallest captured batch that holds them; returns its size."""
+    def place(self, live: Tensor, sizes: tuple[int, ...]) -> tuple[int, int]:
+        """Lays the live sequences out in the smallest captured batch that holds them; returns its size and how
+        many prompts its rows span."""
         rows = bucket_for(live.numel(), sizes)
         batch = layout(live, rows, self.num_prompts, self.num_samples)
         self.step.slots[:rows].copy_(batch.slots)
         self.step.row_start.copy_(batch.row_start)
         self.step.row_count.copy_(batch.row_count)
-        return rows
+        self.step.batch_prompts.copy_(batch.prompts)
+        return rows, batch.num_prompts
+
+    def prompts_of(self, live: Tensor) -> int:
+        """How many prompts the live sequences belong to."""
+        return int((live // self.num_samples).unique().numel())
 
     def live_after_previous_step(self) -> Tensor:
         """Slots not finished as of the step before the one just launched (the host lags one step)."""

@@ -1,12 +1,13 @@
 """One decode step of the language model, written against static buffers so that a CUDA graph can replay it.
 
-`DecodeStep.forward(rows)` feeds each of the first `rows` batch rows its slot's last sampled token, runs the
+`DecodeStep.forward(rows, prompts)` feeds each of the first `rows` batch rows its slot's last sampled token, runs the
 decoder with the fused kernels (`rollplex.kernels.decode_ops`) and the cascade attention over the shared
 prompt KV and the response cache (`rollplex.kernels.decode_attention`), advances the step counter, leaves
 the logits in `self.logits[:rows]` and, with fused sampling, samples the next token into `tokens`,
 `logprobs`, `last_token` and `done` (`rollplex.kernels.sampling`). It reads the actor's parameters in place
 (no copy) and allocates only the step's activations. Everything that changes between steps lives in device
-tensors: `slots`, `row_start`, `row_count`, `step`, `last_token`. Not here: retiring sequences and top-p
+tensors: `slots`, `row_start`, `row_count`, `batch_prompts`, `step`, `last_token`; the batch's rows and how many
+prompts they span are fixed per call (per captured graph). Not here: retiring sequences and top-p
 sampling (`engine.py`), capture (`graphs.py`).
 """
 
@@ -117,6 +118,7 @@ class DecodeStep:
         self.next_positions = torch.zeros(shape.num_prompts + 1, **long)  # the spare prompt of padding rows: 0
         self.row_start = torch.zeros(shape.num_prompts, **long)
         self.row_count = torch.zeros(shape.num_prompts, **long)
+        self.batch_prompts = torch.arange(shape.num_prompts, **long)  # those with rows in the batch first
         self.slots = torch.arange(shape.num_slots - 1, **long)
         self.step = torch.zeros(1, **long)
         self.last_token = torch.zeros(shape.num_slots, **long)
@@ -181,8 +183,10 @@ class DecodeStep:
             self.last_token, self.done, self.max_lens, self.batch_rows, self.batch_slots,
         )  # fmt: skip
 
-    def forward(self, rows: int) -> Tensor:
-        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token."""
+    def forward(self, rows: int, prompts: int | None = None) -> Tensor:
+        """One step for batch rows [0, rows): logits [rows, V] of the token after each row's last token. prompts:
+        how many prompts the rows span (the first of `batch_prompts`); by default every prompt of the shape."""
+        prompts = self.shape.num_prompts if prompts is None else prompts
         lm = self.model.model.language_model
         text = self.model.config.text
         eps = text.rms_norm_eps
@@ -202,7 +206,7 @@ class DecodeStep:
             )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,
-                self.k_cache[i], self.v_cache[i], slots, self.step, attended, pdl, ahead,
+                self.k_cache[i], self.v_cache[i], slots, self.step, attended, self.batch_prompts, prompts, pdl, ahead,
             )  # fmt: skip
             out = w.out(attended.view(rows, -1))
             add_rms_norm(out, residual, layer.post_attention_layernorm.weight, eps, normed, pdl, ahead)

@@ -17,6 +17,7 @@ from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.sampling import SamplingParams
 from rollplex.rollout.beside import Beside
 from rollplex.rollout.engine import RolloutEngine
+from rollplex.rollout.graphs import StepGraphs
 from rollplex.rollout.weights import BY_NAME, DecodeKernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -220,6 +221,26 @@ def test_length_budgets_end_sequences_at_their_budget(model, prompts):
     )
     assert torch.equal(out.response_lens, budgets)
     assert list(engine.stats.batch_sizes) == sorted(engine.stats.batch_sizes, reverse=True)
+
+
+@pytest.mark.slow
+def test_a_batch_whose_live_sequences_span_fewer_prompts_is_laid_out_again_and_decodes_the_same(
+    model, prompts, monkeypatch
+):
+    """Prompt 2's samples end after 1 and 3 tokens: 8 then 6 sequences live, the batch stays at 8 rows but its
+    rows span 2 prompts, so the attention reads 2 prompts' keys; the rollout is the plain one's."""
+    cases = []
+    run = StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, rows, n: cases.append((rows, n)) or run(self, rows, n))
+    budgets = torch.tensor([[6, 6, 6], [6, 6, 6], [1, 3, 3]], device=DEVICE)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    out = RolloutEngine(model).generate(prompts, num_samples=3, params=params, generator=seeded(0), max_lens=budgets)
+    expected = generate(
+        model, prompts, num_samples=3, params=params, generator=torch.Generator(DEVICE), max_lens=budgets
+    )
+    assert torch.equal(out.responses, expected.responses) and torch.equal(out.response_lens, budgets)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=1e-4)
+    assert list(dict.fromkeys(cases)) == [(9, 3), (8, 3), (8, 2)], cases
 
 
 @pytest.mark.slow
