@@ -92,12 +92,13 @@ class Layer:
         self.row_count = torch.full((self.prompts,), NUM_SAMPLES, device=device)
         self.row_start = self.row_count.cumsum(0) - self.row_count
         self.slots = torch.arange(batch, device=device)
+        self.batch_prompts = torch.arange(self.prompts, device=device)  # every prompt has all its rows
         self.out = torch.empty_like(self.q)
 
     def call(self, attention: DecodeAttention, step: torch.Tensor) -> torch.Tensor:
         return attention(
             self.q, self.prompt_k, self.prompt_v, self.prompt_lens, self.row_start, self.row_count, self.own_k,
-            self.own_v, self.slots, step, self.out,
+            self.own_v, self.slots, step, self.out, self.batch_prompts, self.prompts,
         )  # fmt: skip
 
 
@@ -115,7 +116,7 @@ def time_option(
     attention = DecodeAttention(shape, step.device)
     out = layers[0].call(attention, step).clone()
     case = {
-        "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.prompt_chunk,
+        "batch": batch, "live": int(step), "options": _name(shape), "prompt_chunk": shape.chunk_for(shape.num_prompts),
         "own_chunk": shape.own_chunk, "warps": warps, "stages": stages, "default": option is None,
         "max_diff_from_default": 0.0 if default is None else float((out.float() - default.float()).abs().max()),
     }  # fmt: skip
@@ -131,7 +132,7 @@ def time_option(
 
 
 def _name(shape: DecodeAttentionShape) -> str:
-    return f"p{shape.prompt_chunk}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
+    return f"p{shape.chunk_for(shape.num_prompts)}/o{shape.own_chunk}/w{shape.num_warps}/s{shape.num_stages}"
 
 
 def table(cases: list[dict]) -> None:
