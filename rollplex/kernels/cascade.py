@@ -159,7 +159,7 @@ def _own_partial(
     tl.store(lse_ptr + at, lse, mask=valid)
 
 
-@triton.jit(do_not_specialize=["prompt_programs", "prompt_splits"])
+@triton.jit(do_not_specialize=["prompt_programs"])
 def partial_kernel(
     q_ptr,  # [rows, H, D] rotated queries, contiguous
     prompt_k_ptr,  # [P, G, S, D], last dim contiguous
@@ -172,7 +172,7 @@ def partial_kernel(
     own_v_ptr,
     slots_ptr,  # [rows] int64
     step_ptr,  # [1] int64
-    prompt_out_ptr,  # [prompt_splits or more, MAX_ROWS, H, D] fp32
+    prompt_out_ptr,  # [PROMPT_SPLITS or more, MAX_ROWS, H, D] fp32
     prompt_lse_ptr,
     own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
     own_lse_ptr,
@@ -184,8 +184,7 @@ def partial_kernel(
     stride_vs,
     max_rows,
     scale,
-    prompt_programs,  # the batch's prompts x G x prompt_splits
-    prompt_splits,  # chunks a prompt is cut into (not a constant: a new prompt capacity compiles nothing)
+    prompt_programs,  # the batch's prompts x G x PROMPT_SPLITS
     H: tl.constexpr,
     G: tl.constexpr,
     HPG: tl.constexpr,
@@ -195,6 +194,7 @@ def partial_kernel(
     PROMPT_HEADS: tl.constexpr,
     OWN_HEADS: tl.constexpr,
     PROMPT_CHUNK: tl.constexpr,
+    PROMPT_SPLITS: tl.constexpr,
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -207,7 +207,7 @@ def partial_kernel(
     pid = tl.program_id(0)
     if pid < prompt_programs:
         _prompt_partial(
-            tl.load(batch_prompts_ptr + pid // (G * prompt_splits)), (pid // prompt_splits) % G, pid % prompt_splits,
+            tl.load(batch_prompts_ptr + pid // (G * PROMPT_SPLITS)), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
             max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK,
@@ -222,17 +222,17 @@ def partial_kernel(
     leave(USE_GDC, AHEAD)
 
 
-@triton.jit(do_not_specialize=["prompt_splits"])
+@triton.jit
 def combine_kernel(
-    prompt_out_ptr,  # [prompt_splits or more, MAX_ROWS, H, D] fp32
-    prompt_lse_ptr,  # [prompt_splits or more, MAX_ROWS, H] fp32
+    prompt_out_ptr,  # [PROMPT_SPLITS or more, MAX_ROWS, H, D] fp32
+    prompt_lse_ptr,  # [PROMPT_SPLITS or more, MAX_ROWS, H] fp32
     own_out_ptr,  # [OWN_SPLITS, MAX_ROWS, H, D] fp32
     own_lse_ptr,  # [OWN_SPLITS, MAX_ROWS, H] fp32
     out_ptr,  # [rows, H, D] in the model's dtype
     max_rows,
-    prompt_splits,
     H: tl.constexpr,
     D: tl.constexpr,
+    PROMPT_SPLITS: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     PROMPT_LANES: tl.constexpr,  # powers of two >= the splits
     OWN_LANES: tl.constexpr,
@@ -245,7 +245,7 @@ def combine_kernel(
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0)
     head = tl.program_id(1)
-    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, prompt_splits, PROMPT_LANES)
+    lse_p, out_p = _partials(prompt_out_ptr, prompt_lse_ptr, row, head, max_rows, H, D, PROMPT_SPLITS, PROMPT_LANES)
     lse_o, out_o = _partials(own_out_ptr, own_lse_ptr, row, head, max_rows, H, D, OWN_SPLITS, OWN_LANES)
     m = tl.maximum(tl.max(lse_p, 0), tl.max(lse_o, 0))  # finite: a row always sees its own token
     w_p, w_o = tl.exp(lse_p - m), tl.exp(lse_o - m)  # an empty chunk or a padding lane weighs 0
