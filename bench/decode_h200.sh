@@ -9,7 +9,7 @@
 # 2. for each setting of SETTINGS (default: cublas, rollplex_fused and rollplex_ahead, run.decode_kernels names):
 #    bench/decode.py at 512-token prompts (batch 32, 64) and bench/decode_profile.py at the rollout's shapes
 #    (5,888-token prompts, a 2,048-token cache, batch 8, 32, 64: batch 8 is one prompt), and its tail as the rollout
-#    meets it (graphs for 8 prompts; batch 8, 4, 2 over 5, 3, 2 live prompts: `--live-prompts`)
+#    meets it (graphs for 8 prompts; batch 8, 4, 2, 1 over 5, 3, 2, 1 live prompts: `--live-prompts`)
 # 3. with BESIDE=1, bench/decode_beside.py: the decode step alone and beside a compute-bound stand-in for the prefix
 #    on 33 or 66 SMs, under each setting
 #
@@ -29,7 +29,7 @@ for k in $SETTINGS; do
   [ "$k" = cublas ] && continue
   timeout 240 python3 bench/decode_profile.py --model 3b --batch 8 32 64 --prompt-tokens 5888 --tokens 2048 --steps 2 \
     --kernels $k > /dev/null 2>&1 &
-  timeout 240 python3 bench/decode_profile.py --model 3b --batch 8 4 2 --live-prompts 5 3 2 --prompt-tokens 5888 \
+  timeout 240 python3 bench/decode_profile.py --model 3b --batch 8 4 2 1 --live-prompts 5 3 2 1 --prompt-tokens 5888 \
     --tokens 2048 --steps 2 --kernels $k > /dev/null 2>&1 &
   timeout 240 python3 bench/decode.py --models 3b --batches 32 64 --prompt-tokens 512 --tokens 256 --kernels $k \
     > /dev/null 2>&1 &
@@ -48,7 +48,7 @@ for k in $SETTINGS; do
     --out "$R/decode_3b_h200_$k.json" > "$R/decode_$k.log" 2>&1 || echo "decode.py $k failed"
   timeout 90 python3 bench/decode_profile.py --model 3b --batch 8 32 64 --prompt-tokens 5888 --tokens 2048 --kernels $k \
     --out "$R/decode_profile_3b_r2048_h200_$k.json" > "$R/decode_profile_$k.log" 2>&1 || echo "decode_profile.py $k failed"
-  timeout 90 python3 bench/decode_profile.py --model 3b --batch 8 4 2 --live-prompts 5 3 2 --prompt-tokens 5888 \
+  timeout 90 python3 bench/decode_profile.py --model 3b --batch 8 4 2 1 --live-prompts 5 3 2 1 --prompt-tokens 5888 \
     --tokens 2048 --kernels $k --out "$R/decode_profile_3b_tail_h200_$k.json" > "$R/decode_tail_$k.log" 2>&1 \
     || echo "decode_profile.py --live-prompts $k failed"
 done

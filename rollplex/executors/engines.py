@@ -120,12 +120,12 @@ class Engines:
 
 
 def make_rollout(
-    actor: Qwen2_5_VL, kernels: str = "auto", kv_bytes: int | None = None
+    actor: Qwen2_5_VL, kernels: str = "auto", kv_bytes: int | None = None, prompt_tokens: int = 0
 ) -> tuple[RolloutFn, Callable[[], object | None]]:
     """The rollout of the actor's device, and what reports its last rollout's `RolloutStats` (None on the CPU).
     On a GPU the rollout KV lives in a VMM arena of the plan's `kv_bytes` whose region is released when a rollout
-    ends (the plan's phase-local rollout KV), and decode runs `kernels` (`run.decode_kernels`; the CPU runs the
-    plain loop)."""
+    ends (the plan's phase-local rollout KV), its decode shapes hold the plan's `prompt_tokens` at least, and
+    decode runs `kernels` (`run.decode_kernels`; the CPU runs the plain loop)."""
     if actor.device.type == "cuda":
         from rollplex.memory.vmm import VmmArena
         from rollplex.rollout.engine import RolloutEngine
@@ -134,7 +134,8 @@ def make_rollout(
         kernels = decode_kernels_for(kernels, actor.device)
         device = actor.device.index if actor.device.index is not None else torch.cuda.current_device()
         kv_bytes = kv_bytes or torch.cuda.get_device_properties(device).total_memory
-        engine = RolloutEngine(actor, kv_arena=VmmArena(kv_bytes, device), kernels=BY_NAME[kernels])
+        arena = VmmArena(kv_bytes, device)
+        engine = RolloutEngine(actor, kv_arena=arena, kernels=BY_NAME[kernels], prompt_tokens=prompt_tokens)
         return engine.generate, lambda: engine.stats
     return partial(generate, actor), lambda: None
 
@@ -156,7 +157,9 @@ def build_engines(plan: Plan, device: torch.device | str | None = None) -> Engin
     sampling = sampling_params(loaded)
     critic, critic_optimizer = _critic(plan, actor, device, tp)
     reference_pager = _reference_pager(reference, d)
-    rollout, rollout_stats = remote or make_rollout(rollout_model, spec.run.decode_kernels, d.rollout_kv_bytes)
+    rollout, rollout_stats = remote or make_rollout(
+        rollout_model, spec.run.decode_kernels, d.rollout_kv_bytes, d.rollout_prompt_tokens
+    )
     if spec.run.compiled_layers:  # the scoring models' layers and blocks; decode has kernels of its own
         _compile_layers(actor, reference, critic)
     if d.update_beside_prefix:  # the next prefix's layers and blocks, each before it runs, wait for its chunks
@@ -278,7 +281,9 @@ def _remote_rollout(rollout_model: Qwen2_5_VL, kernels: str, d: Decisions) -> tu
     otherwise None (rollout runs in this process)."""
     if d.sharing.policy is not SharingPolicy.MPS:
         return None
-    return make_remote_rollout(rollout_model, d.sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes)
+    return make_remote_rollout(
+        rollout_model, d.sharing.mps_rollout_percent, kernels, d.rollout_kv_bytes, d.rollout_prompt_tokens
+    )
 
 
 def _actor_optimizer(

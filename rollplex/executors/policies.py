@@ -105,12 +105,16 @@ def mps_session(plans: Sequence[Plan], cap_trainer: bool = True) -> Iterator[Non
 
 
 def make_remote_rollout(
-    actor: Qwen2_5_VL, percent: int | None, kernels: str = "auto", kv_bytes: int | None = None
+    actor: Qwen2_5_VL,
+    percent: int | None,
+    kernels: str = "auto",
+    kv_bytes: int | None = None,
+    prompt_tokens: int = 0,
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The `mps` policy's rollout: a child process reading the actor's weights in place
     (`rollplex.rollout.remote`), with its own MPS active-thread percentage, decode `kernels`
-    (`run.decode_kernels`) and KV arena of `kv_bytes` (the plan's) on a GPU. On a GPU this process must be an
-    MPS client already (`mps_session`, before CUDA starts)."""
+    (`run.decode_kernels`), KV arena of `kv_bytes` and decode shapes of at least `prompt_tokens` (the plan's) on a
+    GPU. On a GPU this process must be an MPS client already (`mps_session`, before CUDA starts)."""
     from rollplex.memory.mps import ACTIVE_THREAD_PERCENTAGE, CONTROL, PIPE_DIRECTORY
     from rollplex.rollout.remote import RemoteRollout
 
@@ -123,7 +127,7 @@ def make_remote_rollout(
             raise SpecError("sharing.policy", f"mps: this process is not an MPS client ({why})", "use green or streams")
         env[ACTIVE_THREAD_PERCENTAGE] = str(percent or 100)
         kernels = decode_kernels_for(kernels, actor.device)
-    remote = RemoteRollout(actor, env=env, kernels=kernels, kv_bytes=kv_bytes)
+    remote = RemoteRollout(actor, env=env, kernels=kernels, kv_bytes=kv_bytes, prompt_tokens=prompt_tokens)
     return remote, remote.stats
 
 

@@ -16,6 +16,7 @@ from rollplex.graph.memobject import GIB, Component, Context, Residency
 from rollplex.graph.objects import rollout_kv_bytes
 from rollplex.graph.residency import ResidencyPlan
 from rollplex.graph.spec import Spec
+from rollplex.layout import shapes as S
 
 MIN_HOST_POOL = 64 << 20
 HOST_POOL_MARGIN = 4  # a pool sized from the plan holds its figure plus a quarter (allocation rounding)
@@ -84,6 +85,8 @@ class Decisions:
     optimizer_kept_bytes: int = 0  # with the state on the host: the share of it kept in HBM (its first chunks)
     update_beside_prefix: bool = False  # the actor's update runs on into the next step's actor prefix
     layers_kept: int = 0  # under recompute, the actor's last decoder layers that keep every tensor (no rerun)
+    rollout_prompt_tokens: int = 0  # the prompt length the rollout's decode shapes hold at least (the workload's
+    # prompt budget, rounded as the engine rounds it): shorter prompts share one shape; 0: each rollout's own
 
     def as_dict(self) -> dict:
         return _plain(asdict(self))
@@ -97,9 +100,10 @@ class Decisions:
             least = 1 if key == "optimizer_chunk_bytes" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"decisions.{key} is {value!r}: a whole number of bytes, at least {least}")
-        kept = d.get("layers_kept", 0)
-        if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
-            raise ValueError(f"decisions.layers_kept is {kept!r}: a number of decoder layers, at least 0")
+        for key, what in (("layers_kept", "a number of decoder layers"), ("rollout_prompt_tokens", "a token count")):
+            value = d.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"decisions.{key} is {value!r}: {what}, at least 0")
         s = d["sharing"]
         sharing = Sharing(**{**s, "policy": SharingPolicy(s["policy"])})
         return Decisions(
@@ -135,6 +139,7 @@ def decide(c: Context, r: ResidencyPlan) -> Decisions:
         host_pool_bytes=max(MIN_HOST_POOL, pool_bytes) if offloaded else 0,
         optimizer_chunk_bytes=r.optimizer.chunk_bytes if r.optimizer is not None else NO_UPDATE_CHUNK,
         rollout_kv_bytes=rollout_kv_bytes(c),
+        rollout_prompt_tokens=S.prompt_capacity(c.gpu.prompt_tokens),
         weight_sharing=spec.memory.weight_sharing,
         sharing=_sharing(spec),
         freeze_vision=spec.model.freeze_vision,

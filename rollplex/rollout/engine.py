@@ -75,15 +75,20 @@ class RolloutEngine:
         *,
         time_steps: bool = False,
         kernels: DecodeKernels = CUBLAS,
+        prompt_tokens: int = 0,
     ) -> None:
         """kernels: the decode step's (`weights.DecodeKernels`; default cuBLAS, launched plainly; the spec's
-        `run.decode_kernels` picks the others)."""
+        `run.decode_kernels` picks the others). prompt_tokens: the prompt length every decode shape holds at least
+        where the KV arena (if any) holds such a shape (the plan's budget, `Decisions.rollout_prompt_tokens`):
+        rollouts of shorter prompts then share one shape, its graphs captured once; 0: each rollout's own
+        capacity, a new shape (graphs captured again) whenever a rollout's prompts outgrow it."""
         hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
         if kernels.pdl and not hopper:
             raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")
         self.model = model
         self.time_steps = time_steps
         self.kernels = kernels
+        self.prompt_tokens = prompt_tokens
         self.graphs: StepGraphs | None = None
         self.stats: RolloutStats | None = None
         self.kv_arena, self.kv_region, self._regions = kv_arena, None, 0
@@ -200,18 +205,28 @@ class RolloutEngine:
         self.graphs = None
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
-        shape = DecodeShape(
-            num_prompts=boundary.num_prompts,
-            num_samples=num_samples,
-            max_prompt_len=prompt_capacity(boundary.max_prompt_len),
-            max_tokens=params.max_tokens,
-            max_position=_round_up(int(boundary.next_positions.max()) + params.max_tokens + 1, POSITION_QUANTUM),
-            fused_sampling=can_fuse_sampling(params),
-        )
+        shape = self._shape(boundary, num_samples, params, self.prompt_tokens)
+        if self.kv_arena is not None and kv_bytes(self.model, shape) > self.kv_arena.num_bytes:
+            shape = self._shape(boundary, num_samples, params, 0)  # the floor does not fit: this rollout's own
         self.graphs = StepGraphs(
             DecodeStep(self.model, shape, self._kv_storage(shape), self.kernels), bucket_sizes(shape.num_slots - 1)
         )
         return self.graphs
+
+    @staticmethod
+    def _shape(boundary: Boundary, num_samples: int, params: SamplingParams, prompt_tokens: int) -> DecodeShape:
+        """The decode shape of a rollout, holding prompts of at least `prompt_tokens` (a prompt's text positions
+        never pass its length, so the rotary table follows the same floor)."""
+        longest = max(boundary.max_prompt_len, prompt_tokens)
+        position = max(int(boundary.next_positions.max()), prompt_tokens)
+        return DecodeShape(
+            num_prompts=boundary.num_prompts,
+            num_samples=num_samples,
+            max_prompt_len=prompt_capacity(longest),
+            max_tokens=params.max_tokens,
+            max_position=_round_up(position + params.max_tokens + 1, POSITION_QUANTUM),
+            fused_sampling=can_fuse_sampling(params),
+        )
 
     def _kv_storage(self, shape: DecodeShape) -> Tensor | None:
         """A fresh arena region for this shape's caches (the previous shape's region is freed), or None. The arena's

@@ -79,6 +79,7 @@ class _Setup:
     deterministic: bool = False
     decode_kernels: str = "cublas"  # `run.decode_kernels` (GPU)
     kv_bytes: int | None = None  # the plan's rollout KV, the child's arena (GPU); None: the device's memory
+    prompt_tokens: int = 0  # the plan's prompt length the child's decode shapes hold at least (GPU)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class RemoteRollout:
         env: dict[str, str] | None = None,
         kernels: str = "cublas",
         kv_bytes: int | None = None,
+        prompt_tokens: int = 0,
         startup_timeout_s: float = 600.0,
         close_timeout_s: float = 30.0,
     ) -> None:
@@ -132,6 +134,7 @@ class RemoteRollout:
             actor.config, actor.lm_head.weight.dtype, str(self.device), num_bytes, tuple(slots.items()),
             num_threads=torch.get_num_threads(), cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
             deterministic=torch.are_deterministic_algorithms_enabled(), decode_kernels=kernels, kv_bytes=kv_bytes,
+            prompt_tokens=prompt_tokens,
         )  # fmt: skip
         if self.device.type == "cuda":
             self._hand_over(setup, startup_timeout_s)
@@ -294,7 +297,7 @@ def _serve(conn, env: dict[str, str]) -> None:
         torch.set_num_threads(setup.num_threads)  # not the inherited OMP_NUM_THREADS: the parent's own count
         _apply_flags(setup)
         model, _arena = _attach(setup)  # the arena (GPU) must outlive the model
-        rollout, stats = _engine(model, setup.decode_kernels, setup.kv_bytes)
+        rollout, stats = _engine(model, setup.decode_kernels, setup.kv_bytes, setup.prompt_tokens)
     except Exception as error:
         conn.send(_Reply(error=_one_line(error)))
         return
@@ -350,7 +353,7 @@ def _attach(setup: _Setup) -> tuple[Qwen2_5_VL, object]:
 
 
 def _engine(
-    model: Qwen2_5_VL, kernels: str, kv_bytes: int | None
+    model: Qwen2_5_VL, kernels: str, kv_bytes: int | None, prompt_tokens: int = 0
 ) -> tuple[Callable[..., Rollout], Callable[[], object | None]]:
     """The child's rollout and its stats, as `rollplex.executors.engines.make_rollout` builds them."""
     if model.device.type == "cuda":
@@ -363,6 +366,8 @@ def _engine(
         device = torch.cuda.current_device()
         arena = VmmArena(kv_bytes or torch.cuda.get_device_properties(device).total_memory, device)
         resolved = decode_kernels_for(kernels, model.device)  # `auto` too
-        engine = RolloutEngine(model, kv_arena=arena, time_steps=True, kernels=BY_NAME[resolved])
+        engine = RolloutEngine(
+            model, kv_arena=arena, time_steps=True, kernels=BY_NAME[resolved], prompt_tokens=prompt_tokens
+        )
         return engine.generate, lambda: engine.stats
     return partial(generate, model), lambda: None

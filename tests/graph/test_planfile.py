@@ -66,6 +66,10 @@ def test_the_decisions_of_the_file_are_the_ones_read(tmp_path):
         ),
         (lambda d: d["decisions"].update(host_pool_bytes=1.5), "decisions.host_pool_bytes is 1.5"),
         (lambda d: d["decisions"].update(layers_kept=-1), "decisions.layers_kept is -1: a number of decoder layers"),
+        (
+            lambda d: d["decisions"].update(rollout_prompt_tokens="8k"),
+            "decisions.rollout_prompt_tokens is '8k': a token",
+        ),
         (lambda d: d.update(ops=[]), "malformed plan (its graph has no ops)"),
         (lambda d: d["decisions"].pop("optimizer_chunk_bytes"), "malformed plan (missing key 'optimizer_chunk_bytes')"),
         (lambda d: d.update(ops=d["ops"][1:]), "malformed plan (its graph: "),

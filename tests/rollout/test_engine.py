@@ -297,6 +297,44 @@ def test_the_plans_rollout_kv_holds_the_engines_caches_and_a_smaller_arena_refus
         )
 
 
+@pytest.mark.slow
+def test_decode_shapes_hold_the_plans_prompt_budget_so_longer_prompts_keep_the_graphs(model, prompts):
+    """A plan for prompts of up to 40 tokens: its engine decodes the 12-token prompts and then 30-token ones in one
+    shape (captured once) and samples what an engine sized for each rollout samples; an arena too small for the
+    budget's shape takes each rollout's own."""
+    from rollplex.graph.load import parse_spec
+    from rollplex.graph.plan import compile_plan
+
+    text = f"""
+model: tiny
+cluster: {{hbm_gib: 16, host_gib: 8}}
+workload: {{prompts_per_step: 3, group_size: {NUM_SAMPLES}, prompt_tokens: 40, response_tokens: 4, visual_tokens: 1}}
+run: {{dtype: float32}}
+"""
+    d = compile_plan(parse_spec(text)).decisions
+    assert d.rollout_prompt_tokens == 64  # 40 rounded up as the engine rounds a capacity
+    g = torch.Generator().manual_seed(6)
+    longer = [Prompt(torch.randint(10, 100, (n,), generator=g)) for n in (30, 21, 9)]
+    budgeted = RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, d.rollout_kv_bytes), prompt_tokens=64)
+    own = RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, d.rollout_kv_bytes))
+    shapes, first = [], None
+    for batch in (prompts, longer):
+        runs = [
+            e.generate(batch, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0)) for e in (budgeted, own)
+        ]
+        assert torch.equal(runs[0].responses, runs[1].responses)
+        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=1e-5)
+        shapes.append(
+            (budgeted.graphs, budgeted.graphs.step.shape.max_prompt_len, own.graphs.step.shape.max_prompt_len)
+        )
+        first = first or runs[1]
+    assert shapes[0][0] is shapes[1][0] and shapes[0][1] == shapes[1][1] == 64
+    assert (shapes[0][2], shapes[1][2]) == (16, 32)  # sized for each rollout: a new shape for the longer prompts
+    small = RolloutEngine(model, kv_arena=PoisoningArena(DEVICE, d.rollout_kv_bytes // 2), prompt_tokens=64)
+    out = small.generate(prompts, num_samples=NUM_SAMPLES, params=SAMPLED, generator=seeded(0))
+    assert small.graphs.step.shape.max_prompt_len == 16 and torch.equal(out.responses, first.responses)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_released_kv_pages_are_free_device_memory_and_rollouts_do_not_change(model, prompts):
