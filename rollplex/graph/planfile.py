@@ -43,7 +43,7 @@ from rollplex.graph.spec import Spec
 from rollplex.graph.verify import VerifyError, verify
 from rollplex.models.config import ModelConfig
 
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 
 
 def plan_dict(plan: Plan) -> dict:

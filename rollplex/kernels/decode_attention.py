@@ -97,6 +97,13 @@ class DecodeAttentionShape:
         assert 1 <= num_batch_prompts <= self.num_prompts, f"{num_batch_prompts} of {self.num_prompts} prompts"
         return self.prompt_chunk or _prompt_chunk(num_batch_prompts * self.num_kv_heads, self.max_prompt_len)
 
+    def launch_count(self, num_batch_prompts: int) -> int:
+        """The prompt count a batch spanning `num_batch_prompts` prompts launches programs for: the most prompts
+        that share its chunk. The programs of the prompts past the batch's (entries of `batch_prompts` with no rows)
+        read and write nothing, and batches of counts that share a chunk share one grid, so one captured graph."""
+        chunk = self.chunk_for(num_batch_prompts)
+        return max(n for n in range(num_batch_prompts, self.num_prompts + 1) if self.chunk_for(n) == chunk)
+
     def prompt_splits(self, num_batch_prompts: int) -> int:
         """Chunks a prompt program's grid cuts each prompt into: over the capacity rounded up to a power of two,
         so that the rollouts' prompt capacities within one power of two share the kernels (the splits are
@@ -141,7 +148,7 @@ class DecodeAttention:
         step: torch.Tensor,  # [1] int64
         out: torch.Tensor,  # [rows, H, D] contiguous, q's dtype
         batch_prompts: torch.Tensor,  # [P] int64: the prompts that have rows in the batch first, in any order
-        num_batch_prompts: int,  # how many prompts have rows in the batch (at least one)
+        num_batch_prompts: int,  # how many of them to launch programs for: at least those with rows in the batch
         pdl: bool = False,
         ahead: bool = False,
     ) -> torch.Tensor:

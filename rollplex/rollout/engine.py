@@ -215,8 +215,9 @@ class RolloutEngine:
 
     @staticmethod
     def _shape(boundary: Boundary, num_samples: int, params: SamplingParams, prompt_tokens: int) -> DecodeShape:
-        """The decode shape of a rollout, holding prompts of at least `prompt_tokens` (a prompt's text positions
-        never pass its length, so the rotary table follows the same floor)."""
+        """The decode shape of a rollout, holding prompts of at least `prompt_tokens` and a rotary table past the
+        larger of its next positions and that floor (positions usually stay below a prompt's length; a rollout
+        whose positions pass the table gets a new shape, `DecodeShape.fits`)."""
         longest = max(boundary.max_prompt_len, prompt_tokens)
         position = max(int(boundary.next_positions.max()), prompt_tokens)
         return DecodeShape(

@@ -72,6 +72,7 @@ def test_a_batch_of_fewer_prompts_cuts_them_into_shorter_chunks():
     shape = DecodeAttentionShape(8, 8, 16, 2, 128, 5888, 2048)
     assert [shape.chunk_for(n) for n in range(1, 9)] == [128, 256, 512, 512, 512, 1024, 1024, 1024]
     assert shape.max_prompt_splits == shape.prompt_splits(1) == 64  # over 8,192 keys: one kernel up to there
+    assert [shape.launch_count(n) for n in range(1, 9)] == [1, 2, 5, 5, 5, 8, 8, 8]  # one grid a chunk
     assert DecodeAttentionShape(8, 8, 16, 2, 128, 5888, 2048, prompt_chunk=512).chunk_for(1) == 512
     with pytest.raises(AssertionError, match="0 of 8 prompts"):
         shape.chunk_for(0)

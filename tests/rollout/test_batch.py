@@ -44,3 +44,20 @@ def test_a_batch_size_spans_from_the_prompts_its_fewest_live_sequences_need_to_e
             for first in range(0, 64 - live + 1, 7):  # live sequences packed from `first`: the fewest prompts
                 assert layout(torch.arange(first, first + live), rows, 8, 8).num_prompts in counts[rows]
     assert prompt_counts((1, 2, 3), num_samples=3, num_prompts=1) == {1: (1,), 2: (1,), 3: (1,)}
+
+
+def test_the_graphs_captured_are_one_a_batch_size_and_prompt_chunk_largest_first():
+    """At the 3B rollout's shapes (8 prompts x 8 samples, 2 kv heads, 5,888-key prompts): 18 graphs, where one per
+    batch size and prompt count would be 34."""
+    from types import SimpleNamespace
+
+    from rollplex.kernels.decode_attention import DecodeAttentionShape
+    from rollplex.rollout.graphs import StepGraphs
+
+    shape = SimpleNamespace(num_samples=8, num_prompts=8)
+    attention = SimpleNamespace(shape=DecodeAttentionShape(8, 8, 16, 2, 128, 5888, 2048))
+    step = SimpleNamespace(shape=shape, attention=attention, logits=torch.empty(0))
+    graphs = StepGraphs(step, bucket_sizes(64))
+    assert graphs.cases[:4] == ((64, 8), (48, 8), (48, 5), (32, 8)) and graphs.cases[-1] == (1, 1)
+    assert len(graphs.cases) == 18 and sum(map(len, graphs.prompt_counts.values())) == 34
+    assert {n for rows, n in graphs.cases if rows == 8} == {1, 2, 5, 8}
