@@ -150,8 +150,9 @@ def profile_case(
     prompts = batch // NUM_SAMPLES
     if spread:
         prompts = spread_rows(step, batch, spread[1], spread[0] // NUM_SAMPLES)
-    assert (batch, prompts) in graphs.graphs, f"batch {batch} over {prompts} prompts is not a captured case"
-    graph = graphs.graphs[batch, prompts]
+    launched = graphs.launch_count(prompts)  # the graph of the batch's size and chunk
+    assert (batch, launched) in graphs.graphs, f"batch {batch} over {prompts} prompts is not a captured case"
+    graph = graphs.graphs[batch, launched]
     start = (tokens - steps) // 2
     assert start >= 1, "--steps must leave room in the response cache"
 
@@ -185,7 +186,7 @@ def profile_case(
     }
     from torch.profiler import ProfilerActivity, profile
 
-    for mode, run in (("graph", graph.replay), ("eager", lambda: step.forward(batch, prompts))):
+    for mode, run in (("graph", graph.replay), ("eager", lambda: step.forward(batch, launched))):
         step.step.fill_(start)
         torch.cuda.synchronize()
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:

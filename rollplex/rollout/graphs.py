@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step, one per batch size and number of prompts its rows span, sharing one memory pool.
+"""CUDA graphs of the decode step, one per batch size and attention chunk, sharing one memory pool.
 
 On CUDA, `StepGraphs` warms each (rows, prompts) up (compiling the Triton kernels), captures it, largest first,
 and replays it; a replay costs one launch instead of ~15 per layer. The prompt count fixes the decode attention's
