@@ -55,12 +55,6 @@ def _attend_chunk(
 
 
 @triton.jit
-def _empty_chunk(M: tl.constexpr, D: tl.constexpr):
-    """The partial of a chunk with no keys: (out 0, lse -inf), which the combine weighs by exp(-inf) = 0."""
-    return tl.full((M, D), 0.0, dtype=tl.float32), tl.full((M,), float("-inf"), dtype=tl.float32)
-
-
-@triton.jit
 def _prompt_partial(
     p,
     g,
@@ -103,15 +97,15 @@ def _prompt_partial(
     keys = key_at + tl.arange(0, BLOCK)
     k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
     v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
+    at = (split * max_rows + row).to(tl.int64) * H + head
     if key_at < length:
         out, lse = _attend_chunk(
             q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
         )
-    else:  # past the prompt's end: what _attend_chunk gives an empty chunk, without its loop
-        out, lse = _empty_chunk(ROWS * HEADS, D)
-    at = (split * max_rows + row).to(tl.int64) * H + head
-    tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
-    tl.store(lse_ptr + at, lse, mask=valid)
+        tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
+        tl.store(lse_ptr + at, lse, mask=valid)
+    else:  # past the prompt's end: an empty chunk's lse, whose output the combine never reads
+        tl.store(lse_ptr + at, tl.full((ROWS * HEADS,), float("-inf"), dtype=tl.float32), mask=valid)
 
 
 @triton.jit
@@ -150,13 +144,13 @@ def _own_partial(
     base = (slot * G + g) * R
     k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
+    at = (split * max_rows + row).to(tl.int64) * H + head
     if key_at < length:
         out, lse = _attend_chunk(q, k_ptrs, v_ptrs, D, D, key_at, length, scale, CHUNK, BLOCK, HEADS, D)
-    else:  # a chunk the response has not reached yet (most of them early in a long rollout)
-        out, lse = _empty_chunk(HEADS, D)
-    at = (split * max_rows + row).to(tl.int64) * H + head
-    tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
-    tl.store(lse_ptr + at, lse, mask=valid)
+        tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
+        tl.store(lse_ptr + at, lse, mask=valid)
+    else:  # a chunk the response has not reached yet (most of them early in a long rollout): its lse only
+        tl.store(lse_ptr + at, tl.full((HEADS,), float("-inf"), dtype=tl.float32), mask=valid)
 
 
 @triton.jit(do_not_specialize=["prompt_programs"])
