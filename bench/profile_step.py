@@ -16,6 +16,7 @@ Phase 2 and 3 ops are measured as usual.
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels prefix,suffix,backward  # a table each
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels backward_through_prefix  # that call only
     python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels suffix_rows,suffix_backward  # each call
+    python bench/profile_step.py specs/qwen2_5_vl_3b_h200.yaml --kernels backward_through_prefix --shapes  # + by op
 
 With `--memory-history PATH` the allocator's history is recorded over the measured step's Phase 2 (the phase
 whose driver-side peak sits above the plan) and its summary written as JSON (`bench/memory_history.py`): where
@@ -73,6 +74,12 @@ def main() -> None:
         "--host",
         action="store_true",
         help="also record host activity in the profiled ops and list their torch ops by self host time",
+    )
+    ap.add_argument(
+        "--shapes",
+        action="store_true",
+        help="also list the profiled ops' torch ops by their input shapes and the GPU time of the kernels each "
+        "launches itself (what a kernel row such as an elementwise add is summing, and how often)",
     )
     ap.add_argument("--memory-history", type=Path, help="write the allocator's Phase-2 history summary here (JSON)")
     args = ap.parse_args()
@@ -258,11 +265,12 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     kernels' GPU time by class (`kernel_class`). Under rollplex a prefix op runs beside decode (its chunks are
     not ops of their own): profile it under serial."""
     activities = [ProfilerActivity.CUDA] if CUDA else []
-    if args.host or not CUDA:
+    if args.host or args.shapes or not CUDA:
         activities.append(ProfilerActivity.CPU)
     key = "device_time_total" if CUDA else "cpu_time_total"
     filters = [f for f in args.kernels.split(",") if f]
     host = {f: {} for f in filters}  # filter -> torch op -> [self host seconds, calls]
+    shaped = {f: {} for f in filters}  # filter -> (torch op, input shapes) -> [its own kernels' seconds, calls]
     running: list = []  # (profiler, start) of the op being profiled
     wall = dict.fromkeys(filters, 0.0)
     kernels = {f: {} for f in filters}  # filter -> kernel name -> [seconds, calls]
@@ -273,7 +281,7 @@ def _profile_group(engines, g, dataset, size, args) -> None:
 
     def start() -> None:
         _sync()
-        running.append((profile(activities=activities), time.perf_counter()))
+        running.append((profile(activities=activities, record_shapes=args.shapes), time.perf_counter()))
         running[-1][0].__enter__()
 
     def stop(f: str, name: str) -> None:
@@ -292,6 +300,13 @@ def _profile_group(engines, g, dataset, size, args) -> None:
                 seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
                 seconds_calls[0] += getattr(e, key) / 1e6
             seconds_calls[1] += e.count
+        if args.shapes:
+            for e in prof.key_averages(group_by_input_shape=True):
+                own = e.self_device_time_total if CUDA else e.self_cpu_time_total
+                if e.device_type == DeviceType.CPU and own > 0:
+                    seconds_calls = shaped[f].setdefault((e.key, str(e.input_shapes)), [0.0, 0])
+                    seconds_calls[0] += own / 1e6
+                    seconds_calls[1] += e.count
 
     def before(o: Op) -> None:
         if matching(o) is not None:
@@ -327,6 +342,12 @@ def _profile_group(engines, g, dataset, size, args) -> None:
             print(f"{'host s':>7} {'calls':>7}  op")
             for op, (seconds, calls) in sorted(host[f].items(), key=lambda kv: -kv[1][0])[: args.top]:
                 print(f"{seconds:>7.3f} {calls:>7}  {op[:110]}")
+        if shaped[f]:
+            clock = "GPU" if CUDA else "host"
+            print(f"torch ops by input shapes, by their own kernels' {clock} time")
+            print(f"{clock + ' s':>7} {'calls':>7}  op  shapes")
+            for (op, shapes), (seconds, calls) in sorted(shaped[f].items(), key=lambda kv: -kv[1][0])[: args.top]:
+                print(f"{seconds:>7.3f} {calls:>7}  {op}  {shapes[:100]}")
 
 
 def _print_kernels(name: str, picked: list[str], wall: float, kernels: dict, top: int) -> None:
