@@ -291,6 +291,8 @@ def _profile_group(engines, g, dataset, size, args) -> None:
         prof.__exit__(None, None, None)
         picked[f].append(name)
         for e in prof.key_averages():
+            if getattr(e, "is_user_annotation", False):
+                continue  # a range on the device's timeline (with host activity on): its kernels are counted already
             if CUDA and e.device_type == DeviceType.CPU:  # a host event: its self time, by op (under --host)
                 if not args.host:
                     continue  # CUDA runtime calls, recorded with the device's activity
