@@ -12,9 +12,10 @@ Two launches, split over keys so that a handful of prompts still fill the GPU (f
 Batch rows are sorted by cache slot, so the rows of prompt p are `row_start[p] .. row_start[p] + row_count[p]`
 (slot s belongs to prompt s // N). Prompt programs run only for the prompts the batch holds (`batch_prompts`, the
 first `num_batch_prompts` of them), and their chunk follows that count: a rollout's tail holds a few prompts, whose
-keys a few long chunks would read one after another on a few SMs. Every partial a kernel owns is written, empty
-chunks as (0, -inf), so no stale value is ever merged. Grids and chunks are fixed per batch size and prompt count
-(one captured graph each); lengths and the prompts' indices come from device tensors (graph-safe).
+keys a few long chunks would read one after another on a few SMs. Every lse a kernel owns is written each call,
+an empty chunk's as -inf with no output (the combine reads a chunk's output only where its lse is finite), so no
+stale value is ever merged. Grids and chunks are fixed per batch size and prompt chunk (one captured graph each,
+`launch_count`); lengths and the prompts' indices come from device tensors (graph-safe).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _prompt_chunk(num_sequences: int, num_keys: int) -> int:
 
 def _own_chunk(max_tokens: int) -> int:
     """Own chunks of 256 keys (fewer on a shorter cache) whatever the batch: an own chunk the response has not
-    reached costs a program that writes an empty partial, and early in a long rollout most chunks are such, so
+    reached costs a program that writes only its lse, and early in a long rollout most chunks are such, so
     the longest chunk wins even at a batch of one prompt, where it leaves part of the GPU idle
     (bench/results/decode_attention_3b_h200.json)."""
     return min(256, _pow2(max_tokens, 64))
@@ -108,7 +109,7 @@ class DecodeAttentionShape:
         """Chunks a prompt program's grid cuts each prompt into: over the capacity rounded up to a power of two,
         so that the rollouts' prompt capacities within one power of two share the kernels (the splits are
         constants of both; a runtime count took the register-bound partial kernel 5-50 % longer). The chunks
-        past a prompt's end write empty partials without reading a key."""
+        past a prompt's end write only their lse, reading no key."""
         return triton.cdiv(_pow2(self.max_prompt_len), self.chunk_for(num_batch_prompts))
 
     @property
