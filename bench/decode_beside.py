@@ -67,7 +67,8 @@ class Hog:
 def step_ms(engine: RolloutEngine, batch: int, tokens: int, steps: int, hog: Hog | None) -> tuple[float, bool]:
     """Milliseconds per replay of the full-batch graph (alone, or beside the hog), and whether the hog outlasted
     the replays."""
-    graph, step = engine.graphs.graphs[batch, batch // NUM_SAMPLES], engine.graphs.step
+    graphs = engine.graphs  # the full batch: all its prompts, its chunk's graph
+    graph, step = graphs.graphs[batch, graphs.launch_count(batch // NUM_SAMPLES)], graphs.step
     start_at = (tokens - steps) // 2
     step.step.fill_(start_at)
     for _ in range(3):

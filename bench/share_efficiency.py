@@ -255,7 +255,8 @@ def measure_batch(
     on_partition = mock.patch("torch.cuda.Stream", lambda *a, **k: split[0]) if split else nullcontext()
     with on_partition:
         engine = captured(model, batch, args.prompt_tokens, args.tokens, kernels)
-    graph, step = engine.graphs.graphs[batch, batch // NUM_SAMPLES], engine.graphs.step
+    graphs = engine.graphs  # the full batch: all its prompts, its chunk's graph
+    graph, step = graphs.graphs[batch, graphs.launch_count(batch // NUM_SAMPLES)], graphs.step
     start_at = args.tokens // 2
     _, warm_ms = decode_window(graph, step, start_at, 20)
     steps = max(20, int(WINDOW_S * 1e3 / (warm_ms / 20)))
