@@ -211,7 +211,7 @@ class PaddedDenseKernels:
         for (a, b), (c, d) in _bounds(s):
             rows, keys = _bucket(b - a, self.query_bucket), -(-(d - c) // self.key_bucket) * self.key_bucket
             call_out, call_lse, call = self.dense.forward(
-                _padded_rows(q[a:b], rows), _padded_rows(k[c:d], keys), _padded_rows(v[c:d], keys), scale
+                padded_rows(q[a:b], rows), padded_rows(k[c:d], keys), padded_rows(v[c:d], keys), scale
             )
             call_lse = call_lse[:, : b - a]
             own = call_lse + torch.log1p(-(keys - (d - c)) * torch.exp(-call_lse))
@@ -225,8 +225,8 @@ class PaddedDenseKernels:
         for ((a, b), (c, d)), call in zip(_bounds(s), saved, strict=True):
             rows, keys = _bucket(b - a, self.query_bucket), -(-(d - c) // self.key_bucket) * self.key_bucket
             grads = self.dense.backward(
-                _padded_rows(dout[a:b], rows), _padded_rows(q[a:b], rows), _padded_rows(k[c:d], keys),
-                _padded_rows(v[c:d], keys), _padded_rows(out[a:b], rows), _padded_rows(lse[:, a:b].T, rows).T,
+                padded_rows(dout[a:b], rows), padded_rows(q[a:b], rows), padded_rows(k[c:d], keys),
+                padded_rows(v[c:d], keys), padded_rows(out[a:b], rows), padded_rows(lse[:, a:b].T, rows).T,
                 scale, call,
             )  # fmt: skip
             dq[a:b], dk[c:d], dv[c:d] = grads[0][: b - a], grads[1][: d - c], grads[2][: d - c]
@@ -234,7 +234,8 @@ class PaddedDenseKernels:
 
 
 class DenseCall(Protocol):
-    """Attention of every query over every key, one segment: q [n, H, D], k and v [m, G, D]."""
+    """Attention of one segment's queries over its keys, q [n, H, D], k and v [m, G, D]: every key, or (a causal
+    call, n = m) query i over keys 0..i."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
         """(out [n, H, D], lse [H, n] float32, what backward needs of this call)."""
@@ -247,9 +248,10 @@ class CudnnDense:
     """cuDNN's fused attention as torch ships it (`torch.ops.aten._scaled_dot_product_cudnn_attention` and its
     backward), on [1, heads, length, D] views of the [length, heads, D] rows (the layout cuDNN reads best). Keys
     and values go in with their own G heads where this torch's cuDNN path takes that (found at the first call),
-    else repeated to H heads and their gradients summed back."""
+    else repeated to H heads and their gradients summed back. `causal`: query i sees keys 0..i (equal lengths)."""
 
-    def __init__(self) -> None:
+    def __init__(self, causal: bool = False) -> None:
+        self.causal = causal
         self.grouped: bool | None = None  # whether cuDNN takes fewer key heads than query heads
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
@@ -266,7 +268,7 @@ class CudnnDense:
         heads = q.shape[1]
         k, v = (x if grouped else _heads(x, heads) for x in (k, v))
         out, lse, *call = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, False, False, scale=scale
+            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, self.causal, False, scale=scale
         )
         return out[0].transpose(0, 1), lse.reshape(heads, -1), tuple(call[:6])
 
@@ -276,7 +278,7 @@ class CudnnDense:
         cum_q, cum_k, max_q, max_k, seed, offset = saved
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd(dout), _bhsd(q), _bhsd(kh), _bhsd(vh), _bhsd(out.to(q.dtype)), lse.contiguous().view(1, heads, -1, 1),
-            seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale,
+            seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, self.causal, scale=scale,
         )  # fmt: skip
         dq, dk, dv = (x[0].transpose(0, 1) for x in (dq, dk, dv))
         if not self.grouped:
@@ -285,10 +287,14 @@ class CudnnDense:
 
 
 class MathDense:
-    """`DenseCall` in plain torch (float32 inside): `PaddedDenseKernels`' oracle off a GPU."""
+    """`DenseCall` in plain torch (float32 inside): `PaddedDenseKernels`' oracle off a GPU. `causal`: as
+    `CudnnDense`'s."""
+
+    def __init__(self, causal: bool = False) -> None:
+        self.causal = causal
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
-        s = Segments.of([q.shape[0]], [k.shape[0]], False, q.device)
+        s = Segments.of([q.shape[0]], [k.shape[0]], self.causal, q.device)
         out, lse, _ = REFERENCE.forward(q, k, v, s, scale)
         return out, lse, (s,)
 
@@ -301,7 +307,7 @@ def _bhsd(x: Tensor) -> Tensor:
     return x[None].transpose(1, 2)
 
 
-def _padded_rows(x: Tensor, rows: int) -> Tensor:
+def padded_rows(x: Tensor, rows: int) -> Tensor:
     """x [n, ...] with zero rows appended up to `rows`."""
     missing = rows - x.shape[0]
     return torch.cat([x, x.new_zeros(missing, *x.shape[1:])]) if missing else x

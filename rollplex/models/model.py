@@ -41,7 +41,7 @@ from rollplex.models.packed import ResponsePack
 from rollplex.models.packing import pack
 from rollplex.models.positions import num_visual_tokens
 from rollplex.models.prompt_inputs import PromptInputs, prompt_inputs
-from rollplex.models.prompt_rows import PackedPromptKV
+from rollplex.models.prompt_rows import PackedPromptKV, prompt_dense
 from rollplex.models.rerun import Rerun, run_unit
 from rollplex.models.rotary import text_rotary
 from rollplex.models.scores import SuffixOut, join_first, token_scores
@@ -329,11 +329,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _layer_kv(
-    layer: nn.Module, shape: tuple[int, int] | None, x: Tensor, cos: Tensor, sin: Tensor, *real: Tensor
+    layer: nn.Module,
+    shape: tuple[int, int, tuple[int, ...]] | None,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *real: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
-    `shape` (P, L) x holds the packed real rows `real` of P prompts padded to L (`PromptRows`)."""
-    attention = LayerKV() if shape is None else PackedPromptKV(real[0], *shape)
+    `shape` (P, L, lens) x holds the packed real rows `real` of P prompts of host lengths `lens` padded to L
+    (`PromptRows`)."""
+    attention = LayerKV() if shape is None else PackedPromptKV(real[0], *shape, prompt_dense(x.device))
     return layer(x, cos, sin, attention), attention.key, attention.value
 
 
@@ -367,7 +373,7 @@ class _GroupPrefix:
     def run(self, layers: Sequence[nn.Module]) -> None:
         with self.mode():
             rows = self.rows
-            shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length), (rows.real,))
+            shape, real = (None, ()) if rows is None else ((rows.num_prompts, rows.length, rows.lens), (rows.real,))
             for layer in layers:
                 unit = partial(_layer_kv, layer, shape)
                 self.x, key, value = run_unit(self.rerun, unit, self.x, layer.parameters(), self.cos, self.sin, *real)

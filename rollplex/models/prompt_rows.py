@@ -6,7 +6,10 @@ its backward). `PromptRows` names the real rows of the padded batch; the layers 
 only attention goes back to the padded layout, where the causal dense kernel (cuDNN) wants it: q, k and v are
 scattered into zeros, the output gathered back (`PackedPromptKV`). The boundary keeps that padded K and V, zeros
 past each prompt's length. `Rows` moves rows both ways with gathers, never atomic adds.
-Not here: the padded batch (`batching.py`), the attention call itself (`attention.causal_sdpa`).
+Where SDPA runs on cuDNN, attention stays packed instead: one cuDNN call a prompt over its own rows
+(`PromptCausal`), so no query pays for the causal work of the longest prompt's padding (a padded batch of the 3B
+workload's prompts does about 70 % useful work) and q is never padded.
+Not here: the padded batch (`batching.py`), the padded attention call (`attention.causal_sdpa`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rollplex.models.attention import LayerKV
+from rollplex.models.attention import LayerKV, attention_length, plans_per_shape
+from rollplex.models.cascade import CudnnDense, DenseCall, padded_rows
 from rollplex.models.inputs import to_device
 
 
@@ -48,6 +52,7 @@ class PromptRows(NamedTuple):
     last: Tensor
     num_prompts: int
     length: int  # L
+    lens: tuple[int, ...]  # each prompt's, on the host
 
     @staticmethod
     def of(lens: Tensor, device: torch.device) -> PromptRows | None:
@@ -57,7 +62,7 @@ class PromptRows(NamedTuple):
             return None
         real = (torch.arange(length) < lens[:, None]).flatten().nonzero()[:, 0]
         last = lens.cumsum(0) - 1
-        return PromptRows(to_device(real, device), to_device(last, device), num_prompts, length)
+        return PromptRows(to_device(real, device), to_device(last, device), num_prompts, length, tuple(lens.tolist()))
 
     def pack(self, x: Tensor) -> Tensor:
         """[P, L, ...] -> [1, T, ...]: the real rows, end to end."""
@@ -74,16 +79,75 @@ def unpack(x: Tensor, real: Tensor, num_prompts: int, length: int) -> Tensor:
     return padded.view(num_prompts, length, *x.shape[1:])
 
 
-class PackedPromptKV(LayerKV):
-    """`LayerKV` of a layer that runs over `PromptRows`-packed tokens (the padded rows `real` of P prompts padded to
-    L): q [1, heads, T, D] and k/v [1, kv_heads, T, D] attend causally within their own prompt, in the padded
-    layout; `key` and `value` are the padded [P, kv_heads, L, D] (the boundary's)."""
+CUDNN_CAUSAL = CudnnDense(causal=True)
 
-    def __init__(self, real: Tensor, num_prompts: int, length: int) -> None:
-        self.real, self.num_prompts, self.length = real, num_prompts, length
+
+def prompt_dense(device: torch.device) -> DenseCall | None:
+    """The call each packed prompt's attention runs on: cuDNN's where SDPA may run on it (`PromptCausal`), else
+    None (the prompts padded into one SDPA call)."""
+    return CUDNN_CAUSAL if plans_per_shape(device) else None
+
+
+class PromptCausal(torch.autograd.Function):
+    """Causal attention of prompts packed end to end, each over its own rows: q [T, H, D], k and v [T, G, D], host
+    lengths `lens`; one causal `DenseCall` a prompt, over the window of `attention_length(n)` rows from its first
+    (few shapes for a kernel that plans each). A window's rows past the prompt are the next prompt's, or zeros
+    past the last: no real query sees them (they come after it), their outputs are dropped, and backward gives
+    them a zero output gradient, so they add nothing to any gradient. The result is each prompt's attention."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lens: tuple[int, ...], dense: DenseCall) -> Tensor:
+        scale, out, lses, calls = q.shape[-1] ** -0.5, torch.empty_like(q), [], []
+        for start, n in _spans(lens):
+            window = [_window(x, start, attention_length(n)) for x in (q, k, v)]
+            call_out, lse, call = dense.forward(*window, scale)
+            out[start : start + n] = call_out[:n]
+            lses.append(lse)
+            calls.append(call)
+        ctx.lens, ctx.dense, ctx.scale, ctx.calls = lens, dense, scale, calls
+        ctx.save_for_backward(q, k, v, out, *lses)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, *lses = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        for (start, n), lse, call in zip(_spans(ctx.lens), lses, ctx.calls, strict=True):
+            size = attention_length(n)
+            window = [_window(x, start, size) for x in (q, k, v, out)]
+            call_grads = ctx.dense.backward(padded_rows(dout[start : start + n], size), *window, lse, ctx.scale, call)
+            for grad, call_grad in zip(grads, call_grads, strict=True):
+                grad[start : start + n] = call_grad[:n]
+        return *grads, None, None
+
+
+def _spans(lens: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first row, length) of each prompt packed end to end."""
+    return [(sum(lens[:i]), n) for i, n in enumerate(lens)]
+
+
+def _window(x: Tensor, start: int, size: int) -> Tensor:
+    """Rows [start, start + size) of x, zeros past its end."""
+    return x[start : start + size] if start + size <= x.shape[0] else padded_rows(x[start:], size)
+
+
+class PackedPromptKV(LayerKV):
+    """`LayerKV` of a layer that runs over `PromptRows`-packed tokens (the padded rows `real` of P prompts of host
+    lengths `lens` padded to L): q [1, heads, T, D] and k/v [1, kv_heads, T, D] attend causally within their own
+    prompt, packed through `dense` (`PromptCausal`) or, without one, in the padded layout; `key` and `value` are
+    the padded [P, kv_heads, L, D] (the boundary's)."""
+
+    def __init__(
+        self, real: Tensor, num_prompts: int, length: int, lens: tuple[int, ...], dense: DenseCall | None = None
+    ) -> None:
+        self.real, self.num_prompts, self.length, self.lens, self.dense = real, num_prompts, length, lens, dense
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        q, k, v = (unpack(t[0].transpose(0, 1), self.real, self.num_prompts, self.length).transpose(1, 2)
-                   for t in (q, k, v))  # fmt: skip
-        out = super().__call__(layer, q, k, v)  # [P, heads, L, D]
+        rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, heads, D]
+        padded = [unpack(t, self.real, self.num_prompts, self.length).transpose(1, 2) for t in rows[1:]]
+        if self.dense is not None:
+            self.key, self.value = padded
+            return PromptCausal.apply(*rows, self.lens, self.dense).transpose(0, 1)[None]
+        q = unpack(rows[0], self.real, self.num_prompts, self.length).transpose(1, 2)
+        out = super().__call__(layer, q, *padded)  # [P, heads, L, D]
         return Rows.apply(out.transpose(1, 2).flatten(0, 1), self.real, None).transpose(0, 1)[None]

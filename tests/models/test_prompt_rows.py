@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rollplex.models import model as model_module
-from rollplex.models.prompt_rows import PackedPromptKV, PromptRows
+from rollplex.models import prompt_rows
+from rollplex.models.attention import attention_length
+from rollplex.models.cascade import MathDense
+from rollplex.models.prompt_rows import CUDNN_CAUSAL, PackedPromptKV, PromptCausal, PromptRows
 from rollplex.models.rerun import Rerun
 
 
 def test_rows_name_each_prompts_real_tokens_and_its_last():
     rows = PromptRows.of(torch.tensor([3, 1, 2]), torch.device("cpu"))
     assert rows.real.tolist() == [0, 1, 2, 3, 6, 7] and rows.last.tolist() == [2, 3, 5]
-    assert (rows.num_prompts, rows.length) == (3, 3)
+    assert (rows.num_prompts, rows.length, rows.lens) == (3, 3, (3, 1, 2))
     assert PromptRows.of(torch.tensor([4, 4]), torch.device("cpu")) is None  # nothing padded: nothing to pack
 
 
@@ -37,12 +41,13 @@ def test_pack_and_unpack_move_rows_both_ways_with_zero_padding_and_gathered_grad
     assert torch.equal(source.grad, torch.ones(6, 2))
 
 
-def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_kv():
+@pytest.mark.parametrize("dense", [None, MathDense(causal=True)], ids=["padded", "per_prompt"])
+def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_kv(dense):
     torch.manual_seed(0)
     lens = torch.tensor([5, 2, 4])
     rows = PromptRows.of(lens, torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
-    attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length)
+    attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, dense)
     out = attention(0, q, k, v)
     assert out.shape == q.shape and attention.key.shape == (3, 2, 5, 8)
     start = 0
@@ -56,6 +61,67 @@ def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_
         start += n
 
 
+def per_prompt_sdpa(q, k, v, lens):
+    """The oracle: each prompt's causal SDPA over its own rows, [T, heads, D] in and out."""
+    outs, start = [], 0
+    for n in lens:
+        rows = [x[start : start + n].transpose(0, 1) for x in (q, k, v)]
+        outs.append(F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def test_per_prompt_calls_over_bucketed_windows_give_each_prompts_attention_and_gradients():
+    """Windows past a prompt's end read the next prompt's rows (and zeros past the last); none of it reaches an
+    output or a gradient. A backward that gave the extra rows the next prompt's output gradient fails here."""
+    lens = (41, 35, 67)  # windows of 42, 36 and 68 rows: the first two run into the next prompt, the last past T
+    assert [attention_length(n) for n in lens] == [42, 36, 68]
+    gen = torch.Generator().manual_seed(3)
+    total = sum(lens)
+    tensors = [torch.randn(total, heads, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2)]
+    grad = torch.randn(total, 4, 8, generator=gen, dtype=torch.float64)
+    results = []
+    for attend in (lambda q, k, v: PromptCausal.apply(q, k, v, lens, MathDense(causal=True)), per_prompt_sdpa):
+        inputs = [t.clone().requires_grad_() for t in tensors]
+        out = attend(*inputs, *(() if attend is not per_prompt_sdpa else (lens,)))
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # MathDense computes in float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_cudnn_per_prompt_calls_match_the_float_oracle_as_the_padded_call_does():
+    """bf16 on cuDNN, prompts long enough for bucketed windows: each output and gradient is as close to the
+    float64 oracle as the padded single call's."""
+    lens = (700, 1300, 1000)
+    gen = torch.Generator("cuda").manual_seed(0)
+    total = sum(lens)
+    tensors = [torch.randn(total, heads, 128, generator=gen, device="cuda") for heads in (16, 2, 2)]
+    grad = torch.randn(total, 16, 128, generator=gen, device="cuda")
+    rows = PromptRows.of(torch.tensor(lens), torch.device("cuda"))
+
+    def run(attend, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in tensors]
+        out = attend(*inputs)
+        return [x.double() for x in (out, *torch.autograd.grad(out, inputs, grad.to(dtype)))]
+
+    def packed(dense):
+        def attend(q, k, v):
+            attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, dense)
+            return attention(0, *(x.transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
+
+        return attend
+
+    oracle = run(lambda q, k, v: per_prompt_sdpa(q, k, v, lens), torch.float64)
+    errors = {
+        name: [(x - o).abs().max().item() for x, o in zip(run(packed(dense), torch.bfloat16), oracle, strict=True)]
+        for name, dense in (("per_prompt", CUDNN_CAUSAL), ("padded", None))
+    }
+    for mine, padded in zip(errors["per_prompt"], errors["padded"], strict=True):
+        assert mine <= 1.5 * padded + 1e-3, errors
+
+
 @pytest.fixture
 def unpacked(monkeypatch):
     """The prefix as before packing: its layers over the padded batch."""
@@ -66,9 +132,16 @@ def unpacked(monkeypatch):
     return padded
 
 
-@pytest.mark.parametrize("layers_per_chunk, rerun", [(1, None), (100, None), (1, Rerun())])
-def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompts, unpacked, layers_per_chunk, rerun):
+@pytest.mark.parametrize(
+    "layers_per_chunk, rerun, dense",
+    [(1, None, None), (100, None, None), (1, Rerun(), None), (1, Rerun(), MathDense(causal=True))],
+    ids=["chunked", "whole", "rerun", "rerun_per_prompt"],
+)
+def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(
+    model, prompts, unpacked, monkeypatch, layers_per_chunk, rerun, dense
+):
     assert len({p.num_tokens for p in prompts}) > 1  # padding to drop
+    monkeypatch.setattr(model_module, "prompt_dense", lambda device: dense)  # the packed run's attention
     seen = []
     hook = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
 
@@ -84,6 +157,7 @@ def test_the_packed_prefix_gives_the_padded_boundary_and_gradients(model, prompt
 
     packed, packed_grads = run()
     unpacked()
+    monkeypatch.setattr(model_module, "prompt_dense", prompt_rows.prompt_dense)
     padded, padded_grads = run()
     hook.remove()
     total, longest = sum(p.num_tokens for p in prompts), max(p.num_tokens for p in prompts)
