@@ -243,6 +243,9 @@ class DenseCall(Protocol):
     def backward(self, dout, q, k, v, out, lse, scale: float, saved: tuple) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) with probabilities exp(scores - lse) and D = rowsum(dout * out), for the given out/lse."""
 
+    def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether the call runs tensors of these dtypes and head sizes (q [n, H, D], k and v [m, G, D])."""
+
 
 class CudnnDense:
     """cuDNN's fused attention as torch ships it (`torch.ops.aten._scaled_dot_product_cudnn_attention` and its
@@ -263,6 +266,12 @@ class CudnnDense:
             except RuntimeError:
                 self.grouped = False
         return self._forward(q, k, v, scale, self.grouped)
+
+    def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Where SDPA would run these tensors on cuDNN (its kernels take half precision only: called directly on
+        float32 they return NaN without an error)."""
+        params = torch.backends.cuda.SDPAParams(_bhsd(q), _bhsd(k), _bhsd(v), None, 0.0, self.causal, True)
+        return torch.backends.cuda.can_use_cudnn_attention(params, False)
 
     def _forward(self, q, k, v, scale: float, grouped: bool) -> tuple[Tensor, Tensor, tuple]:
         heads = q.shape[1]
@@ -292,6 +301,9 @@ class MathDense:
 
     def __init__(self, causal: bool = False) -> None:
         self.causal = causal
+
+    def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        return True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
         s = Segments.of([q.shape[0]], [k.shape[0]], self.causal, q.device)

@@ -83,8 +83,9 @@ CUDNN_CAUSAL = CudnnDense(causal=True)
 
 
 def prompt_dense(device: torch.device) -> DenseCall | None:
-    """The call each packed prompt's attention runs on: cuDNN's where SDPA may run on it (`PromptCausal`), else
-    None (the prompts padded into one SDPA call)."""
+    """The call each packed prompt's attention runs on: cuDNN's where SDPA may run on it (`PromptCausal`; a call
+    whose tensors cuDNN does not take, as float32, still goes padded), else None (the prompts padded into one SDPA
+    call)."""
     return CUDNN_CAUSAL if plans_per_shape(device) else None
 
 
@@ -134,8 +135,8 @@ def _window(x: Tensor, start: int, size: int) -> Tensor:
 class PackedPromptKV(LayerKV):
     """`LayerKV` of a layer that runs over `PromptRows`-packed tokens (the padded rows `real` of P prompts of host
     lengths `lens` padded to L): q [1, heads, T, D] and k/v [1, kv_heads, T, D] attend causally within their own
-    prompt, packed through `dense` (`PromptCausal`) or, without one, in the padded layout; `key` and `value` are
-    the padded [P, kv_heads, L, D] (the boundary's)."""
+    prompt, packed through `dense` (`PromptCausal`) where it takes them, else in the padded layout; `key` and
+    `value` are the padded [P, kv_heads, L, D] (the boundary's)."""
 
     def __init__(
         self, real: Tensor, num_prompts: int, length: int, lens: tuple[int, ...], dense: DenseCall | None = None
@@ -145,7 +146,7 @@ class PackedPromptKV(LayerKV):
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, heads, D]
         padded = [unpack(t, self.real, self.num_prompts, self.length).transpose(1, 2) for t in rows[1:]]
-        if self.dense is not None:
+        if self.dense is not None and self.dense.takes(*rows):
             self.key, self.value = padded
             return PromptCausal.apply(*rows, self.lens, self.dense).transpose(0, 1)[None]
         q = unpack(rows[0], self.real, self.num_prompts, self.length).transpose(1, 2)

@@ -113,6 +113,7 @@ def test_on_a_gpu_cudnn_per_prompt_calls_match_the_float_oracle_as_the_padded_ca
 
         return attend
 
+    assert CUDNN_CAUSAL.takes(*(t.to(torch.bfloat16) for t in tensors))  # else both calls below go padded
     oracle = run(lambda q, k, v: per_prompt_sdpa(q, k, v, lens), torch.float64)
     errors = {
         name: [(x - o).abs().max().item() for x, o in zip(run(packed(dense), torch.bfloat16), oracle, strict=True)]
@@ -120,6 +121,19 @@ def test_on_a_gpu_cudnn_per_prompt_calls_match_the_float_oracle_as_the_padded_ca
     }
     for mine, padded in zip(errors["per_prompt"], errors["padded"], strict=True):
         assert mine <= 1.5 * padded + 1e-3, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_float32_prompts_go_padded_since_cudnn_returns_nan_for_them():
+    """cuDNN's kernels, called directly, return NaN for float32 without an error: such a call takes the padded path."""
+    lens = (39, 21, 6)
+    rows = PromptRows.of(torch.tensor(lens), torch.device("cuda"))
+    q, k, v = (torch.randn(1, heads, sum(lens), 16, device="cuda") for heads in (4, 2, 2))
+    assert not CUDNN_CAUSAL.takes(*(x[0].transpose(0, 1) for x in (q, k, v)))
+    out = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, CUDNN_CAUSAL)(0, q, k, v)
+    rows_of = [x[0].transpose(0, 1) for x in (q, k, v)]
+    torch.testing.assert_close(out[0].transpose(0, 1), per_prompt_sdpa(*rows_of, lens), rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture
