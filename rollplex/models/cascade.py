@@ -247,6 +247,9 @@ class DenseCall(Protocol):
         """Whether the call runs tensors of these dtypes and head sizes (q [n, H, D], k and v [m, G, D])."""
 
 
+CUDNN_FIRST = 91501  # SDPA runs attention on cuDNN first from 9.15.1 (older ones gave wrong results at some lengths)
+
+
 class CudnnDense:
     """cuDNN's fused attention as torch ships it (`torch.ops.aten._scaled_dot_product_cudnn_attention` and its
     backward), on [1, heads, length, D] views of the [length, heads, D] rows (the layout cuDNN reads best). Keys
@@ -268,9 +271,16 @@ class CudnnDense:
         return self._forward(q, k, v, scale, self.grouped)
 
     def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Where SDPA would run these tensors on cuDNN (its kernels take half precision only: called directly on
-        float32 they return NaN without an error)."""
-        params = torch.backends.cuda.SDPAParams(_bhsd(q), _bhsd(k), _bhsd(v), None, 0.0, self.causal, True)
+        """Where SDPA would run these tensors on cuDNN in training: a cuDNN that SDPA puts first (`CUDNN_FIRST`),
+        and its checks passed by such inputs requiring grad (so that a checkpoint's first pass, without grad, and
+        its rerun get the same answer). Called directly, cuDNN's kernels run what its checks refuse: float32 comes
+        back NaN without an error."""
+        version = torch.backends.cudnn.version() if q.is_cuda else None
+        if version is None or version < CUDNN_FIRST:
+            return False
+        params = torch.backends.cuda.SDPAParams(
+            *(_bhsd(x.detach().requires_grad_()) for x in (q, k, v)), None, 0.0, self.causal, True
+        )
         return torch.backends.cuda.can_use_cudnn_attention(params, False)
 
     def _forward(self, q, k, v, scale: float, grouped: bool) -> tuple[Tensor, Tensor, tuple]:
@@ -303,6 +313,7 @@ class MathDense:
         self.causal = causal
 
     def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Any tensors: plain torch runs every dtype and shape."""
         return True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:

@@ -2,13 +2,12 @@
 
 A group's prompts arrive right-padded to the longest ([P, L]); their lengths differ by a fifth and more on video
 prompts, and every projection, norm and MLP of a padded row is wasted work (in the prefix forward, its rerun and
-its backward). `PromptRows` names the real rows of the padded batch; the layers see them packed ([1, T]) and
-only attention goes back to the padded layout, where the causal dense kernel (cuDNN) wants it: q, k and v are
-scattered into zeros, the output gathered back (`PackedPromptKV`). The boundary keeps that padded K and V, zeros
-past each prompt's length. `Rows` moves rows both ways with gathers, never atomic adds.
-Where SDPA runs on cuDNN, attention stays packed instead: one cuDNN call a prompt over its own rows
-(`PromptCausal`), so no query pays for the causal work of the longest prompt's padding (a padded batch of the 3B
-workload's prompts does about 70 % useful work) and q is never padded.
+its backward). `PromptRows` names the real rows of the padded batch; the layers see them packed ([1, T]).
+Attention stays packed where SDPA would run it on cuDNN: one causal cuDNN call a prompt (`PromptCausal`), so no
+prompt pays for the causal work over the longest one's padding and q is never padded. Elsewhere it goes back to
+the padded layout for one SDPA call: q, k and v scattered into zeros, the output gathered back. Either way the
+boundary keeps K and V padded ([P, G, L, D], zeros past each prompt's length; `PackedPromptKV`). `Rows` moves rows
+both ways with gathers, never atomic adds.
 Not here: the padded batch (`batching.py`), the padded attention call (`attention.causal_sdpa`).
 """
 
@@ -98,7 +97,8 @@ class PromptCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lens: tuple[int, ...], dense: DenseCall) -> Tensor:
-        scale, out, lses, calls = q.shape[-1] ** -0.5, torch.empty_like(q), [], []
+        scale, out = q.shape[-1] ** -0.5, torch.empty_like(q)
+        lses, calls = [], []
         for start, n in _spans(lens):
             window = [_window(x, start, attention_length(n)) for x in (q, k, v)]
             call_out, lse, call = dense.forward(*window, scale)
@@ -146,7 +146,8 @@ class PackedPromptKV(LayerKV):
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, heads, D]
         padded = [unpack(t, self.real, self.num_prompts, self.length).transpose(1, 2) for t in rows[1:]]
-        if self.dense is not None and self.dense.takes(*rows):
+        smallest = min(attention_length(n) for n in self.lens)  # the checks cover each window's shape
+        if self.dense is not None and self.dense.takes(*(x[:smallest] for x in rows)):
             self.key, self.value = padded
             return PromptCausal.apply(*rows, self.lens, self.dense).transpose(0, 1)[None]
         q = unpack(rows[0], self.real, self.num_prompts, self.length).transpose(1, 2)

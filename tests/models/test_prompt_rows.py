@@ -71,22 +71,42 @@ def per_prompt_sdpa(q, k, v, lens):
     return torch.cat(outs)
 
 
-def test_per_prompt_calls_over_bucketed_windows_give_each_prompts_attention_and_gradients():
-    """Windows past a prompt's end read the next prompt's rows (and zeros past the last); none of it reaches an
-    output or a gradient. A backward that gave the extra rows the next prompt's output gradient fails here."""
-    lens = (41, 35, 67)  # windows of 42, 36 and 68 rows: the first two run into the next prompt, the last past T
-    assert [attention_length(n) for n in lens] == [42, 36, 68]
+class RecordedDense(MathDense):
+    """`MathDense(causal=True)` that records the rows of each window it is called with, forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__(causal=True)
+        self.rows: list[int] = []
+
+    def forward(self, q, k, v, scale):
+        self.rows.append(q.shape[0])
+        return super().forward(q, k, v, scale)
+
+    def backward(self, dout, q, k, v, out, lse, scale, saved):
+        self.rows.append(q.shape[0])
+        return super().backward(dout, q, k, v, out, lse, scale, saved)
+
+
+@pytest.mark.parametrize("lens", [(41, 35, 67), (97, 2, 65), (97, 2)])
+def test_per_prompt_calls_over_bucketed_windows_give_each_prompts_attention_and_gradients(lens):
+    """Windows past a prompt's end read the next prompt's rows (and zeros past the last packed row, as the first
+    window of (97, 2) does); none of it reaches an output or a gradient. A backward that gave the extra rows the
+    next prompt's output gradient fails here."""
+    windows = [attention_length(n) for n in lens]
+    assert any(w > n for w, n in zip(windows, lens, strict=True))  # windows of 42, 36, 68; 100, 2, 68; 100, 2
     gen = torch.Generator().manual_seed(3)
     total = sum(lens)
     tensors = [torch.randn(total, heads, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2)]
     grad = torch.randn(total, 4, 8, generator=gen, dtype=torch.float64)
+    dense = RecordedDense()
     results = []
-    for attend in (lambda q, k, v: PromptCausal.apply(q, k, v, lens, MathDense(causal=True)), per_prompt_sdpa):
+    for attend in (lambda q, k, v: PromptCausal.apply(q, k, v, lens, dense), lambda *x: per_prompt_sdpa(*x, lens)):
         inputs = [t.clone().requires_grad_() for t in tensors]
-        out = attend(*inputs, *(() if attend is not per_prompt_sdpa else (lens,)))
+        out = attend(*inputs)
         results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    assert dense.rows == windows + windows  # one call a prompt each way, over its bucketed window
     for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # MathDense computes in float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # MathDense computes in float32
 
 
 @pytest.mark.gpu
