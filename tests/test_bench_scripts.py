@@ -250,3 +250,18 @@ def test_op_timeline_profiles_the_op_it_is_asked_for(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["ops"]
     assert row["op"] == "actor_score.prefix" and row["host_s"] > 0
+
+
+def test_prompt_attention_times_both_forms_and_refuses_lengths_with_nothing_padded(tmp_path):
+    script, out = str(ROOT / "bench/prompt_attention.py"), tmp_path / "attention.json"
+    command = [sys.executable, script, "--model", "tiny", "--lens", "40", "21", "6", "--iters", "1", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for form in ("per_prompt", "padded", "bound"):
+        assert result[form]["forward_ms"] > 0 and result[form]["forward_backward_ms"] > result[form]["forward_ms"]
+    assert result["useful"] == (40 * 40 + 21 * 21 + 6 * 6) / (3 * 40 * 40) and result["lens"] == [40, 21, 6]
+    refused = subprocess.run([sys.executable, script, "--lens", "7", "7"], capture_output=True, text=True, cwd=ROOT)
+    assert (
+        refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1 and "not all equal" in refused.stderr
+    )
