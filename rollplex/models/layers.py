@@ -27,7 +27,9 @@ def gpu_compiled(fn: Fn, *, unbacked: bool = False) -> Fn:
     detached, so that whether they require grad makes no variant of its own.
 
     Shapes are torch's automatic dynamic ones: a dimension turns symbolic once it has changed (token counts,
-    batch rows), the others (heads, head and hidden widths) stay the constants they are. Compiled with every
+    batch rows), the others (heads, head and hidden widths) stay the constants they are. Packed rows first (the
+    vision tower's [S, ...] inputs, `_declare_rows`) are symbolic from the first call: a step's patches arrive in one
+    call, so they would change only at the next step and compile the chain again there. Compiled with every
     dimension symbolic, the kernels index through divisions by unknown widths and run slower
     (`bench/prefix_ops.py`: the decoder's norm 1.6x, its q and k rotary 12x). Torch keeps which dimensions
     changed per function, and a call with inputs of another rank turns all of them symbolic; so each layout of
@@ -61,6 +63,7 @@ def layout_compiled(
             compiled[layout] = torch.compile(_copy(fn, len(compiled)), backend=backend)
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        _declare_rows(args, unbacked)
         if not unbacked:
             return compiled[layout](*args)
         if not unbacked_lengths:
@@ -72,6 +75,20 @@ def layout_compiled(
 
     run.eager = fn
     return run  # type: ignore[return-value]
+
+
+def _declare_rows(args: tuple, unbacked: bool) -> None:
+    """Where every tensor argument of rank >= 2 has the same first dimension, above 1, it is a count of packed rows
+    (or of padded batch rows): declared dynamic on those tensors (unbacked under `unbacked`), so the call compiles
+    with it symbolic rather than static first and again at the next count."""
+    tensors = [a for a in args if isinstance(a, Tensor) and a.dim() >= 2]
+    if not tensors or len({t.shape[0] for t in tensors}) != 1 or tensors[0].shape[0] < 2:
+        return
+    from torch._dynamo import decorators
+
+    mark = decorators.mark_unbacked if unbacked else decorators.maybe_mark_dynamic
+    for t in tensors:
+        mark(t, 0)
 
 
 def _copy(fn: Callable, index: int) -> Callable:

@@ -64,7 +64,34 @@ def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
         torch.testing.assert_close(norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
     widths = {graph[0][-1] for graph in graphs}
     assert widths == {"48", "32"}, graphs  # the widths stay constants in every graph
-    assert len(graphs) == 5, graphs  # 2-D: static, then rows symbolic; 3-D: static, tokens, then rows too
+    assert len(graphs) == 3, graphs  # 2-D: rows symbolic from the first call; 3-D: batch rows, then tokens too
+    assert graphs[0][0][0] != "100" and graphs[1][0][1] == "50" and graphs[2][0][1] != "40", graphs
+
+
+@pytest.mark.parametrize("unbacked", [False, True])
+def test_packed_rows_first_are_symbolic_from_the_first_call_so_the_next_count_compiles_nothing(unbacked):
+    """The vision tower's chains meet one count of patches a step: static at first, they compiled again in the
+    second step. The token-major layout's rows are declared from the first call (unbacked where asked)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        graphs.append([tuple(str(d) for d in x.shape) for x in traced if isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    name = f"fresh_rotary_{uuid.uuid4().hex}"  # torch keeps which dimensions changed per file, line and name
+    fresh = types.FunctionType(
+        rotated_packed_qk.eager.__code__.replace(co_name=name), rotated_packed_qk.eager.__globals__
+    )
+    rotary = layout_compiled(fresh, record, lambda x: True, unbacked=unbacked)
+    for rows in (30, 20, 45):
+        qkv, angles = torch.randn(rows, 3, 4, 16), torch.rand(rows, 1, 16)
+        cos, sin = angles.cos(), angles.sin()
+        for ours, eager in zip(rotary(qkv, cos, sin), fresh(qkv, cos, sin), strict=True):
+            torch.testing.assert_close(ours, eager)
+    assert len(graphs) == 1, graphs
+    (qkv_dims, *_) = graphs[0]
+    assert qkv_dims[1:] == ("3", "4", "16") and qkv_dims[0].startswith("u" if unbacked else "s"), graphs
 
 
 def test_a_chain_called_inside_a_compiled_region_is_traced_into_it_not_compiled_apart():
@@ -113,10 +140,12 @@ def test_on_a_gpu_the_compiled_chains_equal_their_eager_form_gradients_included(
         ),
     ],
 )
-def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(device):
+@pytest.mark.parametrize("layout", ["decoder", "vision"])
+def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(device, layout):
     """Inductor picks how to sum the weight's gradient over tokens by the tokens' range and guards on it: with
     backed lengths, a length past 4,096 (on the CPU) or in another range (on a GPU: under 2,560, up to 4,095,
-    beyond) compiled the norm again."""
+    beyond) compiled the norm again. The decoder's [1, T, width] compiles static, then with T unbacked; the vision
+    tower's packed [S, width] with S unbacked from its first call."""
     compiles = []
 
     def counted(gm, example_inputs):
@@ -133,7 +162,8 @@ def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(dev
     tolerance = {} if device == "cpu" else {"rtol": 2e-2, "atol": 2e-2}
     weight = torch.randn(width, device=device, dtype=dtype, requires_grad=True)
     for length in [300, 200, 5000, 2, 3226, 9000, 965]:
-        x = torch.randn(1, length, width, device=device, dtype=dtype, requires_grad=True)
+        rows = (1, length) if layout == "decoder" else (length,)
+        x = torch.randn(*rows, width, device=device, dtype=dtype, requires_grad=True)
         ours, eager = norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6)
         torch.testing.assert_close(ours, eager, **tolerance)
         grads = [torch.autograd.grad(out.float().square().sum(), (x, weight)) for out in (ours, eager)]
@@ -143,7 +173,7 @@ def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(dev
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * largest)
             else:  # bf16
                 torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * largest)
-    assert len(compiles) == 2  # static, then the length unbacked
+    assert len(compiles) == (2 if layout == "decoder" else 1)  # static, then the length unbacked; or unbacked at once
 
 
 def _lengths(inputs, length: int):
