@@ -193,8 +193,14 @@ def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):
 
 
 def median_ms(fn, iters: int) -> float:
+    """Median wall time of `fn` in ms: CUDA events on a GPU, the host clock elsewhere (a smoke run's)."""
     times = []
     for _ in range(iters):
+        if not torch.cuda.is_available():
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
+from flex_suffix import median_ms  # (bench/ is first on the path, as for every `python bench/X.py`)
 
 from rollplex.bench.provenance import source_commit
 from rollplex.models.attention import attention_length
@@ -28,24 +27,6 @@ from rollplex.models.prompt_rows import CUDNN_CAUSAL, PackedPromptKV, PromptRows
 
 PEAK_FLOPS = 796e12  # the H200's bf16 dense peak (`graph.modelcost.KNOWN_PEAKS`)
 FIRST_STEP_PROMPTS = (4910, 6077, 5151, 4953, 6031, 5357, 6757, 6532)  # the 3B spec's step 1
-
-
-def median_ms(fn, iters: int) -> float:
-    """Median wall time of `fn` in ms: CUDA events on a GPU, the host clock elsewhere."""
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
 
 
 def measure(lens: tuple[int, ...], heads: int, groups: int, head_dim: int, iters: int) -> dict:
