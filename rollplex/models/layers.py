@@ -63,7 +63,7 @@ def layout_compiled(
             compiled[layout] = torch.compile(_copy(fn, len(compiled)), backend=backend)
         if not torch.is_grad_enabled():
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        _declare_rows(args, unbacked)
+        args = _declare_rows(args, unbacked)
         if not unbacked:
             return compiled[layout](*args)
         if not unbacked_lengths:
@@ -77,18 +77,23 @@ def layout_compiled(
     return run  # type: ignore[return-value]
 
 
-def _declare_rows(args: tuple, unbacked: bool) -> None:
-    """Where every tensor argument of rank >= 2 has the same first dimension, above 1, it is a count of packed rows
-    (or of padded batch rows): declared dynamic on those tensors (unbacked under `unbacked`), so the call compiles
-    with it symbolic rather than static first and again at the next count."""
-    tensors = [a for a in args if isinstance(a, Tensor) and a.dim() >= 2]
-    if not tensors or len({t.shape[0] for t in tensors}) != 1 or tensors[0].shape[0] < 2:
-        return
+def _declare_rows(args: tuple, unbacked: bool) -> tuple:
+    """`args` where every tensor argument of rank >= 2 (parameters aside) has the same first dimension, above 1: a
+    count of packed rows (or of padded batch rows), declared dynamic (unbacked under `unbacked`), so the call
+    compiles with it symbolic rather than static first and again at the next count. Marked on aliases, so that no
+    mark stays on the caller's tensors."""
+    rows = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.dim() >= 2 and not isinstance(a, nn.Parameter)]
+    counts = {args[i].shape[0] for i in rows}
+    if len(counts) != 1 or counts.pop() < 2:
+        return args
     from torch._dynamo import decorators
 
     mark = decorators.mark_unbacked if unbacked else decorators.maybe_mark_dynamic
-    for t in tensors:
-        mark(t, 0)
+    declared = list(args)
+    for i in rows:
+        declared[i] = args[i].view_as(args[i])
+        mark(declared[i], 0)
+    return tuple(declared)
 
 
 def _copy(fn: Callable, index: int) -> Callable:

@@ -85,10 +85,12 @@ def test_packed_rows_first_are_symbolic_from_the_first_call_so_the_next_count_co
     )
     rotary = layout_compiled(fresh, record, lambda x: True, unbacked=unbacked)
     for rows in (30, 20, 45):
-        qkv, angles = torch.randn(rows, 3, 4, 16), torch.rand(rows, 1, 16)
+        qkv, angles = torch.randn(rows, 3, 4, 16, requires_grad=True), torch.rand(rows, 1, 16)
         cos, sin = angles.cos(), angles.sin()
         for ours, eager in zip(rotary(qkv, cos, sin), fresh(qkv, cos, sin), strict=True):
             torch.testing.assert_close(ours, eager)
+        marks = [name for t in (qkv, cos, sin) for name in vars(t) if "dynamic" in name or "unbacked" in name]
+        assert not marks, marks  # declared on aliases: the caller's tensors keep none
     assert len(graphs) == 1, graphs
     (qkv_dims, *_) = graphs[0]
     assert qkv_dims[1:] == ("3", "4", "16") and qkv_dims[0].startswith("u" if unbacked else "s"), graphs
