@@ -329,12 +329,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _layer_kv(
-    layer: nn.Module,
-    shape: tuple[int, int, tuple[int, ...]] | None,
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    *real: Tensor,
+    layer: nn.Module, shape: tuple[int, int, tuple[int, ...]] | None, x: Tensor, cos: Tensor, sin: Tensor, *real: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer as a rerun unit: its output and the K and V it attended with (the boundary's). With
     `shape` (P, L, lens) x holds the packed real rows `real` of P prompts of host lengths `lens` padded to L
