@@ -42,6 +42,19 @@ def outputs(fn, args) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def shape_recorder():
+    """(graphs, backend): a torch.compile backend that records each graph's input shapes as traced (constants, or
+    symbols' names) in `graphs` and runs the graph as it is."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        graphs.append([tuple(str(d) for d in x.shape) for x in traced if isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    return graphs, record
+
+
 def test_off_a_gpu_each_chain_is_its_eager_form():
     for fn, args in cases("cpu", 7):
         for ours, eager in zip(outputs(fn, args), outputs(fn.eager, args), strict=True):
@@ -51,13 +64,7 @@ def test_off_a_gpu_each_chain_is_its_eager_form():
 def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
     """The vision tower's [S, 1280] norm beside the decoder's [B, T, 2048]: a function compiled once for both
     would turn every dimension symbolic, widths included, at the first call of the other rank."""
-    graphs = []
-
-    def record(gm, example_inputs):  # each graph's input shapes as traced: constants, or symbols' names
-        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
-        graphs.append([tuple(str(d) for d in x.shape) for x in traced if isinstance(x, torch.Tensor)])
-        return gm.forward
-
+    graphs, record = shape_recorder()
     norm = layout_compiled(rms_norm.eager, record, lambda x: True)
     for shape in [(100, 48), (90, 48), (2, 50, 32), (2, 40, 32), (3, 40, 32), (80, 48)]:
         x, weight = torch.randn(shape), torch.randn(shape[-1])
@@ -72,13 +79,7 @@ def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
 def test_packed_rows_first_are_symbolic_from_the_first_call_so_the_next_count_compiles_nothing(unbacked):
     """The vision tower's chains meet one count of patches a step: static at first, they compiled again in the
     second step. The token-major layout's rows are declared from the first call (unbacked where asked)."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
-        graphs.append([tuple(str(d) for d in x.shape) for x in traced if isinstance(x, torch.Tensor)])
-        return gm.forward
-
+    graphs, record = shape_recorder()
     name = f"fresh_rotary_{uuid.uuid4().hex}"  # torch keeps which dimensions changed per file, line and name
     fresh = types.FunctionType(
         rotated_packed_qk.eager.__code__.replace(co_name=name), rotated_packed_qk.eager.__globals__
