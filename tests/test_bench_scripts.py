@@ -265,3 +265,17 @@ def test_prompt_attention_times_both_forms_and_refuses_lengths_with_nothing_padd
     assert (
         refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1 and "not all equal" in refused.stderr
     )
+
+
+def test_grid_sync_checks_every_phase_of_each_way_and_refuses_bad_phase_counts(tmp_path):
+    script, out = str(ROOT / "bench/grid_sync.py"), tmp_path / "sync.json"
+    command = [sys.executable, script, "--ways", "plain", "barrier", "--phases", "2", "5", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["programs"] == 1 and result["phases"] == [2, 5] and set(result["ways"]) == {"plain", "barrier"}
+    for row in result["ways"].values():
+        assert set(row["seconds"]) == {"2", "5"} and all(s > 0 for s in row["seconds"].values())
+    for bad in (["--phases", "5", "2"], ["--ways", "pdl"]):
+        refused = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, cwd=ROOT)
+        assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
