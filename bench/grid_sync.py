@@ -42,18 +42,25 @@ def phase_kernel(buf, phase, n, USE_GDC: tl.constexpr):
 
 
 @triton.jit
+def grid_barrier(counter, arrivals):
+    """Waits until `arrivals` programs in all have arrived on `counter` (this one included): the program's stores,
+    a CTA barrier, one release arrival, then acquire reads until the count is reached. Every program of the grid
+    must be resident at once, or the first ones wait forever for the rest."""
+    tl.debug_barrier()
+    tl.atomic_add(counter, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen < arrivals:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def barrier_kernel(buf, counter, n, PHASES: tl.constexpr):
-    """Every phase in one launch, a grid barrier after each: a program's stores, a CTA barrier, one release
-    arrival on the counter, then acquire reads until all n programs have arrived."""
+    """Every phase in one launch, a grid barrier after each (the counter counts every arrival of the launch)."""
     i = tl.program_id(0)
     for phase in range(PHASES):
         value = tl.load(buf + phase * n + (i + 1) % n, cache_modifier=".cg")
         tl.store(buf + (phase + 1) * n + i, value + 1)
-        tl.debug_barrier()
-        tl.atomic_add(counter, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        while seen < n * (phase + 1):
-            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        grid_barrier(counter, n * (phase + 1))
 
 
 def calls(way: str, phases: int, buf: torch.Tensor, counter: torch.Tensor, n: int) -> list:

@@ -279,3 +279,16 @@ def test_grid_sync_checks_every_phase_of_each_way_and_refuses_bad_phase_counts(t
     for bad in (["--phases", "5", "2"], ["--ways", "pdl"]):
         refused = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, cwd=ROOT)
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
+def test_persistent_mlp_matches_the_fused_chain_and_refuses_bad_arguments(tmp_path):
+    script, out = str(ROOT / "bench/persistent_mlp.py"), tmp_path / "mlp.json"
+    command = [sys.executable, script, "--model", "tiny", "--batch", "3", "--layers", "2", "--per-sm", "1"]
+    done = subprocess.run([*command, "--replays", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["chain_s"] > 0 and result["layers"] == 2 and result["batch"] == 3
+    (row,) = result["persistent"].values()
+    assert row["s"] > 0 and row["parts_diff"] <= 1e-5 and row["residual_diff"] <= 1e-5
+    refused = subprocess.run([sys.executable, script, "--batch", "65"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
