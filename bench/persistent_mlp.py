@@ -35,6 +35,8 @@ from rollplex.kernels.tiles import k_per_split, sm_count
 from rollplex.kernels.transposed_gemm import gate_up_silu, linear_parts
 from rollplex.models.config import load_model_config
 
+NUM_WARPS = 4
+
 
 @triton.jit
 def persistent_mlp_kernel(
@@ -151,23 +153,43 @@ def persistent_calls(layers, first_parts, residual, eps, counters, programs, til
     batch, hidden = residual.shape
     inner = layers[0].down.shape[1]
     per_split = k_per_split(inner, tiles.split_k, tiles)
+    constants = dict(
+        N=hidden, INNER=inner, S=tiles.split_k, K_SPLIT=per_split, BLOCK_M=tiles.block_m, BLOCK_N=SWAP_BLOCK_N,
+        BLOCK_K=SWAP_BLOCK_K, NORM_BLOCK=triton.next_power_of_2(hidden), num_warps=NUM_WARPS, num_stages=3,
+    )  # fmt: skip
     calls = []
     for i, layer in enumerate(layers):
         gate_up_desc = TensorDescriptor.from_tensor(layer.gate_up, [SWAP_BLOCK_N, SWAP_BLOCK_K])
         down_desc = TensorDescriptor.from_tensor(layer.down, [SWAP_BLOCK_N, SWAP_BLOCK_K])
         parts_in = first_parts if i == 0 else layers[i - 1].parts
+        args = (parts_in, residual, layer.norm_w, layer.normed, gate_up_desc, layer.hidden, down_desc, layer.parts,
+                counters[i], batch, eps)  # fmt: skip
+        if i == 0 and residual.is_cuda:  # a grid barrier hangs unless every program is resident at once
+            kernel = persistent_mlp_kernel.warmup(*args, grid=(programs,), S_IN=parts_in.shape[0], **constants)
+            fit = resident_per_sm(kernel) * sm_count(residual.device)
+            if programs > fit:
+                raise NotResident(f"{programs} programs, {fit} resident at once")
 
-        def call(layer=layer, parts_in=parts_in, gate_up_desc=gate_up_desc, down_desc=down_desc, c=counters[i]):
-            c.zero_()
-            persistent_mlp_kernel[(programs,)](
-                parts_in, residual, layer.norm_w, layer.normed, gate_up_desc, layer.hidden, down_desc,
-                layer.parts, c, batch, eps, N=hidden, INNER=inner, S_IN=parts_in.shape[0], S=tiles.split_k,
-                K_SPLIT=per_split, BLOCK_M=tiles.block_m, BLOCK_N=SWAP_BLOCK_N, BLOCK_K=SWAP_BLOCK_K,
-                NORM_BLOCK=triton.next_power_of_2(hidden), num_warps=4, num_stages=3,
-            )  # fmt: skip
+        def call(args=args, s_in=parts_in.shape[0]) -> None:
+            args[8].zero_()
+            persistent_mlp_kernel[(programs,)](*args, S_IN=s_in, **constants)
 
         calls.append(call)
     return calls
+
+
+class NotResident(Exception):
+    pass
+
+
+def resident_per_sm(kernel) -> int:
+    """How many programs of a compiled kernel an SM holds at once, by shared memory and registers."""
+    kernel._init_handles()  # loads the binary: the register count comes with it
+    device = torch.cuda.current_device()
+    shared = triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"] + 1024
+    by_shared = shared // (kernel.metadata.shared + 1024)
+    per_warp = -(-kernel.n_regs * 32 // 256) * 256  # registers are granted a warp at a time, 256 at once
+    return min(by_shared, 65536 // (per_warp * NUM_WARPS), 2048 // (32 * NUM_WARPS))
 
 
 def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays: int) -> dict:
@@ -194,7 +216,11 @@ def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays:
     result["persistent"] = {}
     for k in per_sm:
         programs = k * num_sms if cuda else 1
-        calls = persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles)
+        try:
+            calls = persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles)
+        except NotResident as e:
+            result["persistent"][str(k)] = {"s": None, "not_resident": str(e)}
+            continue
         seconds = replay_seconds(calls, replays) / num_layers
         residual.copy_(start)
         for call in calls:
@@ -226,7 +252,10 @@ def main() -> None:
     bound = result["bound_s"]
     print(f"chain      {result['chain_s'] * 1e6:8.2f} us a layer" + (f"  (bound {bound * 1e6:.2f})" if bound else ""))
     for k, row in result["persistent"].items():
-        print(f"persistent {row['s'] * 1e6:8.2f} us a layer, {k} a SM (max diff {row['parts_diff']:.2e})")
+        if row["s"] is None:
+            print(f"persistent {k} a SM: not run ({row['not_resident']})")
+        else:
+            print(f"persistent {row['s'] * 1e6:8.2f} us a layer, {k} a SM (max diff {row['parts_diff']:.2e})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
