@@ -7,18 +7,19 @@ decode step from its HBM bound.
 The chain, per layer, three launches as programmatic dependents: `add_rms_norm` (the previous layer's down_proj
 parts summed into the residual, then the norm), `gate_up_silu` (swapped GEMM, K whole) and `linear_parts`
 (down_proj, K split into fp32 parts). The persistent form, per layer, one launch of one program an SM (or
-`--per-sm` of them) doing the same three steps one after another, a grid barrier (`grid_sync.grid_barrier`)
-between them: each program takes rows (the norm), then 64-row tiles of [gate; up], then (tile, part) pairs of
-down_proj, with the chain's tile shapes, reading the weights through tensor descriptors and the activations
-with loads that skip L1 (other programs wrote them). Both run `--layers` layers, each its own weights, in one
-CUDA graph; the persistent form's outputs are checked against the chain's. The bound: the layer's weight bytes
-over the measured copy bandwidth. Off a GPU (the tests) both run under Triton's interpreter with one program,
-times from the host clock.
+`--per-sm` of them; on a GPU also each launched as a programmatic dependent of the one before, `_pdl`) doing the
+same three steps one after another, a grid barrier (`grid_sync.grid_barrier`) between them: each program takes
+rows (the norm), then 64-row tiles of [gate; up], then (tile, part) pairs of down_proj, with the chain's tile
+shapes, reading the weights through tensor descriptors and the activations with loads that skip L1 (other
+programs wrote them). Both run `--layers` layers, each its own weights, in one CUDA graph; the persistent form's
+outputs are checked against the chain's. The bound: the layer's weight bytes over the measured copy bandwidth.
+Off a GPU (the tests) both run under Triton's interpreter with one program, times from the host clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -30,6 +31,7 @@ from grid_sync import grid_barrier
 
 from rollplex.bench.provenance import source_commit
 from rollplex.kernels.decode_ops import add_rms_norm
+from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.swap_gemm import SWAP_BLOCK_K, SWAP_BLOCK_N, swap_tiles
 from rollplex.kernels.tiles import k_per_split, sm_count
 from rollplex.kernels.transposed_gemm import gate_up_silu, linear_parts
@@ -48,7 +50,7 @@ def persistent_mlp_kernel(
     hidden,  # [M, INNER] scratch
     down_desc,  # [N, INNER], blocks [BLOCK_N, BLOCK_K]
     parts_out,  # [S, M, N] fp32
-    counter,  # [1] int32, zero at launch
+    counter,  # [1] int32, zero at launch (each layer its own, all zeroed before the first)
     M,
     eps,
     N: tl.constexpr,
@@ -60,7 +62,11 @@ def persistent_mlp_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr = False,  # a programmatic dependent: the next layer's launch goes at once and waits
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid, programs = tl.program_id(0), tl.num_programs(0)
     # 1. residual += the parts, summed in order and rounded; normed = RMSNorm(residual) (`add_rms_norm`'s math)
     cols = tl.arange(0, NORM_BLOCK)
@@ -147,7 +153,7 @@ def chain_calls(layers: list[Layer], first_parts: torch.Tensor, residual: torch.
     return [layer_call(i) for i in range(len(layers))], outs
 
 
-def persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles):
+def persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles, pdl):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, hidden = residual.shape
@@ -156,6 +162,7 @@ def persistent_calls(layers, first_parts, residual, eps, counters, programs, til
     constants = dict(
         N=hidden, INNER=inner, S=tiles.split_k, K_SPLIT=per_split, BLOCK_M=tiles.block_m, BLOCK_N=SWAP_BLOCK_N,
         BLOCK_K=SWAP_BLOCK_K, NORM_BLOCK=triton.next_power_of_2(hidden), num_warps=NUM_WARPS, num_stages=3,
+        **pdl_options(pdl, residual),
     )  # fmt: skip
     calls = []
     for i, layer in enumerate(layers):
@@ -163,15 +170,16 @@ def persistent_calls(layers, first_parts, residual, eps, counters, programs, til
         down_desc = TensorDescriptor.from_tensor(layer.down, [SWAP_BLOCK_N, SWAP_BLOCK_K])
         parts_in = first_parts if i == 0 else layers[i - 1].parts
         args = (parts_in, residual, layer.norm_w, layer.normed, gate_up_desc, layer.hidden, down_desc, layer.parts,
-                counters[i], batch, eps)  # fmt: skip
+                counters[i : i + 1], batch, eps)  # fmt: skip
         if i == 0 and residual.is_cuda:  # a grid barrier hangs unless every program is resident at once
             kernel = persistent_mlp_kernel.warmup(*args, grid=(programs,), S_IN=parts_in.shape[0], **constants)
             fit = resident_per_sm(kernel) * sm_count(residual.device)
             if programs > fit:
                 raise NotResident(f"{programs} programs, {fit} resident at once")
 
-        def call(args=args, s_in=parts_in.shape[0]) -> None:
-            args[8].zero_()
+        def call(args=args, s_in=parts_in.shape[0], first=i == 0) -> None:
+            if first:  # one memset for every layer's counter: a node between two launches would break their PDL
+                counters.zero_()
             persistent_mlp_kernel[(programs,)](*args, S_IN=s_in, **constants)
 
         calls.append(call)
@@ -212,14 +220,14 @@ def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays:
     for call in calls:  # one plain pass: the outputs to check against
         call()
     want_residual, want_parts = residual.clone(), outs[-1].clone()
-    counters = [torch.zeros(1, dtype=torch.int32, device=device) for _ in layers]
+    counters = torch.zeros(num_layers, dtype=torch.int32, device=device)
     result["persistent"] = {}
-    for k in per_sm:
-        programs = k * num_sms if cuda else 1
+    for k, pdl in itertools.product(per_sm, [False, True] if cuda else [False]):
+        programs, name = (k * num_sms if cuda else 1), f"{k}{'_pdl' if pdl else ''}"
         try:
-            calls = persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles)
+            calls = persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles, pdl)
         except NotResident as e:
-            result["persistent"][str(k)] = {"s": None, "not_resident": str(e)}
+            result["persistent"][name] = {"s": None, "not_resident": str(e)}
             continue
         seconds = replay_seconds(calls, replays) / num_layers
         residual.copy_(start)
@@ -229,8 +237,8 @@ def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays:
         parts_diff = (layers[-1].parts - want_parts.float()).abs().max().item()
         scale = max(1.0, want_parts.abs().max().item())
         if not (residual_diff <= 0.05 and parts_diff <= 0.05 * scale):  # NaN fails too
-            raise SystemExit(f"persistent_mlp: {k} a SM differs from the chain ({residual_diff}, {parts_diff})")
-        result["persistent"][str(k)] = {"s": seconds, "residual_diff": residual_diff, "parts_diff": parts_diff}
+            raise SystemExit(f"persistent_mlp: {name} differs from the chain ({residual_diff}, {parts_diff})")
+        result["persistent"][name] = {"s": seconds, "residual_diff": residual_diff, "parts_diff": parts_diff}
     weight_bytes = 3 * hidden * inner * layers[0].gate_up.element_size()
     result["bound_s"] = weight_bytes / copy_bandwidth() if cuda else None
     return result
@@ -253,9 +261,10 @@ def main() -> None:
     print(f"chain      {result['chain_s'] * 1e6:8.2f} us a layer" + (f"  (bound {bound * 1e6:.2f})" if bound else ""))
     for k, row in result["persistent"].items():
         if row["s"] is None:
-            print(f"persistent {k} a SM: not run ({row['not_resident']})")
+            print(f"persistent {k}: not run ({row['not_resident']})")
         else:
-            print(f"persistent {row['s'] * 1e6:8.2f} us a layer, {k} a SM (max diff {row['parts_diff']:.2e})")
+            print(f"persistent {row['s'] * 1e6:8.2f} us a layer, {k} (programs an SM, _pdl: launched so; max diff "
+                  f"{row['parts_diff']:.2e})")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
