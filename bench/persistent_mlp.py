@@ -246,7 +246,7 @@ def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="3b")
+    ap.add_argument("--model", default="qwen2_5_vl_3b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--per-sm", nargs="+", type=int, default=[1, 2], help="programs an SM of the persistent form")

@@ -62,7 +62,7 @@ def measure(lens: tuple[int, ...], heads: int, groups: int, head_dim: int, iters
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="3b")
+    ap.add_argument("--model", default="qwen2_5_vl_3b")
     ap.add_argument("--lens", nargs="+", type=int, default=list(FIRST_STEP_PROMPTS), help="prompt lengths (tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", help="write the result here (JSON)")
