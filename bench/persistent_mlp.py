@@ -203,7 +203,7 @@ def resident_per_sm(kernel) -> int:
 def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays: int) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    text = load_model_config(model).text
+    text = load_model_config(model if model == "tiny" else f"qwen2_5_vl_{model}").text
     hidden, inner, eps = text.hidden_size, text.intermediate_size, text.rms_norm_eps
     num_sms = sm_count(device)
     tiles = swap_tiles(batch, hidden, inner, num_sms, element_size=2 if cuda else 4)
@@ -246,7 +246,7 @@ def measure(model: str, batch: int, num_layers: int, per_sm: list[int], replays:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2_5_vl_3b")
+    ap.add_argument("--model", default="3b", help="3b, 7b, ... (qwen2_5_vl_<this>), or tiny")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--per-sm", nargs="+", type=int, default=[1, 2], help="programs an SM of the persistent form")

@@ -62,14 +62,14 @@ def measure(lens: tuple[int, ...], heads: int, groups: int, head_dim: int, iters
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2_5_vl_3b")
+    ap.add_argument("--model", default="3b", help="3b, 7b, ... (qwen2_5_vl_<this>), or tiny")
     ap.add_argument("--lens", nargs="+", type=int, default=list(FIRST_STEP_PROMPTS), help="prompt lengths (tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args()
     if len(args.lens) < 2 or min(args.lens) < 1 or len(set(args.lens)) == 1:
         sys.exit("prompt_attention: --lens takes two or more lengths >= 1, not all equal (nothing padded otherwise)")
-    text = load_model_config(args.model).text
+    text = load_model_config(args.model if args.model == "tiny" else f"qwen2_5_vl_{args.model}").text
     result = measure(tuple(args.lens), text.num_attention_heads, text.num_key_value_heads, text.head_dim, args.iters)
     result.update(model=args.model, lens=args.lens, commit=source_commit(),
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip

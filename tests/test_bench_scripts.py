@@ -265,6 +265,10 @@ def test_prompt_attention_times_both_forms_and_refuses_lengths_with_nothing_padd
     assert (
         refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1 and "not all equal" in refused.stderr
     )
+    shipped = subprocess.run(
+        [sys.executable, script, "--lens", "9", "5", "--iters", "1"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert shipped.returncode == 0, shipped.stderr[-2000:]  # the default model, named as the benches name it (3b)
 
 
 def test_grid_sync_checks_every_phase_of_each_way_and_refuses_bad_phase_counts(tmp_path):
