@@ -30,7 +30,7 @@ from decode import copy_bandwidth, replay_seconds  # bench/: this folder
 from grid_sync import grid_barrier
 
 from rollplex.bench.provenance import source_commit
-from rollplex.kernels.decode_ops import add_rms_norm
+from rollplex.kernels.decode_ops import add_rms_norm, add_rms_norm_row
 from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.swap_gemm import SWAP_BLOCK_K, SWAP_BLOCK_N, swap_tiles
 from rollplex.kernels.tiles import k_per_split, sm_count
@@ -68,20 +68,9 @@ def persistent_mlp_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    # 1. residual += the parts, summed in order and rounded; normed = RMSNorm(residual) (`add_rms_norm`'s math)
-    cols = tl.arange(0, NORM_BLOCK)
-    inside = cols < N
+    # 1. residual += the parts, normed = RMSNorm(residual): `add_rms_norm`'s rows
     for row in range(pid, M, programs):
-        x = tl.load(residual + row * N + cols, mask=inside, other=0.0)
-        delta = tl.load(parts_in + row * N + cols, mask=inside, other=0.0)
-        for part in range(1, S_IN):
-            delta += tl.load(parts_in + part * M * N + row * N + cols, mask=inside, other=0.0)
-        x = (x.to(tl.float32) + delta.to(x.dtype).to(tl.float32)).to(x.dtype)
-        tl.store(residual + row * N + cols, x, mask=inside)
-        x32 = x.to(tl.float32)
-        y = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
-        w = tl.load(norm_w + cols, mask=inside, other=0.0)
-        tl.store(normed + row * N + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=inside)
+        add_rms_norm_row(parts_in, residual, norm_w, normed, row, eps, M * N, N, NORM_BLOCK, True, S_IN)
     grid_barrier(counter, programs)
     # 2. hidden = silu(normed G^T) * (normed U^T), one 64-column tile at a time, K whole
     rows = tl.arange(0, BLOCK_M)

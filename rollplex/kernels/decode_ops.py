@@ -34,6 +34,26 @@ def summed(ptr, offsets, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.const
 
 
 @triton.jit
+def add_rms_norm_row(
+    delta_ptr, residual_ptr, weight_ptr, out_ptr, row, eps, part_stride,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """One row of `add_rms_norm_kernel`: residual[row] += delta's parts (summed in order, rounded), then out[row] =
+    RMSNorm(residual[row]) * weight."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        delta = summed(delta_ptr, row * N + cols, mask, part_stride, PARTS, residual_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + delta).to(x.dtype)
+        tl.store(residual_ptr + row * N + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+@triton.jit
 def add_rms_norm_kernel(
     delta_ptr,  # [PARTS, rows, N] or unused
     residual_ptr,  # [rows, N], updated in place
@@ -50,17 +70,7 @@ def add_rms_norm_kernel(
 ):
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
-    if HAS_DELTA:
-        delta = summed(delta_ptr, row * N + cols, mask, part_stride, PARTS, residual_ptr.dtype.element_ty)
-        x = (x.to(tl.float32) + delta).to(x.dtype)
-        tl.store(residual_ptr + row * N + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+    add_rms_norm_row(delta_ptr, residual_ptr, weight_ptr, out_ptr, row, eps, part_stride, N, BLOCK, HAS_DELTA, PARTS)
     leave(USE_GDC, AHEAD)
 
 
