@@ -143,6 +143,8 @@ def chain_calls(layers: list[Layer], first_parts: torch.Tensor, residual: torch.
 
 
 def persistent_calls(layers, first_parts, residual, eps, counters, programs, tiles, pdl):
+    """One launch a layer of `programs` programs (`pdl`: as programmatic dependents); NotResident where they would
+    not all be resident at once."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, hidden = residual.shape
@@ -176,7 +178,7 @@ def persistent_calls(layers, first_parts, residual, eps, counters, programs, til
 
 
 class NotResident(Exception):
-    pass
+    """More programs than the GPU holds at once: their grid barrier would wait forever."""
 
 
 def resident_per_sm(kernel) -> int:
