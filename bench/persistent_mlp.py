@@ -30,7 +30,7 @@ from decode import copy_bandwidth, replay_seconds  # bench/: this folder
 from grid_sync import grid_barrier
 
 from rollplex.bench.provenance import source_commit
-from rollplex.kernels.decode_ops import add_rms_norm, add_rms_norm_row
+from rollplex.kernels.decode_ops import add_rms_norm, add_rms_norm_row, norm_weight
 from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.swap_gemm import SWAP_BLOCK_K, SWAP_BLOCK_N, swap_tiles
 from rollplex.kernels.tiles import k_per_split, sm_count
@@ -69,8 +69,9 @@ def persistent_mlp_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pid, programs = tl.program_id(0), tl.num_programs(0)
     # 1. residual += the parts, normed = RMSNorm(residual): `add_rms_norm`'s rows
+    w = norm_weight(norm_w, N, NORM_BLOCK)
     for row in range(pid, M, programs):
-        add_rms_norm_row(parts_in, residual, norm_w, normed, row, eps, M * N, N, NORM_BLOCK, True, S_IN)
+        add_rms_norm_row(parts_in, residual, w, normed, row, eps, M * N, N, NORM_BLOCK, True, S_IN)
     grid_barrier(counter, programs)
     # 2. hidden = silu(normed G^T) * (normed U^T), one 64-column tile at a time, K whole
     rows = tl.arange(0, BLOCK_M)

@@ -10,8 +10,9 @@
 K split, which they add in split order and round to the model dtype as `tiles.sum_splits` would (so the split
 needs no launch of its own: `transposed_gemm.linear_parts`), or one part in the model dtype (any product, [None]).
 Positions and the step come from device tensors, so a captured CUDA graph replays them step after step. Each
-takes `pdl`: launched as a programmatic dependent, it waits for the kernel before it first and lets the next
-one launch once its own stores are issued, or with `ahead` before it waits (`rollplex.kernels.pdl`).
+takes `pdl`: launched as a programmatic dependent, it waits for the kernel before it and lets the next one launch
+once its own stores are issued, or with `ahead` before it waits (`rollplex.kernels.pdl`). What no kernel of the
+chain writes it reads before it waits (`pdl.enter`): the norm's weight; rotary's position and its cos and sin.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ def summed(ptr, offsets, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.const
 
 
 @triton.jit
+def norm_weight(weight_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """A norm's weight [N] as `add_rms_norm_row` takes it: BLOCK lanes, zeros past N."""
+    cols = tl.arange(0, BLOCK)
+    return tl.load(weight_ptr + cols, mask=cols < N, other=0.0)
+
+
+@triton.jit
 def add_rms_norm_row(
-    delta_ptr, residual_ptr, weight_ptr, out_ptr, row, eps, part_stride,
+    delta_ptr, residual_ptr, w, out_ptr, row, eps, part_stride,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
     """One row of `add_rms_norm_kernel`: residual[row] += delta's parts (summed in order, rounded), then out[row] =
-    RMSNorm(residual[row]) * weight."""
+    RMSNorm(residual[row]) * w, the weight as `norm_weight` loads it."""
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(residual_ptr + row * N + cols, mask=mask, other=0.0)
@@ -49,7 +57,6 @@ def add_rms_norm_row(
         tl.store(residual_ptr + row * N + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     normed = (x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * N + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
 
@@ -68,9 +75,10 @@ def add_rms_norm_kernel(
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
+    w = norm_weight(weight_ptr, N, BLOCK)
     enter(USE_GDC, AHEAD)
     row = tl.program_id(0).to(tl.int64)
-    add_rms_norm_row(delta_ptr, residual_ptr, weight_ptr, out_ptr, row, eps, part_stride, N, BLOCK, HAS_DELTA, PARTS)
+    add_rms_norm_row(delta_ptr, residual_ptr, w, out_ptr, row, eps, part_stride, N, BLOCK, HAS_DELTA, PARTS)
     leave(USE_GDC, AHEAD)
 
 
@@ -118,7 +126,6 @@ def rotary_to_cache_kernel(
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
 ):
-    enter(USE_GDC, AHEAD)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then kv heads
     slot = tl.load(slots_ptr + row)
@@ -127,6 +134,7 @@ def rotary_to_cache_kernel(
     half = tl.arange(0, D // 2)
     cos = tl.load(cos_ptr + position * D + half)  # both halves of the table are equal
     sin = tl.load(sin_ptr + position * D + half)
+    enter(USE_GDC, AHEAD)  # the projection: from here on
     src = (row * (H + 2 * G) + head) * D  # offset in each part
     dtype = q_out_ptr.dtype.element_ty
     whole_half = half < D // 2  # every lane: `summed` takes a mask

@@ -4,12 +4,18 @@ waits (`gdc_wait`) for that kernel to finish, its writes visible, before it read
 - `pdl_options`: the launch keywords, so that a kernel never launches early without waiting.
 - `enter` / `leave`: where a kernel lets the next one launch (`gdc_launch_dependents`). By default once its own
   work is issued (`leave`; our GEMMs right after they wait). With `ahead`, before it waits: the next launch becomes
-  resident while this one still waits or runs, and so on down the chain, so that each of our GEMMs pulls the first
-  blocks of its weights into L2 (`prefetch_l2`, `prefetch_k`) while the kernels before it run, instead of starting
-  its weight stream from HBM only once they are done. The weights are the one thing a dependent reads before it
-  waits: no kernel of a decode step writes them. Launching early changes no number (every kernel still waits for
+  resident while this one still waits or runs, and so on down the chain, so that each of our GEMMs pulls more of
+  its weights into L2 (`prefetch_l2`, `prefetch_k`) while the kernels before it run, instead of starting its
+  weight stream from HBM only once they are done. Launching early changes no number (every kernel still waits for
   the one before it to finish), and it cannot starve the kernel before: a launch happens only once every program
   of that kernel has started.
+
+Before it waits a dependent reads only what no kernel of the chain writes: the weights, and the step's tables
+and state (positions, slots, the step counter, the prompts' lengths, KV and row map), which the ops before the
+chain set; the chain's first kernel launches only once the op before it has finished. What it needs first it
+reads or pulls into L2 there (a norm's weight, rotary's cos and sin, the attention's first keys, a GEMM's first
+weight blocks), so that the wait and the kernel before it hide those loads' latency. A pull into L2 reads nothing
+into the program: it may touch a line the chain writes.
 """
 
 from __future__ import annotations

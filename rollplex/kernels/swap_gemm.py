@@ -11,7 +11,8 @@ W is [rows, K] contiguous: HF's [O, I] (output column c reads row c), or Megatro
 stored rows when BLOCK_N divides head_dim (the row map keeps a head's rows together), so one descriptor load
 fetches it; `swap_fits` checks that and TMA's 16-byte alignment. A K split writes fp32 partials [SPLIT_K, M, N]
 in split order (the bias in the first part), summed by `tiles.sum_splits` or left for the next kernel. Launched
-`ahead` (`rollplex.kernels.pdl`), each program first pulls the start of its weight rows into L2. With
+as a programmatic dependent (`rollplex.kernels.pdl`), each program first pulls the start of its weight rows into
+L2 before it waits: its first PREFETCH_BLOCKS blocks, or with `ahead` as much as `pdl.prefetch_k` gives. With
 `PAIR` (gate/up blocks, `transposed_gemm.gate_up_silu`) a program also accumulates the up rows PAIR below its
 gate rows and stores silu(gate) * up, K unsplit.
 """
@@ -44,6 +45,7 @@ SWAP_BLOCK_K = 128
 SWAP_MAX_STAGES = 6
 SWAP_SPLIT_MIN_K = 512  # K rows each part of a swapped split reads at least
 SWAP_RESIDENT_STAGES = 3  # the pipeline depth of a tile whose programs share SMs to be resident at once
+PREFETCH_BLOCKS = 2  # K blocks of its weight rows a program launched as a dependent pulls into L2 before it waits
 SM_SHARED_BYTES = 228 * 1024  # a Hopper SM's shared memory, divided among the programs resident on it
 RESERVED_BYTES = 1024  # shared memory the driver keeps for each resident program
 
@@ -100,7 +102,7 @@ def swap_gemm_kernel(
     USE_GDC: tl.constexpr = False,  # see `transposed_gemm_kernel`
     PAIR: tl.constexpr = 0,  # > 0: y = silu(gate) * up, as `transposed_gemm_kernel`'s PAIR (K unsplit)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
-    PREFETCH_K: tl.constexpr = 0,  # with AHEAD: elements of each of its W rows a program pulls into L2 first
+    PREFETCH_K: tl.constexpr = 0,  # with USE_GDC: elements of each of its W rows a program pulls into L2 first
     LINE: tl.constexpr = 64,  # elements per L2 line
 ):
     first_col = tl.program_id(0) * BLOCK_N
@@ -111,7 +113,7 @@ def swap_gemm_kernel(
         first_row = (first_col // PAIR) * (2 * PAIR) + first_col % PAIR
     else:
         first_row = first_col
-    if USE_GDC and AHEAD and PREFETCH_K > 0:  # the weights: no kernel of the chain writes them
+    if USE_GDC and PREFETCH_K > 0:  # the weights: no kernel of the chain writes them
         ks = tl.minimum(first_k + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)  # a last part's end: within W
         lines = w_ptr + (first_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + ks[None, :]
         prefetch_l2(lines)
@@ -193,6 +195,14 @@ def swap_stages(block_m: int, block_n: int, paired: bool = False, element_size: 
     return min(SWAP_MAX_STAGES, SHARED_BYTES // stage_bytes)
 
 
+def swap_prefetch(num_programs: int, rows: int, k_per_program: int, element_size: int, t: Tiles, ahead: bool) -> int:
+    """Elements of each of its `rows` weight rows a program launched as a dependent pulls into L2 before it waits:
+    `pdl.prefetch_k`'s share where it launched `ahead` (the kernels before it still run), else at most its first
+    PREFETCH_BLOCKS blocks of K (the wait is about a kernel's drain)."""
+    most = prefetch_k(num_programs, rows, k_per_program, element_size)
+    return most if ahead else min(most, PREFETCH_BLOCKS * t.block_k)
+
+
 def swap_product(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -212,7 +222,8 @@ def swap_product(
     y = silu(gate) * up of w's [gate; up] blocks of `pair` rows each (K unsplit). Tiles: `tiles` (split_k set)
     or `swap_tiles`' for `num_sms` (default: the device's); hand-given tiles may be 16 or 32 weight rows wide (each
     lies within a 64-row tile that `swap_fits` checked; `bench/swap_tiles.py` times them). `pdl`, `ahead`:
-    `rollplex.kernels.pdl`; with `ahead` each program first pulls up to `pdl.prefetch_k` of its weight into L2."""
+    `rollplex.kernels.pdl`; launched so, each program first pulls the start of its weight rows into L2 (see the
+    module docstring)."""
     run = heads.head_dim if heads else pair or None
     assert swap_fits(x, w, num_cols, run), f"x {tuple(x.shape)}, w {tuple(w.shape)}: not for swap"
     assert not (heads and pair), "the QKV row map and the gate/up pairing do not combine"
@@ -236,12 +247,12 @@ def swap_product(
     w_desc = TensorDescriptor.from_tensor(w, [t.block_n, t.block_k])
     grid, per_split = (triton.cdiv(n, t.block_n), t.split_k), k_per_split(k, t.split_k, t)
     rows = t.block_n * (2 if pair else 1)
-    ahead_options = {"PREFETCH_K": prefetch_k(math.prod(grid), rows, per_split, w.element_size())} if ahead else {}
+    prefetch = {"PREFETCH_K": swap_prefetch(math.prod(grid), rows, per_split, w.element_size(), t, ahead)}
     swap_gemm_kernel[grid](
         x_desc, w_desc, w, w if bias is None else bias, y, partials, m, n, k,
         heads is not None, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_replicas, bias is not None,
         t.block_m, t.block_n, t.block_k, t.split_k, per_split, PAIR=pair, LINE=line_elements(w),
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead), **ahead_options,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead), **(prefetch if pdl else {}),
     )  # fmt: skip
     if unsummed:
         return partials if t.split_k > 1 else y[None]

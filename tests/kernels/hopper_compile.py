@@ -122,8 +122,8 @@ def decode_kernels() -> dict:
             **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows",
                    "prompt_programs", t="i32"),
             "scale": "fp32"}, {**heads, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
-            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True,
-            "AHEAD": False}),
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "PREFETCH": 128,
+            "LINE": 64, "USE_GDC": True, "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 32,
             "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
@@ -155,7 +155,7 @@ def compile_decode_kernel(name: str, fn, signature: dict, constexprs: dict) -> d
     kernel = triton.compile(ASTSource(fn=fn, signature=ordered, constexprs=constexprs), target=HOPPER)
     ptx = kernel.asm["ptx"]
     return {"kernel": name, "shared_bytes": kernel.metadata.shared, "gdc": "griddepcontrol.wait" in ptx,
-            "wait_first": wait_first(ptx), **registers(kernel.asm["cubin"])}  # fmt: skip
+            **before_wait(ptx), **registers(kernel.asm["cubin"])}  # fmt: skip
 
 
 def registers(cubin: bytes) -> dict:
@@ -208,12 +208,20 @@ def ahead_kernels() -> dict:
 
 
 def launch_order(ptx: str) -> dict:
-    """Where a dependent launch lets the next kernel go (before or after it waits) and what it touches before it
-    waits: only L2 prefetches are allowed there."""
+    """Where a dependent launch lets the next kernel go (before or after it waits) and what it does before it
+    waits (`before_wait`)."""
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    before = ptx[:wait]
-    touches = [op for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global") if op in before]
-    return {"launch_first": 0 <= launch < wait, "touches_before_wait": touches,
+    return {"launch_first": 0 <= launch < wait, **before_wait(ptx)}
+
+
+def before_wait(ptx: str) -> dict:
+    """What a dependent launch does before griddepcontrol.wait (everything, where it never waits): global loads and
+    L2 prefetches counted, and which kinds of global write or asynchronous copy it issues (a write there could
+    race the kernel before it; a load may read only what no kernel of the chain writes, `pdl.enter`)."""
+    wait = ptx.find("griddepcontrol.wait")
+    before = ptx if wait < 0 else ptx[:wait]
+    writes = [op for op in ("st.global", "cp.async", "atom.global", "red.global") if op in before]
+    return {"loads_before_wait": before.count("ld.global"), "writes_before_wait": writes,
             "prefetches_before_wait": before.count("prefetch.global.L2")}  # fmt: skip
 
 

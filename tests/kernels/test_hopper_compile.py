@@ -1,7 +1,7 @@
 """Without a GPU, both kernels (and the transposed one's fused gate_up) still compile for sm_90 with the picked tiles
 (and with K split), software-pipelined (cp.async), within Hopper's shared memory, and on wgmma tensor cores once the
-M tile reaches 64; every decode kernel compiles too, and launched `ahead` lets the next kernel launch first and
-touches nothing but its weights' L2 prefetches before it waits."""
+M tile reaches 64; every decode kernel compiles too, writes nothing before it waits (and reads there only where
+`pdl.enter` allows), and launched `ahead` lets the next kernel launch first."""
 
 from __future__ import annotations
 
@@ -48,7 +48,13 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory_and_regist
     ]  # fmt: skip
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
     assert [r["gdc"] for r in results] == [True] * 5 + [False, False, True]  # sampling: no dependent launch
-    assert all(r["wait_first"] is (True if r["gdc"] else None) for r in results)  # before any global access
+    # before it waits a dependent writes nothing, and only these read what no kernel of the chain writes
+    # (`pdl.enter`): the attention its row map and the step, the norm its weight, rotary its position and tables
+    dependents = [r for r in results if r["gdc"]]
+    assert all(r["writes_before_wait"] == [] for r in dependents), results
+    assert [r["kernel"] for r in dependents if r["loads_before_wait"]] == ["partial", "add_rms_norm", "rotary_to_cache"]
+    # the attention's 6: the prompt's index, row count, first row and length; the own row's slot and the step
+    assert next(r for r in results if r["kernel"] == "partial")["loads_before_wait"] == 6
     # registers: every kernel but the partial attention keeps its values in registers (no local memory); the
     # partial's 64-row prompt tile ([N x heads-per-group] queries against a [64, 128] block) takes every register
     # a thread may have at 4 warps and spills, and its own-key programs share that allocation
@@ -57,14 +63,17 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory_and_regist
 
 
 @pytest.mark.slow
-def test_ahead_each_kernel_lets_the_next_launch_first_and_touches_nothing_but_weight_prefetches_before_it_waits():
+def test_ahead_each_kernel_lets_the_next_launch_first_and_writes_nothing_before_it_waits():
     results = {r.pop("kernel"): r for r in compiled("ahead")}
     assert list(results) == ["partial", "combine", "add_rms_norm", "rotary_to_cache", "swap_qkv", "swap_gate_up"]
-    assert all(r["launch_first"] and r["touches_before_wait"] == [] for r in results.values()), results
+    assert all(r["launch_first"] and r["writes_before_wait"] == [] for r in results.values()), results
+    assert results["swap_qkv"]["loads_before_wait"] == results["swap_gate_up"]["loads_before_wait"] == 0
     # 64 weight rows x 2048 elements in 128-byte lines over 128 threads; the pair: gate and up rows, 256 elements
     assert results["swap_qkv"]["prefetches_before_wait"] == 64 * 2048 // 64 // 128
     assert results["swap_gate_up"]["prefetches_before_wait"] == 2 * 64 * 256 // 64 // 128
-    assert all(results[k]["prefetches_before_wait"] == 0 for k in ("partial", "combine", "add_rms_norm"))
+    # the attention: keys and values, 128 keys of 2 lines each over 128 threads, in the prompt and the own programs
+    assert results["partial"]["prefetches_before_wait"] == 2 * 2 * 128 * 2 // 128
+    assert all(results[k]["prefetches_before_wait"] == 0 for k in ("combine", "add_rms_norm", "rotary_to_cache"))
 
 
 @pytest.mark.slow
