@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rollplex.kernels.pdl import enter, leave, prefetch_l2
+from rollplex.kernels.pdl import enter, leave
 
 
 @triton.jit
@@ -82,14 +82,11 @@ def _prompt_partial(
     HEADS: tl.constexpr,  # power of two >= HPG
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,  # keys pulled into L2 before the wait
-    LINE: tl.constexpr,  # elements of an L2 line
     USE_GDC: tl.constexpr,
     AHEAD: tl.constexpr,
 ):
     """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK). Before it waits
-    (`pdl.enter`) it reads the batch's row map and pulls its first keys and values into L2: no kernel of the
-    chain writes them."""
+    (`pdl.enter`) it reads the batch's row map: no kernel of the chain writes it."""
     count = tl.load(row_count_ptr + p)
     start = tl.load(row_start_ptr + p)
     length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
@@ -98,16 +95,12 @@ def _prompt_partial(
     head = g * HPG + r % HEADS
     valid = (r // HEADS < count) & (r % HEADS < HPG)
     d = tl.arange(0, D)
-    key_at = split * CHUNK
-    k_at = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg
-    v_at = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg
-    if key_at < length:
-        _prefetch_keys(k_at, v_at, stride_ks, stride_vs, key_at, length, PREFETCH, D, LINE)
     enter(USE_GDC, AHEAD)  # the queries: from here on
     q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
+    key_at = split * CHUNK
     keys = key_at + tl.arange(0, BLOCK)
-    k_ptrs = k_at + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
-    v_ptrs = v_at + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
+    k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
+    v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
     at = (split * max_rows + row).to(tl.int64) * H + head
     if key_at < length:
         out, lse = _attend_chunk(
@@ -141,27 +134,22 @@ def _own_partial(
     HEADS: tl.constexpr,  # power of two >= max(HPG, 16): tl.dot needs 16 rows
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
     USE_GDC: tl.constexpr,
     AHEAD: tl.constexpr,
 ):
     """Batch row `row`'s heads of group g against its own keys [split * CHUNK, (split + 1) * CHUNK). Before it
-    waits it reads its slot and the step and pulls its first keys and values into L2 (the step's own key among
-    them, which the kernel before writes: a pull into L2 reads nothing into the program)."""
+    waits it reads its slot and the step."""
     slot = tl.load(slots_ptr + row)
     length = tl.load(step_ptr) + 1
     r = tl.arange(0, HEADS)
     head = g * HPG + r
     valid = r < HPG
     d = tl.arange(0, D)
-    key_at = split * CHUNK
-    base = (slot * G + g) * R
-    if key_at < length:
-        _prefetch_keys(k_ptr + base * D, v_ptr + base * D, D, D, key_at, length, PREFETCH, D, LINE)
     enter(USE_GDC, AHEAD)  # the queries and the step's own key: from here on
     q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
+    key_at = split * CHUNK
     keys = key_at + tl.arange(0, BLOCK)
+    base = (slot * G + g) * R
     k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     at = (split * max_rows + row).to(tl.int64) * H + head
@@ -171,18 +159,6 @@ def _own_partial(
         tl.store(lse_ptr + at, lse, mask=valid)
     else:  # a chunk the response has not reached yet (most of them early in a long rollout): its lse only
         tl.store(lse_ptr + at, tl.full((HEADS,), float("-inf"), dtype=tl.float32), mask=valid)
-
-
-@triton.jit
-def _prefetch_keys(k_at, v_at, stride_k, stride_v, key_at, length, PREFETCH: tl.constexpr, D: tl.constexpr,
-                   LINE: tl.constexpr):  # fmt: skip
-    """Pulls the L2 lines of keys and values key_at + [0, PREFETCH), those below `length`, into L2 (a key row is
-    `stride_k` / `stride_v` elements after the one before, D of them contiguous)."""
-    if PREFETCH > 0:
-        keys = tl.minimum(key_at + tl.arange(0, PREFETCH), length - 1).to(tl.int64)  # past the end: the last key
-        lines = tl.arange(0, D // LINE) * LINE
-        prefetch_l2(k_at + keys[:, None] * stride_k + lines[None, :])
-        prefetch_l2(v_at + keys[:, None] * stride_v + lines[None, :])
 
 
 @triton.jit(do_not_specialize=["prompt_programs"])
@@ -224,8 +200,6 @@ def partial_kernel(
     OWN_CHUNK: tl.constexpr,
     OWN_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # keys of its chunk a program pulls into L2 before it waits (a power of two)
-    LINE: tl.constexpr = 64,  # elements of an L2 line
     USE_GDC: tl.constexpr = False,  # a programmatic dependent launch (`pdl.pdl_options`)
     AHEAD: tl.constexpr = False,  # `pdl.enter`
 ):
@@ -238,14 +212,14 @@ def partial_kernel(
             tl.load(batch_prompts_ptr + pid // (G * PROMPT_SPLITS)), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, PREFETCH, LINE, USE_GDC, AHEAD,
+            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, USE_GDC, AHEAD,
         )  # fmt: skip
     else:
         own = pid - prompt_programs
         _own_partial(
             own // (G * OWN_SPLITS), (own // OWN_SPLITS) % G, own % OWN_SPLITS,
             q_ptr, own_k_ptr, own_v_ptr, slots_ptr, step_ptr, own_out_ptr, own_lse_ptr, max_rows, scale,
-            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK, PREFETCH, LINE, USE_GDC, AHEAD,
+            H, G, HPG, D, R, OWN_HEADS, OWN_CHUNK, BLOCK, USE_GDC, AHEAD,
         )  # fmt: skip
     leave(USE_GDC, AHEAD)
 

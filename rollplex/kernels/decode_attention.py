@@ -26,10 +26,8 @@ import torch
 import triton
 
 from rollplex.kernels.cascade import combine_kernel, partial_kernel
-from rollplex.kernels.pdl import line_elements, pdl_options
+from rollplex.kernels.pdl import pdl_options
 from rollplex.kernels.tiles import NUM_SMS_H200
-
-PREFETCH_BLOCKS = 2  # key blocks of its chunk a partial program launched as a dependent pulls into L2 before it waits
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -174,9 +172,7 @@ class DecodeAttention:
             H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
             PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=chunk, PROMPT_SPLITS=splits,
             OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
-            PREFETCH=min(PREFETCH_BLOCKS * sh.block, chunk, sh.own_chunk) if pdl else 0,
-            LINE=min(line_elements(q), d), num_warps=sh.num_warps, num_stages=sh.num_stages,
-            **pdl_options(pdl, q, ahead),
+            num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip
         combine_kernel[(rows, h)](
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse, out, sh.max_rows,

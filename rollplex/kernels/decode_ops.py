@@ -23,6 +23,8 @@ import triton.language as tl
 
 from rollplex.kernels.pdl import enter, leave, pdl_options
 
+NORM_WARPS = 8  # a row's loads and its sum spread over more threads: the latency-bound decode norm is shorter
+
 
 @triton.jit
 def summed(ptr, offsets, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.constexpr):
@@ -100,7 +102,7 @@ def add_rms_norm(
     add_rms_norm_kernel[(rows,)](
         residual if parts is None else parts, residual, weight, out, eps, rows * n, N=n,
         BLOCK=triton.next_power_of_2(n), HAS_DELTA=parts is not None, PARTS=1 if parts is None else parts.shape[0],
-        **pdl_options(pdl, out, ahead),
+        num_warps=NORM_WARPS, **pdl_options(pdl, out, ahead),
     )  # fmt: skip
     return out
 

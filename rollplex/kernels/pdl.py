@@ -13,9 +13,8 @@ waits (`gdc_wait`) for that kernel to finish, its writes visible, before it read
 Before it waits a dependent reads only what no kernel of the chain writes: the weights, and the step's tables
 and state (positions, slots, the step counter, the prompts' lengths, KV and row map), which the ops before the
 chain set; the chain's first kernel launches only once the op before it has finished. What it needs first it
-reads or pulls into L2 there (a norm's weight, rotary's cos and sin, the attention's first keys, a GEMM's first
-weight blocks), so that the wait and the kernel before it hide those loads' latency. A pull into L2 reads nothing
-into the program: it may touch a line the chain writes.
+reads or pulls into L2 there (a norm's weight, rotary's cos and sin, the attention's row map, a GEMM's first
+weight blocks), so that the wait and the kernel before it hide those loads' latency.
 """
 
 from __future__ import annotations

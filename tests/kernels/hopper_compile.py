@@ -122,8 +122,8 @@ def decode_kernels() -> dict:
             **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows",
                    "prompt_programs", t="i32"),
             "scale": "fp32"}, {**heads, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
-            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "PREFETCH": 128,
-            "LINE": 64, "USE_GDC": True, "AHEAD": False}),
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True,
+            "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 32,
             "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),
@@ -215,8 +215,9 @@ def launch_order(ptx: str) -> dict:
 
 
 def before_wait(ptx: str) -> dict:
-    """What a dependent launch does before griddepcontrol.wait (everything, where it never waits): global loads and
-    L2 prefetches counted, and which kinds of global write or asynchronous copy it issues (a write there could
+    """What a dependent launch does before its first griddepcontrol.wait in the PTX (everything, where it never
+    waits; a kernel whose branches each wait, as the attention's partials, shows the first branch): global loads
+    and L2 prefetches counted, and which kinds of global write or asynchronous copy it issues (a write there could
     race the kernel before it; a load may read only what no kernel of the chain writes, `pdl.enter`)."""
     wait = ptx.find("griddepcontrol.wait")
     before = ptx if wait < 0 else ptx[:wait]

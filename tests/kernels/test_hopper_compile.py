@@ -53,8 +53,6 @@ def test_every_decode_kernel_compiles_for_hopper_within_shared_memory_and_regist
     dependents = [r for r in results if r["gdc"]]
     assert all(r["writes_before_wait"] == [] for r in dependents), results
     assert [r["kernel"] for r in dependents if r["loads_before_wait"]] == ["partial", "add_rms_norm", "rotary_to_cache"]
-    # the attention's 6: the prompt's index, row count, first row and length; the own row's slot and the step
-    assert next(r for r in results if r["kernel"] == "partial")["loads_before_wait"] == 6
     # registers: every kernel but the partial attention keeps its values in registers (no local memory); the
     # partial's 64-row prompt tile ([N x heads-per-group] queries against a [64, 128] block) takes every register
     # a thread may have at 4 warps and spills, and its own-key programs share that allocation
@@ -71,9 +69,9 @@ def test_ahead_each_kernel_lets_the_next_launch_first_and_writes_nothing_before_
     # 64 weight rows x 2048 elements in 128-byte lines over 128 threads; the pair: gate and up rows, 256 elements
     assert results["swap_qkv"]["prefetches_before_wait"] == 64 * 2048 // 64 // 128
     assert results["swap_gate_up"]["prefetches_before_wait"] == 2 * 64 * 256 // 64 // 128
-    # the attention: keys and values, 128 keys of 2 lines each over 128 threads, in the prompt and the own programs
-    assert results["partial"]["prefetches_before_wait"] == 2 * 2 * 128 * 2 // 128
-    assert all(results[k]["prefetches_before_wait"] == 0 for k in ("combine", "add_rms_norm", "rotary_to_cache"))
+    assert all(
+        results[k]["prefetches_before_wait"] == 0 for k in ("partial", "combine", "add_rms_norm", "rotary_to_cache")
+    )
 
 
 @pytest.mark.slow
