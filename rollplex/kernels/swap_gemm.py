@@ -247,12 +247,14 @@ def swap_product(
     w_desc = TensorDescriptor.from_tensor(w, [t.block_n, t.block_k])
     grid, per_split = (triton.cdiv(n, t.block_n), t.split_k), k_per_split(k, t.split_k, t)
     rows = t.block_n * (2 if pair else 1)
-    prefetch = {"PREFETCH_K": swap_prefetch(math.prod(grid), rows, per_split, w.element_size(), t, ahead)}
+    prefetch = (
+        {"PREFETCH_K": swap_prefetch(math.prod(grid), rows, per_split, w.element_size(), t, ahead)} if pdl else {}
+    )
     swap_gemm_kernel[grid](
         x_desc, w_desc, w, w if bias is None else bias, y, partials, m, n, k,
         heads is not None, h.num_heads, h.num_kv_heads, h.head_dim, h.kv_replicas, bias is not None,
         t.block_m, t.block_n, t.block_k, t.split_k, per_split, PAIR=pair, LINE=line_elements(w),
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead), **(prefetch if pdl else {}),
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_options(pdl, x, ahead), **prefetch,
     )  # fmt: skip
     if unsummed:
         return partials if t.split_k > 1 else y[None]
