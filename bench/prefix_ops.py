@@ -26,7 +26,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
-from rollplex.models.layers import rms_norm, silu_mul
+from rollplex.models.layers import gpu_compiled, rms_norm, silu_mul, torch_rms_norm
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
 from rollplex.models.vision_layout import patch_layout, window_order
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
@@ -56,23 +56,29 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def forms(fn) -> dict:
-    """gpu_compiled `fn` as rollplex runs it (automatic dynamic shapes), every dimension symbolic, and static
-    (compiled for the one shape: the best a kernel of these shapes gets; a run would recompile every step)."""
+def forms(fn, eager) -> dict:
+    """`fn` as rollplex runs it (a gpu_compiled chain: automatic dynamic shapes), and its torch chain `eager`
+    compiled with every dimension symbolic, and static (compiled for the one shape: the best a kernel of these shapes
+    gets; a run would recompile every step). The norm also as Inductor's chain with unbacked lengths (`inductor`:
+    what the norm ran before rollplex's kernels)."""
     if not CUDA:
         return {"rollplex": fn}
-    every = torch.compile(fn.eager, dynamic=True)
-    return {"rollplex": fn, "dynamic": every, "static": torch.compile(fn.eager, dynamic=False)}
+    every = torch.compile(eager, dynamic=True)
+    out = {"rollplex": fn, "dynamic": every, "static": torch.compile(eager, dynamic=False)}
+    if eager is torch_rms_norm:
+        out["inductor"] = gpu_compiled(torch_rms_norm, unbacked=True)
+    return out
 
 
 def family_cases(fn, args: tuple, shorter: tuple, iters: int, bandwidth: float) -> dict:
     """Each form of `fn` on `args` (tensors first), forward alone and forward + backward. `shorter`: the same
     with fewer tokens, met first, as a run's second step meets other lengths (rollplex's form turns the token
     dimensions symbolic there)."""
+    eager = torch_rms_norm if fn is rms_norm else fn.eager
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    out_bytes = sum(o.numel() * o.element_size() for o in _tuple(fn.eager(*args)))
+    out_bytes = sum(o.numel() * o.element_size() for o in _tuple(eager(*args)))
     out = {"bound_s": (sum(t.numel() * t.element_size() for t in tensors) + out_bytes) / bandwidth}
-    for name, form in forms(fn).items():
+    for name, form in forms(fn, eager).items():
         with torch.no_grad():
             form(*shorter)
             forward = timed(partial(form, *args), iters)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable
-from functools import partial, wraps
+from functools import wraps
 from typing import TypeVar
 
 import torch
@@ -104,10 +104,19 @@ def _copy(fn: Callable, index: int) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-@partial(gpu_compiled, unbacked=True)
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) in float32 over the last dimension, cast back to x's dtype, then times
-    `weight` in that dtype (as HF does)."""
+    `weight` in that dtype (as HF does). On a GPU rollplex's kernels (`kernels.rms_norm`: each tensor read once
+    forward and once backward, where Inductor's kernels for the chain read x and dy twice); inside a compiled
+    region, and off a GPU, the chain below (`torch_rms_norm`)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from rollplex.kernels.rms_norm import rms_norm as fused  # Triton: imported on a GPU only
+
+        return fused(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 

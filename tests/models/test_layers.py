@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollplex.models import layers
-from rollplex.models.layers import compile_halves, layout_compiled, rms_norm, silu_mul
+from rollplex.models.layers import compile_halves, layout_compiled, silu_mul, torch_rms_norm
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rotary import apply_rotary, rotated_packed_qk
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
@@ -26,7 +26,6 @@ def cases(device: str, length: int) -> list[tuple]:
     angles = torch.rand(length, 1, 64, generator=g).to(device) * 6
     text = angles.transpose(0, 1)[None].expand(2, 1, length, 64)
     return [
-        (rms_norm, (leaf(length, 96), leaf(96), 1e-6)),
         (silu_mul, (leaf(length, 80), leaf(length, 80))),
         (apply_rotary, (leaf(length, 4, 64), angles.cos(), angles.sin())),  # the vision tower's [S, heads, D]
         (apply_rotary, (leaf(2, 4, length, 64), text.cos(), text.sin())),  # the decoder's [B, heads, T, D]
@@ -65,10 +64,10 @@ def test_each_input_layout_turns_only_its_changing_dimensions_symbolic():
     """The vision tower's [S, 1280] norm beside the decoder's [B, T, 2048]: a function compiled once for both
     would turn every dimension symbolic, widths included, at the first call of the other rank."""
     graphs, record = shape_recorder()
-    norm = layout_compiled(rms_norm.eager, record, lambda x: True)
+    norm = layout_compiled(torch_rms_norm, record, lambda x: True)
     for shape in [(100, 48), (90, 48), (2, 50, 32), (2, 40, 32), (3, 40, 32), (80, 48)]:
         x, weight = torch.randn(shape), torch.randn(shape[-1])
-        torch.testing.assert_close(norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+        torch.testing.assert_close(norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6))
     widths = {graph[0][-1] for graph in graphs}
     assert widths == {"48", "32"}, graphs  # the widths stay constants in every graph
     assert len(graphs) == 3, graphs  # 2-D: rows symbolic from the first call; 3-D: batch rows, then tokens too
@@ -108,10 +107,10 @@ def test_a_chain_called_inside_a_compiled_region_is_traced_into_it_not_compiled_
 
         return backend
 
-    norm = layout_compiled(rms_norm.eager, counted(inner), lambda x: True)
+    norm = layout_compiled(torch_rms_norm, counted(inner), lambda x: True)
     region = torch.compile(lambda x, w: norm(x * 2, w, 1e-6) + 1, backend=counted(outer))
     x, weight = torch.randn(5, 48), torch.randn(48)
-    torch.testing.assert_close(region(x, weight), rms_norm.eager(x * 2, weight, 1e-6) + 1)
+    torch.testing.assert_close(region(x, weight), torch_rms_norm(x * 2, weight, 1e-6) + 1)
     assert len(outer) == 1 and not inner
     targets = {str(node.target) for node in outer[0].graph.nodes if node.op == "call_function"}
     assert any("rms_norm" in t for t in targets), targets  # the norm's ops are in the region's graph
@@ -158,7 +157,7 @@ def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(dev
         return compile_fx(gm, example_inputs)
 
     name = f"fresh_norm_{uuid.uuid4().hex}"  # torch keeps which dimensions changed per file, line and name
-    fresh = types.FunctionType(rms_norm.eager.__code__.replace(co_name=name), rms_norm.eager.__globals__)
+    fresh = types.FunctionType(torch_rms_norm.__code__.replace(co_name=name), torch_rms_norm.__globals__)
     norm = layout_compiled(fresh, counted, lambda x: True, unbacked=True)
     torch.manual_seed(0)
     dtype, width = (torch.float32, 8) if device == "cpu" else (torch.bfloat16, 2048)
@@ -167,7 +166,7 @@ def test_a_norm_compiles_once_for_every_length_its_weight_gradient_sums_over(dev
     for length in [300, 200, 5000, 2, 3226, 9000, 965]:
         rows = (1, length) if layout == "decoder" else (length,)
         x = torch.randn(*rows, width, device=device, dtype=dtype, requires_grad=True)
-        ours, eager = norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6)
+        ours, eager = norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6)
         torch.testing.assert_close(ours, eager, **tolerance)
         grads = [torch.autograd.grad(out.float().square().sum(), (x, weight)) for out in (ours, eager)]
         for a, b in zip(*grads, strict=True):  # the weight's sums over tokens in another order
