@@ -27,7 +27,7 @@ from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
 from rollplex.models.layers import gpu_compiled, rms_norm, silu_mul, torch_rms_norm
-from rollplex.models.rotary import apply_rotary, rotated_packed_qk
+from rollplex.models.rotary import apply_rotary, rotated_packed_qkv
 from rollplex.models.vision_layout import patch_layout, window_order
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
@@ -156,13 +156,13 @@ def main() -> None:
     layout = patch_layout(grids, vision)
     patches, vh, vd = layout.rows.numel(), vision.num_heads, vision.head_dim
     text_families = ("text_rotary", "text_rotary_qk", "text_norm", "text_silu_mul", "text_gated")
-    vision_families = ("vision_rotary", "vision_rotary_qk", "vision_norm", "vision_silu_mul")
+    vision_families = ("vision_rotary", "vision_rotary_qkv", "vision_norm", "vision_silu_mul")
     tokens_of = {**dict.fromkeys(text_families, tokens), **dict.fromkeys(vision_families, patches)}
     rand = partial(torch.randn, device=device, dtype=dtype)
     add("text_rotary", apply_rotary, lambda t: (rand(b, t, h * d).view(b, t, h, d).transpose(1, 2),
                                                 *_cos_sin(b, 1, t, d, device=device)))  # fmt: skip
     add("vision_rotary", apply_rotary, lambda t: (rand(t, 3, vh, vd)[:, 0], *_cos_sin(t, 1, vd, device=device)))
-    add("vision_rotary_qk", rotated_packed_qk, lambda t: (rand(t, 3, vh, vd), *_cos_sin(t, 1, vd, device=device)))
+    add("vision_rotary_qkv", rotated_packed_qkv, lambda t: (rand(t, 3, vh, vd), *_cos_sin(t, 1, vd, device=device)))
     add("text_rotary_qk", rotated_qk, lambda t: (rand(b, t, (h + 2 * kv) * d), *_cos_sin(b, 1, t, d, device=device),
                                                  QKVOrder.INTERLEAVED, h, kv, d))  # fmt: skip
     add("text_norm", rms_norm, lambda t: (rand(b, t, text.hidden_size), rand(text.hidden_size), 1e-6))

@@ -75,13 +75,14 @@ class UpdateInFlight:
             raise
 
 
-def gate_modules(model: nn.Module, optimizer, whole: Iterable[nn.Module] = ()) -> None:
+def gate_modules(model: nn.Module, optimizer, whole: Iterable[nn.Module]) -> None:
     """A forward pre-hook on each module of `model` with parameters of its own: before it runs, the caller's stream
     waits for a deferred update's chunks of those parameters (`ChunkedAdamW.wait_for`; nothing when no update is in
     flight). A module of `whole` waits for all its parameters, its submodules' included, and those get no hook of
     their own: a decoder layer or vision block, whose halves call their attention's `project` and `output` rather
-    than its forward (a tensor-parallel attention holds its weights itself, and its hook would never run), and
-    which may run compiled (a hook inside a compiled region would be traced, not run). The optimizer is held
+    than its forward (a tensor-parallel attention holds its weights itself, and its hook would never run), reads
+    its packed projections as one matrix (`models.packing.packed_linear`: q_proj's forward never runs), and may
+    run compiled (a hook inside a compiled region would be traced, not run). The optimizer is held
     weakly (its pinned pool must not live on in the model's hooks)."""
     ref = weakref.ref(optimizer)
 

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from rollplex.models.attention import Attention
 from rollplex.models.config import TextConfig
 from rollplex.models.layers import GatedMLP, RMSNorm
-from rollplex.models.rotary import apply_rotary
+from rollplex.models.packing import packed_linear
+from rollplex.models.rotary import split_rotated
 
 
 class SelfAttention(nn.Module):
@@ -33,11 +34,7 @@ class SelfAttention(nn.Module):
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, hidden] -> the attention's rotated q [B, heads, T, D], rotated k and v [B, kv_heads, T, D]."""
-        batch, num_tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return split_rotated(packed_linear(x, (self.q_proj, self.k_proj, self.v_proj)), cos, sin, self.num_heads)
 
     def output(self, out: Tensor, rows: int) -> Tensor:
         """The attention's output [B, heads, T, D] -> o_proj's [B, T, hidden] (`rows`: T, the input's rows)."""

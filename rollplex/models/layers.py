@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollplex.models.packing import packed_linear
+
 Fn = TypeVar("Fn", bound=Callable[..., Tensor | tuple[Tensor, ...]])
 RECOMPILE_LIMIT = 64  # compiled variants per function (input ranks, widths, grad modes), beyond which torch runs eager
 
@@ -126,6 +128,14 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+@gpu_compiled
+def packed_silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of one [gate; up] projection's output [..., 2 I] (`packing.packed_linear`): its backward
+    writes the whole output's gradient in one kernel."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and returned in the input's dtype (as HF does)."""
 
@@ -148,7 +158,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(packed_silu_mul(packed_linear(x, (self.gate_proj, self.up_proj))))
 
 
 def compile_halves(units: Iterable[nn.Module]) -> None:

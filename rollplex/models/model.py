@@ -108,8 +108,9 @@ class Qwen2_5_VL(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def pack_projections(self) -> None:
-        """Stores each decoder layer's q/k/v weights and biases, and gate/up weights, back to back (`packing.py`).
-        Tensor-parallel layers (`rollplex.parallel`) hold fused tensors already and are left as they are."""
+        """Stores each decoder layer's q/k/v weights and biases, and gate/up weights, and each vision block's gate/up
+        weights and biases, back to back (`packing.py`). Tensor-parallel layers (`rollplex.parallel`) hold fused
+        tensors already and are left as they are."""
         for layer in self.model.language_model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(attn, SelfAttention):
@@ -117,6 +118,9 @@ class Qwen2_5_VL(nn.Module):
             pack([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
             pack([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
             pack([mlp.gate_proj, mlp.up_proj], "weight")
+        for block in self.model.visual.blocks:
+            pack([block.mlp.gate_proj, block.mlp.up_proj], "weight")
+            pack([block.mlp.gate_proj, block.mlp.up_proj], "bias")
 
     @property
     def device(self) -> torch.device:

@@ -29,7 +29,7 @@ from rollplex.models.inputs import Visual, pixels_of, to_device
 from rollplex.models.layers import GatedMLP, RMSNorm
 from rollplex.models.prompt_rows import Rows
 from rollplex.models.rerun import Rerun, run_unit
-from rollplex.models.rotary import rotated_packed_qk, vision_rotary
+from rollplex.models.rotary import rotated_packed_qkv, vision_rotary
 from rollplex.models.vision_layout import patch_layout, segment_bounds, segment_groups, unit_positions, window_order
 
 VISION_NORM_EPS = 1e-6
@@ -201,9 +201,7 @@ class VisionAttention(nn.Module):
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [S, hidden] -> rotated q and k, and v: [S, heads, D] each."""
-        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1)
-        q, k = rotated_packed_qk(qkv, cos, sin)
-        return q, k, qkv[:, 2]
+        return rotated_packed_qkv(self.qkv(x).view(x.shape[0], 3, self.num_heads, -1), cos, sin)
 
     def output(self, out: Tensor) -> Tensor:
         """The attention's output [S, heads, D] -> the projection's [S, hidden]."""

@@ -153,8 +153,10 @@ def test_ppo_with_a_critic_on_two_ranks_trains_as_one_process(tmp_path):
     pair = launch(2, two, tmp_path / "pair", "--steps", "2")
     assert pair.returncode == 0, pair.stderr[-3000:]
     # PPO's loss is a mean of whitened advantages (zero but for rounding) and a KL term: compared absolutely; the
-    # keys' biases (a zero gradient but for rounding) as in the mini-batch test
-    assert_trains_as(tmp_path / "pair", tmp_path / "alone", weights_rel=5e-5, loss_abs=1e-6)
+    # keys' biases (a zero gradient but for rounding) as in the mini-batch test, and the merger's last bias, one of
+    # whose elements gets a gradient near Adam's eps (its two steps move it 0.14 lr): there the order of the ranks'
+    # sum moves it by up to 1e-6, 7e-5 of the bias's norm
+    assert_trains_as(tmp_path / "pair", tmp_path / "alone", weights_rel=2e-4, loss_abs=1e-6)
     for x, y in zip(metrics(tmp_path / "alone"), metrics(tmp_path / "pair"), strict=True):
         for key in ("value_loss", "critic_grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key

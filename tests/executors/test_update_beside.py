@@ -250,12 +250,12 @@ def test_on_a_gpu_a_deferred_update_trains_bitwise_as_a_joined_one(tmp_path):
     assert len({r["param_digest"] for r in joined}) == 3
 
 
-@pytest.mark.parametrize("whole_layers", [False, True], ids=["per-module", "compiled-layers"])
-def test_a_gated_prefix_reads_no_parameter_before_its_gate_waited_for_it(monkeypatch, whole_layers):
-    """Each module with parameters waits for its chunks in a forward pre-hook (`gate_modules`): so a parameter
-    must be read inside its own module's forward (the patch embedding's weight was read by its parent's). With the
-    layers' halves compiled (`run.compiled_layers`) each decoder layer waits for all of its own at once, and its
-    submodules carry no hook for the compiled region to trace."""
+def test_a_gated_prefix_reads_no_parameter_before_its_gate_waited_for_it(monkeypatch):
+    """Each decoder layer and vision block waits for all of its parameters in a forward pre-hook (`gate_modules`,
+    as the engines gate the actor), its submodules carry no hook (for a compiled region to trace, and its packed
+    projections run as one GEMM, not through their own forwards); every other module with parameters waits for its
+    own: so a parameter must be read inside its own module's forward (the patch embedding's weight was read by its
+    parent's)."""
     monkeypatch.syspath_prepend(str(ROOT / "tests/models"))
     from models_testkit import TinyInputs
 
@@ -279,10 +279,9 @@ def test_a_gated_prefix_reads_no_parameter_before_its_gate_waited_for_it(monkeyp
             self.waited.update(id(p) for p in params)
 
     update = InFlight()
-    layers = model.model.language_model.layers
-    gate_modules(model, update, whole=layers if whole_layers else ())
-    hooked = [m for layer in layers for m in layer.modules() if m._forward_pre_hooks]
-    assert hooked == (list(layers) if whole_layers else [m for m in hooked if m not in set(layers)]) and hooked
+    units = [*model.model.visual.blocks, *model.model.language_model.layers]
+    gate_modules(model, update, whole=units)
+    assert [m for unit in units for m in unit.modules() if m._forward_pre_hooks] == units
     early, read = set(), set()
 
     class Reads(torch.overrides.TorchFunctionMode):

@@ -36,12 +36,14 @@ def counted(fn) -> int:
 
 
 def counted_linears(fn) -> int:
-    """FLOPs of the decoder's projections and the LM head alone (the suffix's attention runs partly as matmuls)."""
+    """FLOPs of the decoder's projections and the LM head alone: the linear products (mm, addmm) inside each decoder
+    layer (packed projections run in the layer's or the MLP's own call, `packed_linear`) and the head's."""
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         fn()
     counts = counter.get_flop_counts()
-    linears = [k for k in counts if re.search(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj$", k)] + ["Linear"]
-    return sum(sum(counts[k].values()) for k in linears if k in counts)
+    linears = [k for k in counts if re.search(r"layers\.\d+$", k)] + ["Linear"]
+    products = {torch.ops.aten.mm, torch.ops.aten.addmm}
+    return sum(n for k in linears if k in counts for op, n in counts[k].items() if op in products)
 
 
 def without_attention(monkeypatch):

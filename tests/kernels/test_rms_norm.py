@@ -32,7 +32,7 @@ def assert_alike(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         largest = max(1.0, float(w.abs().max()))  # the weight's gradient sums over every row
-        tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-5
+        tol = 1e-5 if DTYPE is torch.float32 else 2e-2
         torch.testing.assert_close(g.float(), w.float(), atol=tol * largest, rtol=tol)
 
 

@@ -16,7 +16,7 @@ import torch
 from rollplex.models import layers
 from rollplex.models.layers import compile_halves, layout_compiled, silu_mul, torch_rms_norm
 from rollplex.models.model import Qwen2_5_VL
-from rollplex.models.rotary import apply_rotary, rotated_packed_qk
+from rollplex.models.rotary import apply_rotary, rotated_packed_qkv, split_rotated
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
 
 
@@ -29,7 +29,8 @@ def cases(device: str, length: int) -> list[tuple]:
         (silu_mul, (leaf(length, 80), leaf(length, 80))),
         (apply_rotary, (leaf(length, 4, 64), angles.cos(), angles.sin())),  # the vision tower's [S, heads, D]
         (apply_rotary, (leaf(2, 4, length, 64), text.cos(), text.sin())),  # the decoder's [B, heads, T, D]
-        (rotated_packed_qk, (leaf(length, 3, 4, 64), angles.cos(), angles.sin())),  # the vision GEMM's q and k
+        (rotated_packed_qkv, (leaf(length, 3, 4, 64), angles.cos(), angles.sin())),  # the vision GEMM's q, k, v
+        (split_rotated, (leaf(2, length, 8 * 64), text.cos(), text.sin(), 4)),  # the decoder's [q; k; v]
         (rotated_qk, (leaf(2, length, 6 * 64), text.cos(), text.sin(), QKVOrder.INTERLEAVED, 4, 1, 64)),  # TP QKV
         (rotated_qk, (leaf(2, length, 8 * 64), text.cos(), text.sin(), QKVOrder.GROUPED, 4, 2, 64)),
         (gated, (leaf(2, length, 2, 2, 48),)),  # the TP MLP's [gate; up] pairs of two blocks
@@ -81,7 +82,7 @@ def test_packed_rows_first_are_symbolic_from_the_first_call_so_the_next_count_co
     graphs, record = shape_recorder()
     name = f"fresh_rotary_{uuid.uuid4().hex}"  # torch keeps which dimensions changed per file, line and name
     fresh = types.FunctionType(
-        rotated_packed_qk.eager.__code__.replace(co_name=name), rotated_packed_qk.eager.__globals__
+        rotated_packed_qkv.eager.__code__.replace(co_name=name), rotated_packed_qkv.eager.__globals__
     )
     rotary = layout_compiled(fresh, record, lambda x: True, unbacked=unbacked)
     for rows in (30, 20, 45):
