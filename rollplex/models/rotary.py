@@ -39,25 +39,24 @@ def rotated_packed_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
     """q and k of qkv [S, 3, heads, D] (the vision tower's one GEMM output), rotated, and v: [S, heads, D] each.
     The whole output goes into the compiled chain: a q or k view's row stride is none of its sizes, and handed to a
     chain compiled for varying lengths such a stride becomes a symbol the kernel indexes its rows through. v comes
-    out as a tensor of its own (`split_rotated`)."""
+    out as a tensor of its own, not a view of qkv: autograd then takes qkv's whole gradient from this chain's
+    backward, one kernel, where a view's gradient would be added to it apart (an add of qkv's size), and the
+    attention, which keeps v, does not keep all of qkv alive."""
     return apply_rotary.eager(qkv[:, 0], cos, sin), apply_rotary.eager(qkv[:, 1], cos, sin), qkv[:, 2].contiguous()
 
 
 @gpu_compiled
 def split_rotated(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v of one [q; k; v] projection's output qkv [B, T, (heads + 2 kv_heads) D] (`packing.packed_linear`),
-    q and k rotated: [B, heads, T, D] and [B, kv_heads, T, D] twice. v comes out as a tensor of its own, not a view of
-    qkv: autograd then takes qkv's whole gradient from this chain's backward, one kernel, where a view's gradient
-    would be added to it apart (and a view kept by the attention would keep all of qkv alive)."""
+    q and k rotated: [B, heads, T, D] and [B, kv_heads, T, D] twice. v is a view of qkv: its gradient is added to
+    the chain's (an add of qkv's size, small beside the projection at a decoder's widths); a copy of it, which
+    would spare that add, cannot leave a compiled layer (`compile_halves`) as the transposed view the attention
+    takes: Inductor then checks its strides against a length it does not know."""
     head_dim = cos.shape[-1]
     heads = qkv.unflatten(-1, (-1, head_dim)).transpose(1, 2)  # [B, heads + 2 kv_heads, T, D]
     kv_heads = (heads.shape[1] - num_heads) // 2
     q, k, v = heads.split([num_heads, kv_heads, kv_heads], dim=1)
-    return (
-        apply_rotary.eager(q, cos, sin),
-        apply_rotary.eager(k, cos, sin),
-        v.transpose(1, 2).contiguous().transpose(1, 2),
-    )
+    return apply_rotary.eager(q, cos, sin), apply_rotary.eager(k, cos, sin), v
 
 
 def text_rotary(positions: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
