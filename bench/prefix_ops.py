@@ -26,7 +26,7 @@ from rollplex.data.source import batch_at, open_dataset
 from rollplex.executors.task import make_tokenizer
 from rollplex.graph.load import load_spec
 from rollplex.models import vision as vision_module
-from rollplex.models.layers import gpu_compiled, rms_norm, silu_mul, torch_rms_norm
+from rollplex.models.layers import gpu_compiled, packed_silu_mul, rms_norm, torch_rms_norm
 from rollplex.models.rotary import apply_rotary, rotated_packed_qkv
 from rollplex.models.vision_layout import patch_layout, window_order
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
@@ -168,10 +168,10 @@ def main() -> None:
     add("text_norm", rms_norm, lambda t: (rand(b, t, text.hidden_size), rand(text.hidden_size), 1e-6))
     add("vision_norm", rms_norm, lambda t: (rand(t, vision.hidden_size), rand(vision.hidden_size), 1e-6))
     wide = text.intermediate_size
-    add("text_silu_mul", silu_mul, lambda t: rand(b, t, 2 * wide).split(wide, -1))
+    add("text_silu_mul", packed_silu_mul, lambda t: (rand(b, t, 2 * wide),))  # the MLP's whole [gate; up] output
     add("text_gated", gated, lambda t: (rand(b, t, 1, 2, wide),))  # the TP MLP's whole [gate; up] output
     vwide = vision.stored_intermediate_size
-    add("vision_silu_mul", silu_mul, lambda t: rand(t, 2 * vwide).split(vwide, -1))
+    add("vision_silu_mul", packed_silu_mul, lambda t: (rand(t, 2 * vwide),))
     vq, vk, vv = rand(patches, 3, vh, vd).unbind(1)
     attention = {}
     ordered = layout.take(window_order(layout))

@@ -124,11 +124,6 @@ def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @gpu_compiled
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    return F.silu(gate) * up
-
-
-@gpu_compiled
 def packed_silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of one [gate; up] projection's output [..., 2 I] (`packing.packed_linear`): its backward
     writes the whole output's gradient in one kernel."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollplex.models import layers
-from rollplex.models.layers import compile_halves, layout_compiled, silu_mul, torch_rms_norm
+from rollplex.models.layers import compile_halves, layout_compiled, packed_silu_mul, torch_rms_norm
 from rollplex.models.model import Qwen2_5_VL
 from rollplex.models.rotary import apply_rotary, rotated_packed_qkv, split_rotated
 from rollplex.parallel.layers import QKVOrder, gated, rotated_qk
@@ -26,7 +26,7 @@ def cases(device: str, length: int) -> list[tuple]:
     angles = torch.rand(length, 1, 64, generator=g).to(device) * 6
     text = angles.transpose(0, 1)[None].expand(2, 1, length, 64)
     return [
-        (silu_mul, (leaf(length, 80), leaf(length, 80))),
+        (packed_silu_mul, (leaf(length, 2 * 80),)),  # a [gate; up] output
         (apply_rotary, (leaf(length, 4, 64), angles.cos(), angles.sin())),  # the vision tower's [S, heads, D]
         (apply_rotary, (leaf(2, 4, length, 64), text.cos(), text.sin())),  # the decoder's [B, heads, T, D]
         (rotated_packed_qkv, (leaf(length, 3, 4, 64), angles.cos(), angles.sin())),  # the vision GEMM's q, k, v
