@@ -44,10 +44,10 @@ def packed_view(*tensors: Tensor) -> Tensor | None:
 
 def packed_linear(x: Tensor, linears: Sequence[nn.Linear]) -> Tensor:
     """x through `linears` side by side: [..., the sum of their outputs]. Where their weights (and biases) lie back to
-    back (`pack`), one GEMM forward and two backward over the whole pack, where a linear each would take one and
-    three each and autograd would add their input gradients (one add for each linear past the first); each
-    parameter still gets its own gradient, a view of the pack's. Otherwise, and inside a compiled region (which
-    traces no storage), the same GEMM over the parameters concatenated (a copy of them each call)."""
+    back (`pack`), one GEMM forward and two backward over the whole pack, where the linears would take one and two
+    each and autograd would add their input gradients (an add for each linear past the first); each parameter
+    still gets its own gradient, a view of the pack's. Otherwise, and inside a compiled region (which traces no
+    storage), the same GEMM over the parameters concatenated (a copy of them each call)."""
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears if linear.bias is not None]
     if not torch.compiler.is_compiling():
