@@ -40,7 +40,7 @@ def assert_alike(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     "shape",
     [
         (37, 3, 40),  # 111 rows of 40 columns (64 wide): 64-row tiles, the programs' runs ending mid-tile
-        (3, 96),  # fewer rows than the backward's programs
+        (3, 96),  # fewer rows than the backward has programs: one program a row
         (2, 5, 200),  # 256 wide: 16-row tiles
         (1, 9, TILE + 40),  # wider than a tile: one row a tile, masked past the width
     ],
