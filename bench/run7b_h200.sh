@@ -9,8 +9,9 @@
 # step), `beside` (true), `nocudnn` (run.cudnn_attention false), `chunkN` (memory.optimizer_chunk_mib N), `hbm`
 # (memory.prefix_saved hbm), `norecompute` (memory.recompute none), `selective` (memory.recompute selective),
 # `compiled` (run.compiled_layers true), `keepcache` (memory.empty_cache mappings), `adaptive` (sharing.prefix_sms
-# adaptive), `mbN` (memory.microbatch_tokens N), `tailN` (sharing.tail_rows N); e.g. `nocudnn+joined`. A 7B run
-# of 4 steps takes about 170 s, of 5 about 210: two runs fit one 600 s device call.
+# adaptive), `flex` / `cudnnsuffix` (run.suffix_attention flex / cudnn), `mbN` (memory.microbatch_tokens N), `tailN`
+# (sharing.tail_rows N); e.g. `nocudnn+joined`. A 7B run of 4 steps takes about 170 s, of 5 about 210: two runs fit
+# one 600 s device call.
 # Each run's metrics go to $OUT/run_NAME_VARIANT_metrics.jsonl (NAME: the spec's, less `qwen2_5_vl_`, as
 # `7b_h200`; each '+' of VARIANT a '-'); the last lines printed
 # are each run's phases (medians of the warm steps, `rollplex run`'s summary) and its peaks against the plan's.

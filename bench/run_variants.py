@@ -25,6 +25,8 @@ KEYS = {
     "compiled": ("run", "compiled_layers", True),
     "keepcache": ("memory", "empty_cache", "mappings"),
     "adaptive": ("sharing", "prefix_sms", "adaptive"),
+    "flex": ("run", "suffix_attention", "flex"),
+    "cudnnsuffix": ("run", "suffix_attention", "cudnn"),
 }
 
 

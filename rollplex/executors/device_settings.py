@@ -1,7 +1,7 @@
 """The process-wide settings a spec makes for its run: the device, deterministic algorithms, cuDNN attention and the
-caching allocator's expandable segments. Each is torch state the whole process shares, so `build_engines` sets
-every one from the spec at each build and no run's setting leaks into the next. Not the engines themselves
-(`engines.py`)."""
+caching allocator's expandable segments; and which attention scores responses (`suffix_attention`). Each setting is
+torch state the whole process shares, so `build_engines` sets every one from the spec at each build and no run's
+setting leaks into the next. Not the engines themselves (`engines.py`)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ def set_determinism(on: bool) -> None:
 def set_cudnn_attention(on: bool) -> None:
     """`run.cudnn_attention`, process-wide (torch's SDPA backend switch), set from the spec at every build."""
     torch.backends.cuda.enable_cudnn_sdp(on)
+
+
+def suffix_attention(run, device: torch.device) -> str:
+    """`run.suffix_attention` resolved for `device`: "cudnn" or "flex" (what a model's scoring runs on a GPU). An
+    explicit cudnn without cudnn-frontend installed is a one-line error."""
+    from rollplex.models.cudnn_ragged import ragged_attention_available
+
+    available = device.type != "cuda" or ragged_attention_available(device)
+    if run.suffix_attention == "cudnn" and not available:
+        raise ValueError("run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]")
+    if run.suffix_attention != "auto":
+        return run.suffix_attention
+    return "cudnn" if available and run.cudnn_attention and not run.deterministic else "flex"
 
 
 def set_expandable_segments(on: bool, device: torch.device) -> None:

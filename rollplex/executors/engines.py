@@ -29,6 +29,7 @@ from rollplex.executors.device_settings import (
     set_cudnn_attention,
     set_determinism,
     set_expandable_segments,
+    suffix_attention,
 )
 from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
@@ -344,6 +345,7 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     spec = loaded.spec
     torch.manual_seed(spec.run.seed)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
+    model.suffix_attention = suffix_attention(spec.run, device)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)

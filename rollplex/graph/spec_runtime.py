@@ -32,7 +32,16 @@ class RunSpec(Strict):
         description="Whether torch may run attention on cuDNN's fused kernels (process-wide, set at every engine "
         "build, and in the mps rollout process). cuDNN plans each new attention shape on the host and keeps the plan "
         "for the process, so the runtime pads causal calls and packs vision segments to meet few shapes. false: "
-        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is FlexAttention either way.",
+        "flash and memory-efficient kernels only, which plan nothing. Scoring attention is `suffix_attention`'s.",
+    )
+    suffix_attention: Literal["auto", "flex", "cudnn"] = Field(
+        "auto",
+        description="The scoring attention on a GPU (each packed response token over its prompt's KV and its own "
+        "earlier tokens): flex (one FlexAttention call with a block mask); cudnn (two parts merged by their "
+        "log-sum-exps, the prompt part and the own-response part, each one call of cuDNN's fused attention over "
+        "ragged segments through cudnn-frontend, `pip install rollplex[gpu]`); auto: cudnn where cudnn-frontend is "
+        "installed, `cudnn_attention` is on and `deterministic` off, else flex. The CPU scores with SDPA and a dense "
+        "mask either way.",
     )
     manual_gc: bool = Field(
         True,
@@ -69,6 +78,13 @@ class RunSpec(Strict):
         "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
         "before it. All decode bitwise alike; their speeds are in docs/results.md.",
     )
+
+    @model_validator(mode="after")
+    def _cudnn_scoring(self) -> RunSpec:
+        if self.suffix_attention == "cudnn" and (self.deterministic or not self.cudnn_attention):
+            why = "deterministic is on" if self.deterministic else "cudnn_attention is off"
+            raise ValueError(f"suffix_attention cudnn runs cuDNN's attention, but {why}; set suffix_attention: flex")
+        return self
 
 
 class SharingSpec(Strict):

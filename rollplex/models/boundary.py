@@ -22,6 +22,7 @@ class Boundary:
         distribution of response token 0 (a value model's boundary: [P, 1], the value of token 0).
     next_positions: [P] int64, the rotary position of response token 0 on all three mrope axes (token j: +j).
     prompt_lens: [P] int64; positions >= prompt_lens[p] of keys/values are padding.
+    host_prompt_lens: the same on the host where the boundary's maker knew them (else empty): read without a sync.
     """
 
     keys: tuple[Tensor, ...]
@@ -29,6 +30,7 @@ class Boundary:
     first_logprobs: Tensor
     next_positions: Tensor
     prompt_lens: Tensor
+    host_prompt_lens: tuple[int, ...] = ()
 
     @property
     def num_prompts(self) -> int:
@@ -47,7 +49,7 @@ class Boundary:
         """The same tensors outside autograd (what rollout decode reads of an attached boundary)."""
         return Boundary(
             tuple(k.detach() for k in self.keys), tuple(v.detach() for v in self.values),
-            self.first_logprobs.detach(), self.next_positions, self.prompt_lens,
+            self.first_logprobs.detach(), self.next_positions, self.prompt_lens, self.host_prompt_lens,
         )  # fmt: skip
 
     def key_mask(self) -> Tensor:
@@ -73,4 +75,5 @@ def concat_boundaries(parts: list[Boundary]) -> Boundary:
         first_logprobs=torch.cat([p.first_logprobs for p in parts]),
         next_positions=torch.cat([p.next_positions for p in parts]),
         prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+        host_prompt_lens=sum((p.host_prompt_lens for p in parts), ()) if all(p.host_prompt_lens for p in parts) else (),
     )

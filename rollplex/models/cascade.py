@@ -97,7 +97,7 @@ class PackedCascadeAttention:
     ) -> None:
         """kernels: as `cascade_attention`'s, the prompts' part first."""
         self.boundary, self.kernels, device = boundary, kernels, pack.index.device
-        lens, span = boundary.prompt_lens.tolist(), boundary.max_prompt_len
+        lens, span = list(boundary.host_prompt_lens) or boundary.prompt_lens.tolist(), boundary.max_prompt_len
         runs: list[list[int]] = []  # [prompt, tokens] of each run of responses answering one prompt
         for prompt, count in zip(pack.rows, pack.counts, strict=True):
             if count and runs and runs[-1][0] == prompt:

@@ -33,8 +33,10 @@ from rollplex.models.attention import (
 from rollplex.models.batching import PackedSequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
+from rollplex.models.cascade import PackedCascadeAttention
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
+from rollplex.models.cudnn_ragged import CudnnRaggedKernels
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packed import ResponsePack
@@ -75,6 +77,9 @@ class Qwen2_5_VL(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.suffix_attention = (
+            "flex"  # the scoring attention on a GPU in 16 bits: "flex" or "cudnn" (`run.suffix_attention`)
+        )
         with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
             self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
@@ -252,8 +257,16 @@ class Qwen2_5_VL(nn.Module):
             return x
         positions = boundary.next_positions.index_select(0, pack.prompt) + pack.offset  # [M]
         cos, sin = text_rotary(positions.expand(3, 1, -1), self.config.text)
-        attention = PackedPrefixAttention(boundary, pack)
-        return self.model.language_model(x[None], cos, sin, attention)[0]
+        return self.model.language_model(x[None], cos, sin, self._suffix_attention(boundary, pack, x))[0]
+
+    def _suffix_attention(self, boundary: Boundary, pack: ResponsePack, x: Tensor) -> Attention:
+        """The scoring attention `suffix_attention` chose: on cuDNN's ragged calls (a GPU, 16 bits), else
+        FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
+        if self.suffix_attention == "cudnn" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return PackedCascadeAttention(
+                boundary, pack, (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))
+            )
+        return PackedPrefixAttention(boundary, pack)
 
     def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
         """The oracle's hidden states [N, R, hidden]: each of N responses [N, R] of lengths [N] run over
@@ -359,6 +372,7 @@ class _GroupPrefix:
         mode is entered around each chunk only."""
         self.num_prompts, self.rows = len(inputs.prompts), inputs.rows  # rows None: no padding to drop
         self.lens, self.next_positions = inputs.lens, inputs.next_positions
+        self.host_lens = tuple(inputs.packed.lens.tolist())  # the packing's, on the host: read without a sync
         chunks = self.model._input_chunks(inputs, blocks_per_chunk, self.rerun, self.vision)
         del inputs  # the patches go once the tower has read them
         self.packed, x, cos, sin = yield from each_inside(self.mode, chunks)
@@ -397,4 +411,5 @@ class _GroupPrefix:
             first_logprobs=first_logprobs,
             next_positions=self.next_positions,
             prompt_lens=lens,
+            host_prompt_lens=self.host_lens,
         )

@@ -1,0 +1,246 @@
+"""cuDNN's fused attention over ragged segments, through cudnn-frontend: a `cascade.Kernels` that runs every segment
+of a part in one call each way, whatever the segments' count and lengths.
+
+What: a part's segments (query rows cu_q[i]:cu_q[i+1] over key rows cu_k[i]:cu_k[i+1], `cascade.Segments`) sit end
+to end in q [T, H, D] and k, v [Tk, G, D]; cuDNN reads each segment where its ragged offsets say and masks past its
+real lengths (a padding mask), so nothing is padded or copied. A graph's dimensions are capacities: segments, and
+the longest segment's queries and keys, each rounded up to a power of two; the real lengths ride in device
+tensors. A run therefore meets a few graphs and builds each once, where cuDNN's dense calls build one per shape
+and torch's variable-length cuDNN path builds one on every call (docs/results.md, "The packed suffix's attention").
+Segments past the real ones have no queries and no keys.
+
+Why: FlexAttention runs the packed suffix at about 0.3 of peak; cuDNN's kernels run its prompt part at 0.65-0.77
+(`bench/flex_suffix.py`). cudnn-frontend is NVIDIA's own Python binding of cuDNN's graph API, kept beside cuDNN;
+it is an optional dependency (`pip install rollplex[gpu]`): without it, or off a GPU, scoring stays on
+FlexAttention (`ragged_attention_available`).
+
+Layouts (the cascade's): queries and outputs [T, H, D], keys and values [Tk, G, D] with H a multiple of G,
+log-sum-exps [H, T] float32 (cuDNN's statistics are [T, H]: a transposed view each way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib.util import find_spec
+
+import torch
+from torch import Tensor
+
+from rollplex.models.cascade import Segments
+from rollplex.models.inputs import to_device
+
+HEAD_DIMS = (64, 80, 96, 128)  # head sizes whose forward and backward cuDNN runs on Ampere and newer
+
+
+def ragged_attention_available(device: torch.device) -> bool:
+    """Whether `CudnnRaggedKernels` can run on `device`: a CUDA GPU and cudnn-frontend installed."""
+    return device.type == "cuda" and find_spec("cudnn") is not None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What one graph is built for: the part's heads and dtype, and its capacities."""
+
+    device: int
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    scale: float
+    segments: int
+    max_q: int
+    max_k: int
+
+
+class CudnnRaggedKernels:
+    """`cascade.Kernels` on cuDNN: forward and backward of all of a part's segments in one graph call each.
+    `causal` must match the segments' (query i of a segment sees keys up to i, equal lengths)."""
+
+    def __init__(self, causal: bool) -> None:
+        self.causal = causal
+
+    def takes(self, q: Tensor, k: Tensor) -> bool:
+        """Whether cuDNN runs these tensors (q [T, H, D], k [Tk, G, D]): 16-bit on a GPU, a head size it takes."""
+        return (
+            ragged_attention_available(q.device)
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] in HEAD_DIMS
+            and q.shape[1] % k.shape[1] == 0
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        assert s.causal == self.causal, "a part's kernels and its segments disagree on the causal mask"
+        shape, lens = self._shape(q, k, s, scale), _Lengths.of(s, q.shape[1], k.shape[1], q.shape[-1], q.device)
+        out = torch.empty_like(q)
+        stats = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)  # [T, H]
+        _graph(shape, backward=False).run(
+            {"q": q, "k": k, "v": v, "o": out, "stats": stats, **lens.tensors()}, q.device
+        )
+        return out, stats.T, ()
+
+    def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
+        shape, lens = self._shape(q, k, s, scale), _Lengths.of(s, q.shape[1], k.shape[1], q.shape[-1], q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        tensors = {"q": q, "k": k, "v": v, "o": out.to(q.dtype), "do": dout, "stats": lse.T.contiguous()}
+        _graph(shape, backward=True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.tensors()}, q.device)
+        return dq, dk, dv
+
+    def _shape(self, q: Tensor, k: Tensor, s: Segments, scale: float) -> _Shape:
+        assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
+        return _Shape(
+            device=q.device.index or 0, dtype=q.dtype, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
+            causal=self.causal, scale=scale, segments=_capacity(len(s.q_lens)), max_q=_capacity(s.max_q),
+            max_k=_capacity(s.max_k),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    """A call's per-segment device tensors: lengths [n, 1, 1, 1] int32 and element offsets [n + 1, 1, 1, 1] int64,
+    padded to the graph's segment capacity with empty segments at the end."""
+
+    q_lens: Tensor
+    k_lens: Tensor
+    q_offsets: Tensor  # of q, o, do and dq: token offset x H x D
+    k_offsets: Tensor  # of k, v, dk and dv: x G x D
+    stats_offsets: Tensor  # of the statistics: x H
+
+    @staticmethod
+    def of(s: Segments, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> _Lengths:
+        n = _capacity(len(s.q_lens))
+        q_lens = list(s.q_lens) + [0] * (n - len(s.q_lens))
+        k_lens = list(s.k_lens) + [0] * (n - len(s.k_lens))
+        lens = torch.tensor([q_lens, k_lens], dtype=torch.int64)
+        starts = torch.nn.functional.pad(lens.cumsum(1), (1, 0))  # [2, n + 1] token offsets
+        widths = torch.tensor([[heads * head_dim], [kv_heads * head_dim], [heads]])
+        offsets = torch.cat([starts, starts[:1]]) * widths  # [3, n + 1]: q, k, stats
+        packed = to_device(
+            torch.cat([lens.flatten(), offsets.flatten()]), device
+        )  # one copy the host does not wait for
+        q_lens_d, k_lens_d = packed[:n].int(), packed[n : 2 * n].int()
+        q_off, k_off, stats_off = packed[2 * n :].view(3, n + 1)
+        view = (-1, 1, 1, 1)
+        return _Lengths(
+            q_lens_d.view(view), k_lens_d.view(view), q_off.view(view), k_off.view(view), stats_off.view(view)
+        )
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            "q_lens": self.q_lens, "k_lens": self.k_lens, "q_offsets": self.q_offsets, "k_offsets": self.k_offsets,
+            "stats_offsets": self.stats_offsets,
+        }  # fmt: skip
+
+
+def _capacity(n: int) -> int:
+    """n rounded up to a power of two (at least 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _Graph:
+    """One built cuDNN graph and its tensors by name (`_build`)."""
+
+    def __init__(self, graph, tensors: dict, workspace: int) -> None:
+        self.graph, self.tensors, self.workspace = graph, tensors, workspace
+
+    def run(self, values: dict[str, Tensor], device: torch.device) -> None:
+        import cudnn
+
+        handle = _handle(device.index or 0)
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        pack = {self.tensors[name]: values[name] for name in self.tensors if name in values}
+        offsets = {"q": "q_offsets", "k": "k_offsets", "stats": "stats_offsets"}
+        for name, uses in _OFFSETS.items():
+            if name in self.tensors:
+                pack[self.tensors[name]] = values[offsets[uses]]
+        workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device)
+        self.graph.execute(pack, workspace, handle=handle)
+
+
+# each ragged offset tensor of a graph, and whose offsets it carries
+_OFFSETS = {"q_off": "q", "o_off": "q", "do_off": "q", "k_off": "k", "v_off": "k", "stats_off": "stats"}
+
+
+@cache
+def _handle(device: int):
+    import cudnn
+
+    with torch.cuda.device(device):
+        return cudnn.create_handle()
+
+
+@cache
+def _graph(shape: _Shape, backward: bool) -> _Graph:
+    """The forward or backward graph of `shape`, built once per process."""
+    import cudnn
+
+    io = cudnn.data_type.BFLOAT16 if shape.dtype == torch.bfloat16 else cudnn.data_type.HALF
+    graph = cudnn.pygraph(
+        io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
+        handle=_handle(shape.device),
+    )  # fmt: skip
+    n, d = shape.segments, shape.head_dim
+    tensors: dict = {}
+
+    def offsets(name: str):
+        tensors[name] = graph.tensor(
+            name=name, dim=[n + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64
+        )
+        return tensors[name]
+
+    def ragged(name: str, heads: int, length: int, out=None):
+        """A [n, heads, length, d] tensor whose segments lie end to end as [tokens, heads, d] rows."""
+        dim, stride = [n, heads, length, d], [heads * d, d, heads * d, 1]
+        t = out if out is not None else graph.tensor(name=name, dim=dim, stride=stride, data_type=io)
+        if out is not None:
+            t.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
+        t.set_ragged_offset(offsets(name + "_off"))
+        tensors[name] = t
+        return t
+
+    def stats_tensor(t):
+        """The statistics as [tokens, heads] float32 rows, end to end."""
+        t.set_dim([n, shape.heads, shape.max_q, 1]).set_stride([shape.heads, 1, shape.heads, 1])
+        t.set_data_type(cudnn.data_type.FLOAT).set_ragged_offset(offsets("stats_off"))
+        tensors["stats"] = t
+        return t
+
+    lens = [
+        graph.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        for name in ("q_lens", "k_lens")
+    ]
+    tensors["q_lens"], tensors["k_lens"] = lens
+    q = ragged("q", shape.heads, shape.max_q)
+    k = ragged("k", shape.kv_heads, shape.max_k)
+    v = ragged("v", shape.kv_heads, shape.max_k)
+    common = dict(
+        attn_scale=shape.scale, use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1],
+        use_causal_mask=shape.causal,
+    )  # fmt: skip
+    if not backward:
+        o, stats = graph.sdpa(name="forward", q=q, k=k, v=v, generate_stats=True, **common)
+        ragged("o", shape.heads, shape.max_q, out=o)
+        stats_tensor(stats.set_output(True))
+    else:
+        o = ragged("o", shape.heads, shape.max_q)
+        do = ragged("do", shape.heads, shape.max_q)
+        stats = stats_tensor(
+            graph.tensor(name="stats", dim=[n, shape.heads, shape.max_q, 1], stride=[1, 1, 1, 1],
+                         data_type=cudnn.data_type.FLOAT)
+        )  # fmt: skip
+        dq, dk, dv = graph.sdpa_backward(name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, **common)
+        for name, t, heads, length in (
+            ("dq", dq, shape.heads, shape.max_q), ("dk", dk, shape.kv_heads, shape.max_k),
+            ("dv", dv, shape.kv_heads, shape.max_k),
+        ):  # fmt: skip
+            dim, stride = [n, heads, length, d], [heads * d, d, heads * d, 1]
+            t.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
+            t.set_ragged_offset(tensors["q_off" if name == "dq" else "k_off"])
+            tensors[name] = t
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return _Graph(graph, tensors, graph.get_workspace_size())

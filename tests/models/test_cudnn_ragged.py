@@ -1,0 +1,135 @@
+"""cuDNN's ragged attention (`cudnn_ragged`) against the cascade's reference kernels and against FlexAttention's
+packed suffix, gradients included; graphs built for capacities serve other lengths; the host never waits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.models.attention import PackedPrefixAttention
+from rollplex.models.boundary import Boundary
+from rollplex.models.cascade import REFERENCE, PackedCascadeAttention, Segments, cascade_attention
+from rollplex.models.cudnn_ragged import CudnnRaggedKernels, _capacity, _graph, _Lengths, ragged_attention_available
+from rollplex.models.packed import ResponsePack
+
+CPU = torch.device("cpu")
+
+
+def test_capacities_are_powers_of_two_at_or_above_the_count():
+    assert [_capacity(n) for n in (1, 2, 3, 4, 5, 63, 64, 65, 2048, 2049)] == [1, 2, 4, 4, 8, 64, 64, 128, 2048, 4096]
+
+
+def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_elements():
+    """Three segments in a capacity of four: the fourth has no queries and no keys and starts where the last ends;
+    offsets count elements (tokens x heads x head size; the statistics tokens x heads)."""
+    s = Segments.of([5, 7, 3], [6, 4, 9], causal=False, device=CPU)
+    lens = _Lengths.of(s, heads=4, kv_heads=2, head_dim=8, device=CPU)
+    assert lens.q_lens.flatten().tolist() == [5, 7, 3, 0] and lens.k_lens.flatten().tolist() == [6, 4, 9, 0]
+    assert lens.q_lens.dtype == torch.int32 and lens.q_offsets.dtype == torch.int64
+    assert lens.q_offsets.flatten().tolist() == [0, 5 * 32, 12 * 32, 15 * 32, 15 * 32]
+    assert lens.k_offsets.flatten().tolist() == [0, 6 * 16, 10 * 16, 19 * 16, 19 * 16]
+    assert lens.stats_offsets.flatten().tolist() == [0, 5 * 4, 12 * 4, 15 * 4, 15 * 4]
+    assert lens.q_lens.shape == (4, 1, 1, 1) and lens.q_offsets.shape == (5, 1, 1, 1)
+
+
+def test_off_a_gpu_ragged_attention_is_not_available():
+    assert not ragged_attention_available(CPU)
+    assert not CudnnRaggedKernels(causal=False).takes(torch.zeros(3, 4, 64), torch.zeros(3, 2, 64))
+
+
+on_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not ragged_attention_available(torch.device("cuda")),
+    reason="needs a CUDA GPU and cudnn-frontend",
+)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_on_a_gpu_both_parts_match_the_reference_kernels_in_bf16(head_dim):
+    """Three prompt segments (one of a single query) and four causal own segments (one of a single token): the merged
+    output and every gradient equal the reference's in float32, to bf16's rounding; the log-sum-exps to float32's."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    device = torch.device("cuda")
+    prompts = Segments.of([300, 1, 129], [600, 400, 900], causal=False, device=device)
+    own = Segments.of([200, 100, 1, 129], [200, 100, 1, 129], causal=True, device=device)
+    shapes = [(430, 16, head_dim), (1900, 2, head_dim), (1900, 2, head_dim), (430, 2, head_dim), (430, 2, head_dim)]
+    tensors = [torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    grad = torch.randn(430, 16, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+    kernels = (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))
+    results = []
+    for each in (kernels, REFERENCE):
+        q, k1, v1, k2, v2 = tensors
+        out = cascade_attention(q, [(k1, v1, prompts), (k2, v2, own)], each)
+        results.append((out, *torch.autograd.grad(out, tensors, grad)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    q, k1, v1 = (t.detach() for t in tensors[:3])
+    lse = kernels[0].forward(q, k1, v1, prompts, head_dim**-0.5)[1]
+    torch.testing.assert_close(lse, REFERENCE.forward(q, k1, v1, prompts, head_dim**-0.5)[1], rtol=1e-3, atol=1e-3)
+
+
+def _boundary(gen: torch.Generator, lens: list[int], layers: int, heads: tuple[int, int, int]) -> Boundary:
+    _, kv_heads, head_dim = heads
+    span, device = max(lens), torch.device("cuda")
+    kv = [
+        torch.randn(len(lens), kv_heads, span, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+        for _ in range(2 * layers)
+    ]
+    prompt_lens = torch.tensor(lens, device=device)
+    return Boundary(
+        tuple(t.requires_grad_() for t in kv[:layers]), tuple(t.requires_grad_() for t in kv[layers:]),
+        torch.zeros(len(lens), 8, device=device), prompt_lens, prompt_lens, tuple(lens),
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_on_a_gpu_the_packed_suffix_on_cudnn_matches_flexattention_with_the_boundarys_gradients():
+    """Responses of three prompts (one prompt's split in two runs, responses of 1 to 300 tokens) packed end to end:
+    the cascade on cuDNN and FlexAttention's masked call give the same output and the same gradients into q, the
+    own keys and values, and the boundary's keys and values (padding rows included: none)."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    heads = (16, 2, 128)
+    boundary = _boundary(gen, [700, 1200, 513], layers=1, heads=heads)
+    rows, counts = [0, 0, 1, 2, 2, 0, 1], [300, 1, 57, 129, 8, 200, 64]
+    pack = ResponsePack.of(rows, counts, 300, torch.device("cuda"))
+    m = sum(counts)
+    q = torch.randn(1, heads[0], m, heads[2], generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(1, heads[1], m, heads[2], generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+    grad = torch.randn(1, heads[0], m, heads[2], generator=gen, device="cuda", dtype=torch.bfloat16)
+    inputs = (q, k, v, boundary.keys[0], boundary.values[0])
+    kernels = (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))
+    results = []
+    for attention in (PackedCascadeAttention(boundary, pack, kernels), PackedPrefixAttention(boundary, pack)):
+        out = attention(0, q, k, v)
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_make_the_host_wait():
+    gen = torch.Generator("cuda").manual_seed(5)
+    device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False)
+
+    def call(q_lens: list[int], k_lens: list[int]) -> None:
+        s = Segments.of(q_lens, k_lens, causal=False, device=device)
+        q = torch.randn(sum(q_lens), 16, 128, generator=gen, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(k_lens), 2, 128, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+        out, lse, saved = kernels.forward(q, k, v, s, 128**-0.5)
+        kernels.backward(torch.ones_like(out), q, k, v, out, lse, s, 128**-0.5, saved)
+
+    call([100, 200, 50], [300, 500, 400])  # capacities 4 segments, 256 queries, 512 keys
+    torch.cuda.synchronize()
+    built = _graph.cache_info().misses
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call([256, 3], [512, 20])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _graph.cache_info().misses == built
