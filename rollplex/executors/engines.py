@@ -51,6 +51,7 @@ from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec import Spec
 from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_files import model_dir
+from rollplex.graph.workload import per_gpu
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
@@ -345,7 +346,10 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     spec = loaded.spec
     torch.manual_seed(spec.run.seed)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
-    model.suffix_attention = suffix_attention(spec.run, device)
+    if suffix_attention(spec.run, device) == "cudnn":
+        g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
+        prompts = g.prompts_per_rank // spec.algorithm.minibatches_per_step
+        model.score_on_cudnn(prompts, g.group_size, g.response_tokens, g.prompt_tokens)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)

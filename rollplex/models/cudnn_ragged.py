@@ -3,11 +3,13 @@ of a part in one call each way, whatever the segments' count and lengths.
 
 What: a part's segments (query rows cu_q[i]:cu_q[i+1] over key rows cu_k[i]:cu_k[i+1], `cascade.Segments`) sit end
 to end in q [T, H, D] and k, v [Tk, G, D]; cuDNN reads each segment where its ragged offsets say and masks past its
-real lengths (a padding mask), so nothing is padded or copied. A graph's dimensions are capacities: segments, and
-the longest segment's queries and keys, each rounded up to a power of two; the real lengths ride in device
-tensors. A run therefore meets a few graphs and builds each once, where cuDNN's dense calls build one per shape
-and torch's variable-length cuDNN path builds one on every call (docs/results.md, "The packed suffix's attention").
-Segments past the real ones have no queries and no keys.
+real lengths (a padding mask), so nothing is padded or copied. A graph's dimensions are capacities (`Capacity`:
+segments, and the longest segment's queries and keys); the real lengths ride in device tensors. Each kernels object
+keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and prompt budgets,
+so a run builds its graphs once, at its first call) and only grow, to powers of two; cuDNN's dense calls build a
+graph per shape and torch's variable-length cuDNN path one on every call (docs/results.md, "The packed suffix's
+attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
+segments past the real ones have no queries and no keys.
 
 Why: FlexAttention runs the packed suffix at about 0.3 of peak; cuDNN's kernels run its prompt part at 0.65-0.77
 (`bench/flex_suffix.py`). cudnn-frontend is NVIDIA's own Python binding of cuDNN's graph API, kept beside cuDNN;
@@ -39,6 +41,21 @@ def ragged_attention_available(device: torch.device) -> bool:
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """What a graph holds: segments, and queries and keys of the longest segment."""
+
+    segments: int = 1
+    max_q: int = 1
+    max_k: int = 1
+
+    def holding(self, s: Segments) -> Capacity:
+        """This capacity, grown to powers of two where `s` needs more."""
+        need = (len(s.q_lens), s.max_q, s.max_k)
+        have = (self.segments, self.max_q, self.max_k)
+        return Capacity(*(h if h >= n else _capacity(n) for h, n in zip(have, need, strict=True)))
+
+
+@dataclass(frozen=True)
 class _Shape:
     """What one graph is built for: the part's heads and dtype, and its capacities."""
 
@@ -56,10 +73,11 @@ class _Shape:
 
 class CudnnRaggedKernels:
     """`cascade.Kernels` on cuDNN: forward and backward of all of a part's segments in one graph call each.
-    `causal` must match the segments' (query i of a segment sees keys up to i, equal lengths)."""
+    `causal` must match the segments' (query i of a segment sees keys up to i, equal lengths); `floor`: the
+    capacity its graphs start at."""
 
-    def __init__(self, causal: bool) -> None:
-        self.causal = causal
+    def __init__(self, causal: bool, floor: Capacity = Capacity()) -> None:
+        self.causal, self.capacity = causal, floor
 
     def takes(self, q: Tensor, k: Tensor) -> bool:
         """Whether cuDNN runs these tensors (q [T, H, D], k [Tk, G, D]): 16-bit on a GPU, a head size it takes."""
@@ -72,7 +90,8 @@ class CudnnRaggedKernels:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
         assert s.causal == self.causal, "a part's kernels and its segments disagree on the causal mask"
-        shape, lens = self._shape(q, k, s, scale), _Lengths.of(s, q.shape[1], k.shape[1], q.shape[-1], q.device)
+        self.capacity = self.capacity.holding(s)
+        shape, lens = self._shape(q, k, scale), self._lengths(q, k, s)
         out = torch.empty_like(q)
         stats = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)  # [T, H]
         _graph(shape, backward=False).run(
@@ -81,25 +100,28 @@ class CudnnRaggedKernels:
         return out, stats.T, ()
 
     def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
-        shape, lens = self._shape(q, k, s, scale), _Lengths.of(s, q.shape[1], k.shape[1], q.shape[-1], q.device)
+        shape, lens = self._shape(q, k, scale), self._lengths(q, k, s)  # the forward's capacity holds s
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         tensors = {"q": q, "k": k, "v": v, "o": out.to(q.dtype), "do": dout, "stats": lse.T.contiguous()}
         _graph(shape, backward=True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.tensors()}, q.device)
         return dq, dk, dv
 
-    def _shape(self, q: Tensor, k: Tensor, s: Segments, scale: float) -> _Shape:
-        assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
+    def _shape(self, q: Tensor, k: Tensor, scale: float) -> _Shape:
+        c = self.capacity
         return _Shape(
             device=q.device.index or 0, dtype=q.dtype, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
-            causal=self.causal, scale=scale, segments=_capacity(len(s.q_lens)), max_q=_capacity(s.max_q),
-            max_k=_capacity(s.max_k),
+            causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k,
         )  # fmt: skip
+
+    def _lengths(self, q: Tensor, k: Tensor, s: Segments) -> _Lengths:
+        assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
+        return _Lengths.of(s, self.capacity.segments, q.shape[1], k.shape[1], q.shape[-1], q.device)
 
 
 @dataclass(frozen=True)
 class _Lengths:
     """A call's per-segment device tensors: lengths [n, 1, 1, 1] int32 and element offsets [n + 1, 1, 1, 1] int64,
-    padded to the graph's segment capacity with empty segments at the end."""
+    padded to the graph's n segments with empty segments at the end."""
 
     q_lens: Tensor
     k_lens: Tensor
@@ -108,8 +130,7 @@ class _Lengths:
     stats_offsets: Tensor  # of the statistics: x H
 
     @staticmethod
-    def of(s: Segments, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> _Lengths:
-        n = _capacity(len(s.q_lens))
+    def of(s: Segments, n: int, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> _Lengths:
         q_lens = list(s.q_lens) + [0] * (n - len(s.q_lens))
         k_lens = list(s.k_lens) + [0] * (n - len(s.k_lens))
         lens = torch.tensor([q_lens, k_lens], dtype=torch.int64)

@@ -36,7 +36,7 @@ from rollplex.models.cache import ResponseCache
 from rollplex.models.cascade import PackedCascadeAttention
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
-from rollplex.models.cudnn_ragged import CudnnRaggedKernels
+from rollplex.models.cudnn_ragged import Capacity, CudnnRaggedKernels
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packed import ResponsePack
@@ -77,9 +77,7 @@ class Qwen2_5_VL(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.suffix_attention = (
-            "flex"  # the scoring attention on a GPU in 16 bits: "flex" or "cudnn" (`run.suffix_attention`)
-        )
+        self.suffix_kernels: tuple[CudnnRaggedKernels, CudnnRaggedKernels] | None = None  # `score_on_cudnn`
         with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
             self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
@@ -259,13 +257,21 @@ class Qwen2_5_VL(nn.Module):
         cos, sin = text_rotary(positions.expand(3, 1, -1), self.config.text)
         return self.model.language_model(x[None], cos, sin, self._suffix_attention(boundary, pack, x))[0]
 
+    def score_on_cudnn(self, prompts: int, samples: int, response_tokens: int, prompt_tokens: int) -> None:
+        """Scores on cuDNN's ragged attention from now on (`run.suffix_attention` cudnn; a GPU and 16 bits): the
+        prompt part and the own-response part of `PackedCascadeAttention`, their graphs built for batches of up to
+        `prompts` prompts' groups of `samples` responses of `response_tokens`, over prompts of `prompt_tokens`
+        (larger batches grow them)."""
+        self.suffix_kernels = (
+            CudnnRaggedKernels(causal=False, floor=Capacity(prompts, samples * response_tokens, prompt_tokens)),
+            CudnnRaggedKernels(causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens)),
+        )
+
     def _suffix_attention(self, boundary: Boundary, pack: ResponsePack, x: Tensor) -> Attention:
-        """The scoring attention `suffix_attention` chose: on cuDNN's ragged calls (a GPU, 16 bits), else
+        """The scoring attention: on cuDNN's ragged calls where `score_on_cudnn` said so (a GPU, 16 bits), else
         FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
-        if self.suffix_attention == "cudnn" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            return PackedCascadeAttention(
-                boundary, pack, (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))
-            )
+        if self.suffix_kernels is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return PackedCascadeAttention(boundary, pack, self.suffix_kernels)
         return PackedPrefixAttention(boundary, pack)
 
     def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:

@@ -9,7 +9,14 @@ import torch
 from rollplex.models.attention import PackedPrefixAttention
 from rollplex.models.boundary import Boundary
 from rollplex.models.cascade import REFERENCE, PackedCascadeAttention, Segments, cascade_attention
-from rollplex.models.cudnn_ragged import CudnnRaggedKernels, _capacity, _graph, _Lengths, ragged_attention_available
+from rollplex.models.cudnn_ragged import (
+    Capacity,
+    CudnnRaggedKernels,
+    _capacity,
+    _graph,
+    _Lengths,
+    ragged_attention_available,
+)
 from rollplex.models.packed import ResponsePack
 
 CPU = torch.device("cpu")
@@ -19,11 +26,20 @@ def test_capacities_are_powers_of_two_at_or_above_the_count():
     assert [_capacity(n) for n in (1, 2, 3, 4, 5, 63, 64, 65, 2048, 2049)] == [1, 2, 4, 4, 8, 64, 64, 128, 2048, 4096]
 
 
+def test_a_capacity_keeps_its_floor_and_grows_to_powers_of_two_only_where_a_call_needs_more():
+    floor = Capacity(8, 16384, 6000)
+    fits = Segments.of([300, 2000], [5000, 5999], causal=False, device=CPU)
+    assert floor.holding(fits) == floor
+    grown = floor.holding(Segments.of([20000] + [1] * 8, [6001] * 9, causal=False, device=CPU))
+    assert grown == Capacity(16, 32768, 8192)
+    assert Capacity().holding(fits) == Capacity(2, 2048, 8192)
+
+
 def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_elements():
     """Three segments in a capacity of four: the fourth has no queries and no keys and starts where the last ends;
     offsets count elements (tokens x heads x head size; the statistics tokens x heads)."""
     s = Segments.of([5, 7, 3], [6, 4, 9], causal=False, device=CPU)
-    lens = _Lengths.of(s, heads=4, kv_heads=2, head_dim=8, device=CPU)
+    lens = _Lengths.of(s, 4, heads=4, kv_heads=2, head_dim=8, device=CPU)
     assert lens.q_lens.flatten().tolist() == [5, 7, 3, 0] and lens.k_lens.flatten().tolist() == [6, 4, 9, 0]
     assert lens.q_lens.dtype == torch.int32 and lens.q_offsets.dtype == torch.int64
     assert lens.q_offsets.flatten().tolist() == [0, 5 * 32, 12 * 32, 15 * 32, 15 * 32]
@@ -102,7 +118,7 @@ def test_on_a_gpu_the_packed_suffix_on_cudnn_matches_flexattention_with_the_boun
     )
     grad = torch.randn(1, heads[0], m, heads[2], generator=gen, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, boundary.keys[0], boundary.values[0])
-    kernels = (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))
+    kernels = (CudnnRaggedKernels(causal=False), CudnnRaggedKernels(causal=True))  # capacities from the first call
     results = []
     for attention in (PackedCascadeAttention(boundary, pack, kernels), PackedPrefixAttention(boundary, pack)):
         out = attention(0, q, k, v)
@@ -114,8 +130,10 @@ def test_on_a_gpu_the_packed_suffix_on_cudnn_matches_flexattention_with_the_boun
 @pytest.mark.gpu
 @on_gpu
 def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_make_the_host_wait():
+    """Kernels whose floor holds both calls (three segments of 100-200 queries, then two of 256 and 3) build their
+    graphs at the first call only; the second call sends its lengths without a stream sync."""
     gen = torch.Generator("cuda").manual_seed(5)
-    device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False)
+    device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512))
 
     def call(q_lens: list[int], k_lens: list[int]) -> None:
         s = Segments.of(q_lens, k_lens, causal=False, device=device)
@@ -124,7 +142,7 @@ def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_m
         out, lse, saved = kernels.forward(q, k, v, s, 128**-0.5)
         kernels.backward(torch.ones_like(out), q, k, v, out, lse, s, 128**-0.5, saved)
 
-    call([100, 200, 50], [300, 500, 400])  # capacities 4 segments, 256 queries, 512 keys
+    call([100, 200, 50], [300, 500, 400])
     torch.cuda.synchronize()
     built = _graph.cache_info().misses
     torch.cuda.set_sync_debug_mode("error")
