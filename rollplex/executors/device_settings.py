@@ -33,15 +33,18 @@ def set_cudnn_attention(on: bool) -> None:
 
 
 def suffix_attention(run, device: torch.device) -> str:
-    """`run.suffix_attention` resolved for `device`: "cudnn" or "flex" (what a model's scoring runs on a GPU). An
-    explicit cudnn without cudnn-frontend installed is a one-line error."""
+    """`run.suffix_attention` resolved for `device`: "cudnn" or "flex" (what a model's scoring runs on a GPU; the CPU
+    scores with SDPA and a dense mask, "flex" here). An explicit cudnn on a GPU without cudnn-frontend installed is a
+    one-line error."""
     from rollplex.models.cudnn_ragged import ragged_attention_available
 
-    available = device.type != "cuda" or ragged_attention_available(device)
+    if run.suffix_attention == "flex" or device.type != "cuda":
+        return "flex"
+    available = ragged_attention_available(device)
     if run.suffix_attention == "cudnn" and not available:
         raise ValueError("run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]")
-    if run.suffix_attention != "auto":
-        return run.suffix_attention
+    if run.suffix_attention == "cudnn":
+        return "cudnn"
     return "cudnn" if available and run.cudnn_attention and not run.deterministic else "flex"
 
 
