@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+from rollplex.models.boundary import concat_boundaries
 from rollplex.models.inputs import Prompt
 from rollplex.models.model import Qwen2_5_VL
 
@@ -69,6 +70,9 @@ def test_boundary_holds_one_prompt_kv_per_prompt_not_per_sample(model, prompts, 
     assert all(k.shape == kv_shape for k in boundary.keys + boundary.values)
     assert boundary.first_logprobs.shape == (len(prompts), config.text.vocab_size)
     assert boundary.prompt_lens.tolist() == [prompt.num_tokens for prompt in prompts]
+    assert boundary.host_prompt_lens == tuple(prompt.num_tokens for prompt in prompts)  # read without a device sync
+    both = concat_boundaries([boundary, model.prefix(prompts[:1], attached=False)])
+    assert both.host_prompt_lens == (*boundary.host_prompt_lens, prompts[0].num_tokens)
 
 
 def test_attached_prefix_gives_every_parameter_the_unsplit_gradient(model, prompts, responses):
