@@ -79,14 +79,10 @@ class CudnnRaggedKernels:
     def __init__(self, causal: bool, floor: Capacity = Capacity()) -> None:
         self.causal, self.capacity = causal, floor
 
-    def takes(self, q: Tensor, k: Tensor) -> bool:
-        """Whether cuDNN runs these tensors (q [T, H, D], k [Tk, G, D]): 16-bit on a GPU, a head size it takes."""
-        return (
-            ragged_attention_available(q.device)
-            and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] in HEAD_DIMS
-            and q.shape[1] % k.shape[1] == 0
-        )
+    @staticmethod
+    def takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether cuDNN runs attention of this dtype and head size on `device`: 16 bits on a GPU, a listed size."""
+        return ragged_attention_available(device) and dtype in (torch.bfloat16, torch.float16) and head_dim in HEAD_DIMS
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
         assert s.causal == self.causal, "a part's kernels and its segments disagree on the causal mask"

@@ -268,9 +268,10 @@ class Qwen2_5_VL(nn.Module):
         )
 
     def _suffix_attention(self, boundary: Boundary, pack: ResponsePack, x: Tensor) -> Attention:
-        """The scoring attention: on cuDNN's ragged calls where `score_on_cudnn` said so (a GPU, 16 bits), else
-        FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
-        if self.suffix_kernels is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        """The scoring attention: on cuDNN's ragged calls where `score_on_cudnn` said so and cuDNN takes the model's
+        dtype and head size on its device, else FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
+        head_dim = self.config.text.head_dim
+        if self.suffix_kernels is not None and CudnnRaggedKernels.takes(x.device, x.dtype, head_dim):
             return PackedCascadeAttention(boundary, pack, self.suffix_kernels)
         return PackedPrefixAttention(boundary, pack)
 

@@ -50,7 +50,15 @@ def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_eleme
 
 def test_off_a_gpu_ragged_attention_is_not_available():
     assert not ragged_attention_available(CPU)
-    assert not CudnnRaggedKernels(causal=False).takes(torch.zeros(3, 4, 64), torch.zeros(3, 2, 64))
+    assert not CudnnRaggedKernels.takes(CPU, torch.bfloat16, 64)
+
+
+def test_cudnn_takes_16_bit_attention_of_listed_head_sizes_only(monkeypatch):
+    monkeypatch.setattr("rollplex.models.cudnn_ragged.find_spec", lambda name: object())  # cudnn-frontend "installed"
+    gpu = torch.device("cuda")
+    assert CudnnRaggedKernels.takes(gpu, torch.bfloat16, 128) and CudnnRaggedKernels.takes(gpu, torch.float16, 80)
+    assert not CudnnRaggedKernels.takes(gpu, torch.float32, 128)
+    assert not CudnnRaggedKernels.takes(gpu, torch.bfloat16, 16)  # the tiny model's: scoring stays on FlexAttention
 
 
 on_gpu = pytest.mark.skipif(
