@@ -56,6 +56,7 @@ from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
+from rollplex.models.cudnn_ragged import suffix_kernels
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.layers import compile_halves
 from rollplex.models.model import Qwen2_5_VL
@@ -349,7 +350,7 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     if suffix_attention(spec.run, device) == "cudnn":
         g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
         prompts = g.prompts_per_rank // spec.algorithm.minibatches_per_step
-        model.score_on_cudnn(prompts, g.group_size, g.response_tokens, g.prompt_tokens)
+        model.suffix_kernels = suffix_kernels(prompts, g.group_size, g.response_tokens, g.prompt_tokens)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)

@@ -29,8 +29,11 @@ from importlib.util import find_spec
 import torch
 from torch import Tensor
 
-from rollplex.models.cascade import Segments
+from rollplex.models.attention import Attention, PackedPrefixAttention
+from rollplex.models.boundary import Boundary
+from rollplex.models.cascade import PackedCascadeAttention, Segments
 from rollplex.models.inputs import to_device
+from rollplex.models.packed import ResponsePack
 
 HEAD_DIMS = (64, 80, 96, 128)  # head sizes whose forward and backward cuDNN runs on Ampere and newer
 
@@ -112,6 +115,30 @@ class CudnnRaggedKernels:
     def _lengths(self, q: Tensor, k: Tensor, s: Segments) -> _Lengths:
         assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
         return _Lengths.of(s, self.capacity.segments, q.shape[1], k.shape[1], q.shape[-1], q.device)
+
+
+SuffixKernels = tuple["CudnnRaggedKernels", "CudnnRaggedKernels"]  # the prompt part's, the own part's
+
+
+def suffix_kernels(prompts: int, samples: int, response_tokens: int, prompt_tokens: int) -> SuffixKernels:
+    """The kernels of `PackedCascadeAttention`'s two parts, their graphs built for batches of up to `prompts`
+    prompts' groups of `samples` responses of `response_tokens`, over prompts of `prompt_tokens` (a model scores
+    on them once its `suffix_kernels` holds them; larger batches grow them)."""
+    return (
+        CudnnRaggedKernels(causal=False, floor=Capacity(prompts, samples * response_tokens, prompt_tokens)),
+        CudnnRaggedKernels(causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens)),
+    )
+
+
+def scoring_attention(
+    boundary: Boundary, pack: ResponsePack, kernels: SuffixKernels | None, x: Tensor, head_dim: int
+) -> Attention:
+    """A scoring batch's attention (x: its embeddings): the cascade on cuDNN's ragged calls where `kernels` are set
+    and cuDNN takes x's dtype and the model's head size on x's device, else FlexAttention (a GPU) or SDPA with a
+    dense mask (the CPU)."""
+    if kernels is not None and CudnnRaggedKernels.takes(x.device, x.dtype, head_dim):
+        return PackedCascadeAttention(boundary, pack, kernels)
+    return PackedPrefixAttention(boundary, pack)
 
 
 @dataclass(frozen=True)

@@ -23,20 +23,13 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from rollplex.models.attention import (
-    Attention,
-    CausalAttention,
-    LayerKV,
-    PackedPrefixAttention,
-    SharedPrefixAttention,
-)
+from rollplex.models.attention import Attention, CausalAttention, LayerKV, SharedPrefixAttention
 from rollplex.models.batching import PackedSequences
 from rollplex.models.boundary import Boundary, concat_boundaries
 from rollplex.models.cache import ResponseCache
-from rollplex.models.cascade import PackedCascadeAttention
 from rollplex.models.chunks import drain, each_inside
 from rollplex.models.config import ModelConfig
-from rollplex.models.cudnn_ragged import Capacity, CudnnRaggedKernels
+from rollplex.models.cudnn_ragged import SuffixKernels, scoring_attention
 from rollplex.models.decoder import SelfAttention, TextDecoder
 from rollplex.models.inputs import Prompt, to_device
 from rollplex.models.packed import ResponsePack
@@ -77,7 +70,7 @@ class Qwen2_5_VL(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.suffix_kernels: tuple[CudnnRaggedKernels, CudnnRaggedKernels] | None = None  # `score_on_cudnn`
+        self.suffix_kernels: SuffixKernels | None = None  # scoring on cuDNN's ragged calls (`cudnn_ragged`)
         with _default_dtype(dtype), torch.device(device) if device is not None else nullcontext():
             self.model = Backbone(config)  # built in `dtype`: a 32B model never exists in FP32 on the device
             self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
@@ -255,25 +248,8 @@ class Qwen2_5_VL(nn.Module):
             return x
         positions = boundary.next_positions.index_select(0, pack.prompt) + pack.offset  # [M]
         cos, sin = text_rotary(positions.expand(3, 1, -1), self.config.text)
-        return self.model.language_model(x[None], cos, sin, self._suffix_attention(boundary, pack, x))[0]
-
-    def score_on_cudnn(self, prompts: int, samples: int, response_tokens: int, prompt_tokens: int) -> None:
-        """Scores on cuDNN's ragged attention from now on (`run.suffix_attention` cudnn; a GPU and 16 bits): the
-        prompt part and the own-response part of `PackedCascadeAttention`, their graphs built for batches of up to
-        `prompts` prompts' groups of `samples` responses of `response_tokens`, over prompts of `prompt_tokens`
-        (larger batches grow them)."""
-        self.suffix_kernels = (
-            CudnnRaggedKernels(causal=False, floor=Capacity(prompts, samples * response_tokens, prompt_tokens)),
-            CudnnRaggedKernels(causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens)),
-        )
-
-    def _suffix_attention(self, boundary: Boundary, pack: ResponsePack, x: Tensor) -> Attention:
-        """The scoring attention: on cuDNN's ragged calls where `score_on_cudnn` said so and cuDNN takes the model's
-        dtype and head size on its device, else FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
-        head_dim = self.config.text.head_dim
-        if self.suffix_kernels is not None and CudnnRaggedKernels.takes(x.device, x.dtype, head_dim):
-            return PackedCascadeAttention(boundary, pack, self.suffix_kernels)
-        return PackedPrefixAttention(boundary, pack)
+        attention = scoring_attention(boundary, pack, self.suffix_kernels, x, self.config.text.head_dim)
+        return self.model.language_model(x[None], cos, sin, attention)[0]
 
     def whole_response_hidden(self, prompt: Prompt, responses: Tensor, lens: Tensor) -> Tensor:
         """The oracle's hidden states [N, R, hidden]: each of N responses [N, R] of lengths [N] run over

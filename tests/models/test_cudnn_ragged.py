@@ -16,6 +16,7 @@ from rollplex.models.cudnn_ragged import (
     _graph,
     _Lengths,
     ragged_attention_available,
+    suffix_kernels,
 )
 from rollplex.models.packed import ResponsePack
 
@@ -161,14 +162,14 @@ def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_m
     assert _graph.cache_info().misses == built
 
 
-def test_a_model_told_to_score_on_cudnn_keeps_scoring_with_the_dense_mask_on_the_cpu(model, prompts):
-    """`score_on_cudnn` sizes the kernels from the workload (the prompt part's capacity a group of N x R queries over
+def test_a_model_given_cudnn_kernels_keeps_scoring_with_the_dense_mask_on_the_cpu(model, prompts):
+    """`suffix_kernels` sizes the kernels from the workload (the prompt part's capacity a group of N x R queries over
     the prompt budget; the own part's N x P responses of R); off a GPU scoring stays SDPA with a dense mask."""
     tokens = torch.randint(8, 100, (3, 2, 4), generator=torch.Generator().manual_seed(2))
     lens = torch.tensor([[4, 1], [2, 3], [3, 4]])
     boundary = model.prefix(prompts, attached=False)
     before = model.suffix(boundary, tokens, lens)
-    model.score_on_cudnn(prompts=3, samples=2, response_tokens=4, prompt_tokens=64)
+    model.suffix_kernels = suffix_kernels(prompts=3, samples=2, response_tokens=4, prompt_tokens=64)
     prompt_part, own_part = model.suffix_kernels
     assert prompt_part.capacity == Capacity(3, 8, 64) and not prompt_part.causal
     assert own_part.capacity == Capacity(6, 4, 4) and own_part.causal
