@@ -41,9 +41,11 @@ def suffix_attention(run, device: torch.device) -> str:
     if run.suffix_attention == "flex" or device.type != "cuda":
         return "flex"
     available = ragged_attention_available(device)
-    if run.suffix_attention == "cudnn" and not available:
-        raise ValueError("run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]")
     if run.suffix_attention == "cudnn":
+        if not available:
+            raise ValueError(
+                "run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]"
+            )
         return "cudnn"
     return "cudnn" if available and run.cudnn_attention and not run.deterministic else "flex"
 

@@ -88,21 +88,22 @@ class CudnnRaggedKernels:
         return ragged_attention_available(device) and dtype in (torch.bfloat16, torch.float16) and head_dim in HEAD_DIMS
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, s: Segments, scale: float) -> tuple[Tensor, Tensor, tuple]:
+        """(out, lse, saved): saved is the call's graph shape and device lengths, which its backward reuses."""
         assert s.causal == self.causal, "a part's kernels and its segments disagree on the causal mask"
+        assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
         self.capacity = self.capacity.holding(s)
-        shape, lens = self._shape(q, k, scale), self._lengths(q, k, s)
+        shape = self._shape(q, k, scale)
+        lens = _Lengths.of(s, shape.segments, q.shape[1], k.shape[1], q.shape[-1], q.device)
         out = torch.empty_like(q)
         stats = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)  # [T, H]
-        _graph(shape, backward=False).run(
-            {"q": q, "k": k, "v": v, "o": out, "stats": stats, **lens.tensors()}, q.device
-        )
-        return out, stats.T, ()
+        _graph(shape, backward=False).run({"q": q, "k": k, "v": v, "o": out, "stats": stats, **lens.by_name}, q.device)
+        return out, stats.T, (shape, lens)
 
     def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
-        shape, lens = self._shape(q, k, scale), self._lengths(q, k, s)  # the forward's capacity holds s
+        shape, lens = saved
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         tensors = {"q": q, "k": k, "v": v, "o": out.to(q.dtype), "do": dout, "stats": lse.T.contiguous()}
-        _graph(shape, backward=True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.tensors()}, q.device)
+        _graph(shape, backward=True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.by_name}, q.device)
         return dq, dk, dv
 
     def _shape(self, q: Tensor, k: Tensor, scale: float) -> _Shape:
@@ -111,10 +112,6 @@ class CudnnRaggedKernels:
             device=q.device.index or 0, dtype=q.dtype, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
             causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k,
         )  # fmt: skip
-
-    def _lengths(self, q: Tensor, k: Tensor, s: Segments) -> _Lengths:
-        assert s.q_lens, "cuDNN's ragged call takes segments made from host lengths (`Segments.of`)"
-        return _Lengths.of(s, self.capacity.segments, q.shape[1], k.shape[1], q.shape[-1], q.device)
 
 
 SuffixKernels = tuple["CudnnRaggedKernels", "CudnnRaggedKernels"]  # the prompt part's, the own part's
@@ -170,11 +167,12 @@ class _Lengths:
             q_lens_d.view(view), k_lens_d.view(view), q_off.view(view), k_off.view(view), stats_off.view(view)
         )
 
-    def tensors(self) -> dict[str, Tensor]:
-        return {
-            "q_lens": self.q_lens, "k_lens": self.k_lens, "q_offsets": self.q_offsets, "k_offsets": self.k_offsets,
-            "stats_offsets": self.stats_offsets,
-        }  # fmt: skip
+    @property
+    def by_name(self) -> dict[str, Tensor]:
+        """The tensors under the names of a graph's tensors (`_graph`): each ragged tensor's offsets, the lengths."""
+        q, k = self.q_offsets, self.k_offsets
+        offsets = {"q_off": q, "o_off": q, "do_off": q, "k_off": k, "v_off": k, "stats_off": self.stats_offsets}
+        return {"q_lens": self.q_lens, "k_lens": self.k_lens, **offsets}
 
 
 def _capacity(n: int) -> int:
@@ -183,7 +181,7 @@ def _capacity(n: int) -> int:
 
 
 class _Graph:
-    """One built cuDNN graph and its tensors by name (`_build`)."""
+    """One built cuDNN graph and its tensors by name (`_graph`)."""
 
     def __init__(self, graph, tensors: dict, workspace: int) -> None:
         self.graph, self.tensors, self.workspace = graph, tensors, workspace
@@ -193,17 +191,9 @@ class _Graph:
 
         handle = _handle(device.index or 0)
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
-        pack = {self.tensors[name]: values[name] for name in self.tensors if name in values}
-        offsets = {"q": "q_offsets", "k": "k_offsets", "stats": "stats_offsets"}
-        for name, uses in _OFFSETS.items():
-            if name in self.tensors:
-                pack[self.tensors[name]] = values[offsets[uses]]
+        pack = {t: values[name] for name, t in self.tensors.items()}
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device)
         self.graph.execute(pack, workspace, handle=handle)
-
-
-# each ragged offset tensor of a graph, and whose offsets it carries
-_OFFSETS = {"q_off": "q", "o_off": "q", "do_off": "q", "k_off": "k", "v_off": "k", "stats_off": "stats"}
 
 
 @cache

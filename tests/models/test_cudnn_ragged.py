@@ -47,6 +47,9 @@ def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_eleme
     assert lens.k_offsets.flatten().tolist() == [0, 6 * 16, 10 * 16, 19 * 16, 19 * 16]
     assert lens.stats_offsets.flatten().tolist() == [0, 5 * 4, 12 * 4, 15 * 4, 15 * 4]
     assert lens.q_lens.shape == (4, 1, 1, 1) and lens.q_offsets.shape == (5, 1, 1, 1)
+    named = lens.by_name  # what a graph's offset tensors read: queries, outputs and their gradients alike
+    assert named["q_off"] is named["o_off"] is named["do_off"] is lens.q_offsets
+    assert named["k_off"] is named["v_off"] is lens.k_offsets and named["stats_off"] is lens.stats_offsets
 
 
 def test_off_a_gpu_ragged_attention_is_not_available():
