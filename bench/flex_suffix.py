@@ -8,8 +8,10 @@ forward + backward (CUDA events, medians) for each option set of FlexAttention (
 max-autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and
 its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the
 two-part form (`models/cascade.py`: the prompt part and the own-response part merged by log-sum-exps), on
-FlashAttention's variable-length calls, and with the prompt part on cuDNN's dense calls padded to buckets
-(`CUDNN_PADDED`; its first call, which builds cuDNN's graphs, timed apart). Beside them, cuDNN's dense attention
+FlashAttention's variable-length calls, with the prompt part on cuDNN's dense calls padded to buckets
+(`CUDNN_PADDED`), and on cuDNN's ragged calls as the runtime scores (`cudnn_ragged.suffix_kernels`, where
+cudnn-frontend is installed), its parts merged by the kernel and by torch ops; each cascade's first call, which
+builds cuDNN's graphs, is timed apart. Beside them, cuDNN's dense attention
 of each prompt's queries over its prompt (no mask; the prompt part alone) shows what a dense kernel reaches at
 these shapes.
 """
@@ -21,15 +23,19 @@ import dataclasses
 import json
 import statistics
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from rollplex.bench.provenance import source_commit
+from rollplex.models import cascade
 from rollplex.models.attention import PackedPrefixAttention
 from rollplex.models.boundary import Boundary
 from rollplex.models.cascade import CUDNN_PADDED, FLASH, PackedCascadeAttention
 from rollplex.models.config import load_model_config
+from rollplex.models.cudnn_ragged import ragged_attention_available, suffix_kernels
 from rollplex.models.packed import ResponsePack
 
 PEAK_TFLOPS = 796.0  # bf16 dense, measured once (`rollplex compile`'s device line)
@@ -91,9 +97,16 @@ def main() -> None:
         })  # fmt: skip
         print(f"{name:<26} fwd {fwd:6.2f} ms ({rows[-1]['forward_efficiency']:.2f})"
               f"  fwd+bwd {both:6.2f} ms ({rows[-1]['forward_backward_efficiency']:.2f})", flush=True)  # fmt: skip
-    cascades = {"cascade (FlashAttention 2)": FLASH, "cascade (cuDNN padded prompts)": (CUDNN_PADDED, FLASH)}
-    for name, kernels in cascades.items() if args.cascade else ():
-        fwd, both, out, first_s = timed_cascade(PackedCascadeAttention(boundary, pack, kernels), q, k, v, args.iters)
+    cascades = {
+        "cascade (FlashAttention 2)": (FLASH, True), "cascade (cuDNN padded prompts)": ((CUDNN_PADDED, FLASH), True)
+    }  # fmt: skip
+    if ragged_attention_available(device):
+        ragged = suffix_kernels(8, 8, 2048, boundary.max_prompt_len)
+        cascades |= {"cascade (cuDNN ragged)": (ragged, True), "cascade (cuDNN ragged), torch merge": (ragged, False)}
+    for name, (kernels, fused_merge) in cascades.items() if args.cascade else ():
+        with nullcontext() if fused_merge else mock.patch.object(cascade, "merged", torch_merged):
+            attention = PackedCascadeAttention(boundary, pack, kernels)
+            fwd, both, out, first_s = timed_cascade(attention, q, k, v, args.iters)
         rows.append({
             "options": name, "forward_ms": fwd, "forward_backward_ms": both, "first_call_s": first_s,
             "forward_efficiency": flop / fwd / 1e-3 / (PEAK_TFLOPS * 1e12),
@@ -169,6 +182,12 @@ def timed(attention: PackedPrefixAttention, q, k, v, options: dict | None, iters
     grad = torch.randn_like(out)
     both()
     return median_ms(forward, iters), median_ms(both, iters), out.detach()
+
+
+def torch_merged(parts: list, dtype: torch.dtype):
+    """`cascade.merged` in torch ops on every device (the form its kernel replaces on a GPU)."""
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+    return sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse in parts).to(dtype), lse
 
 
 def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):

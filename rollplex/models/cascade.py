@@ -9,11 +9,10 @@ sets' gradients are exact and the query's is their sum.
 
 Why: a masked single call (FlexAttention with a block mask) runs these shapes well below a dense kernel's speed
 (`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
-dense kernels it is given. The runtime still scores with FlexAttention (docs/results.md): on FlashAttention 2
-(not tuned for Hopper) the cascade's forward is slower than FlexAttention's and its backward only a little
-faster; cuDNN's variable-length path (torch 2.11) builds its graph on every call, which costs more than the
-attention; with the prompt part on cuDNN's dense calls padded to buckets the backward is a third faster, the
-forward no faster, and a step slower (each new shape's graph build, a step meets new ones for many steps).
+dense kernels it is given. The runtime scores on it with cuDNN's ragged kernels (`cudnn_ragged.py`, which picks
+between it and FlexAttention); on FlashAttention 2 (not tuned for Hopper) the cascade's forward is slower than
+FlexAttention's and its backward only a little faster (docs/results.md). The two parts' outputs merge in one
+kernel on a GPU (`merged`).
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
@@ -124,8 +123,7 @@ class _Cascade(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, kernels: list[Kernels], segments: list[Segments], scale: float, *kv: Tensor) -> Tensor:
         outs = [kernels[i].forward(q, kv[2 * i], kv[2 * i + 1], s, scale) for i, s in enumerate(segments)]
-        lse = torch.logsumexp(torch.stack([lse for _, lse, _ in outs]), dim=0)  # [H, T]
-        out = sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse, _ in outs).to(q.dtype)
+        out, lse = merged([(o, part_lse) for o, part_lse, _ in outs], q.dtype)
         ctx.kernels, ctx.segments, ctx.scale, ctx.saved = kernels, segments, scale, [s for _, _, s in outs]
         ctx.save_for_backward(q, out, lse, *kv)
         return out
@@ -139,6 +137,18 @@ class _Cascade(torch.autograd.Function):
             dq = grads[0] if dq is None else dq + grads[0]
             dkv += grads[1:]
         return dq, None, None, None, *dkv
+
+
+def merged(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The whole softmax's output [T, H, D] in `dtype` and log-sum-exp [H, T] float32 from each part's (out, lse):
+    each output weighted by e^(its lse - the whole's). Two parts on a GPU merge in one kernel
+    (`kernels.lse_merge`); elsewhere in torch ops, in float32."""
+    if len(parts) == 2 and parts[0][0].is_cuda:
+        from rollplex.kernels.lse_merge import merge_two
+
+        return merge_two(*parts[0], *parts[1], dtype)
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+    return sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse in parts).to(dtype), lse
 
 
 class FlashKernels:
