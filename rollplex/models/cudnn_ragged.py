@@ -4,11 +4,13 @@ of a part in one call each way, whatever the segments' count and lengths.
 What: a part's segments (query rows cu_q[i]:cu_q[i+1] over key rows cu_k[i]:cu_k[i+1], `cascade.Segments`) sit end
 to end in q [T, H, D] and k, v [Tk, G, D]; cuDNN reads each segment where its ragged offsets say and masks past its
 real lengths (a padding mask), so nothing is padded or copied. A graph's dimensions are capacities (`Capacity`:
-segments, and the longest segment's queries and keys); the real lengths ride in device tensors. Each kernels object
-keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and prompt budgets,
-so a run builds its graphs once, at its first call) and only grow, to powers of two; cuDNN's dense calls build a
-graph per shape and torch's variable-length cuDNN path one on every call (docs/results.md, "The packed suffix's
-attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
+segments, the longest segment's queries and keys, and the queries and keys of all segments together); the real
+lengths ride in device tensors. The totals size the backward's float32 workspace (dq's accumulator, and dk and dv at
+every query head before grouped heads sum): without them cuDNN sizes it as if every segment were the longest. Each
+kernels object keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and
+prompt budgets, so a run builds its graphs once, at its first call) and only grow, to powers of two; cuDNN's dense
+calls build a graph per shape and torch's variable-length cuDNN path one on every call (docs/results.md, "The packed
+suffix's attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
 segments past the real ones have no queries and no keys.
 
 Why: FlexAttention runs the packed suffix at about 0.3 of peak; cuDNN's kernels run its prompt part at 0.65-0.77
@@ -45,16 +47,18 @@ def ragged_attention_available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Capacity:
-    """What a graph holds: segments, and queries and keys of the longest segment."""
+    """What a graph holds: segments, queries and keys of the longest segment, and of all segments together."""
 
     segments: int = 1
     max_q: int = 1
     max_k: int = 1
+    total_q: int = 1
+    total_k: int = 1
 
     def holding(self, s: Segments) -> Capacity:
         """This capacity, grown to powers of two where `s` needs more."""
-        need = (len(s.q_lens), s.max_q, s.max_k)
-        have = (self.segments, self.max_q, self.max_k)
+        need = (len(s.q_lens), s.max_q, s.max_k, sum(s.q_lens), sum(s.k_lens))
+        have = (self.segments, self.max_q, self.max_k, self.total_q, self.total_k)
         return Capacity(*(h if h >= n else _capacity(n) for h, n in zip(have, need, strict=True)))
 
 
@@ -72,6 +76,8 @@ class _Shape:
     segments: int
     max_q: int
     max_k: int
+    total_q: int
+    total_k: int
 
 
 class CudnnRaggedKernels:
@@ -110,7 +116,8 @@ class CudnnRaggedKernels:
         c = self.capacity
         return _Shape(
             device=q.device.index or 0, dtype=q.dtype, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
-            causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k,
+            causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k, total_q=c.total_q,
+            total_k=c.total_k,
         )  # fmt: skip
 
 
@@ -119,11 +126,15 @@ SuffixKernels = tuple["CudnnRaggedKernels", "CudnnRaggedKernels"]  # the prompt 
 
 def suffix_kernels(prompts: int, samples: int, response_tokens: int, prompt_tokens: int) -> SuffixKernels:
     """The kernels of `PackedCascadeAttention`'s two parts, their graphs built for batches of up to `prompts`
-    prompts' groups of `samples` responses of `response_tokens`, over prompts of `prompt_tokens` (a model scores
-    on them once its `suffix_kernels` holds them; larger batches grow them)."""
+    prompts' groups of `samples` responses of `response_tokens` (a batch of a group's tokens, N x R, in all), over
+    prompts of `prompt_tokens` (a model scores on them once its `suffix_kernels` holds them; larger batches grow
+    them)."""
+    group = samples * response_tokens
     return (
-        CudnnRaggedKernels(causal=False, floor=Capacity(prompts, samples * response_tokens, prompt_tokens)),
-        CudnnRaggedKernels(causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens)),
+        CudnnRaggedKernels(causal=False, floor=Capacity(prompts, group, prompt_tokens, group, prompts * prompt_tokens)),
+        CudnnRaggedKernels(
+            causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens, group, group)
+        ),
     )
 
 
@@ -263,7 +274,10 @@ def _graph(shape: _Shape, backward: bool) -> _Graph:
             graph.tensor(name="stats", dim=[n, shape.heads, shape.max_q, 1], stride=[1, 1, 1, 1],
                          data_type=cudnn.data_type.FLOAT)
         )  # fmt: skip
-        dq, dk, dv = graph.sdpa_backward(name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, **common)
+        dq, dk, dv = graph.sdpa_backward(
+            name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, max_total_seq_len_q=shape.total_q,
+            max_total_seq_len_kv=shape.total_k, **common,
+        )  # fmt: skip
         for name, t, heads, length in (
             ("dq", dq, shape.heads, shape.max_q), ("dk", dk, shape.kv_heads, shape.max_k),
             ("dv", dv, shape.kv_heads, shape.max_k),

@@ -28,12 +28,12 @@ def test_capacities_are_powers_of_two_at_or_above_the_count():
 
 
 def test_a_capacity_keeps_its_floor_and_grows_to_powers_of_two_only_where_a_call_needs_more():
-    floor = Capacity(8, 16384, 6000)
+    floor = Capacity(8, 16384, 6000, 16384, 48000)
     fits = Segments.of([300, 2000], [5000, 5999], causal=False, device=CPU)
     assert floor.holding(fits) == floor
     grown = floor.holding(Segments.of([20000] + [1] * 8, [6001] * 9, causal=False, device=CPU))
-    assert grown == Capacity(16, 32768, 8192)
-    assert Capacity().holding(fits) == Capacity(2, 2048, 8192)
+    assert grown == Capacity(16, 32768, 8192, 32768, 65536)
+    assert Capacity().holding(fits) == Capacity(2, 2048, 8192, 4096, 16384)
 
 
 def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_elements():
@@ -145,7 +145,7 @@ def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_m
     """Kernels whose floor holds both calls (three segments of 100-200 queries, then two of 256 and 3) build their
     graphs at the first call only; the second call sends its lengths without a stream sync."""
     gen = torch.Generator("cuda").manual_seed(5)
-    device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512))
+    device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512, 512, 2048))
 
     def call(q_lens: list[int], k_lens: list[int]) -> None:
         s = Segments.of(q_lens, k_lens, causal=False, device=device)
@@ -165,6 +165,21 @@ def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_m
     assert _graph.cache_info().misses == built
 
 
+@pytest.mark.gpu
+@on_gpu
+def test_on_a_gpu_the_backwards_workspace_follows_the_total_tokens_not_segments_times_the_longest():
+    """Eight segments of up to 4,096 queries and keys, 4,096 queries and 8,192 keys in all: the backward's float32
+    workspace (dq's accumulator, dk and dv at the 16 query heads) is sized by the totals, under what dq's
+    accumulator alone takes sized as eight segments of the longest."""
+    kernels = CudnnRaggedKernels(causal=False, floor=Capacity(8, 4096, 4096, 4096, 8192))
+    q = torch.empty(4096, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(8192, 2, 128, device="cuda", dtype=torch.bfloat16)
+    workspace = _graph(kernels._shape(q, k, 128**-0.5), backward=True).workspace
+    as_segments = 8 * 4096 * 16 * 128 * 4
+    by_totals = (4096 + 2 * 8192) * 16 * 128 * 4
+    assert workspace < as_segments and workspace <= 2 * by_totals
+
+
 def test_a_model_given_cudnn_kernels_keeps_scoring_with_the_dense_mask_on_the_cpu(model, prompts):
     """`suffix_kernels` sizes the kernels from the workload (the prompt part's capacity a group of N x R queries over
     the prompt budget; the own part's N x P responses of R); off a GPU scoring stays SDPA with a dense mask."""
@@ -174,7 +189,7 @@ def test_a_model_given_cudnn_kernels_keeps_scoring_with_the_dense_mask_on_the_cp
     before = model.suffix(boundary, tokens, lens)
     model.suffix_kernels = suffix_kernels(prompts=3, samples=2, response_tokens=4, prompt_tokens=64)
     prompt_part, own_part = model.suffix_kernels
-    assert prompt_part.capacity == Capacity(3, 8, 64) and not prompt_part.causal
-    assert own_part.capacity == Capacity(6, 4, 4) and own_part.causal
+    assert prompt_part.capacity == Capacity(3, 8, 64, 8, 192) and not prompt_part.causal
+    assert own_part.capacity == Capacity(6, 4, 4, 8, 8) and own_part.causal
     after = model.suffix(boundary, tokens, lens)
     assert torch.equal(after.logprobs, before.logprobs) and torch.equal(after.entropy, before.entropy)
