@@ -12,6 +12,7 @@ from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import missing_files
+from rollplex.graph.spec_runtime import RunSpec
 from rollplex.graph.timeplan import (
     PREFIX_BACKWARD,
     overlapped_timers,
@@ -47,8 +48,18 @@ def header(plan: Plan) -> str:
         f"schedule {plan.schedule.value}\n"
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
         f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
-        f"rollout: {rollout_line(plan)}" + _dtype_note(s.run.dtype)
+        f"rollout: {rollout_line(plan)}\n"
+        f"scoring attention: {scoring_line(s.run)}" + _dtype_note(s.run.dtype)
     )
+
+
+def scoring_line(run: RunSpec) -> str:
+    """What the packed suffix's attention runs on a GPU (`run.suffix_attention`, as the runtime resolves it)."""
+    if run.suffix_attention == "flex" or run.deterministic or not run.cudnn_attention:
+        return f"FlexAttention (run.suffix_attention {run.suffix_attention})"
+    if run.suffix_attention == "cudnn":
+        return "cuDNN's ragged calls (run.suffix_attention cudnn; needs cudnn-frontend)"
+    return "auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)"
 
 
 def _dtype_note(dtype: str) -> str:

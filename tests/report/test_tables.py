@@ -6,7 +6,8 @@ from pathlib import Path
 from rollplex.graph.cost import reference_page_ins
 from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
-from rollplex.report.tables import report, time_table
+from rollplex.graph.spec_runtime import RunSpec
+from rollplex.report.tables import report, scoring_line, time_table
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 
@@ -42,3 +43,10 @@ def test_a_plan_over_the_host_names_the_pinned_need_in_its_verdict():
     verdict = report(plan, naive=False).splitlines()[-1]
     assert verdict.startswith("plan DOES NOT FIT: peak ")
     assert f"; pinned host {plan.residency.host.needed_bytes_per_node / 2**30:.2f} GiB of 100.00 GiB" in verdict
+
+
+def test_the_scoring_line_says_what_the_runtime_resolves_the_suffix_attention_to():
+    assert scoring_line(RunSpec()).startswith("auto (cuDNN's ragged calls where cudnn-frontend is installed")
+    assert scoring_line(RunSpec(suffix_attention="cudnn")).startswith("cuDNN's ragged calls")
+    for flex in (RunSpec(suffix_attention="flex"), RunSpec(deterministic=True), RunSpec(cudnn_attention=False)):
+        assert scoring_line(flex).startswith("FlexAttention (run.suffix_attention ")
