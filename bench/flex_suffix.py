@@ -4,16 +4,15 @@
 
 Builds the scoring shapes of one length batch of the 3B spec: 8 prompts of 4.9k-6.8k tokens (their boundary KV,
 random), responses of long-tailed lengths packed to at most 16,384 tokens, the model's heads. Times forward and
-forward + backward (CUDA events, medians) for each option set of FlexAttention (`kernel_options`, or Inductor's
-max-autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and
-its own earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the
-two-part form (`models/cascade.py`: the prompt part and the own-response part merged by log-sum-exps), on
-FlashAttention's variable-length calls, with the prompt part on cuDNN's dense calls padded to buckets
-(`CUDNN_PADDED`), and on cuDNN's ragged calls as the runtime scores (`cudnn_ragged.suffix_kernels`, where
-cudnn-frontend is installed), its parts merged by the kernel and by torch ops; each cascade's first call, which
-builds cuDNN's graphs, is timed apart. Beside them, cuDNN's dense attention
-of each prompt's queries over its prompt (no mask; the prompt part alone) shows what a dense kernel reaches at
-these shapes.
+forward + backward (CUDA events, medians) for each option set of FlexAttention (`kernel_options`, or Inductor's max-
+autotune), checks each against the default's output, and prices the pairs each query sees (its prompt and its own
+earlier tokens) at the device's peak: efficiency = FLOP bound / measured. With `--cascade`, also the two-part form
+(`models/cascade.py`: the prompt part and the own-response part merged by log-sum-exps), on FlashAttention's
+variable-length calls, with the prompt part on cuDNN's dense calls padded to buckets (`CUDNN_PADDED`), and on
+cuDNN's ragged calls as the runtime scores (`cudnn_ragged.suffix_kernels`, where cudnn-frontend is installed), its
+parts merged by the kernel and by torch ops; each cascade's first call, which builds cuDNN's graphs, is timed apart
+(the torch merge's reuses the graphs the kernel merge's built). Beside them, cuDNN's dense attention of each
+prompt's queries over its prompt (no mask; the prompt part alone) shows what a dense kernel reaches at these shapes.
 """
 
 from __future__ import annotations

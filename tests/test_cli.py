@@ -125,7 +125,10 @@ def test_the_dry_run_says_where_the_rollouts_prefill_comes_from_and_why(capsys):
     out = capsys.readouterr().out
     assert "rollout: decodes from the actor prefix's boundary, no prefill (run.rollout_prefill auto); " in out
     assert "decode kernels auto (rollplex_fused on Hopper or newer, else cublas)" in out
-    assert "scoring attention: auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)" in out
+    assert (
+        "scoring attention on a GPU: auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)"
+        in out
+    )
     assert main(["compile", str(SPECS / "qwen2_5_vl_3b_h200.yaml"), "--dry-run", "--schedule", "serial"]) == 0
     assert "rollout: decodes from the actor prefix's boundary" in capsys.readouterr().out
     assert main(["compile", str(SPECS / "tiny_cpu_dp2.yaml"), "--dry-run"]) == 0

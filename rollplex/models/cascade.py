@@ -10,9 +10,8 @@ sets' gradients are exact and the query's is their sum.
 Why: a masked single call (FlexAttention with a block mask) runs these shapes well below a dense kernel's speed
 (`bench/flex_suffix.py`); each part here is plain variable-length attention, so the cascade is as fast as the
 dense kernels it is given. The runtime scores on it with cuDNN's ragged kernels (`cudnn_ragged.py`, which picks
-between it and FlexAttention); on FlashAttention 2 (not tuned for Hopper) the cascade's forward is slower than
-FlexAttention's and its backward only a little faster (docs/results.md). The two parts' outputs merge in one
-kernel on a GPU (`merged`).
+between it and FlexAttention); FlashAttention 2's kernels (not tuned for Hopper) gain less (docs/results.md). The
+two parts' outputs merge in one kernel on a GPU (`merged`).
 
 Kernels: on a GPU FlashAttention's variable-length forward and backward (`torch.ops.aten._flash_attention_*`,
 which take fewer key heads than query heads); elsewhere `ReferenceKernels`, the same contract in plain torch.
@@ -141,8 +140,9 @@ class _Cascade(torch.autograd.Function):
 
 def merged(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The whole softmax's output [T, H, D] in `dtype` and log-sum-exp [H, T] float32 from each part's (out, lse):
-    each output weighted by e^(its lse - the whole's). Two parts on a GPU merge in one kernel
-    (`kernels.lse_merge`); elsewhere in torch ops, in float32."""
+    each output weighted by e^(its lse - the whole's). Every query has keys in some part (the cascade's own part
+    holds its token). Two parts on a GPU merge in one kernel (`kernels.lse_merge`); elsewhere in torch ops, in
+    float32."""
     if len(parts) == 2 and parts[0][0].is_cuda:
         from rollplex.kernels.lse_merge import merge_two
 

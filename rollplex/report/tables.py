@@ -49,12 +49,13 @@ def header(plan: Plan) -> str:
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
         f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
         f"rollout: {rollout_line(plan)}\n"
-        f"scoring attention: {scoring_line(s.run)}" + _dtype_note(s.run.dtype)
+        f"scoring attention on a GPU: {scoring_line(s.run)}" + _dtype_note(s.run.dtype)
     )
 
 
 def scoring_line(run: RunSpec) -> str:
-    """What the packed suffix's attention runs on a GPU (`run.suffix_attention`, as the runtime resolves it)."""
+    """What the packed suffix's attention runs on a GPU (`run.suffix_attention`, as the runtime resolves it; the
+    CPU scores with SDPA and a dense mask)."""
     if run.suffix_attention == "flex" or run.deterministic or not run.cudnn_attention:
         return f"FlexAttention (run.suffix_attention {run.suffix_attention})"
     if run.suffix_attention == "cudnn":

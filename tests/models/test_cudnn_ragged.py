@@ -34,6 +34,9 @@ def test_a_capacity_keeps_its_floor_and_grows_to_powers_of_two_only_where_a_call
     grown = floor.holding(Segments.of([20000] + [1] * 8, [6001] * 9, causal=False, device=CPU))
     assert grown == Capacity(16, 32768, 8192, 32768, 65536)
     assert Capacity().holding(fits) == Capacity(2, 2048, 8192, 4096, 16384)
+    assert floor.holding(Segments.of([2000] * 8, [6000] * 8, causal=False, device=CPU)) == floor
+    totals_only = Segments.of([2500] * 8, [6000] * 8, causal=False, device=CPU)  # 20,000 queries, 48,000 keys
+    assert floor.holding(totals_only) == Capacity(8, 16384, 6000, 32768, 48000)
 
 
 def test_lengths_pad_to_the_capacity_with_empty_segments_and_offsets_count_elements():
