@@ -103,7 +103,7 @@ def main() -> None:
         ragged = suffix_kernels(8, 8, 2048, boundary.max_prompt_len)
         cascades |= {"cascade (cuDNN ragged)": (ragged, True), "cascade (cuDNN ragged), torch merge": (ragged, False)}
     for name, (kernels, fused_merge) in cascades.items() if args.cascade else ():
-        with nullcontext() if fused_merge else mock.patch.object(cascade, "merged", torch_merged):
+        with nullcontext() if fused_merge else mock.patch.object(cascade, "merged", cascade.torch_merged):
             attention = PackedCascadeAttention(boundary, pack, kernels)
             fwd, both, out, first_s = timed_cascade(attention, q, k, v, args.iters)
         rows.append({
@@ -181,12 +181,6 @@ def timed(attention: PackedPrefixAttention, q, k, v, options: dict | None, iters
     grad = torch.randn_like(out)
     both()
     return median_ms(forward, iters), median_ms(both, iters), out.detach()
-
-
-def torch_merged(parts: list, dtype: torch.dtype):
-    """`cascade.merged` in torch ops on every device (the form its kernel replaces on a GPU)."""
-    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
-    return sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse in parts).to(dtype), lse
 
 
 def timed_cascade(attention: PackedCascadeAttention, q, k, v, iters: int):

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from rollplex.graph.spec_runtime import RunSpec, scoring_choice
+
 
 def resolve_device(setting: str) -> torch.device:
     """`run.device`: auto is the GPU when torch sees one; cuda without one is a one-line error."""
@@ -32,22 +34,19 @@ def set_cudnn_attention(on: bool) -> None:
     torch.backends.cuda.enable_cudnn_sdp(on)
 
 
-def suffix_attention(run, device: torch.device) -> str:
-    """`run.suffix_attention` resolved for `device`: "cudnn" or "flex" (what a model's scoring runs on a GPU; the CPU
-    scores with SDPA and a dense mask, "flex" here). An explicit cudnn on a GPU without cudnn-frontend installed is a
-    one-line error."""
+def suffix_attention(run: RunSpec, device: torch.device) -> str:
+    """`run.suffix_attention` resolved for `device` (`scoring_choice`, then whether cudnn-frontend is installed):
+    "cudnn" or "flex" (what a model's scoring runs on a GPU; the CPU scores with SDPA and a dense mask, "flex" here).
+    An explicit cudnn on a GPU without cudnn-frontend installed is a one-line error."""
     from rollplex.models.cudnn_ragged import ragged_attention_available
 
-    if run.suffix_attention == "flex" or device.type != "cuda":
+    choice = scoring_choice(run)
+    if choice == "flex" or device.type != "cuda":
         return "flex"
     available = ragged_attention_available(device)
-    if run.suffix_attention == "cudnn":
-        if not available:
-            raise ValueError(
-                "run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]"
-            )
-        return "cudnn"
-    return "cudnn" if available and run.cudnn_attention and not run.deterministic else "flex"
+    if choice == "cudnn" and not available:
+        raise ValueError("run.suffix_attention is cudnn but cudnn-frontend is not installed: pip install rollplex[gpu]")
+    return "cudnn" if available else "flex"
 
 
 def set_expandable_segments(on: bool, device: torch.device) -> None:

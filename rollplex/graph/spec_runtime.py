@@ -87,6 +87,15 @@ class RunSpec(Strict):
         return self
 
 
+def scoring_choice(run: RunSpec) -> str:
+    """`run.suffix_attention` as far as the spec decides it: "flex" (asked for, or cuDNN's attention is off or
+    `deterministic` on), "cudnn" (asked for), or "auto" (cudnn where the GPU's process has cudnn-frontend, else flex:
+    `executors.device_settings.suffix_attention` resolves it there)."""
+    if run.suffix_attention == "flex" or run.deterministic or not run.cudnn_attention:
+        return "flex"
+    return run.suffix_attention
+
+
 class SharingSpec(Strict):
     policy: Literal["inline", "streams", "green", "mps"] = Field(
         "green",

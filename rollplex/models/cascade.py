@@ -142,11 +142,16 @@ def merged(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tens
     """The whole softmax's output [T, H, D] in `dtype` and log-sum-exp [H, T] float32 from each part's (out, lse):
     each output weighted by e^(its lse - the whole's). Every query has keys in some part (the cascade's own part
     holds its token). Two parts on a GPU merge in one kernel (`kernels.lse_merge`); elsewhere in torch ops, in
-    float32."""
+    float32 (`torch_merged`)."""
     if len(parts) == 2 and parts[0][0].is_cuda:
         from rollplex.kernels.lse_merge import merge_two
 
         return merge_two(*parts[0], *parts[1], dtype)
+    return torch_merged(parts, dtype)
+
+
+def torch_merged(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`merged` in torch ops on any device (the form its kernel replaces on a GPU)."""
     lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
     return sum(o.float() * (part_lse - lse).exp().T[..., None] for o, part_lse in parts).to(dtype), lse
 

@@ -12,7 +12,7 @@ from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec_files import missing_files
-from rollplex.graph.spec_runtime import RunSpec
+from rollplex.graph.spec_runtime import RunSpec, scoring_choice
 from rollplex.graph.timeplan import (
     PREFIX_BACKWARD,
     overlapped_timers,
@@ -56,9 +56,10 @@ def header(plan: Plan) -> str:
 def scoring_line(run: RunSpec) -> str:
     """What the packed suffix's attention runs on a GPU (`run.suffix_attention`, as the runtime resolves it; the
     CPU scores with SDPA and a dense mask)."""
-    if run.suffix_attention == "flex" or run.deterministic or not run.cudnn_attention:
+    choice = scoring_choice(run)
+    if choice == "flex":
         return f"FlexAttention (run.suffix_attention {run.suffix_attention})"
-    if run.suffix_attention == "cudnn":
+    if choice == "cudnn":
         return "cuDNN's ragged calls (run.suffix_attention cudnn; needs cudnn-frontend)"
     return "auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)"
 

@@ -10,7 +10,7 @@ import torch
 from kernels_testkit import DEVICE, DTYPE, needs_cuda
 
 from rollplex.kernels.lse_merge import ROWS, merge_two
-from rollplex.models.cascade import merged
+from rollplex.models.cascade import torch_merged
 
 
 def parts(tokens: int, heads: int, head_dim: int, seed: int, second_dtype: torch.dtype = DTYPE):
@@ -24,7 +24,7 @@ def parts(tokens: int, heads: int, head_dim: int, seed: int, second_dtype: torch
 
 
 def torch_merge(o1, lse1, o2, lse2, dtype):
-    return merged([(o1.cpu(), lse1.cpu()), (o2.cpu(), lse2.cpu())], dtype)
+    return torch_merged([(o1, lse1), (o2, lse2)], dtype)
 
 
 @pytest.mark.parametrize("tokens, heads, head_dim", [(3, 1, 128), (ROWS + 3, 16, 128), (37, 12, 80)])
@@ -33,9 +33,9 @@ def test_merge_matches_torch(tokens: int, heads: int, head_dim: int) -> None:
     out, lse = merge_two(o1, lse1, o2, lse2, DTYPE)
     want_out, want_lse = torch_merge(o1, lse1, o2, lse2, DTYPE)
     assert out.dtype == DTYPE and out.shape == (tokens, heads, head_dim) and lse.shape == (heads, tokens)
-    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     tol = 1e-5 if DTYPE is torch.float32 else 1e-2
-    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
     head = slice(0, tokens // 3)
     torch.testing.assert_close(out[head].cpu(), o1[head].cpu())  # where the second part has no keys: the first's
 
@@ -53,5 +53,5 @@ def test_float32_part_into_bf16() -> None:
     o1, lse1, o2, lse2 = parts(300, 16, 128, seed=5, second_dtype=torch.float32)
     out, lse = merge_two(o1, lse1, o2, lse2, torch.bfloat16)
     want_out, want_lse = torch_merge(o1, lse1, o2, lse2, torch.bfloat16)
-    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=1e-2, rtol=1e-2)
