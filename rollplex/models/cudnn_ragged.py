@@ -8,9 +8,9 @@ segments, the longest segment's queries and keys, and the queries and keys of al
 lengths ride in device tensors. The totals size the backward's float32 workspace (dq's accumulator, and dk and dv at
 every query head before grouped heads sum): without them cuDNN sizes it as if every segment were the longest. Each
 kernels object keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and
-prompt budgets, so a run builds its graphs once, at its first call) and only grow, to powers of two; cuDNN's dense
-calls build a graph per shape and torch's variable-length cuDNN path one on every call (docs/results.md, "The packed
-suffix's attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
+prompt budgets) and only grow, to powers of two: a run builds its graphs once, before its first step
+(`build_graphs`), where cuDNN's dense calls build a graph per shape and torch's variable-length cuDNN path one on
+every call (docs/results.md, "The packed suffix's attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
 segments past the real ones have no queries and no keys.
 
 Why: FlexAttention runs the packed suffix at about 0.3 of peak; cuDNN's kernels run its prompt part at 0.65-0.77
@@ -113,9 +113,15 @@ class CudnnRaggedKernels:
         return dq, dk, dv
 
     def _shape(self, q: Tensor, k: Tensor, scale: float) -> _Shape:
+        return self.shape(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], scale)
+
+    def shape(
+        self, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, scale: float
+    ) -> _Shape:
+        """The graph shape of a call with these heads at the kernels' current capacity."""
         c = self.capacity
         return _Shape(
-            device=q.device.index or 0, dtype=q.dtype, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
+            device=device.index or 0, dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k, total_q=c.total_q,
             total_k=c.total_k,
         )  # fmt: skip
@@ -136,6 +142,18 @@ def suffix_kernels(prompts: int, samples: int, response_tokens: int, prompt_toke
             causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens, group, group)
         ),
     )
+
+
+def build_graphs(
+    kernels: SuffixKernels, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Builds both parts' graphs, forward and backward, at their current capacities (the floors, before a first
+    call) for q [T, heads, head_dim] and keys [Tk, kv_heads, head_dim]: a cuDNN that refuses these shapes raises
+    here (cuDNN's error), before a step's first scoring call, and the first call finds its graphs built."""
+    for part in kernels:
+        shape = part.shape(device, dtype, heads, kv_heads, head_dim, head_dim**-0.5)
+        for backward in (False, True):
+            _graph(shape, backward)
 
 
 def scoring_attention(

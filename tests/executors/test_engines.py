@@ -108,3 +108,47 @@ def test_the_cache_kept_until_a_mapping_needs_the_rollout_in_this_process():
     parse_spec(text)
     with pytest.raises(SpecError, match="empty_cache mappings needs the rollout in this process"):
         parse_spec(text + "memory: {empty_cache: mappings}\n")
+
+
+def _cudnn_scoring(monkeypatch, choice: str, build) -> SpecError | object:
+    """build_engines of the tests' spec with `run.suffix_attention: choice`, as if it resolved to cudnn on this
+    device, cuDNN's graph builds replaced by `build`: the engines, or the SpecError raised."""
+    monkeypatch.setattr("rollplex.executors.engines.suffix_attention", lambda run, device: "cudnn")
+    monkeypatch.setattr("rollplex.executors.engines.build_graphs", build)
+    text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{suffix_attention: {choice}, ")
+    try:
+        return build_engines(compile_plan(parse_spec(text)))
+    except SpecError as e:
+        return e
+
+
+def test_scoring_on_cudnn_builds_its_graphs_once_for_this_ranks_heads_and_each_model_keeps_its_own_capacities(
+    monkeypatch,
+):
+    built = []
+    engines = _cudnn_scoring(monkeypatch, "auto", lambda kernels, *shape: built.append((kernels, shape)))
+    ((kernels, (_, dtype, heads, kv_heads, head_dim)),) = built
+    text = engines.actor.config.text
+    assert (heads, kv_heads, head_dim) == (text.num_attention_heads, text.num_key_value_heads, text.head_dim)
+    assert dtype == engines.actor.lm_head.weight.dtype
+    assert engines.actor.suffix_kernels is kernels
+    reference = engines.reference.suffix_kernels
+    assert [k.capacity for k in reference] == [k.capacity for k in kernels]
+    assert all(r is not k for r, k in zip(reference, kernels, strict=True))  # each grows on its own
+
+
+def refuse(*args):
+    raise RuntimeError("cudnnGraphNotSupportedError: no execution plan for this graph")
+
+
+def test_where_cudnn_refuses_its_graphs_auto_scores_on_flexattention_and_says_why(monkeypatch, capsys):
+    engines = _cudnn_scoring(monkeypatch, "auto", refuse)
+    assert engines.actor.suffix_kernels is None and engines.reference.suffix_kernels is None
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "FlexAttention" in ln]
+    assert line.startswith("rollplex: scoring on FlexAttention: cuDNN refused") and "no execution plan" in line
+
+
+def test_where_cudnn_refuses_its_graphs_an_explicit_cudnn_is_a_one_line_spec_error(monkeypatch):
+    error = _cudnn_scoring(monkeypatch, "cudnn", refuse)
+    assert isinstance(error, SpecError) and error.where == "run.suffix_attention"
+    assert "no execution plan" in str(error) and "suffix_attention: flex" in str(error) and "\n" not in str(error)

@@ -15,6 +15,7 @@ from rollplex.models.cudnn_ragged import (
     _capacity,
     _graph,
     _Lengths,
+    build_graphs,
     ragged_attention_available,
     suffix_kernels,
 )
@@ -144,9 +145,10 @@ def test_on_a_gpu_the_packed_suffix_on_cudnn_matches_flexattention_with_the_boun
 
 @pytest.mark.gpu
 @on_gpu
-def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_make_the_host_wait():
-    """Kernels whose floor holds both calls (three segments of 100-200 queries, then two of 256 and 3) build their
-    graphs at the first call only; the second call sends its lengths without a stream sync."""
+def test_on_a_gpu_graphs_built_ahead_serve_other_lengths_within_the_capacities_and_never_make_the_host_wait():
+    """Kernels whose floor holds both calls (three segments of 100-200 queries, then two of 256 and 3), their graphs
+    built ahead (`build_graphs`, as the engines do): neither call builds one; the second sends its lengths without a
+    stream sync."""
     gen = torch.Generator("cuda").manual_seed(5)
     device, kernels = torch.device("cuda"), CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512, 512, 2048))
 
@@ -157,9 +159,10 @@ def test_on_a_gpu_other_lengths_within_the_capacities_build_no_graph_and_never_m
         out, lse, saved = kernels.forward(q, k, v, s, 128**-0.5)
         kernels.backward(torch.ones_like(out), q, k, v, out, lse, s, 128**-0.5, saved)
 
+    build_graphs((kernels,), device, torch.bfloat16, 16, 2, 128)
+    built = _graph.cache_info().misses
     call([100, 200, 50], [300, 500, 400])
     torch.cuda.synchronize()
-    built = _graph.cache_info().misses
     torch.cuda.set_sync_debug_mode("error")
     try:
         call([256, 3], [512, 20])
