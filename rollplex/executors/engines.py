@@ -57,7 +57,7 @@ from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
-from rollplex.models.cudnn_ragged import SuffixKernels, build_graphs, suffix_kernels
+from rollplex.models.cudnn_ragged import CudnnRaggedKernels, SuffixKernels, build_graphs, suffix_kernels
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.layers import compile_halves
 from rollplex.models.model import Qwen2_5_VL
@@ -357,11 +357,12 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
 
 
 def _scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> SuffixKernels | None:
-    """The cuDNN kernels a model scores with (`run.suffix_attention` resolved to cudnn), their graphs built at the
-    workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs, `auto` scores on FlexAttention (one
-    line says why) and an explicit `cudnn` is an error."""
+    """The cuDNN kernels a model scores with (`run.suffix_attention` resolved to cudnn, a dtype and head size cuDNN
+    takes), their graphs built at the workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs,
+    `auto` scores on FlexAttention (one line says why) and an explicit `cudnn` is an error."""
     spec, text = loaded.spec, loaded.model.text
-    if suffix_attention(spec.run, device) != "cudnn":
+    dtype = getattr(torch, spec.run.dtype)
+    if suffix_attention(spec.run, device) != "cudnn" or not CudnnRaggedKernels.takes(device, dtype, text.head_dim):
         return None
     g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
     kernels = suffix_kernels(g.prompts_per_rank // spec.algorithm.minibatches_per_step, g.group_size,
@@ -369,7 +370,7 @@ def _scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | Non
     ranks = 1 if tp is None else tp.train.size
     heads = (text.num_attention_heads // ranks, text.num_key_value_heads // ranks, text.head_dim)
     try:
-        build_graphs(kernels, device, getattr(torch, spec.run.dtype), *heads)
+        build_graphs(kernels, device, dtype, *heads)
     except Exception as e:  # cuDNN's errors have no common type: cudnn-frontend raises its own and RuntimeError
         why = f"cuDNN refused the scoring attention's graphs on this GPU ({type(e).__name__}: {str(e)[:160]})"
         if spec.run.suffix_attention == "cudnn":

@@ -10,8 +10,8 @@ every query head before grouped heads sum): without them cuDNN sizes it as if ev
 kernels object keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and
 prompt budgets) and only grow, to powers of two: a run builds its graphs once, before its first step
 (`build_graphs`), where cuDNN's dense calls build a graph per shape and torch's variable-length cuDNN path one on
-every call (docs/results.md, "The packed suffix's attention"). A capacity past a call's needs costs little (the kernels stop at each segment's real lengths);
-segments past the real ones have no queries and no keys.
+every call (docs/results.md, "The packed suffix's attention"). A capacity past a call's needs costs little (the
+kernels stop at each segment's real lengths); segments past the real ones have no queries and no keys.
 
 Why: FlexAttention runs the packed suffix at about 0.3 of peak; cuDNN's kernels run its prompt part at 0.65-0.77
 (`bench/flex_suffix.py`). cudnn-frontend is NVIDIA's own Python binding of cuDNN's graph API, kept beside cuDNN;

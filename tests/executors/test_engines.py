@@ -15,6 +15,7 @@ from rollplex.errors import SpecError
 from rollplex.executors.engines import build_engines
 from rollplex.graph.load import parse_spec
 from rollplex.graph.plan import compile_plan
+from rollplex.models.cudnn_ragged import CudnnRaggedKernels
 
 DP2 = """
 model: tiny
@@ -110,10 +111,12 @@ def test_the_cache_kept_until_a_mapping_needs_the_rollout_in_this_process():
         parse_spec(text + "memory: {empty_cache: mappings}\n")
 
 
-def _cudnn_scoring(monkeypatch, choice: str, build) -> SpecError | object:
+def _cudnn_scoring(monkeypatch, choice: str, build, takes: bool = True) -> SpecError | object:
     """build_engines of the tests' spec with `run.suffix_attention: choice`, as if it resolved to cudnn on this
-    device, cuDNN's graph builds replaced by `build`: the engines, or the SpecError raised."""
+    device and cuDNN took (`takes`) the model's dtype and head size, cuDNN's graph builds replaced by `build`: the
+    engines, or the SpecError raised."""
     monkeypatch.setattr("rollplex.executors.engines.suffix_attention", lambda run, device: "cudnn")
+    monkeypatch.setattr(CudnnRaggedKernels, "takes", staticmethod(lambda device, dtype, head_dim: takes))
     monkeypatch.setattr("rollplex.executors.engines.build_graphs", build)
     text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{suffix_attention: {choice}, ")
     try:
@@ -135,6 +138,13 @@ def test_scoring_on_cudnn_builds_its_graphs_once_for_this_ranks_heads_and_each_m
     reference = engines.reference.suffix_kernels
     assert [k.capacity for k in reference] == [k.capacity for k in kernels]
     assert all(r is not k for r, k in zip(reference, kernels, strict=True))  # each grows on its own
+
+
+def test_a_model_whose_dtype_or_head_size_cudnn_does_not_take_builds_no_graph_and_scores_on_flexattention(
+    monkeypatch,
+):
+    engines = _cudnn_scoring(monkeypatch, "auto", lambda *a: pytest.fail("built a graph"), takes=False)
+    assert engines.actor.suffix_kernels is None and engines.reference.suffix_kernels is None
 
 
 def refuse(*args):
