@@ -1,15 +1,22 @@
 """The process-wide settings a spec makes for its run: the device, deterministic algorithms, cuDNN attention and the
-caching allocator's expandable segments; and which attention scores responses (`suffix_attention`). Each setting is
+caching allocator's expandable segments; and which attention scores responses (`suffix_attention`, and the cuDNN
+kernels it builds: `scoring_kernels`). Each setting is
 torch state the whole process shares, so `build_engines` sets every one from the spec at each build and no run's
 setting leaks into the next. Not the engines themselves (`engines.py`)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+from rollplex.errors import SpecError
+from rollplex.executors.distributed import TPSetup
+from rollplex.graph.load import LoadedSpec
 from rollplex.graph.spec_runtime import RunSpec, scoring_choice
+from rollplex.graph.workload import per_gpu
+from rollplex.models.cudnn_ragged import CudnnRaggedKernels, SuffixKernels, build_graphs, suffix_kernels
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -57,3 +64,28 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
     # the accelerator-wide setter where torch has it (2.13 deprecates the CUDA one), else the CUDA one
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setter(f"expandable_segments:{on}")
+
+
+def scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> SuffixKernels | None:
+    """The cuDNN kernels a model scores with (`run.suffix_attention` resolved to cudnn, a dtype and head size cuDNN
+    takes), their graphs built at the workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs,
+    `auto` scores on FlexAttention (one line says why) and an explicit `cudnn` is an error."""
+    spec, text = loaded.spec, loaded.model.text
+    dtype = getattr(torch, spec.run.dtype)
+    if suffix_attention(spec.run, device) != "cudnn" or not CudnnRaggedKernels.takes(device, dtype, text.head_dim):
+        return None
+    g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
+    kernels = suffix_kernels(g.prompts_per_rank // spec.algorithm.minibatches_per_step, g.group_size,
+                             g.response_tokens, g.prompt_tokens)  # fmt: skip
+    ranks = 1 if tp is None else tp.train.size
+    heads = (text.num_attention_heads // ranks, text.num_key_value_heads // ranks, text.head_dim)
+    try:
+        build_graphs(kernels, device, dtype, *heads)
+    except Exception as e:  # cuDNN's errors have no common type: cudnn-frontend raises its own and RuntimeError
+        why = f"cuDNN refused the scoring attention's graphs on this GPU ({type(e).__name__}: {str(e)[:160]})"
+        if spec.run.suffix_attention == "cudnn":
+            raise SpecError("run.suffix_attention", why, "set suffix_attention: flex or auto") from e
+        if tp is None or tp.is_main:
+            print(f"rollplex: scoring on FlexAttention: {why}", file=sys.stderr, flush=True)
+        return None
+    return kernels

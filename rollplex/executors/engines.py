@@ -12,7 +12,6 @@ Megatron-layout shards, rollout runs a replica at `parallel.rollout_tp` bound ov
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -27,10 +26,10 @@ from rollplex.errors import SpecError
 from rollplex.executors.dataparallel import DataParallel
 from rollplex.executors.device_settings import (
     resolve_device,
+    scoring_kernels,
     set_cudnn_attention,
     set_determinism,
     set_expandable_segments,
-    suffix_attention,
 )
 from rollplex.executors.distributed import TPSetup, init_parallel
 from rollplex.executors.grpo import GrpoConfig
@@ -52,12 +51,10 @@ from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec import Spec
 from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_files import model_dir
-from rollplex.graph.workload import per_gpu
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
 from rollplex.models.checkpoint import load_checkpoint
-from rollplex.models.cudnn_ragged import CudnnRaggedKernels, SuffixKernels, build_graphs, suffix_kernels
 from rollplex.models.generate import Rollout, generate
 from rollplex.models.layers import compile_halves
 from rollplex.models.model import Qwen2_5_VL
@@ -243,7 +240,7 @@ def _actor(loaded: LoadedSpec, d: Decisions, device: torch.device, tp: TPSetup |
     """The trained model from the spec's initial weights, its vision tower frozen when the plan freezes it; a
     SpecError when the plan keeps more decoder layers whole than the model has."""
     actor = _initial_model(loaded, device, tp)
-    actor.suffix_kernels = _scoring_kernels(loaded, device, tp)
+    actor.suffix_kernels = scoring_kernels(loaded, device, tp)
     if d.layers_kept > (layers := loaded.model.text.num_hidden_layers):
         raise SpecError("decisions.layers_kept", f"{d.layers_kept} is more than the {layers} decoder layers",
                         f"use at most {layers}")  # fmt: skip
@@ -354,31 +351,6 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     if spec.run.init == "checkpoint":
         load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)
-
-
-def _scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> SuffixKernels | None:
-    """The cuDNN kernels a model scores with (`run.suffix_attention` resolved to cudnn, a dtype and head size cuDNN
-    takes), their graphs built at the workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs,
-    `auto` scores on FlexAttention (one line says why) and an explicit `cudnn` is an error."""
-    spec, text = loaded.spec, loaded.model.text
-    dtype = getattr(torch, spec.run.dtype)
-    if suffix_attention(spec.run, device) != "cudnn" or not CudnnRaggedKernels.takes(device, dtype, text.head_dim):
-        return None
-    g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
-    kernels = suffix_kernels(g.prompts_per_rank // spec.algorithm.minibatches_per_step, g.group_size,
-                             g.response_tokens, g.prompt_tokens)  # fmt: skip
-    ranks = 1 if tp is None else tp.train.size
-    heads = (text.num_attention_heads // ranks, text.num_key_value_heads // ranks, text.head_dim)
-    try:
-        build_graphs(kernels, device, dtype, *heads)
-    except Exception as e:  # cuDNN's errors have no common type: cudnn-frontend raises its own and RuntimeError
-        why = f"cuDNN refused the scoring attention's graphs on this GPU ({type(e).__name__}: {str(e)[:160]})"
-        if spec.run.suffix_attention == "cudnn":
-            raise SpecError("run.suffix_attention", why, "set suffix_attention: flex or auto") from e
-        if tp is None or tp.is_main:
-            print(f"rollplex: scoring on FlexAttention: {why}", file=sys.stderr, flush=True)
-        return None
-    return kernels
 
 
 def make_optimizer(

@@ -115,9 +115,9 @@ def _cudnn_scoring(monkeypatch, choice: str, build, takes: bool = True) -> SpecE
     """build_engines of the tests' spec with `run.suffix_attention: choice`, as if it resolved to cudnn on this
     device and cuDNN took (`takes`) the model's dtype and head size, cuDNN's graph builds replaced by `build`: the
     engines, or the SpecError raised."""
-    monkeypatch.setattr("rollplex.executors.engines.suffix_attention", lambda run, device: "cudnn")
+    monkeypatch.setattr("rollplex.executors.device_settings.suffix_attention", lambda run, device: "cudnn")
     monkeypatch.setattr(CudnnRaggedKernels, "takes", staticmethod(lambda device, dtype, head_dim: takes))
-    monkeypatch.setattr("rollplex.executors.engines.build_graphs", build)
+    monkeypatch.setattr("rollplex.executors.device_settings.build_graphs", build)
     text = spec_text(kl=0.1, device="cpu").replace("run: {", f"run: {{suffix_attention: {choice}, ")
     try:
         return build_engines(compile_plan(parse_spec(text)))
