@@ -149,7 +149,10 @@ def build_graphs(
 ) -> None:
     """Builds both parts' graphs, forward and backward, at their current capacities (the floors, before a first
     call) for q [T, heads, head_dim] and keys [Tk, kv_heads, head_dim]: a cuDNN that refuses these shapes raises
-    here (cuDNN's error), before a step's first scoring call, and the first call finds its graphs built."""
+    here (cuDNN's error), before a step's first scoring call, and the first call finds its graphs built. A device
+    without an index is the current one, where the model's tensors go."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     for part in kernels:
         shape = part.shape(device, dtype, heads, kv_heads, head_dim, head_dim**-0.5)
         for backward in (False, True):
