@@ -102,14 +102,14 @@ class CudnnRaggedKernels:
         lens = _Lengths.of(s, shape.segments, q.shape[1], k.shape[1], q.shape[-1], q.device)
         out = torch.empty_like(q)
         stats = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)  # [T, H]
-        _graph(shape, backward=False).run({"q": q, "k": k, "v": v, "o": out, "stats": stats, **lens.by_name}, q.device)
+        _graph(shape, False).run({"q": q, "k": k, "v": v, "o": out, "stats": stats, **lens.by_name}, q.device)
         return out, stats.T, (shape, lens)
 
     def backward(self, dout, q, k, v, out, lse, s: Segments, scale: float, saved: tuple):
         shape, lens = saved
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         tensors = {"q": q, "k": k, "v": v, "o": out.to(q.dtype), "do": dout, "stats": lse.T.contiguous()}
-        _graph(shape, backward=True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.by_name}, q.device)
+        _graph(shape, True).run({**tensors, "dq": dq, "dk": dk, "dv": dv, **lens.by_name}, q.device)
         return dq, dk, dv
 
     def _shape(self, q: Tensor, k: Tensor, scale: float) -> _Shape:
@@ -237,8 +237,9 @@ def _handle(device: int):
 
 
 @cache
-def _graph(shape: _Shape, backward: bool) -> _Graph:
-    """The forward or backward graph of `shape`, built once per process."""
+def _graph(shape: _Shape, backward: bool, /) -> _Graph:
+    """The forward or backward graph of `shape`, built once per process. Positional only: the cache keys a
+    keyword call apart from a positional one, which would build the graph again."""
     import cudnn
 
     io = cudnn.data_type.BFLOAT16 if shape.dtype == torch.bfloat16 else cudnn.data_type.HALF

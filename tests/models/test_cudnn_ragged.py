@@ -61,6 +61,35 @@ def test_off_a_gpu_ragged_attention_is_not_available():
     assert not CudnnRaggedKernels.takes(CPU, torch.bfloat16, 64)
 
 
+def test_graphs_built_ahead_are_the_ones_the_calls_look_up(monkeypatch):
+    """`build_graphs` and the calls key the graph cache alike: a call within the floor builds nothing (a cache
+    standing in for cuDNN's builds, on the CPU)."""
+    import functools
+
+    from rollplex.models import cudnn_ragged
+
+    class Built:
+        def run(self, values: dict, device: torch.device) -> None:
+            pass
+
+    built = []
+
+    @functools.cache
+    def graph(shape, backward, /):
+        built.append((shape, backward))
+        return Built()
+
+    monkeypatch.setattr(cudnn_ragged, "_graph", graph)
+    kernels = CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512, 512, 2048))
+    build_graphs((kernels,), torch.device("cuda", 0), torch.bfloat16, 4, 2, 64)  # device 0, as the CPU calls key it
+    assert [b for _, b in built] == [False, True]
+    s = Segments.of([100, 200, 50], [300, 500, 400], causal=False, device=CPU)
+    q, k = torch.randn(350, 4, 64, dtype=torch.bfloat16), torch.randn(1200, 2, 64, dtype=torch.bfloat16)
+    out, lse, saved = kernels.forward(q, k, k, s, 64**-0.5)
+    kernels.backward(torch.ones_like(out), q, k, k, out, lse, s, 64**-0.5, saved)
+    assert len(built) == 2 and graph.cache_info().hits == 2
+
+
 def test_cudnn_takes_16_bit_attention_of_listed_head_sizes_only(monkeypatch):
     monkeypatch.setattr("rollplex.models.cudnn_ragged.find_spec", lambda name: object())  # cudnn-frontend "installed"
     gpu = torch.device("cuda")
