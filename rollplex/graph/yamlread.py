@@ -15,6 +15,9 @@ from rollplex.errors import SpecError
 MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_NODES = 10_000
+# libyaml's safe loader where PyYAML has it, ten times faster, once the events are checked (they stream through
+# Python's, which stops at the first fault and lets no deep nesting reach libyaml's own limit and message)
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def read_yaml(raw: bytes | str, file: str) -> tuple[object, yaml.Node | None]:
@@ -22,9 +25,9 @@ def read_yaml(raw: bytes | str, file: str) -> tuple[object, yaml.Node | None]:
     text = _text(raw, file)
     _check_events(text, file)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=LOADER)
         _check_duplicates(root, file, [])
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=LOADER)
     except yaml.YAMLError as e:
         raise _syntax_error(e, file) from None
     return data, root
