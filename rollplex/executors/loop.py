@@ -225,6 +225,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
                 if memory.allocator_peaks():  # on a GPU: the probe resets torch's peak counters at each phase
                     records[-1]["allocator_gib_by_phase"] = allocator_gib_by_phase(memory.allocator_peaks())
+                    records[-1]["alloc_retries_by_phase"] = {
+                        str(int(p)): n for p, n in memory.allocator_retries().items()
+                    }
                     peak_allocated = max(peak_allocated, memory.high_water())
                     records[-1]["peak_mem_bytes"] = peak_allocated  # the run's peak so far, as without the resets
                 emit_waiting()  # the step before's, whose update this step's actor prefix joined

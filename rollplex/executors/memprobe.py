@@ -12,7 +12,9 @@ Beside the driver's view, the caching allocator's own peaks per phase (`allocato
 and bytes reserved, exact: torch's peak counters are reset at each phase change), so that a phase above its plan
 can be read apart: live tensors the plan does not count (allocated), the allocator's slack (reserved less
 allocated), or memory outside the allocator (driver less reserved: context, VMM regions, library workspaces).
-The reset makes `torch.cuda.max_memory_allocated` a per-phase figure while the probe runs.
+The reset makes `torch.cuda.max_memory_allocated` a per-phase figure while the probe runs. Also per phase: the
+allocator's retries (`allocator_retries`): a cudaMalloc that failed made it free its cached blocks, which waits for
+the device, and try again; a phase near the GPU's capacity can lose seconds to them with no op to blame.
 
 Not here: the plan (`rollplex.graph.plan`), what the probe is compared with (`bench.py`, `loop.py`).
 Without CUDA the probe records nothing (`peaks()` and `allocator_peaks()` are empty).
@@ -36,6 +38,8 @@ class PhaseMemory:
         self.phase: Phase | None = None
         self._peaks: dict[Phase, int] = {}
         self._allocator: dict[Phase, tuple[int, int]] = {}  # (allocated, reserved) peaks
+        self._retries: dict[Phase, int] = {}
+        self._retries_before = 0  # the allocator's count when the current phase began
         self._high_water = 0  # allocated bytes, max over every window between resets, phases or not
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -43,6 +47,7 @@ class PhaseMemory:
         if device.type == "cuda":
             if device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
+            self._retries_before = _alloc_retries(self.device)
             self._thread = threading.Thread(target=self._sample_until_stopped, name="rollplex-memprobe", daemon=True)
             self._thread.start()
 
@@ -78,6 +83,10 @@ class PhaseMemory:
         """(allocated, reserved) peak bytes of the caching allocator per phase."""
         return dict(self._allocator)
 
+    def allocator_retries(self) -> dict[Phase, int]:
+        """The caching allocator's retries per phase (each phase seen on a GPU, zero included)."""
+        return dict(self._retries)
+
     def high_water(self) -> int:
         """The allocator's peak allocated bytes since the last reset before the probe started (what
         `torch.cuda.max_memory_allocated` would say without the probe's resets), up to the last phase change
@@ -87,8 +96,10 @@ class PhaseMemory:
     def _end_allocator_phase(self) -> None:
         peak = torch.cuda.max_memory_allocated(self.device)
         self._high_water = max(self._high_water, peak)
+        retries, self._retries_before = self._retries_before, _alloc_retries(self.device)
         if self.phase is None:
             return
+        self._retries[self.phase] = self._retries.get(self.phase, 0) + self._retries_before - retries
         allocated, reserved = self._allocator.get(self.phase, (0, 0))
         self._allocator[self.phase] = (max(allocated, peak), max(reserved, torch.cuda.max_memory_reserved(self.device)))
 
@@ -105,6 +116,10 @@ class PhaseMemory:
             phase = self.phase
             if phase is not None:
                 self._peaks[phase] = max(self._peaks.get(phase, 0), total - free)
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def gib_by_phase(peaks: dict[Phase, int]) -> dict[str, float]:

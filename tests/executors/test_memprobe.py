@@ -58,3 +58,30 @@ def test_each_phase_sees_what_the_device_held_during_it():
     assert allocator[Phase.TRAIN][1] >= allocator[Phase.TRAIN][0]
     assert allocator[Phase.TRAIN][0] - allocator[Phase.UPDATE][0] >= 4 << 30  # freed before the update phase
     assert memory.high_water() >= 6 << 30  # the peak before the first phase is not lost to the resets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_phase_counts_the_allocators_retries_made_in_it():
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = torch.cuda.memory_reserved(device) + (2 << 30)  # 2 GiB past what the allocator holds
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    try:
+        with PhaseMemory(device) as memory:
+            memory.before(op_in(Phase.ROLLOUT))
+            cached = torch.empty(3 << 29, dtype=torch.uint8, device=device)  # 1.5 GiB, kept in the cache
+            del cached
+            memory.after(op_in(Phase.ROLLOUT))
+            memory.before(op_in(Phase.TRAIN))
+            other = torch.empty(7 << 28, dtype=torch.uint8, device=device)  # 1.75 GiB: fits once the cache is freed
+            del other
+            memory.after(op_in(Phase.TRAIN))
+            memory.before(op_in(Phase.UPDATE))
+            memory.after(op_in(Phase.UPDATE))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    retries = memory.allocator_retries()
+    assert retries[Phase.TRAIN] >= 1 and retries[Phase.ROLLOUT] == retries[Phase.UPDATE] == 0
