@@ -140,7 +140,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         if log is not None:
             log.write(r)
         if bars:  # the terminal's bar carries the last step's reward and loss
-            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}")
+            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}{_retries(r)}")
         elif progress:
             print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
 
@@ -315,11 +315,21 @@ def _metrics(
 
 
 def _step_line(record: dict, total: int) -> str:
-    """A step's line where progress goes to a log rather than a terminal."""
+    """A step's line where progress goes to a log rather than a terminal; it names the allocator's retries, which
+    wait for the device, where the step made any."""
     return (
         f"step {record['step']}/{total}: {record['time_s']['step']:.2f} s, reward {record['reward_mean']:.3f}, "
-        f"loss {record['loss']:.4f}"
+        f"loss {record['loss']:.4f}{_retries(record)}"
     )
+
+
+def _retries(record: dict) -> str:
+    """', 4 allocator retries (phase 1: 1, phase 2: 3)' where the step's caching allocator retried a cudaMalloc, else ''."""
+    phases = {p: n for p, n in record.get("alloc_retries_by_phase", {}).items() if n}
+    if not phases:
+        return ""
+    where = ", ".join(f"phase {p}: {n}" for p, n in phases.items())
+    return f", {sum(phases.values())} allocator retries ({where})"
 
 
 def _progress(it, enabled: bool, start: int, total: int):

@@ -135,3 +135,13 @@ def test_progress_into_a_log_is_one_plain_line_a_step(tmp_path, capsys):
     assert [line.split(":")[0] for line in lines] == ["step 1/2", "step 2/2"], err
     assert "reward" in lines[0] and " s, " in lines[0]
     assert "\x1b[" not in err and "\r" not in err  # no cursor moves or carriage returns
+
+
+def test_a_steps_line_names_the_allocators_retries_where_it_made_any():
+    from rollplex.executors.loop import _step_line
+
+    record = {"step": 3, "time_s": {"step": 14.5}, "reward_mean": 0.25, "loss": 0.0123}
+    quiet = _step_line({**record, "alloc_retries_by_phase": {"1": 0, "2": 0, "3": 0}}, 4)
+    assert quiet == _step_line(record, 4) == "step 3/4: 14.50 s, reward 0.250, loss 0.0123"
+    retried = _step_line({**record, "alloc_retries_by_phase": {"1": 1, "2": 3, "3": 0}}, 4)
+    assert retried == "step 3/4: 14.50 s, reward 0.250, loss 0.0123, 4 allocator retries (phase 1: 1, phase 2: 3)"
