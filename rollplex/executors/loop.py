@@ -324,7 +324,7 @@ def _step_line(record: dict, total: int) -> str:
 
 
 def _retries(record: dict) -> str:
-    """', 4 allocator retries (phase 1: 1, phase 2: 3)' where the step's caching allocator retried a cudaMalloc, else ''."""
+    """', 4 allocator retries (phase 1: 1, phase 2: 3)' where the step's allocator retried a cudaMalloc, else ''."""
     phases = {p: n for p, n in record.get("alloc_retries_by_phase", {}).items() if n}
     if not phases:
         return ""

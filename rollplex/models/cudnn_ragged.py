@@ -239,7 +239,17 @@ def _handle(device: int):
 @cache
 def _graph(shape: _Shape, backward: bool, /) -> _Graph:
     """The forward or backward graph of `shape`, built once per process. Positional only: the cache keys a
-    keyword call apart from a positional one, which would build the graph again."""
+    keyword call apart from a positional one, which would build the graph again. The backward is built twice, told
+    both totals and the query total alone, and keeps the smaller workspace: told the key total, cuDNN sizes the
+    own part's smaller and the prompt part's larger (its keys are the prompts', many more than its queries),
+    with kernels of equal time (docs/results.md, "The packed suffix's attention on cuDNN's ragged calls")."""
+    if not backward:
+        return _build(shape, False, key_total=False)
+    return min((_build(shape, True, key_total=told) for told in (True, False)), key=lambda g: g.workspace)
+
+
+def _build(shape: _Shape, backward: bool, key_total: bool) -> _Graph:
+    """A forward or backward graph of `shape`; key_total: the backward is told the keys' total (the queries' always)."""
     import cudnn
 
     io = cudnn.data_type.BFLOAT16 if shape.dtype == torch.bfloat16 else cudnn.data_type.HALF
@@ -296,10 +306,8 @@ def _graph(shape: _Shape, backward: bool, /) -> _Graph:
             graph.tensor(name="stats", dim=[n, shape.heads, shape.max_q, 1], stride=[1, 1, 1, 1],
                          data_type=cudnn.data_type.FLOAT)
         )  # fmt: skip
-        dq, dk, dv = graph.sdpa_backward(
-            name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, max_total_seq_len_q=shape.total_q,
-            max_total_seq_len_kv=shape.total_k, **common,
-        )  # fmt: skip
+        totals = {"max_total_seq_len_q": shape.total_q} | ({"max_total_seq_len_kv": shape.total_k} if key_total else {})
+        dq, dk, dv = graph.sdpa_backward(name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, **totals, **common)
         for name, t, heads, length in (
             ("dq", dq, shape.heads, shape.max_q), ("dk", dk, shape.kv_heads, shape.max_k),
             ("dv", dv, shape.kv_heads, shape.max_k),

@@ -63,7 +63,7 @@ def test_each_phase_sees_what_the_device_held_during_it():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_phase_counts_the_allocators_retries_made_in_it():
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     cap = torch.cuda.memory_reserved(device) + (2 << 30)  # 2 GiB past what the allocator holds

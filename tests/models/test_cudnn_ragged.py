@@ -12,6 +12,7 @@ from rollplex.models.cascade import REFERENCE, PackedCascadeAttention, Segments,
 from rollplex.models.cudnn_ragged import (
     Capacity,
     CudnnRaggedKernels,
+    _build,
     _capacity,
     _graph,
     _Lengths,
@@ -209,10 +210,12 @@ def test_on_a_gpu_the_backwards_workspace_follows_the_total_tokens_not_segments_
     kernels = CudnnRaggedKernels(causal=False, floor=Capacity(8, 4096, 4096, 4096, 8192))
     q = torch.empty(4096, 16, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.empty(8192, 2, 128, device="cuda", dtype=torch.bfloat16)
-    workspace = _graph(kernels._shape(q, k, 128**-0.5), backward=True).workspace
+    shape = kernels._shape(q, k, 128**-0.5)
+    workspace = _graph(shape, True).workspace
     as_segments = 8 * 4096 * 16 * 128 * 4
     by_totals = (4096 + 2 * 8192) * 16 * 128 * 4
     assert workspace < as_segments and workspace <= 2 * by_totals
+    assert workspace == min(_build(shape, True, key_total=told).workspace for told in (True, False))
 
 
 def test_a_model_given_cudnn_kernels_keeps_scoring_with_the_dense_mask_on_the_cpu(model, prompts):
