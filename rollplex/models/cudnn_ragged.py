@@ -6,7 +6,8 @@ to end in q [T, H, D] and k, v [Tk, G, D]; cuDNN reads each segment where its ra
 real lengths (a padding mask), so nothing is padded or copied. A graph's dimensions are capacities (`Capacity`:
 segments, the longest segment's queries and keys, and the queries and keys of all segments together); the real
 lengths ride in device tensors. The totals size the backward's float32 workspace (dq's accumulator, and dk and dv at
-every query head before grouped heads sum): without them cuDNN sizes it as if every segment were the longest. Each
+every query head before grouped heads sum): without them cuDNN sizes it as if every segment were the longest; the
+key total shrinks it in one part and grows it in the other, so each backward keeps the smaller of two builds. Each
 kernels object keeps its capacities, which start at a floor (the workload's: its prompts, group size, response and
 prompt budgets) and only grow, to powers of two: a run builds its graphs once, before its first step
 (`build_graphs`), where cuDNN's dense calls build a graph per shape and torch's variable-length cuDNN path one on
