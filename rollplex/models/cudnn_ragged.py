@@ -243,10 +243,19 @@ def _graph(shape: _Shape, backward: bool, /) -> _Graph:
     keyword call apart from a positional one, which would build the graph again. The backward is built twice, told
     both totals and the query total alone, and keeps the smaller workspace: told the key total, cuDNN sizes the
     own part's smaller and the prompt part's larger (its keys are the prompts', many more than its queries),
-    with kernels of equal time (docs/results.md, "The packed suffix's attention on cuDNN's ragged calls")."""
+    with kernels of equal time (docs/results.md, "The packed suffix's attention on cuDNN's ragged calls"). A build
+    cuDNN refuses leaves the other; both refused raise the second's error."""
     if not backward:
         return _build(shape, False, key_total=False)
-    return min((_build(shape, True, key_total=told) for told in (True, False)), key=lambda g: g.workspace)
+    builds, refused = [], None
+    for told in (True, False):
+        try:
+            builds.append(_build(shape, True, key_total=told))
+        except Exception as error:  # cuDNN refuses a graph by raising: the other build may serve
+            refused = error
+    if not builds:
+        raise refused
+    return min(builds, key=lambda g: g.workspace)
 
 
 def _build(shape: _Shape, backward: bool, key_total: bool) -> _Graph:

@@ -91,6 +91,39 @@ def test_graphs_built_ahead_are_the_ones_the_calls_look_up(monkeypatch):
     assert len(built) == 2 and graph.cache_info().hits == 2
 
 
+@pytest.mark.parametrize(
+    "workspaces, kept",
+    [({True: 100, False: 50}, False), ({True: 50, False: 100}, True), ({True: None, False: 100}, False),
+     ({True: 100, False: None}, True)],
+)  # fmt: skip
+def test_a_backward_keeps_the_smaller_workspace_of_its_two_builds(monkeypatch, workspaces, kept):
+    """Told the key total or not, whichever build needs less workspace serves; one cuDNN refuses (None) leaves the
+    other (builds standing in for cuDNN's, on the CPU)."""
+    from rollplex.models import cudnn_ragged
+
+    def build(shape, backward, key_total):
+        if workspaces[key_total] is None:
+            raise RuntimeError("cuDNN: not supported")
+        return cudnn_ragged._Graph(None, {"told key total": key_total}, workspaces[key_total])
+
+    monkeypatch.setattr(cudnn_ragged, "_build", build)
+    shape = CudnnRaggedKernels(causal=True).shape(torch.device("cuda", 0), torch.bfloat16, 4, 2, 64, 0.125)
+    graph = _graph.__wrapped__(shape, True)
+    assert graph.tensors == {"told key total": kept}
+
+
+def test_a_backward_both_of_whose_builds_cudnn_refuses_raises_its_error(monkeypatch):
+    from rollplex.models import cudnn_ragged
+
+    def build(shape, backward, key_total):
+        raise RuntimeError(f"cuDNN: not supported (key total {key_total})")
+
+    monkeypatch.setattr(cudnn_ragged, "_build", build)
+    shape = CudnnRaggedKernels(causal=False).shape(torch.device("cuda", 0), torch.bfloat16, 4, 2, 64, 0.125)
+    with pytest.raises(RuntimeError, match="key total False"):
+        _graph.__wrapped__(shape, True)
+
+
 def test_cudnn_takes_16_bit_attention_of_listed_head_sizes_only(monkeypatch):
     monkeypatch.setattr("rollplex.models.cudnn_ragged.find_spec", lambda name: object())  # cudnn-frontend "installed"
     gpu = torch.device("cuda")
