@@ -244,18 +244,30 @@ def _graph(shape: _Shape, backward: bool, /) -> _Graph:
     both totals and the query total alone, and keeps the smaller workspace: told the key total, cuDNN sizes the
     own part's smaller and the prompt part's larger (its keys are the prompts', many more than its queries),
     with kernels of equal time (docs/results.md, "The packed suffix's attention on cuDNN's ragged calls"). A build
-    cuDNN refuses leaves the other; both refused raise the second's error."""
+    cuDNN refuses (`_refusal`) leaves the other; both refused raise the second's error; any other error is raised."""
     if not backward:
         return _build(shape, False, key_total=False)
     builds, refused = [], None
     for told in (True, False):
         try:
             builds.append(_build(shape, True, key_total=told))
-        except Exception as error:  # cuDNN refuses a graph by raising: the other build may serve
+        except Exception as error:
+            if not _refusal(error):
+                raise
             refused = error
     if not builds:
         raise refused
     return min(builds, key=lambda g: g.workspace)
+
+
+def _refusal(error: Exception) -> bool:
+    """Whether `error` is cuDNN refusing a graph: its "not supported" error, or the RuntimeError cudnn-frontend raises
+    for a graph it cannot validate or build. A TypeError or AttributeError is a bug in the build, not a refusal."""
+    if isinstance(error, RuntimeError):
+        return True
+    import cudnn
+
+    return isinstance(error, cudnn.cudnnGraphNotSupportedError)
 
 
 def _build(shape: _Shape, backward: bool, key_total: bool) -> _Graph:

@@ -3,6 +3,9 @@ packed suffix, gradients included; graphs built for capacities serve other lengt
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -121,6 +124,42 @@ def test_a_backward_both_of_whose_builds_cudnn_refuses_raises_its_error(monkeypa
     monkeypatch.setattr(cudnn_ragged, "_build", build)
     shape = CudnnRaggedKernels(causal=False).shape(torch.device("cuda", 0), torch.bfloat16, 4, 2, 64, 0.125)
     with pytest.raises(RuntimeError, match="key total False"):
+        _graph.__wrapped__(shape, True)
+
+
+@pytest.mark.parametrize("refused", ["not supported", "runtime"])
+def test_a_backward_build_cudnn_refuses_by_either_of_its_errors_leaves_the_other(monkeypatch, refused):
+    from rollplex.models import cudnn_ragged
+
+    class NotSupported(Exception):  # cudnn-frontend's pybind error derives from Exception, not RuntimeError
+        pass
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(cudnnGraphNotSupportedError=NotSupported))
+
+    def build(shape, backward, key_total):
+        if key_total:
+            raise NotSupported("no plan") if refused == "not supported" else RuntimeError("validate failed")
+        return cudnn_ragged._Graph(None, {}, 10)
+
+    monkeypatch.setattr(cudnn_ragged, "_build", build)
+    shape = CudnnRaggedKernels(causal=True).shape(torch.device("cuda", 0), torch.bfloat16, 4, 2, 64, 0.125)
+    assert _graph.__wrapped__(shape, True).workspace == 10
+
+
+def test_a_backward_build_that_fails_by_a_bug_raises_though_the_other_would_serve(monkeypatch):
+    """Only cuDNN's refusals fall back: a TypeError in one build is raised, not hidden behind the other."""
+    from rollplex.models import cudnn_ragged
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(cudnnGraphNotSupportedError=LookupError))
+
+    def build(shape, backward, key_total):
+        if key_total:
+            raise TypeError("sdpa_backward() got an unexpected keyword argument")
+        return cudnn_ragged._Graph(None, {}, 10)
+
+    monkeypatch.setattr(cudnn_ragged, "_build", build)
+    shape = CudnnRaggedKernels(causal=True).shape(torch.device("cuda", 0), torch.bfloat16, 4, 2, 64, 0.125)
+    with pytest.raises(TypeError, match="unexpected keyword"):
         _graph.__wrapped__(shape, True)
 
 
