@@ -128,11 +128,12 @@ def main() -> None:
     for op_id, seconds, current, peak, reserved in rows:
         print(f"{op_id:<28} {seconds:>7.2f} {current:>9.1f} {peak:>9.1f} {reserved:>9.1f}")
     print("\nparts of the prefix and scoring ops (the first also counts rollout's prefill)")
-    print(f"{'part':<34} {'calls':>5} {'wall s':>7} {'max s':>6} {'peak GiB':>9}")
+    print(f"{'part':<34} {'calls':>5} {'wall s':>7} {'max s':>6} {'peak GiB':>9}  each call (up to 8)")
     for name in dict.fromkeys(n for n, _, _ in parts):
         mine = [(t, p) for n, t, p in parts if n == name]
         total, longest, peak = sum(t for t, _ in mine), max(t for t, _ in mine), max(p for _, p in mine)
-        print(f"{name:<34} {len(mine):>5} {total:>7.2f} {longest:>6.2f} {peak:>9.1f}")
+        each = " ".join(f"{t:.2f}" for t, _ in mine) if len(mine) <= 8 else ""
+        print(f"{name:<34} {len(mine):>5} {total:>7.2f} {longest:>6.2f} {peak:>9.1f}  {each}")
     if args.top:
         _profile_group(engines, g, dataset, size, args)
 
@@ -273,6 +274,7 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     shaped = {f: {} for f in filters}  # filter -> (torch op, input shapes) -> [its own kernels' seconds, calls]
     running: list = []  # (profiler, start) of the op being profiled
     wall = dict.fromkeys(filters, 0.0)
+    each = {f: [] for f in filters}  # filter -> (wall s, kernels' GPU s) of each call
     kernels = {f: {} for f in filters}  # filter -> kernel name -> [seconds, calls]
     picked = {f: [] for f in filters}
 
@@ -287,10 +289,16 @@ def _profile_group(engines, g, dataset, size, args) -> None:
     def stop(f: str, name: str) -> None:
         _sync()
         prof, t0 = running.pop()
-        wall[f] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        wall[f] += seconds
         prof.__exit__(None, None, None)
         picked[f].append(name)
-        for e in prof.key_averages():
+        averages = prof.key_averages()
+        device = [
+            e for e in averages if not getattr(e, "is_user_annotation", False) and e.device_type != DeviceType.CPU
+        ]
+        each[f].append((seconds, sum(getattr(e, key) for e in device) / 1e6))
+        for e in averages:
             if getattr(e, "is_user_annotation", False):
                 continue  # a range on the device's timeline (with host activity on): its kernels are counted already
             if CUDA and e.device_type == DeviceType.CPU:  # a host event: its self time, by op (under --host)
@@ -339,6 +347,8 @@ def _profile_group(engines, g, dataset, size, args) -> None:
             setattr(*PART_FUNCTIONS[f], fn)
     for f in filters:
         _print_kernels(f, picked[f], wall[f], kernels[f], args.top)
+        if 1 < len(each[f]) <= 8:
+            print("each call, wall / kernels s: " + ", ".join(f"{w:.2f} / {k:.2f}" for w, k in each[f]))
         if host[f]:
             print(f"host: torch ops and runtime calls by self host time, {sum(s for s, _ in host[f].values()):.2f} s")
             print(f"{'host s':>7} {'calls':>7}  op")
