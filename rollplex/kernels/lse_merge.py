@@ -19,9 +19,12 @@ import triton.language as tl
 from torch import Tensor
 
 ROWS = 32  # (token, head) rows a program merges
+# the arguments that follow a call's tokens, not specialized: Triton would compile a variant for each equal to 1 or
+# divisible by 16, in the middle of a step where a batch brings a new kind
+LENGTHS = ["rows", "l1_head", "l1_token", "l2_head", "l2_token", "tokens"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTHS)
 def _merge_kernel(
     o1_ptr, o2_ptr, l1_ptr, l2_ptr, out_ptr, lse_ptr, rows, heads, l1_head, l1_token, l2_head, l2_token, tokens,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,

@@ -12,6 +12,10 @@ Inductor's kernels for the same chain, compiled for any length (the length an un
 length compiles it again), sum the weight's gradient over the rows in a kernel of its own that reads x and dy
 again, and split the forward in two; here every tensor is read once each way. The values equal eager torch's
 within float32 rounding (the sums run in another order). A CPU test runs the kernels under Triton's interpreter.
+
+The row counts are not specialized (`do_not_specialize`): Triton compiles a variant of a kernel for each integer
+argument equal to 1 or divisible by 16, so a length batch of a new kind (a few short responses: one row a
+backward program) would compile in the middle of a step, about half a second of the host's.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ TILE = 4096  # elements a program holds per tile: rows of a few thousand columns
 PROGRAMS_PER_SM = 4  # backward's programs: enough loads in flight to stream at bandwidth, few partials to sum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _forward_kernel(
     x_ptr, w_ptr, y_ptr, r_ptr, rows, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
@@ -42,7 +46,7 @@ def _forward_kernel(
     tl.store(r_ptr + lines, r, mask=lines < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "rows_per_program"])
 def _backward_kernel(
     x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dw_ptr, rows, rows_per_program,
     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,

@@ -21,3 +21,16 @@ def assert_matches(y: torch.Tensor, reference: torch.Tensor) -> None:
     assert y.dtype == reference.dtype and y.shape == reference.shape
     tol = 2e-2 if y.dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(y.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def unspecialized(kernel) -> set[str]:
+    """The arguments a Triton kernel is not specialized on (`do_not_specialize`), jitted or interpreted."""
+    names = getattr(kernel, "do_not_specialize", None)
+    if names is None:  # triton's interpreter keeps the decorator's arguments
+        names = kernel.kwargs.get("do_not_specialize") or []
+    return set(names)
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a jitted kernel this process has compiled, over every device."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())

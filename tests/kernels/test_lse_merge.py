@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testkit import DEVICE, DTYPE, needs_cuda
+from kernels_testkit import DEVICE, DTYPE, compiled_variants, needs_cuda, unspecialized
 
+from rollplex.kernels import lse_merge
 from rollplex.kernels.lse_merge import ROWS, merge_two
 from rollplex.models.cascade import torch_merged
 
@@ -55,3 +56,18 @@ def test_float32_part_into_bf16() -> None:
     want_out, want_lse = torch_merge(o1, lse1, o2, lse2, torch.bfloat16)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.float(), want_out.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_kernel_is_not_specialized_on_token_counts_or_the_strides_they_set():
+    assert {"rows", "l1_head", "l1_token", "l2_head", "l2_token", "tokens"} <= unspecialized(lse_merge._merge_kernel)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_token_counts_of_every_kind_run_the_kernel_compiled_first():
+    """After one call, token counts of 1, a multiple of 16 and neither compile nothing."""
+    merge_two(*parts(37, 16, 128, seed=0), DTYPE)
+    first = compiled_variants(lse_merge._merge_kernel)
+    for tokens in (1, 64, 226, 3259):
+        merge_two(*parts(tokens, 16, 128, seed=tokens), DTYPE)
+    assert compiled_variants(lse_merge._merge_kernel) == first

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testkit import DEVICE, DTYPE, needs_cuda
+from kernels_testkit import DEVICE, DTYPE, compiled_variants, needs_cuda, unspecialized
 
+from rollplex.kernels import rms_norm as kernels
 from rollplex.kernels.rms_norm import TILE, rms_norm
 from rollplex.models import layers
 from rollplex.models.layers import torch_rms_norm
@@ -77,3 +78,22 @@ def test_on_a_gpu_the_norm_at_the_models_widths_is_the_torch_chain(shape, weight
     got = norm_and_grads(layers.rms_norm, x, weight, dy)  # the model's norm on a GPU: the kernels
     assert torch.equal(got[0], rms_norm(x, weight, 1e-6))
     assert_alike(got, norm_and_grads(torch_rms_norm, x, weight, dy))
+
+
+def test_the_kernels_are_not_specialized_on_row_counts():
+    """Triton compiles a variant for an integer argument equal to 1 or divisible by 16: a row count of a new kind
+    would compile in the middle of a step."""
+    assert {"rows"} <= unspecialized(kernels._forward_kernel)
+    assert {"rows", "rows_per_program"} <= unspecialized(kernels._backward_kernel)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_row_counts_of_every_kind_run_the_kernels_compiled_first():
+    """After one call, row counts of 1, of 16 per program, a multiple of 16 and neither compile nothing."""
+    norm_and_grads(rms_norm, *inputs(1000, 2048, seed=0))
+    first = compiled_variants(kernels._forward_kernel), compiled_variants(kernels._backward_kernel)
+    programs = kernels._programs(DEVICE)
+    for rows in (1, 226, 16 * programs, 4096, 3259):
+        norm_and_grads(rms_norm, *inputs(rows, 2048, seed=rows))
+    assert (compiled_variants(kernels._forward_kernel), compiled_variants(kernels._backward_kernel)) == first
