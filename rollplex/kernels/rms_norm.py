@@ -15,7 +15,7 @@ within float32 rounding (the sums run in another order). A CPU test runs the ker
 
 The row counts are not specialized (`do_not_specialize`): Triton compiles a variant of a kernel for each integer
 argument equal to 1 or divisible by 16, so a length batch of a new kind (a few short responses: one row a
-backward program) would compile in the middle of a step, about half a second of the host's.
+backward program) would compile in the middle of a step.
 """
 
 from __future__ import annotations
