@@ -21,6 +21,7 @@ from rollplex.errors import RunFailed, SpecError
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import prefix_backward_bound_s, step_bounds, step_tokens
 from rollplex.executors.collector import collections_between_steps
+from rollplex.executors.compiles import compiled_so_far
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
@@ -140,9 +141,10 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         if log is not None:
             log.write(r)
         if bars:  # the terminal's bar carries the last step's reward and loss
-            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}{_retries(r)}")
+            warm = r["step"] > start + 1
+            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}{_stalls(r, warm)}")
         elif progress:
-            print(_step_line(r, opts.steps), file=sys.stderr, flush=True)
+            print(_step_line(r, opts.steps, warm=r["step"] > start + 1), file=sys.stderr, flush=True)
 
     def complete(o: Op | None = None) -> None:
         """After the next step's actor prefix (which the runtime ends by joining the update) or at the run's end (the
@@ -189,7 +191,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                         updating = True
 
                 update_beside = bool(waiting)  # the step before's update runs on into this step's actor prefix
-                begin = time.perf_counter()
+                begin, compiled_before = time.perf_counter(), compiled_so_far()
                 with PhaseBars(g, step, bars) as after, PhaseMemory(engines.actor.device) as memory:
                     hooks = {
                         "before_op": chain(before, memory.before),
@@ -220,6 +222,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     records[-1]["prefix_backward_bound_s"] = prefix_backward_bound_s(plan, tokens)
                 records[-1]["data_wait_s"] = round(prefetch.waited_s, 4)  # before the step: not in time_s.step
                 records[-1]["gc_s"] = round(gc_s, 4)
+                records[-1]["compiles"] = asdict(compiled_so_far().since(compiled_before))
                 records[-1]["gaps_s"] = round(record.gaps_s, 4)
                 records[-1]["gaps_at_s"] = {k: round(v, 4) for k, v in record.gaps_at.items()}
                 records[-1]["peak_gib_by_phase"] = gib_by_phase(memory.peaks())
@@ -314,22 +317,27 @@ def _metrics(
     }
 
 
-def _step_line(record: dict, total: int) -> str:
-    """A step's line where progress goes to a log rather than a terminal; it names the allocator's retries, which
-    wait for the device, where the step made any."""
+def _step_line(record: dict, total: int, warm: bool = True) -> str:
+    """A step's line where progress goes to a log rather than a terminal; it names what stalled the step
+    (`_stalls`)."""
     return (
         f"step {record['step']}/{total}: {record['time_s']['step']:.2f} s, reward {record['reward_mean']:.3f}, "
-        f"loss {record['loss']:.4f}{_retries(record)}"
+        f"loss {record['loss']:.4f}{_stalls(record, warm)}"
     )
 
 
-def _retries(record: dict) -> str:
-    """', 4 allocator retries (phase 1: 1, phase 2: 3)' where the step's allocator retried a cudaMalloc, else ''."""
+def _stalls(record: dict, warm: bool) -> str:
+    """What made the step wait on the host, else '': the allocator's retries of a cudaMalloc (', 4 allocator retries
+    (phase 1: 1, phase 2: 3)'), which wait for the device, and in a `warm` step (not the process's first) its
+    compiles (', 2 compiles (triton 1, torch 1)')."""
     phases = {p: n for p, n in record.get("alloc_retries_by_phase", {}).items() if n}
-    if not phases:
-        return ""
     where = ", ".join(f"phase {p}: {n}" for p, n in phases.items())
-    return f", {sum(phases.values())} allocator retries ({where})"
+    text = f", {sum(phases.values())} allocator retries ({where})" if phases else ""
+    compiles = {kind: n for kind, n in record.get("compiles", {}).items() if n}
+    if warm and compiles:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in compiles.items())
+        text += f", {sum(compiles.values())} compiles ({kinds})"
+    return text
 
 
 def _progress(it, enabled: bool, start: int, total: int):

@@ -1,4 +1,4 @@
-"""The per-step count of host stalls: garbage collection and the CUDA allocator's retries."""
+"""The per-step count of host stalls: garbage collection, the CUDA allocator's retries and compiles."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def test_on_a_gpu_new_device_allocations_are_counted():
         x = torch.empty(64 << 20, dtype=torch.uint8, device=device)  # a fresh 64 MiB segment: one cudaMalloc
     del x
     assert stalls.device_allocs >= 1 and stalls.alloc_retries == 0
+
+
+def test_a_compile_inside_the_step_is_counted_and_described():
+    fn = torch.compile(lambda x: x - 1, backend="eager", dynamic=False)
+    with StepStalls(torch.device("cpu")) as stalls:
+        fn(torch.ones(2))
+    assert (stalls.as_dict()["torch_compiles"], stalls.as_dict()["triton_compiles"]) == (1, 0)
+    assert stalls.describe() == "1 compiles"

@@ -145,3 +145,22 @@ def test_a_steps_line_names_the_allocators_retries_where_it_made_any():
     assert quiet == _step_line(record, 4) == "step 3/4: 14.50 s, reward 0.250, loss 0.0123"
     retried = _step_line({**record, "alloc_retries_by_phase": {"1": 1, "2": 3, "3": 0}}, 4)
     assert retried == "step 3/4: 14.50 s, reward 0.250, loss 0.0123, 4 allocator retries (phase 1: 1, phase 2: 3)"
+
+
+def test_a_warm_steps_line_names_its_compiles_and_the_first_step_does_not():
+    from rollplex.executors.loop import _step_line
+
+    record = {"step": 4, "time_s": {"step": 15.7}, "reward_mean": 0.25, "loss": 0.0123}
+    compiled = {**record, "compiles": {"triton": 1, "torch": 0}, "alloc_retries_by_phase": {"2": 2}}
+    line = "step 4/5: 15.70 s, reward 0.250, loss 0.0123, 2 allocator retries (phase 2: 2), 1 compiles (triton 1)"
+    assert _step_line(compiled, 5) == line
+    assert _step_line(compiled, 5, warm=False) == line.removesuffix(", 1 compiles (triton 1)")
+    assert _step_line({**record, "compiles": {"triton": 0, "torch": 0}}, 5).endswith("loss 0.0123")
+
+
+def test_a_runs_metrics_count_each_steps_compiles(tmp_path):
+    """Every step's record carries its compiles; off a GPU nothing is compiled (torch.compile and Triton act on a
+    GPU only), so every count is 0."""
+    assert main(["run", TINY, "--out", str(tmp_path), "--steps", "2", "--no-checkpoints", "--quiet"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["compiles"] for r in records] == [{"triton": 0, "torch": 0}] * 2

@@ -1,0 +1,43 @@
+"""The compile counts `rollplex run` keeps per step: torch.compile's graphs counted as they are made (a real compile
+on the CPU, torch's eager backend), and Triton's variants read from each jitted kernel's caches."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from rollplex.executors import compiles
+from rollplex.executors.compiles import Compiles, compiled_so_far
+
+
+def test_a_new_shape_that_compiles_again_counts_and_a_cached_one_does_not():
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    fn(torch.ones(3))
+    before = compiled_so_far()
+    fn(torch.ones(3))
+    assert compiled_so_far().since(before) == Compiles()
+    fn(torch.ones(5))  # static shapes: another graph
+    assert compiled_so_far().since(before) == Compiles(triton=0, torch=1)
+
+
+def test_each_jitted_kernel_of_rollplexs_kernel_modules_counts_its_variants_once(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    def kernel_fn(x_ptr, n):
+        pass
+
+    kernel = JITFunction(kernel_fn)
+    kernel.device_caches.update({0: ({"a": 1, "b": 2}, {}, None, None, None), 1: ({"a": 1}, {}, None, None, None)})
+    module = types.ModuleType("rollplex.kernels.fake")
+    module.kernel = kernel
+    other = types.ModuleType("rollplex.kernels.other")
+    other.kernel = kernel  # imported by another kernel module: counted once
+    elsewhere = types.ModuleType("elsewhere")
+    elsewhere.kernel = JITFunction(kernel_fn)
+    elsewhere.kernel.device_caches[0] = ({"a": 1}, {}, None, None, None)
+    for m in (module, other, elsewhere):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    assert kernel in compiles._kernels() and elsewhere.kernel not in compiles._kernels()
+    assert compiles._variants(kernel) == 3 and compiled_so_far().triton >= 3
