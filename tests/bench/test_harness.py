@@ -123,7 +123,8 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
         steps = result["per_step"][name]
         assert len(steps["step_s"]) == len(steps["phase_s"]) == 1 and steps["step_s"][0] == result["step_s"][name]
         assert 1 <= steps["longest_response"][0] <= 16  # tiny spec: at most its response_tokens
-        assert set(steps["stalls"][0]) == {"gc_s", "full_collections", "alloc_retries", "device_allocs"}
+        stalls = {"gc_s", "full_collections", "alloc_retries", "device_allocs", "triton_compiles", "torch_compiles"}
+        assert set(steps["stalls"][0]) == stalls
         decode = steps["decode_s"]  # the rollout engine's own count, where it keeps one
         assert len(decode) in (0, 1) and all(0 < t <= steps["phase_s"][0]["rollout"] for t in decode)
         gap = steps["step_s"][0] - sum(steps["phase_s"][0].values())
