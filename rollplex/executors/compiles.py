@@ -34,9 +34,15 @@ class Compiles:
 def compiled_so_far() -> Compiles:
     """The process's counts so far: the variants cached in each jitted kernel of the imported `rollplex.kernels`
     modules (none under Triton's interpreter, which compiles nothing), and torch.compile's graphs."""
+    return Compiles(triton=sum(_variants(k) for k in _kernels()), torch=_graphs())
+
+
+def _graphs() -> int:
+    if "torch._dynamo.utils" not in sys.modules:  # torch.compile never ran: nothing compiled, nothing to import
+        return 0
     from torch._dynamo.utils import counters
 
-    return Compiles(triton=sum(_variants(k) for k in _kernels()), torch=counters["stats"]["unique_graphs"])
+    return counters["stats"]["unique_graphs"]
 
 
 def _kernels() -> list:
