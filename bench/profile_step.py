@@ -293,12 +293,8 @@ def _profile_group(engines, g, dataset, size, args) -> None:
         wall[f] += seconds
         prof.__exit__(None, None, None)
         picked[f].append(name)
-        averages = prof.key_averages()
-        device = [
-            e for e in averages if not getattr(e, "is_user_annotation", False) and e.device_type != DeviceType.CPU
-        ]
-        each[f].append((seconds, sum(getattr(e, key) for e in device) / 1e6))
-        for e in averages:
+        call_kernels = 0.0
+        for e in prof.key_averages():
             if getattr(e, "is_user_annotation", False):
                 continue  # a range on the device's timeline (with host activity on): its kernels are counted already
             if CUDA and e.device_type == DeviceType.CPU:  # a host event: its self time, by op (under --host)
@@ -309,7 +305,9 @@ def _profile_group(engines, g, dataset, size, args) -> None:
             else:
                 seconds_calls = kernels[f].setdefault(e.key, [0.0, 0])
                 seconds_calls[0] += getattr(e, key) / 1e6
+                call_kernels += getattr(e, key) / 1e6
             seconds_calls[1] += e.count
+        each[f].append((seconds, call_kernels))
         if args.shapes:
             for e in prof.key_averages(group_by_input_shape=True):
                 own = e.self_device_time_total if CUDA else e.self_cpu_time_total

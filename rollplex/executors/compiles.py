@@ -34,7 +34,7 @@ class Compiles:
 def compiled_so_far() -> Compiles:
     """The process's counts so far: the variants cached in each jitted kernel of the imported `rollplex.kernels`
     modules (none under Triton's interpreter, which compiles nothing), and torch.compile's graphs."""
-    return Compiles(triton=sum(_variants(k) for k in _kernels()), torch=_graphs())
+    return Compiles(triton=sum(variants(k) for k in _kernels()), torch=_graphs())
 
 
 def _graphs() -> int:
@@ -55,7 +55,8 @@ def _kernels() -> list:
     return list(found.values())  # once each: a module may import another's kernel
 
 
-def _variants(kernel) -> int:
-    """Compiled variants of one kernel: the first of each device's caches holds them (none when interpreted)."""
+def variants(kernel) -> int:
+    """Compiled variants of one jitted kernel over every device: the first of each device's caches holds them (none
+    when interpreted)."""
     caches = getattr(kernel, "device_caches", None) or {}
     return sum(len(cache[0]) for cache in caches.values())

@@ -29,8 +29,3 @@ def unspecialized(kernel) -> set[str]:
     if names is None:  # triton's interpreter keeps the decorator's arguments
         names = kernel.kwargs.get("do_not_specialize") or []
     return set(names)
-
-
-def compiled_variants(kernel) -> int:
-    """How many variants of a jitted kernel this process has compiled, over every device."""
-    return sum(len(caches[0]) for caches in kernel.device_caches.values())

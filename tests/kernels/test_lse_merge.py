@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testkit import DEVICE, DTYPE, compiled_variants, needs_cuda, unspecialized
+from kernels_testkit import DEVICE, DTYPE, needs_cuda, unspecialized
 
+from rollplex.executors.compiles import variants as compiled_variants
 from rollplex.kernels import lse_merge
 from rollplex.kernels.lse_merge import ROWS, merge_two
 from rollplex.models.cascade import torch_merged

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testkit import DEVICE, DTYPE, compiled_variants, needs_cuda, unspecialized
+from kernels_testkit import DEVICE, DTYPE, needs_cuda, unspecialized
 
+from rollplex.executors.compiles import variants as compiled_variants
 from rollplex.kernels import rms_norm as kernels
 from rollplex.kernels.rms_norm import TILE, rms_norm
 from rollplex.models import layers
