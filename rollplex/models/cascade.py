@@ -142,10 +142,7 @@ def merged(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tens
     """The whole softmax's output [T, H, D] in `dtype` and log-sum-exp [H, T] float32 from each part's (out, lse):
     each output weighted by e^(its lse - the whole's). Every query has keys in some part (the cascade's own part
     holds its token). Two parts on a GPU merge in one kernel (`kernels.lse_merge`); elsewhere in torch ops, in
-    float32 (`torch_merged`). One part is the whole softmax: its output and log-sum-exp as they are."""
-    if len(parts) == 1:
-        out, lse = parts[0]
-        return out.to(dtype), lse
+    float32 (`torch_merged`)."""
     if len(parts) == 2 and parts[0][0].is_cuda:
         from rollplex.kernels.lse_merge import merge_two
 

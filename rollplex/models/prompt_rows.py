@@ -3,11 +3,9 @@
 A group's prompts arrive right-padded to the longest ([P, L]); their lengths differ by a fifth and more on video
 prompts, and every projection, norm and MLP of a padded row is wasted work (in the prefix forward, its rerun and
 its backward). `PromptRows` names the real rows of the padded batch; the layers see them packed ([1, T]).
-Attention stays packed where it can: given ragged kernels (`cudnn_ragged.CudnnRaggedKernels`, causal), one call
-each way over every prompt's rows (`cascade.cascade_attention` with one part); else where SDPA would run it on
-cuDNN, one causal cuDNN call a prompt (`PromptCausal`). Either way no prompt pays for the causal work over the
-longest one's padding and q is never padded. Elsewhere it goes back to the padded layout for one SDPA call: q, k
-and v scattered into zeros, the output gathered back. Either way the
+Attention stays packed where SDPA would run it on cuDNN: one causal cuDNN call a prompt (`PromptCausal`), so no
+prompt pays for the causal work over the longest one's padding and q is never padded. Elsewhere it goes back to
+the padded layout for one SDPA call: q, k and v scattered into zeros, the output gathered back. Either way the
 boundary keeps K and V padded ([P, G, L, D], zeros past each prompt's length; `PackedPromptKV`). `Rows` moves rows
 both ways with gathers, never atomic adds.
 Not here: the padded batch (`batching.py`), the padded attention call (`attention.causal_sdpa`).
@@ -21,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rollplex.models.attention import LayerKV, attention_length, plans_per_shape
-from rollplex.models.cascade import CudnnDense, DenseCall, Kernels, Segments, cascade_attention, padded_rows
+from rollplex.models.cascade import CudnnDense, DenseCall, padded_rows
 from rollplex.models.inputs import to_device
 
 
@@ -137,30 +135,17 @@ def _window(x: Tensor, start: int, size: int) -> Tensor:
 class PackedPromptKV(LayerKV):
     """`LayerKV` of a layer that runs over `PromptRows`-packed tokens (the padded rows `real` of P prompts of host
     lengths `lens` padded to L): q [1, heads, T, D] and k/v [1, kv_heads, T, D] attend causally within their own
-    prompt, packed: through `ragged` (causal kernels taking every prompt in one call, which the caller checked
-    take these tensors) where given, else through `dense` (`PromptCausal`) where it takes them, else in the
-    padded layout; `key` and `value` are the padded [P, kv_heads, L, D] (the boundary's)."""
+    prompt, packed through `dense` (`PromptCausal`) where it takes them, else in the padded layout; `key` and
+    `value` are the padded [P, kv_heads, L, D] (the boundary's)."""
 
     def __init__(
-        self,
-        real: Tensor,
-        num_prompts: int,
-        length: int,
-        lens: tuple[int, ...],
-        dense: DenseCall | None = None,
-        ragged: Kernels | None = None,
+        self, real: Tensor, num_prompts: int, length: int, lens: tuple[int, ...], dense: DenseCall | None = None
     ) -> None:
-        self.real, self.num_prompts, self.length, self.lens = real, num_prompts, length, lens
-        self.dense, self.ragged = dense, ragged
+        self.real, self.num_prompts, self.length, self.lens, self.dense = real, num_prompts, length, lens, dense
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, heads, D]
         padded = [unpack(t, self.real, self.num_prompts, self.length).transpose(1, 2) for t in rows[1:]]
-        if self.ragged is not None:
-            self.key, self.value = padded
-            segments = Segments.of(list(self.lens), list(self.lens), True, q.device)
-            kv = [x.contiguous() for x in rows[1:]]
-            return cascade_attention(rows[0].contiguous(), [(*kv, segments)], self.ragged).transpose(0, 1)[None]
         smallest = min(attention_length(n) for n in self.lens)  # the checks cover each window's shape
         if self.dense is not None and self.dense.takes(*(x[:smallest] for x in rows)):
             self.key, self.value = padded

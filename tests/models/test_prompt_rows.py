@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from rollplex.models import model as model_module
 from rollplex.models import prompt_rows
 from rollplex.models.attention import attention_length
-from rollplex.models.cascade import REFERENCE, MathDense, ReferenceKernels
-from rollplex.models.cudnn_ragged import Capacity, CudnnRaggedKernels, ragged_attention_available
+from rollplex.models.cascade import MathDense
 from rollplex.models.prompt_rows import CUDNN_CAUSAL, PackedPromptKV, PromptCausal, PromptRows
 from rollplex.models.rerun import Rerun
 
@@ -42,17 +41,13 @@ def test_pack_and_unpack_move_rows_both_ways_with_zero_padding_and_gathered_grad
     assert torch.equal(source.grad, torch.ones(6, 2))
 
 
-@pytest.mark.parametrize(
-    "dense, ragged",
-    [(None, None), (MathDense(causal=True), None), (None, REFERENCE)],
-    ids=["padded", "per_prompt", "ragged"],
-)
-def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_kv(dense, ragged):
+@pytest.mark.parametrize("dense", [None, MathDense(causal=True)], ids=["padded", "per_prompt"])
+def test_packed_attention_is_each_prompts_causal_attention_and_keeps_the_padded_kv(dense):
     torch.manual_seed(0)
     lens = torch.tensor([5, 2, 4])
     rows = PromptRows.of(lens, torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
-    attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, dense, ragged)
+    attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, dense)
     out = attention(0, q, k, v)
     assert out.shape == q.shape and attention.key.shape == (3, 2, 5, 8)
     start = 0
@@ -112,80 +107,6 @@ def test_per_prompt_calls_over_bucketed_windows_give_each_prompts_attention_and_
     assert dense.rows == windows + windows  # one call a prompt each way, over its bucketed window
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # MathDense computes in float32
-
-
-class RecordedRagged(ReferenceKernels):
-    """`ReferenceKernels` that records the segments of each call, forward and backward."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...], bool]] = []
-
-    def forward(self, q, k, v, s, scale):
-        self.calls.append(("forward", s.q_lens, s.k_lens, s.causal))
-        return super().forward(q, k, v, s, scale)
-
-    def backward(self, dout, q, k, v, out, lse, s, scale, saved):
-        self.calls.append(("backward", s.q_lens, s.k_lens, s.causal))
-        return super().backward(dout, q, k, v, out, lse, s, scale, saved)
-
-
-def test_ragged_kernels_run_every_prompt_in_one_causal_call_each_way_with_each_prompts_gradients():
-    """The ragged form gets the prompts' lengths as its segments, once forward and once backward, and its output and
-    gradients are each prompt's own attention (through `PackedPromptKV` in the layer's layout)."""
-    lens = (41, 2, 67)
-    gen = torch.Generator().manual_seed(5)
-    rows = PromptRows.of(torch.tensor(lens), torch.device("cpu"))
-    tensors = [torch.randn(sum(lens), heads, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2)]
-    grad = torch.randn(sum(lens), 4, 8, generator=gen, dtype=torch.float64)
-    ragged = RecordedRagged()
-
-    def packed(q, k, v):
-        attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, ragged=ragged)
-        return attention(0, *(x.transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
-
-    results = []
-    for attend in (packed, lambda *x: per_prompt_sdpa(*x, lens)):
-        inputs = [t.clone().requires_grad_() for t in tensors]
-        out = attend(*inputs)
-        results.append((out, *torch.autograd.grad(out, inputs, grad)))
-    assert ragged.calls == [("forward", lens, lens, True), ("backward", lens, lens, True)]
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the reference kernels compute in float32
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ragged_attention_available(torch.device("cuda")), reason="needs a GPU and cudnn-frontend")
-def test_on_a_gpu_the_ragged_call_matches_the_float_oracle_as_the_per_prompt_calls_do():
-    """bf16 on cuDNN's ragged kernels, at capacities past the call's (as a run's kernels start at its budget):
-    each output and gradient is as close to the float64 oracle as the per-prompt calls'."""
-    lens = (700, 1300, 1000)
-    gen = torch.Generator("cuda").manual_seed(0)
-    total = sum(lens)
-    tensors = [torch.randn(total, heads, 128, generator=gen, device="cuda") for heads in (16, 2, 2)]
-    grad = torch.randn(total, 16, 128, generator=gen, device="cuda")
-    rows = PromptRows.of(torch.tensor(lens), torch.device("cuda"))
-
-    def run(attend, dtype):
-        inputs = [t.to(dtype).requires_grad_() for t in tensors]
-        out = attend(*inputs)
-        return [x.double() for x in (out, *torch.autograd.grad(out, inputs, grad.to(dtype)))]
-
-    def packed(dense, ragged):
-        def attend(q, k, v):
-            attention = PackedPromptKV(rows.real, rows.num_prompts, rows.length, rows.lens, dense, ragged)
-            return attention(0, *(x.transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
-
-        return attend
-
-    kernels = CudnnRaggedKernels(causal=True, floor=Capacity(4, 2048, 2048, 8192, 8192))
-    oracle = run(lambda q, k, v: per_prompt_sdpa(q, k, v, lens), torch.float64)
-    errors = {
-        name: [(x - o).abs().max().item() for x, o in zip(run(packed(*calls), torch.bfloat16), oracle, strict=True)]
-        for name, calls in (("ragged", (None, kernels)), ("per_prompt", (CUDNN_CAUSAL, None)))
-    }
-    assert kernels.capacity == Capacity(4, 2048, 2048, 8192, 8192)  # the call fit the floor: nothing rebuilt
-    for mine, per_prompt in zip(errors["ragged"], errors["per_prompt"], strict=True):
-        assert mine <= 1.5 * per_prompt + 1e-3, errors
 
 
 @pytest.mark.gpu
