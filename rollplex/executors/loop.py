@@ -309,6 +309,7 @@ def _metrics(
         "response_len_mean": float(lens.mean()),
         "prefix_beside_decode": record.stats.get("prefix_chunks_during_decode", 0.0),
         "decode_slowdown": record.stats.get("decode_slowdown"),
+        **{k: round(record.stats[k], 4) for k in ("decode_steps_s", "decode_idle_s") if k in record.stats},
         **{k: record.stats[k] for k in ("value_loss", "critic_grad_norm") if k in record.stats},  # PPO's critic
         "param_digest": param_digest(engines.actor) if digest else None,
         **({"critic_digest": param_digest(engines.critic)} if engines.critic is not None else {}),

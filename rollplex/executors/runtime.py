@@ -56,7 +56,7 @@ from rollplex.graph.ir import (
 )
 from rollplex.models.chunks import drain
 from rollplex.models.shared_vision import SharedVision
-from rollplex.rollout.slowdown import decode_slowdown, device_mark, seconds_between
+from rollplex.rollout.slowdown import decode_slowdown, decode_time, device_mark, seconds_between
 
 Store = dict[str, object]
 
@@ -188,6 +188,8 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
     stats = e.rollout_stats()
     if stats is not None:
         record.stats["decode_s"] = stats.decode_s
+        if stats.step_spans:
+            record.stats["decode_steps_s"], record.stats["decode_idle_s"] = decode_time(stats.step_spans)
     if beside is not None:
         chunks_during_decode = beside.num_chunks
         for p, result in zip(prefixes, beside.finish(), strict=True):

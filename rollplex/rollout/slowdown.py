@@ -13,6 +13,7 @@ import time
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import pairwise
 from statistics import fmean
 
 import torch
@@ -46,6 +47,14 @@ def decode_slowdown(steps: Sequence[StepSpan], chunks: Sequence[tuple[float, flo
         by_rows[rows][0 if overlaps(busy, start, end) else 1].append(end - start)
     ratios = [t / fmean(alone) for beside, alone in by_rows.values() if beside and alone for t in beside]
     return fmean(ratios) if ratios else None
+
+
+def decode_time(steps: Sequence[StepSpan]) -> tuple[float, float]:
+    """(seconds the decode steps ran, seconds between one step's end and the next's start): the second is the
+    device's time in the rollout outside its steps (the host's work between replays, batch re-layouts)."""
+    busy = sum(end - start for start, end, _ in steps)
+    idle = sum(max(0.0, nxt[0] - prev[1]) for prev, nxt in pairwise(steps))
+    return busy, idle
 
 
 def device_mark(cuda: bool):

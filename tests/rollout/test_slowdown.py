@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollplex.rollout.slowdown import decode_slowdown, merge, overlaps
+from rollplex.rollout.slowdown import decode_slowdown, decode_time, merge, overlaps
 
 
 def test_merged_intervals_are_sorted_disjoint_and_cover_the_same_time():
@@ -27,3 +27,10 @@ def test_steps_beside_chunks_are_compared_with_lone_steps_of_their_batch_size():
 def test_without_a_lone_step_of_the_same_size_there_is_no_estimate():
     assert decode_slowdown([(0.0, 0.005, 64), (0.005, 0.007, 16)], [(0.0, 0.004)]) is None
     assert decode_slowdown([(0.0, 0.004, 64)], []) is None  # nothing ran beside
+
+
+def test_decode_time_sums_the_steps_and_the_gaps_between_them():
+    steps = [(0.0, 0.004, 64), (0.005, 0.009, 64), (0.009, 0.011, 8), (0.014, 0.016, 8)]
+    busy, idle = decode_time(steps)
+    assert busy == pytest.approx(0.012) and idle == pytest.approx(0.004)  # 1 ms, none, 3 ms
+    assert decode_time([(0.0, 0.002, 8)]) == pytest.approx((0.002, 0.0))
