@@ -4,13 +4,14 @@ Two counts, each since the process began: the variants of rollplex's Triton kern
 variant per device for each new kind of argument: a dtype, a constexpr, an integer equal to 1 or divisible by 16
 unless the kernel declares it `do_not_specialize`), and the graphs torch.compile has made (Inductor's regions, a
 FlexAttention call; a guard that fails compiles another). `rollplex run` keeps their difference over each step in
-its metrics (`compiles`) and names it in the step's progress line from the process's second step on, where none is
-expected.
+its metrics (`compiles`, with the name of each Triton kernel that compiled a variant) and names it in the step's
+progress line from the process's second step on, where none is expected.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 KERNEL_MODULES = "rollplex.kernels."  # the modules whose jitted kernels are counted (those imported)
@@ -18,13 +19,16 @@ KERNEL_MODULES = "rollplex.kernels."  # the modules whose jitted kernels are cou
 
 @dataclass(frozen=True)
 class Compiles:
-    """Triton kernel variants and torch.compile graphs compiled."""
+    """Triton kernel variants and torch.compile graphs compiled; `kernels` names the kernel of each variant (sorted,
+    a kernel once per variant: `triton` is its length)."""
 
     triton: int = 0
     torch: int = 0
+    kernels: tuple[str, ...] = ()
 
     def since(self, before: Compiles) -> Compiles:
-        return Compiles(self.triton - before.triton, self.torch - before.torch)
+        kernels = tuple(sorted((Counter(self.kernels) - Counter(before.kernels)).elements()))
+        return Compiles(len(kernels), self.torch - before.torch, kernels)
 
     @property
     def total(self) -> int:
@@ -34,7 +38,12 @@ class Compiles:
 def compiled_so_far() -> Compiles:
     """The process's counts so far: the variants cached in each jitted kernel of the imported `rollplex.kernels`
     modules (none under Triton's interpreter, which compiles nothing), and torch.compile's graphs."""
-    return Compiles(triton=sum(variants(k) for k in _kernels()), torch=_graphs())
+    kernels = tuple(sorted(_name(k) for k in _kernels() for _ in range(variants(k))))
+    return Compiles(triton=len(kernels), torch=_graphs(), kernels=kernels)
+
+
+def _name(kernel) -> str:
+    return getattr(kernel, "__name__", None) or kernel.fn.__name__
 
 
 def _graphs() -> int:

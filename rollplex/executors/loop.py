@@ -330,14 +330,18 @@ def _step_line(record: dict, total: int, warm: bool = True) -> str:
 def _stalls(record: dict, warm: bool) -> str:
     """What made the step wait on the host, else '': the allocator's retries of a cudaMalloc (', 4 allocator retries
     (phase 1: 1, phase 2: 3)'), which wait for the device, and in a `warm` step (not the process's first) its
-    compiles (', 2 compiles (triton 1, torch 1)')."""
+    compiles (', 2 compiles (triton 1: _norm_backward, torch 1)')."""
     phases = {p: n for p, n in record.get("alloc_retries_by_phase", {}).items() if n}
     where = ", ".join(f"phase {p}: {n}" for p, n in phases.items())
     text = f", {sum(phases.values())} allocator retries ({where})" if phases else ""
-    compiles = {kind: n for kind, n in record.get("compiles", {}).items() if n}
-    if warm and compiles:
-        kinds = ", ".join(f"{kind} {n}" for kind, n in compiles.items())
-        text += f", {sum(compiles.values())} compiles ({kinds})"
+    compiles = record.get("compiles", {})
+    counts = {kind: compiles.get(kind, 0) for kind in ("triton", "torch") if compiles.get(kind, 0)}
+    if warm and counts:
+        names = ", ".join(sorted(set(compiles.get("kernels", ()))))
+        kinds = ", ".join(
+            f"{kind} {n}" + (f": {names}" if kind == "triton" and names else "") for kind, n in counts.items()
+        )
+        text += f", {sum(counts.values())} compiles ({kinds})"
     return text
 
 

@@ -41,3 +41,11 @@ def test_each_jitted_kernel_of_rollplexs_kernel_modules_counts_its_variants_once
         monkeypatch.setitem(sys.modules, m.__name__, m)
     assert kernel in compiles._kernels() and elsewhere.kernel not in compiles._kernels()
     assert compiles.variants(kernel) == 3 and compiled_so_far().triton >= 3
+    assert compiled_so_far().kernels.count("kernel_fn") == 3  # the fake module's kernel's, not elsewhere's
+
+
+def test_a_difference_names_the_kernel_of_each_new_variant():
+    before = Compiles(3, 1, ("_gemm", "_norm", "_norm"))
+    after = Compiles(6, 1, ("_gemm", "_merge", "_norm", "_norm", "_norm", "_norm"))
+    assert after.since(before) == Compiles(3, 0, ("_merge", "_norm", "_norm"))
+    assert after.since(after) == Compiles()

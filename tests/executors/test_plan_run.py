@@ -151,11 +151,14 @@ def test_a_warm_steps_line_names_its_compiles_and_the_first_step_does_not():
     from rollplex.executors.loop import _step_line
 
     record = {"step": 4, "time_s": {"step": 15.7}, "reward_mean": 0.25, "loss": 0.0123}
-    compiled = {**record, "compiles": {"triton": 1, "torch": 0}, "alloc_retries_by_phase": {"2": 2}}
-    line = "step 4/5: 15.70 s, reward 0.250, loss 0.0123, 2 allocator retries (phase 2: 2), 1 compiles (triton 1)"
+    compiles = {"triton": 2, "torch": 1, "kernels": ["_norm_backward", "_norm_backward"]}
+    compiled = {**record, "compiles": compiles, "alloc_retries_by_phase": {"2": 2}}
+    named = ", 3 compiles (triton 2: _norm_backward, torch 1)"
+    line = f"step 4/5: 15.70 s, reward 0.250, loss 0.0123, 2 allocator retries (phase 2: 2){named}"
     assert _step_line(compiled, 5) == line
-    assert _step_line(compiled, 5, warm=False) == line.removesuffix(", 1 compiles (triton 1)")
-    assert _step_line({**record, "compiles": {"triton": 0, "torch": 0}}, 5).endswith("loss 0.0123")
+    assert _step_line(compiled, 5, warm=False) == line.removesuffix(named)
+    none = {"triton": 0, "torch": 0, "kernels": []}
+    assert _step_line({**record, "compiles": none}, 5).endswith("loss 0.0123")
 
 
 def test_a_runs_metrics_count_each_steps_compiles(tmp_path):
@@ -163,4 +166,4 @@ def test_a_runs_metrics_count_each_steps_compiles(tmp_path):
     GPU only), so every count is 0."""
     assert main(["run", TINY, "--out", str(tmp_path), "--steps", "2", "--no-checkpoints", "--quiet"]) == 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["compiles"] for r in records] == [{"triton": 0, "torch": 0}] * 2
+    assert [r["compiles"] for r in records] == [{"triton": 0, "torch": 0, "kernels": []}] * 2
