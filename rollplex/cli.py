@@ -14,7 +14,7 @@ def _compile(args: argparse.Namespace) -> int:
     from rollplex.graph.ir import Schedule
     from rollplex.graph.load import load_spec
     from rollplex.graph.plan import check_fits, compile_plan
-    from rollplex.report.efficiency import read_efficiencies
+    from rollplex.report.efficiency import read_efficiencies, recorded_efficiencies
     from rollplex.report.jsonout import plan_to_json
 
     dry_only = (("--format json", args.format == "json"), ("--naive", args.naive), ("--efficiency", args.efficiency))
@@ -32,7 +32,14 @@ def _compile(args: argparse.Namespace) -> int:
             _check_folder(flag, path)
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
-    efficiencies = read_efficiencies(args.efficiency, plan.schedule.value) if args.efficiency else None
+    efficiencies, source = None, None
+    if args.efficiency:
+        efficiencies, source = (
+            read_efficiencies(args.efficiency, plan.schedule.value),
+            f"--efficiency {args.efficiency}",
+        )
+    elif recorded := recorded_efficiencies(loaded.spec.cluster.gpu, loaded.spec.model.name, plan.schedule.value):
+        efficiencies, source = recorded.efficiencies, recorded.line
     if args.check_data:
         from rollplex.executors.datacheck import check_data
 
@@ -43,11 +50,11 @@ def _compile(args: argparse.Namespace) -> int:
         plot_memory(plan, args.plot)
     if args.dry_run:
         if args.format == "json":
-            print(json.dumps(plan_to_json(plan, efficiencies), indent=1))
+            print(json.dumps(plan_to_json(plan, efficiencies, source), indent=1))
         else:
             from rollplex.report.tables import report
 
-            print(report(plan, naive=args.naive, efficiencies=efficiencies))
+            print(report(plan, naive=args.naive, efficiencies=efficiencies, efficiency_source=source))
         check_fits(plan)
         return 0
     check_fits(plan)
@@ -158,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
         "--efficiency",
         metavar="SOURCE",
         help="predict each phase's seconds at efficiencies (bound / measured): a `rollplex bench` result (JSON), a "
-        "`rollplex run`'s metrics.jsonl (medians over its steps) or PHASE=E[,PHASE=E...] set by hand",
+        "`rollplex run`'s metrics.jsonl (medians over its steps) or PHASE=E[,PHASE=E...] set by hand (default: "
+        "those of a run rollplex ships for the spec's model, GPU and schedule, where there is one)",
     )
     c.add_argument("-o", "--output", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)

@@ -20,6 +20,9 @@ traffic on its own, so a source's efficiency is of its device bound too; a sourc
 its `bound_s` / `efficiency` (the link's time in it). What `rollplex run` prints at its end (`run_summary`) and a
 bench's `efficiency` are of the whole bound.
 A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
+Without `--efficiency` the dry-run predicts at the efficiencies rollplex ships for the spec's model on its GPU under
+its schedule (`recorded_efficiencies`: a measured run's, `recorded_efficiencies.json`, each entry naming its run's
+metrics file under `bench/results/`, commit and command), where there are some.
 """
 
 from __future__ import annotations
@@ -27,11 +30,39 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollplex.errors import SpecError
 from rollplex.graph.cost import TIMERS
 from rollplex.graph.timeplan import PREFIX_BACKWARD, UPDATE_BESIDE, UPDATE_DEFERRED
+
+RECORDED = Path(__file__).with_name("recorded_efficiencies.json")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Efficiencies measured by a run of a model on a GPU under a schedule (`run_efficiencies` of its metrics)."""
+
+    gpu: str
+    model: str
+    schedule: str
+    source: str  # the run's metrics.jsonl, under the repository's bench/results/
+    commit: str
+    command: str
+    efficiencies: dict[str, float]
+
+    @property
+    def line(self) -> str:
+        return f"predicted at the efficiencies of a run of this model on this GPU ({self.source}, commit {self.commit})"
+
+
+def recorded_efficiencies(gpu: str, model: str, schedule: str) -> Recorded | None:
+    """The efficiencies rollplex ships for `model` (a shipped config's name) on `gpu` under `schedule`, or None."""
+    for entry in json.loads(RECORDED.read_text()):
+        if (entry["gpu"], entry["model"], entry["schedule"]) == (gpu, model, schedule):
+            return Recorded(**entry)
+    return None
 
 
 def read_efficiencies(source: str, schedule: str) -> dict[str, float]:

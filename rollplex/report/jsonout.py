@@ -13,7 +13,9 @@ def _gib(b: int) -> float:
     return round(b / GIB, 3)
 
 
-def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> dict:
+def plan_to_json(
+    plan: Plan, efficiencies: dict[str, float] | None = None, efficiency_source: str | None = None
+) -> dict:
     r, sh = plan.residency, plan.sharing
     naive_llm = [x for x in plan.naive if not x.vision]
     return {
@@ -53,6 +55,7 @@ def plan_to_json(plan: Plan, efficiencies: dict[str, float] | None = None) -> di
             }
             for t in time_plan(plan, efficiencies)
         ],
+        "efficiency_source": efficiency_source,  # where the time plan's efficiencies came from (None: none given)
         # of actor_suffix_backward's time_plan row: the part through the prefix
         "prefix_backward": _prefix_backward(plan, efficiencies),
         "capacity_gib": _gib(r.capacity_bytes),

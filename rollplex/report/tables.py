@@ -229,9 +229,9 @@ def naive_table(plan: Plan) -> str:
     )
 
 
-def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
-    """Each phase's work for the planned step, its bound on the spec's GPU, and (given efficiencies) the
-    predicted seconds; then what each residency choice costs on the host link."""
+def time_table(plan: Plan, efficiencies: dict[str, float] | None = None, source: str | None = None) -> str:
+    """Each phase's work for the planned step, its bound on the spec's GPU, and (given efficiencies, from `source`)
+    the predicted seconds; then what each residency choice costs on the host link."""
     peaks = KNOWN_PEAKS[plan.loaded.spec.cluster.gpu]
     rows, times = [], time_plan(plan, efficiencies)
     prefix_backward = prefix_backward_plan(plan, efficiency=(efficiencies or {}).get(PREFIX_BACKWARD))
@@ -252,6 +252,13 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None) -> str:
         title += f"\n({', '.join(beside)} beside decode: in the rollout's seconds; the step bound prices them together)"
     if "gpu" not in plan.loaded.spec.cluster.model_fields_set:
         title += f"\n(cluster.gpu is not set: priced on its default, the {plan.loaded.spec.cluster.gpu})"
+    if efficiencies is None:
+        title += (
+            f"\n(rollplex ships no run of this model on this GPU under the {plan.schedule.value} schedule: "
+            "--efficiency SOURCE predicts seconds)"
+        )
+    elif source is not None:
+        title += f"\n(the workload's mean step, {source})"
     out = f"{title}\n" + table(heads, rows, right={1, 2, 3, 4, 5, 6}) + "\n" + residency_choices(plan, peaks)
     for f in [*faster_residencies(plan, efficiencies), *faster_recompute(plan, efficiencies)]:
         out += f"\nalso fits, and faster by the bound: {f.lever.text} (step bound {f.bound_s:.2f} s against {bound:.2f}"
@@ -315,9 +322,11 @@ def residency_choices(plan: Plan, peaks) -> str:
     return out
 
 
-def report(plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = None) -> str:
+def report(
+    plan: Plan, *, naive: bool, efficiencies: dict[str, float] | None = None, efficiency_source: str | None = None
+) -> str:
     parts = [header(plan) + "\n" + launch_lines(plan), graph_table(plan), memory_table(plan), peak_table(plan),
-             time_table(plan, efficiencies)]  # fmt: skip
+             time_table(plan, efficiencies, efficiency_source)]  # fmt: skip
     parts.append(sharing_table(plan))
     if naive:
         parts.append(naive_table(plan))

@@ -207,3 +207,42 @@ def test_a_runs_steps_give_the_prefix_and_update_efficiencies_by_where_the_updat
     assert set(older) == {"actor_prefix", "update", "rollout"}
     assert read_efficiencies(f"{UPDATE_BESIDE}=0.5,{UPDATE_DEFERRED}=0.2", "rollplex") == {
         UPDATE_BESIDE: 0.5, UPDATE_DEFERRED: 0.2}  # fmt: skip
+
+
+def test_each_shipped_efficiency_is_what_its_named_run_gives():
+    """The table the dry-run predicts at by default: every entry is `run_efficiencies` of the metrics file it names
+    (in the repository), for a shipped model and a GPU the cost model prices."""
+    from rollplex.graph.modelcost import KNOWN_PEAKS
+    from rollplex.report.efficiency import RECORDED, Recorded, run_efficiencies
+
+    root = Path(__file__).resolve().parents[2]
+    entries = [Recorded(**e) for e in json.loads(RECORDED.read_text())]
+    assert {(e.gpu, e.model) for e in entries} >= {("H200", "qwen2_5_vl_3b"), ("H200", "qwen2_5_vl_7b")}
+    for e in entries:
+        records = [json.loads(line) for line in (root / e.source).read_text().splitlines() if line.strip()]
+        assert {r["schedule"] for r in records} == {e.schedule}
+        found = run_efficiencies(records, device=True, split_beside=True)
+        assert e.efficiencies == pytest.approx(found, abs=5e-5), e.source
+        assert e.gpu in KNOWN_PEAKS and (root / "rollplex/configs" / f"{e.model}.json").exists()
+
+
+def test_without_a_source_the_dry_run_predicts_at_the_shipped_run_of_the_model_on_its_gpu_and_schedule(capsys):
+    from rollplex.report.efficiency import recorded_efficiencies
+
+    assert main(["compile", SPEC, "--dry-run", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    recorded = recorded_efficiencies("H200", "qwen2_5_vl_3b", "rollplex")
+    assert out["efficiency_source"] == recorded.line and "run_3b_h200" in recorded.source
+    rows = {r["phase"]: r for r in out["time_plan"]}
+    rollout = recorded.efficiencies["rollout"]
+    assert rows["rollout"]["predicted_s"] == pytest.approx(rows["rollout"]["bound_s"] / rollout, rel=1e-3)
+    assert main(["compile", SPEC, "--dry-run"]) == 0
+    assert f"(the workload's mean step, {recorded.line})" in capsys.readouterr().out
+
+    # a source given replaces it; a schedule no shipped run ran predicts nothing and says how to
+    assert main(["compile", SPEC, "--dry-run", "--format", "json", "--efficiency", "rollout=0.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["efficiency_source"] == "--efficiency rollout=0.5"
+    assert {r["phase"]: r["predicted_s"] for r in out["time_plan"]}["update"] is None
+    assert main(["compile", SPEC, "--dry-run", "--schedule", "serial"]) == 0
+    assert "ships no run of this model on this GPU under the serial schedule" in capsys.readouterr().out
