@@ -36,7 +36,7 @@ def _compile(args: argparse.Namespace) -> int:
     if args.efficiency:
         efficiencies, source = (
             read_efficiencies(args.efficiency, plan.schedule.value),
-            f"--efficiency {args.efficiency}",
+            f"predicted at --efficiency {args.efficiency}",
         )
     elif recorded := recorded_efficiencies(loaded.spec.cluster.gpu, loaded.spec.model.name, plan.schedule.value):
         efficiencies, source = recorded.efficiencies, recorded.line

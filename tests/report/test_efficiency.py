@@ -242,7 +242,7 @@ def test_without_a_source_the_dry_run_predicts_at_the_shipped_run_of_the_model_o
     # a source given replaces it; a schedule no shipped run ran predicts nothing and says how to
     assert main(["compile", SPEC, "--dry-run", "--format", "json", "--efficiency", "rollout=0.5"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["efficiency_source"] == "--efficiency rollout=0.5"
+    assert out["efficiency_source"] == "predicted at --efficiency rollout=0.5"
     assert {r["phase"]: r["predicted_s"] for r in out["time_plan"]}["update"] is None
     assert main(["compile", SPEC, "--dry-run", "--schedule", "serial"]) == 0
     assert "ships no run of this model on this GPU under the serial schedule" in capsys.readouterr().out
