@@ -21,8 +21,8 @@ its `bound_s` / `efficiency` (the link's time in it). What `rollplex run` prints
 bench's `efficiency` are of the whole bound.
 A phase a source does not price stays unpredicted. A bad source is one `SpecError` line.
 Without `--efficiency` the dry-run predicts at the efficiencies rollplex ships for the spec's model on its GPU under
-its schedule (`recorded_efficiencies`: a measured run's, `recorded_efficiencies.json`, each entry naming its run's
-metrics file under `bench/results/`, commit and command), where there are some.
+its schedule (`recorded_efficiencies`, `recorded_efficiencies.json`: each entry what `read_efficiencies` gives for a
+run's metrics or a bench result under `bench/results/`, named with its commit and command), where there are some.
 """
 
 from __future__ import annotations
@@ -42,19 +42,21 @@ RECORDED = Path(__file__).with_name("recorded_efficiencies.json")
 
 @dataclass(frozen=True)
 class Recorded:
-    """Efficiencies measured by a run of a model on a GPU under a schedule (`run_efficiencies` of its metrics)."""
+    """Efficiencies measured for a model on a GPU under a schedule: `read_efficiencies` of `source`."""
 
     gpu: str
     model: str
     schedule: str
-    source: str  # the run's metrics.jsonl, under the repository's bench/results/
+    source: str  # a run's metrics.jsonl or a bench's JSON, under the repository's bench/results/
     commit: str
     command: str
     efficiencies: dict[str, float]
 
     @property
     def line(self) -> str:
-        return f"predicted at the efficiencies of a run of this model on this GPU ({self.source}, commit {self.commit})"
+        return (
+            f"predicted at the efficiencies measured for this model on this GPU ({self.source}, commit {self.commit})"
+        )
 
 
 def recorded_efficiencies(gpu: str, model: str, schedule: str) -> Recorded | None:

@@ -209,20 +209,25 @@ def test_a_runs_steps_give_the_prefix_and_update_efficiencies_by_where_the_updat
         UPDATE_BESIDE: 0.5, UPDATE_DEFERRED: 0.2}  # fmt: skip
 
 
-def test_each_shipped_efficiency_is_what_its_named_run_gives():
-    """The table the dry-run predicts at by default: every entry is `run_efficiencies` of the metrics file it names
-    (in the repository), for a shipped model and a GPU the cost model prices."""
+def test_each_shipped_efficiency_is_what_its_named_source_gives():
+    """The table the dry-run predicts at by default: every entry is what `--efficiency` reads from the run's metrics
+    or bench result it names (in the repository), for a shipped model and a GPU the cost model prices; a run's steps
+    ran the entry's schedule."""
     from rollplex.graph.modelcost import KNOWN_PEAKS
-    from rollplex.report.efficiency import RECORDED, Recorded, run_efficiencies
+    from rollplex.report.efficiency import RECORDED, Recorded
 
     root = Path(__file__).resolve().parents[2]
     entries = [Recorded(**e) for e in json.loads(RECORDED.read_text())]
-    assert {(e.gpu, e.model) for e in entries} >= {("H200", "qwen2_5_vl_3b"), ("H200", "qwen2_5_vl_7b")}
+    shipped = {("H200", "qwen2_5_vl_3b", "rollplex"), ("H200", "qwen2_5_vl_3b", "serial")}
+    assert {(e.gpu, e.model, e.schedule) for e in entries} >= shipped | {("H200", "qwen2_5_vl_7b", "rollplex")}
+    assert len({(e.gpu, e.model, e.schedule) for e in entries}) == len(entries)  # one entry each
     for e in entries:
-        records = [json.loads(line) for line in (root / e.source).read_text().splitlines() if line.strip()]
-        assert {r["schedule"] for r in records} == {e.schedule}
-        found = run_efficiencies(records, device=True, split_beside=True)
-        assert e.efficiencies == pytest.approx(found, abs=5e-5), e.source
+        path = root / e.source
+        if path.suffix == ".jsonl":
+            assert {json.loads(line)["schedule"] for line in path.read_text().splitlines() if line.strip()} == {
+                e.schedule
+            }
+        assert e.efficiencies == pytest.approx(read_efficiencies(str(path), e.schedule), abs=5e-5), e.source
         assert e.gpu in KNOWN_PEAKS and (root / "rollplex/configs" / f"{e.model}.json").exists()
 
 
@@ -244,5 +249,5 @@ def test_without_a_source_the_dry_run_predicts_at_the_shipped_run_of_the_model_o
     out = json.loads(capsys.readouterr().out)
     assert out["efficiency_source"] == "predicted at --efficiency rollout=0.5"
     assert {r["phase"]: r["predicted_s"] for r in out["time_plan"]}["update"] is None
-    assert main(["compile", SPEC, "--dry-run", "--schedule", "serial"]) == 0
+    assert main(["compile", "specs/qwen2_5_vl_7b_h200.yaml", "--dry-run", "--schedule", "serial"]) == 0
     assert "ships no run of this model on this GPU under the serial schedule" in capsys.readouterr().out
