@@ -38,7 +38,9 @@ def _compile(args: argparse.Namespace) -> int:
             read_efficiencies(args.efficiency, plan.schedule.value),
             f"predicted at --efficiency {args.efficiency}",
         )
-    elif recorded := recorded_efficiencies(loaded.spec.cluster.gpu, loaded.spec.model.name, plan.schedule.value):
+    elif args.dry_run and (
+        recorded := recorded_efficiencies(loaded.spec.cluster.gpu, loaded.spec.model.name, plan.schedule.value)
+    ):
         efficiencies, source = recorded.efficiencies, recorded.line
     if args.check_data:
         from rollplex.executors.datacheck import check_data
@@ -166,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SOURCE",
         help="predict each phase's seconds at efficiencies (bound / measured): a `rollplex bench` result (JSON), a "
         "`rollplex run`'s metrics.jsonl (medians over its steps) or PHASE=E[,PHASE=E...] set by hand (default: "
-        "those of a run rollplex ships for the spec's model, GPU and schedule, where there is one)",
+        "those measured for the spec's model, GPU and schedule, where rollplex ships some)",
     )
     c.add_argument("-o", "--output", help="where to write the plan (default plan.json)")
     c.set_defaults(func=_compile)
