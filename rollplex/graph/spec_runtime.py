@@ -68,18 +68,14 @@ class RunSpec(Strict):
         "weight_sharing and a rollout in the trainer's process (not sharing.policy mps); the unsplit schedule, "
         "which has no prefix, prefills.",
     )
-    decode_kernels: Literal[
-        "auto", "cublas", "rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead", "rollplex_early"
-    ] = Field(
+    decode_kernels: Literal["auto", "cublas", "rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead"] = Field(
         "auto",
         description="The GPU rollout's decode kernels, the same in both schedules: cublas (the projections on "
         "cuBLAS); rollplex (on rollplex's GEMMs); rollplex_pdl (those, and every rollplex kernel of the step, "
         "launched as programmatic dependents: Hopper or newer); rollplex_fused (rollplex_pdl with up to four "
         "launches fewer per layer: a K split summed by the norm or rotary kernel after it, silu inside the gate_up "
         "GEMM); rollplex_ahead (rollplex_fused with each kernel letting the next launch before it waits, and each "
-        "GEMM pulling its first weight blocks into L2 meanwhile); rollplex_early (rollplex_fused with each layer's "
-        "rotary kernel pulling o_proj's weight and the first columns of gate_up's into L2 while the attention runs); "
-        "auto: rollplex_fused on Hopper or newer, cublas "
+        "GEMM pulling its first weight blocks into L2 meanwhile); auto: rollplex_fused on Hopper or newer, cublas "
         "before it. All decode bitwise alike; their speeds are in docs/results.md.",
     )
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollplex.kernels.pdl import enter, leave, line_elements, pdl_options, prefetch_rows
+from rollplex.kernels.pdl import enter, leave, pdl_options
 
 NORM_WARPS = 8  # a row's loads and its sum spread over more threads: the latency-bound decode norm is shorter
 
@@ -127,15 +127,6 @@ def rotary_to_cache_kernel(
     PARTS: tl.constexpr = 1,
     USE_GDC: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
-    early0_ptr=None,  # `early`'s weights (or unused)
-    early1_ptr=None,
-    EARLY0_ROWS: tl.constexpr = 0,  # rows of each (0: none), the columns pulled, the row stride
-    EARLY0_COLS: tl.constexpr = 0,
-    EARLY0_STRIDE: tl.constexpr = 0,
-    EARLY1_ROWS: tl.constexpr = 0,
-    EARLY1_COLS: tl.constexpr = 0,
-    EARLY1_STRIDE: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,  # elements of the weights' dtype in an L2 line
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then kv heads
@@ -162,11 +153,6 @@ def rotary_to_cache_kernel(
     tl.store(dst + half, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + D // 2 + half, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
     leave(USE_GDC, AHEAD)
-    program, programs = row * (H + G) + head, tl.num_programs(0) * (H + G)
-    if EARLY0_ROWS > 0:
-        prefetch_rows(early0_ptr, program, programs, EARLY0_ROWS, EARLY0_COLS, EARLY0_STRIDE, LINE)
-    if EARLY1_ROWS > 0:
-        prefetch_rows(early1_ptr, program, programs, EARLY1_ROWS, EARLY1_COLS, EARLY1_STRIDE, LINE)
 
 
 def rotary_to_cache(
@@ -182,10 +168,7 @@ def rotary_to_cache(
     num_samples: int,
     pdl: bool = False,
     ahead: bool = False,
-    early: tuple[tuple[torch.Tensor, int], ...] = (),
 ) -> torch.Tensor:
-    """`early`: up to two (weight [rows, K], columns) whose first columns of every row the programs pull into L2
-    once their own stores are issued (see the module docstring)."""
     rows, num_heads, head_dim = q_out.shape
     _, num_groups, max_tokens, _ = k_cache.shape
     width = (num_heads + 2 * num_groups) * head_dim
@@ -195,23 +178,9 @@ def rotary_to_cache(
     rotary_to_cache_kernel[(rows, num_heads + num_groups)](
         parts, cos, sin, slots, next_positions, step, q_out, k_cache, v_cache, rows * width,
         H=num_heads, G=num_groups, D=head_dim, R=max_tokens, NUM_SAMPLES=num_samples, PARTS=parts.shape[0],
-        **pdl_options(pdl, q_out, ahead), **_early(early),
+        **pdl_options(pdl, q_out, ahead),
     )  # fmt: skip
     return q_out
-
-
-def _early(early: tuple[tuple[torch.Tensor, int], ...]) -> dict:
-    """rotary_to_cache_kernel's keywords for `early` (none: the defaults)."""
-    assert len(early) <= 2, f"{len(early)} weights to pull early: at most two"
-    out = {}
-    for i, (weight, columns) in enumerate(early):
-        line = line_elements(weight)
-        assert weight.stride(1) == 1 and columns % line == 0 and columns <= weight.shape[1], (
-            f"pull the first {columns} columns of {tuple(weight.shape)} (strides {weight.stride()}): whole lines"
-        )
-        out |= {f"early{i}_ptr": weight, f"EARLY{i}_ROWS": weight.shape[0], f"EARLY{i}_COLS": columns,
-                f"EARLY{i}_STRIDE": weight.stride(0), "LINE": line}  # fmt: skip
-    return out
 
 
 def _as_parts(product: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

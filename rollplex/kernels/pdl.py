@@ -63,19 +63,6 @@ def prefetch_l2(lines):
     )
 
 
-@triton.jit
-def prefetch_rows(ptr, program, programs, ROWS: tl.constexpr, COLS: tl.constexpr, STRIDE: tl.constexpr,
-                  LINE: tl.constexpr):  # fmt: skip
-    """Pulls the first COLS elements (whole lines of LINE) of each of the ROWS rows at ptr (STRIDE elements apart)
-    into L2 (`prefetch_l2`): program `program` of `programs` its share of those lines, 1,024 at a time."""
-    LINES: tl.constexpr = COLS // LINE
-    total = ROWS * LINES
-    share = tl.cdiv(total, programs)
-    for first in range(program * share, tl.minimum(program * share + share, total), 1024):
-        line = tl.minimum(first + tl.arange(0, 1024), total - 1).to(tl.int64)
-        prefetch_l2(ptr + (line // LINES) * STRIDE + (line % LINES) * LINE)
-
-
 def prefetch_k(num_programs: int, rows_per_program: int, k_per_program: int, element_size: int) -> int:
     """Elements of each weight row a GEMM program pulls into L2 before it waits: a power of two of whole lines,
     at most its part of K, all programs together at most PREFETCH_BYTES; 0 where not a line each fits."""

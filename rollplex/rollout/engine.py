@@ -85,8 +85,6 @@ class RolloutEngine:
         hopper = model.device.type == "cuda" and torch.cuda.get_device_capability(model.device)[0] >= 9
         if kernels.pdl and not hopper:
             raise ValueError(f"pdl: programmatic dependent launch needs a Hopper or newer GPU, not {model.device}")
-        if kernels.early and model.device.type != "cuda":
-            raise ValueError(f"early: pulling weights into L2 needs a CUDA GPU, not {model.device}")
         self.model = model
         self.time_steps = time_steps
         self.kernels = kernels

@@ -202,7 +202,7 @@ class DecodeStep:
             qkv = w.qkv(normed)  # parts [S, rows, (H + 2G) D]
             rotary_to_cache(
                 qkv, self.cos, self.sin, slots, self.next_positions, self.step, q_rot,
-                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl, ahead, w.early(),
+                self.k_cache[i], self.v_cache[i], self.shape.num_samples, pdl, ahead,
             )  # fmt: skip
             self.attention(
                 q_rot, self.prompt_k[i], self.prompt_v[i], self.prompt_lens, self.row_start, self.row_count,

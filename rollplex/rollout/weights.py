@@ -51,7 +51,6 @@ class DecodeKernels:
     pdl: bool = False  # our kernels launch as programmatic dependents (Hopper)
     fused: bool = False  # splits summed by the kernel after them, silu inside the gate_up GEMM (our GEMMs only)
     ahead: bool = False  # each kernel lets the next launch before it waits; GEMMs prefetch weights meanwhile
-    early: bool = False  # rotary pulls o_proj's weight and gate_up's first columns into L2 (`LayerWeights.early`)
 
     def __post_init__(self) -> None:
         assert self.triton_gemm or not self.fused, "fused decode kernels run on our GEMMs: set triton_gemm"
@@ -65,9 +64,7 @@ BY_NAME = {  # `run.decode_kernels`
     "rollplex_pdl": DecodeKernels(triton_gemm=True, pdl=True),
     "rollplex_fused": DecodeKernels(triton_gemm=True, pdl=True, fused=True),
     "rollplex_ahead": DecodeKernels(triton_gemm=True, pdl=True, fused=True, ahead=True),
-    "rollplex_early": DecodeKernels(triton_gemm=True, pdl=True, fused=True, early=True),
 }
-EARLY_GATE_UP_COLUMNS = 512  # of each gate_up row, pulled early: with o_proj, 30 MiB of the 3B's layer in L2
 
 
 @dataclass(frozen=True)
@@ -100,14 +97,6 @@ class LayerWeights:
         if self.kernels.triton_gemm:
             return linear(x, self.qkv_weight, self.qkv_bias, pdl=self.kernels.pdl)[None]
         return F.linear(x, self.qkv_weight, self.qkv_bias)[None]
-
-    def early(self) -> tuple[tuple[Tensor, int], ...]:
-        """What the rotary kernel pulls into L2 once its own stores are issued, with `kernels.early`: o_proj's
-        whole weight and the first EARLY_GATE_UP_COLUMNS of every gate_up row (each gate_up program's first
-        blocks), which HBM then streams while the attention, its combine and the norm run on few bytes."""
-        if not self.kernels.early:
-            return ()
-        return ((self.o, self.o.shape[1]), (self.gate_up, min(EARLY_GATE_UP_COLUMNS, self.gate_up.shape[1])))
 
     def out(self, attended: Tensor) -> Tensor:
         """Parts [S, rows, hidden] of o_proj."""

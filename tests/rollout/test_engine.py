@@ -108,8 +108,6 @@ def test_kernel_options_that_cannot_run_are_refused_in_one_line(model):
         pytest.skip("checks the refusal on a machine without a GPU")
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a Hopper or newer GPU"):
         RolloutEngine(model, kernels=BY_NAME["rollplex_pdl"])
-    with pytest.raises(ValueError, match="early: pulling weights into L2 needs a CUDA GPU"):
-        RolloutEngine(model, kernels=DecodeKernels(triton_gemm=True, fused=True, early=True))
 
 
 def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
@@ -121,7 +119,6 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
     assert BY_NAME["cublas"] == DecodeKernels() and BY_NAME["rollplex_pdl"].pdl and BY_NAME["rollplex"].triton_gemm
     assert BY_NAME["rollplex_fused"] == DecodeKernels(triton_gemm=True, pdl=True, fused=True)
     assert BY_NAME["rollplex_ahead"] == replace(BY_NAME["rollplex_fused"], ahead=True)
-    assert BY_NAME["rollplex_early"] == replace(BY_NAME["rollplex_fused"], early=True)
     with pytest.raises(AssertionError, match="fused decode kernels run on our GEMMs"):
         DecodeKernels(fused=True)
     with pytest.raises(AssertionError, match="ahead launches chain the fused kernels"):
@@ -135,9 +132,9 @@ def test_every_decode_kernels_name_a_spec_takes_is_a_setting():
 def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, prompts, shapes):
     """Our kernels launched plainly, as programmatic dependents (a kernel that read before the one before it had
     written would change a token or a log-prob), fused (splits summed by the norm and rotary kernels, silu inside
-    the gate_up GEMM, rounded as the unfused kernels round), ahead (each kernel letting the next launch before
-    it waits, the GEMMs prefetching their weights) and early (rotary pulling o_proj and gate_up weights into L2):
-    the sampled rollout is bitwise the same. At 3B shapes (two layers, bf16) down_proj splits K."""
+    the gate_up GEMM, rounded as the unfused kernels round), and ahead (each kernel letting the next launch before
+    it waits, the GEMMs prefetching their weights): the sampled rollout is bitwise the same. At 3B shapes (two
+    layers, bf16) down_proj splits K."""
     if shapes == "3b":
         config = load_model_config("qwen2_5_vl_3b")
         torch.manual_seed(0)
@@ -147,7 +144,7 @@ def test_on_a_gpu_dependent_launches_and_fused_kernels_change_no_rollout(model, 
         RolloutEngine(model, kernels=BY_NAME[name]).generate(
             prompts, num_samples=NUM_SAMPLES, params=params, generator=seeded(3)
         )
-        for name in ("rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead", "rollplex_early")
+        for name in ("rollplex", "rollplex_pdl", "rollplex_fused", "rollplex_ahead")
     )
     for other in others:
         assert torch.equal(plain.responses, other.responses) and torch.equal(plain.logprobs, other.logprobs)
