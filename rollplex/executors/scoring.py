@@ -78,7 +78,7 @@ class RowBatch:
 def row_batches(rollout: Rollout, max_tokens: int) -> list[RowBatch]:
     """The step's P x N responses in batches of at most `max_tokens` tokens each (`token_batches`), across
     prompts. A batch runs packed (`Qwen2_5_VL.suffix_rows`): its cost is its tokens, not rows x longest, so
-    a batch is filled to the budget whatever its lengths. Callers pass what the planner counts a microbatch: a
+    the batches share the tokens whatever their lengths. Callers pass what the planner counts a microbatch: a
     group of the step's longest responses' tokens (N x R) or `memory.microbatch_tokens` (`microbatch_budget`)."""
     lens = rollout.response_lens.flatten().tolist()  # the one host sync of a scoring pass
     num_samples, device = rollout.responses.shape[1], rollout.responses.device
@@ -108,10 +108,20 @@ def score_batch(
 
 
 def token_batches(lens: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of `lens` in batches of at most `max_tokens` summed lengths (a longer one alone), by first fit
-    over the lengths longest first (ties by index): few batches, each full. Within a batch, in index order: a
-    prompt's responses together, so that a block of packed queries reads few prompts' KV."""
+    """Indices of `lens` in batches of at most `max_tokens` summed lengths (a longer one alone): as many batches as
+    first fit over the lengths longest first needs, their tokens balanced (`_dealt`; the first fit's batches where
+    dealing finds no room). A batch's host work (launching every layer's kernels, forward and backward) hardly
+    depends on its tokens, so a nearly empty last batch leaves the device waiting on the host where an even share
+    keeps it busy. Within a batch, in index order: a prompt's responses together, so that a block of packed queries
+    reads few prompts' KV."""
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    fitted = _first_fit(lens, order, max_tokens)
+    dealt = _dealt(lens, order, max_tokens, len(fitted))
+    return [sorted(b) for b in (dealt if dealt is not None else fitted)]
+
+
+def _first_fit(lens: Sequence[int], order: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Each index in `order` to the first batch with room for it, or to a new batch: few batches, each full."""
     batches: list[list[int]] = []
     room: list[int] = []
     for i in order:
@@ -122,7 +132,22 @@ def token_batches(lens: Sequence[int], max_tokens: int) -> list[list[int]]:
         else:
             batches[fits].append(i)
             room[fits] -= lens[i]
-    return [sorted(b) for b in batches]
+    return batches
+
+
+def _dealt(lens: Sequence[int], order: Sequence[int], max_tokens: int, count: int) -> list[list[int]] | None:
+    """Each index in `order` (longest first) to the batch of `count` with the fewest tokens that has room for it (an
+    empty batch takes a longer one alone; ties to the first); None where one finds no room."""
+    batches: list[list[int]] = [[] for _ in range(count)]
+    tokens = [0] * count
+    for i in order:
+        room = [b for b in range(count) if not batches[b] or tokens[b] + lens[i] <= max_tokens]
+        if not room:
+            return None
+        b = min(room, key=lambda b: tokens[b])
+        batches[b].append(i)
+        tokens[b] += lens[i]
+    return batches
 
 
 def score_group_unsplit(

@@ -79,9 +79,13 @@ def test_split_with_prefix_sharing_gives_every_parameter_the_unsplit_gradient():
     split, unsplit = gradients(Schedule.ROLLPLEX), gradients(Schedule.UNSPLIT)
     assert split.keys() == unsplit.keys()
     assert any(n.startswith("model.visual.") for n in split)
-    for name, g in unsplit.items():  # float32 sums in another order: q and k carry ~1e-5 of the whole gradient
+    # float32 sums in another order, held to 1e-4 of each parameter's gradient plus 1e-8 of the whole gradient's
+    # norm: q and k carry ~1e-5 of it, and a key bias's gradient is zero but for rounding (softmax ignores a shift
+    # shared by every key), so theirs are mostly rounding
+    whole = torch.cat([g.flatten() for g in unsplit.values()]).norm()
+    for name, g in unsplit.items():
         assert g.norm() > 0, name
-        assert (split[name] - g).norm() <= 1e-4 * g.norm(), name
+        assert (split[name] - g).norm() <= 1e-4 * g.norm() + 1e-8 * whole, name
 
 
 def test_kl_coefficient_zero_runs_without_a_reference_model(tmp_path):
@@ -101,7 +105,9 @@ def test_the_shipped_graph_without_a_reference_trains_alike_in_every_schedule(tm
     }
     assert [r["param_digest"] for r in runs["serial"]] == [r["param_digest"] for r in runs["rollplex"]]
     for s, u in zip(runs["rollplex"], runs["unsplit"], strict=True):
-        assert s["kl"] == 0.0 and s["loss"] != 0.0 and s["loss"] == pytest.approx(u["loss"], rel=1e-5)
+        # at the first step the ratio is 1 and each group's advantages sum to zero: the loss is rounding about
+        # zero (~1e-5), so it is held to 1e-7 besides 1e-5 of itself
+        assert s["kl"] == 0.0 and s["loss"] != 0.0 and s["loss"] == pytest.approx(u["loss"], rel=1e-5, abs=1e-7)
 
 
 def step_noting_prefills(spec, schedule: Schedule):

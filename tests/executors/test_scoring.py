@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -26,9 +27,27 @@ def test_token_batches_cover_every_response_once_within_the_budget(lens):
         assert b == sorted(b)  # in index order: a prompt's responses together
 
 
-def test_token_batches_fill_each_batch_first_fit_longest_first():
-    assert token_batches([3, 40, 5, 38, 1, 12, 12, 2], max_tokens=50) == [[0, 1, 2, 7], [3, 5], [4, 6]]
-    assert token_batches([5] * 7, max_tokens=15) == [[0, 1, 2], [3, 4, 5], [6]]
+def test_token_batches_are_as_few_as_first_fit_needs_and_share_the_tokens():
+    # first fit, longest first: [0, 1, 2, 7] (50 tokens), [3, 5] (50), [4, 6] (13)
+    assert token_batches([3, 40, 5, 38, 1, 12, 12, 2], max_tokens=50) == [[1], [3], [0, 2, 4, 5, 6, 7]]
+    assert token_batches([5] * 7, max_tokens=15) == [[0, 3, 6], [1, 4], [2, 5]]  # first fit: 15, 15, 5
+    assert token_batches([100, 30, 20], max_tokens=50) == [[0], [1, 2]]  # the longer one alone
+
+
+def test_token_batches_keep_the_first_fit_where_dealing_finds_no_room():
+    # dealing longest first leaves 4 + 4 + 3 / 3 + 3 + 3: the last 3 fits nowhere; first fit packs two full batches
+    lens = [4, 4, 4, 3, 3, 3, 3]
+    assert token_batches(lens, max_tokens=12) == [[0, 1, 2], [3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_batches_of_a_long_tailed_step_hold_about_equal_tokens(seed):
+    rng = random.Random(seed)
+    lens = [2048] + [min(2048, max(1, round(rng.lognormvariate(5.5, 1.0)))) for _ in range(63)]
+    budget = 8 * 2048 if sum(lens) > 8 * 2048 else sum(lens) // 2 + 1  # two batches or more
+    batches = token_batches(lens, max_tokens=budget)
+    tokens = [sum(lens[i] for i in b) for b in batches]
+    assert len(batches) == -(-sum(lens) // budget) and max(tokens) - min(tokens) <= 2048, tokens
 
 
 def test_row_batches_mix_prompts_and_score_as_each_group_alone():
