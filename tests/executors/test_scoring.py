@@ -35,7 +35,7 @@ def test_token_batches_are_as_few_as_first_fit_needs_and_share_the_tokens():
 
 
 def test_token_batches_keep_the_first_fit_where_dealing_finds_no_room():
-    # dealing longest first leaves 4 + 4 + 3 / 3 + 3 + 3: the last 3 fits nowhere; first fit packs two full batches
+    # dealing longest first leaves 4 + 4 + 3 and 4 + 3 + 3, the last 3 fitting neither; first fit fills both batches
     lens = [4, 4, 4, 3, 3, 3, 3]
     assert token_batches(lens, max_tokens=12) == [[0, 1, 2], [3, 4, 5, 6]]
 
