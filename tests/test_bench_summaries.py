@@ -3,7 +3,6 @@ themselves need a GPU; `test_bench_scripts.py` runs the scripts end to end on th
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import statistics
@@ -262,7 +261,7 @@ def test_the_time_plan_check_prices_a_run_that_recorded_its_tokens_at_those_toke
     plan = compile_plan(load_spec(spec))
     steps = planned_steps(plan)[:4]  # steps of different lengths, recorded as a run writes them
     lines = (ROOT / "bench/results/run_3b_h200_5steps_metrics.jsonl").read_text().splitlines()[:4]
-    records = [{**json.loads(line), "tokens": dataclasses.asdict(t)} for line, t in zip(lines, steps, strict=True)]
+    records = [{**json.loads(line), "tokens": t.record()} for line, t in zip(lines, steps, strict=True)]
     run = tmp_path / "metrics.jsonl"
     run.write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = {phase: at for phase, _, at, _ in check.compare(spec, run, str(check.BENCH_3B))}

@@ -214,7 +214,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 records[-1]["bound_s"], records[-1]["device_bound_s"] = (
                     step_bounds(plan, tokens, update_beside, in_flight) if on_gpu else ({}, {})
                 )
-                records[-1]["tokens"] = asdict(tokens)  # a later cost model reprices the step
+                records[-1]["tokens"] = tokens.record()  # a later cost model reprices the step
                 records[-1]["update_beside_prefix"] = update_beside  # the actor prefix's seconds hold an update
                 records[-1]["update_deferred"] = in_flight  # the step's update timer waited for the gradient norm
                 if on_gpu and record.prefix_backward_s is not None:  # of actor_suffix_backward, bounded apart

@@ -13,7 +13,7 @@ divide by the train TP degree, rollout's by the rollout TP degree. Pure: no torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from rollplex.graph.decisions import Decisions, PrefixActivations, Recompute
@@ -48,27 +48,53 @@ KNOWN_PEAKS = {
 
 
 @dataclass(frozen=True, slots=True)
+class GroupLengths:
+    """What the cost model needs of one prompt's response lengths: their count, sum, sum of squares and longest."""
+
+    count: int
+    total: int
+    squares: int
+    longest: int
+
+    @staticmethod
+    def of(lens: tuple[int, ...]) -> GroupLengths:
+        return GroupLengths(len(lens), sum(lens), sum(r * r for r in lens), max(lens, default=0))
+
+
+RECORDED_FIELDS = ("prompt_tokens", "patches", "frames", "response_lens")  # what a run's metrics keep of a step
+
+
+@dataclass(frozen=True, slots=True)
 class StepTokens:
     """The token counts of one step on one training rank: per prompt, its tokens and vision patches (with the
-    temporal patches of its video); per prompt and sample, the response's length."""
+    temporal patches of its video); per prompt and sample, the response's length. `groups` sums each prompt's
+    lengths once, so that the many plans a dry-run prices cost per prompt, not per response."""
 
     prompt_tokens: tuple[int, ...]
     patches: tuple[int, ...]
     frames: tuple[int, ...]  # temporal patches (grid_t) of each prompt's video
     response_lens: tuple[tuple[int, ...], ...]
+    groups: tuple[GroupLengths, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(GroupLengths.of(lens) for lens in self.response_lens))
 
     @property
     def num_responses(self) -> int:
-        return sum(len(r) for r in self.response_lens)
+        return sum(g.count for g in self.groups)
 
     @property
     def response_tokens(self) -> int:
-        return sum(sum(r) for r in self.response_lens)
+        return sum(g.total for g in self.groups)
 
     def of_prompts(self, share: range) -> StepTokens:
         """The token counts of the prompts in `share` and of their responses."""
         fields = (self.prompt_tokens, self.patches, self.frames, self.response_lens)
         return StepTokens(*(tuple(f[i] for i in share) for f in fields))
+
+    def record(self) -> dict[str, tuple]:
+        """The counts as a run's metrics line keeps them (`timeplan.recorded_tokens` reads them back)."""
+        return {name: getattr(self, name) for name in RECORDED_FIELDS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,17 +164,16 @@ def suffix_forward(t: TextConfig, tokens: StepTokens, tp: int, value: bool = Fal
     """Every response over its prompt's boundary: matmuls, attention to the prompt and to itself
     (`suffix_attention_flops`), the LM head (a `value` model's scalar head)."""
     flops = suffix_attention_flops(t, tokens, tp)
-    for lens in tokens.response_lens:
-        flops += _llm_flops(t, sum(lens), tp) + _head_flops(t, sum(lens), tp, value)
+    for g in tokens.groups:
+        flops += _llm_flops(t, g.total, tp) + _head_flops(t, g.total, tp, value)
     return Cost(flops=flops)
 
 
 def suffix_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
     """The suffix's attention: each response's tokens to its prompt's and to their own earlier ones."""
     flops = 0.0
-    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
-        tokens_, squares = sum(lens), sum(r * r for r in lens)  # each term is linear in r, or in r * r
-        flops += _attention_flops(t, tokens_, length, tp, causal=False) + _attention_flops(t, squares, 1, tp, True)
+    for length, g in zip(tokens.prompt_tokens, tokens.groups, strict=True):  # each term linear in r, or in r * r
+        flops += _attention_flops(t, g.total, length, tp, causal=False) + _attention_flops(t, g.squares, 1, tp, True)
     return flops
 
 
@@ -156,26 +181,24 @@ def whole_forward(t: TextConfig, v: VisionConfig, tokens: StepTokens, tp: int, v
     """Textbook scoring: every response over prompt ++ response, the prompt (and its video) recomputed each time;
     the decoder's attention `whole_attention_flops`."""
     flops = whole_attention_flops(t, tokens, tp) + whole_vision_flops(v, tokens)
-    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
-        n, tokens_ = len(lens), sum(lens)
-        flops += _llm_flops(t, n * length + tokens_, tp) + _head_flops(t, tokens_, tp, value)
+    for length, g in zip(tokens.prompt_tokens, tokens.groups, strict=True):
+        flops += _llm_flops(t, g.count * length + g.total, tp) + _head_flops(t, g.total, tp, value)
     return Cost(flops=flops)
 
 
 def whole_vision_flops(v: VisionConfig, tokens: StepTokens) -> float:
     """Textbook scoring's vision encoder: each response's sequence runs its prompt's video again."""
     flops = 0.0
-    for patches, frames, lens in zip(tokens.patches, tokens.frames, tokens.response_lens, strict=True):
-        flops += len(lens) * vision_forward(v, patches, frames, 1)
+    for patches, frames, g in zip(tokens.patches, tokens.frames, tokens.groups, strict=True):
+        flops += g.count * vision_forward(v, patches, frames, 1)
     return flops
 
 
 def whole_attention_flops(t: TextConfig, tokens: StepTokens, tp: int) -> float:
     """The decoder's causal attention of every response over prompt ++ response."""
     flops = 0.0
-    for length, lens in zip(tokens.prompt_tokens, tokens.response_lens, strict=True):
-        n, tokens_, squares = len(lens), sum(lens), sum(r * r for r in lens)
-        whole_squares = n * length * length + 2 * length * tokens_ + squares  # (length + r)^2 summed over r
+    for length, g in zip(tokens.prompt_tokens, tokens.groups, strict=True):
+        whole_squares = g.count * length * length + 2 * length * g.total + g.squares  # (length + r)^2 summed over r
         flops += _attention_flops(t, whole_squares, 1, tp, causal=True)
     return flops
 
@@ -190,7 +213,7 @@ def backward(split: bool, t: TextConfig, v: VisionConfig, tokens: StepTokens, tp
     scoring = suffix_forward(t, tokens, tp, value) if split else whole_forward(t, v, tokens, tp, value)
     vision = 0.0 if split else whole_vision_flops(v, tokens)
     attention = (suffix_attention_flops if split else whole_attention_flops)(t, tokens, tp)
-    head = sum(_head_flops(t, sum(lens), tp, value) for lens in tokens.response_lens)
+    head = sum(_head_flops(t, g.total, tp, value) for g in tokens.groups)
     layers = scoring.flops - vision - head
     decoder = {Recompute.NONE: 0.0, Recompute.SELECTIVE: layers - attention, Recompute.FULL: layers}[d.recompute]
     rerunning = 1 - (0 if value else d.layers_kept) / t.num_hidden_layers  # the decoder layers that rerun
@@ -229,14 +252,13 @@ def decode(t: TextConfig, tokens: StepTokens, tp: int) -> Cost:
     samples)."""
     weights = S.decode_params_per_rank(t, tp) * S.BF16
     kv = S.kv_bytes_per_token(t, tp)
-    lens = [r for group in tokens.response_lens for r in group]
-    steps = max(lens, default=0)
-    own = sum(r * (r + 1) / 2 for r in lens)  # each sequence reads 1, 2, ..., r of its own tokens
+    steps = max((g.longest for g in tokens.groups), default=0)
+    own = sum(g.squares + g.total for g in tokens.groups) / 2  # each sequence reads 1, 2, ..., r of its own tokens
     live_prompts = sum(  # a prompt's KV is read while any of its samples is live
-        length * max(group, default=0) for length, group in zip(tokens.prompt_tokens, tokens.response_lens, strict=True)
+        length * g.longest for length, g in zip(tokens.prompt_tokens, tokens.groups, strict=True)
     )
     hbm = steps * weights + kv * (own + live_prompts)
-    flops = 2 * S.decode_params_per_rank(t, tp) * sum(lens)
+    flops = 2 * S.decode_params_per_rank(t, tp) * tokens.response_tokens
     return Cost(flops=flops, hbm_bytes=hbm)
 
 

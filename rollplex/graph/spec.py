@@ -114,9 +114,17 @@ class VideoSpec(Strict):
         return pixels
 
 
+MAX_PROMPTS = 2**16  # prompts a step: beyond any run rollplex plans for (a dry-run draws each prompt it prices)
+MAX_RESPONSES = 2**20  # responses a step, prompts x group
+
+
 class WorkloadSpec(Strict):
-    prompts_per_step: PositiveInt = Field(description="Prompts per training step, over the whole cluster.")
-    group_size: PositiveInt = Field(description="Responses sampled per prompt (GRPO's N).")
+    prompts_per_step: PositiveInt = Field(
+        description=f"Prompts per training step, over the whole cluster (at most {MAX_PROMPTS:,})."
+    )
+    group_size: PositiveInt = Field(
+        description=f"Responses sampled per prompt (GRPO's N); prompts_per_step x group_size at most {MAX_RESPONSES:,}."
+    )
     prompt_tokens: PositiveInt = Field(description="Prompt token budget per prompt, visual tokens included.")
     response_tokens: PositiveInt = Field(description="Response token budget (max new tokens).")
     video: VideoSpec | None = Field(
@@ -148,8 +156,21 @@ class WorkloadSpec(Strict):
             synthetic_preset(dataset)  # ValueError for an unknown preset or scale
         return dataset
 
+    @field_validator("prompts_per_step")
+    @classmethod
+    def _prompts(cls, prompts: int) -> int:
+        if prompts > MAX_PROMPTS:
+            raise ValueError(f"{prompts:,} prompts a step is more than rollplex plans for (at most {MAX_PROMPTS:,})")
+        return prompts
+
     @model_validator(mode="after")
     def _visual(self) -> WorkloadSpec:
+        responses = self.prompts_per_step * self.group_size
+        if responses > MAX_RESPONSES:
+            raise ValueError(
+                f"prompts_per_step x group_size = {responses:,} responses a step is more than rollplex plans for "
+                f"(at most {MAX_RESPONSES:,})"
+            )
         for key in ("replay_lengths", "mismatch_videos"):
             if getattr(self, key) and not self.dataset.startswith("synthetic:"):
                 raise ValueError(f"{key} needs a synthetic:<preset> dataset, not '{self.dataset}'")

@@ -44,6 +44,10 @@ UPDATE_BESIDE_SHARE = 0.57  # of the shorter's seconds alone that the actor pref
 PREFIX_BACKWARD = "prefix_backward"  # the part of `actor_suffix_backward` the plan, runs and benches bound apart
 
 PLANNED_STEPS = 64  # steps of a synthetic preset the time plan averages: a step decodes to its longest response
+# ... fewer, down to one, where a step holds more prompts or responses than these over PLANNED_STEPS: a larger
+# step's longest response varies less, and a dry-run's work stays bounded for any workload the spec takes
+PLANNED_PROMPTS = 512
+PLANNED_RESPONSES = 4096
 
 
 def time_plan(
@@ -167,18 +171,25 @@ def planned_tokens(gpu: PerGpu, frames: int, lengths: Sequence[int] = ()) -> Ste
     )
 
 
-def planned_steps(plan, count: int = PLANNED_STEPS) -> tuple[StepTokens, ...]:
-    """The steps' token counts as the plan sees them. A synthetic preset: its first `count` steps' prompts (their
-    tokens within the budget, and every patch and frame of their videos: the vision tower runs on all of them, as
-    the run's own bounds count them), responses drawn from its length distribution for each (what
-    `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of
-    the spec's frames, responses at the budget."""
+def planned_steps(plan, count: int | None = None) -> tuple[StepTokens, ...]:
+    """The steps' token counts as the plan sees them. A synthetic preset: its first `count` steps (default
+    `planned_count`), their prompts' tokens within the budget and every patch and frame of their videos (the vision
+    tower runs on all of them, as the run's own bounds count them), responses drawn from its length distribution
+    for each (what `workload.replay_lengths` replays). Other data: one step, prompts at their budget, videos of the
+    spec's frames, responses at the budget."""
     spec, gpu = plan.loaded.spec, plan.context.gpu
     w = spec.workload
     if not w.dataset.startswith("synthetic:"):
         return (planned_tokens(gpu, -(-w.video.frames // 2) if w.video else 1),)
     budgets = (gpu.prompt_tokens, gpu.response_tokens)
+    count = count or planned_count(gpu.prompts_per_rank, gpu.group_size)
     return _synthetic_steps(w.dataset, spec.run.seed, gpu.prompts_per_rank, gpu.group_size, budgets, count)
+
+
+def planned_count(prompts: int, group: int) -> int:
+    """How many steps of `prompts` prompts of `group` responses each the time plan draws: PLANNED_STEPS, fewer where
+    they would hold more than PLANNED_PROMPTS prompts or PLANNED_RESPONSES responses, at least one."""
+    return max(1, min(PLANNED_STEPS, PLANNED_PROMPTS // prompts, PLANNED_RESPONSES // (prompts * group)))
 
 
 @cache

@@ -199,6 +199,9 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
         "workload.video.height: 30 is not a multiple of 28",
     ),
     ("too small to fit", BASE.replace("hbm_gib: 16", "hbm_gib: 0.01"), 1, "does not fit"),
+    ("a billion prompts", BASE.replace("prompts_per_step: 2", "prompts_per_step: 1000000000"), 2, "at most 65,536"),
+    ("a billion samples", BASE.replace("group_size: 4", "group_size: 1000000000"), 2, "at most 1,048,576"),
+    ("prompts x samples", BASE.replace("2, group_size: 4", "40000, group_size: 32"), 2, "1,280,000 responses"),
 ]
 
 

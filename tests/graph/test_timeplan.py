@@ -2,6 +2,7 @@
 each residency choice costs on the host link, and the seconds predicted at given efficiencies."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from rollplex.graph import cost, modelcost, timeplan
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import load_spec, parse_spec
+from rollplex.graph.modelcost import StepTokens
 from rollplex.graph.plan import compile_plan
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -72,6 +74,33 @@ def test_the_planned_steps_are_a_synthetic_presets_first_steps_within_the_budget
     assert list(steps[1].prompt_tokens) == expected and max(expected) < gpu.prompt_tokens  # not the budget
     longest = {max(max(group) for group in s.response_lens) for s in steps}
     assert len(longest) > 1 and max(longest) <= gpu.response_tokens  # each step its own draw
+
+
+def test_larger_steps_are_drawn_fewer_times_and_priced_per_prompt_as_per_response():
+    """A step of many prompts or samples is drawn fewer times (one at least), so a dry-run's work stays bounded; the
+    cost model sums each prompt's lengths once and prices them as the lengths one by one would."""
+    assert timeplan.planned_count(8, 8) == timeplan.PLANNED_STEPS
+    assert timeplan.planned_count(128, 1) == timeplan.PLANNED_PROMPTS // 128
+    assert timeplan.planned_count(8, 64) == timeplan.PLANNED_RESPONSES // 512
+    assert timeplan.planned_count(2**16, 16) == 1
+    big = compile_plan(parse_spec((SPECS / "tiny_cpu.yaml").read_text().replace("group_size: 16", "group_size: 4096")))
+    (step,) = timeplan.planned_steps(big)
+    assert step.num_responses == 8 * 4096 and len(set(step.response_lens[0])) > 1
+    t = big.loaded.model.text
+    ones = [
+        StepTokens((p,), (0,), (1,), ((r,),))
+        for p, lens in zip(step.prompt_tokens, step.response_lens, strict=True)
+        for r in lens
+    ]
+    for additive in (modelcost.suffix_attention_flops, modelcost.whole_attention_flops):
+        assert additive(t, step, 1) == pytest.approx(sum(additive(t, one, 1) for one in ones))
+    lens = [r for group in step.response_lens for r in group]  # decode, from each response's length
+    live = sum(p * max(group) for p, group in zip(step.prompt_tokens, step.response_lens, strict=True))
+    reads = max(lens) * modelcost.S.decode_params_per_rank(t, 1) * 2 + modelcost.S.kv_bytes_per_token(t, 1) * (
+        sum(r * (r + 1) / 2 for r in lens) + live
+    )
+    assert modelcost.decode(t, step, 1).hbm_bytes == pytest.approx(reads)
+    assert timeplan.recorded_tokens(json.loads(json.dumps(step.record()))) == step
 
 
 def test_the_planned_steps_count_every_patch_the_runs_bounds_count():
