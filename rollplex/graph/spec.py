@@ -1,6 +1,6 @@
 """The YAML spec's schema, in pydantic (the YAML boundary: nothing past it declares a pydantic model); with
-`spec_base.py` (what any setting must be), `spec_algorithm.py` (the `algorithm` section) and `spec_runtime.py` (the
-`run` and `sharing` sections).
+`spec_base.py` (what any setting must be), `spec_workload.py` (the `workload` section), `spec_algorithm.py` (the
+`algorithm` section) and `spec_runtime.py` (the `run` and `sharing` sections).
 
 Sections: model, cluster, parallel, workload, algorithm, memory, schedule, sharing, graph (optional), run.
 Checks that need the model's shapes (TP divides the heads) live in `graph.load`, after the model is read.
@@ -15,6 +15,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_base import Strict
 from rollplex.graph.spec_runtime import RunSpec, SharingSpec
+from rollplex.graph.spec_workload import WorkloadSpec
 
 NodeKindName = Literal["decode", "forward", "backward", "update", "reward"]
 RoleName = Literal["rollout", "reference", "actor", "critic"]
@@ -97,98 +98,6 @@ class ParallelSpec(Strict):
                 f"set rollout_tp to a divisor of {self.train_tp}"
             )
         return self
-
-
-class VideoSpec(Strict):
-    frames: PositiveInt = Field(description="Frames sampled per video.")
-    height: PositiveInt = Field(description="Frame height in pixels after resizing (a multiple of 28).")
-    width: PositiveInt = Field(description="Frame width in pixels after resizing (a multiple of 28).")
-
-    @field_validator("height", "width")
-    @classmethod
-    def _whole_patches(cls, pixels: int) -> int:
-        if pixels % 28:
-            raise ValueError(
-                f"{pixels} is not a multiple of 28 (a merged 2 x 2 of 14-pixel patches); use {pixels // 28 * 28 or 28}"
-            )
-        return pixels
-
-
-MAX_PROMPTS = 2**16  # prompts a step: beyond any run rollplex plans for (a dry-run draws each prompt it prices)
-MAX_RESPONSES = 2**20  # responses a step, prompts x group
-
-
-class WorkloadSpec(Strict):
-    prompts_per_step: PositiveInt = Field(
-        description=f"Prompts per training step, over the whole cluster (at most {MAX_PROMPTS:,})."
-    )
-    group_size: PositiveInt = Field(
-        description=f"Responses sampled per prompt (GRPO's N); prompts_per_step x group_size at most {MAX_RESPONSES:,}."
-    )
-    prompt_tokens: PositiveInt = Field(description="Prompt token budget per prompt, visual tokens included.")
-    response_tokens: PositiveInt = Field(description="Response token budget (max new tokens).")
-    video: VideoSpec | None = Field(
-        None,
-        description="The plan's video budget, frames and their size, which sets the visual tokens it counts. The "
-        "data brings its own videos (a Video-R1 file's decoded at 16 frames, a synthetic preset's drawn by it): "
-        "`rollplex compile --check-data` compares them with this budget.",
-    )
-    visual_tokens: PositiveInt | None = Field(None, description="Visual tokens per prompt, instead of `video`.")
-    dataset: str = Field("synthetic:clevrer", description="`synthetic:<preset>` or a Video-R1 JSON/JSONL path.")
-    replay_lengths: bool = Field(
-        False,
-        description="Benchmarks with random weights: end each response at a length drawn from the synthetic "
-        "preset's distribution (seeded from the run), so that decode follows the workload, not max tokens.",
-    )
-
-    mismatch_videos: bool = Field(
-        False,
-        description="A control run: each synthetic question and answer is shown the video of the next example, so "
-        "the answer cannot be read from the video (accuracy should stay at chance).",
-    )
-
-    @field_validator("dataset")
-    @classmethod
-    def _synthetic(cls, dataset: str) -> str:
-        if dataset.startswith("synthetic:"):
-            from rollplex.data.presets import synthetic_preset
-
-            synthetic_preset(dataset)  # ValueError for an unknown preset or scale
-        return dataset
-
-    @field_validator("prompts_per_step")
-    @classmethod
-    def _prompts(cls, prompts: int) -> int:
-        if prompts > MAX_PROMPTS:
-            raise ValueError(f"{prompts:,} prompts a step is more than rollplex plans for (at most {MAX_PROMPTS:,})")
-        return prompts
-
-    @model_validator(mode="after")
-    def _visual(self) -> WorkloadSpec:
-        responses = self.prompts_per_step * self.group_size
-        if responses > MAX_RESPONSES:
-            raise ValueError(
-                f"prompts_per_step x group_size = {responses:,} responses a step is more than rollplex plans for "
-                f"(at most {MAX_RESPONSES:,})"
-            )
-        for key in ("replay_lengths", "mismatch_videos"):
-            if getattr(self, key) and not self.dataset.startswith("synthetic:"):
-                raise ValueError(f"{key} needs a synthetic:<preset> dataset, not '{self.dataset}'")
-        if self.video is not None and self.visual_tokens is not None:
-            raise ValueError("give either `video` or `visual_tokens`, not both")
-        if self.num_visual_tokens > self.prompt_tokens:
-            raise ValueError(
-                f"{self.num_visual_tokens} visual tokens exceed prompt_tokens {self.prompt_tokens}; "
-                "raise prompt_tokens or lower the video resolution"
-            )
-        return self
-
-    @property
-    def num_visual_tokens(self) -> int:
-        if self.video is not None:
-            v = self.video
-            return -(-v.frames // 2) * (v.height // 28) * (v.width // 28)
-        return self.visual_tokens or 0
 
 
 class MemorySpec(Strict):
