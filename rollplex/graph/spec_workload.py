@@ -73,7 +73,7 @@ class WorkloadSpec(Strict):
         return prompts
 
     @model_validator(mode="after")
-    def _visual(self) -> WorkloadSpec:
+    def _consistent(self) -> WorkloadSpec:
         responses = self.prompts_per_step * self.group_size
         if responses > MAX_RESPONSES:
             raise ValueError(

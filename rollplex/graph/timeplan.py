@@ -12,7 +12,7 @@ from functools import cache
 
 from rollplex.graph.cost import plan_actor_update, plan_phase_costs, plan_prefix_backward, timer_of, total
 from rollplex.graph.ir import NodeKind, beside_decode, op, ops
-from rollplex.graph.modelcost import KNOWN_PEAKS, Cost, DevicePeaks, StepTokens
+from rollplex.graph.modelcost import KNOWN_PEAKS, RECORDED_FIELDS, Cost, DevicePeaks, StepTokens
 from rollplex.graph.workload import PerGpu
 
 
@@ -123,9 +123,10 @@ def prefix_backward_plan(
 
 
 def recorded_tokens(d: dict) -> StepTokens:
-    """A step's counts as a run's metrics line records them (`tokens`: `StepTokens`' fields as JSON lists)."""
-    lens = tuple(tuple(int(x) for x in row) for row in d["response_lens"])
-    return StepTokens(*(tuple(int(x) for x in d[k]) for k in ("prompt_tokens", "patches", "frames")), lens)
+    """A step's counts as a run's metrics line records them (`tokens`: `StepTokens.record()` as JSON lists)."""
+    *per_prompt, lens = RECORDED_FIELDS
+    rows = tuple(tuple(int(x) for x in row) for row in d[lens])
+    return StepTokens(*(tuple(int(x) for x in d[k]) for k in per_prompt), rows)
 
 
 def step_bound_s(plan, rows: tuple[PhaseTime, ...]) -> float:
