@@ -1,7 +1,9 @@
 """The packed suffix's cuDNN backward at the 3B floors (`cudnn_ragged.suffix_kernels(8, 8, 2048, 8192)`, 16 query
 heads over 2, head dim 128): per part, the workspace and the time of the backward told both totals, the query total
 alone (the two `cudnn_ragged._graph` builds and keeps the smaller of) and neither; then the prompt part with empty
-segments against all real at equal tokens, and the own part with few and many responses. CUDA-event medians of 10.
+segments against all real at equal tokens, and the own part with few and many responses; last, each part's backward
+on cuDNN's deterministic kernels against the default's, with how far two calls' gradients differ. CUDA-event
+medians of 10.
 Needs a GPU and cudnn-frontend (`pip install rollplex[gpu]`).
 
     python bench/cudnn_ragged_backward.py
@@ -96,6 +98,18 @@ def forward_backward(part, q_lens: list[int], k_lens: list[int]) -> str:
     return f"forward {statistics.median(fwd[3:]):.3f} ms, backward {statistics.median(bwd[3:]):.3f} ms"
 
 
+def spread(part, q_lens: list[int], k_lens: list[int]) -> str:
+    """The backward's time and the largest difference between two calls' gradients on the same inputs."""
+    s = Segments.of(q_lens, k_lens, causal=part.causal, device=DEV)
+    q, k, v = inputs(q_lens, k_lens, 2)
+    out, lse, saved = part.forward(q, k, v, s, 128**-0.5)
+    dout = torch.randn_like(out)
+    grads = [part.backward(dout, q, k, v, out, lse, s, 128**-0.5, saved) for _ in range(2)]
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*grads, strict=True))
+    ms = median_ms(lambda: part.backward(dout, q, k, v, out, lse, s, 128**-0.5, saved))
+    return f"backward {ms:.3f} ms, two calls' gradients apart by at most {diff:.1e}"
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(DEV))
     rng = random.Random(0)
@@ -110,6 +124,12 @@ def main() -> None:
     for n, each in ((31, 463), (56, 260), (64, 228)):
         lens = [2048] + [each] * (n - 1)
         print(f"own part, {n} responses, {sum(lens):,} queries:", forward_backward(own, lens, lens))
+    for deterministic in (False, True):
+        prompt, own = suffix_kernels(8, 8, 2048, 8192, deterministic=deterministic)
+        kind = "deterministic" if deterministic else "default"
+        print(f"{kind}: prompt part, 8 real, 16,384 queries:", spread(prompt, [2048] * 8, p))
+        lens = [x for r in resp for x in r]
+        print(f"{kind}: own part, 64 responses, {sum(lens):,} queries:", spread(own, lens, lens))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None
         return None
     g = per_gpu(spec, loaded.model)  # the scoring batches' largest: a rank's mini-batch of groups
     kernels = suffix_kernels(g.prompts_per_rank // spec.algorithm.minibatches_per_step, g.group_size,
-                             g.response_tokens, g.prompt_tokens)  # fmt: skip
+                             g.response_tokens, g.prompt_tokens, spec.run.deterministic)  # fmt: skip
     ranks = 1 if tp is None else tp.train.size
     heads = (text.num_attention_heads // ranks, text.num_key_value_heads // ranks, text.head_dim)
     try:

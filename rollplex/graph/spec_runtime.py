@@ -22,10 +22,11 @@ class RunSpec(Strict):
     deterministic: bool = Field(
         False,
         description="Deterministic GPU kernels (torch.use_deterministic_algorithms): reruns, and serial vs rollplex, "
-        "give bitwise the same weights. Off, the memory-efficient and flash attention backwards accumulate with "
-        "atomics and weights differ at rounding level between runs. On costs some attention-backward speed: torch "
-        "then never runs attention on cuDNN (whatever `cudnn_attention` says), for the whole process, and the vision "
-        "tower attends through gathers and a mask instead of flash attention's variable-length kernel.",
+        "give bitwise the same weights. Off, the attention backwards (cuDNN's, flash's, memory-efficient) accumulate "
+        "with atomics and weights differ at rounding level between runs. On costs some attention-backward speed: "
+        "torch then never runs attention on cuDNN itself (whatever `cudnn_attention` says), for the whole process, "
+        "the vision tower attends through gathers and a mask instead of flash attention's variable-length kernel, "
+        "and the scoring attention's cuDNN backward (`suffix_attention`) runs on cuDNN's deterministic kernels.",
     )
     cudnn_attention: bool = Field(
         True,
@@ -40,8 +41,7 @@ class RunSpec(Strict):
         "earlier tokens): flex (one FlexAttention call with a block mask); cudnn (two parts merged by their "
         "log-sum-exps, the prompt part and the own-response part, each one call of cuDNN's fused attention over "
         "ragged segments through cudnn-frontend, `pip install rollplex[gpu]`); auto: cudnn where cudnn-frontend is "
-        "installed, `cudnn_attention` is on and `deterministic` off, else flex. The CPU scores with SDPA and a dense "
-        "mask either way.",
+        "installed and `cudnn_attention` is on, else flex. The CPU scores with SDPA and a dense mask either way.",
     )
     manual_gc: bool = Field(
         True,
@@ -81,17 +81,17 @@ class RunSpec(Strict):
 
     @model_validator(mode="after")
     def _cudnn_scoring(self) -> RunSpec:
-        if self.suffix_attention == "cudnn" and (self.deterministic or not self.cudnn_attention):
-            why = "deterministic is on" if self.deterministic else "cudnn_attention is off"
-            raise ValueError(f"suffix_attention cudnn runs cuDNN's attention, but {why}; set suffix_attention: flex")
+        if self.suffix_attention == "cudnn" and not self.cudnn_attention:
+            raise ValueError("suffix_attention cudnn runs cuDNN's attention, but cudnn_attention is off; set "
+                             "suffix_attention: flex")  # fmt: skip
         return self
 
 
 def scoring_choice(run: RunSpec) -> str:
-    """`run.suffix_attention` as far as the spec decides it: "flex" (asked for, or cuDNN's attention is off or
-    `deterministic` on), "cudnn" (asked for), or "auto" (cudnn where the GPU's process has cudnn-frontend, else flex:
+    """`run.suffix_attention` as far as the spec decides it: "flex" (asked for, or cuDNN's attention is off),
+    "cudnn" (asked for), or "auto" (cudnn where the GPU's process has cudnn-frontend, else flex:
     `executors.device_settings.suffix_attention` resolves it there)."""
-    if run.suffix_attention == "flex" or run.deterministic or not run.cudnn_attention:
+    if run.suffix_attention == "flex" or not run.cudnn_attention:
         return "flex"
     return run.suffix_attention
 

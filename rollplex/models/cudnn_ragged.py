@@ -79,15 +79,17 @@ class _Shape:
     max_k: int
     total_q: int
     total_k: int
+    deterministic: bool = False  # the backward without atomics: run to run, the same gradients bit for bit
 
 
 class CudnnRaggedKernels:
     """`cascade.Kernels` on cuDNN: forward and backward of all of a part's segments in one graph call each.
     `causal` must match the segments' (query i of a segment sees keys up to i, equal lengths); `floor`: the
-    capacity its graphs start at."""
+    capacity its graphs start at; `deterministic`: the backward on cuDNN's deterministic kernels (no atomics in its
+    accumulation: reruns give the same gradients bit for bit)."""
 
-    def __init__(self, causal: bool, floor: Capacity = Capacity()) -> None:
-        self.causal, self.capacity = causal, floor
+    def __init__(self, causal: bool, floor: Capacity = Capacity(), deterministic: bool = False) -> None:
+        self.causal, self.capacity, self.deterministic = causal, floor, deterministic
 
     @staticmethod
     def takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -124,24 +126,26 @@ class CudnnRaggedKernels:
         return _Shape(
             device=device.index or 0, dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             causal=self.causal, scale=scale, segments=c.segments, max_q=c.max_q, max_k=c.max_k, total_q=c.total_q,
-            total_k=c.total_k,
+            total_k=c.total_k, deterministic=self.deterministic,
         )  # fmt: skip
 
 
 SuffixKernels = tuple["CudnnRaggedKernels", "CudnnRaggedKernels"]  # the prompt part's, the own part's
 
 
-def suffix_kernels(prompts: int, samples: int, response_tokens: int, prompt_tokens: int) -> SuffixKernels:
+def suffix_kernels(
+    prompts: int, samples: int, response_tokens: int, prompt_tokens: int, deterministic: bool = False
+) -> SuffixKernels:
     """The kernels of `PackedCascadeAttention`'s two parts, their graphs built for batches of up to `prompts`
     prompts' groups of `samples` responses of `response_tokens` (a batch of a group's tokens, N x R, in all), over
     prompts of `prompt_tokens` (a model scores on them once its `suffix_kernels` holds them; larger batches grow
-    them)."""
+    them); `deterministic`: both backwards on cuDNN's deterministic kernels."""
     group = samples * response_tokens
+    prompt_floor = Capacity(prompts, group, prompt_tokens, group, prompts * prompt_tokens)
+    own_floor = Capacity(prompts * samples, response_tokens, response_tokens, group, group)
     return (
-        CudnnRaggedKernels(causal=False, floor=Capacity(prompts, group, prompt_tokens, group, prompts * prompt_tokens)),
-        CudnnRaggedKernels(
-            causal=True, floor=Capacity(prompts * samples, response_tokens, response_tokens, group, group)
-        ),
+        CudnnRaggedKernels(causal=False, floor=prompt_floor, deterministic=deterministic),
+        CudnnRaggedKernels(causal=True, floor=own_floor, deterministic=deterministic),
     )
 
 
@@ -329,6 +333,8 @@ def _build(shape: _Shape, backward: bool, key_total: bool) -> _Graph:
                          data_type=cudnn.data_type.FLOAT)
         )  # fmt: skip
         totals = {"max_total_seq_len_q": shape.total_q} | ({"max_total_seq_len_kv": shape.total_k} if key_total else {})
+        if shape.deterministic:  # asked for only then: a cudnn-frontend without the option still builds the rest
+            totals["use_deterministic_algorithm"] = True
         dq, dk, dv = graph.sdpa_backward(name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, **totals, **common)
         for name, t, heads, length in (
             ("dq", dq, shape.heads, shape.max_q), ("dk", dk, shape.kv_heads, shape.max_k),

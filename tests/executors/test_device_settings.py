@@ -1,5 +1,6 @@
-"""`run.suffix_attention` resolved per device: cuDNN's ragged scoring only on a GPU with cudnn-frontend, never under
-deterministic kernels or with cuDNN attention off; an explicit cudnn without the package is a one-line error."""
+"""`run.suffix_attention` resolved per device: cuDNN's ragged scoring only on a GPU with cudnn-frontend, never with
+cuDNN attention off (deterministic kernels keep it: its backward then runs on cuDNN's deterministic kernels); an
+explicit cudnn without the package is a one-line error."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_the_cpu_scores_with_flex_whatever_the_setting(setting):
     [
         (True, {}, "cudnn"),
         (False, {}, "flex"),
-        (True, {"deterministic": True}, "flex"),
+        (True, {"deterministic": True}, "cudnn"),
         (True, {"cudnn_attention": False}, "flex"),
         (True, {"suffix_attention": "flex"}, "flex"),
         (True, {"suffix_attention": "cudnn"}, "cudnn"),
@@ -41,10 +42,10 @@ def test_an_explicit_cudnn_without_cudnn_frontend_is_a_one_line_error(monkeypatc
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("conflict", [{"deterministic": True}, {"cudnn_attention": False}])
-def test_the_spec_refuses_cudnn_scoring_with_deterministic_kernels_or_cudnn_off(conflict):
+def test_the_spec_refuses_cudnn_scoring_with_cudnn_off_and_takes_it_with_deterministic_kernels():
     with pytest.raises(ValueError, match="set suffix_attention: flex"):
-        RunSpec(suffix_attention="cudnn", **conflict)
+        RunSpec(suffix_attention="cudnn", cudnn_attention=False)
+    assert RunSpec(suffix_attention="cudnn", deterministic=True).suffix_attention == "cudnn"
 
 
 def test_the_module_keeps_its_import_of_cudnn_frontend_lazy():

@@ -140,6 +140,17 @@ def test_scoring_on_cudnn_builds_its_graphs_once_for_this_ranks_heads_and_each_m
     assert all(r is not k for r, k in zip(reference, kernels, strict=True))  # each grows on its own
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_scoring_kernels_backward_is_deterministic_exactly_when_the_run_is(monkeypatch, deterministic):
+    """`run.deterministic` reaches cuDNN's scoring kernels (their backward on cuDNN's deterministic kernels), the
+    reference's and critic's copies included; off, the faster backward with atomics."""
+    monkeypatch.setattr("rollplex.executors.engines.set_determinism", lambda on: None)  # torch's switch stays as is
+    choice = "auto, deterministic: true" if deterministic else "auto"
+    engines = _cudnn_scoring(monkeypatch, choice, lambda *a: None)
+    for model in (engines.actor, engines.reference):
+        assert [k.deterministic for k in model.suffix_kernels] == [deterministic, deterministic]
+
+
 def test_a_model_whose_dtype_or_head_size_cudnn_does_not_take_builds_no_graph_and_scores_on_flexattention(
     monkeypatch,
 ):

@@ -163,6 +163,32 @@ def test_a_backward_build_that_fails_by_a_bug_raises_though_the_other_would_serv
         _graph.__wrapped__(shape, True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_only_deterministic_kernels_ask_cudnn_for_its_deterministic_backward(monkeypatch, deterministic):
+    """The backward's build passes `use_deterministic_algorithm` for deterministic kernels and leaves the option out
+    otherwise (a cudnn-frontend without it still builds); both of `suffix_kernels`' parts carry the setting; the
+    forward never asks (a mock stands in for cudnn-frontend, on the CPU)."""
+    from unittest import mock
+
+    from rollplex.models import cudnn_ragged
+
+    fake = mock.MagicMock()
+    graph = fake.pygraph.return_value
+    graph.sdpa.return_value = (mock.MagicMock(), mock.MagicMock())
+    graph.sdpa_backward.return_value = (mock.MagicMock(), mock.MagicMock(), mock.MagicMock())
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(cudnn_ragged, "_handle", lambda device: None)
+    parts = suffix_kernels(prompts=2, samples=4, response_tokens=64, prompt_tokens=256, deterministic=deterministic)
+    for part in parts:
+        shape = part.shape(torch.device("cuda", 0), torch.bfloat16, 16, 2, 128, 128**-0.5)
+        for key_total in (True, False):
+            _build(shape, True, key_total=key_total)
+            asked = graph.sdpa_backward.call_args.kwargs.get("use_deterministic_algorithm")
+            assert asked is (True if deterministic else None)
+        _build(shape, False, key_total=False)
+        assert "use_deterministic_algorithm" not in graph.sdpa.call_args.kwargs
+
+
 def test_cudnn_takes_16_bit_attention_of_listed_head_sizes_only(monkeypatch):
     monkeypatch.setattr("rollplex.models.cudnn_ragged.find_spec", lambda name: object())  # cudnn-frontend "installed"
     gpu = torch.device("cuda")
@@ -303,3 +329,30 @@ def test_a_model_given_cudnn_kernels_keeps_scoring_with_the_dense_mask_on_the_cp
     assert own_part.capacity == Capacity(6, 4, 4, 8, 8) and own_part.causal
     after = model.suffix(boundary, tokens, lens)
     assert torch.equal(after.logprobs, before.logprobs) and torch.equal(after.entropy, before.entropy)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_on_a_gpu_deterministic_kernels_give_the_same_gradients_bit_for_bit_and_the_defaults_within_rounding():
+    """Both parts' backward run twice on the same inputs (four prompts of 700-1,300 keys, 32 responses of 1-300
+    tokens): on cuDNN's deterministic kernels the gradients are equal bit for bit, and they agree with the default
+    kernels' within bf16 rounding."""
+    gen = torch.Generator("cuda").manual_seed(7)
+    device = torch.device("cuda")
+    resp = torch.randint(1, 301, (32,), generator=gen, device=device).tolist()
+    prompts = [700, 1300, 1024, 950]
+    cases = {False: ([sum(resp[i::4]) for i in range(4)], prompts), True: (resp, resp)}
+    for causal, (q_lens, k_lens) in cases.items():
+        s = Segments.of(q_lens, k_lens, causal=causal, device=device)
+        q = torch.randn(sum(q_lens), 16, 128, generator=gen, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(k_lens), 2, 128, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn_like(q)
+        grads = {}
+        for deterministic in (False, True):
+            part = CudnnRaggedKernels(causal=causal, deterministic=deterministic)
+            out, lse, saved = part.forward(q, k, v, s, 128**-0.5)
+            grads[deterministic] = [part.backward(dout, q, k, v, out, lse, s, 128**-0.5, saved) for _ in range(2)]
+        for a, b in zip(*grads[True], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(grads[True][0], grads[False][0], strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

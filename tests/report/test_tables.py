@@ -48,5 +48,6 @@ def test_a_plan_over_the_host_names_the_pinned_need_in_its_verdict():
 def test_the_scoring_line_says_what_the_runtime_resolves_the_suffix_attention_to():
     assert scoring_line(RunSpec()).startswith("auto (cuDNN's ragged calls where cudnn-frontend is installed")
     assert scoring_line(RunSpec(suffix_attention="cudnn")).startswith("cuDNN's ragged calls")
-    for flex in (RunSpec(suffix_attention="flex"), RunSpec(deterministic=True), RunSpec(cudnn_attention=False)):
+    assert scoring_line(RunSpec(deterministic=True)) == scoring_line(RunSpec())  # cuDNN's deterministic backward
+    for flex in (RunSpec(suffix_attention="flex"), RunSpec(cudnn_attention=False)):
         assert scoring_line(flex).startswith("FlexAttention (run.suffix_attention ")
