@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollplex.errors import PlanDoesNotFit, RunFailed, SpecError
+from rollplex.errors import PlanDoesNotFit, RunFailed, SpecError, Stopped
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -94,6 +94,24 @@ def _plan_to_run(args: argparse.Namespace):
     return compile_plan(load_spec(args.spec), Schedule(args.schedule) if args.schedule else None)
 
 
+def _stopped(e: KeyboardInterrupt, opts) -> Stopped:
+    """The run's stop, said once (rank 0 under torchrun): the signal, the step saved and how to go on from it."""
+    import signal
+
+    from rollplex.executors import checkpointing
+    from rollplex.executors.distributed import is_main_process
+
+    signum = getattr(e, "signum", signal.SIGINT)
+    if not is_main_process():
+        return Stopped(signum, "")
+    found = checkpointing.latest(opts.out_dir) if opts.checkpoints else None
+    if found is not None:
+        kept = f"step {checkpointing.step_of(found)} is saved in {found}: go on with --resume --out {opts.out_dir}"
+    else:
+        kept = "no checkpoint (--no-checkpoints)" if not opts.checkpoints else "no step completed: nothing saved"
+    return Stopped(signum, f"interrupted ({signal.Signals(signum).name}); {kept}")
+
+
 def _run(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every)):
         if value is not None and value < 1:
@@ -128,7 +146,10 @@ def _run(args: argparse.Namespace) -> int:
             check_world(spec.cluster.nodes, spec.cluster.gpus_per_node)
         except ValueError as e:
             raise loaded.locate(SpecError("cluster.gpus_per_node", str(e))) from None
-        records = train(plan, opts)
+        try:
+            records = train(plan, opts)
+        except KeyboardInterrupt as e:
+            raise _stopped(e, opts) from None
     from rollplex.executors.distributed import finish, is_main_process
 
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
@@ -247,14 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     args.argv = argv
+    from rollplex.executors.signals import stop_signals
+
     try:
-        return args.func(args)
+        with stop_signals():  # SIGTERM and SIGHUP end a command as Ctrl-C does
+            return args.func(args)
     except (SpecError, PlanDoesNotFit, RunFailed) as e:
         print(f"rollplex: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("rollplex: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        if str(e) or not isinstance(e, Stopped):
+            print(f"rollplex: {e or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 if __name__ == "__main__":

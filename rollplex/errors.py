@@ -46,3 +46,13 @@ class RunFailed(RuntimeError):
     The message says what was kept."""
 
     exit_code = 1
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (`executors.signals`: SIGINT, SIGTERM, SIGHUP) ended the command; exit code 128 + its number, as
+    a shell reports a process its signal ended. The message, where set, says what was kept; empty, the CLI says
+    nothing more (another rank of the run says it)."""
+
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        super().__init__(message if message is not None else "interrupted")
+        self.signum, self.exit_code = signum, 128 + signum

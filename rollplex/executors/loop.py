@@ -2,14 +2,13 @@
 the data position (made on a worker thread during the step before, `rollplex.data.prefetch`), walks the plan's
 steps, logs metrics, and checkpoints.
 
-Stopping: Ctrl-C or an error before a step's update loses that step only (the last completed step is
-saved on the way out); Ctrl-C during the update waits until the step is complete; weights of half an
-update are never saved.
+Stopping: Ctrl-C, SIGTERM or SIGHUP (`executors.signals`) or an error before a step's update loses that step only
+(the last completed step is saved on the way out); a signal during the update waits until the step is complete;
+weights of half an update are never saved.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from rollplex.data.prefetch import Prefetch
 from rollplex.data.source import open_dataset
-from rollplex.errors import RunFailed, SpecError
+from rollplex.errors import RunFailed, SpecError, Stopped
 from rollplex.executors import checkpointing
 from rollplex.executors.bounds import prefix_backward_bound_s, step_bounds, step_tokens
 from rollplex.executors.collector import collections_between_steps
@@ -30,6 +29,7 @@ from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, p
 from rollplex.executors.preflight import preflight
 from rollplex.executors.record import StepRecord
 from rollplex.executors.runtime import run_iteration
+from rollplex.executors.signals import InterruptGate
 from rollplex.executors.task import make_tokenizer
 from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
 from rollplex.graph.plan import Plan
@@ -44,39 +44,6 @@ class RunOptions:
     progress: bool = True
     tensorboard: bool = True
     checkpoints: bool = True  # False: none at all, not even the last step's (timing runs: 7B's state is 108 GB)
-
-
-class InterruptGate:
-    """Holds SIGINT back from `hold()` to `release()`, then raises it if one came."""
-
-    def __init__(self) -> None:
-        self.pending = False
-        self.previous = None
-        self.why = ""  # said on stderr at the first interrupt held, if set
-
-    def hold(self, why: str = "") -> None:
-        self.why = why or self.why
-        if self.previous is not None:  # held already
-            return
-        try:
-            self.previous = signal.signal(signal.SIGINT, self._note)
-        except ValueError:  # not the main thread: signals are not ours to hold
-            self.previous = None
-
-    def _note(self, signum, frame) -> None:
-        if self.why and not self.pending:
-            print(f"rollplex: {self.why}", file=sys.stderr, flush=True)
-        self.pending = True
-
-    def release(self, raise_pending: bool = True) -> bool:
-        """Lets SIGINT through again; one that came meanwhile is raised now (or, not `raise_pending`, reported)."""
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-            self.previous = None
-        came, self.pending, self.why = self.pending, False, ""
-        if came and raise_pending:
-            raise KeyboardInterrupt
-        return came
 
 
 def train(plan: Plan, opts: RunOptions) -> list[dict]:
@@ -128,7 +95,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     run_id = checkpointing.identity(loaded)
     saved = checkpointing.Snapshot.of(start, position, engines, run_id)  # the last completed step
     updating, peak_allocated = False, 0
-    ending, interrupted = False, False  # the run's last lines are being written; an interrupt came meanwhile
+    ending, interrupted = False, 0  # the run's last lines are being written; the stop signal that came meanwhile
     share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
@@ -162,7 +129,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         nonlocal updating, interrupted
         if updating and engines.optimizer.in_flight is None:
             updating = False
-            interrupted |= gate.release(raise_pending=not ending)
+            interrupted = interrupted or gate.release(raise_pending=not ending)
 
     def emit_waiting() -> None:
         """The waiting step's metrics line, its weights' digest read (at the next step's end, or the run's)."""
@@ -262,9 +229,9 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     gate.hold(why)
                     checkpointing.save(opts.out_dir, saved, engines)
             finally:
-                interrupted |= gate.release(raise_pending=False)
+                interrupted = interrupted or gate.release(raise_pending=False)
     if interrupted:
-        raise KeyboardInterrupt  # held while the last update ended, let through once it was saved
+        raise Stopped(interrupted)  # held while the last update ended, let through once it was saved
     examples = []  # their pinned patches recorded the prefix streams: freed while those live
     engines.settle()  # a later run in this process may free what recorded the prefix streams
     return records
