@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rollplex.errors import PlanDoesNotFit, RunFailed, SpecError, Stopped
+from rollplex.outputs import check_output
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -29,7 +30,7 @@ def _compile(args: argparse.Namespace) -> int:
                         f"end it in {', '.join(PLOT_SUFFIXES)}")  # fmt: skip
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
         if path is not None:
-            _check_folder(flag, path)
+            check_output(flag, path)
     loaded = load_spec(args.spec)
     plan = compile_plan(loaded, Schedule(args.schedule) if args.schedule else None)
     efficiencies, source = None, None
@@ -49,7 +50,10 @@ def _compile(args: argparse.Namespace) -> int:
     if args.plot:
         from rollplex.report.plot import plot_memory
 
-        plot_memory(plan, args.plot)
+        try:
+            plot_memory(plan, args.plot)
+        except OSError as e:  # checked before the work; the folder changed since
+            raise SpecError("", f"--plot {args.plot}: {e.strerror}", "give a path this user can write") from None
     if args.dry_run:
         if args.format == "json":
             print(json.dumps(plan_to_json(plan, efficiencies, source), indent=1))
@@ -71,13 +75,6 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
-
-
-def _check_folder(flag: str, path: str) -> None:
-    """Before the work: the folder a flag's file goes to exists."""
-    folder = Path(path).absolute().parent  # as the file is written: a quoted '~' is a folder named so
-    if not folder.is_dir():
-        raise SpecError("", f"{flag} {path}: the folder {folder} does not exist", "create it, or give another path")
 
 
 def _plan_to_run(args: argparse.Namespace):
@@ -209,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("spec", help="the YAML spec")
     b.add_argument("--steps", type=int, default=3, help="measured steps per schedule (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
-    b.add_argument("--out", help="result JSON (default bench/results/<spec name>.json; the PNG goes beside it)")
+    b.add_argument("--out", help="result JSON (default runs/bench/<spec name>.json; the PNG goes beside it)")
     b.add_argument("--unsplit", action="store_true", help="also time the unsplit schedule (textbook GRPO)")
     b.add_argument(
         "--save-unsplit",

@@ -23,6 +23,7 @@ from rollplex.executors.preflight import check_spec
 from rollplex.graph.ir import Schedule
 from rollplex.graph.load import load_spec
 from rollplex.graph.plan import compile_plan
+from rollplex.outputs import check_output
 from rollplex.report.timeline import plot_timeline
 
 
@@ -52,8 +53,11 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
-    out = Path(args.out or f"bench/results/{Path(args.spec).stem}.json")
+    out = Path(args.out or f"runs/bench/{Path(args.spec).stem}.json")
     out = out if out.suffix == ".json" else out.with_name(out.name + ".json")
+    for flag, path in (("--out", out), ("--save-serial", args.save_serial), ("--save-unsplit", args.save_unsplit)):
+        if path:  # before minutes of steps: a folder this user can write
+            check_output(flag, path, create=True)
     grouping = args.serial_prompts_per_chunk
 
     def serial_spec(variant):  # the spec serial runs under: the spec itself unless --serial-prompts-per-chunk

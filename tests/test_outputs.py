@@ -1,0 +1,61 @@
+"""`check_output`: a command's output path is refused in one line before the work when its folder is missing (or
+cannot be made), the path is a folder, or this user cannot write there; `rollplex bench` and `rollplex compile` check
+every output flag before a step runs or a plot is drawn."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rollplex.cli import main
+from rollplex.errors import SpecError
+from rollplex.outputs import check_output
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+
+
+def test_a_missing_folder_is_refused_unless_made_and_a_folder_is_no_file(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        check_output("--out", tmp_path / "a" / "r.json")
+    assert check_output("--out", tmp_path / "a" / "r.json", create=True) == tmp_path / "a" / "r.json"
+    assert (tmp_path / "a").is_dir()
+    with pytest.raises(SpecError, match="is a folder"):
+        check_output("--out", tmp_path / "a")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpecError, match="cannot create"):
+        check_output("--out", tmp_path / "file" / "sub" / "r.json", create=True)
+
+
+def unwritable(monkeypatch, folder: Path) -> None:
+    """`folder` as a read-only mount shows it, whoever runs the tests (root writes anywhere else)."""
+    access = os.access
+    monkeypatch.setattr("rollplex.outputs.os.access", lambda p, mode: Path(p) != folder and access(p, mode))
+
+
+def test_a_folder_this_user_cannot_write_is_refused(tmp_path, monkeypatch):
+    unwritable(monkeypatch, tmp_path)
+    with pytest.raises(SpecError, match="this user cannot write there") as error:
+        check_output("--plot", tmp_path / "m.png")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flag", ["--out", "--save-serial", "--save-unsplit"])
+def test_bench_refuses_an_unwritable_output_before_any_step(tmp_path, monkeypatch, capsys, flag):
+    unwritable(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr("rollplex.bench.command.run_schedule", lambda *a, **k: pytest.fail("a step ran"))
+    args = [flag, str(tmp_path / "ro" / "x.json")] + (["--serial-only"] if flag == "--save-serial" else [])
+    assert main(["bench", str(SPECS / "tiny_cpu.yaml"), *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rollplex: {flag} ") and "cannot write there" in line
+
+
+def test_compile_refuses_an_unwritable_plot_or_plan_before_the_work(tmp_path, monkeypatch, capsys):
+    unwritable(monkeypatch, tmp_path)
+    monkeypatch.setattr("rollplex.graph.load.load_spec", lambda *a: pytest.fail("the spec was loaded"))
+    for args in (["--dry-run", "--plot", str(tmp_path / "m.png")], ["-o", str(tmp_path / "plan.json")]):
+        assert main(["compile", str(SPECS / "tiny_cpu.yaml"), *args]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "cannot write there" in line
