@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from rollplex.errors import RunFailed
 from rollplex.executors.engines import Engines
 from rollplex.graph.load import LoadedSpec
-from rollplex.graph.spec_files import checkpoint_files, dataset_file
+from rollplex.graph.spec_files import checkpoint_files, dataset_file, initial_weights
 from rollplex.models.checkpoint import load_checkpoint, save_checkpoint, save_state
 from rollplex.models.config import CONFIG_DIR, resolve_config_path
 from rollplex.models.vision import hf_padded, hf_view
@@ -55,7 +55,7 @@ def identity(loaded: LoadedSpec) -> dict:
     spec, base = loaded.spec, loaded.path.parent
     return {
         "model.name": _named(spec.model.name, lambda n: resolve_config_path(n, base), CONFIG_DIR),
-        "run.init": spec.run.init,
+        "run.init": initial_weights(loaded),  # resolved: auto resumes a run it started as either
         "workload.dataset": _named(spec.workload.dataset, lambda n: dataset_file(n, base)),
         "run.seed": spec.run.seed,
         "run.dtype": spec.run.dtype,

@@ -50,7 +50,7 @@ from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
 from rollplex.graph.spec import Spec
 from rollplex.graph.spec_algorithm import AlgorithmSpec
-from rollplex.graph.spec_files import model_dir
+from rollplex.graph.spec_files import initial_weights, model_dir
 from rollplex.memory.in_flight import gate_modules
 from rollplex.memory.optimizer import ChunkedAdamW
 from rollplex.memory.state_layout import Shard
@@ -348,7 +348,7 @@ def _initial_model(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None)
     spec = loaded.spec
     torch.manual_seed(spec.run.seed)
     model = Qwen2_5_VL(loaded.model, dtype=getattr(torch, spec.run.dtype), device=device)
-    if spec.run.init == "checkpoint":
+    if initial_weights(loaded) == "checkpoint":
         load_checkpoint(model, model_dir(loaded))
     return model if tp is None else parallelize(model, tp.train, sequence_parallel=spec.parallel.sequence_parallel)
 

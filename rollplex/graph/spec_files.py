@@ -41,6 +41,20 @@ def model_dir(loaded: LoadedSpec) -> Path:
     return resolve_config_path(loaded.spec.model.name, loaded.path.parent).parent
 
 
+def initial_weights(loaded: LoadedSpec) -> str:
+    """`run.init` resolved: "checkpoint" or "random" (auto: checkpoint where the model's folder holds weights; a
+    shipped config's folder holds none)."""
+    init = loaded.spec.run.init
+    if init != "auto":
+        return init
+    try:
+        folder = model_dir(loaded)
+    except (FileNotFoundError, ValueError):
+        return "random"  # no such model: the spec's check of `model` says so
+    holds = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
+    return "checkpoint" if holds else "random"
+
+
 def missing_files(loaded: LoadedSpec) -> list[tuple[str, str]]:
     """(spec key, problem) for each file the spec names that is not there."""
     spec, found = loaded.spec, []

@@ -15,7 +15,11 @@ class RunSpec(Strict):
     seed: int = Field(0, ge=0, description="Seed of sampling, data order and initial weights.")
     checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
-    init: Literal["random", "checkpoint"] = Field("random", description="Random weights or load `model`'s files.")
+    init: Literal["auto", "random", "checkpoint"] = Field(
+        "auto",
+        description="The first weights: random (from `seed`), or checkpoint (`model`'s folder's safetensors); auto: "
+        "checkpoint where `model` names a folder that holds weights (model.safetensors or its index), else random.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where `rollplex run` trains: auto is the GPU when there is one, else the CPU."
     )

@@ -11,7 +11,7 @@ from rollplex.graph.memobject import GIB, Component, MemObject, Residency, held
 from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
-from rollplex.graph.spec_files import missing_files
+from rollplex.graph.spec_files import initial_weights, missing_files, model_dir
 from rollplex.graph.spec_runtime import RunSpec, scoring_choice
 from rollplex.graph.timeplan import (
     PREFIX_BACKWARD,
@@ -40,12 +40,19 @@ def gib(b: int) -> str:
     return f"{b / GIB:.2f}"
 
 
+def _first_weights(plan: Plan) -> str:
+    """Where the run's first weights come from (`run.init`, resolved)."""
+    if initial_weights(plan.loaded) == "checkpoint":
+        return f"weights from {model_dir(plan.loaded)}"
+    return f"random weights (seed {plan.loaded.spec.run.seed})"
+
+
 def header(plan: Plan) -> str:
     s, g = plan.loaded.spec, plan.context.gpu
     return (
         f"{plan.loaded.model.name}: {s.cluster.nodes} x {s.cluster.gpus_per_node} GPUs of {s.cluster.hbm_gib:g} GiB, "
         f"train TP {g.train_tp} (DP {g.train_dp}), rollout TP {g.rollout_tp} ({g.num_rollout_replicas} replicas), "
-        f"schedule {plan.schedule.value}\n"
+        f"schedule {plan.schedule.value}, {_first_weights(plan)}\n"
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
         f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
         f"rollout: {rollout_line(plan)}\n"

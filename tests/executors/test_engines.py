@@ -173,3 +173,19 @@ def test_where_cudnn_refuses_its_graphs_an_explicit_cudnn_is_a_one_line_spec_err
     error = _cudnn_scoring(monkeypatch, "cudnn", refuse)
     assert isinstance(error, SpecError) and error.where == "run.suffix_attention"
     assert "no execution plan" in str(error) and "suffix_attention: flex" in str(error) and "\n" not in str(error)
+
+
+def test_init_auto_starts_from_the_weights_of_a_model_folder_that_holds_them():
+    """A spec naming a checkpoint's folder trains from its weights without `run.init: checkpoint` (auto); random
+    asked for keeps the seed's weights."""
+    from run_testkit import SPEC, stopping_checkpoint
+
+    from rollplex.executors.engines import _initial_model
+
+    def first(init: str) -> list[torch.Tensor]:
+        text = SPEC.format(model=stopping_checkpoint(), kl=0.1, device="cpu", init=init)
+        return list(_initial_model(parse_spec(text), torch.device("cpu"), None).parameters())
+
+    auto, checkpoint, random = first("auto"), first("checkpoint"), first("random")
+    assert all(torch.equal(a, c) for a, c in zip(auto, checkpoint, strict=True))
+    assert not all(torch.equal(a, r) for a, r in zip(auto, random, strict=True))
