@@ -28,6 +28,8 @@ def _compile(args: argparse.Namespace) -> int:
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         raise SpecError("", f"--plot {args.plot}: no image format matplotlib writes",
                         f"end it in {', '.join(PLOT_SUFFIXES)}")  # fmt: skip
+    if args.plot is not None:
+        _check_installed("compile --plot", ("matplotlib",))
     for flag, path in (("--plot", args.plot), ("-o", None if args.dry_run else args.output)):
         if path is not None:
             check_output(flag, path)
@@ -116,6 +118,8 @@ def _run(args: argparse.Namespace) -> int:
     plan = _plan_to_run(args)
     loaded = plan.loaded
     spec = loaded.spec
+    videos = ("av",) if not spec.workload.dataset.startswith("synthetic:") else ()  # decoded from files
+    _check_installed("rollplex run", (*RUN_MODULES, *videos))
     from rollplex.executors.loop import RunOptions, train
 
     opts = RunOptions(
@@ -160,7 +164,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_MODULES = ("torch", "safetensors", "PIL", "tqdm", "tensorboard")  # what training imports: rollplex[train] and torch
+
+
+def _check_installed(command: str, modules: tuple[str, ...]) -> None:
+    """Before the work: the packages `command` imports are installed (the base install plans only), else one line."""
+    from importlib.util import find_spec
+
+    missing = [m for m in modules if find_spec(m) is None]
+    if missing:
+        torch_first = "pip install torch (README: Install), then " if "torch" in missing else ""
+        raise SpecError("", f"{command} needs {', '.join(missing)}, not installed",
+                        f"{torch_first}pip install 'rollplex[train]'")  # fmt: skip
+
+
 def _bench(args: argparse.Namespace) -> int:
+    _check_installed("rollplex bench", (*RUN_MODULES, "matplotlib"))
     from rollplex.bench.command import bench
 
     return bench(args)

@@ -59,3 +59,23 @@ def test_compile_refuses_an_unwritable_plot_or_plan_before_the_work(tmp_path, mo
         assert main(["compile", str(SPECS / "tiny_cpu.yaml"), *args]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert "cannot write there" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "absent"),
+    [(["run"], "PIL"), (["run"], "torch"), (["bench"], "matplotlib"), (["compile", "--dry-run", "--plot", "m.png"],
+                                                                        "matplotlib")],
+)  # fmt: skip
+def test_a_command_whose_packages_are_not_installed_says_which_and_how_in_one_line(monkeypatch, capsys, command,
+                                                                                     absent):  # fmt: skip
+    """The base install plans only: `run`, `bench` and `--plot` name what they miss before any work."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else find_spec(name, *a))
+    monkeypatch.setattr("rollplex.bench.command.bench", lambda args: pytest.fail("the bench ran"))
+    monkeypatch.setattr("rollplex.executors.loop.train", lambda *a: pytest.fail("the run started"))
+    assert main([command[0], str(SPECS / "tiny_cpu.yaml"), *command[1:]]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"needs {absent}, not installed" in line and "pip install 'rollplex[train]'" in line
+    assert ("pip install torch" in line) == (absent == "torch")
