@@ -274,6 +274,13 @@ class Spec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _groups(self) -> Spec:
+        if self.algorithm.name == "grpo" and self.workload.group_size < 2:
+            raise ValueError("workload.group_size 1 under GRPO: each advantage (a reward less its group's mean) is 0, so "
+                             "only the KL and entropy would train; use 2 or more, or algorithm.name ppo")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _mps(self) -> Spec:
         if self.sharing.policy == "mps" and self.cluster.num_gpus > 1:
             raise ValueError("sharing.policy mps runs on one GPU (its rollout process beside one trainer); use green "

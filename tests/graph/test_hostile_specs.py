@@ -59,6 +59,12 @@ CASES = [  # (name, file content, exit code, what the line says; `{dir}` is the 
     ("python tag", BASE + "run: !!python/object/apply:os.system ['touch {dir}/pwned']\n", 2, "YAML syntax error"),
     ("duplicate section", BASE + "cluster: {hbm_gib: 80, host_gib: 8}\n", 2, "duplicate key (lines 2 and 4)"),
     (
+        "a group of one under GRPO",
+        BASE.replace("group_size: 4", "group_size: 1"),
+        2,
+        "3: workload.group_size: workload.group_size 1 under GRPO: each advantage",
+    ),
+    (
         "duplicate key",
         BASE.replace("host_gib: 8", "host_gib: 8, hbm_gib: 32"),
         2,
