@@ -173,3 +173,15 @@ def test_the_dry_run_names_the_files_a_run_would_refuse_for_their_absence(tmp_pa
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollplex run refuses"))
     assert "run.init (checkpoint: " in line and "set run.init: random" in line
     assert "workload.dataset (dataset 'missing.jsonl' is neither" in line
+
+
+def test_the_dry_run_names_a_reward_module_a_run_could_not_import_without_importing_any(tmp_path, capsys):
+    rewards = "rewards: [{name: answer_format}, {name: accuracy}]"
+    text = (SPECS / "tiny_cpu.yaml").read_text()
+    assert rewards in text
+    listed = '[{name: "nomod.sub:f"}, {name: "json:loads"}, {name: "rollplex_absent_pkg:f"}]'
+    (tmp_path / "spec.yaml").write_text(text.replace(rewards, f"rewards: {listed}"))
+    assert main(["compile", str(tmp_path / "spec.yaml"), "--dry-run"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollplex run refuses"))
+    assert "reward 'nomod.sub:f': cannot import module 'nomod.sub' (no module named 'nomod')" in line
+    assert "rollplex_absent_pkg" in line and "json" not in line

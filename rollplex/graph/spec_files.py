@@ -1,11 +1,13 @@
-"""The files a spec names, found without reading them: the dataset file of a non-synthetic `workload.dataset` and,
-under `run.init: checkpoint`, the model folder's weights. `rollplex run` refuses a spec whose files are missing
+"""The files a spec names, found without reading them: the dataset file of a non-synthetic `workload.dataset`,
+under `run.init: checkpoint`, the model folder's weights, and the top-level package of each reward given by import
+path (found, not imported: its code runs only in `rollplex run`). `rollplex run` refuses a spec whose files are missing
 before it builds anything (`executors.preflight`), and the dry-run lists the same (`report.tables`). No torch.
 """
 
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 from rollplex.graph.load import LoadedSpec
@@ -63,6 +65,12 @@ def missing_files(loaded: LoadedSpec) -> list[tuple[str, str]]:
             checkpoint_files(model_dir(loaded))
         except (FileNotFoundError, ValueError) as e:
             found.append(("run.init", f"checkpoint: {e}; or set run.init: random"))
+    for reward in spec.algorithm.rewards:
+        module = reward.name.partition(":")[0]
+        top = module.split(".")[0]
+        if ":" in reward.name and top and find_spec(top) is None:
+            found.append(("algorithm.rewards", f"reward '{reward.name}': cannot import module '{module}' (no module "
+                          f"named '{top}')"))  # fmt: skip
     if not spec.workload.dataset.startswith("synthetic:"):
         try:
             dataset_file(spec.workload.dataset, loaded.path.parent)
