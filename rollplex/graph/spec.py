@@ -276,8 +276,8 @@ class Spec(Strict):
     @model_validator(mode="after")
     def _groups(self) -> Spec:
         if self.algorithm.name == "grpo" and self.workload.group_size < 2:
-            raise ValueError("workload.group_size 1 under GRPO: each advantage (a reward less its group's mean) is 0, "
-                             "so only the KL and entropy would train; use 2 or more, or algorithm.name ppo")  # fmt: skip
+            why = "each advantage (a reward less its group's mean) is 0, so only the KL and entropy would train"
+            raise ValueError(f"workload.group_size 1 under GRPO: {why}; use 2 or more, or algorithm.name ppo")
         return self
 
     @model_validator(mode="after")
