@@ -249,7 +249,7 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None, source:
         if r.timer == "actor_suffix_backward" and prefix_backward is not None:
             rows += _time_row(prefix_backward, "  of it, through the prefix")
     bound, predicted = step_bound_s(plan, times), predicted_step_s(plan, times)
-    rows.append(["step", "", "", "", f"{bound:.3f}", "", "-" if predicted is None else f"{predicted:.2f}"])
+    rows.append(["step", "", "", "", _fixed(bound, 3), "", "-" if predicted is None else f"{predicted:.2f}"])
     heads = ["phase", "TFLOP", "HBM GB", "host GB", "bound s", "efficiency", "predicted s"]
     title = (
         f"Time per step on one {peaks.name} (bound: {peaks.flops / 1e12:.0f} TFLOP/s, {peaks.hbm_bytes_s / 1e12:.2f} "
@@ -275,11 +275,17 @@ def time_table(plan: Plan, efficiencies: dict[str, float] | None = None, source:
     return out
 
 
+def _fixed(x: float, places: int) -> str:
+    """`x` to `places` decimals, or in two significant digits where it is above 0 and those decimals would show 0 (a
+    tiny model's work)."""
+    return f"{x:.1e}" if 0 < x < 0.5 * 10**-places else f"{x:.{places}f}"
+
+
 def _time_row(r, label: str = "") -> list[list[str]]:
     """A time table's row of a `PhaseTime`, under `label` (default: its timer)."""
     c = r.cost
-    cells = [label or r.timer, f"{c.flops / 1e12:.1f}", f"{c.hbm_bytes / 1e9:.1f}", f"{c.host_bytes / 1e9:.1f}"]
-    cells += [f"{r.bound_s:.3f}", "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
+    cells = [label or r.timer, _fixed(c.flops / 1e12, 1), _fixed(c.hbm_bytes / 1e9, 1), _fixed(c.host_bytes / 1e9, 1)]
+    cells += [_fixed(r.bound_s, 3), "-" if r.efficiency is None else f"{r.efficiency:.2f}"]
     return [[*cells, "-" if r.predicted_s is None else f"{r.predicted_s:.2f}"]]
 
 
