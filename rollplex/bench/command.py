@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rollplex.bench.agreement import updates_match
 from rollplex.bench.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
-from rollplex.bench.document import compare, with_unsplit
+from rollplex.bench.document import beyond_ideal, compare, with_unsplit
 from rollplex.bench.harness import noise_floor_grads, run_schedule
 from rollplex.bench.provenance import source_commit
 from rollplex.bench.variants import policy_label, with_policy, with_prompts_per_chunk
@@ -197,6 +197,8 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             f"{path}, {png}",
             flush=True,
         )
+        if note := beyond_ideal(result):
+            print(f"rollplex bench: note: {note}", file=sys.stderr, flush=True)
     finish()
     return 0
 

@@ -41,6 +41,23 @@ from rollplex.graph.plan import compile_plan
 from rollplex.graph.timeplan import overlapped_timers
 
 
+BEYOND_IDEAL = 1.02  # a speedup this far above Eq. 1's ideal is more than hiding the prefixes can give
+
+
+def beyond_ideal(result: dict) -> str | None:
+    """What a result whose speedup exceeds Eq. 1's ideal by more than BEYOND_IDEAL owes its excess to (the work after
+    the rollout, which the two schedules share, or the runs' spread); None within it."""
+    speedup, ideal = result["speedup"], result["ideal_speedup"]
+    if speedup <= BEYOND_IDEAL * ideal:
+        return None
+    after = result["step_balance_s"]["after_rollout_longer"]
+    return (
+        f"the speedup {speedup:.3f}x is above Eq. 1's ideal {ideal:.3f}x, which hiding the prefixes cannot give: the "
+        f"work after the rollout, the same in both schedules, took {after:+.2f} s under rollplex, or the steps' spread "
+        "is larger than the gain; bench more steps on an idle machine"
+    )
+
+
 def compare(
     loaded: LoadedSpec,
     serial: ScheduleRun,
