@@ -40,7 +40,6 @@ from rollplex.graph.pipeline import compile_graph
 from rollplex.graph.plan import compile_plan
 from rollplex.graph.timeplan import overlapped_timers
 
-
 BEYOND_IDEAL = 1.02  # a speedup this far above Eq. 1's ideal is more than hiding the prefixes can give
 
 
