@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         out_dir=Path(args.out or f"runs/{loaded.path.stem}"),  # a plan's: of the spec it was compiled from
         resume=args.resume,
         checkpoint_every=args.checkpoint_every or spec.run.checkpoint_every,
+        keep_checkpoints=spec.run.keep_checkpoints,
         progress=not args.quiet,
         checkpoints=not args.no_checkpoints,
     )

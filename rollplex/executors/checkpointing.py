@@ -89,10 +89,11 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return out_dir / "checkpoints" / f"step-{step:06d}"
 
 
-def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
+def save(out_dir: Path, snap: Snapshot, engines: Engines, keep: int | None = None) -> Path:
     """Weights and optimizer state as they are now (they must be those of `snap.step`), written into a `.tmp`
     directory that becomes the checkpoint only when complete; a failed write on the way (a full disk) removes it
-    and is a `RunFailed` that says the previous checkpoint is kept.
+    and is a `RunFailed` that says the previous checkpoint is kept. `keep`: then only the newest `keep` complete
+    checkpoints stay (`run.keep_checkpoints`).
 
     Under tensor parallelism every rank calls it: the weights are gathered into full HF tensors that rank 0
     writes, each rank writes its own optimizer state (`optimizer-rank{r}/part-*.pt`). Under data parallelism
@@ -103,13 +104,24 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines) -> Path:
     if engines.update_beside_prefix:
         engines.optimizer.finish()  # a deferred update's weights and state complete
     try:
-        return _save(final, tmp, snap, engines)
+        saved = _save(final, tmp, snap, engines)
     except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
         shutil.rmtree(tmp, ignore_errors=True)
         why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
         kept = latest(out_dir)
         raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
+    if keep is not None and engines.is_main:
+        prune(out_dir, keep)
+    return saved
+
+
+def prune(out_dir: Path, keep: int) -> list[Path]:
+    """Removes all but the newest `keep` complete checkpoints of `out_dir`; those removed."""
+    old = sorted(complete(out_dir), key=step_of)[:-keep]
+    for path in old:
+        shutil.rmtree(path)
+    return old
 
 
 def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:

@@ -41,6 +41,7 @@ class RunOptions:
     out_dir: Path
     resume: bool = False
     checkpoint_every: int | None = None
+    keep_checkpoints: int | None = None  # only the newest K stay (`run.keep_checkpoints`)
     progress: bool = True
     tensorboard: bool = True
     checkpoints: bool = True  # False: none at all, not even the last step's (timing runs: 7B's state is 108 GB)
@@ -208,7 +209,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 saved = checkpointing.Snapshot.of(step, position, engines, run_id)
                 if opts.checkpoints and opts.checkpoint_every and step % opts.checkpoint_every == 0:
                     emit_waiting()  # joins a deferred update; its line before its checkpoint: none without one
-                    checkpointing.save(opts.out_dir, saved, engines)
+                    checkpointing.save(opts.out_dir, saved, engines, opts.keep_checkpoints)
                 keep_streaming(engines)
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
         finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
@@ -227,7 +228,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     and checkpointing.latest(opts.out_dir) != checkpointing.checkpoint_dir(opts.out_dir, saved.step)
                 ):
                     gate.hold(why)
-                    checkpointing.save(opts.out_dir, saved, engines)
+                    checkpointing.save(opts.out_dir, saved, engines, opts.keep_checkpoints)
             finally:
                 interrupted = interrupted or gate.release(raise_pending=False)
     if interrupted:

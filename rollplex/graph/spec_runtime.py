@@ -14,6 +14,11 @@ class RunSpec(Strict):
     steps: PositiveInt = Field(10, description="Training steps.")
     seed: int = Field(0, ge=0, description="Seed of sampling, data order and initial weights.")
     checkpoint_every: PositiveInt | None = Field(None, description="Save a checkpoint every K steps.")
+    keep_checkpoints: PositiveInt | None = Field(
+        None,
+        description="After each save only the newest K complete checkpoints stay, the older ones removed (a 7B "
+        "checkpoint with its FP32 optimizer state is about 110 GB); null keeps every one.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Model dtype.")
     init: Literal["auto", "random", "checkpoint"] = Field(
         "auto",

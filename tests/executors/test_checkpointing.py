@@ -365,3 +365,15 @@ def test_a_second_interrupt_while_the_last_checkpoint_is_written_waits_for_it(tm
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-000002"]
     rest = run(tmp_path, "rollplex", 3, name="stopped", resume=True)
     assert [r["param_digest"] for r in rest] == [r["param_digest"] for r in whole[2:]]
+
+
+def test_keep_checkpoints_leaves_the_newest_and_a_resume_goes_on_from_them(tmp_path):
+    """`run.keep_checkpoints: 2` with a save every step: after 4 steps, steps 3 and 4 stay; resumed to 5, steps 4
+    and 5; the resumed run's weights are those of an uninterrupted one."""
+    kept = run(tmp_path, "rollplex", 4, name="kept", checkpoint_every=1, keep_checkpoints=2)
+    names = lambda: sorted(p.name for p in (tmp_path / "kept" / "checkpoints").iterdir())  # noqa: E731
+    assert names() == ["step-000003", "step-000004"]
+    rest = run(tmp_path, "rollplex", 5, name="kept", resume=True, checkpoint_every=1, keep_checkpoints=2)
+    assert names() == ["step-000004", "step-000005"]
+    whole = run(tmp_path, "rollplex", 5, name="whole", checkpoint_every=100)
+    assert [r["param_digest"] for r in kept + rest] == [r["param_digest"] for r in whole]
