@@ -141,7 +141,7 @@ def test_bench_writes_the_result_and_a_timeline_with_matching_updates(saving):
     assert result["phase_s"]["rollplex"]["ref_prefix"] == 0.0 < result["phase_s"]["serial"]["ref_prefix"]
     assert result["command"].startswith("rollplex bench ") and "--steps 1" in result["command"]
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert "speedup" not in proc.stderr and "x (ideal" in proc.stdout
+    assert "x (ideal" not in proc.stderr and "x (ideal" in proc.stdout  # the summary on stdout (a note may say more)
 
 
 @pytest.mark.slow
