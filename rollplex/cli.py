@@ -275,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="POLICY",
         help="rollplex once per GPU sharing policy against one serial run: inline, streams, green, green:<SMs>, "
-        "green:adaptive, mps, mps:<trainer %%> (default: the spec's); one JSON and PNG each, named <out>_<policy>",
+        "green:adaptive, mps, mps:<trainer %%> (default: the spec's); one JSON and PNG each, named <out>_<policy> "
+        "where there are several",
     )
     b.set_defaults(func=_bench)
     return p

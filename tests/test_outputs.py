@@ -79,3 +79,9 @@ def test_a_command_whose_packages_are_not_installed_says_which_and_how_in_one_li
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"needs {absent}, not installed" in line and "pip install 'rollplex[train]'" in line
     assert ("pip install torch" in line) == (absent == "torch")
+
+
+def test_bench_refuses_a_result_path_of_another_suffix(tmp_path, capsys):
+    assert main(["bench", str(SPECS / "tiny_cpu.yaml"), "--out", str(tmp_path / "b.txt")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the result is JSON" in line and "end it in .json" in line

@@ -54,7 +54,9 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
     out = Path(args.out or f"runs/bench/{Path(args.spec).stem}.json")
-    out = out if out.suffix == ".json" else out.with_name(out.name + ".json")
+    if out.suffix not in ("", ".json"):
+        raise SpecError("", f"--out {out}: the result is JSON", "end it in .json, or give no suffix")
+    out = out.with_suffix(".json")
     for flag, path in (("--out", out), ("--save-serial", args.save_serial), ("--save-unsplit", args.save_unsplit)):
         if path:  # before minutes of steps: a folder this user can write
             check_output(flag, path, create=True)

@@ -69,9 +69,12 @@ def is_plan_file(path: str | Path) -> bool:
     if path.suffix != ".json":
         return False
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        text = path.read_text()
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError):
         return False  # a spec's reader says what is wrong with it, line by line
+    except json.JSONDecodeError:
+        return "rollplex_plan_version" in text  # a plan cut short (`read_plan` says where), else a spec's error
     return isinstance(data, dict) and "rollplex_plan_version" in data
 
 

@@ -89,3 +89,15 @@ def test_a_file_that_is_not_json_is_one_line(tmp_path):
     (tmp_path / "plan.json").write_bytes(b"\x00\xff not json")
     with pytest.raises(SpecError, match="cannot read the plan"):
         read_plan(tmp_path / "plan.json")
+
+
+def test_a_plan_cut_short_is_read_as_a_plan_and_said_so(tmp_path, capsys):
+    from rollplex.cli import main
+    from rollplex.graph.planfile import is_plan_file
+
+    text = json.dumps(plan_to_json(compile_plan(load_spec(SPECS / "tiny_cpu.yaml"))))
+    (tmp_path / "plan.json").write_text(text[: len(text) // 2])
+    assert is_plan_file(tmp_path / "plan.json")
+    assert main(["run", str(tmp_path / "plan.json"), "--out", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "cannot read the plan" in line and "YAML" not in line
