@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def _compile(args: argparse.Namespace) -> int:
         try:
             plot_memory(plan, args.plot)
         except OSError as e:  # checked before the work; the folder changed since
-            raise SpecError("", f"--plot {args.plot}: {e.strerror}", "give a path this user can write") from None
+            raise SpecError("", f"--plot {args.plot}: {e.strerror or e}", "give a path this user can write") from None
     if args.dry_run:
         if args.format == "json":
             print(json.dumps(plan_to_json(plan, efficiencies, source), indent=1))
@@ -93,24 +94,6 @@ def _plan_to_run(args: argparse.Namespace):
     return compile_plan(load_spec(args.spec), Schedule(args.schedule) if args.schedule else None)
 
 
-def _stopped(e: KeyboardInterrupt, opts) -> Stopped:
-    """The run's stop, said once (rank 0 under torchrun): the signal, the step saved and how to go on from it."""
-    import signal
-
-    from rollplex.executors import checkpointing
-    from rollplex.executors.distributed import is_main_process
-
-    signum = getattr(e, "signum", signal.SIGINT)
-    if not is_main_process():
-        return Stopped(signum, "")
-    found = checkpointing.latest(opts.out_dir) if opts.checkpoints else None
-    if found is not None:
-        kept = f"step {checkpointing.step_of(found)} is saved in {found}: go on with --resume --out {opts.out_dir}"
-    else:
-        kept = "no checkpoint (--no-checkpoints)" if not opts.checkpoints else "no step completed: nothing saved"
-    return Stopped(signum, f"interrupted ({signal.Signals(signum).name}); {kept}")
-
-
 def _run(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every)):
         if value is not None and value < 1:
@@ -136,8 +119,9 @@ def _run(args: argparse.Namespace) -> int:
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
         raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
     from rollplex.executors.device_settings import resolve_device
-    from rollplex.executors.distributed import check_world
+    from rollplex.executors.distributed import check_world, is_main_process
     from rollplex.executors.policies import mps_session
+    from rollplex.executors.signals import stop_line
 
     with mps_session([plan]):  # under the mps policy: before anything touches the GPU
         try:
@@ -150,9 +134,12 @@ def _run(args: argparse.Namespace) -> int:
             raise loaded.locate(SpecError("cluster.gpus_per_node", str(e))) from None
         try:
             records = train(plan, opts)
-        except KeyboardInterrupt as e:
-            raise _stopped(e, opts) from None
-    from rollplex.executors.distributed import finish, is_main_process
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP (`Stopped`): said once, by rank 0
+            signum = signal.Signals(getattr(e, "signum", signal.SIGINT))
+            if not is_main_process():
+                raise Stopped(signum, said=False) from None
+            raise Stopped(signum, stop_line(signum, opts.out_dir, opts.checkpoints)) from None
+    from rollplex.executors.distributed import finish
 
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
         last = records[-1]
@@ -295,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollplex: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        if str(e) or not isinstance(e, Stopped):
-            print(f"rollplex: {e or 'interrupted'}", file=sys.stderr)
+        if getattr(e, "said", True):
+            print(f"rollplex: {str(e) or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_code", 130)
 
 

@@ -50,9 +50,9 @@ class RunFailed(RuntimeError):
 
 class Stopped(KeyboardInterrupt):
     """A stop signal (`executors.signals`: SIGINT, SIGTERM, SIGHUP) ended the command; exit code 128 + its number, as
-    a shell reports a process its signal ended. The message, where set, says what was kept; empty, the CLI says
-    nothing more (another rank of the run says it)."""
+    a shell reports a process its signal ended. `message` says what was kept; `said` False: another rank says it,
+    and this one prints nothing."""
 
-    def __init__(self, signum: int, message: str | None = None) -> None:
-        super().__init__(message if message is not None else "interrupted")
-        self.signum, self.exit_code = signum, 128 + signum
+    def __init__(self, signum: int, message: str = "interrupted", said: bool = True) -> None:
+        super().__init__(message)
+        self.signum, self.exit_code, self.said = signum, 128 + signum, said

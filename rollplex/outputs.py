@@ -16,7 +16,7 @@ def check_output(flag: str, path: str | Path, create: bool = False) -> Path:
     folder = path.absolute().parent  # as the file is written: a quoted '~' is a folder named so
     if create and not folder.exists():
         try:
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)  # another rank may make it meanwhile
         except OSError as e:
             raise SpecError("", f"{flag} {path}: cannot create {folder} ({e.strerror})",
                             "give a path this user can write") from None  # fmt: skip

@@ -43,6 +43,7 @@ def test_a_folder_this_user_cannot_write_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--out", "--save-serial", "--save-unsplit"])
 def test_bench_refuses_an_unwritable_output_before_any_step(tmp_path, monkeypatch, capsys, flag):
+    monkeypatch.chdir(tmp_path)  # the default result folder is made here, not in the checkout
     unwritable(monkeypatch, tmp_path / "ro")
     (tmp_path / "ro").mkdir()
     monkeypatch.setattr("rollplex.bench.command.run_schedule", lambda *a, **k: pytest.fail("a step ran"))
@@ -81,7 +82,19 @@ def test_a_command_whose_packages_are_not_installed_says_which_and_how_in_one_li
     assert ("pip install torch" in line) == (absent == "torch")
 
 
-def test_bench_refuses_a_result_path_of_another_suffix(tmp_path, capsys):
-    assert main(["bench", str(SPECS / "tiny_cpu.yaml"), "--out", str(tmp_path / "b.txt")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "the result is JSON" in line and "end it in .json" in line
+def test_bench_refuses_a_result_path_of_another_suffix_or_a_folder(tmp_path, capsys):
+    for out in (tmp_path / "b.txt", tmp_path):
+        assert main(["bench", str(SPECS / "tiny_cpu.yaml"), "--out", str(out)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "the result is a JSON file" in line and "end it in .json" in line
+
+
+def test_a_bench_that_saves_a_run_only_neither_checks_nor_makes_the_result_folder(tmp_path, monkeypatch):
+    """--save-unsplit writes its run, not a result: an --out it never writes is not made (nor refused)."""
+    from rollplex.bench import command
+
+    monkeypatch.setattr(command, "_save_unsplit", lambda *a: 0)
+    out = tmp_path / "never" / "r.json"
+    args = ["--save-unsplit", str(tmp_path / "u.pt"), "--out", str(out)]
+    assert main(["bench", str(SPECS / "tiny_cpu.yaml"), *args]) == 0
+    assert not out.parent.exists()

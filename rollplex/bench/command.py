@@ -53,13 +53,6 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         raise loaded.locate(SpecError("parallel.train_tp", str(e))) from None
     if args.steps < 1 or args.warmup < 0:
         raise SpecError("", f"--steps {args.steps} / --warmup {args.warmup}", "use --steps >= 1 and --warmup >= 0")
-    out = Path(args.out or f"runs/bench/{Path(args.spec).stem}.json")
-    if out.suffix not in ("", ".json"):
-        raise SpecError("", f"--out {out}: the result is JSON", "end it in .json, or give no suffix")
-    out = out.with_suffix(".json")
-    for flag, path in (("--out", out), ("--save-serial", args.save_serial), ("--save-unsplit", args.save_unsplit)):
-        if path:  # before minutes of steps: a folder this user can write
-            check_output(flag, path, create=True)
     grouping = args.serial_prompts_per_chunk
 
     def serial_spec(variant):  # the spec serial runs under: the spec itself unless --serial-prompts-per-chunk
@@ -91,6 +84,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
     for flag, path in (("--serial-from", args.serial_from), ("--unsplit-from", args.unsplit_from)):
         if path and not Path(path).is_file():
             raise SpecError("", f"{flag} {path}: no such file")
+    out = _result_path(args)
     steps = f"{args.warmup} warm-up + {args.steps} steps"
     command = "rollplex " + " ".join(args.argv)
     if args.save_unsplit:
@@ -203,6 +197,23 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
             print(f"rollplex bench: note: {note}", file=sys.stderr, flush=True)
     finish()
     return 0
+
+
+def _result_path(args: argparse.Namespace) -> Path:
+    """The result JSON's path (`--out`, default runs/bench/<spec>.json; a path without a suffix gets .json), and
+    before minutes of steps, each file the bench will write checked: a folder this user can write, made if missing.
+    Under torchrun only rank 0 writes them."""
+    out = Path(args.out or f"runs/bench/{Path(args.spec).stem}.json")
+    if out.suffix not in ("", ".json") or out.is_dir():
+        raise SpecError("", f"--out {out}: the result is a JSON file", "end it in .json, or give no suffix")
+    out = out.with_suffix(".json")
+    writes_result = not (args.serial_only or args.save_unsplit)
+    files = (("--out", out if writes_result else None), ("--save-serial", args.save_serial),
+             ("--save-unsplit", args.save_unsplit))  # fmt: skip
+    for flag, path in files:
+        if path and is_main_process():
+            check_output(flag, path, create=True)
+    return out
 
 
 def _save_unsplit(args: argparse.Namespace, loaded, steps: str, command: str) -> int:

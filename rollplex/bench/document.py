@@ -50,10 +50,11 @@ def beyond_ideal(result: dict) -> str | None:
     if speedup <= BEYOND_IDEAL * ideal:
         return None
     after = result["step_balance_s"]["after_rollout_longer"]
+    than = f"{abs(after):.2f} s {'less' if after < 0 else 'more'} under rollplex than under serial"
     return (
         f"the speedup {speedup:.3f}x is above Eq. 1's ideal {ideal:.3f}x, which hiding the prefixes cannot give: the "
-        f"work after the rollout, the same in both schedules, took {after:+.2f} s under rollplex, or the steps' spread "
-        "is larger than the gain; bench more steps on an idle machine"
+        f"work after the rollout, the same in both schedules, took {than}, or the steps' spread is larger than the "
+        "gain; bench more steps on an idle machine"
     )
 
 

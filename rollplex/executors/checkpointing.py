@@ -14,6 +14,7 @@ import json
 import pickle
 import re
 import shutil
+import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,10 @@ def identity_mismatch(path: Path, loaded: LoadedSpec) -> str | None:
     written = json.loads((path / "state.json").read_text()).get("run", {})
     for key, now in identity(loaded).items():
         if key in written and written[key] != now:
-            return f"{key}: {written[key]!r}, the spec has {now!r}"
+            auto = " (run.init auto, as resolved now: set run.init to what the run started with)"
+            return f"{key}: {written[key]!r}, the spec has {now!r}" + (
+                auto if key == "run.init" and loaded.spec.run.init == "auto" else ""
+            )
     return None
 
 
@@ -112,16 +116,22 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines, keep: int | None = Non
         raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip
     if keep is not None and engines.is_main:
-        prune(out_dir, keep)
+        prune(out_dir, keep, saved)
     return saved
 
 
-def prune(out_dir: Path, keep: int) -> list[Path]:
-    """Removes all but the newest `keep` complete checkpoints of `out_dir`; those removed."""
-    old = sorted(complete(out_dir), key=step_of)[:-keep]
+def prune(out_dir: Path, keep: int, written: Path) -> list[Path]:
+    """Removes all but the newest `keep` complete checkpoints of `out_dir`, never `written` (the one just saved);
+    those removed. One that cannot be removed stays, with a line on stderr: the save itself succeeded."""
+    others = sorted((p for p in complete(out_dir) if p != written), key=step_of)
+    old, removed = others[: max(len(others) - (keep - 1), 0)], []
     for path in old:
-        shutil.rmtree(path)
-    return old
+        try:
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError as e:
+            print(f"rollplex: run.keep_checkpoints: {path} stays ({e.strerror or e})", file=sys.stderr, flush=True)
+    return removed
 
 
 def _save(final: Path, tmp: Path, snap: Snapshot, engines: Engines) -> Path:

@@ -9,6 +9,7 @@ weights of half an update are never saved.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -96,7 +97,8 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     run_id = checkpointing.identity(loaded)
     saved = checkpointing.Snapshot.of(start, position, engines, run_id)  # the last completed step
     updating, peak_allocated = False, 0
-    ending, interrupted = False, 0  # the run's last lines are being written; the stop signal that came meanwhile
+    ending = False  # the run's last lines are being written
+    interrupted: signal.Signals | None = None  # the stop signal a gate held back meanwhile
     share = engines.dp.share if engines.dp is not None else None  # a data-parallel rank's prompt groups
     prefetch = Prefetch(dataset, size, pin=engines.actor.device.type == "cuda", share=share)  # made a step ahead
     examples: list = []
@@ -231,7 +233,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     checkpointing.save(opts.out_dir, saved, engines, opts.keep_checkpoints)
             finally:
                 interrupted = interrupted or gate.release(raise_pending=False)
-    if interrupted:
+    if interrupted is not None:
         raise Stopped(interrupted)  # held while the last update ended, let through once it was saved
     examples = []  # their pinned patches recorded the prefix streams: freed while those live
     engines.settle()  # a later run in this process may free what recorded the prefix streams

@@ -58,7 +58,7 @@ def initial_weights(loaded: LoadedSpec) -> str:
 
 
 def missing_files(loaded: LoadedSpec) -> list[tuple[str, str]]:
-    """(spec key, problem) for each file the spec names that is not there."""
+    """(spec key, problem) for each file or reward module the spec names that is not there."""
     spec, found = loaded.spec, []
     if spec.run.init == "checkpoint":
         try:

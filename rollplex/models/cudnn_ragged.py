@@ -333,7 +333,7 @@ def _build(shape: _Shape, backward: bool, key_total: bool) -> _Graph:
                          data_type=cudnn.data_type.FLOAT)
         )  # fmt: skip
         totals = {"max_total_seq_len_q": shape.total_q} | ({"max_total_seq_len_kv": shape.total_k} if key_total else {})
-        if shape.deterministic:  # asked for only then: a cudnn-frontend without the option still builds the rest
+        if shape.deterministic:  # asked for only then: the default build stays the one cuDNN has always chosen
             totals["use_deterministic_algorithm"] = True
         dq, dk, dv = graph.sdpa_backward(name="backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, **totals, **common)
         for name, t, heads, length in (

@@ -34,17 +34,33 @@ def test_the_gate_holds_every_stop_signal_and_raises_the_first_that_came_at_rele
     gate = InterruptGate()
     with stop_signals():
         gate.hold()
-        os.kill(os.getpid(), signal.SIGHUP)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # both arrive while held: nothing raised
+        time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGHUP)  # a lower number, after: both arrive while held, nothing raised
+        time.sleep(0.01)
         with pytest.raises(Stopped) as stopped:
             gate.release()
-        assert stopped.value.signum == signal.SIGHUP
+        assert stopped.value.signum == signal.SIGTERM
         gate.hold()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         assert gate.release(raise_pending=False) == signal.SIGTERM  # reported, not raised
-        assert gate.release() == 0
+        assert gate.release() is None
+
+
+def test_a_signal_the_process_ignores_stays_ignored(monkeypatch):
+    """Under nohup SIGHUP is ignored: neither the run's handlers nor the gate turn it back on."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            gate = InterruptGate()
+            gate.hold()
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and gate.release() is None
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_rollplex_run_sent_sigterm_saves_its_last_step_says_so_in_one_line_and_exits_143(tmp_path):

@@ -51,3 +51,11 @@ def test_the_scoring_line_says_what_the_runtime_resolves_the_suffix_attention_to
     assert scoring_line(RunSpec(deterministic=True)) == scoring_line(RunSpec())  # cuDNN's deterministic backward
     for flex in (RunSpec(suffix_attention="flex"), RunSpec(cudnn_attention=False)):
         assert scoring_line(flex).startswith("FlexAttention (run.suffix_attention ")
+
+
+def test_a_tiny_models_work_shows_in_two_significant_digits_not_as_zero():
+    from rollplex.report.tables import _fixed
+
+    assert [_fixed(x, 3) for x in (0.0, 1.9e-6, 0.0004, 0.0005, 2.5)] == ["0.000", "1.9e-06", "4.0e-04", "0.001",
+                                                                           "2.500"]  # fmt: skip
+    assert _fixed(3.4e-5, 1) == "3.4e-05" and _fixed(0.06, 1) == "0.1"
