@@ -93,6 +93,9 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return out_dir / "checkpoints" / f"step-{step:06d}"
 
 
+FULL_DISK_BYTES = 256 * 2**20  # free space under which a writer's failure is told as a full disk
+
+
 def save(out_dir: Path, snap: Snapshot, engines: Engines, keep: int | None = None) -> Path:
     """Weights and optimizer state as they are now (they must be those of `snap.step`), written into a `.tmp`
     directory that becomes the checkpoint only when complete; a failed write on the way (a full disk) removes it
@@ -110,8 +113,11 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines, keep: int | None = Non
     try:
         saved = _save(final, tmp, snap, engines)
     except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
-        shutil.rmtree(tmp, ignore_errors=True)
         why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else None
+        if not getattr(e, "strerror", None) and free is not None and free < FULL_DISK_BYTES:  # a writer's own words
+            why = f"the disk is full, {free / 2**20:.0f} MiB free: {why}"
+        shutil.rmtree(tmp, ignore_errors=True)
         kept = latest(out_dir)
         raise RunFailed(f"checkpoint of step {snap.step} not written ({why}); "
                         f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from None  # fmt: skip

@@ -158,6 +158,10 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
         (OSError(28, "No space left on device"), "No space left on device"),
         (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), "unexpected pos 64 vs 0"),
         (RuntimeError(), "RuntimeError"),  # an error without a message
+        (
+            RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+            "the disk is full, 0 MiB free: [enforce fail",
+        ),  # torch's words where the disk is full
     ],  # the OS's error, and torch's writer's own
 )
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
@@ -165,6 +169,10 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_chec
 ):
     from rollplex.cli import main
     from rollplex.executors import checkpointing
+
+    if "disk is full" in shown:  # the folder's disk, as the OS reports it when the writer fails
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage._replace(free=12))
 
     real = torch.save
 
