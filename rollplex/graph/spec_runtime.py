@@ -111,7 +111,8 @@ class SharingSpec(Strict):
         description="How `rollplex` runs prefix work beside rollout decode on a GPU: inline (between decode "
         "steps, on decode's stream), streams (its own stream), green (its own stream on a partition of "
         "`prefix_sms` SMs, torch green contexts), mps (rollout in a child process reading the actor's weights "
-        "in place, both processes clients of an MPS daemon the run starts and stops; both schedules use it). "
+        "in place, both processes clients of an MPS daemon the run starts and stops; both schedules use it; it samples "
+        "from one seed a step drawn from the run's generator, so its tokens differ from an in-process rollout's). "
         "One chunk at most is in flight; the CPU runs prefix work inline (under mps, rollout still runs in "
         "its own process).",
     )
