@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from rollplex.bench.agreement import updates_match
 from rollplex.bench.baseline import NoiseFloor, baseline_key, load_baseline, save_baseline
 from rollplex.bench.document import beyond_ideal, compare, with_unsplit
@@ -141,7 +143,7 @@ def _bench_variants(args: argparse.Namespace, loaded, variants: list) -> int:
         label = policy_label(variant.spec)
         print(f"rollplex bench: rollplex ({label}), {steps}", file=sys.stderr)
         after_another = variant is not variants[0] or not args.serial_from
-        if after_another:
+        if after_another and torch.cuda.is_available():  # the CPU caches no plan
             print("rollplex bench: an earlier schedule ran in this process, and the shapes it met are cached for "
                   "this one (cuDNN attention plans, GEMM heuristics); for a fair figure time each in its own "
                   "process (--serial-only --save-serial, then --serial-from, one policy each)",

@@ -331,7 +331,8 @@ def test_a_second_policy_timed_in_the_same_process_is_flagged_as_following_anoth
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, second = (json.loads((tmp_path / f"p_{p}.json").read_text()) for p in ("inline", "streams"))
     assert not first["after_another_schedule_in_process"] and second["after_another_schedule_in_process"]
-    assert proc.stderr.count("an earlier schedule ran in this process") == 1
+    noted = 1 if torch.cuda.is_available() else 0  # the shapes a GPU caches (cuDNN's plans): none on the CPU
+    assert proc.stderr.count("an earlier schedule ran in this process") == noted
 
 
 @pytest.mark.slow
