@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -24,7 +25,9 @@ class Strict(BaseModel):
             key = field.alias or name
             value = data.get(key)
             if isinstance(value, bool) and not _takes_bool(field.annotation):
-                raise ValueError(f"{key} takes a number or a name, not the boolean {str(value).lower()}")
+                raise ValueError(
+                    f"{key} takes {_what_it_takes(field.annotation)}, not the boolean {str(value).lower()}"
+                )
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{key} must be a finite number, not {value}")
             _bounded(key, value)
@@ -42,6 +45,13 @@ def _bounded(key: str, value: object) -> None:
     """As given (before the field's own limits, for this message) and as coerced (a number YAML read as text)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
         raise ValueError(f"{key} {value:.3g} is beyond any real setting (at most {MAX_NUMBER:.0e})")
+
+
+def _what_it_takes(annotation: object) -> str:
+    """'a number', or 'a number or a name' where the field also takes a string (a choice, a path, `auto`)."""
+    args = getattr(annotation, "__args__", ())
+    names = annotation is str or str in args or any(getattr(a, "__origin__", None) is Literal for a in args)
+    return "a number or a name" if names or getattr(annotation, "__origin__", None) is Literal else "a number"
 
 
 def _takes_bool(annotation: object) -> bool:
