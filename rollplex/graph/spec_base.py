@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -49,9 +49,9 @@ def _bounded(key: str, value: object) -> None:
 
 def _what_it_takes(annotation: object) -> str:
     """'a number', or 'a number or a name' where the field also takes a string (a choice, a path, `auto`)."""
-    args = getattr(annotation, "__args__", ())
-    names = annotation is str or str in args or any(getattr(a, "__origin__", None) is Literal for a in args)
-    return "a number or a name" if names or getattr(annotation, "__origin__", None) is Literal else "a number"
+    kinds = (annotation, *get_args(annotation))
+    names = any(k is str or get_origin(k) is Literal for k in kinds)
+    return "a number or a name" if names else "a number"
 
 
 def _takes_bool(annotation: object) -> bool:
