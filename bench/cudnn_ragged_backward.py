@@ -2,8 +2,8 @@
 heads over 2, head dim 128): per part, the workspace and the time of the backward told both totals, the query total
 alone (the two `cudnn_ragged._graph` builds and keeps the smaller of) and neither; then the prompt part with empty
 segments against all real at equal tokens, and the own part with few and many responses; last, each part's backward
-on cuDNN's deterministic kernels against the default's, with how far two calls' gradients differ. CUDA-event
-medians of 10.
+on cuDNN's deterministic kernels against the default's, with the largest workspace of each and how far two calls'
+gradients differ. CUDA-event medians of 10.
 Needs a GPU and cudnn-frontend (`pip install rollplex[gpu]`).
 
     python bench/cudnn_ragged_backward.py
@@ -16,7 +16,7 @@ import cudnn
 import torch
 
 from rollplex.models.cascade import Segments
-from rollplex.models.cudnn_ragged import _build, suffix_kernels
+from rollplex.models.cudnn_ragged import _build, build_graphs, suffix_kernels
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 PROMPT_LENS = [4910, 6077, 5151, 4953, 6031, 5357, 6757, 6532]  # the 3B spec's first step
@@ -127,6 +127,8 @@ def main() -> None:
     for deterministic in (False, True):
         prompt, own = suffix_kernels(8, 8, 2048, 8192, deterministic=deterministic)
         kind = "deterministic" if deterministic else "default"
+        workspace = build_graphs((prompt, own), DEV, torch.bfloat16, 16, 2, 128)
+        print(f"{kind}: the largest workspace of the two parts' graphs at the floors: {workspace / 2**30:.2f} GiB")
         print(f"{kind}: prompt part, 8 real, 16,384 queries:", spread(prompt, [2048] * 8, p))
         lens = [x for r in resp for x in r]
         print(f"{kind}: own part, 64 responses, {sum(lens):,} queries:", spread(own, lens, lens))

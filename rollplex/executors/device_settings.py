@@ -68,7 +68,8 @@ def set_expandable_segments(on: bool, device: torch.device) -> None:
 
 def scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None) -> SuffixKernels | None:
     """The cuDNN kernels a model scores with (`run.suffix_attention` resolved to cudnn, a dtype and head size cuDNN
-    takes), their graphs built at the workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs,
+    takes), their graphs built at the workload's capacities; None: FlexAttention. Where cuDNN refuses the graphs, or
+    one of them takes a workspace larger than `memory.runtime_reserve_gib` (the plan counts no other room for it),
     `auto` scores on FlexAttention (one line says why) and an explicit `cudnn` is an error."""
     spec, text = loaded.spec, loaded.model.text
     dtype = getattr(torch, spec.run.dtype)
@@ -79,13 +80,25 @@ def scoring_kernels(loaded: LoadedSpec, device: torch.device, tp: TPSetup | None
                              g.response_tokens, g.prompt_tokens, spec.run.deterministic)  # fmt: skip
     ranks = 1 if tp is None else tp.train.size
     heads = (text.num_attention_heads // ranks, text.num_key_value_heads // ranks, text.head_dim)
+    reserve = spec.memory.runtime_reserve_gib
     try:
-        build_graphs(kernels, device, dtype, *heads)
+        workspace = build_graphs(kernels, device, dtype, *heads)
     except Exception as e:  # cuDNN's errors have no common type: cudnn-frontend raises its own and RuntimeError
         why = f"cuDNN refused the scoring attention's graphs on this GPU ({type(e).__name__}: {str(e)[:160]})"
-        if spec.run.suffix_attention == "cudnn":
-            raise SpecError("run.suffix_attention", why, "set suffix_attention: flex or auto") from e
-        if tp is None or tp.is_main:
-            print(f"rollplex: scoring on FlexAttention: {why}", file=sys.stderr, flush=True)
-        return None
+        return _not_cudnn(loaded, tp, why, "set suffix_attention: flex or auto", e)
+    if workspace > reserve * 2**30:
+        backward = "deterministic backward (run.deterministic)" if spec.run.deterministic else "graphs"
+        why = (f"cuDNN's scoring {backward} takes a {workspace / 2**30:.1f} GiB workspace at this workload, more "
+               f"than the plan's reserve for workspaces (memory.runtime_reserve_gib: {reserve:g})")  # fmt: skip
+        return _not_cudnn(loaded, tp, why, "set suffix_attention: flex or auto, or raise memory.runtime_reserve_gib")
     return kernels
+
+
+def _not_cudnn(loaded: LoadedSpec, tp: TPSetup | None, why: str, fix: str, cause: Exception | None = None) -> None:
+    """Scoring off cuDNN: an explicit `suffix_attention: cudnn` is a one-line error, `auto` scores on FlexAttention
+    and says why on one line (rank 0 under TP)."""
+    if loaded.spec.run.suffix_attention == "cudnn":
+        raise SpecError("run.suffix_attention", why, fix) from cause
+    if tp is None or tp.is_main:
+        print(f"rollplex: scoring on FlexAttention: {why}", file=sys.stderr, flush=True)
+    return None

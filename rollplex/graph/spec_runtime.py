@@ -35,7 +35,9 @@ class RunSpec(Strict):
         "with atomics and weights differ at rounding level between runs. On costs some attention-backward speed: "
         "torch then never runs attention on cuDNN itself (whatever `cudnn_attention` says), for the whole process, "
         "the vision tower attends through gathers and a mask instead of flash attention's variable-length kernel, "
-        "and the scoring attention's cuDNN backward (`suffix_attention`) runs on cuDNN's deterministic kernels.",
+        "and the scoring attention's cuDNN backward (`suffix_attention`) runs on cuDNN's deterministic kernels where "
+        "their workspace fits `memory.runtime_reserve_gib` (tens of GiB at the shipped video workloads), else the "
+        "scoring runs on FlexAttention.",
     )
     cudnn_attention: bool = Field(
         True,

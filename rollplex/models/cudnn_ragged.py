@@ -151,17 +151,16 @@ def suffix_kernels(
 
 def build_graphs(
     kernels: SuffixKernels, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
-) -> None:
+) -> int:
     """Builds both parts' graphs, forward and backward, at their current capacities (the floors, before a first
-    call) for q [T, heads, head_dim] and keys [Tk, kv_heads, head_dim]: a cuDNN that refuses these shapes raises
-    here (cuDNN's error), before a step's first scoring call, and the first call finds its graphs built. A device
-    without an index is the current one, where the model's tensors go."""
+    call) for q [T, heads, head_dim] and keys [Tk, kv_heads, head_dim], and returns the largest workspace one of
+    them takes (bytes; a call allocates its graph's workspace while it runs): a cuDNN that refuses these shapes
+    raises here (cuDNN's error), before a step's first scoring call, and the first call finds its graphs built. A
+    device without an index is the current one, where the model's tensors go."""
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
-    for part in kernels:
-        shape = part.shape(device, dtype, heads, kv_heads, head_dim, head_dim**-0.5)
-        for backward in (False, True):
-            _graph(shape, backward)
+    shapes = [part.shape(device, dtype, heads, kv_heads, head_dim, head_dim**-0.5) for part in kernels]
+    return max(_graph(shape, backward).workspace for shape in shapes for backward in (False, True))
 
 
 def scoring_attention(

@@ -129,7 +129,7 @@ def test_scoring_on_cudnn_builds_its_graphs_once_for_this_ranks_heads_and_each_m
     monkeypatch,
 ):
     built = []
-    engines = _cudnn_scoring(monkeypatch, "auto", lambda kernels, *shape: built.append((kernels, shape)))
+    engines = _cudnn_scoring(monkeypatch, "auto", lambda kernels, *shape: built.append((kernels, shape)) or 2**20)
     ((kernels, (_, dtype, heads, kv_heads, head_dim)),) = built
     text = engines.actor.config.text
     assert (heads, kv_heads, head_dim) == (text.num_attention_heads, text.num_key_value_heads, text.head_dim)
@@ -146,7 +146,7 @@ def test_the_scoring_kernels_backward_is_deterministic_exactly_when_the_run_is(m
     reference's and critic's copies included; off, the faster backward with atomics."""
     monkeypatch.setattr("rollplex.executors.engines.set_determinism", lambda on: None)  # torch's switch stays as is
     choice = "auto, deterministic: true" if deterministic else "auto"
-    engines = _cudnn_scoring(monkeypatch, choice, lambda *a: None)
+    engines = _cudnn_scoring(monkeypatch, choice, lambda *a: 0)
     for model in (engines.actor, engines.reference):
         assert [k.deterministic for k in model.suffix_kernels] == [deterministic, deterministic]
 
@@ -167,6 +167,29 @@ def test_where_cudnn_refuses_its_graphs_auto_scores_on_flexattention_and_says_wh
     assert engines.actor.suffix_kernels is None and engines.reference.suffix_kernels is None
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "FlexAttention" in ln]
     assert line.startswith("rollplex: scoring on FlexAttention: cuDNN refused") and "no execution plan" in line
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_scoring_workspace_beyond_the_runtime_reserve_scores_on_flexattention_and_says_so(
+    monkeypatch, capsys, deterministic
+):
+    """The plan keeps no room for cuDNN's workspace beyond `memory.runtime_reserve_gib` (3 GiB by default): graphs
+    that take more (the deterministic backward at a video workload's capacities) leave auto on FlexAttention."""
+    monkeypatch.setattr("rollplex.executors.engines.set_determinism", lambda on: None)
+    choice = "auto, deterministic: true" if deterministic else "auto"
+    fits = _cudnn_scoring(monkeypatch, choice, lambda *a: 3 * 2**30)
+    assert fits.actor.suffix_kernels is not None and capsys.readouterr().err == ""
+    engines = _cudnn_scoring(monkeypatch, choice, lambda *a: 3 * 2**30 + 1)
+    assert engines.actor.suffix_kernels is None and engines.reference.suffix_kernels is None
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "FlexAttention" in ln]
+    assert "a 3.0 GiB workspace" in line and "memory.runtime_reserve_gib: 3)" in line
+    assert ("deterministic backward" in line) == deterministic
+
+
+def test_a_scoring_workspace_beyond_the_reserve_under_an_explicit_cudnn_is_a_one_line_spec_error(monkeypatch):
+    error = _cudnn_scoring(monkeypatch, "cudnn", lambda *a: 40 * 2**30)
+    assert isinstance(error, SpecError) and error.where == "run.suffix_attention" and "\n" not in str(error)
+    assert "40.0 GiB workspace" in str(error) and "raise memory.runtime_reserve_gib" in str(error)
 
 
 def test_where_cudnn_refuses_its_graphs_an_explicit_cudnn_is_a_one_line_spec_error(monkeypatch):

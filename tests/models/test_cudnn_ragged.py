@@ -73,6 +73,9 @@ def test_graphs_built_ahead_are_the_ones_the_calls_look_up(monkeypatch):
     from rollplex.models import cudnn_ragged
 
     class Built:
+        def __init__(self, workspace: int) -> None:
+            self.workspace = workspace
+
         def run(self, values: dict, device: torch.device) -> None:
             pass
 
@@ -81,12 +84,14 @@ def test_graphs_built_ahead_are_the_ones_the_calls_look_up(monkeypatch):
     @functools.cache
     def graph(shape, backward, /):
         built.append((shape, backward))
-        return Built()
+        return Built(3000 if backward else 1000)
 
     monkeypatch.setattr(cudnn_ragged, "_graph", graph)
     kernels = CudnnRaggedKernels(causal=False, floor=Capacity(4, 256, 512, 512, 2048))
-    build_graphs((kernels,), torch.device("cuda", 0), torch.bfloat16, 4, 2, 64)  # device 0, as the CPU calls key it
-    assert [b for _, b in built] == [False, True]
+    largest = build_graphs(
+        (kernels,), torch.device("cuda", 0), torch.bfloat16, 4, 2, 64
+    )  # device 0, as the CPU keys it
+    assert [b for _, b in built] == [False, True] and largest == 3000
     s = Segments.of([100, 200, 50], [300, 500, 400], causal=False, device=CPU)
     q, k = torch.randn(350, 4, 64, dtype=torch.bfloat16), torch.randn(1200, 2, 64, dtype=torch.bfloat16)
     out, lse, saved = kernels.forward(q, k, k, s, 64**-0.5)
