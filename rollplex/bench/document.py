@@ -95,6 +95,7 @@ def compare(
         "prefills_from_actor": spec.prefills_from_actor,  # run.rollout_prefill as it resolved
         "decode_kernels": decode_kernels_for(spec.run.decode_kernels, torch.device("cuda")) if on_gpu else "plain loop",
         "policy": policy_label(spec) if torch.cuda.is_available() else "inline",
+        "scoring_attention": rollplex.scoring_attention or serial.scoring_attention,  # "" from a run saved before
         "command": command,
         "step_s": {"serial": round(step_serial, 4), "rollplex": round(step_rollplex, 4)},
         "speedup": round(step_serial / step_rollplex, 4),

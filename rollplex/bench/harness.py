@@ -57,6 +57,16 @@ class ScheduleRun:
     bounds: list[dict[str, float]] = field(default_factory=list)  # per measured step: each phase's bound, s
     device_bounds: list[dict[str, float]] = field(default_factory=list)  # the same without the host link
     prefix_backward_bounds: list[float] = field(default_factory=list)  # per measured step (split schedules)
+    scoring_attention: str = ""  # `scoring_label` of the actor's engine: what the gradient noise floor follows
+
+
+def scoring_label(model) -> str:
+    """What a model's scoring attention runs on: cuDNN's ragged calls (their backward accumulates dq with atomics,
+    or not: "cudnn deterministic"), FlexAttention (a GPU) or SDPA with a dense mask (the CPU)."""
+    kernels = model.suffix_kernels
+    if kernels is not None:
+        return "cudnn deterministic" if kernels[0].deterministic else "cudnn"
+    return "flex" if model.device.type == "cuda" else "sdpa"
 
 
 def run_schedule(
@@ -73,7 +83,7 @@ def run_schedule(
     plan = compile_plan(loaded, schedule)
     engines, g, spec = build_engines(plan), plan.graph, loaded.spec
     dataset = open_dataset(spec.workload.dataset, engines.tokenizer, spec.run.seed, loaded.path.parent)
-    device, out = engines.actor.device, ScheduleRun()
+    device, out = engines.actor.device, ScheduleRun(scoring_attention=scoring_label(engines.actor))
     batches = {} if batches is None else batches
     with collections_between_steps(spec.run.manual_gc) as collect:
         for i in range(warmup + steps):
