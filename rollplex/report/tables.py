@@ -66,9 +66,14 @@ def scoring_line(run: RunSpec) -> str:
     choice = scoring_choice(run)
     if choice == "flex":
         return f"FlexAttention (run.suffix_attention {run.suffix_attention})"
+    backward = ""
+    if run.deterministic:  # whether its workspace fits is known once cuDNN builds the graphs, on the GPU
+        otherwise = "FlexAttention" if choice == "auto" else "a spec error"
+        backward = "; run.deterministic: cuDNN's deterministic backward where its workspace fits "
+        backward += f"memory.runtime_reserve_gib, else {otherwise}"
     if choice == "cudnn":
-        return "cuDNN's ragged calls (run.suffix_attention cudnn; needs cudnn-frontend)"
-    return "auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)"
+        return "cuDNN's ragged calls (run.suffix_attention cudnn; needs cudnn-frontend)" + backward
+    return "auto (cuDNN's ragged calls where cudnn-frontend is installed, else FlexAttention)" + backward
 
 
 def _dtype_note(dtype: str) -> str:

@@ -48,7 +48,11 @@ def test_a_plan_over_the_host_names_the_pinned_need_in_its_verdict():
 def test_the_scoring_line_says_what_the_runtime_resolves_the_suffix_attention_to():
     assert scoring_line(RunSpec()).startswith("auto (cuDNN's ragged calls where cudnn-frontend is installed")
     assert scoring_line(RunSpec(suffix_attention="cudnn")).startswith("cuDNN's ragged calls")
-    assert scoring_line(RunSpec(deterministic=True)) == scoring_line(RunSpec())  # cuDNN's deterministic backward
+    deterministic = scoring_line(RunSpec(deterministic=True))  # cuDNN's deterministic backward where it fits
+    assert deterministic.startswith(scoring_line(RunSpec()))
+    assert "workspace fits memory.runtime_reserve_gib" in deterministic
+    assert deterministic.endswith("else FlexAttention")
+    assert scoring_line(RunSpec(deterministic=True, suffix_attention="cudnn")).endswith("else a spec error")
     for flex in (RunSpec(suffix_attention="flex"), RunSpec(cudnn_attention=False)):
         assert scoring_line(flex).startswith("FlexAttention (run.suffix_attention ")
 
