@@ -12,8 +12,8 @@ from rollplex.kernels.pdl import enter, leave
 @triton.jit
 def _attend_chunk(
     q,
-    k_at,
-    v_at,
+    k_ptrs,
+    v_ptrs,
     stride_k,
     stride_v,
     key_at,
@@ -26,20 +26,17 @@ def _attend_chunk(
 ):
     """Online softmax of queries q [M, D] over the keys key_at + [0, CHUNK) that lie below `length`.
 
-    k_at / v_at point at the chunk's first key and value (a scalar pointer each); a key row is `stride_k` /
-    `stride_v` apart. Each block's addresses are computed in the loop from them: pointer tensors carried from one
-    block to the next would hold a [BLOCK, D] tile of 64-bit addresses each in registers.
+    k_ptrs / v_ptrs [BLOCK, D] point at the chunk's first block; a key row is `stride_k` / `stride_v` apart.
     Returns (out [M, D] fp32, lse [M] fp32); an empty chunk gives (0, -inf).
     """
     m_i = tl.full((M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((M,), 0.0, dtype=tl.float32)
     acc = tl.full((M, D), 0.0, dtype=tl.float32)
-    d = tl.arange(0, D)
     for i in range(0, CHUNK, BLOCK):
-        block = i + tl.arange(0, BLOCK)
-        live = key_at + block < length
-        k = tl.load(k_at + block[:, None] * stride_k + d[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(v_at + block[:, None] * stride_v + d[None, :], mask=live[:, None], other=0.0)
+        keys = key_at + i + tl.arange(0, BLOCK)
+        live = keys < length
+        k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, BLOCK]; ieee: no tf32 for fp32 tests
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -49,6 +46,8 @@ def _attend_chunk(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+        k_ptrs += BLOCK * stride_k
+        v_ptrs += BLOCK * stride_v
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -79,57 +78,33 @@ def _prompt_partial(
     H: tl.constexpr,
     HPG: tl.constexpr,
     D: tl.constexpr,
-    ROWS: tl.constexpr,  # sequences a tile: a power of two
+    ROWS: tl.constexpr,  # power of two >= N
     HEADS: tl.constexpr,  # power of two >= HPG
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    TILES: tl.constexpr,  # False: one tile holds every live row of a prompt; True: a tile of ROWS at a time
     USE_GDC: tl.constexpr,
     AHEAD: tl.constexpr,
 ):
-    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK), one tile of ROWS
-    sequences at a time under TILES. Before it waits (`pdl.enter`) it reads the batch's row map: no kernel of the
-    chain writes it."""
+    """Prompt p's live rows, kv-head group g, keys [split * CHUNK, (split + 1) * CHUNK). Before it waits
+    (`pdl.enter`) it reads the batch's row map: no kernel of the chain writes it."""
     count = tl.load(row_count_ptr + p)
     start = tl.load(row_start_ptr + p)
     length = tl.load(prompt_lens_ptr + p) * (count > 0)  # a prompt with no live rows reads no keys
-    enter(USE_GDC, AHEAD)  # the queries: from here on
-    kv_at = split * CHUNK
-    if TILES:
-        for first in range(0, count, ROWS):
-            _prompt_tile(
-                p, g, split, start + first, count - first, length, kv_at, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs, max_rows, scale,
-                H, HPG, D, ROWS, HEADS, CHUNK, BLOCK,
-            )  # fmt: skip
-    else:
-        _prompt_tile(
-            p, g, split, start, count, length, kv_at, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-            stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs, max_rows, scale,
-            H, HPG, D, ROWS, HEADS, CHUNK, BLOCK,
-        )  # fmt: skip
-
-
-@triton.jit
-def _prompt_tile(
-    p, g, split, first, count, length, key_at, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs, max_rows, scale,
-    H: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Batch rows first .. first + min(count, ROWS) (one prompt's) against the chunk of its keys at key_at."""
     r = tl.arange(0, ROWS * HEADS)
-    row = first + r // HEADS
+    row = start + r // HEADS
     head = g * HPG + r % HEADS
     valid = (r // HEADS < count) & (r % HEADS < HPG)
     d = tl.arange(0, D)
+    enter(USE_GDC, AHEAD)  # the queries: from here on
     q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
-    k_at = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + key_at.to(tl.int64) * stride_ks
-    v_at = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + key_at.to(tl.int64) * stride_vs
+    key_at = split * CHUNK
+    keys = key_at + tl.arange(0, BLOCK)
+    k_ptrs = k_ptr + p.to(tl.int64) * stride_kp + g * stride_kg + keys[:, None].to(tl.int64) * stride_ks + d[None, :]
+    v_ptrs = v_ptr + p.to(tl.int64) * stride_vp + g * stride_vg + keys[:, None].to(tl.int64) * stride_vs + d[None, :]
     at = (split * max_rows + row).to(tl.int64) * H + head
     if key_at < length:
         out, lse = _attend_chunk(
-            q, k_at, v_at, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
+            q, k_ptrs, v_ptrs, stride_ks, stride_vs, key_at, length, scale, CHUNK, BLOCK, ROWS * HEADS, D
         )
         tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
         tl.store(lse_ptr + at, lse, mask=valid)
@@ -173,11 +148,13 @@ def _own_partial(
     enter(USE_GDC, AHEAD)  # the queries and the step's own key: from here on
     q = tl.load(q_ptr + (row * H + head)[:, None].to(tl.int64) * D + d[None, :], mask=valid[:, None], other=0.0)
     key_at = split * CHUNK
-    first_key = ((slot * G + g) * R + key_at).to(tl.int64) * D
+    keys = key_at + tl.arange(0, BLOCK)
+    base = (slot * G + g) * R
+    k_ptrs = k_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
+    v_ptrs = v_ptr + (base + keys)[:, None].to(tl.int64) * D + d[None, :]
     at = (split * max_rows + row).to(tl.int64) * H + head
     if key_at < length:
-        out, lse = _attend_chunk(q, k_ptr + first_key, v_ptr + first_key, D, D, key_at, length, scale, CHUNK, BLOCK,
-                                 HEADS, D)  # fmt: skip
+        out, lse = _attend_chunk(q, k_ptrs, v_ptrs, D, D, key_at, length, scale, CHUNK, BLOCK, HEADS, D)
         tl.store(out_ptr + at[:, None] * D + d[None, :], out, mask=valid[:, None])
         tl.store(lse_ptr + at, lse, mask=valid)
     else:  # a chunk the response has not reached yet (most of them early in a long rollout): its lse only
@@ -217,7 +194,6 @@ def partial_kernel(
     R: tl.constexpr,
     ROWS: tl.constexpr,
     PROMPT_HEADS: tl.constexpr,
-    TILES: tl.constexpr,
     OWN_HEADS: tl.constexpr,
     PROMPT_CHUNK: tl.constexpr,
     PROMPT_SPLITS: tl.constexpr,
@@ -236,7 +212,7 @@ def partial_kernel(
             tl.load(batch_prompts_ptr + pid // (G * PROMPT_SPLITS)), (pid // PROMPT_SPLITS) % G, pid % PROMPT_SPLITS,
             q_ptr, prompt_k_ptr, prompt_v_ptr, prompt_lens_ptr, row_start_ptr, row_count_ptr,
             prompt_out_ptr, prompt_lse_ptr, stride_kp, stride_kg, stride_ks, stride_vp, stride_vg, stride_vs,
-            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, TILES, USE_GDC, AHEAD,
+            max_rows, scale, H, HPG, D, ROWS, PROMPT_HEADS, PROMPT_CHUNK, BLOCK, USE_GDC, AHEAD,
         )  # fmt: skip
     else:
         own = pid - prompt_programs

@@ -112,16 +112,6 @@ class DecodeAttentionShape:
         past a prompt's end write only their lse, reading no key."""
         return triton.cdiv(_pow2(self.max_prompt_len), self.chunk_for(num_batch_prompts))
 
-    def row_tile(self, rows: int, num_batch_prompts: int) -> int:
-        """Sequences a prompt program's tile holds in a batch of `rows` rows launched for `num_batch_prompts`
-        prompts: the next power of two of its mean rows a prompt (with the 16 rows tl.dot needs), at most one
-        prompt's sequences. A rollout's tail holds a row or two a prompt, and a tile for every sequence of a prompt
-        would compute, and hold in registers, softmax rows no sequence reads; a prompt with more live rows than a
-        tile takes its tiles one after another over the same chunk of keys."""
-        full = _rows(self.num_samples, self.num_heads // self.num_kv_heads)
-        least = 16 // min(16, _pow2(self.num_heads // self.num_kv_heads))
-        return min(full, max(least, _pow2(triton.cdiv(rows, num_batch_prompts))))
-
     @property
     def max_prompt_splits(self) -> int:
         """The most chunks a prompt is cut into: at one prompt a batch, the shortest chunk."""
@@ -175,13 +165,12 @@ class DecodeAttention:
         scale = d**-0.5
         chunk, splits = sh.chunk_for(num_batch_prompts), sh.prompt_splits(num_batch_prompts)
         prompt_programs = num_batch_prompts * g * splits
-        tile = sh.row_tile(rows, num_batch_prompts)
         partial_kernel[(prompt_programs + rows * g * sh.own_splits,)](
             q, prompt_k, prompt_v, prompt_lens, row_start, row_count, batch_prompts, own_k, own_v, slots, step,
             self.prompt_out, self.prompt_lse, self.own_out, self.own_lse,
             *prompt_k.stride()[:3], *prompt_v.stride()[:3], sh.max_rows, scale, prompt_programs,
-            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=tile, PROMPT_HEADS=_pow2(hpg),
-            TILES=tile < sh.num_samples, OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=chunk, PROMPT_SPLITS=splits,
+            H=h, G=g, HPG=hpg, D=d, R=sh.max_tokens, ROWS=_rows(sh.num_samples, hpg),
+            PROMPT_HEADS=_pow2(hpg), OWN_HEADS=_pow2(hpg, 16), PROMPT_CHUNK=chunk, PROMPT_SPLITS=splits,
             OWN_CHUNK=sh.own_chunk, OWN_SPLITS=sh.own_splits, BLOCK=sh.block,
             num_warps=sh.num_warps, num_stages=sh.num_stages, **pdl_options(pdl, q, ahead),
         )  # fmt: skip

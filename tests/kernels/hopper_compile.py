@@ -105,9 +105,8 @@ def compile_for_hopper(name: str, tiles: Tiles, split: tuple[int, int] | None = 
 
 
 def decode_kernels() -> dict:
-    """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128), and the
-    partial attention at a 3B tail batch's tile; those the decode step can launch as programmatic dependents in
-    that variant (USE_GDC)."""
+    """(kernel, signature, constexprs) of every decode kernel at 7B shapes (28 heads, 4 kv heads, D 128); those the
+    decode step can launch as programmatic dependents in that variant (USE_GDC)."""
     from rollplex.kernels import cascade as da
     from rollplex.kernels import decode_ops as ops
     from rollplex.kernels import sampling as sa
@@ -115,20 +114,16 @@ def decode_kernels() -> dict:
 
     ptrs = lambda *names, t="*bf16": {n: t for n in names}  # noqa: E731
     heads = {"H": 28, "HPG": 7, "D": 128}
-    partial_signature = {**ptrs("q_ptr", "prompt_k_ptr", "prompt_v_ptr", "own_k_ptr", "own_v_ptr"),
-        **ptrs("prompt_lens_ptr", "row_start_ptr", "row_count_ptr", "batch_prompts_ptr", "slots_ptr", "step_ptr",
-               t="*i64"),
-        **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
-        **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows",
-               "prompt_programs", t="i32"),
-        "scale": "fp32"}  # fmt: skip
-    partial_constexprs = {**heads, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
-        "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "TILES": False,
-        "USE_GDC": True, "AHEAD": False}  # fmt: skip
     return {
-        "partial": (da.partial_kernel, partial_signature, partial_constexprs),
-        "partial_tail": (da.partial_kernel, partial_signature, {**partial_constexprs, "H": 16, "HPG": 8, "G": 2,
-            "ROWS": 2, "TILES": True, "PROMPT_CHUNK": 512, "PROMPT_SPLITS": 16}),  # a 3B rollout's tail batch
+        "partial": (da.partial_kernel, {**ptrs("q_ptr", "prompt_k_ptr", "prompt_v_ptr", "own_k_ptr", "own_v_ptr"),
+            **ptrs("prompt_lens_ptr", "row_start_ptr", "row_count_ptr", "batch_prompts_ptr", "slots_ptr", "step_ptr",
+                   t="*i64"),
+            **ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr", t="*fp32"),
+            **ptrs("stride_kp", "stride_kg", "stride_ks", "stride_vp", "stride_vg", "stride_vs", "max_rows",
+                   "prompt_programs", t="i32"),
+            "scale": "fp32"}, {**heads, "G": 4, "R": 2048, "ROWS": 8, "PROMPT_HEADS": 8, "OWN_HEADS": 16,
+            "PROMPT_CHUNK": 256, "PROMPT_SPLITS": 32, "OWN_CHUNK": 256, "OWN_SPLITS": 8, "BLOCK": 64, "USE_GDC": True,
+            "AHEAD": False}),
         "combine": (da.combine_kernel, {**ptrs("prompt_out_ptr", "prompt_lse_ptr", "own_out_ptr", "own_lse_ptr",
             t="*fp32"), "out_ptr": "*bf16", "max_rows": "i32"}, {"H": 28, "D": 128, "PROMPT_SPLITS": 32,
             "OWN_SPLITS": 8, "PROMPT_LANES": 32, "OWN_LANES": 8, "USE_GDC": True, "AHEAD": False}),

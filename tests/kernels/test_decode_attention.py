@@ -35,7 +35,6 @@ def reference(q, prompt_k, prompt_v, prompt_lens, own_k, own_v, slots, step, num
         (4, 2, 3, None, 0, 32),  # the first decode step: one own key
         (4, 2, 3, [7, 8], 37, 0),  # one prompt in the batch, its chunk picked for one prompt
         (4, 1, 2, [1, 4, 5], 37, 0),  # prompts 0 and 2 of 3, the chunk picked for two
-        (8, 1, 4, [0, 1, 2, 9], 37, 32),  # tiles of 2 sequences: prompt 0's 3 live rows take two, one half empty
     ],
 )
 def test_cascade_attention_equals_attention_over_the_concatenated_keys(
@@ -68,17 +67,6 @@ def test_cascade_attention_equals_attention_over_the_concatenated_keys(
         step, num_samples,
     )  # fmt: skip
     assert_matches(out.cpu(), expected.to(out.dtype))
-
-
-def test_a_prompt_program_tiles_the_rows_a_batch_holds_a_prompt():
-    """At the 3B rollout's shapes (8 heads a group: 2 sequences fill tl.dot's 16 rows) a full batch's tile holds a
-    prompt's 8 sequences, and a tail batch's the next power of two of its mean rows a prompt."""
-    shape = DecodeAttentionShape(8, 8, 16, 2, 128, 5888, 2048)
-    assert [shape.row_tile(rows, prompts) for rows, prompts in [(64, 8), (32, 5), (16, 2), (8, 1)]] == [8] * 4
-    assert [shape.row_tile(rows, prompts) for rows, prompts in [(8, 5), (4, 5), (2, 2), (1, 1), (4, 1)]] == [
-        2, 2, 2, 2, 4,
-    ]  # fmt: skip
-    assert DecodeAttentionShape(3, 3, 4, 2, 16, 80, 40).row_tile(1, 1) == 8  # 2 heads a group: 8 rows for tl.dot
 
 
 def test_a_batch_of_fewer_prompts_cuts_them_into_shorter_chunks():

@@ -43,23 +43,21 @@ def test_both_kernels_compile_for_hopper_pipelined_and_within_shared_memory():
 def test_every_decode_kernel_compiles_for_hopper_within_shared_memory_and_registers():
     results = compiled("decode")
     assert [r["kernel"] for r in results] == [
-        "partial", "partial_tail", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial",
-        "sample_finish", "sum_splits",
+        "partial", "combine", "add_rms_norm", "rotary_to_cache", "silu_mul", "sample_partial", "sample_finish",
+        "sum_splits",
     ]  # fmt: skip
     assert all(r["shared_bytes"] <= HOPPER_SHARED_BYTES for r in results), results
-    assert [r["gdc"] for r in results] == [True] * 6 + [False, False, True]  # sampling: no dependent launch
+    assert [r["gdc"] for r in results] == [True] * 5 + [False, False, True]  # sampling: no dependent launch
     # before it waits a dependent writes nothing, and only these read what no kernel of the chain writes
     # (`pdl.enter`): the attention its row map and the step, the norm its weight, rotary its position and tables
     dependents = [r for r in results if r["gdc"]]
     assert all(r["writes_before_wait"] == [] for r in dependents), results
-    assert [r["kernel"] for r in dependents if r["loads_before_wait"]] == [
-        "partial", "partial_tail", "add_rms_norm", "rotary_to_cache",
-    ]  # fmt: skip
-    # registers: every kernel keeps its values in registers (no local memory), the partial attention's 64-row
-    # prompt tile too: its key and value blocks' addresses are computed in the loop, not carried as 64-bit tiles;
-    # a tail tile of 2 sequences leaves registers to spare
-    assert all(r["local_bytes"] == 0 and r["registers"] <= 255 for r in results), results
-    assert next(r["registers"] for r in results if r["kernel"] == "partial_tail") < 255, results
+    assert [r["kernel"] for r in dependents if r["loads_before_wait"]] == ["partial", "add_rms_norm", "rotary_to_cache"]
+    # registers: every kernel but the partial attention keeps its values in registers (no local memory); the
+    # partial's 64-row prompt tile ([N x heads-per-group] queries against a [64, 128] block) takes every register
+    # a thread may have at 4 warps and spills, and its own-key programs share that allocation
+    spills = {r["kernel"]: r["local_bytes"] for r in results if r["local_bytes"]}
+    assert set(spills) <= {"partial"} and all(r["registers"] <= 255 for r in results), results
 
 
 @pytest.mark.slow
