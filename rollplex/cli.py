@@ -118,16 +118,16 @@ def _run(args: argparse.Namespace) -> int:
         raise SpecError("", "--no-checkpoints with --checkpoint-every", "choose one")
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
         raise SpecError("", f"--out {opts.out_dir} is a file", "give a directory (it is created if missing)")
-    from rollplex.executors.device_settings import resolve_device
     from rollplex.executors.distributed import check_world, is_main_process
+    from rollplex.executors.launch import launch_local, launches_here
     from rollplex.executors.policies import mps_session
     from rollplex.executors.signals import stop_line
 
+    if launches_here(spec.cluster.nodes, spec.cluster.gpus_per_node):  # one node of several GPUs: a rank each
+        _check_device(loaded)
+        return launch_local(spec.cluster.gpus_per_node, args.argv)
     with mps_session([plan]):  # under the mps policy: before anything touches the GPU
-        try:
-            resolve_device(spec.run.device)
-        except ValueError as e:
-            raise loaded.locate(SpecError("run.device", str(e))) from None
+        _check_device(loaded)
         try:
             check_world(spec.cluster.nodes, spec.cluster.gpus_per_node)
         except ValueError as e:
@@ -150,6 +150,16 @@ def _run(args: argparse.Namespace) -> int:
         print(run_summary(records))
     finish()
     return 0
+
+
+def _check_device(loaded) -> None:
+    """The spec's run.device is one this machine has, else one line."""
+    from rollplex.executors.device_settings import resolve_device
+
+    try:
+        resolve_device(loaded.spec.run.device)
+    except ValueError as e:
+        raise loaded.locate(SpecError("run.device", str(e))) from None
 
 
 RUN_MODULES = ("torch", "safetensors", "PIL", "tqdm", "tensorboard")  # what training imports: rollplex[train] and torch
@@ -279,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         with stop_signals():  # SIGTERM and SIGHUP end a command as Ctrl-C does
             return args.func(args)
     except (SpecError, PlanDoesNotFit, RunFailed) as e:
-        print(f"rollplex: {e}", file=sys.stderr)
+        from rollplex.executors.distributed import is_main_process
+
+        if is_main_process() or isinstance(e, RunFailed):  # the spec's and flags' errors: every rank meets them
+            print(f"rollplex: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
         if getattr(e, "said", True):

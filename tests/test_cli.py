@@ -116,7 +116,7 @@ def test_the_dry_run_says_how_many_processes_to_launch_and_which_ranks_form_each
     assert refused.startswith("parallel.split_rollout (true reseeds each rollout replica")
     assert main(["compile", str(SPECS / "tiny_cpu_dp2.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "launch: torchrun --nproc-per-node 2 -m rollplex run" in out and "DP groups: [0,1]" in out
+    assert "launch: rollplex run" in out and "DP groups: [0,1]" in out
     assert "TP groups" not in out and "refuses" not in out
 
 

@@ -83,7 +83,7 @@ def check_launch(train_tp: int) -> None:
     """ValueError unless exactly train_tp processes were launched (`rollplex bench`, one TP group)."""
     from rollplex.report.tables import launch_command
 
-    _check_processes(train_tp, f"train_tp is {train_tp}", launch_command(1, train_tp))
+    _check_processes(train_tp, f"train_tp is {train_tp}", launch_command(1, train_tp, command="bench"))
 
 
 def _check_processes(expected: int, why: str, launch: str, more: str = "") -> None:

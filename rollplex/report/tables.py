@@ -96,16 +96,17 @@ def rollout_line(plan: Plan) -> str:
     return f"{prefill} (run.rollout_prefill {run.rollout_prefill}{why}); decode kernels {kernels}"
 
 
-def launch_command(nodes: int, gpus_per_node: int, spec: str = "SPEC") -> str:
+def launch_command(nodes: int, gpus_per_node: int, spec: str = "SPEC", command: str = "run") -> str:
     """The command that starts one process per GPU of a cluster of `nodes` x `gpus_per_node` (the spec's path
-    quoted for a shell)."""
+    quoted for a shell): `rollplex run` starts one node's processes itself (`executors.launch`), `rollplex bench`
+    and several nodes go through torchrun."""
     spec = shlex.quote(spec)
-    if nodes * gpus_per_node == 1:
-        return f"rollplex run {spec}"
+    if nodes * gpus_per_node == 1 or (nodes == 1 and command == "run"):
+        return f"rollplex {command} {spec}"
     if nodes == 1:
-        return f"torchrun --nproc-per-node {gpus_per_node} -m rollplex run {spec}"
+        return f"torchrun --nproc-per-node {gpus_per_node} -m rollplex {command} {spec}"
     return (f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --node-rank R --rdzv-backend c10d "
-            f"--rdzv-endpoint HOST:PORT -m rollplex run {spec}   (on each node R)")  # fmt: skip
+            f"--rdzv-endpoint HOST:PORT -m rollplex {command} {spec}   (on each node R)")  # fmt: skip
 
 
 def launch_lines(plan: Plan) -> str:

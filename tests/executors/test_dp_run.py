@@ -2,7 +2,7 @@
 rank takes half the step's prompt groups, and the run gives the one-process run's rollouts, losses and weights
 within float32 rounding, also as two replicas of a tensor-parallel pair (4 processes), as two nodes over
 loopback resumed half-way, and with the optimizer state sharded over the ranks (ZeRO-1) resumed from its
-shares; a launch that does not match the cluster is one line."""
+shares, and started by `rollplex run` itself; a launch that does not match the cluster is one line."""
 
 from __future__ import annotations
 
@@ -162,16 +162,32 @@ def test_ppo_with_a_critic_on_two_ranks_trains_as_one_process(tmp_path):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
 
 
+@pytest.mark.slow
+def test_rollplex_run_starts_a_nodes_ranks_itself_and_they_train_as_one_process(tmp_path, one_process):
+    """Without torchrun `rollplex run` starts the cluster's two ranks; what they print is theirs alone (no launcher
+    warnings or failure report), a spec or flag error once, not once a rank."""
+    itself = launch(1, DP2, tmp_path / "itself", "--steps", "2")  # one command: no torchrun around it
+    assert itself.returncode == 0, itself.stderr[-3000:]
+    assert "Traceback" not in itself.stderr and "OMP_NUM_THREADS" not in itself.stderr, itself.stderr[-3000:]
+    assert_trains_as(tmp_path / "itself", one_process)
+    failed = launch(1, DP2, tmp_path / "empty", "--steps", "1", "--resume")  # every rank finds no checkpoint
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert failed.stderr.strip().splitlines() == [
+        f"rollplex: --resume: no complete checkpoint in {tmp_path / 'empty' / 'checkpoints'}; run once without "
+        "--resume first"
+    ]
+
+
 def test_a_launch_that_does_not_match_the_cluster_is_one_line(tmp_path, capsys, monkeypatch):
     from rollplex.cli import main
 
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a launcher's one process, where the cluster has two GPUs
     code = main(["run", str(DP2), "--out", str(tmp_path / "alone"), "--quiet", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the cluster has 2 GPUs but 1 processes were launched" in err
-    assert "torchrun --nproc-per-node 2 -m rollplex run" in err
+    assert "the cluster has 2 GPUs but 1 processes were launched: use rollplex run" in err
 
 
 def launch_nodes(spec: Path, out: Path, *args: str) -> list[subprocess.CompletedProcess]:

@@ -137,18 +137,19 @@ def test_a_resumed_tp2_run_with_replicas_sharing_the_prompts_continues_where_it_
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_a_tp2_spec_without_torchrun_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+def test_a_tp2_spec_launched_as_one_process_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     from rollplex.cli import main
 
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a launcher's one process (without one, `rollplex run` starts both)
     monkeypatch.syspath_prepend(str(HERE))  # the spec's reward module
     spec = tmp_path / "alone.yaml"
     spec.write_text(SPEC.format(tp=2, qkv="in_place", device="cpu", split="false", sp="false"))
     code, err = main(["run", str(spec), "--out", str(tmp_path / "alone"), "--quiet"]), capsys.readouterr().err
     assert code == 2
     assert err.strip().count("\n") == 0, err
-    assert "cluster.gpus_per_node" in err and "torchrun --nproc-per-node 2 -m rollplex run" in err
+    assert "cluster.gpus_per_node" in err and "use rollplex run" in err
 
 
 @pytest.mark.slow
