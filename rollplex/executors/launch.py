@@ -71,7 +71,10 @@ def exit_code(rank: int, processes: int, code: int) -> int:
     end raises RunFailed naming the rank (the rank could say nothing): the code is then 128 + its number."""
     if code >= 0:
         return code
-    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:  # a number no name of this platform's has
+        name = f"signal {-code}"
     why = " (most often the out-of-memory killer)" if -code == signal.SIGKILL else ""
     error = RunFailed(f"rank {rank} of {processes} was ended by {name}{why}; the other ranks were stopped")
     error.exit_code = 128 - code
