@@ -3,13 +3,14 @@ first, then starts one process per GPU on this machine, each `python -m rollplex
 through torch's elastic launcher as `torchrun --standalone --nproc-per-node N` would (a rendezvous on a free
 local port, no restarts).
 
-What the command prints stays the ranks' own: their progress, their one-line errors (a spec error never gets that
-far: it is found before any process starts), the summary rank 0 writes. The launcher's own logging (its warnings,
-and the failure report torchrun prints as a traceback) is silenced; a rank that a signal killed, which says
-nothing itself, gets one line naming it. The command exits with the first failed rank's code (128 + the signal's
-number for a rank a signal ended), 0 when every rank finished. A stop signal (Ctrl-C, SIGTERM, SIGHUP) reaches the
-ranks, which save their last step as a one-process run does; they are killed only after SAVE_SECONDS (torchrun's
-default gives them 30). Several nodes still need torchrun on each node (`report.tables.launch_command`).
+What the command prints stays the ranks' own: their progress, their one-line errors (the spec's are found before any
+process starts; one every rank meets, a flag's, rank 0 alone says), the summary rank 0 writes. The launcher's own
+logging (its warnings, and the failure report torchrun prints as a traceback) is silenced; a rank that a signal
+killed, which says nothing itself, gets one line naming it. The command exits with the first failed rank's code (128
++ the signal's number for a rank a signal ended), 0 when every rank finished. A stop signal (Ctrl-C, SIGTERM,
+SIGHUP) reaches the ranks, which save their last step as a one-process run does; they are killed only after
+SAVE_SECONDS (torchrun's default gives them 30). Several nodes still need torchrun on each node
+(`report.tables.launch_command`).
 """
 
 from __future__ import annotations
