@@ -144,7 +144,8 @@ def _run(args: argparse.Namespace) -> int:
     if records and is_main_process():  # one summary line, from rank 0 under torchrun
         last = records[-1]
         summary = f"reward {last['reward_mean']:.3f}, loss {last['loss']:.4f}"
-        print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}")
+        evaluations = f", held-out evaluations in {opts.out_dir / 'eval.jsonl'}" if spec.evaluation else ""
+        print(f"step {last['step']}: {summary}; metrics in {opts.out_dir / 'metrics.jsonl'}{evaluations}")
         from rollplex.report.efficiency import run_summary
 
         print(run_summary(records))

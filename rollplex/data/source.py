@@ -36,6 +36,37 @@ def open_dataset(
     return VideoR1Dataset(dataset_file(name, base), tokenizer)
 
 
+class HeldOut:
+    """Examples `start` .. `start + size - 1` of `dataset`, as examples 0 .. size - 1."""
+
+    def __init__(self, dataset: Dataset, start: int, size: int) -> None:
+        if start + size > len(dataset):
+            raise ValueError(f"{size} held-out examples asked for, and the file has {len(dataset) - start}")
+        self.dataset, self.start, self.size = dataset, start, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Example:
+        if not 0 <= index < self.size:
+            raise IndexError(f"held-out example {index} out of range [0, {self.size})")
+        return self.dataset[self.start + index]
+
+
+def open_held_out(
+    name: str, tokenizer: Tokenizer, seed: int, size: int, base: Path | None = None, mismatch_videos: bool = False
+) -> HeldOut:
+    """`size` examples no run trains on: a synthetic preset's past SYNTHETIC_SIZE (a training run wraps around
+    before them; the same seed draws them), or a file's first `size` rows (a held-out file)."""
+    if name.startswith("synthetic:"):
+        preset = synthetic_preset(name)
+        every = SyntheticVideoQA(
+            preset, tokenizer, seed=seed, num_examples=SYNTHETIC_SIZE + size, mismatch_videos=mismatch_videos
+        )
+        return HeldOut(every, SYNTHETIC_SIZE, size)
+    return HeldOut(VideoR1Dataset(dataset_file(name, base), tokenizer), 0, size)
+
+
 def batch_at(dataset: Dataset, position: int, size: int) -> list[Example]:
     """`size` examples from data position `position`, wrapping around the dataset."""
     return [dataset[(position + i) % len(dataset)] for i in range(size)]

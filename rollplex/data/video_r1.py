@@ -98,12 +98,12 @@ def parse_row(row: object, where: str, media_root: Path) -> Row:
     question = row.get("problem", row.get("question"))
     answer = row.get("solution", row.get("answer"))
     for label, value in (
-        ("a media path (path/video/image)", media_key),
+        ("media path (path, video or image)", media_key),
         ("problem", question),
         ("solution", answer),
     ):
         if value is None:
-            raise ValueError(f"{where}: row has no {label}; keys are {sorted(row)}")
+            raise ValueError(f"{where}: row has no {label}; its keys are {sorted(row)}")
     media = _media_path(row[media_key], where, media_root)
     options = _options(row.get("options"), where)
     kind = _answer_kind(row.get("problem_type"), options, where)

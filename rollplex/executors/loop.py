@@ -1,6 +1,6 @@
 """`rollplex run`: the training loop. Builds the engines of a compiled plan, then per step takes a batch at
 the data position (made on a worker thread during the step before, `rollplex.data.prefetch`), walks the plan's
-steps, logs metrics, and checkpoints.
+steps, logs metrics, checkpoints, and evaluates on held-out prompts where the spec asks (`evaluation.py`).
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP (`executors.signals`) or an error before a step's update loses that step only
 (the last completed step is saved on the way out); a signal during the update waits until the step is complete;
@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from rollplex.data.prefetch import Prefetch
@@ -25,6 +26,7 @@ from rollplex.executors.compiles import compiled_so_far
 from rollplex.executors.datacheck import check_budget
 from rollplex.executors.distributed import is_main_process
 from rollplex.executors.engines import Engines, build_engines
+from rollplex.executors.evaluation import eval_line, evaluate, open_evaluation
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.preflight import preflight
@@ -59,6 +61,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
         )
     except ValueError as e:
         raise loaded.locate(SpecError("workload.dataset", str(e))) from None
+    evaluation = open_evaluation(loaded)
     try:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -86,7 +89,12 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                             f"raise --steps above {start} to train on")  # fmt: skip
     main = engines.is_main  # under tensor parallelism the other ranks compute and write nothing but their state
     log = (
-        MetricsLog(opts.out_dir, resume_step=start if opts.resume else None, tensorboard=opts.tensorboard)
+        MetricsLog(
+            opts.out_dir,
+            resume_step=start if opts.resume else None,
+            tensorboard=opts.tensorboard,
+            evaluation=evaluation is not None,
+        )
         if main
         else None
     )
@@ -214,6 +222,15 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                     checkpointing.save(opts.out_dir, saved, engines, opts.keep_checkpoints)
                 keep_streaming(engines)
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
+                if evaluation is not None and evaluation.due(step, opts.steps):
+                    emit_waiting()  # a deferred update joins: the evaluation reads the weights it writes
+                    joined()
+                    pin = engines.actor.device.type == "cuda"
+                    figures = evaluate(engines, evaluation, step, pin, share, partial(check_budget, loaded))
+                    if log is not None:
+                        log.write_eval(figures)
+                    if progress:
+                        _say(eval_line(figures), step_bar if bars else None)
         finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
             ending = True
             why = "ending the run: its last metrics and checkpoint first (interrupts wait for them)" if main else ""
@@ -313,6 +330,14 @@ def _stalls(record: dict, warm: bool) -> str:
         )
         text += f", {sum(counts.values())} compiles ({kinds})"
     return text
+
+
+def _say(line: str, bar=None) -> None:
+    """A line on stderr, above the progress `bar` where there is one."""
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _progress(it, enabled: bool, start: int, total: int):

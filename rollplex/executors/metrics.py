@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per step in `metrics.jsonl`, the same scalars as TensorBoard events."""
+"""Per-step metrics: one JSON line per step in `metrics.jsonl`, one per held-out evaluation in `eval.jsonl`, the same
+scalars as TensorBoard events (an evaluation's under `eval/`)."""
 
 from __future__ import annotations
 
@@ -83,32 +84,50 @@ def peak_mem_bytes(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """Appends one line per step; on resume, drops lines past the checkpoint so the file stays one run (rewritten
-    beside and renamed over: a kill meanwhile keeps the old file whole), and TensorBoard drops its events past it."""
+    """Appends one line per step (and per evaluation); on resume, drops lines past the checkpoint so each file stays
+    one run (rewritten beside and renamed over: a kill meanwhile keeps the old file whole), and TensorBoard drops its
+    events past it."""
 
-    def __init__(self, out_dir: Path, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
+    def __init__(
+        self, out_dir: Path, *, resume_step: int | None = None, tensorboard: bool = True, evaluation: bool = False
+    ) -> None:
         self.path = out_dir / "metrics.jsonl"
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():
-            kept = [line for line in _whole_lines(self.path) if json.loads(line)["step"] <= resume_step]
-            fresh = self.path.with_name(self.path.name + ".tmp")
-            fresh.write_text("".join(line + "\n" for line in kept))
-            fresh.replace(self.path)
+        self.eval_path = out_dir / "eval.jsonl"
+        _start(self.path, resume_step)
+        _start(self.eval_path, resume_step, create=evaluation)
         purge = None if resume_step is None else resume_step + 1
         self.writer = _tensorboard(out_dir / "tb", purge) if tensorboard else None
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
+        self._append(self.path, record, "")
+
+    def write_eval(self, record: dict) -> None:
+        """An evaluation's line (`executors.evaluation`), keyed by the step whose weights it read."""
+        self._append(self.eval_path, record, "eval/")
+
+    def _append(self, path: Path, record: dict, prefix: str) -> None:
+        with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for key, value in _scalars(record):
+            for key, value in _scalars(record, prefix):
                 self.writer.add_scalar(key, value, record["step"])
             self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _start(path: Path, resume_step: int | None, create: bool = True) -> None:
+    """A new run's file empty (`create`: made); a resumed run's without the lines past `resume_step`."""
+    if resume_step is None:
+        if create:
+            path.write_text("")
+    elif path.exists():
+        kept = [line for line in _whole_lines(path) if json.loads(line)["step"] <= resume_step]
+        fresh = path.with_name(path.name + ".tmp")
+        fresh.write_text("".join(line + "\n" for line in kept))
+        fresh.replace(path)
 
 
 def _whole_lines(path: Path) -> list[str]:

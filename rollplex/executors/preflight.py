@@ -9,7 +9,7 @@ would otherwise surface only after minutes of building (a 7B's weights and pinne
 - `run.device: auto` on a machine without a GPU: the plan must fit this machine's memory (a GPU spec would
   otherwise build its models on the CPU until the host runs out)
 - `run.init: checkpoint`: the weights' files exist
-- `workload.dataset`: a file path exists
+- `workload.dataset`, `evaluation.dataset`: a file path exists
 - `algorithm.rewards`: each `module:function` imports (a registered name was checked when the spec was read)
 """
 

@@ -19,12 +19,11 @@ from itertools import pairwise
 import networkx as nx
 import torch
 
-from rollplex.data.rewards import is_correct
-from rollplex.data.tokenizer import response_text
 from rollplex.errors import SpecError
 from rollplex.executors.critic import train_critic
 from rollplex.executors.draws import burn, length_budgets
 from rollplex.executors.engines import Engines
+from rollplex.executors.grading import grade
 from rollplex.executors.ppo import advantages
 from rollplex.executors.prefix_jobs import (
     PREFIX_JOBS,
@@ -204,24 +203,15 @@ def _decode(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord, 
 
 
 def _reward(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:
-    """Each response's text as a grader reads it (`response_text`), scored by every reward term; the summed
-    reward goes on, the terms' means and the accuracy to the metrics."""
+    """Each response scored by every reward term (`grading.grade`); the summed reward goes on, the terms' means and
+    the accuracy to the metrics."""
     rollout = _read(g, store, o, NodeKind.DECODE)
-    rewards = torch.zeros(rollout.response_lens.shape)
-    terms, correct = torch.zeros(len(e.reward.names), dtype=torch.float64), 0
-    responses, lens = rollout.responses.cpu(), rollout.response_lens.cpu()
-    for p, example in enumerate(store["examples"]):
-        for n in range(responses.shape[1]):
-            text = response_text(e.tokenizer, responses[p, n, : int(lens[p, n])].tolist())
-            scores = e.reward.scores(text, example)
-            rewards[p, n] = e.reward.total(scores)
-            terms += torch.tensor(scores, dtype=torch.float64)
-            correct += is_correct(text, example)
-    rewards = rewards.to(rollout.responses.device)
+    grades = grade(rollout, store["examples"], e.tokenizer, e.reward)
+    rewards = grades.rewards.to(rollout.responses.device)
     store[o.outputs[0]] = rewards
     record.rewards = rewards
-    record.reward_terms = dict(zip(e.reward.names, (terms / rewards.numel()).tolist(), strict=True))
-    record.stats["accuracy"] = correct / rewards.numel()
+    record.reward_terms = dict(zip(e.reward.names, (grades.term_sums / rewards.numel()).tolist(), strict=True))
+    record.stats["accuracy"] = grades.num_correct / rewards.numel()
 
 
 def _ref_prefix(e: Engines, g: nx.DiGraph, o: Op, store: Store, record: StepRecord) -> None:

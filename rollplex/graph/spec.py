@@ -1,8 +1,9 @@
 """The YAML spec's schema, in pydantic (the YAML boundary: nothing past it declares a pydantic model); with
-`spec_base.py` (what any setting must be), `spec_workload.py` (the `workload` section), `spec_algorithm.py` (the
-`algorithm` section) and `spec_runtime.py` (the `run` and `sharing` sections).
+`spec_base.py` (what any setting must be), `spec_workload.py` (the `workload` and `evaluation` sections),
+`spec_algorithm.py` (the `algorithm` section) and `spec_runtime.py` (the `run` and `sharing` sections).
 
-Sections: model, cluster, parallel, workload, algorithm, memory, schedule, sharing, graph (optional), run.
+Sections: model, cluster, parallel, workload, algorithm, memory, schedule, sharing, graph (optional), run,
+evaluation (optional).
 Checks that need the model's shapes (TP divides the heads) live in `graph.load`, after the model is read.
 """
 
@@ -15,7 +16,7 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_va
 from rollplex.graph.spec_algorithm import AlgorithmSpec
 from rollplex.graph.spec_base import Strict
 from rollplex.graph.spec_runtime import RunSpec, SharingSpec
-from rollplex.graph.spec_workload import WorkloadSpec
+from rollplex.graph.spec_workload import EvaluationSpec, WorkloadSpec
 
 NodeKindName = Literal["decode", "forward", "backward", "update", "reward"]
 RoleName = Literal["rollout", "reference", "actor", "critic"]
@@ -226,6 +227,9 @@ class Spec(Strict):
     sharing: SharingSpec = SharingSpec()
     graph: GraphSpec | None = Field(None, description="A custom iteration graph; default: standard GRPO.")
     run: RunSpec = RunSpec()
+    evaluation: EvaluationSpec | None = Field(
+        None, description="Held-out evaluation between steps (`rollplex run`); null: none."
+    )
 
     @field_validator("model", mode="before")
     @classmethod
@@ -278,6 +282,29 @@ class Spec(Strict):
         if self.algorithm.name == "grpo" and self.workload.group_size < 2:
             why = "each advantage (a reward less its group's mean) is 0, so only the KL and entropy would train"
             raise ValueError(f"workload.group_size 1 under GRPO: {why}; use 2 or more, or algorithm.name ppo")
+        return self
+
+    @model_validator(mode="after")
+    def _evaluation(self) -> Spec:
+        ev, w = self.evaluation, self.workload
+        if ev is None:
+            return self
+        if ev.prompts is not None and ev.prompts % w.prompts_per_step:
+            whole = max(ev.prompts // w.prompts_per_step, 1) * w.prompts_per_step
+            raise ValueError(
+                f"evaluation.prompts {ev.prompts} is not a multiple of workload.prompts_per_step {w.prompts_per_step} "
+                f"(evaluation runs in batches of a step's prompts); use {whole}"
+            )
+        if ev.dataset is None and not w.dataset.startswith("synthetic:"):
+            raise ValueError(
+                f"evaluation needs held-out examples: the training file '{w.dataset}' has none of its own; name a "
+                "held-out file as evaluation.dataset"
+            )
+        if ev.dataset == w.dataset and not w.dataset.startswith("synthetic:"):
+            raise ValueError(
+                f"evaluation.dataset is the training file '{w.dataset}', whose examples are not held out; name "
+                "another file"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
-"""The files a spec names, found without reading them: the dataset file of a non-synthetic `workload.dataset`,
-under `run.init: checkpoint`, the model folder's weights, and the top-level package of each reward given by import
-path (found, not imported: its code runs only in `rollplex run`). `rollplex run` refuses a spec whose files are missing
-before it builds anything (`executors.preflight`), and the dry-run lists the same (`report.tables`). No torch.
+"""The files a spec names, found without reading them: the dataset files of a non-synthetic `workload.dataset` and
+`evaluation.dataset`, under `run.init: checkpoint` the model folder's weights, and the top-level package of each
+reward given by import path (found, not imported: its code runs only in `rollplex run`). `rollplex run` refuses a
+spec whose files are missing before it builds anything (`executors.preflight`), and the dry-run lists the same
+(`report.tables`). No torch.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ def missing_files(loaded: LoadedSpec) -> list[tuple[str, str]]:
         if ":" in reward.name and top and find_spec(top) is None:
             found.append(("algorithm.rewards", f"reward '{reward.name}': cannot import module '{module}' (no module "
                           f"named '{top}')"))  # fmt: skip
-    if not spec.workload.dataset.startswith("synthetic:"):
-        try:
-            dataset_file(spec.workload.dataset, loaded.path.parent)
-        except ValueError as e:
-            found.append(("workload.dataset", str(e)))
+    datasets = {"workload.dataset": spec.workload.dataset}
+    if spec.evaluation is not None and spec.evaluation.dataset is not None:
+        datasets["evaluation.dataset"] = spec.evaluation.dataset
+    for key, name in datasets.items():
+        if not name.startswith("synthetic:"):
+            try:
+                dataset_file(name, loaded.path.parent)
+            except ValueError as e:
+                found.append((key, str(e)))
     return found

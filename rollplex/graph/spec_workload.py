@@ -1,5 +1,6 @@
-"""The spec's `workload` section: what a step trains on (prompts, samples, token budgets, the data); the rest of the
-YAML spec is in `spec.py`."""
+"""The spec's `workload` section, what a step trains on (prompts, samples, token budgets, the data), and its
+`evaluation` section, the held-out prompts the actor answers between steps; the rest of the YAML spec is in
+`spec.py`."""
 
 from __future__ import annotations
 
@@ -59,11 +60,7 @@ class WorkloadSpec(Strict):
     @field_validator("dataset")
     @classmethod
     def _synthetic(cls, dataset: str) -> str:
-        if dataset.startswith("synthetic:"):
-            from rollplex.data.presets import synthetic_preset
-
-            synthetic_preset(dataset)  # ValueError for an unknown preset or scale
-        return dataset
+        return known_preset(dataset)
 
     @field_validator("prompts_per_step")
     @classmethod
@@ -98,3 +95,33 @@ class WorkloadSpec(Strict):
             v = self.video
             return -(-v.frames // 2) * (v.height // 28) * (v.width // 28)
         return self.visual_tokens or 0
+
+
+class EvaluationSpec(Strict):
+    every: PositiveInt = Field(description="Evaluate after every K-th step, and after the run's last.")
+    prompts: PositiveInt | None = Field(
+        None,
+        description="Held-out prompts each evaluation answers, a multiple of workload.prompts_per_step: they run in "
+        "batches of a step's prompts, each sampled as a step's rollout samples (its group_size, temperature and "
+        "top_p), so that evaluation fits the plan's rollout; null: prompts_per_step.",
+    )
+    dataset: str | None = Field(
+        None,
+        description="The held-out examples: `synthetic:<preset>` (its examples past those any run trains on, drawn "
+        "from the run's seed) or a Video-R1 JSON/JSONL path (its first `prompts` rows; relative to the spec); null: "
+        "a synthetic training dataset's own held-out examples. A training file needs a held-out file named here.",
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _synthetic(cls, dataset: str | None) -> str | None:
+        return None if dataset is None else known_preset(dataset)
+
+
+def known_preset(dataset: str) -> str:
+    """`dataset` itself; a ValueError for a `synthetic:` name of an unknown preset or scale."""
+    if dataset.startswith("synthetic:"):
+        from rollplex.data.presets import synthetic_preset
+
+        synthetic_preset(dataset)
+    return dataset

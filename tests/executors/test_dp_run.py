@@ -1,8 +1,9 @@
 """`rollplex run` on two data-parallel processes (gloo, train TP 1) against the same spec in one process: each
 rank takes half the step's prompt groups, and the run gives the one-process run's rollouts, losses and weights
-within float32 rounding, also as two replicas of a tensor-parallel pair (4 processes), as two nodes over
-loopback resumed half-way, and with the optimizer state sharded over the ranks (ZeRO-1) resumed from its
-shares, and started by `rollplex run` itself; a launch that does not match the cluster is one line."""
+within float32 rounding and its held-out evaluations, also as two replicas of a tensor-parallel pair (4
+processes), as two nodes over loopback resumed half-way, and with the optimizer state sharded over the ranks
+(ZeRO-1) resumed from its shares, and started by `rollplex run` itself; a launch that does not match the cluster
+is one line."""
 
 from __future__ import annotations
 
@@ -37,16 +38,25 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+EVALUATION = "evaluation: {every: 1, prompts: 16}\n"  # after each step, two batches of a step's 8 prompts
+
+
+def evaluations(out: Path) -> list[dict]:
+    """The run's held-out evaluations but their seconds."""
+    lines = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k != "time_s"} for line in lines]
+
+
 def weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    """The same spec run in one process (cluster of one GPU, train TP 1), 2 steps."""
+    """The same spec run in one process (cluster of one GPU, train TP 1), 2 steps, each followed by an evaluation."""
     tmp = tmp_path_factory.mktemp("one")
     spec = tmp / "one.yaml"
-    spec.write_text(DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 1"))
+    spec.write_text(DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 1") + EVALUATION)
     proc = launch(1, spec, tmp / "run", "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
@@ -67,10 +77,15 @@ def assert_trains_as(out: Path, reference: Path, weights_rel: float = 1e-5, loss
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_train_as_one_process_and_resume_bitwise(tmp_path, one_process):
-    two = launch(2, DP2, tmp_path / "two", "--steps", "2")
+def test_two_data_parallel_ranks_train_and_evaluate_as_one_process_and_resume_bitwise(tmp_path, one_process):
+    spec = tmp_path / "dp2_eval.yaml"
+    spec.write_text(DP2.read_text() + EVALUATION)
+    two = launch(2, spec, tmp_path / "two", "--steps", "2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert_trains_as(tmp_path / "two", one_process)
+    held_out = evaluations(one_process)  # each rank answers its share of each batch, as of a step
+    assert [e["step"] for e in held_out] == [1, 2] and held_out[0]["responses"] == 16 * 16
+    assert evaluations(tmp_path / "two") == held_out
     for steps, more in (("1", ()), ("2", ("--resume",))):  # stopped after step 1, resumed on the same layout
         part = launch(2, DP2, tmp_path / "resumed", "--steps", steps, *more)
         assert part.returncode == 0, part.stderr[-3000:]
@@ -85,12 +100,13 @@ def test_two_data_parallel_ranks_train_as_one_process_and_resume_bitwise(tmp_pat
 @pytest.mark.slow
 def test_two_data_parallel_replicas_of_two_tensor_parallel_ranks_train_as_one_process(tmp_path, one_process):
     spec = tmp_path / "dp2_tp2.yaml"
-    text = DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 4")
+    text = DP2.read_text().replace("gpus_per_node: 2", "gpus_per_node: 4") + EVALUATION
     spec.write_text(text.replace("parallel: {train_tp: 1, rollout_tp: 1}", "parallel: {train_tp: 2, rollout_tp: 1, "
                                  "split_rollout: false}"))  # fmt: skip
     four = launch(4, spec, tmp_path / "four", "--steps", "2")
     assert four.returncode == 0, four.stderr[-3000:]
     assert_trains_as(tmp_path / "four", one_process)
+    assert evaluations(tmp_path / "four") == evaluations(one_process)
 
 
 @pytest.mark.slow

@@ -1,0 +1,126 @@
+"""Held-out evaluation (`executors.evaluation`): a run with it trains bit for bit as the run without it and logs one
+line per evaluation; its examples are none a run trains on; two evaluations of the same weights agree and other
+weights change them; a resumed run keeps the evaluations up to its checkpoint only; the spec's evaluation errors
+are one line each. Data parallelism: `test_dp_run.py`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from run_testkit import ROOT, cli_here, spec_text
+from test_preflight import refused
+
+from rollplex.data.source import SYNTHETIC_SIZE, open_dataset
+from rollplex.data.tokenizer import CharTokenizer
+from rollplex.errors import SpecError
+from rollplex.executors.engines import build_engines
+from rollplex.executors.evaluation import evaluate, open_evaluation
+from rollplex.executors.loop import RunOptions, train
+from rollplex.graph.load import parse_spec
+from rollplex.graph.plan import compile_plan
+from rollplex.models.inputs import pixels_of
+
+TINY = (ROOT / "specs/tiny_cpu.yaml").read_text()
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(tmp_path, text: str, name: str, steps: int, **kw) -> list[dict]:
+    plan = compile_plan(parse_spec(text, str(tmp_path / "spec.yaml"), tmp_path))
+    return train(plan, RunOptions(steps, tmp_path / name, progress=False, tensorboard=False, **kw))
+
+
+def but_time(figures: dict) -> dict:
+    return {k: v for k, v in figures.items() if k != "time_s"}
+
+
+def test_a_run_with_evaluation_trains_as_without_and_logs_an_evaluation_after_every_kth_and_the_last_step(tmp_path):
+    text = spec_text()  # responses of different lengths, a reward that differs between them
+    evaluated = run(tmp_path, text + "evaluation: {every: 2, prompts: 4}\n", "with", 3)
+    plain = run(tmp_path, text, "without", 3)
+    keys = ("param_digest", "loss", "reward_mean", "response_len_mean")
+    assert [[r[k] for k in keys] for r in evaluated] == [[r[k] for k in keys] for r in plain]
+    assert not (tmp_path / "without/eval.jsonl").exists()
+    held_out = lines(tmp_path / "with/eval.jsonl")
+    assert [e["step"] for e in held_out] == [2, 3]
+    for e in held_out:
+        assert (e["prompts"], e["responses"]) == (4, 4 * 3)  # two batches of a step's 2 prompts x 3 samples
+        assert 0 <= e["accuracy"] <= 1 and 0 < e["response_len_mean"] <= 6 and e["rewards/test_char_share"] > 0
+        assert e["reward_mean"] == pytest.approx(e["rewards/test_char_share"]) and e["reward_std"] > 0
+
+
+def test_held_out_examples_are_none_a_run_trains_on(tmp_path):
+    plan = compile_plan(parse_spec(TINY + "evaluation: {every: 5, prompts: 16}\n", str(tmp_path / "s.yaml")))
+    ev = open_evaluation(plan.loaded)
+    trained = open_dataset("synthetic:colour@tiny", CharTokenizer(), 0)
+    assert len(ev.dataset) == 16 and ev.num_batches == 2
+    for i in range(4):
+        held, seen = ev.dataset[i], trained[i]
+        assert held.meta["index"] == SYNTHETIC_SIZE + i and seen.meta["index"] == i
+        assert not torch.equal(pixels_of(held.prompt.visuals), pixels_of(seen.prompt.visuals))
+
+
+def test_two_evaluations_of_the_same_weights_agree_and_other_weights_change_them(tmp_path):
+    plan = compile_plan(parse_spec(spec_text() + "evaluation: {every: 1, prompts: 4}\n"))
+    engines, ev = build_engines(plan), open_evaluation(plan.loaded)
+    first, again = evaluate(engines, ev, 1), evaluate(engines, ev, 2)
+    assert but_time(first) == {**but_time(again), "step": 1}
+    with torch.no_grad():
+        for p in engines.actor.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * p.std().nan_to_num(0.1))
+    other = evaluate(engines, ev, 1)
+    assert (other["reward_mean"], other["response_len_mean"]) != (first["reward_mean"], first["response_len_mean"])
+
+
+def test_a_resumed_run_keeps_the_evaluations_up_to_its_checkpoint(tmp_path):
+    text = spec_text() + "evaluation: {every: 1}\n"
+    run(tmp_path, text, "run", 2, checkpoint_every=1)
+    shutil.rmtree(tmp_path / "run/checkpoints/step-000002")  # stopped after its step-2 evaluation, before the save
+    run(tmp_path, text, "run", 3, resume=True)
+    held_out = lines(tmp_path / "run/eval.jsonl")
+    assert [e["step"] for e in held_out] == [1, 2, 3]
+    whole = run(tmp_path, text, "whole", 3)
+    assert len(whole) == 3
+    assert [but_time(e) for e in held_out] == [but_time(e) for e in lines(tmp_path / "whole/eval.jsonl")]
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "words"),
+    [
+        ("{every: 0}", "evaluation.every", "greater than 0"),
+        ("{every: 2, prompts: 12}", "evaluation", "not a multiple of workload.prompts_per_step 8"),
+        ("{every: 2, dataset: 'synthetic:nope'}", "evaluation.dataset", "nope"),
+        ("{every: 2, prompts: 8, each: 3}", "evaluation.each", "unknown key; allowed here: every, prompts, dataset"),
+    ],
+)
+def test_a_bad_evaluation_section_is_one_line_naming_its_key(tmp_path, capsys, section, key, words):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(TINY + f"evaluation: {section}\n")
+    code, err = cli_here(capsys, "compile", str(spec), "--dry-run")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert key in err and words in err, err
+
+
+def test_a_training_file_needs_a_held_out_file_that_exists_and_holds_the_prompts(tmp_path, monkeypatch):
+    Image.fromarray(np.full((56, 56, 3), 30, np.uint8)).save(tmp_path / "i.png")
+    row = {"problem": "Is it?", "problem_type": "free-form", "solution": "<answer> Yes </answer>", "image": "i.png"}
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "held.jsonl").write_text((json.dumps(row) + "\n") * 3)
+    on_file = TINY.replace("synthetic:colour@tiny", "train.jsonl")
+    with pytest.raises(
+        SpecError, match=r"evaluation needs held-out examples.*name a held-out file as evaluation\.dataset"
+    ):
+        parse_spec(on_file + "evaluation: {every: 2}\n", str(tmp_path / "spec.yaml"), tmp_path)
+    with pytest.raises(SpecError, match=r"the training file 'train\.jsonl', whose examples are not held out"):
+        parse_spec(on_file + "evaluation: {every: 2, dataset: train.jsonl}\n", str(tmp_path / "spec.yaml"), tmp_path)
+    missing = refused(tmp_path, monkeypatch, TINY + "evaluation: {every: 2, dataset: gone.jsonl}\n")
+    assert "evaluation.dataset: dataset 'gone.jsonl' is neither" in missing
+    short = refused(tmp_path, monkeypatch, TINY + "evaluation: {every: 2, dataset: held.jsonl}\n")
+    assert "evaluation.dataset: 8 held-out examples asked for, and the file has 3" in short
