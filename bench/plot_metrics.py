@@ -1,5 +1,6 @@
-"""Plot runs' accuracy and reward per step from their metrics.jsonl:
-`python bench/plot_metrics.py OUT.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]` (a moving mean over 20 steps)."""
+"""Plot runs' accuracy and reward per step from their metrics.jsonl (a moving mean over 20 steps), and their
+held-out evaluations' accuracy from eval.jsonl where they have one (markers):
+`python bench/plot_metrics.py OUT.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]`."""
 
 import json
 import sys
@@ -24,8 +25,13 @@ def main(out: str, runs: list[str]) -> None:
         label, _, directory = run.partition("=")
         records = [json.loads(line) for line in (Path(directory) / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in records]
-        left.plot(steps, moving_mean([r["accuracy"] for r in records]), label=label)
+        (line,) = left.plot(steps, moving_mean([r["accuracy"] for r in records]), label=label)
         right.plot(steps, moving_mean([r["reward_mean"] for r in records]), label=label)
+        held_out = Path(directory) / "eval.jsonl"
+        if held_out.is_file() and held_out.stat().st_size:
+            evals = [json.loads(line) for line in held_out.read_text().splitlines()]
+            left.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="o", markersize=3,
+                      linestyle="none", color=line.get_color(), label=f"{label}, held-out prompts")  # fmt: skip
     left.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance")
     left.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy (moving mean of 20 steps)")
     right.set(xlabel="step", ylabel="reward", title="reward_mean (moving mean of 20 steps)")

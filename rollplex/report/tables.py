@@ -11,6 +11,7 @@ from rollplex.graph.memobject import GIB, Component, MemObject, Residency, held
 from rollplex.graph.modelcost import KNOWN_PEAKS
 from rollplex.graph.plan import Plan
 from rollplex.graph.refusals import run_refusals
+from rollplex.graph.spec import Spec
 from rollplex.graph.spec_files import initial_weights, missing_files, model_dir
 from rollplex.graph.spec_runtime import RunSpec, scoring_choice
 from rollplex.graph.timeplan import (
@@ -56,7 +57,24 @@ def header(plan: Plan) -> str:
         f"per training rank: {g.prompts_per_rank} prompts x {g.group_size} responses, {g.prompt_tokens} prompt "
         f"tokens ({g.visual_tokens} visual), {g.response_tokens} response tokens\n"
         f"rollout: {rollout_line(plan)}\n"
-        f"scoring attention on a GPU: {scoring_line(s.run)}" + _dtype_note(s.run.dtype)
+        + evaluation_line(s)
+        + f"scoring attention on a GPU: {scoring_line(s.run)}"
+        + _dtype_note(s.run.dtype)
+    )
+
+
+def evaluation_line(spec: Spec) -> str:
+    """The spec's held-out evaluation, a line ending in a newline ("" without one)."""
+    ev, w = spec.evaluation, spec.workload
+    if ev is None:
+        return ""
+    prompts = ev.prompts or w.prompts_per_step
+    source = ev.dataset or f"{w.dataset}'s held-out examples"
+    return (
+        f"evaluation: every {ev.every} step{'s' if ev.every > 1 else ''} and after the last, {prompts} prompts of "
+        f"{source}, in "
+        f"{prompts // w.prompts_per_step} rollouts of a step's {w.prompts_per_step} prompts x {w.group_size} samples "
+        "(not in the time plan)\n"
     )
 
 

@@ -162,7 +162,11 @@ def test_a_checkpoint_part_holding_a_pickled_object_is_refused_unread(tmp_path):
             RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
             "the disk is full, 0 MiB free: [enforce fail",
         ),  # torch's words where the disk is full
-    ],  # the OS's error, and torch's writer's own
+        (
+            torch.distributed.DistBackendError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1. This is"),
+            "another rank stopped answering (DistBackendError)",
+        ),  # a collective of the save, its peer gone (a data-parallel rank killed)
+    ],  # the OS's error, torch's writer's own, and a collective's
 )
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch, capsys, error, shown

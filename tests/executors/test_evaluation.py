@@ -124,3 +124,16 @@ def test_a_training_file_needs_a_held_out_file_that_exists_and_holds_the_prompts
     assert "evaluation.dataset: dataset 'gone.jsonl' is neither" in missing
     short = refused(tmp_path, monkeypatch, TINY + "evaluation: {every: 2, dataset: held.jsonl}\n")
     assert "evaluation.dataset: 8 held-out examples asked for, and the file has 3" in short
+
+
+def test_the_dry_run_says_when_and_what_the_run_evaluates(tmp_path, capsys):
+    from rollplex.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(TINY + "evaluation: {every: 50, prompts: 16}\n")
+    assert main(["compile", str(spec), "--dry-run"]) == 0
+    said = "evaluation: every 50 steps and after the last, 16 prompts of synthetic:colour@tiny's held-out examples, in "
+    assert said + "2 rollouts of a step's 8 prompts x 16 samples (not in the time plan)" in capsys.readouterr().out
+    spec.write_text(TINY)
+    assert main(["compile", str(spec), "--dry-run"]) == 0
+    assert "evaluation:" not in capsys.readouterr().out
