@@ -26,9 +26,9 @@ for name in ("matched", "control"):
     acc = sum(r["accuracy"] for r in last) / len(last)
     reward = sum(r["reward_mean"] for r in last) / len(last)
     held = [json.loads(l) for l in (Path(sys.argv[1]) / name / "eval.jsonl").read_text().splitlines()]
-    tail = [e for e in held if e["step"] > len(rows) - len(last)]  # the evaluations over those steps
-    held_acc = sum(e["accuracy"] for e in tail) / max(len(tail), 1)
+    late = [e["accuracy"] for e in held if e["step"] > len(rows) // 2]  # the evaluations of the second half
     print(f"{name}: {len(rows)} steps; last {len(last)} steps: accuracy {acc:.3f}, reward {reward:.3f}; held-out "
-          f"accuracy {held_acc:.3f} ({len(tail)} evaluations of {tail[0]['prompts'] if tail else 0} prompts)")
+          f"prompts after steps {len(rows) // 2 + 1}-{len(rows)}: accuracy {min(late):.3f}-{max(late):.3f}, mean "
+          f"{sum(late) / len(late):.3f} ({len(late)} evaluations of {held[-1]['prompts']} prompts)")
 PY
 echo "plot: $out/learning_check.png"

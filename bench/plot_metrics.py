@@ -33,9 +33,10 @@ def main(out: str, runs: list[str]) -> None:
             left.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="o", markersize=3,
                       linestyle="none", color=line.get_color(), label=f"{label}, held-out prompts")  # fmt: skip
     left.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance")
-    left.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy (moving mean of 20 steps)")
+    left.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.3), title="accuracy (moving mean of 20 steps)")
     right.set(xlabel="step", ylabel="reward", title="reward_mean (moving mean of 20 steps)")
-    left.legend(loc="upper left")
+    left.legend(loc="upper left", fontsize=7)
+    left.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     right.legend(loc="lower right")
     fig.suptitle("tiny Qwen2.5-VL, GRPO from random weights on the CPU (synthetic:colour@tiny)")
     fig.tight_layout()
