@@ -1,6 +1,6 @@
-"""Held-out evaluation (the spec's `evaluation`): after every K-th step and after the run's last, the actor answers
-a fixed set of held-out prompts, and their rewards, accuracy and lengths are logged (`eval.jsonl`, TensorBoard's
-`eval/` scalars, a progress line).
+"""Held-out evaluation (the spec's `evaluation`): before step 1 (a fresh run's starting weights, as step 0), after
+every K-th step and after the run's last, the actor answers a fixed set of held-out prompts, and their rewards,
+accuracy and lengths are logged (`eval.jsonl`, TensorBoard's `eval/` scalars, a progress line).
 
 The prompts run in batches of a step's prompts, each sampled as a step's rollout samples (the engine, group size,
 temperature and top-p; the engine prefills them itself), so evaluation holds what the plan's rollout holds; its
@@ -38,6 +38,7 @@ class Evaluation:
     every: int  # after every K-th step (and the run's last)
     batch: int  # prompts a batch: a step's
     seed: int
+    at_start: bool = True  # also before step 1 (step 0)
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.every == 0 or step == last_step
@@ -65,7 +66,7 @@ def open_evaluation(loaded: LoadedSpec) -> Evaluation | None:
         )
     except ValueError as e:
         raise loaded.locate(SpecError("evaluation.dataset" if ev.dataset else "workload.dataset", str(e))) from None
-    return Evaluation(dataset, ev.every, w.prompts_per_step, spec.run.seed)
+    return Evaluation(dataset, ev.every, w.prompts_per_step, spec.run.seed, ev.at_start)
 
 
 def evaluate(
@@ -119,8 +120,9 @@ def figures(step: int, sums: np.ndarray, names: Sequence[str], num_prompts: int,
 
 def eval_line(figures: dict) -> str:
     """The progress line of an evaluation."""
+    which = "of the starting weights" if figures["step"] == 0 else f"after step {figures['step']}"
     return (
-        f"evaluation after step {figures['step']}: accuracy {figures['accuracy']:.3f}, reward "
+        f"evaluation {which}: accuracy {figures['accuracy']:.3f}, reward "
         f"{figures['reward_mean']:.3f} over {figures['responses']} responses to {figures['prompts']} held-out prompts "
         f"({figures['time_s']:.1f} s)"
     )

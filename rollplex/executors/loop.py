@@ -151,8 +151,19 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             emit(r)
             waiting.clear()
 
+    def evaluated(step: int) -> None:
+        """The held-out evaluation of the weights as they are after `step` (0: the starting weights)."""
+        pin = engines.actor.device.type == "cuda"
+        figures = evaluate(engines, evaluation, step, pin, share, partial(check_budget, loaded))
+        if log is not None:
+            log.write_eval(figures)
+        if progress:
+            _say(eval_line(figures), step_bar if bars else None)
+
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
+            if evaluation is not None and evaluation.at_start and start == 0:
+                evaluated(0)
             for step in step_bar:
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
@@ -225,12 +236,7 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 if evaluation is not None and evaluation.due(step, opts.steps):
                     emit_waiting()  # a deferred update joins: the evaluation reads the weights it writes
                     joined()
-                    pin = engines.actor.device.type == "cuda"
-                    figures = evaluate(engines, evaluation, step, pin, share, partial(check_budget, loaded))
-                    if log is not None:
-                        log.write_eval(figures)
-                    if progress:
-                        _say(eval_line(figures), step_bar if bars else None)
+                    evaluated(step)
         finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
             ending = True
             why = "ending the run: its last metrics and checkpoint first (interrupts wait for them)" if main else ""

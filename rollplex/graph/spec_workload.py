@@ -99,6 +99,11 @@ class WorkloadSpec(Strict):
 
 class EvaluationSpec(Strict):
     every: PositiveInt = Field(description="Evaluate after every K-th step, and after the run's last.")
+    at_start: bool = Field(
+        True,
+        description="Also evaluate the starting weights, before step 1 (logged as step 0; a resumed run does not "
+        "repeat it): the figures the training moves from.",
+    )
     prompts: PositiveInt | None = Field(
         None,
         description="Held-out prompts each evaluation answers, a multiple of workload.prompts_per_step: they run in "

@@ -84,7 +84,7 @@ def test_two_data_parallel_ranks_train_and_evaluate_as_one_process_and_resume_bi
     assert two.returncode == 0, two.stderr[-3000:]
     assert_trains_as(tmp_path / "two", one_process)
     held_out = evaluations(one_process)  # each rank answers its share of each batch, as of a step
-    assert [e["step"] for e in held_out] == [1, 2] and held_out[0]["responses"] == 16 * 16
+    assert [e["step"] for e in held_out] == [0, 1, 2] and held_out[0]["responses"] == 16 * 16
     assert evaluations(tmp_path / "two") == held_out
     for steps, more in (("1", ()), ("2", ("--resume",))):  # stopped after step 1, resumed on the same layout
         part = launch(2, DP2, tmp_path / "resumed", "--steps", steps, *more)

@@ -49,11 +49,16 @@ def test_a_run_with_evaluation_trains_as_without_and_logs_an_evaluation_after_ev
     assert [[r[k] for k in keys] for r in evaluated] == [[r[k] for k in keys] for r in plain]
     assert not (tmp_path / "without/eval.jsonl").exists()
     held_out = lines(tmp_path / "with/eval.jsonl")
-    assert [e["step"] for e in held_out] == [2, 3]
+    assert [e["step"] for e in held_out] == [0, 2, 3]  # the starting weights too
     for e in held_out:
         assert (e["prompts"], e["responses"]) == (4, 4 * 3)  # two batches of a step's 2 prompts x 3 samples
         assert 0 <= e["accuracy"] <= 1 and 0 < e["response_len_mean"] <= 6 and e["rewards/test_char_share"] > 0
         assert e["reward_mean"] == pytest.approx(e["rewards/test_char_share"]) and e["reward_std"] > 0
+
+
+def test_at_start_false_leaves_the_starting_weights_unevaluated(tmp_path):
+    run(tmp_path, TINY + "evaluation: {every: 1, prompts: 8, at_start: false}\n", "late", 1)
+    assert [e["step"] for e in lines(tmp_path / "late/eval.jsonl")] == [1]
 
 
 def test_held_out_examples_are_none_a_run_trains_on(tmp_path):
@@ -85,7 +90,7 @@ def test_a_resumed_run_keeps_the_evaluations_up_to_its_checkpoint(tmp_path):
     shutil.rmtree(tmp_path / "run/checkpoints/step-000002")  # stopped after its step-2 evaluation, before the save
     run(tmp_path, text, "run", 3, resume=True)
     held_out = lines(tmp_path / "run/eval.jsonl")
-    assert [e["step"] for e in held_out] == [1, 2, 3]
+    assert [e["step"] for e in held_out] == [0, 1, 2, 3]  # step 0 once: the resumed run does not repeat it
     whole = run(tmp_path, text, "whole", 3)
     assert len(whole) == 3
     assert [but_time(e) for e in held_out] == [but_time(e) for e in lines(tmp_path / "whole/eval.jsonl")]
@@ -97,7 +102,11 @@ def test_a_resumed_run_keeps_the_evaluations_up_to_its_checkpoint(tmp_path):
         ("{every: 0}", "evaluation.every", "greater than 0"),
         ("{every: 2, prompts: 12}", "evaluation", "not a multiple of workload.prompts_per_step 8"),
         ("{every: 2, dataset: 'synthetic:nope'}", "evaluation.dataset", "nope"),
-        ("{every: 2, prompts: 8, each: 3}", "evaluation.each", "unknown key; allowed here: every, prompts, dataset"),
+        (
+            "{every: 2, prompts: 8, each: 3}",
+            "evaluation.each",
+            "unknown key; allowed here: every, at_start, prompts, dataset",
+        ),
     ],
 )
 def test_a_bad_evaluation_section_is_one_line_naming_its_key(tmp_path, capsys, section, key, words):
@@ -132,8 +141,25 @@ def test_the_dry_run_says_when_and_what_the_run_evaluates(tmp_path, capsys):
     spec = tmp_path / "spec.yaml"
     spec.write_text(TINY + "evaluation: {every: 50, prompts: 16}\n")
     assert main(["compile", str(spec), "--dry-run"]) == 0
-    said = "evaluation: every 50 steps and after the last, 16 prompts of synthetic:colour@tiny's held-out examples, in "
+    said = "evaluation: before step 1, every 50 steps and after the last, 16 prompts of synthetic:colour@tiny's "
+    said += "held-out examples, in "
     assert said + "2 rollouts of a step's 8 prompts x 16 samples (not in the time plan)" in capsys.readouterr().out
+    spec.write_text(TINY + "evaluation: {every: 1, at_start: false}\n")
+    assert main(["compile", str(spec), "--dry-run"]) == 0
+    assert "evaluation: every 1 step and after the last, 8 prompts" in capsys.readouterr().out
     spec.write_text(TINY)
     assert main(["compile", str(spec), "--dry-run"]) == 0
     assert "evaluation:" not in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_run_with_evaluation_trains_as_without(tmp_path):
+    """The graph-captured engine prefills the held-out prompts itself where the step decodes from the actor prefix."""
+    text = spec_text(device="cuda").replace("device: cuda,", "device: cuda, deterministic: true,")
+    evaluated = run(tmp_path, text + "evaluation: {every: 1, prompts: 4}\n", "with", 2)
+    plain = run(tmp_path, text, "without", 2)
+    assert [r["param_digest"] for r in evaluated] == [r["param_digest"] for r in plain]
+    held_out = lines(tmp_path / "with/eval.jsonl")
+    assert [(e["step"], e["responses"]) for e in held_out] == [(0, 12), (1, 12), (2, 12)]
+    assert all(0 < e["response_len_mean"] <= 6 for e in held_out)
