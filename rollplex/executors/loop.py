@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 from rollplex.data.prefetch import Prefetch
@@ -30,11 +29,12 @@ from rollplex.executors.evaluation import eval_line, evaluate, open_evaluation
 from rollplex.executors.memprobe import PhaseMemory, allocator_gib_by_phase, chain, gib_by_phase
 from rollplex.executors.metrics import Fingerprints, MetricsLog, param_digest, peak_mem_bytes
 from rollplex.executors.preflight import preflight
+from rollplex.executors.progress import PhaseBars, say, stalls, step_bars, step_line
 from rollplex.executors.record import StepRecord
 from rollplex.executors.runtime import run_iteration
 from rollplex.executors.signals import InterruptGate
 from rollplex.executors.task import make_tokenizer
-from rollplex.graph.ir import NodeKind, Op, Part, Phase, Role, Schedule, steps
+from rollplex.graph.ir import NodeKind, Op, Part, Role, Schedule
 from rollplex.graph.plan import Plan
 
 
@@ -88,12 +88,14 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
             raise SpecError("", f"--resume: {found} is step {start}, and the run has {opts.steps} steps",
                             f"raise --steps above {start} to train on")  # fmt: skip
     main = engines.is_main  # under tensor parallelism the other ranks compute and write nothing but their state
+    evaluate_again = evaluation is not None and start > 0 and evaluation.due(start, opts.steps)  # a stop may cut it
     log = (
         MetricsLog(
             opts.out_dir,
             resume_step=start if opts.resume else None,
             tensorboard=opts.tensorboard,
             evaluation=evaluation is not None,
+            evaluations_kept=start - 1 if evaluate_again else None,
         )
         if main
         else None
@@ -113,16 +115,16 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
     waiting: list[dict] = []  # a step's metrics while its update runs on (`sharing.update_beside_prefix`)
     fingerprints: list[Fingerprints] = []  # of the weights that update wrote, launched once it has joined
 
-    step_bar = _progress(range(start + 1, opts.steps + 1), bars, start, opts.steps)
+    step_bar = step_bars(range(start + 1, opts.steps + 1), bars, start, opts.steps)
 
     def emit(r: dict) -> None:
         if log is not None:
             log.write(r)
         if bars:  # the terminal's bar carries the last step's reward and loss
             warm = r["step"] > start + 1
-            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}{_stalls(r, warm)}")
+            step_bar.set_postfix_str(f"reward {r['reward_mean']:.3f}, loss {r['loss']:.4f}{stalls(r, warm)}")
         elif progress:
-            print(_step_line(r, opts.steps, warm=r["step"] > start + 1), file=sys.stderr, flush=True)
+            print(step_line(r, opts.steps, warm=r["step"] > start + 1), file=sys.stderr, flush=True)
 
     def complete(o: Op | None = None) -> None:
         """After the next step's actor prefix (which the runtime ends by joining the update) or at the run's end (the
@@ -153,17 +155,16 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
 
     def evaluated(step: int) -> None:
         """The held-out evaluation of the weights as they are after `step` (0: the starting weights)."""
-        pin = engines.actor.device.type == "cuda"
-        figures = evaluate(engines, evaluation, step, pin, share, partial(check_budget, loaded))
+        figures = evaluate(engines, evaluation, step, share)
         if log is not None:
             log.write_eval(figures)
         if progress:
-            _say(eval_line(figures), step_bar if bars else None)
+            say(eval_line(figures), step_bar if bars else None)
 
     with collections_between_steps(loaded.spec.run.manual_gc) as collect:
         try:
-            if evaluation is not None and evaluation.at_start and start == 0:
-                evaluated(0)
+            if (evaluation is not None and evaluation.at_start and start == 0) or evaluate_again:
+                evaluated(start)
             for step in step_bar:
                 try:
                     examples = prefetch.take(position, position + size if step < opts.steps else None)
@@ -235,7 +236,6 @@ def train(plan: Plan, opts: RunOptions) -> list[dict]:
                 joined()  # a deferred update holds interrupts until the next actor prefix joins it
                 if evaluation is not None and evaluation.due(step, opts.steps):
                     emit_waiting()  # a deferred update joins: the evaluation reads the weights it writes
-                    joined()
                     evaluated(step)
         finally:  # a second interrupt would cut the run's last line or checkpoint short: it waits for them
             ending = True
@@ -309,68 +309,3 @@ def _metrics(
         "time_s": {**{k: round(v, 4) for k, v in record.times.items()}, "step": round(seconds, 4)},
         "peak_mem_bytes": peak_mem_bytes(engines.actor.device),
     }
-
-
-def _step_line(record: dict, total: int, warm: bool = True) -> str:
-    """A step's line where progress goes to a log rather than a terminal; it names what stalled the step
-    (`_stalls`)."""
-    return (
-        f"step {record['step']}/{total}: {record['time_s']['step']:.2f} s, reward {record['reward_mean']:.3f}, "
-        f"loss {record['loss']:.4f}{_stalls(record, warm)}"
-    )
-
-
-def _stalls(record: dict, warm: bool) -> str:
-    """What made the step wait on the host, else '': the allocator's retries of a cudaMalloc (', 4 allocator retries
-    (phase 1: 1, phase 2: 3)'), which wait for the device, and in a `warm` step (not the process's first) its
-    compiles (', 2 compiles (triton 1: _norm_backward, torch 1)')."""
-    phases = {p: n for p, n in record.get("alloc_retries_by_phase", {}).items() if n}
-    where = ", ".join(f"phase {p}: {n}" for p, n in phases.items())
-    text = f", {sum(phases.values())} allocator retries ({where})" if phases else ""
-    compiles = record.get("compiles", {})
-    counts = {kind: compiles.get(kind, 0) for kind in ("triton", "torch") if compiles.get(kind, 0)}
-    if warm and counts:
-        names = ", ".join(sorted(set(compiles.get("kernels", ()))))
-        kinds = ", ".join(
-            f"{kind} {n}" + (f": {names}" if kind == "triton" and names else "") for kind, n in counts.items()
-        )
-        text += f", {sum(counts.values())} compiles ({kinds})"
-    return text
-
-
-def _say(line: str, bar=None) -> None:
-    """A line on stderr, above the progress `bar` where there is one."""
-    if bar is not None:
-        bar.write(line, file=sys.stderr)
-    else:
-        print(line, file=sys.stderr, flush=True)
-
-
-def _progress(it, enabled: bool, start: int, total: int):
-    if not enabled:
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, desc="steps", initial=start, total=total, unit="step", dynamic_ncols=True)
-
-
-class PhaseBars:
-    """One progress bar per phase of the step, advanced op by op (a no-op without progress)."""
-
-    def __init__(self, g, step: int, enabled: bool) -> None:
-        self.bars = {}
-        if enabled:
-            from tqdm import tqdm
-
-            for p in Phase:
-                n = len({x for s in steps(g) if s.phase is p for x in s.ops})
-                self.bars[p] = tqdm(
-                    total=n, desc=f"  step {step} {p.title}", leave=False, unit="op", dynamic_ncols=True
-                )
-
-    def __enter__(self):
-        return lambda o: self.bars[o.phase].update(1) if self.bars else None
-
-    def __exit__(self, *exc) -> None:
-        for b in self.bars.values():
-            b.close()

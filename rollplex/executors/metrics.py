@@ -89,12 +89,21 @@ class MetricsLog:
     events past it."""
 
     def __init__(
-        self, out_dir: Path, *, resume_step: int | None = None, tensorboard: bool = True, evaluation: bool = False
+        self,
+        out_dir: Path,
+        *,
+        resume_step: int | None = None,
+        tensorboard: bool = True,
+        evaluation: bool = False,
+        evaluations_kept: int | None = None,
     ) -> None:
+        """`evaluation`: the run evaluates (a fresh run's eval.jsonl is made, else removed); `evaluations_kept`: the
+        last step whose evaluation a resumed run keeps (default `resume_step`; one before where it evaluates again)."""
         self.path = out_dir / "metrics.jsonl"
         self.eval_path = out_dir / "eval.jsonl"
         _start(self.path, resume_step)
-        _start(self.eval_path, resume_step, create=evaluation)
+        kept = resume_step if resume_step is None or evaluations_kept is None else evaluations_kept
+        _start(self.eval_path, kept, create=evaluation)
         purge = None if resume_step is None else resume_step + 1
         self.writer = _tensorboard(out_dir / "tb", purge) if tensorboard else None
 
@@ -119,10 +128,12 @@ class MetricsLog:
 
 
 def _start(path: Path, resume_step: int | None, create: bool = True) -> None:
-    """A new run's file empty (`create`: made); a resumed run's without the lines past `resume_step`."""
+    """A new run's file empty (`create`: made, else none); a resumed run's without the lines past `resume_step`."""
     if resume_step is None:
         if create:
             path.write_text("")
+        else:  # an earlier run's in this directory (one that stopped before its first step's line)
+            path.unlink(missing_ok=True)
     elif path.exists():
         kept = [line for line in _whole_lines(path) if json.loads(line)["step"] <= resume_step]
         fresh = path.with_name(path.name + ".tmp")

@@ -292,8 +292,8 @@ class Spec(Strict):
         if ev.prompts is not None and ev.prompts % w.prompts_per_step:
             whole = max(ev.prompts // w.prompts_per_step, 1) * w.prompts_per_step
             raise ValueError(
-                f"evaluation.prompts {ev.prompts} is not a multiple of workload.prompts_per_step {w.prompts_per_step} "
-                f"(evaluation runs in batches of a step's prompts); use {whole}"
+                f"{ev.prompts} held-out prompts are not a multiple of workload.prompts_per_step {w.prompts_per_step} "
+                f"(evaluation runs in batches of a step's prompts); set evaluation.prompts to {whole}"
             )
         if ev.dataset is None and not w.dataset.startswith("synthetic:"):
             raise ValueError(

@@ -84,23 +84,56 @@ def test_two_evaluations_of_the_same_weights_agree_and_other_weights_change_them
     assert (other["reward_mean"], other["response_len_mean"]) != (first["reward_mean"], first["response_len_mean"])
 
 
-def test_a_resumed_run_keeps_the_evaluations_up_to_its_checkpoint(tmp_path):
+def test_a_resumed_run_keeps_the_evaluations_up_to_its_checkpoint_and_redoes_one_a_stop_cut_short(tmp_path):
     text = spec_text() + "evaluation: {every: 1}\n"
     run(tmp_path, text, "run", 2, checkpoint_every=1)
-    shutil.rmtree(tmp_path / "run/checkpoints/step-000002")  # stopped after its step-2 evaluation, before the save
+    # stopped during step 1's evaluation (its checkpoint saved, its line not written) and never saved step 2
+    shutil.rmtree(tmp_path / "run/checkpoints/step-000002")
+    written = (tmp_path / "run/eval.jsonl").read_text().splitlines()
+    (tmp_path / "run/eval.jsonl").write_text(written[0] + "\n" + written[2] + "\n")
     run(tmp_path, text, "run", 3, resume=True)
     held_out = lines(tmp_path / "run/eval.jsonl")
-    assert [e["step"] for e in held_out] == [0, 1, 2, 3]  # step 0 once: the resumed run does not repeat it
+    assert [e["step"] for e in held_out] == [0, 1, 2, 3]  # step 0 once, step 1 again, step 2's past the checkpoint
     whole = run(tmp_path, text, "whole", 3)
     assert len(whole) == 3
     assert [but_time(e) for e in held_out] == [but_time(e) for e in lines(tmp_path / "whole/eval.jsonl")]
+
+
+def test_a_held_out_prompt_over_the_budget_is_one_line_before_step_1_and_in_the_data_check(tmp_path, capsys):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(TINY + "evaluation: {every: 2, dataset: 'synthetic:colour'}\n")  # the full-size preset's prompts
+    code, err = cli_here(capsys, "run", str(spec), "--out", str(tmp_path / "run"), "--quiet")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "evaluation.dataset: a held-out prompt has" in err and "over workload.prompt_tokens 384" in err
+    assert (tmp_path / "run/metrics.jsonl").read_text() == ""  # before any step
+    code, err = cli_here(capsys, "compile", str(spec), "--check-data")
+    assert code == 2 and "evaluation.dataset: a held-out prompt has" in err, err
+
+
+def test_an_unreadable_held_out_example_is_one_line_and_the_steps_before_it_stay(tmp_path, capsys):
+    Image.fromarray(np.full((56, 56, 3), 30, np.uint8)).save(tmp_path / "i.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    row = {"problem": "Is it?", "problem_type": "free-form", "solution": "<answer> Yes </answer>", "image": "i.png"}
+    rows = [row] * 7 + [{**row, "image": "broken.png"}]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(TINY + "evaluation: {every: 1, at_start: false, dataset: held.jsonl}\n")
+    code, err = cli_here(capsys, "run", str(spec), "--out", str(tmp_path / "run"), "--quiet", "--steps", "2")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "the evaluation after step 1: a held-out example:" in err and "broken.png" in err, err
+    assert [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()] == [1]
+    assert (tmp_path / "run/checkpoints/step-000001").is_dir()
 
 
 @pytest.mark.parametrize(
     ("section", "key", "words"),
     [
         ("{every: 0}", "evaluation.every", "greater than 0"),
-        ("{every: 2, prompts: 12}", "evaluation", "not a multiple of workload.prompts_per_step 8"),
+        (
+            "{every: 2, prompts: 12}",
+            "evaluation",
+            "12 held-out prompts are not a multiple of workload.prompts_per_step 8",
+        ),
         ("{every: 2, dataset: 'synthetic:nope'}", "evaluation.dataset", "nope"),
         (
             "{every: 2, prompts: 8, each: 3}",
@@ -129,6 +162,8 @@ def test_a_training_file_needs_a_held_out_file_that_exists_and_holds_the_prompts
         parse_spec(on_file + "evaluation: {every: 2}\n", str(tmp_path / "spec.yaml"), tmp_path)
     with pytest.raises(SpecError, match=r"the training file 'train\.jsonl', whose examples are not held out"):
         parse_spec(on_file + "evaluation: {every: 2, dataset: train.jsonl}\n", str(tmp_path / "spec.yaml"), tmp_path)
+    same = refused(tmp_path, monkeypatch, on_file + "evaluation: {every: 2, dataset: ./train.jsonl}\n")
+    assert "evaluation.dataset: './train.jsonl' is the training file, whose examples are not held out" in same
     missing = refused(tmp_path, monkeypatch, TINY + "evaluation: {every: 2, dataset: gone.jsonl}\n")
     assert "evaluation.dataset: dataset 'gone.jsonl' is neither" in missing
     short = refused(tmp_path, monkeypatch, TINY + "evaluation: {every: 2, dataset: held.jsonl}\n")

@@ -138,7 +138,7 @@ def test_progress_into_a_log_is_one_plain_line_a_step(tmp_path, capsys):
 
 
 def test_a_steps_line_names_the_allocators_retries_where_it_made_any():
-    from rollplex.executors.loop import _step_line
+    from rollplex.executors.progress import step_line as _step_line
 
     record = {"step": 3, "time_s": {"step": 14.5}, "reward_mean": 0.25, "loss": 0.0123}
     quiet = _step_line({**record, "alloc_retries_by_phase": {"1": 0, "2": 0, "3": 0}}, 4)
@@ -148,7 +148,7 @@ def test_a_steps_line_names_the_allocators_retries_where_it_made_any():
 
 
 def test_a_warm_steps_line_names_its_compiles_and_the_first_step_does_not():
-    from rollplex.executors.loop import _step_line
+    from rollplex.executors.progress import step_line as _step_line
 
     record = {"step": 4, "time_s": {"step": 15.7}, "reward_mean": 0.25, "loss": 0.0123}
     compiles = {"triton": 2, "torch": 1, "kernels": ["_norm_backward", "_norm_backward"]}
