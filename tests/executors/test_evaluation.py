@@ -198,3 +198,11 @@ def test_on_a_gpu_a_run_with_evaluation_trains_as_without(tmp_path):
     held_out = lines(tmp_path / "with/eval.jsonl")
     assert [(e["step"], e["responses"]) for e in held_out] == [(0, 12), (1, 12), (2, 12)]
     assert all(0 < e["response_len_mean"] <= 6 for e in held_out)
+
+
+def test_a_fresh_run_without_evaluation_leaves_no_earlier_runs_evaluations(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text("")  # an earlier run stopped after its step-0 evaluation
+    (tmp_path / "run/eval.jsonl").write_text('{"step": 0}\n')
+    run(tmp_path, TINY, "run", 1)
+    assert not (tmp_path / "run/eval.jsonl").exists()
