@@ -83,25 +83,26 @@ def open_evaluation(loaded: LoadedSpec) -> Evaluation | None:
 class Tally:
     """An evaluation's sums over the responses graded (of one rank, or of every rank)."""
 
-    responses: float = 0.0
-    correct: float = 0.0
-    reward: float = 0.0
-    reward_squared: float = 0.0
-    tokens: float = 0.0
-    terms: tuple[float, ...] = ()  # each reward term's sum
+    responses: float
+    correct: float
+    reward: float
+    reward_squared: float
+    tokens: float
+    terms: tuple[float, ...]  # each reward term's sum
+
+    def values(self) -> list[float]:
+        return [*(getattr(self, f.name) for f in fields(self) if f.name != "terms"), *self.terms]
+
+    @staticmethod
+    def of(values: Sequence[float]) -> Tally:
+        return Tally(*values[:5], terms=tuple(values[5:]))
 
     def __add__(self, other: Tally) -> Tally:
-        terms = tuple(a + b for a, b in zip(self.terms or (0.0,) * len(other.terms), other.terms, strict=True))
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "terms"}
-        return Tally(**sums, terms=terms)
+        return Tally.of([a + b for a, b in zip(self.values(), other.values(), strict=True)])
 
     def over(self, dp) -> Tally:
         """The sums over every data-parallel rank (`dp` None: this process's)."""
-        if dp is None:
-            return self
-        values = [self.responses, self.correct, self.reward, self.reward_squared, self.tokens, *self.terms]
-        (*head,) = dp.sum(values)
-        return Tally(*head[:5], terms=tuple(head[5:]))
+        return self if dp is None else Tally.of(dp.sum(self.values()))
 
 
 def evaluate(e: Engines, ev: Evaluation, step: int, share: Callable[[int], Sequence[int]] | None = None) -> dict:

@@ -73,10 +73,8 @@ def evaluation_line(spec: Spec) -> str:
     source = ev.dataset or f"{w.dataset}'s held-out examples"
     return (
         f"evaluation: {'before step 1, ' if ev.at_start else ''}every {ev.every} step{'s' if ev.every > 1 else ''} "
-        f"and after the last, {prompts} prompts of "
-        f"{source}, in "
-        f"{batches} rollout{'s' if batches > 1 else ''} of a step's {w.prompts_per_step} prompts x {w.group_size} samples "
-        "(not in the time plan)\n"
+        f"and after the last, {prompts} prompts of {source}, in {batches} rollout{'s' if batches > 1 else ''} of a "
+        f"step's {w.prompts_per_step} prompts x {w.group_size} samples (not in the time plan)\n"
     )
 
 
