@@ -115,7 +115,7 @@ def save(out_dir: Path, snap: Snapshot, engines: Engines, keep: int | None = Non
     except (OSError, RuntimeError, SafetensorError) as e:  # torch's and safetensors' writers raise their own
         why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
         free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else None
-        if isinstance(e, dist.DistError):  # a collective of the save: the other ranks say why they left
+        if isinstance(e, dist.DistError):  # a collective of the save, a peer rank gone (the launcher names it)
             why = f"another rank stopped answering ({type(e).__name__})"
         elif not getattr(e, "strerror", None) and free is not None and free < FULL_DISK_BYTES:  # a writer's own words
             why = f"the disk is full, {free / 2**20:.0f} MiB free: {why}"

@@ -300,12 +300,7 @@ class Spec(Strict):
                 f"evaluation needs held-out examples: the training file '{w.dataset}' has none of its own; name a "
                 "held-out file as evaluation.dataset"
             )
-        if ev.dataset == w.dataset and not w.dataset.startswith("synthetic:"):
-            raise ValueError(
-                f"evaluation.dataset is the training file '{w.dataset}', whose examples are not held out; name "
-                "another file"
-            )
-        return self
+        return self  # a held-out file that is the training file: `executors.evaluation`, which resolves both
 
     @model_validator(mode="after")
     def _mps(self) -> Spec:
